@@ -1,0 +1,1 @@
+"""batchgen's own inference engine."""

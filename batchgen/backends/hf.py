@@ -1,0 +1,125 @@
+"""The `hf` backend: transformers `generate` on static left-padded batches.
+
+It is the reference every benchmark compares against, and a fallback for models the native
+engine refuses. Stop strings, per-row max_tokens and usage are applied by replaying each row's
+generated tokens through the engine's own StopChecker, so both backends share one stop semantics.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchgen.backends.base import OnOutput, context_length, eos_token_ids
+from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.params import SamplingParams
+from batchgen.engine.stopping import StopChecker
+from batchgen.errors import ModelError
+from batchgen.job import JobSpec
+
+log = logging.getLogger(__name__)
+
+# Settings that must be equal inside one static batch (max_tokens is not: rows are cut on replay).
+_BATCH_KEY = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "stop_token_ids")
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.batch_size = spec.engine.batch_size
+        self.device = _pick_device(spec.model.device)
+        dtype = _pick_dtype(spec.model.dtype, self.device)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).to(self.device)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"model.path {spec.model.path}: cannot load the model: {exc}") from exc
+        self.model.eval()
+        self.max_model_len = spec.engine.max_model_len or context_length(self.model.config)
+        self.eos_ids = eos_token_ids(self.model.generation_config, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+
+    def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
+    ) -> list[RequestOutput]:
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            key = tuple(str(getattr(p, name)) for name in _BATCH_KEY)
+            groups.setdefault(key, []).append(i)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for indices in groups.values():
+            for start in range(0, len(indices), self.batch_size):
+                batch = indices[start : start + self.batch_size]
+                outs = self._run_batch([prompts[i] for i in batch], [params[i] for i in batch])
+                for i, out in zip(batch, outs):
+                    out.request_id = i
+                    results[i] = out
+                    if on_output is not None:
+                        on_output(out)
+        return [r for r in results if r is not None]
+
+    @torch.inference_mode()
+    def _run_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        width = max(len(p) for p in prompts)
+        # Left padding: every row's next token is generated at the same position index.
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, width]
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, width]
+        for b, ids in enumerate(prompts):
+            input_ids[b, width - len(ids) :] = torch.tensor(ids)
+            mask[b, width - len(ids) :] = 1
+        p = params[0]
+        if p.seed is not None:
+            torch.manual_seed(p.seed)
+        generated = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            **self._generate_kwargs(p, max(q.max_tokens for q in params)),
+        )[:, width:].tolist()  # [B, new_tokens]
+        return [self._replay(ids, new, q) for ids, new, q in zip(prompts, generated, params)]
+
+    def _generate_kwargs(self, p: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+        stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "min_new_tokens": p.min_tokens or None,
+            "eos_token_id": stop_ids or None,
+            "pad_token_id": self.pad_id,
+            "do_sample": not p.greedy,
+        }
+        if not p.greedy:
+            kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or None, min_p=p.min_p or None)
+        return kwargs
+
+    def _replay(self, prompt: list[int], new_tokens: list[int], p: SamplingParams) -> RequestOutput:
+        checker = StopChecker(self.tokenizer, p, self.eos_ids)
+        taken: list[int] = []
+        for token in new_tokens:
+            taken.append(token)
+            if checker.append(token):
+                break
+        return RequestOutput(
+            request_id=0,
+            prompt_token_ids=prompt,
+            text=checker.text,
+            token_ids=taken,
+            finish_reason=checker.finish_reason or "length",
+            stop_reason=checker.stop_reason,
+        )
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return getattr(torch, dtype)

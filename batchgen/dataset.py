@@ -1,0 +1,135 @@
+"""Parquet input: find the files, check their schemas, plan shards, stream the rows of each shard."""
+
+from __future__ import annotations
+
+import glob
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.errors import InputDataError
+
+log = logging.getLogger(__name__)
+READ_BATCH_ROWS = 4096  # rows decoded at a time: bounds memory even for one huge row group
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: Path
+    num_rows: int
+    schema: pa.Schema
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A contiguous row range [start, stop) of one input file: ordered together, committed as one part."""
+
+    index: int
+    file_index: int
+    start: int
+    stop: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+
+def discover(pattern: str) -> list[Path]:
+    """A Parquet file, a folder (its *.parquet files, recursively) or a glob; sorted, never empty."""
+    path = Path(pattern)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.parquet") if p.is_file() and not p.name.startswith("."))
+        where = f"folder {path}"
+    else:
+        files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+        where = f"glob {pattern!r}" if glob.has_magic(pattern) else f"path {pattern}"
+    if not files:
+        raise InputDataError(f"input.path: no Parquet files found at {where}")
+    return files
+
+
+def open_inputs(pattern: str, required: list[str]) -> list[InputFile]:
+    """Read every file's footer; check the required columns exist with one type across files."""
+    files = [_open_one(p) for p in discover(pattern)]
+    for column in required:
+        _check_column(files, column)
+    return files
+
+
+def _open_one(path: Path) -> InputFile:
+    try:
+        meta = pq.ParquetFile(path)
+        return InputFile(path=path, num_rows=meta.metadata.num_rows, schema=meta.schema_arrow)
+    except (pa.ArrowException, OSError) as exc:
+        raise InputDataError(f"{path}: not a readable Parquet file: {exc}") from exc
+
+
+def _check_column(files: list[InputFile], column: str) -> None:
+    first_type = None
+    for f in files:
+        if column not in f.schema.names:
+            raise InputDataError(
+                f"{f.path}: no column {column!r} (columns: {', '.join(f.schema.names)})"
+            )
+        col_type = f.schema.field(column).type
+        if first_type is None:
+            first_type = (f.path, col_type)
+        elif col_type != first_type[1]:
+            raise InputDataError(
+                f"{f.path}: column {column!r} is {col_type} but {first_type[0]} has {first_type[1]}"
+            )
+
+
+def plan_shards(files: list[InputFile], window_rows: int, limit: int | None = None) -> list[Shard]:
+    """Cut each file into windows of `window_rows` rows; `limit` keeps only the first rows overall."""
+    shards: list[Shard] = []
+    remaining = limit if limit is not None else sum(f.num_rows for f in files)
+    for file_index, f in enumerate(files):
+        start = 0
+        while start < f.num_rows and remaining > 0:
+            stop = min(start + window_rows, f.num_rows, start + remaining)
+            shards.append(Shard(index=len(shards), file_index=file_index, start=start, stop=stop))
+            remaining -= stop - start
+            start = stop
+    return shards
+
+
+def read_shards(
+    files: list[InputFile], shards: list[Shard], columns: list[str]
+) -> Iterator[tuple[Shard, pa.Table]]:
+    """Yield (shard, table of its rows), streaming each file once in record batches."""
+    by_file: dict[int, list[Shard]] = {}
+    for shard in shards:
+        by_file.setdefault(shard.file_index, []).append(shard)
+    for file_index in sorted(by_file):
+        yield from _read_file_shards(files[file_index], by_file[file_index], columns)
+
+
+def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
+    pending = sorted(shards, key=lambda s: s.start)
+    buffered: list[pa.RecordBatch] = []
+    offset = 0  # file row index of buffered[0]'s first row
+    try:
+        batches = pq.ParquetFile(f.path).iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
+        for batch in batches:
+            buffered.append(batch)
+            while pending and offset + sum(b.num_rows for b in buffered) >= pending[0].stop:
+                shard = pending.pop(0)
+                table = pa.Table.from_batches(buffered, schema=buffered[0].schema)
+                yield shard, table.slice(shard.start - offset, shard.num_rows)
+                # Why: drop what no later shard needs, so memory stays one window plus one batch.
+                rest = table.slice(shard.stop - offset)
+                offset = shard.stop
+                buffered = rest.to_batches()
+            if not pending:
+                return
+    except (pa.ArrowException, OSError) as exc:
+        raise InputDataError(f"{f.path}: failed while reading rows: {exc}") from exc
+    if pending:
+        raise InputDataError(f"{f.path}: file ended before row {pending[0].stop} (truncated?)")

@@ -1,0 +1,44 @@
+"""Error types of a job and the process exit code each maps to (cron and Airflow branch on them)."""
+
+from __future__ import annotations
+
+
+class BatchgenError(Exception):
+    """Base of every error the CLI turns into a message and an exit code."""
+
+    exit_code = 1
+
+
+class JobFileError(BatchgenError):
+    """The job file (or a --set override) is invalid: nothing has run."""
+
+    exit_code = 2
+
+
+class InputDataError(BatchgenError):
+    """The input data cannot be read as the job describes (missing file or column, corrupt file)."""
+
+    exit_code = 3
+
+
+class ModelError(BatchgenError):
+    """The model folder cannot be loaded or is not supported."""
+
+    exit_code = 4
+
+
+class OutputError(BatchgenError):
+    """The output folder cannot be written."""
+
+    exit_code = 5
+
+
+class EngineFailure(BatchgenError):
+    """The engine failed mid-job; committed parts are kept and a rerun resumes (retryable)."""
+
+    exit_code = 6
+
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_INTERRUPTED = 130

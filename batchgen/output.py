@@ -1,0 +1,119 @@
+"""Parquet output: the explicit output schema, atomic part commits, and the `_SUCCESS` manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.errors import OutputError
+
+RESULT_FIELDS = [
+    pa.field("generated_text", pa.string()),
+    pa.field("finish_reason", pa.string()),  # stop | length | error
+    pa.field("stop_reason", pa.string()),  # the stop string, or a stop token id in decimal
+    pa.field("input_tokens", pa.int64()),
+    pa.field("cached_tokens", pa.int64()),
+    pa.field("output_tokens", pa.int64()),
+    pa.field("error_code", pa.string()),
+    pa.field("error_message", pa.string()),
+]
+RESULT_NAMES = [f.name for f in RESULT_FIELDS]
+ROW_ID_COLUMN = "row_id"  # added when the job names no id_column: "<file name>:<row index>"
+
+
+def output_schema(carried: list[pa.Field], add_row_id: bool) -> pa.Schema:
+    fields = list(carried)
+    if add_row_id:
+        fields.insert(0, pa.field(ROW_ID_COLUMN, pa.string()))
+    return pa.schema(fields + RESULT_FIELDS)
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:06d}.parquet"
+
+
+class PartWriter:
+    """Writes each part under a hidden temporary name and renames it when complete, so a reader
+    (or a resumed run) never sees half a part under a final name."""
+
+    def __init__(self, out_dir: Path, schema: pa.Schema) -> None:
+        self.out_dir = out_dir
+        self.schema = schema
+
+    def prepare(self) -> None:
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.out_dir / f".probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise OutputError(f"output.path {self.out_dir}: not writable: {exc.strerror or exc}") from exc
+
+    def write_part(self, index: int, table: pa.Table) -> Path:
+        final = self.out_dir / part_name(index)
+        tmp = self.out_dir / f".{part_name(index)}.{uuid.uuid4().hex}.tmp"
+        try:
+            pq.write_table(table.cast(self.schema), tmp)
+            _fsync(tmp)
+            os.replace(tmp, final)
+            _fsync(self.out_dir)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"{final}: cannot write part: {exc.strerror or exc}") from exc
+        return final
+
+    def write_success(self, manifest: dict[str, Any]) -> Path:
+        final = self.out_dir / "_SUCCESS"
+        tmp = self.out_dir / f"._SUCCESS.{uuid.uuid4().hex}.tmp"
+        try:
+            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            _fsync(tmp)
+            os.replace(tmp, final)
+            _fsync(self.out_dir)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"{final}: cannot write the manifest: {exc.strerror or exc}") from exc
+        return final
+
+
+@dataclass
+class Totals:
+    """Running totals over written rows, for the summary line and the manifest."""
+
+    rows: int = 0
+    ok_rows: int = 0
+    error_rows: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    error_codes: dict[str, int] = field(default_factory=dict)
+
+    def add_part(self, columns: dict[str, list[Any]]) -> None:
+        for reason, code in zip(columns["finish_reason"], columns["error_code"]):
+            self.rows += 1
+            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+            if code is None:
+                self.ok_rows += 1
+            else:
+                self.error_rows += 1
+                self.error_codes[code] = self.error_codes.get(code, 0) + 1
+        self.input_tokens += sum(columns["input_tokens"])
+        self.cached_tokens += sum(columns["cached_tokens"])
+        self.output_tokens += sum(columns["output_tokens"])
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a folder's entries (a rename is durable only once its folder is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,161 @@
+"""Rows to engine requests: validate each row, render chat templates, tokenize in batches, build
+per-row SamplingParams. A bad row becomes an error row here; it never stops the job.
+
+The input token count is fixed here: it is the first half of the bill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.engine.params import SamplingParams
+from batchgen.job import JobSpec
+
+
+@dataclass
+class PreparedRow:
+    """One input row, ready for the engine (prompt_ids and params set) or failed (error set)."""
+
+    prompt_ids: list[int] | None = None
+    params: SamplingParams | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code is None
+
+
+class RowPreparer:
+    """Turns a shard's table into PreparedRows, in the table's row order."""
+
+    def __init__(self, spec: JobSpec, tokenizer: Any, max_model_len: int) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.base_params = spec.sampling.model_dump()
+
+    def prepare(self, table: pa.Table, labels: list[str]) -> list[PreparedRow]:
+        """`labels[i]` names row i in messages (file, row index, id)."""
+        rows = [PreparedRow() for _ in range(table.num_rows)]
+        texts = self._texts(table, rows, labels)
+        self._tokenize(texts, rows, labels)
+        self._sampling(table, rows, labels)
+        return rows
+
+    def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
+        spec = self.spec.input
+        if spec.prompt_column is not None:
+            raw = _column_values(table.column(spec.prompt_column), as_bytes=True)
+            render = _decode_prompt
+        else:
+            raw = _column_values(table.column(spec.messages_column), as_bytes=False)
+            render = self._render_messages
+        texts: dict[int, str] = {}
+        for i, value in enumerate(raw):
+            try:
+                texts[i] = render(value)
+            except RowError as exc:
+                rows[i].error_code, rows[i].error_message = exc.code, f"{labels[i]}: {exc}"
+        return texts
+
+    def _render_messages(self, value: Any) -> str:
+        messages = _check_messages(value)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template is user data too: any failure is this row's
+            raise RowError("invalid_messages", f"chat template failed: {exc}") from exc
+
+    def _tokenize(self, texts: dict[int, str], rows: list[PreparedRow], labels: list[str]) -> None:
+        if not texts:
+            return
+        order = list(texts)
+        # Why: a rendered chat template already holds its special tokens (BOS etc.).
+        add_special = self.spec.input.prompt_column is not None
+        encoded = self.tokenizer([texts[i] for i in order], add_special_tokens=add_special)["input_ids"]
+        for i, ids in zip(order, encoded):
+            if not ids:
+                rows[i].error_code, rows[i].error_message = "empty_prompt", f"{labels[i]}: prompt has no tokens"
+            elif len(ids) >= self.max_model_len:
+                rows[i].error_code = "prompt_too_long"
+                rows[i].error_message = (
+                    f"{labels[i]}: prompt has {len(ids)} tokens; the model's context is {self.max_model_len}"
+                )
+            else:
+                rows[i].prompt_ids = list(ids)
+
+    def _sampling(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> None:
+        columns = self.spec.input.sampling_columns
+        per_row = {name: table.column(col).to_pylist() for name, col in columns.items()}
+        for i, row in enumerate(rows):
+            if not row.ok:
+                continue
+            values = dict(self.base_params)
+            for name, column_values in per_row.items():
+                if column_values[i] is not None:
+                    values[name] = column_values[i]
+            # Why: like vLLM, generation stops at the context end ("length") rather than failing.
+            values["max_tokens"] = min(values["max_tokens"], self.max_model_len - len(row.prompt_ids))
+            values["min_tokens"] = min(values["min_tokens"], values["max_tokens"])
+            try:
+                row.params = SamplingParams(**values)
+            except (ValueError, TypeError) as exc:
+                row.error_code = "invalid_sampling"
+                row.error_message = f"{labels[i]}: per-row sampling columns {sorted(columns.values())}: {exc}"
+
+
+class RowError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _column_values(column: pa.ChunkedArray, as_bytes: bool) -> list[Any]:
+    """Python values of a column; string columns come back as raw bytes so that one row with
+    invalid UTF-8 fails alone instead of failing the whole conversion."""
+    if as_bytes and pa.types.is_string(column.type):
+        column = column.cast(pa.binary())
+    elif as_bytes and pa.types.is_large_string(column.type):
+        column = column.cast(pa.large_binary())
+    values: list[Any] = []
+    for i in range(len(column)):
+        try:
+            values.append(column[i].as_py())
+        except (UnicodeDecodeError, pa.ArrowException) as exc:
+            values.append(RowError("invalid_utf8", f"value cannot be decoded: {exc}"))
+    return values
+
+
+def _decode_prompt(value: Any) -> str:
+    if isinstance(value, RowError):
+        raise value
+    if value is None:
+        raise RowError("empty_prompt", "prompt is null")
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RowError("invalid_utf8", f"prompt is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(value, str):
+        raise RowError("invalid_prompt", f"prompt must be text, got {type(value).__name__}")
+    if not value.strip():
+        raise RowError("empty_prompt", "prompt is empty or whitespace only")
+    return value
+
+
+def _check_messages(value: Any) -> list[dict[str, str]]:
+    if isinstance(value, RowError):
+        raise value
+    if not value:
+        raise RowError("empty_prompt", "messages is null or empty")
+    if not isinstance(value, list):
+        raise RowError("invalid_messages", f"messages must be a list, got {type(value).__name__}")
+    for j, msg in enumerate(value):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+            raise RowError("invalid_messages", f"message {j} must have string 'role' and 'content'")
+    if not any(m["content"].strip() for m in value):
+        raise RowError("empty_prompt", "every message is empty")
+    return [{"role": m["role"], "content": m["content"]} for m in value]

@@ -1,0 +1,63 @@
+"""One shard's output table: carried input columns plus result columns, in input row order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.engine.outputs import RequestOutput
+from batchgen.output import RESULT_FIELDS, ROW_ID_COLUMN
+from batchgen.prepare import PreparedRow
+
+
+def result_columns(rows: list[PreparedRow], outputs: dict[int, RequestOutput]) -> dict[str, list[Any]]:
+    """Result values per row: `outputs` maps a row index to its engine output (ok rows only)."""
+    cols: dict[str, list[Any]] = {f.name: [] for f in RESULT_FIELDS}
+    for i, row in enumerate(rows):
+        out = outputs.get(i)
+        if out is not None and out.finish_reason == "error":
+            row = PreparedRow(prompt_ids=row.prompt_ids, error_code="engine_error", error_message=out.error)
+            out = None
+        _append(cols, row, out)
+    return cols
+
+
+def _append(cols: dict[str, list[Any]], row: PreparedRow, out: RequestOutput | None) -> None:
+    ok = out is not None
+    cols["generated_text"].append(out.text if ok else None)
+    cols["finish_reason"].append(out.finish_reason if ok else "error")
+    cols["stop_reason"].append(None if not ok or out.stop_reason is None else str(out.stop_reason))
+    # Why: a row that failed after tokenization still reports what its prompt would have cost.
+    cols["input_tokens"].append(len(row.prompt_ids) if row.prompt_ids is not None else 0)
+    cols["cached_tokens"].append(out.num_cached_tokens if ok else 0)
+    cols["output_tokens"].append(out.num_output_tokens if ok else 0)
+    cols["error_code"].append(None if ok else row.error_code or "engine_error")
+    cols["error_message"].append(None if ok else row.error_message or "the engine returned no output")
+
+
+def part_table(
+    table: pa.Table, carried: list[str], row_ids: list[str] | None, results: dict[str, list[Any]]
+) -> pa.Table:
+    arrays: dict[str, pa.Array | pa.ChunkedArray] = {}
+    if row_ids is not None:
+        arrays[ROW_ID_COLUMN] = pa.array(row_ids, pa.string())
+    for name in carried:
+        arrays[name] = _valid_text(table.column(name))
+    for f in RESULT_FIELDS:
+        arrays[f.name] = pa.array(results[f.name], f.type)
+    return pa.table(arrays)
+
+
+def _valid_text(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Carry a column as is, except that invalid UTF-8 in a string column (already reported as
+    an error row) is replaced with U+FFFD so the output stays readable as one table."""
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return column
+    try:
+        column.validate(full=True)
+        return column
+    except pa.ArrowInvalid:
+        raw = column.cast(pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary())
+        fixed = [None if v is None else v.decode("utf-8", errors="replace") for v in raw.to_pylist()]
+        return pa.chunked_array([pa.array(fixed, column.type)])

@@ -1,0 +1,79 @@
+"""Shared fixtures: a tiny random-weight Llama with a locally trained byte-level BPE tokenizer,
+and helpers to write Parquet inputs and job files. Nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()
+
+
+def build_tokenizer(vocab_size: int = 400) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    lines = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(12)) + "." for i in range(200)]
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama (GQA) with random weights, saved with its tokenizer like a real HF folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id, initializer_range=0.2,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_parquet(path: Path, columns: dict[str, list[Any]], schema: pa.Schema | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns, schema=schema), path)
+    return path
+
+
+def write_job(path: Path, job: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def make_job(model: Path, inputs: str, out: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    job: dict[str, Any] = {
+        "model": {"path": str(model)},
+        "input": {"path": inputs, "prompt_column": "prompt", "id_column": "id"},
+        "output": {"path": str(out)},
+        "sampling": {"max_tokens": 8},
+        "engine": {"backend": "hf", "window_rows": 16},
+    }
+    for name, values in sections.items():
+        job[name].update(values)
+    return job

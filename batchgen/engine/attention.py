@@ -1,0 +1,261 @@
+"""Paged attention registered with transformers' AttentionInterface as "batchgen_paged".
+
+One forward = one packed varlen batch: every scheduled token of every sequence in a [1, T] row.
+The model runner describes the step in a ForwardContext (set around the forward); for each layer
+this function writes the new K/V into the paged pool at the step's slot mapping, then attends
+each sequence's queries over its own blocks. Decodes (chunks of one token) are packed first and
+attended in ONE padded call; each longer chunk attends with a causal mask offset by its cached
+context. CPU/GPU without flash-attn use torch SDPA; CUDA with flash-attn uses its paged varlen
+kernel. Sliding windows and logit soft-capping are exact; attention sinks are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "batchgen_paged"
+# flash-attn's paged kernels need the page size to be a multiple of 256 tokens.
+FLASH_BLOCK_MULTIPLE = 256
+
+try:  # pragma: no cover - only on CUDA boxes with flash-attn installed
+    from flash_attn import flash_attn_varlen_func
+
+    HAS_FLASH_ATTN = True
+except ImportError:  # the CPU path and the torch GPU path need nothing else
+    flash_attn_varlen_func = None
+    HAS_FLASH_ATTN = False
+
+
+def use_flash_attn(device: torch.device, block_size: int) -> bool:
+    """Whether a step on `device` with this block size goes through flash-attn's paged kernel."""
+    return HAS_FLASH_ATTN and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0
+
+
+@dataclass
+class DecodeGroup:
+    """All one-token chunks of a step; they are the first `num_seqs` packed tokens."""
+
+    num_seqs: int
+    gather_index: torch.Tensor  # [num_seqs * max_blocks] block ids, padded rows point at block 0
+    context_lens: torch.Tensor  # [num_seqs] tokens in cache after this step, the new one included
+    max_blocks: int
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
+
+
+@dataclass
+class PrefillChunk:
+    """One multi-token chunk: packed tokens [start, end), positions context_start + (0..n-1)."""
+
+    start: int
+    end: int
+    context_start: int  # tokens of this sequence already in the cache before this chunk
+    block_table: torch.Tensor  # [num_blocks covering context_start + n tokens]
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [1, 1, n, L]
+
+
+@dataclass
+class FlashMetadata:
+    """flash-attn varlen metadata for the whole packed batch (CUDA only)."""
+
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+
+
+@dataclass
+class ForwardContext:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, kvh, d]
+    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+    flash: FlashMetadata | None = None
+    num_attention_calls: int = 0  # checked by the runner: every layer must come through us
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    """Make `ctx` visible to the attention function for the duration of one forward."""
+    global _CONTEXT
+    _CONTEXT = ctx
+    try:
+        yield
+    finally:
+        _CONTEXT = None
+
+
+def _current_context() -> ForwardContext:
+    if _CONTEXT is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} is only usable inside batchgen's model runner "
+            "(no forward context is set)"
+        )
+    return _CONTEXT
+
+
+def _window_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """Allowed[..., q, kv] for keys 0..kv_len-1: kv <= q_pos (causal) and q_pos - kv < window.
+
+    The window rule is transformers' sliding overlay (`kv_idx > q_idx - sliding_window`).
+    """
+    kv = torch.arange(kv_len, device=q_pos.device)  # [L]
+    allowed = kv <= q_pos[..., None]
+    if window is not None:
+        allowed &= kv > q_pos[..., None] - window
+    return allowed
+
+
+def _decode_mask(group: DecodeGroup, block_size: int, window: int | None) -> torch.Tensor:
+    if window not in group.masks:
+        # why: causality alone hides the padded tail, since a decode's query is its last token
+        q_pos = group.context_lens - 1  # [B]
+        mask = _window_mask(q_pos, group.max_blocks * block_size, window)
+        group.masks[window] = mask[:, None, None, :]  # [B, 1, 1, L]
+    return group.masks[window]
+
+
+def _prefill_mask(chunk: PrefillChunk, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """None means plain causal over the chunk's own keys; else a [1, 1, n, L] bool mask."""
+    if window not in chunk.masks:
+        if chunk.context_start == 0 and window is None:
+            chunk.masks[window] = None
+        else:
+            total = chunk.context_start + chunk.end - chunk.start
+            q_pos = torch.arange(chunk.context_start, total, device=device)  # [n]
+            chunk.masks[window] = _window_mask(q_pos, total, window)[None, None]  # [1, 1, n, L]
+    return chunk.masks[window]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, KVH, L, D], mask bool [B|1, 1, Q, L] (None: causal, Q == L)."""
+    if softcap is None:
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
+        )
+    # Soft-capping is not expressible in SDPA: the eager formula of transformers (Gemma 2), with
+    # query heads grouped per KV head so K/V are broadcast rather than repeated.
+    b, h, nq, d = q.shape
+    kvh, kv_len = k.shape[1], k.shape[2]
+    qg = q.reshape(b, kvh, h // kvh, nq, d)  # [B, KVH, G, Q, D]
+    scores = torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * scaling  # [B, KVH, G, Q, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:  # causal, bottom-right aligned like SDPA's is_causal with Q == L
+        mask = torch.ones(nq, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - nq)[None, None]
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask [B|1, 1, 1, Q, L]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v[:, :, None]).reshape(b, h, nq, d)  # [B, H, Q, D]
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """Blocks `index` of `cache` as [rows, KVH, L, D] (a strided view of one gathered copy)."""
+    blocks = cache.index_select(0, index)  # [rows * max_blocks, block_size, KVH, D]
+    return blocks.view(rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def _torch_paged_attention(
+    ctx: ForwardContext, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    scaling: float, window: int | None, softcap: float | None,
+) -> torch.Tensor:
+    """q [H, T, D], key/value [KVH, T, D] -> [T, H, D]."""
+    k_cache, v_cache = ctx.kv_caches[layer]
+    block_size = k_cache.shape[1]
+    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
+    group = ctx.decode
+    if group is not None:
+        n = group.num_seqs
+        k = _gather(k_cache, group.gather_index, n)  # [B, KVH, L, D]
+        v = _gather(v_cache, group.gather_index, n)
+        qd = q[:, :n].transpose(0, 1)[:, :, None]  # [B, H, 1, D]
+        res = _attend(qd, k, v, _decode_mask(group, block_size, window), scaling, softcap)
+        out[:n] = res[:, :, 0]
+    for chunk in ctx.prefills:
+        if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
+            k, v = key[None, :, chunk.start:chunk.end], value[None, :, chunk.start:chunk.end]
+        else:
+            total = chunk.context_start + chunk.end - chunk.start
+            k = _gather(k_cache, chunk.block_table, 1)[:, :, :total]  # [1, KVH, total, D]
+            v = _gather(v_cache, chunk.block_table, 1)[:, :, :total]
+        qc = q[None, :, chunk.start:chunk.end]  # [1, H, n, D]
+        res = _attend(qc, k, v, _prefill_mask(chunk, window, q.device), scaling, softcap)
+        out[chunk.start:chunk.end] = res[0].transpose(0, 1)
+    return out
+
+
+def _flash_paged_attention(  # pragma: no cover - needs CUDA and flash-attn
+    ctx: ForwardContext, layer: int, q: torch.Tensor, scaling: float, window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [H, T, D] -> [T, H, D] via flash-attn's varlen kernel over the paged pool."""
+    meta = ctx.flash
+    k_cache, v_cache = ctx.kv_caches[layer]
+    return flash_attn_varlen_func(
+        q.transpose(0, 1), k_cache, v_cache,
+        cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+        max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+        softmax_scale=scaling, causal=True,
+        window_size=(window - 1, 0) if window is not None else (-1, -1),
+        softcap=softcap if softcap is not None else 0.0,
+        block_table=meta.block_tables,
+    )
+
+
+def _store_kv(ctx: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """key/value [KVH, T, D] -> pool slots of this step (one scatter per tensor)."""
+    k_cache, v_cache = ctx.kv_caches[layer]
+    if k_cache.shape[2:] != key.shape[0:1] + key.shape[2:]:
+        raise RuntimeError(
+            f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
+            f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
+        )
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
+
+
+def paged_attention_forward(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: attention sinks (s_aux) are not supported")
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} expects one packed row, got batch size {query.shape[0]}")
+    ctx = _current_context()
+    ctx.num_attention_calls += 1
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise RuntimeError(f"{type(module).__name__} has no integer layer_idx; cannot find its KV pool")
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    softcap = kwargs.get("softcap")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    _store_kv(ctx, layer, key[0], value[0])
+    if ctx.flash is not None:
+        out = _flash_paged_attention(ctx, layer, query[0], scale, window, softcap)
+    else:
+        out = _torch_paged_attention(ctx, layer, query[0], key[0], value[0], scale, window, softcap)
+    return out.unsqueeze(0), None
+
+
+# Why no AttentionMaskInterface entry: transformers (5.x) skips mask construction entirely for an
+# attention implementation that has no registered mask function (`_preprocess_mask_arguments`
+# returns early), so the model never builds a [T, T] mask; our masks come from the context.
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,164 @@
+"""ModelRunner: owns the HF model and the paged KV pool; runs one packed forward per step.
+
+It packs every scheduled chunk into one [1, T] row (one-token chunks first, so the attention
+function can treat all decodes as one padded batch), builds the step's metadata tensors once,
+runs the unchanged HF model under our attention implementation, and returns float32 logits only
+for the sequences whose chunk reaches their last token, in batch order. It decides nothing: what
+runs, and when, is the scheduler's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from batchgen.engine.attention import (
+    DecodeGroup,
+    FlashMetadata,
+    ForwardContext,
+    PrefillChunk,
+    forward_context,
+    use_flash_attn,
+)
+from batchgen.engine.models import KVSpec
+from batchgen.engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+CUDA_FREE_MEMORY_FRACTION = 0.85  # of free memory after loading; the rest is activation headroom
+CPU_CAPACITY_FACTOR = 2  # CPU pool: at most 2x what max_num_seqs full-length sequences need
+
+
+@dataclass
+class Chunk:
+    """One sequence's chunk in packed order: positions context_start .. context_start + num_tokens - 1."""
+
+    context_start: int
+    num_tokens: int
+    block_table: list[int]
+
+
+def num_kv_blocks_for(
+    spec: KVSpec, block_size: int, dtype: torch.dtype, device: torch.device, *, num_kv_blocks: int | None,
+    budget_bytes: int | None, max_num_seqs: int, max_model_len: int,
+) -> int:
+    """Pool size: explicit blocks, else a byte budget, else (CUDA) free memory, else a CPU default."""
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    elem = torch.tensor([], dtype=dtype).element_size()
+    bytes_per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+    if budget_bytes is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget_bytes = int(free * CUDA_FREE_MEMORY_FRACTION)
+    if budget_bytes is None:
+        budget_bytes = 1 << 30
+        # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks
+        cap = CPU_CAPACITY_FACTOR * max_num_seqs * math.ceil(max_model_len / block_size)
+        return max(1, min(budget_bytes // bytes_per_block, cap))
+    blocks = budget_bytes // bytes_per_block
+    if blocks < 1:
+        raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({bytes_per_block} bytes)")
+    return blocks
+
+
+def build_forward_context(
+    chunks: list[Chunk], kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+    device: torch.device, flash: bool = False,
+) -> tuple[ForwardContext, torch.Tensor]:
+    """Step metadata for `chunks` (one-token chunks first) -> (context, positions [T])."""
+    num_dec = next((i for i, c in enumerate(chunks) if c.num_tokens != 1), len(chunks))
+    if any(c.num_tokens == 1 for c in chunks[num_dec:]):
+        raise ValueError("one-token chunks must come first in the packed order")
+    needed = [math.ceil((c.context_start + c.num_tokens) / block_size) for c in chunks]
+    max_blocks = max(needed)
+    # [N, max_blocks]; padding points at block 0, which masks always hide
+    tables = torch.tensor([c.block_table[:n] + [0] * (max_blocks - n) for c, n in zip(chunks, needed)])
+    lens = torch.tensor([c.num_tokens for c in chunks])  # [N]
+    ctx_start = torch.tensor([c.context_start for c in chunks])  # [N]
+    cu = torch.cumsum(lens, 0) - lens  # [N] packed offset of each chunk
+    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens)  # [T]
+    positions = torch.arange(int(lens.sum())) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
+    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
+    decode = None
+    if num_dec:
+        dec_blocks = max(needed[:num_dec])
+        decode = DecodeGroup(
+            num_seqs=num_dec, gather_index=tables[:num_dec, :dec_blocks].flatten().to(device),
+            context_lens=(ctx_start[:num_dec] + 1).to(device), max_blocks=dec_blocks,
+        )
+    starts = cu.tolist()
+    prefills = [
+        PrefillChunk(start=starts[i], end=starts[i] + c.num_tokens, context_start=c.context_start,
+                     block_table=tables[i, :needed[i]].to(device))
+        for i, c in enumerate(chunks) if i >= num_dec
+    ]
+    meta = _flash_metadata(lens, ctx_start, tables, device) if flash else None
+    ctx = ForwardContext(kv_caches=kv_caches, slot_mapping=slots.to(device), decode=decode,
+                         prefills=prefills, flash=meta)
+    return ctx, positions.to(device)
+
+
+def _flash_metadata(
+    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, device: torch.device
+) -> FlashMetadata:
+    zero = torch.zeros(1, dtype=torch.int32)
+    kv_lens = ctx_start + lens
+    return FlashMetadata(
+        cu_seqlens_q=torch.cat([zero, torch.cumsum(lens, 0).int()]).to(device),
+        cu_seqlens_k=torch.cat([zero, torch.cumsum(kv_lens, 0).int()]).to(device),
+        max_seqlen_q=int(lens.max()), max_seqlen_k=int(kv_lens.max()),
+        block_tables=tables.int().to(device),
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self, model: PreTrainedModel, spec: KVSpec, block_size: int, num_kv_blocks: int,
+        device: torch.device, dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.device = device
+        shape = (num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        # why zeros: padded decode rows read unwritten slots; masked-out garbage NaNs would still
+        # poison the output (0 * NaN), zeros cannot
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+        self.flash = use_flash_attn(device, block_size)
+        logger.info("KV pool: %d blocks x %d tokens, %d layers (%s)", num_kv_blocks, block_size,
+                    spec.num_layers, "flash-attn" if self.flash else "torch SDPA")
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One forward over the batch -> float32 logits [num sampled seqs, vocab], in batch order."""
+        n = len(batch.seqs)
+        if n == 0:
+            raise ValueError("execute() needs a non-empty batch")
+        # one-token chunks first (a layout choice, not a policy); stable so ties keep batch order
+        order = sorted(range(n), key=lambda i: batch.num_new_tokens[i] != 1)
+        chunks, token_ids, packed_end = [], [], [0] * n
+        for i in order:
+            seq, count = batch.seqs[i], batch.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            chunks.append(Chunk(start, count, seq.block_table))
+            token_ids.extend(seq.token_ids[start:start + count])
+            packed_end[i] = len(token_ids)
+        keep = [packed_end[i] - 1 for i in range(n) if batch.needs_sample(i)]
+        ctx, positions = build_forward_context(chunks, self.kv_caches, self.block_size, self.device, self.flash)
+        input_ids = torch.tensor(token_ids, device=self.device)[None]  # [1, T]
+        keep_idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # [num sampled]
+        with torch.inference_mode(), forward_context(ctx):
+            out = self.model(input_ids=input_ids, position_ids=positions[None], logits_to_keep=keep_idx,
+                             use_cache=False)
+        if ctx.num_attention_calls != len(self.kv_caches):
+            raise RuntimeError(
+                f"the model called batchgen's attention {ctx.num_attention_calls} times for "
+                f"{len(self.kv_caches)} layers; it does not route all attention through the interface"
+            )
+        return out.logits[0].float()  # [num sampled, vocab]

@@ -1,0 +1,145 @@
+"""Model loading and architecture support: what the paged engine can run exactly, and clear refusals.
+
+A model runs unchanged under our attention function when its class supports transformers'
+attention interface and nothing in it depends on more than causal (optionally sliding-window,
+optionally soft-capped) attention over its own K/V. Everything else is refused here, at load,
+with an error that names the feature, so it can never produce silently wrong text.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from batchgen.engine.attention import ATTN_IMPLEMENTATION
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or one of its features) cannot be run exactly by the paged engine."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one token costs in the KV pool."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto": float32 on CPU (exactness, and CPU matmuls gain little from bf16); bf16 on capable GPUs."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+def _refuse(config: PretrainedConfig, feature: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"model_type {config.model_type!r}: {feature} is not supported by batchgen's engine")
+
+
+def check_config(config: PretrainedConfig) -> None:
+    """Refuse, before any weights are read, what we know we cannot run exactly."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise _refuse(config, "an encoder-decoder architecture")
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise _refuse(config, "loading with AutoModelForCausalLM (not a causal LM)")
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if not getattr(model_cls, "_supports_attention_backend", False):
+        raise _refuse(config, f"{model_cls.__name__} (it does not support transformers' attention interface)")
+    if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
+        raise _refuse(config, "a multimodal model (load its text-only checkpoint instead)")
+    text = config.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    if not layer_types <= SUPPORTED_LAYER_TYPES:
+        raise _refuse(config, f"layer types {sorted(layer_types - SUPPORTED_LAYER_TYPES)}")
+    if getattr(text, "use_bidirectional_attention", False):
+        raise _refuse(config, "bidirectional attention")
+    if getattr(text, "attention_chunk_size", None) is not None:
+        raise _refuse(config, "chunked attention (attention_chunk_size)")
+    if getattr(text, "alibi", False):
+        raise _refuse(config, "ALiBi position biases")
+
+
+def check_model(model: PreTrainedModel) -> None:
+    """Refuse features only visible on the built modules."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise _refuse(model.config, f"attention sinks (s_aux, module {name!r})")
+
+
+def _rope_parameter_sets(config: PretrainedConfig) -> list[dict]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return []
+    if "rope_type" in params or "type" in params:
+        return [params]
+    return [p for p in params.values() if isinstance(p, dict)]  # one set per layer type
+
+
+def resolve_max_model_len(config: PretrainedConfig, requested: int | None) -> int:
+    """The longest sequence (prompt + output) the engine will hold; checked against RoPE scaling.
+
+    Why: dynamic-NTK and LongRoPE pick their frequencies from the LONGEST position in the forward
+    pass. In a packed batch that is another sequence's position, so they are exact only while no
+    sequence can pass the switch-over length.
+    """
+    text = config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
+    max_len = requested if requested is not None else limit
+    if not isinstance(max_len, int) or max_len < 1:
+        raise ValueError("max_model_len must be set (>= 1): the model config has no max_position_embeddings")
+    if requested is not None and limit is not None and requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}")
+    for params in _rope_parameter_sets(text):
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        if "dynamic" in rope_type and limit is not None and max_len > limit:
+            raise _refuse(config, f"dynamic RoPE beyond max_position_embeddings={limit}")
+        switch = params.get("original_max_position_embeddings")
+        if rope_type == "longrope" and switch is not None and max_len > switch:
+            raise _refuse(
+                config,
+                f"LongRoPE with max_model_len={max_len} > original_max_position_embeddings={switch} "
+                f"(pass max_model_len<={switch})",
+            )
+    return max_len
+
+
+def kv_spec(config: PretrainedConfig) -> KVSpec:
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return KVSpec(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """Load a local checkpoint with our attention implementation, refusing what we cannot run."""
+    config = AutoConfig.from_pretrained(path)
+    check_config(config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    check_model(model)
+    model.to(device).eval()
+    logger.info("loaded %s (%s) on %s as %s", path, type(model).__name__, device, dtype)
+    return model

@@ -1,13 +1,27 @@
 """Scheduler: token-budget continuous batching with chunked prefill and preemption.
 
-(Contract stub: ScheduledBatch is fixed; the Scheduler class is being written.)
+One rule for prefill and decode (vLLM v1): each sequence's `num_computed_tokens` catches up with
+its `num_tokens`; a decode is a chunk of one token. Each step:
+  1. running sequences, oldest admission first, each get min(uncomputed, budget left) tokens; when
+     the pool cannot hold a chunk, the NEWEST running sequence is preempted (blocks freed, to be
+     recomputed later) until it can — possibly the sequence itself;
+  2. then waiting sequences in order, while budget and seats remain and nothing was preempted in
+     this step: reuse their longest cached prefix, and admit one only when the pool has room for
+     its whole remaining prompt.
+The scheduler touches no tensors and no hashes; memory goes through the BlockManager.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from dataclasses import dataclass, field
 
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,3 +43,158 @@ class ScheduledBatch:
     def needs_sample(self, i: int) -> bool:
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    """Decides each step's chunks under `max_num_batched_tokens` and `max_num_seqs`."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
+        if block_manager.block_size != config.block_size:
+            raise ValueError(
+                f"BlockManager block_size {block_manager.block_size} != EngineConfig.block_size {config.block_size}"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: newest last (first to be preempted)
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_scheduled_tokens = 0  # all tokens run, recomputation after preemption included
+
+    # ------------------------------------------------------------ requests
+
+    def check_fits(self, seq: Sequence) -> str | None:
+        """Why `seq` can NEVER be served, or None when it can."""
+        if seq.num_prompt_tokens == 0:
+            return f"request {seq.seq_id}: the prompt is empty (0 tokens)"
+        if seq.max_total_tokens > self.max_model_len:
+            return (
+                f"request {seq.seq_id}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                f"({seq.params.max_tokens}) = {seq.max_total_tokens} exceeds max_model_len {self.max_model_len}"
+            )
+        # why: conservative by one token (the last sampled token never needs K/V), so a sequence
+        # that passes can always run alone, which is what guarantees progress.
+        needed = self.block_manager.blocks_needed(seq.max_total_tokens)
+        if needed > self.block_manager.num_blocks:
+            return (
+                f"request {seq.seq_id}: prompt + max_tokens = {seq.max_total_tokens} tokens needs {needed} KV "
+                f"blocks of {self.block_manager.block_size} tokens, but the whole pool has "
+                f"{self.block_manager.num_blocks}; lower max_tokens or give the KV cache more memory"
+            )
+        return None
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request; ValueError (with `check_fits`'s message) if it can never be served."""
+        message = self.check_fits(seq)
+        if message is not None:
+            raise ValueError(message)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---------------------------------------------------------------- step
+
+    def schedule(self) -> ScheduledBatch:
+        """This step's chunks. The caller runs them, then calls `advance(batch)`."""
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if not batch.preempted:
+            # why: after a preemption the pool is under pressure; admitting now would thrash.
+            self._schedule_waiting(batch, budget)
+        self.num_steps += 1
+        self.num_scheduled_tokens += batch.total_tokens
+        return batch
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """After the forward pass: the scheduled chunks' K/V are now in the cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens + n > seq.num_tokens:
+                raise RuntimeError(
+                    f"seq {seq.seq_id}: {seq.num_computed_tokens} + {n} computed tokens would exceed its "
+                    f"{seq.num_tokens} tokens; advance() called twice for one batch?"
+                )
+            seq.num_computed_tokens += n
+
+    def finish(self, seq: Sequence) -> None:
+        """Mark finished (or aborted), drop it from the queues and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+
+    # ------------------------------------------------------------- helpers
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0:
+                i += 1  # nothing to compute (the engine has not appended a token yet)
+                continue
+            if not self._allocate_or_preempt(seq, n, batch):
+                break  # seq preempted itself; it was the newest, so nothing follows it
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Allocate `n` slots for a running seq, preempting newest-first; False if seq itself went."""
+        while not self.block_manager.allocate_slots(seq, n):
+            # why: victims come from the end, behind seq (index >= seq's), so none of them has
+            # been scheduled in this batch yet.
+            victim = self.running.pop()
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # why: to the front, so it is re-admitted before newer requests (FCFS, bounded delay)
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        logger.debug("preempted seq %d (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed, num_cached = bm.get_computed_blocks(seq)
+            remaining = seq.num_tokens - num_cached
+            # Admit only if the whole remaining prompt fits now, not just this chunk: a sequence
+            # that can only start would soon be preempted and recomputed.
+            if not bm.can_allocate(seq, remaining, computed):
+                break  # keep FCFS order: nobody overtakes the head
+            n = min(remaining, budget)
+            if not bm.allocate_slots(seq, n, computed):
+                raise RuntimeError(f"seq {seq.seq_id}: allocation failed after can_allocate said it fits")
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached  # the bill counts the first admission only
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n

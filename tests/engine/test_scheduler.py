@@ -1,0 +1,305 @@
+"""Scheduler: budgets every step, chunked prefill, admission, preemption, no hang, prefix reuse."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.params import SamplingParams
+from batchgen.engine.scheduler import ScheduledBatch, Scheduler
+from batchgen.engine.sequence import Sequence, SequenceStatus
+
+
+def make_scheduler(
+    num_blocks: int, block_size: int = 4, budget: int = 64, max_seqs: int = 8,
+    caching: bool = True, max_model_len: int = 4096,
+) -> Scheduler:
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                          num_kv_blocks=num_blocks, enable_prefix_caching=caching)
+    return Scheduler(config, BlockManager(num_blocks, block_size, caching), max_model_len)
+
+
+def make_seq(seq_id: int, prompt: list[int], max_tokens: int = 4) -> Sequence:
+    return Sequence(seq_id, list(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
+    cfg, bm = sched.config, sched.block_manager
+    assert batch.total_tokens <= cfg.max_num_batched_tokens
+    assert len(sched.running) <= cfg.max_num_seqs
+    assert len({id(s) for s in batch.seqs}) == len(batch.seqs)
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        assert n >= 1 and seq.status is SequenceStatus.RUNNING
+        assert seq.num_computed_tokens + n <= seq.num_tokens
+        assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens + n)
+    refs = [0] * bm.num_blocks
+    for seq in sched.running:
+        for block_id in seq.block_table:
+            refs[block_id] += 1
+    assert refs == bm.ref_counts
+    assert bm.num_free_blocks == refs.count(0)
+    for seq in sched.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+
+
+def step(sched: Scheduler, finished: list[Sequence] | None = None) -> ScheduledBatch:
+    """A fake engine step: schedule, 'forward', advance, sample a token, finish at max_tokens."""
+    batch = sched.schedule()
+    check_invariants(sched, batch)
+    sample = [batch.needs_sample(i) for i in range(len(batch.seqs))]
+    sched.advance(batch)
+    for seq, needs in zip(batch.seqs, sample):
+        if needs:
+            seq.append_token(1000 + seq.seq_id)
+            if seq.num_output_tokens == seq.params.max_tokens:
+                sched.finish(seq)
+                if finished is not None:
+                    finished.append(seq)
+    return batch
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[Sequence]:
+    finished: list[Sequence] = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return finished
+        step(sched, finished)
+    raise AssertionError(f"not finished after {max_steps} steps: {sched.num_running} running, "
+                         f"{sched.num_waiting} waiting")
+
+
+# ----------------------------------------------------------------- admission checks
+
+def test_check_fits_messages_and_add_raises() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=20)
+    assert sched.check_fits(make_seq(0, [1] * 10, max_tokens=6)) is None  # 16 tokens = whole pool
+    assert "empty" in sched.check_fits(make_seq(1, []))
+    too_long = sched.check_fits(make_seq(2, [1] * 15, max_tokens=6))
+    assert "21 exceeds max_model_len 20" in too_long
+    sched.max_model_len = 100
+    too_big = sched.check_fits(make_seq(3, [1] * 15, max_tokens=6))
+    assert "needs 6 KV blocks" in too_big and "whole pool has 4" in too_big
+    with pytest.raises(ValueError, match="whole pool has 4"):
+        sched.add(make_seq(3, [1] * 15, max_tokens=6))
+    assert not sched.has_unfinished()
+
+
+def test_block_size_mismatch_is_rejected() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        Scheduler(EngineConfig(block_size=16), BlockManager(8, 4), 128)
+
+
+# ----------------------------------------------------------------- chunked prefill
+
+def test_chunked_prefill_chunk_sizes_then_decodes() -> None:
+    sched = make_scheduler(num_blocks=32, budget=16)
+    seq = make_seq(0, list(range(40)), max_tokens=3)
+    sched.add(seq)
+    chunks = [step(sched).num_new_tokens for _ in range(5)]
+    assert chunks == [[16], [16], [8], [1], [1]]
+    assert seq.status is SequenceStatus.FINISHED and seq.output_token_ids == [1000] * 3
+    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 32
+
+
+def test_running_first_then_waiting_share_the_budget() -> None:
+    sched = make_scheduler(num_blocks=32, budget=16)
+    a, b = make_seq(0, list(range(10))), make_seq(1, list(range(50, 60)))
+    sched.add(a)
+    sched.add(b)
+    first = step(sched)
+    assert first.seqs == [a, b] and first.num_new_tokens == [10, 6]
+    second = step(sched)
+    assert second.seqs == [a, b] and second.num_new_tokens == [1, 4]
+    third = step(sched)
+    assert third.num_new_tokens == [1, 1]
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    sched = make_scheduler(num_blocks=64, budget=256, max_seqs=2)
+    seqs = [make_seq(i, [i] * 5) for i in range(5)]
+    for seq in seqs:
+        sched.add(seq)
+    batch = step(sched)
+    assert batch.seqs == seqs[:2] and sched.num_waiting == 3
+
+
+# ----------------------------------------------------------------- memory pressure
+
+def test_admission_blocked_while_pool_is_full_and_order_kept() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False)
+    a = make_seq(0, [1] * 16, max_tokens=4)   # 4 blocks of 6
+    b = make_seq(1, [2] * 12, max_tokens=4)   # needs 3 blocks for its prompt: does not fit beside a
+    c = make_seq(2, [3] * 2, max_tokens=4)    # would fit, but must not overtake b
+    for seq in (a, b, c):
+        sched.add(seq)
+    batch = step(sched)
+    assert batch.seqs == [a] and list(sched.waiting) == [b, c]
+    step(sched)
+    assert list(sched.waiting) == [b, c]
+    finished = run_to_completion(sched)
+    assert finished[0] is a and {s.seq_id for s in finished} == {0, 1, 2}
+
+
+def test_preemption_picks_the_newest_which_is_recomputed_to_completion() -> None:
+    sched = make_scheduler(num_blocks=5, block_size=4, budget=64, caching=False)
+    a, b, c = make_seq(0, [1] * 4), make_seq(1, [2] * 6), make_seq(2, [3] * 6)
+    for seq in (a, b, c):
+        sched.add(seq)
+    step(sched)
+    assert [s.block_table for s in (a, b, c)] == [[0], [1, 2], [3, 4]]  # pool exhausted
+    d = make_seq(3, [4])
+    sched.add(d)
+    batch = step(sched)  # a (the oldest) needs a 2nd block: c, the newest, makes room
+    assert batch.preempted == [c] and batch.seqs == [a, b] and a.block_table == [0, 3]
+    assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.block_table == []
+    # c goes back in FRONT of the newer request d, and nobody is admitted in a preempting step
+    assert c.num_preemptions == 1 and sched.num_preemptions == 1 and list(sched.waiting) == [c, d]
+    assert c.num_tokens == 7  # its generated token is kept and recomputed, not regenerated
+    finished = run_to_completion(sched)
+    assert finished.index(c) < finished.index(d) and c.num_output_tokens == 4 and c.num_computed_tokens == c.num_tokens - 1
+    assert c.output_token_ids == [1002] * 4
+
+
+def test_a_sequence_preempts_itself_when_it_is_the_newest() -> None:
+    sched = make_scheduler(num_blocks=3, block_size=4, budget=64, caching=False)
+    a, b = make_seq(0, [1] * 4, 5), make_seq(1, [2] * 4, 5)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # a: block 0, b: block 1 (one free)
+    batch = step(sched)  # a takes the last block; b then cannot and is itself the newest
+    assert batch.seqs == [a] and batch.preempted == [b]
+    assert run_to_completion(sched)[-1] is b
+
+
+def test_no_hang_with_a_tiny_pool() -> None:
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=5, block_size=4, budget=9, max_seqs=4, caching=True)
+    seqs = [make_seq(i, [rng.randrange(3) for _ in range(rng.randint(1, 12))], rng.randint(1, 20 - 12))
+            for i in range(30)]
+    for seq in seqs:
+        sched.add(seq)
+    finished = run_to_completion(sched, max_steps=5_000)
+    assert len(finished) == 30 and all(s.num_output_tokens == s.params.max_tokens for s in seqs)
+    assert sched.num_preemptions > 0  # the pool really was too small for all of them
+    assert sched.block_manager.num_free_blocks == 5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_randomized_run_keeps_budget_seats_and_ref_counts(seed: int) -> None:
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=rng.randint(12, 40), block_size=rng.choice([1, 2, 4, 8]),
+                           budget=rng.randint(8, 64), max_seqs=rng.randint(1, 8))
+    shared = [rng.randrange(50) for _ in range(rng.randint(0, 20))]
+    seqs = []
+    for i in range(40):
+        prompt = shared[:rng.randint(0, len(shared))] + [rng.randrange(50) for _ in range(rng.randint(1, 20))]
+        seq = make_seq(i, prompt, rng.randint(1, 12))
+        if sched.check_fits(seq) is None:
+            sched.add(seq)
+            seqs.append(seq)
+        if rng.random() < 0.3:
+            step(sched)  # requests keep arriving while the engine runs
+    run_to_completion(sched)
+    assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == s.params.max_tokens for s in seqs)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+# ----------------------------------------------------------------- prefix cache
+
+def test_prefix_hits_counted_in_num_cached_tokens_from_first_admission() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4, budget=64)
+    a = make_seq(0, list(range(10)), max_tokens=2)
+    sched.add(a)
+    step(sched)
+    b = make_seq(1, list(range(9)) + [77, 78], max_tokens=2)  # shares 2 full blocks with a
+    sched.add(b)
+    batch = step(sched)
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 3]
+    assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
+    run_to_completion(sched)
+    assert sched.block_manager.num_hit_tokens == 8
+
+
+def test_same_step_admission_reuses_blocks_registered_in_that_step() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4, budget=64)
+    a, b = make_seq(0, list(range(9))), make_seq(1, list(range(8)) + [55])
+    sched.add(a)
+    sched.add(b)
+    batch = step(sched)
+    assert batch.num_new_tokens == [9, 1] and b.num_cached_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2]
+
+
+def test_readmission_reuses_own_cached_blocks_but_bills_the_first_count() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    a, c = make_seq(0, [1] * 4), make_seq(1, [3] * 9)
+    sched.add(a)
+    sched.add(c)
+    step(sched)  # a: block 0; c: blocks 1, 2 (full, hashed) and 3
+    assert step(sched).preempted == [c]  # a needs a block; c's hashed blocks stay cached
+    while c.status is not SequenceStatus.RUNNING:
+        batch = step(sched)
+    assert batch.seqs[-1] is c and batch.num_new_tokens[-1] == 2  # 10 tokens, 8 of them cached
+    assert c.num_cached_tokens == 0  # the re-match is not billed: its first admission matched nothing
+    run_to_completion(sched)
+
+
+def test_admission_needs_room_for_the_whole_prompt_not_just_the_chunk() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=4, caching=False)
+    a, b = make_seq(0, [1] * 12), make_seq(1, [2] * 16)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(3):
+        step(sched)  # a prefills in chunks of 4: 3 blocks, 3 free
+    batch = step(sched)  # 3 tokens of budget left, a 3-token chunk of b would fit, all 16 would not
+    assert batch.seqs == [a] and list(sched.waiting) == [b]
+    finished = run_to_completion(sched)
+    assert finished == [a, b] and sched.num_preemptions == 0
+
+
+def test_200_sequences_behind_a_shared_prefix_compute_it_about_once() -> None:
+    prefix_len, results = 512, {}
+    for on in (True, False):
+        sched = make_scheduler(num_blocks=4000, block_size=16, budget=2048, max_seqs=64, caching=on)
+        seqs = [make_seq(i, list(range(prefix_len)) + [1000 + i] * 7, max_tokens=4) for i in range(200)]
+        for seq in seqs:
+            sched.add(seq)
+        prefix_computed = 0
+        for _ in range(10_000):
+            if not sched.has_unfinished():
+                break
+            batch = sched.schedule()
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                start = seq.num_computed_tokens
+                prefix_computed += max(0, min(start + n, prefix_len) - start)
+            sched.advance(batch)
+            for seq in batch.seqs:
+                if seq.num_computed_tokens == seq.num_tokens:
+                    seq.append_token(1)
+                    if seq.num_output_tokens == seq.params.max_tokens:
+                        sched.finish(seq)
+        results[on] = (prefix_computed, sum(s.num_cached_tokens for s in seqs))
+    assert results[False] == (200 * prefix_len, 0)
+    assert results[True][0] <= 0.1 * results[False][0]
+    assert results[True][1] == 199 * prefix_len
+
+
+# ----------------------------------------------------------------- engine-facing contract
+
+def test_finish_aborts_a_waiting_sequence_and_advance_twice_raises() -> None:
+    sched = make_scheduler(num_blocks=8, budget=4)
+    a, b = make_seq(0, [1] * 6), make_seq(1, [2] * 3)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a] and batch.num_new_tokens == [4] and not batch.needs_sample(0)
+    sched.finish(b)  # aborted before admission
+    assert b.status is SequenceStatus.FINISHED and sched.num_waiting == 0
+    sched.advance(batch)
+    assert a.num_computed_tokens == 4
+    with pytest.raises(RuntimeError, match="advance"):
+        sched.advance(batch)
+    assert a.num_computed_tokens == 4

@@ -28,8 +28,8 @@ def _append(cols: dict[str, list[Any]], row: PreparedRow, out: RequestOutput | N
     cols["generated_text"].append(out.text if ok else None)
     cols["finish_reason"].append(out.finish_reason if ok else "error")
     cols["stop_reason"].append(None if not ok or out.stop_reason is None else str(out.stop_reason))
-    # Why: a row that failed after tokenization still reports what its prompt would have cost.
-    cols["input_tokens"].append(len(row.prompt_ids) if row.prompt_ids is not None else 0)
+    # Why: usage is what was billed; an error row fed nothing to the model (its message says why).
+    cols["input_tokens"].append(len(row.prompt_ids) if ok else 0)
     cols["cached_tokens"].append(out.num_cached_tokens if ok else 0)
     cols["output_tokens"].append(out.num_output_tokens if ok else 0)
     cols["error_code"].append(None if ok else row.error_code or "engine_error")

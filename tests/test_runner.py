@@ -1,0 +1,173 @@
+"""End-to-end job runs on a tiny random model through the CLI: inputs, output schema and order,
+error rows, exact usage, chat templates, per-row settings. Backend: hf (the reference)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from transformers import AutoTokenizer
+
+from batchgen.cli import main
+from batchgen.output import RESULT_NAMES
+from tests.conftest import make_job, write_job, write_parquet
+
+PROMPTS = ["once upon a time", "the little cat", "a dog who liked to play in the sun", "her friend"]
+
+
+def _run(job_path: Path, *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["run", str(job_path), "--quiet", *args])
+    return result.exit_code, result.output + (result.stderr if result.stderr_bytes else "")
+
+
+def _read(out: Path) -> pa.Table:
+    return ds.dataset(out, format="parquet").to_table()
+
+
+def test_glob_folder_and_file_inputs_keep_input_order(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = tmp_path / "data"
+    for f in range(3):
+        ids = [f"f{f}-{i}" for i in range(7)]
+        write_parquet(data / f"in{f}.parquet", {"id": ids, "prompt": [PROMPTS[i % 4] * (i + 1) for i in range(7)]})
+    expected = [f"f{f}-{i}" for f in range(3) for i in range(7)]
+    for k, inputs in enumerate([str(data / "in*.parquet"), str(data)]):
+        out = tmp_path / f"out{k}"
+        code, text = _run(write_job(tmp_path / f"job{k}.yaml", make_job(tiny_model_dir, inputs, out,
+                                                                        engine={"window_rows": 5})))
+        assert code == 0, text
+        table = _read(out)
+        assert table.column("id").to_pylist() == expected
+        assert table.schema.names == ["id", "prompt", *RESULT_NAMES]
+        assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
+        manifest = json.loads((out / "_SUCCESS").read_text())
+        assert manifest["rows"] == {"total": 21, "ok": 21, "error": 0}
+        assert manifest["parts"] == 3 * 2  # 7 rows per file in windows of 5
+    single = tmp_path / "single"
+    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(data / "in1.parquet"), single)))
+    assert code == 0, text
+    assert _read(single).column("id").to_pylist() == expected[7:14]
+
+
+def test_usage_equals_tokenizer_counts(tmp_path: Path, tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [p * k for k, p in enumerate(PROMPTS, start=1)]
+    write_parquet(tmp_path / "in.parquet", {"id": ["a", "b", "c", "d"], "prompt": prompts})
+    out = tmp_path / "out"
+    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out, sampling={"max_tokens": 6, "ignore_eos": True})
+    code, text = _run(write_job(tmp_path / "job.yaml", job))
+    assert code == 0, text
+    rows = _read(out).to_pylist()
+    assert [r["input_tokens"] for r in rows] == [len(tok(p)["input_ids"]) for p in prompts]
+    assert all(r["output_tokens"] == 6 and r["finish_reason"] == "length" for r in rows)
+    assert all(r["cached_tokens"] == 0 for r in rows)  # the hf backend has no prefix cache
+    manifest = json.loads((out / "_SUCCESS").read_text())
+    assert manifest["tokens"]["input"] == sum(r["input_tokens"] for r in rows)
+    assert manifest["tokens"]["output"] == 24
+
+
+def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path: Path, tiny_model_dir: Path) -> None:
+    raw = [b"once upon a time", None, b"", b"   \n", b"bad \xff\xfe bytes", b"the cat " * 200, b"her friend"]
+    offsets, buf = [0], b""
+    for value in raw:
+        buf += value or b""
+        offsets.append(len(buf))
+    prompts = pa.Array.from_buffers(  # bytes are not validated: a writer really can produce this
+        pa.string(), len(raw), [pa.py_buffer(bytes([0b1111101])), pa.py_buffer(pa.array(offsets, pa.int32()).buffers()[1]),
+                               pa.py_buffer(buf)],
+    )
+    table = pa.table({"id": [str(i) for i in range(7)], "prompt": prompts, "max_tokens": [4, 4, 4, 4, 4, 4, -3]})
+    pq.write_table(table, tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out, input={"sampling_columns": {"max_tokens": "max_tokens"}})
+    code, text = _run(write_job(tmp_path / "job.yaml", job))
+    assert code == 0, text
+    rows = _read(out).to_pylist()
+    codes = [r["error_code"] for r in rows]
+    assert codes == [None, "empty_prompt", "empty_prompt", "empty_prompt", "invalid_utf8", "prompt_too_long", "invalid_sampling"]
+    assert all(r["finish_reason"] == "error" and r["generated_text"] is None for r in rows[1:])
+    assert "row 4 (id 4)" in rows[4]["error_message"] and "UTF-8" in rows[4]["error_message"]
+    assert "401 tokens; the model's context is 256" in rows[5]["error_message"]
+    assert all(r["input_tokens"] == r["output_tokens"] == 0 for r in rows[1:])  # nothing was billed
+    assert "max_tokens" in rows[6]["error_message"]
+    assert rows[4]["prompt"] == "bad \ufffd\ufffd bytes"  # carried, made readable
+    assert json.loads((out / "_SUCCESS").read_text())["error_codes"]["empty_prompt"] == 3
+
+
+def test_an_all_error_part_keeps_string_types(tmp_path: Path, tiny_model_dir: Path) -> None:
+    write_parquet(tmp_path / "a.parquet", {"id": ["1", "2"], "prompt": [None, " "]},
+                  pa.schema([("id", pa.string()), ("prompt", pa.string())]))
+    write_parquet(tmp_path / "b.parquet", {"id": ["3"], "prompt": ["the cat"]})
+    out = tmp_path / "out"
+    code, text = _run(write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(tmp_path / "*.parquet"), out)))
+    assert code == 0, text
+    first = pq.read_table(out / "part-000000.parquet")
+    assert first.schema.field("generated_text").type == pa.string()
+    assert first.schema.field("stop_reason").type == pa.string()
+    assert _read(out).num_rows == 3
+
+
+def test_chat_messages_are_rendered_with_the_template(tmp_path: Path, tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    convs = [[{"role": "user", "content": "tell me about the cat"}],
+             [{"role": "system", "content": "be short"}, {"role": "user", "content": "a dog"}], []]
+    write_parquet(tmp_path / "in.parquet", {"id": ["x", "y", "z"], "messages": convs})
+    out = tmp_path / "out"
+    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out)
+    job["input"] = {"path": str(tmp_path / "in.parquet"), "messages_column": "messages", "id_column": "id"}
+    code, text = _run(write_job(tmp_path / "job.yaml", job))
+    assert code == 0, text
+    rows = _read(out).to_pylist()
+    expected = [len(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+                for c in convs[:2]]
+    assert [r["input_tokens"] for r in rows[:2]] == expected
+    assert rows[2]["error_code"] == "empty_prompt"
+
+
+def test_stop_strings_cut_the_text(tmp_path: Path, tiny_model_dir: Path) -> None:
+    write_parquet(tmp_path / "in.parquet", {"id": ["a", "b"], "prompt": PROMPTS[:2]})
+    base = tmp_path / "base"
+    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), base, sampling={"max_tokens": 12, "ignore_eos": True})
+    assert _run(write_job(tmp_path / "base.yaml", job))[0] == 0
+    first = _read(base).to_pylist()[0]
+    stop = first["generated_text"][3:5]  # a stop string that really occurs in the greedy output
+    cut = tmp_path / "cut"
+    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), cut,
+                   sampling={"max_tokens": 12, "ignore_eos": True, "stop": [stop]})
+    assert _run(write_job(tmp_path / "cut.yaml", job))[0] == 0
+    row = _read(cut).to_pylist()[0]
+    assert row["finish_reason"] == "stop" and row["stop_reason"] == stop
+    assert row["generated_text"] == first["generated_text"][: first["generated_text"].index(stop)]
+    assert row["output_tokens"] <= first["output_tokens"]
+
+
+def test_missing_column_fails_before_work_naming_file_and_column(tmp_path: Path, tiny_model_dir: Path) -> None:
+    write_parquet(tmp_path / "good.parquet", {"id": ["1"], "prompt": ["x"]})
+    write_parquet(tmp_path / "bad.parquet", {"id": ["2"], "text": ["y"]})
+    out = tmp_path / "out"
+    job_path = write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(tmp_path / "*.parquet"), out))
+    code, text = _run(job_path)
+    assert code == 3
+    assert "bad.parquet: no column 'prompt'" in text
+    assert not out.exists()
+    result = CliRunner().invoke(main, ["validate", str(job_path)])
+    assert result.exit_code == 3 and "bad.parquet" in result.output
+
+
+def test_validate_checks_model_folder_without_running(tmp_path: Path, tiny_model_dir: Path) -> None:
+    write_parquet(tmp_path / "in.parquet", {"id": ["1"], "prompt": ["x"]})
+    job_path = write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(tmp_path / "in.parquet"), tmp_path / "o"))
+    ok = CliRunner().invoke(main, ["validate", str(job_path)])
+    assert ok.exit_code == 0 and "1 rows" in ok.output
+    assert not (tmp_path / "o").exists()
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    bad = write_job(tmp_path / "bad.yaml", make_job(empty, str(tmp_path / "in.parquet"), tmp_path / "o"))
+    result = CliRunner().invoke(main, ["validate", str(bad)])
+    assert result.exit_code == 4 and "cannot load config.json" in result.output
+    result = CliRunner().invoke(main, ["validate", str(job_path), "--set", "sampling.max_tokens=0"])
+    assert result.exit_code == 2 and "sampling.max_tokens" in result.output

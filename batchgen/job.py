@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
@@ -79,12 +80,22 @@ class EngineSection(_Strict):
     max_model_len: int | None = Field(default=None, ge=1)
 
 
+class PricingSection(_Strict):
+    """Prices in any currency per million tokens, read by `estimate` and `report` only."""
+
+    input: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
+    cached_input: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
+    output: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
+
+
 class JobSpec(_Strict):
     model: ModelSection
     input: InputSection
     output: OutputSection
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     engine: EngineSection = Field(default_factory=EngineSection)
+    # Why excluded from dumps: prices change no generated text, so they stay out of the fingerprint.
+    pricing: PricingSection | None = Field(default=None, exclude=True)
     source: Path | None = Field(default=None, exclude=True, strict=False)  # set by load_job
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import click
 
-from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, BatchgenError
+from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED_BASE, BatchgenError, Interrupted
 from batchgen.job import load_job
 
 _set_option = click.option(
@@ -26,14 +27,18 @@ def main() -> None:
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
 @click.option("--quiet", is_flag=True, help="No progress bar; only warnings and the summary line (for cron).")
-def run(job_file: str, overrides: tuple[str, ...], quiet: bool) -> None:
-    """Run JOB_FILE: answer every input row and write the output Parquet dataset."""
+@click.option("--overwrite", is_flag=True, help="Replace an output folder made by a different job.")
+def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool) -> None:
+    """Run JOB_FILE: answer every input row and write the output Parquet dataset.
+
+    A rerun after a crash or kill resumes: committed parts are kept, the rest is computed.
+    """
     _setup_logging(quiet)
     from batchgen.runner import JobRunner
 
     def work() -> None:
         spec = load_job(job_file, list(overrides))
-        summary = JobRunner(spec, quiet=quiet).run()
+        summary = JobRunner(spec, quiet=quiet, overwrite=overwrite).run()
         click.echo(f"batchgen: {summary.line()}")
         click.echo(f"batchgen: output in {spec.output.path}")
 
@@ -59,17 +64,25 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
 
 def _guarded(work) -> None:  # type: ignore[no-untyped-def]
     """Turn errors into one clear line on stderr and the documented exit code."""
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         work()
     except BatchgenError as exc:
         click.echo(f"batchgen: error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("batchgen: interrupted; committed parts are kept", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        click.echo(f"batchgen: interrupted by {signal.Signals(signum).name}; committed parts are kept, "
+                   "run again to resume", err=True)
+        sys.exit(EXIT_INTERRUPTED_BASE + signum)
     except Exception:
         logging.getLogger("batchgen").exception("internal error")
         sys.exit(EXIT_INTERNAL)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    # Why: raising unwinds the part in flight without committing it, exactly like Ctrl-C.
+    raise Interrupted(signum)
 
 
 def _setup_logging(quiet: bool) -> None:

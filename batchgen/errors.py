@@ -39,6 +39,15 @@ class EngineFailure(BatchgenError):
     exit_code = 6
 
 
+class Interrupted(BaseException):
+    """SIGTERM arrived. A BaseException, like KeyboardInterrupt, so that no `except Exception`
+    on the way (the engine's failure handling above all) can swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED_BASE = 128  # + the signal number: 130 for SIGINT, 143 for SIGTERM

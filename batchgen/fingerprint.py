@@ -1,28 +1,61 @@
-"""A job's fingerprint: what its output depends on (settings, model files, input files)."""
+"""A job's fingerprint: what its output depends on (settings, model files, input files), kept in
+parts so that a refusal to resume can say what differs."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from batchgen.dataset import InputFile
 from batchgen.job import JobSpec
 
 _SMALL_FILE = 1 << 20  # model files up to this size are hashed whole; larger ones by size and edges
+# Settings that change no generated text: where the output goes and how the engine is tuned.
+# (window_rows is not one: it decides which rows form each committed part.)
+_NEUTRAL = {"output": True, "model": {"path"}, "input": {"path"}}
+_NEUTRAL_ENGINE = ("batch_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                   "kv_cache_memory_mb", "enable_prefix_caching", "block_size")
 
 
-def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> str:
-    digest = hashlib.sha256()
-    settings = spec.model_dump(mode="json", exclude={"output": True, "model": {"path"}, "input": {"path"}})
-    digest.update(json.dumps(settings, sort_keys=True).encode())
+def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
+    """{"settings": {...}, "model": hex, "inputs": {file name: hex}, "id": hex over all of it}."""
+    settings = spec.model_dump(mode="json", exclude=_NEUTRAL)
+    for name in _NEUTRAL_ENGINE:
+        settings["engine"].pop(name, None)
+    model = hashlib.sha256()
     for path in sorted(p for p in Path(spec.model.path).rglob("*") if p.is_file()):
-        digest.update(path.name.encode())
-        digest.update(_file_digest(path))
-    for f in files:
-        digest.update(f.path.name.encode())
-        digest.update(_file_digest(f.path))
-    return digest.hexdigest()
+        model.update(str(path.relative_to(spec.model.path)).encode() + _file_digest(path))
+    inputs = {str(f.path): _file_digest(f.path).hex() for f in files}
+    parts = {"settings": settings, "model": model.hexdigest(), "inputs": inputs}
+    parts["id"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    return parts
+
+
+def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Human lines naming what changed between two fingerprints."""
+    lines = [f"{key}: {a!r} -> {b!r}" for key, a, b in _flat_diff(old.get("settings", {}), new["settings"])]
+    if old.get("model") != new["model"]:
+        lines.append("model files changed")
+    old_inputs, new_inputs = old.get("inputs", {}), new["inputs"]
+    for name in sorted(set(old_inputs) | set(new_inputs)):
+        if name not in new_inputs:
+            lines.append(f"input file no longer present: {name}")
+        elif name not in old_inputs:
+            lines.append(f"new input file: {name}")
+        elif old_inputs[name] != new_inputs[name]:
+            lines.append(f"input file changed: {name}")
+    return lines or ["fingerprint format changed"]
+
+
+def _flat_diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[tuple[str, Any, Any]] = []
+        for key in sorted(set(a) | set(b)):
+            out += _flat_diff(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 
 def _file_digest(path: Path) -> bytes:

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import OutputError
+from batchgen.faults import fault_point
 
 RESULT_FIELDS = [
     pa.field("generated_text", pa.string()),
@@ -33,6 +34,9 @@ def output_schema(carried: list[pa.Field], add_row_id: bool) -> pa.Schema:
     if add_row_id:
         fields.insert(0, pa.field(ROW_ID_COLUMN, pa.string()))
     return pa.schema(fields + RESULT_FIELDS)
+
+
+PART_GLOB = "part-*.parquet"
 
 
 def part_name(index: int) -> str:
@@ -62,8 +66,10 @@ class PartWriter:
         try:
             pq.write_table(table.cast(self.schema), tmp)
             _fsync(tmp)
+            fault_point("after_temp_write")
             os.replace(tmp, final)
             _fsync(self.out_dir)
+            fault_point("after_rename")
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise OutputError(f"{final}: cannot write part: {exc.strerror or exc}") from exc
@@ -108,6 +114,13 @@ class Totals:
         self.input_tokens += sum(columns["input_tokens"])
         self.cached_tokens += sum(columns["cached_tokens"])
         self.output_tokens += sum(columns["output_tokens"])
+
+    def merge(self, other: "Totals") -> None:
+        for name in ("rows", "ok_rows", "error_rows", "input_tokens", "cached_tokens", "output_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for mine, theirs in ((self.finish_reasons, other.finish_reasons), (self.error_codes, other.error_codes)):
+            for key, count in theirs.items():
+                mine[key] = mine.get(key, 0) + count
 
 
 def _fsync(path: Path) -> None:

@@ -1,0 +1,31 @@
+"""Named fault-injection points for crash-safety tests.
+
+Set BATCHGEN_FAULT=<point> (or <point>:<n> to fire on the n-th pass) in a test's subprocess.
+`kill` points SIGKILL the process, exactly like the OOM killer would; `raise` points raise an
+exception, like a failing engine. Unset, every point is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_KILL_POINTS = {"after_temp_write", "after_rename", "before_success", "mid_engine"}
+_RAISE_POINTS = {"engine_exception"}
+_hits: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    spec = os.environ.get("BATCHGEN_FAULT")
+    if not spec:
+        return
+    point, _, nth = spec.partition(":")
+    if point != name:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] != int(nth or 1):
+        return
+    if name in _KILL_POINTS:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if name in _RAISE_POINTS:
+        raise RuntimeError(f"injected fault {name}: simulated engine failure (e.g. NaN logits)")

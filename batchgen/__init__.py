@@ -1,3 +1,20 @@
 """batchgen: offline batch inference over Parquet prompt datasets."""
 
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.params import SamplingParams
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # why lazy: `LLM` pulls in torch and transformers; the CLI's --help and job validation should not
+    if name == "LLM":
+        from batchgen.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

@@ -1,1 +1,21 @@
-"""batchgen's own inference engine."""
+"""batchgen's own inference engine: `LLM`, `SamplingParams`, `RequestOutput` (vLLM-style names).
+
+`LLM` is imported lazily so that the contracts (params, outputs) stay importable without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.params import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from batchgen.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'batchgen.engine' has no attribute {name!r}")

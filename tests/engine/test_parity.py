@@ -1,0 +1,126 @@
+"""Greedy parity: the engine's tokens equal transformers' own generate, token for token.
+
+For every supported architecture, 37 prompts (1 to 300 tokens, shared long prefixes, duplicates)
+run through the engine twice — under pressure (prefix caching on, a 64-token step budget that
+forces chunked prefill, a KV pool small enough to force preemption) and relaxed (prefix caching
+off, big budget, another block size) — and must match `generate(do_sample=False)` run per prompt,
+unpadded, on the same float32 weights. Refused architectures raise a clear error at load.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.engine.llm import LLM
+from batchgen.engine.models import UnsupportedModelError, resolve_max_model_len
+from batchgen.engine.params import SamplingParams
+
+from .conftest import ARCHITECTURES, EOS_ID, MAX_POS, VOCAB, save_tiny_model
+
+PRESSURE = dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=24,
+                enable_prefix_caching=True)
+RELAXED = dict(block_size=8, max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False)
+
+
+def _prompts() -> tuple[list[list[int]], list[int]]:
+    """Prompts of mixed lengths, some sharing 96- and 200-token prefixes, and their max_tokens.
+
+    The first eight (3 blocks each, 24 new tokens) are admitted together and outgrow the
+    24-block pool while decoding, which forces preemption.
+    """
+    rng = random.Random(1234)
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(2, VOCAB) for _ in range(n)]
+
+    short_prefix, long_prefix = words(96), words(200)
+    prompts = [words(48 - i % 2) for i in range(8)]
+    prompts += [words(n) for n in (1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 100, 128, 180, 250, 300)]
+    prompts += [short_prefix + words(n) for n in (0, 1, 5, 16, 23, 40, 61)]
+    prompts += [long_prefix + words(n) for n in (0, 7, 16, 50, 90)]
+    prompts += [prompts[11], prompts[25]]  # exact duplicates
+    max_tokens = [24] * 8 + [rng.randrange(1, 13) for _ in prompts[8:]]
+    return prompts, max_tokens
+
+
+PROMPTS, MAX_TOKENS = _prompts()
+_REFERENCE: dict[str, list[list[int]]] = {}
+
+
+def _reference(arch: str, path: Path) -> list[list[int]]:
+    """transformers' greedy generate, one unpadded prompt at a time (its default attention)."""
+    if arch not in _REFERENCE:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        outputs = []
+        with torch.inference_mode():
+            for prompt, max_tokens in zip(PROMPTS, MAX_TOKENS):
+                ids = torch.tensor([prompt])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=max_tokens, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
+                outputs.append(out[0, len(prompt):].tolist())
+        _REFERENCE[arch] = outputs
+    return _REFERENCE[arch]
+
+
+@pytest.mark.parametrize("setting", ["pressure", "relaxed"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_parity(arch: str, setting: str, tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model(arch)
+    expected = _reference(arch, path)
+    llm = LLM(str(path), device="cpu", dtype="float32", **(PRESSURE if setting == "pressure" else RELAXED))
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS]
+    outputs = llm.generate(PROMPTS, params)
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        assert out.error is None, out.error
+        assert out.token_ids == want, f"{arch}/{setting} prompt {i} ({len(PROMPTS[i])} tokens)"
+        assert out.finish_reason == ("stop" if want[-1] == EOS_ID else "length")
+    stats = llm.stats
+    if setting == "pressure":
+        assert stats["preemptions"] > 0, stats
+        assert stats["cached_tokens"] > 0, stats
+        assert stats["steps"] > sum(map(len, PROMPTS)) // PRESSURE["max_num_batched_tokens"]  # chunked
+    else:
+        assert stats["cached_tokens"] == 0, stats
+
+
+def _refused(tmp_path: Path, config: object) -> str:
+    with pytest.raises(UnsupportedModelError) as info:
+        LLM(str(save_tiny_model(config, tmp_path)), device="cpu")
+    return str(info.value)
+
+
+def test_model_without_attention_interface_is_refused(tmp_path: Path) -> None:
+    from transformers import BloomConfig
+
+    config = BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    assert "attention interface" in _refused(tmp_path, config)
+
+
+def test_attention_sinks_are_refused(tmp_path: Path) -> None:
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                          num_experts_per_tok=1, max_position_embeddings=MAX_POS,
+                          layer_types=["sliding_attention", "full_attention"])
+    assert "attention sinks" in _refused(tmp_path, config)
+
+
+def test_long_rope_past_its_switch_is_refused() -> None:
+    from transformers import Phi3Config
+
+    factors = [1.0] * 8
+    config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=1024,
+                        original_max_position_embeddings=256,
+                        rope_parameters={"rope_type": "longrope", "short_factor": factors, "long_factor": factors,
+                                         "original_max_position_embeddings": 256})
+    with pytest.raises(UnsupportedModelError, match="LongRoPE"):
+        resolve_max_model_len(config, None)
+    assert resolve_max_model_len(config, 256) == 256

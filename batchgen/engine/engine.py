@@ -80,7 +80,8 @@ class Engine:
             self.stats.errors += 1
             self._errors.append(RequestOutput(request_id, seq.prompt_token_ids, error=message))
             return request_id
-        self._requests[request_id] = _Request(seq, StopChecker(self.tokenizer, params, self.eos_token_ids))
+        stop = StopChecker(self.tokenizer, params, self.eos_token_ids, seq.prompt_token_ids)
+        self._requests[request_id] = _Request(seq, stop)
         return request_id
 
     def _check_token_ids(self, seq: Sequence) -> str | None:

@@ -1,0 +1,5 @@
+"""`python -m batchgen` is the `batchgen` command."""
+
+from batchgen.cli import main
+
+main()

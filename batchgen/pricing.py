@@ -1,0 +1,91 @@
+"""Money: prices per million tokens and the exact Decimal cost of token counts.
+
+Costs are computed from integer token totals in one multiplication each, never by accumulating
+per-row floats, so a group's cost and the total cost are exact and group costs sum to the total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from decimal import Decimal, localcontext
+
+from batchgen.job import PricingSection
+
+PER_TOKENS = 1_000_000  # prices are per million tokens
+_PRECISION = 60  # significant digits: exact for any realistic token count times any price
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Per-million-token prices; None means not given. Cached input tokens are billed at the
+    input price when no cached_input price is given (what a provider without a discount does)."""
+
+    input: Decimal | None = None
+    cached_input: Decimal | None = None
+    output: Decimal | None = None
+
+    @classmethod
+    def from_section(cls, section: PricingSection | None) -> Prices:
+        if section is None:
+            return cls()
+        return cls(input=section.input, cached_input=section.cached_input, output=section.output)
+
+    def overridden(
+        self, input: Decimal | None = None, cached_input: Decimal | None = None, output: Decimal | None = None
+    ) -> Prices:
+        """These prices with each given (not None) value replaced, e.g. from command-line flags."""
+        given = (("input", input), ("cached_input", cached_input), ("output", output))
+        changes = {k: v for k, v in given if v is not None}
+        return replace(self, **changes)
+
+    @property
+    def any_set(self) -> bool:
+        return any(p is not None for p in (self.input, self.cached_input, self.output))
+
+    def as_json(self) -> dict[str, str | None]:
+        return {"input": money_text(self.input), "cached_input": money_text(self.cached_input),
+                "output": money_text(self.output), "per_tokens": str(PER_TOKENS)}
+
+
+def per_million(tokens: int, price: Decimal) -> Decimal:
+    with localcontext() as ctx:
+        ctx.prec = _PRECISION
+        return Decimal(tokens) * price / PER_TOKENS
+
+
+def input_cost(prices: Prices, input_tokens: int, cached_tokens: int) -> Decimal | None:
+    """Cost of the prompt tokens: uncached at the input price, cached at the cached_input price."""
+    if prices.input is None:
+        return None
+    cached_price = prices.cached_input if prices.cached_input is not None else prices.input
+    return per_million(input_tokens - cached_tokens, prices.input) + per_million(cached_tokens, cached_price)
+
+
+def output_cost(prices: Prices, output_tokens: int) -> Decimal | None:
+    return None if prices.output is None else per_million(output_tokens, prices.output)
+
+
+def add_costs(*costs: Decimal | None) -> Decimal | None:
+    """The sum, or None when any part is unknown (a price was not given)."""
+    if any(c is None for c in costs):
+        return None
+    with localcontext() as ctx:
+        ctx.prec = _PRECISION
+        return sum((c for c in costs if c is not None), Decimal(0))
+
+
+def money_text(value: Decimal | None) -> str | None:
+    """Exact plain notation for JSON and CSV ("0.0000001", never "1E-7"); None stays None."""
+    if value is None:
+        return None
+    text = format(value, "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text or "0"
+
+
+def money_display(value: Decimal | None, places: int = 6) -> str:
+    """Rounded for a terminal table or a web page; '-' when unknown."""
+    if value is None:
+        return "-"
+    return format(value.quantize(Decimal(1).scaleb(-places)), "f")

@@ -1,0 +1,307 @@
+"""Usage and cost from an output dataset: streams the committed parts' usage columns into
+per-group token totals, row outcomes and exact length histograms, cross-checks a finished run's
+`_SUCCESS`, and lays the result out as records (JSON), CSV and a terminal table.
+
+Memory is bounded by the number of groups times the number of DISTINCT token lengths (at most
+the context length each), never by the number of rows: lengths are kept as exact integer
+histograms, so p95 is exact.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from batchgen.errors import InputDataError
+from batchgen.jobstate import SUCCESS_NAME
+from batchgen.output import PART_GLOB
+from batchgen.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
+
+log = logging.getLogger(__name__)
+USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
+SCAN_BATCH_ROWS = 65536
+NULL_NAME = "(null)"
+
+
+@dataclass
+class IntHistogram:
+    """Exact counts of integer values (token lengths)."""
+
+    counts: dict[int, int] = field(default_factory=dict)
+
+    def add(self, value: int, count: int = 1) -> None:
+        self.counts[value] = self.counts.get(value, 0) + count
+
+    def merge(self, other: IntHistogram) -> None:
+        for value, count in other.counts.items():
+            self.add(value, count)
+
+    @property
+    def n(self) -> int:
+        return sum(self.counts.values())
+
+    def mean(self) -> float | None:
+        n = self.n
+        return sum(v * c for v, c in self.counts.items()) / n if n else None
+
+    def max(self) -> int | None:
+        return max(self.counts) if self.counts else None
+
+    def percentile(self, q: float) -> int | None:
+        """Nearest-rank percentile: the smallest value with at least q% of the values <= it."""
+        rank, seen = max(1, math.ceil(q / 100 * self.n)), 0
+        for value in sorted(self.counts):
+            seen += self.counts[value]
+            if seen >= rank:
+                return value
+        return None  # no values
+
+
+@dataclass
+class GroupStats:
+    """Usage of one group of output rows (or of all of them)."""
+
+    rows: int = 0
+    ok_rows: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    error_codes: dict[str, int] = field(default_factory=dict)
+    input_lengths: IntHistogram = field(default_factory=IntHistogram)  # ok rows only
+    output_lengths: IntHistogram = field(default_factory=IntHistogram)  # ok rows only
+
+    @property
+    def error_rows(self) -> int:
+        return self.rows - self.ok_rows
+
+    def merge(self, other: GroupStats) -> None:
+        for name in ("rows", "ok_rows", "input_tokens", "cached_tokens", "output_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        _add_counts(self.finish_reasons, other.finish_reasons)
+        _add_counts(self.error_codes, other.error_codes)
+        self.input_lengths.merge(other.input_lengths)
+        self.output_lengths.merge(other.output_lengths)
+
+
+@dataclass
+class OutputStatus:
+    """Whether the run is finished, and whether its `_SUCCESS` agrees with the parts."""
+
+    parts: int
+    finished: bool
+    mismatches: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        if not self.finished:
+            return f"in progress: {self.parts} parts committed, no _SUCCESS"
+        if self.mismatches:
+            return f"finished, but the parts DISAGREE with _SUCCESS: {'; '.join(self.mismatches)}"
+        return f"finished: {self.parts} parts, totals match _SUCCESS"
+
+
+@dataclass
+class Report:
+    path: Path
+    by: str | None
+    groups: dict[str, GroupStats]  # group value as text, sorted; empty without --by
+    totals: GroupStats
+    status: OutputStatus
+
+
+def committed_parts(out_dir: Path) -> list[Path]:
+    if not out_dir.is_dir():
+        raise InputDataError(f"{out_dir}: no such output folder")
+    # Why the glob is enough: a part in flight has a hidden temporary name (".part-...tmp").
+    return sorted(p for p in out_dir.glob(PART_GLOB) if p.is_file())
+
+
+def read_report(out_dir: str | Path, by: str | None = None) -> Report:
+    """Stream every committed part of `out_dir` once; group by the `by` column when given."""
+    out_dir = Path(out_dir)
+    parts = committed_parts(out_dir)
+    if not parts:
+        raise InputDataError(f"{out_dir}: no committed part-*.parquet files (has the run started?)")
+    groups: dict[str, GroupStats] = {}
+    for table in _scan(out_dir, parts, by):
+        _add_table(groups, table, by)
+    totals = GroupStats()
+    for stats in groups.values():
+        totals.merge(stats)
+    status = _status(out_dir, len(parts), totals)
+    if status.mismatches:
+        log.error("%s: %s", out_dir, status.line())
+    ordered = {name: groups[name] for name in sorted(groups)} if by else {}
+    return Report(path=out_dir, by=by, groups=ordered, totals=totals, status=status)
+
+
+def _scan(out_dir: Path, parts: list[Path], by: str | None) -> Iterator[pa.Table]:
+    try:
+        dataset = ds.dataset([str(p) for p in parts], format="parquet")
+    except (pa.ArrowException, OSError) as exc:
+        raise InputDataError(f"{out_dir}: cannot read the committed parts: {exc}") from exc
+    names = dataset.schema.names
+    missing = [c for c in USAGE_COLUMNS if c not in names]
+    if missing:
+        raise InputDataError(f"{out_dir}: not a batchgen output: no column(s) {missing}")
+    if by is not None and by not in names:
+        raise InputDataError(f"--by {by!r}: {out_dir} has no such column (columns: {', '.join(names)})")
+    if by is not None and pa.types.is_nested(dataset.schema.field(by).type):
+        raise InputDataError(f"--by {by!r}: column type {dataset.schema.field(by).type} cannot be grouped on")
+    columns = USAGE_COLUMNS + ([by] if by is not None and by not in USAGE_COLUMNS else [])
+    try:
+        for batch in dataset.scanner(columns=columns, batch_size=SCAN_BATCH_ROWS).to_batches():
+            if batch.num_rows:
+                yield pa.Table.from_batches([batch])
+    except (pa.ArrowException, OSError) as exc:
+        raise InputDataError(f"{out_dir}: failed while reading the parts: {exc}") from exc
+
+
+def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -> None:
+    """Fold one batch of rows into the per-group stats (vectorized group-bys, no per-row Python)."""
+    keys = [by] if by is not None else []
+    outcome = table.group_by(list(dict.fromkeys(keys + ["finish_reason", "error_code"])), use_threads=False).aggregate(
+        [("input_tokens", "sum"), ("cached_tokens", "sum"), ("output_tokens", "sum"), ([], "count_all")]
+    )
+    for row in outcome.to_pylist():
+        stats = groups.setdefault(_group_name(row, by), GroupStats())
+        count, code = row["count_all"], row["error_code"]
+        stats.rows += count
+        stats.ok_rows += count if code is None else 0
+        if code is not None:
+            _add_counts(stats.error_codes, {code: count})
+        _add_counts(stats.finish_reasons, {_text(row["finish_reason"]): count})
+        stats.input_tokens += row["input_tokens_sum"] or 0
+        stats.cached_tokens += row["cached_tokens_sum"] or 0
+        stats.output_tokens += row["output_tokens_sum"] or 0
+    ok = table.filter(pc.is_null(table.column("error_code")))
+    for column, attr in (("input_tokens", "input_lengths"), ("output_tokens", "output_lengths")):
+        lengths = ok.group_by(list(dict.fromkeys(keys + [column])), use_threads=False).aggregate([([], "count_all")])
+        for row in lengths.to_pylist():
+            if row[column] is not None:
+                getattr(groups.setdefault(_group_name(row, by), GroupStats()), attr).add(row[column], row["count_all"])
+
+
+def _group_name(row: dict[str, Any], by: str | None) -> str:
+    return "all" if by is None else _text(row[by])
+
+
+def _text(value: Any) -> str:
+    return NULL_NAME if value is None else str(value)
+
+
+def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    for key, count in counts.items():
+        into[key] = into.get(key, 0) + count
+
+
+def _status(out_dir: Path, num_parts: int, totals: GroupStats) -> OutputStatus:
+    success = out_dir / SUCCESS_NAME
+    if not success.exists():
+        return OutputStatus(parts=num_parts, finished=False)
+    try:
+        manifest = json.loads(success.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return OutputStatus(parts=num_parts, finished=True, mismatches=[f"cannot read {success}: {exc}"])
+    return OutputStatus(parts=num_parts, finished=True, mismatches=_mismatches(manifest, num_parts, totals))
+
+
+def _mismatches(manifest: dict[str, Any], num_parts: int, totals: GroupStats) -> list[str]:
+    """Each figure of `_SUCCESS` that the committed parts do not reproduce."""
+    rows, tokens = manifest.get("rows") or {}, manifest.get("tokens") or {}
+    expected: list[tuple[str, Any, Any]] = [
+        ("rows.total", rows.get("total"), totals.rows),
+        ("rows.ok", rows.get("ok"), totals.ok_rows),
+        ("rows.error", rows.get("error"), totals.error_rows),
+        ("tokens.input", tokens.get("input"), totals.input_tokens),
+        ("tokens.cached", tokens.get("cached"), totals.cached_tokens),
+        ("tokens.output", tokens.get("output"), totals.output_tokens),
+        ("parts", manifest.get("parts"), num_parts),
+        ("error_codes", manifest.get("error_codes"), totals.error_codes),
+        ("finish_reasons", manifest.get("finish_reasons"), totals.finish_reasons),
+    ]
+    return [f"{name}: _SUCCESS says {said}, the parts hold {held}" for name, said, held in expected if said != held]
+
+
+def record(name: str, stats: GroupStats, prices: Prices) -> dict[str, Any]:
+    """One group's (or the totals') figures; money as exact Decimal."""
+    in_cost = input_cost(prices, stats.input_tokens, stats.cached_tokens)
+    out_cost = output_cost(prices, stats.output_tokens)
+    mean = stats.output_lengths.mean()
+    return {
+        "group": name, "rows": stats.rows, "ok_rows": stats.ok_rows, "error_rows": stats.error_rows,
+        "error_codes": dict(sorted(stats.error_codes.items())),
+        "input_tokens": stats.input_tokens, "cached_tokens": stats.cached_tokens, "output_tokens": stats.output_tokens,
+        "finish_reasons": dict(sorted(stats.finish_reasons.items())),
+        "output_tokens_mean": None if mean is None else round(mean, 2),
+        "output_tokens_p95": stats.output_lengths.percentile(95),
+        "input_tokens_p95": stats.input_lengths.percentile(95),
+        "input_cost": in_cost, "output_cost": out_cost, "cost": add_costs(in_cost, out_cost),
+    }
+
+
+def records(report: Report, prices: Prices) -> list[dict[str, Any]]:
+    """The totals first (group "(total)"), then one record per group."""
+    return [record("(total)", report.totals, prices)] + [record(n, s, prices) for n, s in report.groups.items()]
+
+
+def to_json(report: Report, prices: Prices) -> str:
+    rows = [{k: money_text(v) if k.endswith("cost") else v for k, v in r.items()} for r in records(report, prices)]
+    body = {"path": str(report.path), "by": report.by, "status": report.status.line(),
+            "finished": report.status.finished, "parts": report.status.parts,
+            "mismatches": report.status.mismatches, "prices": prices.as_json(), "p95": "nearest rank, exact",
+            "totals": rows[0], "groups": rows[1:]}
+    return json.dumps(body, indent=2)
+
+
+def to_csv(report: Report, prices: Prices) -> str:
+    """One row per group after the totals row; finish reasons and error codes become columns."""
+    rows = records(report, prices)
+    reasons = sorted({k for r in rows for k in r["finish_reasons"]})
+    codes = sorted({k for r in rows for k in r["error_codes"]})
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    plain = [k for k in rows[0] if k not in ("finish_reasons", "error_codes")]
+    writer.writerow(plain + [f"finish_reason.{k}" for k in reasons] + [f"error_code.{k}" for k in codes])
+    for r in rows:
+        values = [money_text(r[k]) if k.endswith("cost") else r[k] for k in plain]
+        counts = [r["finish_reasons"].get(k, 0) for k in reasons] + [r["error_codes"].get(k, 0) for k in codes]
+        writer.writerow(values + counts)
+    return buf.getvalue()
+
+
+def to_text(report: Report, prices: Prices) -> str:
+    """An aligned terminal table with a status line and, when prices are missing, a hint."""
+    head = ["group", "rows", "ok", "errors", "input", "cached", "output", "out mean", "out p95", "cost",
+            "finish / errors"]
+    table = [head]
+    for r in records(report, prices):
+        mix = " ".join(f"{k}:{v}" for k, v in [*r["finish_reasons"].items(), *r["error_codes"].items()])
+        table.append([r["group"], r["rows"], r["ok_rows"], r["error_rows"], r["input_tokens"], r["cached_tokens"],
+                      r["output_tokens"], r["output_tokens_mean"], r["output_tokens_p95"],
+                      money_display(r["cost"]), mix])
+    cells = [[_cell(v) for v in row] for row in table]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    left = (0, len(head) - 1)
+    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+             for row in cells]
+    notes = [f"{report.path}: {report.status.line()}"]
+    if not prices.any_set:
+        notes.append("no prices: give --job JOB (its pricing section) or "
+                     "--price-input/--price-cached-input/--price-output")
+    return "\n".join(notes + lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)

@@ -1,0 +1,204 @@
+"""`batchgen estimate`: the input half of a job's bill before it runs. Reads and tokenizes the inputs
+exactly as `run` does (same checks, shards and RowPreparer), loads no weights, and predicts the
+prefix-cache hits by replaying the engine's full-block chained prefix matching over each ordered
+window.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.backends.base import context_length
+from batchgen.dataset import InputFile, Shard, plan_shards, read_shards
+from batchgen.errors import ModelError
+from batchgen.idcheck import find_duplicate_ids
+from batchgen.job import JobSpec
+from batchgen.ordering import order_requests
+from batchgen.prepare import PreparedRow, RowPreparer
+from batchgen.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
+from batchgen.report import IntHistogram
+from batchgen.validate import input_columns, load_tokenizer, validate_job
+
+log = logging.getLogger(__name__)
+MAX_ERROR_EXAMPLES = 5
+
+
+@dataclass
+class Estimate:
+    """What `run` would bill for the prompts, and at most how much it could generate."""
+
+    context_length: int
+    cache_enabled: bool  # native backend with enable_prefix_caching: cached_tokens will be billed
+    rows: int = 0
+    ok_rows: int = 0
+    input_tokens: int = 0  # ok rows only: an error row is billed nothing
+    shareable_tokens: int = 0  # prompt tokens a prefix cache would serve, whatever the backend
+    max_output_tokens: int = 0  # sum of each ok row's max_tokens after the cap to the context
+    error_codes: dict[str, int] = field(default_factory=dict)
+    error_examples: list[str] = field(default_factory=list)
+    input_lengths: IntHistogram = field(default_factory=IntHistogram)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.shareable_tokens if self.cache_enabled else 0
+
+    def add_window(self, rows: list[PreparedRow], ordering: str, block_size: int) -> None:
+        ok = [r for r in rows if r.ok]
+        self.rows += len(rows)
+        self.ok_rows += len(ok)
+        for r in rows:
+            if r.ok:
+                self.input_tokens += len(r.prompt_ids)
+                self.input_lengths.add(len(r.prompt_ids))
+                self.max_output_tokens += r.params.max_tokens
+            else:
+                self.error_codes[r.error_code] = self.error_codes.get(r.error_code, 0) + 1
+                if len(self.error_examples) < MAX_ERROR_EXAMPLES:
+                    self.error_examples.append(f"{r.error_code}: {r.error_message}")
+        prompts = [r.prompt_ids for r in ok]
+        self.shareable_tokens += prefix_cache_hits([prompts[i] for i in order_requests(prompts, ordering)], block_size)
+
+
+def prefix_cache_hits(prompts: list[list[int]], block_size: int) -> int:
+    """Prompt tokens served from the cache when `prompts` are admitted in this order.
+
+    As the engine's block manager does: only full blocks match, as a chain from the first token;
+    at least one token of each prompt is computed (its logits are needed); every full prompt
+    block is cached once computed. The cache is assumed unbounded (nothing is evicted).
+    """
+    nodes: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent node, block tokens) -> node id
+    hits = 0
+    for ids in prompts:
+        max_match = (len(ids) - 1) // block_size
+        parent = -1
+        for b in range(len(ids) // block_size):
+            key = (parent, tuple(ids[b * block_size : (b + 1) * block_size]))
+            node = nodes.get(key)
+            if node is None:
+                node = nodes[key] = len(nodes)
+            elif b < max_match:
+                hits += block_size  # why: a chained key hits only if every earlier block hit too
+            parent = node
+    return hits
+
+
+def estimate_job(spec: JobSpec) -> Estimate:
+    files = validate_job(spec)  # the same checks `run` makes before loading weights
+    tokenizer = load_tokenizer(spec.model.path)
+    max_len = _context_length(spec)
+    engine = spec.engine
+    est = Estimate(context_length=max_len, cache_enabled=engine.backend == "native" and engine.enable_prefix_caching)
+    preparer = RowPreparer(spec, tokenizer, max_len)
+    shards = plan_shards(files, engine.window_rows, spec.input.limit)
+    duplicates = find_duplicate_ids(files, shards, spec.input.id_column) if spec.input.id_column else {}
+    for shard, table in read_shards(files, shards, input_columns(spec)):
+        labels = _labels(spec, files[shard.file_index], shard, table)
+        rows = preparer.prepare(table, labels)
+        for i, row in enumerate(rows):  # as `run` does: a repeated id fails, its first use is served
+            duplicate = duplicates.get((shard.file_index, shard.start + i))
+            if duplicate is not None:
+                row.error_code, row.error_message, row.prompt_ids = "duplicate_id", f"{labels[i]}: {duplicate}", None
+        est.add_window(rows, engine.ordering, engine.block_size)
+        log.info("estimated %d of %d shards", shard.index + 1, len(shards))
+    return est
+
+
+def _context_length(spec: JobSpec) -> int:
+    if spec.engine.max_model_len is not None:
+        return spec.engine.max_model_len
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(spec.model.path)
+        return context_length(config.get_text_config())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model.path {spec.model.path}: {exc}") from exc
+
+
+def _labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
+    """Row names in error messages, as `run` writes them: file, row index, id."""
+    base = [f"{f.path} row {i}" for i in range(shard.start, shard.stop)]
+    if spec.input.id_column is None:
+        return base
+    return [f"{b} (id {v})" for b, v in zip(base, table.column(spec.input.id_column).to_pylist())]
+
+
+def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
+    """The estimate as JSON-ready data (money as exact decimal strings)."""
+    hist, engine = est.input_lengths, spec.engine
+    mean = hist.mean()
+    return {
+        "job": str(spec.source), "context_length": est.context_length,
+        "rows": {"total": est.rows, "ok": est.ok_rows, "error": est.rows - est.ok_rows},
+        "error_codes": dict(sorted(est.error_codes.items())), "error_examples": est.error_examples,
+        "input_tokens": {"total": est.input_tokens, "mean": None if mean is None else round(mean, 2),
+                         "p50": hist.percentile(50), "p95": hist.percentile(95), "max": hist.max()},
+        "prefix_cache": {
+            "enabled": est.cache_enabled, "cached_tokens": est.cached_tokens, "shareable_tokens": est.shareable_tokens,
+            "block_size": engine.block_size, "ordering": engine.ordering, "window_rows": engine.window_rows,
+            "assumption": _cache_assumption(est, spec),
+        },
+        "output_tokens": {"min": 0, "max": est.max_output_tokens},
+        "prices": prices.as_json(),
+        "cost": {k: money_text(v) for k, v in costs(est, prices).items()},
+    }
+
+
+def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
+    """Input cost exactly (and with the cache discount when a cached_input price is given), output
+    cost from zero to every row generating its max_tokens; totals use the discounted input cost."""
+    plain = input_cost(prices, est.input_tokens, 0)
+    cached = input_cost(prices, est.input_tokens, est.cached_tokens) if prices.cached_input is not None else None
+    out_max = output_cost(prices, est.max_output_tokens)
+    billed = cached if cached is not None else plain
+    return {
+        "input": plain, "input_with_cache": cached,
+        "output_min": None if out_max is None else Decimal(0), "output_max": out_max,
+        "total_min": billed, "total_max": add_costs(billed, out_max),
+    }
+
+
+def _cache_assumption(est: Estimate, spec: JobSpec) -> str:
+    scope = (f"full blocks of {spec.engine.block_size} tokens, an unbounded cache within each window of "
+             f"{spec.engine.window_rows} rows in '{spec.engine.ordering}' order and nothing counted across windows "
+             "(a real KV pool can evict within a window and keep blocks across windows)")
+    if est.cache_enabled:
+        return scope
+    why = "the hf backend has no prefix cache" if spec.engine.backend == "hf" else "engine.enable_prefix_caching is off"
+    return f"{why}, so 0 tokens will be cached; the native backend with caching would serve shareable_tokens ({scope})"
+
+
+def _discounted(cost: Decimal | None) -> str:
+    return "" if cost is None else f" ({money_display(cost)} with the cache discount)"
+
+
+def to_json(est: Estimate, spec: JobSpec, prices: Prices) -> str:
+    return json.dumps(summary(est, spec, prices), indent=2)
+
+
+def to_text(est: Estimate, spec: JobSpec, prices: Prices) -> str:
+    s = summary(est, spec, prices)
+    tok, pc, c = s["input_tokens"], s["prefix_cache"], costs(est, prices)
+    errors = ", ".join(f"{k} {v}" for k, v in s["error_codes"].items()) or "none"
+    lines = [
+        ("job", f"{s['job']} (context {est.context_length} tokens)"),
+        ("rows", f"{est.rows} ({est.ok_rows} ok; would fail: {errors})"),
+        ("input tokens", "  ".join(f"{k} {tok[k]}" for k in ("total", "mean", "p50", "p95", "max"))),
+        ("prefix cache", f"{pc['cached_tokens']} of {tok['total']} input tokens served from cache"),
+        ("", f"assumes {pc['assumption']}"),
+        ("output tokens", f"0 .. {est.max_output_tokens} (each row's max_tokens, capped to the context)"),
+        ("input cost", money_display(c["input"]) + _discounted(c["input_with_cache"])),
+        ("output cost", f"{money_display(c['output_min'])} .. {money_display(c['output_max'])}"),
+        ("total cost", f"{money_display(c['total_min'])} .. {money_display(c['total_max'])}"),
+    ]
+    lines += [("example error", e) for e in est.error_examples]
+    if not prices.any_set:
+        lines.append(("", "no prices: add a pricing section to the job or give --price-input/--price-output"))
+    width = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in lines) + "\n"

@@ -1,10 +1,12 @@
-"""The `batchgen` command line: run and validate job files; the only place that prints."""
+"""The `batchgen` command line: run, validate, estimate and report; the only place that prints."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import sys
+from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 
 import click
 
@@ -58,6 +60,85 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         files = validate_job(spec)
         rows = sum(f.num_rows for f in files)
         click.echo(f"batchgen: {job_file} is valid: {len(files)} input file(s), {rows} rows, model {spec.model.path}")
+
+    _guarded(work)
+
+
+def _price(ctx: click.Context, param: click.Parameter, value: str | None) -> Decimal | None:
+    if value is None:
+        return None
+    try:
+        price = Decimal(value)
+    except InvalidOperation:
+        raise click.BadParameter(f"{value!r} is not a number") from None
+    if not price.is_finite() or price < 0:
+        raise click.BadParameter(f"{value!r} must be a finite number >= 0")
+    return price
+
+
+def _price_options(command: Callable[..., None]) -> Callable[..., None]:
+    for name, what in (("output", "output"), ("cached-input", "cached input"), ("input", "input")):
+        command = click.option(f"--price-{name}", callback=_price, metavar="PRICE",
+                               help=f"Price per million {what} tokens (overrides the job's pricing).")(command)
+    return command
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@_price_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (for Airflow XCom) instead of a table.")
+def estimate(job_file: str, overrides: tuple[str, ...], price_input: Decimal | None, price_cached_input: Decimal | None,
+             price_output: Decimal | None, as_json: bool) -> None:
+    """Tokenize JOB_FILE's inputs as `run` would, without loading weights: rows, input tokens, failing
+    rows, prefix-cache hits and the cost range."""
+    _setup_logging(quiet=True)
+    from batchgen.estimate import estimate_job, to_json, to_text
+    from batchgen.pricing import Prices
+
+    def work() -> None:
+        spec = load_job(job_file, list(overrides))
+        prices = Prices.from_section(spec.pricing).overridden(price_input, price_cached_input, price_output)
+        est = estimate_job(spec)
+        click.echo(to_json(est, spec, prices) if as_json else to_text(est, spec, prices), nl=False)
+
+    _guarded(work)
+
+
+@main.command()
+@click.argument("output_dir", type=click.Path(file_okay=False))
+@click.option("--by", metavar="COLUMN", help="Group rows by this output column (e.g. a carried category).")
+@click.option("--job", "job_file", type=click.Path(dir_okay=False), help="Take prices from this job's pricing section.")
+@_price_options
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV: the totals row, then one row per group.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False), help="Write a self-contained HTML page here.")
+def report(output_dir: str, by: str | None, job_file: str | None, price_input: Decimal | None,
+           price_cached_input: Decimal | None, price_output: Decimal | None, as_csv: bool, as_json: bool,
+           html_file: str | None) -> None:
+    """Usage and cost of OUTPUT_DIR (finished or still running): totals and, with --by, per group."""
+    _setup_logging(quiet=True)
+    from batchgen import report as rep
+    from batchgen.errors import InputDataError
+    from batchgen.pricing import Prices
+    from batchgen.report_html import write_html
+
+    if as_csv + as_json + (html_file is not None) > 1:
+        raise click.UsageError("choose one of --csv, --json, --html")
+
+    def work() -> None:
+        base = Prices.from_section(load_job(job_file).pricing) if job_file else Prices()
+        prices = base.overridden(price_input, price_cached_input, price_output)
+        result = rep.read_report(output_dir, by)
+        if html_file is not None:
+            write_html(result, prices, html_file)
+            click.echo(f"batchgen: {result.status.line()}\nbatchgen: report written to {html_file}")
+        else:
+            render = rep.to_csv if as_csv else rep.to_json if as_json else rep.to_text
+            click.echo(render(result, prices), nl=False)
+        if result.status.mismatches:
+            raise InputDataError(f"{output_dir}: the committed parts disagree with _SUCCESS: "
+                                 + "; ".join(result.status.mismatches))
 
     _guarded(work)
 

@@ -139,28 +139,51 @@ def _prefill_mask(chunk: PrefillChunk, window: int | None, device: torch.device)
     return chunk.masks[window]
 
 
-def _attend(
+def _grouped_attention(
+    qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """qg [B, KVH, M, D] (the query rows of each KV head), k/v [B, KVH, L, D], mask [B|1, 1, M, L]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
+    # Soft-capping is not expressible in SDPA: transformers' eager formula (Gemma 2), in float32 softmax.
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scaling  # [B, KVH, M, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qg.dtype)
+    return torch.matmul(probs, v)  # [B, KVH, M, D]
+
+
+def _attend_decodes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [B, H, D], k/v [B, KVH, L, D], mask [B, 1, 1, L] -> [B, H, D]."""
+    b, h, d = q.shape
+    kvh = k.shape[1]
+    # why: a decode's G query heads per KV head share one position, so they can stand in as the
+    # query length of a plain attention; K/V are read once per KV head, never repeated (this is
+    # ~3x faster on CPU than SDPA's enable_gqa on a padded decode batch)
+    qg = q.reshape(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    return _grouped_attention(qg, k, v, mask, scaling, softcap).reshape(b, h, d)
+
+
+def _attend_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """q [B, H, Q, D], k/v [B, KVH, L, D], mask bool [B|1, 1, Q, L] (None: causal, Q == L)."""
-    if softcap is None:
-        gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
-        )
-    # Soft-capping is not expressible in SDPA: the eager formula of transformers (Gemma 2), with
-    # query heads grouped per KV head so K/V are broadcast rather than repeated.
-    b, h, nq, d = q.shape
+    """q [1, H, n, D], k/v [1, KVH, L, D], mask [1, 1, n, L] (None: causal, n == L) -> [1, H, n, D]."""
+    _, h, n, d = q.shape
     kvh, kv_len = k.shape[1], k.shape[2]
-    qg = q.reshape(b, kvh, h // kvh, nq, d)  # [B, KVH, G, Q, D]
-    scores = torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * scaling  # [B, KVH, G, Q, L]
-    scores = torch.tanh(scores / softcap) * softcap
-    if mask is None:  # causal, bottom-right aligned like SDPA's is_causal with Q == L
-        mask = torch.ones(nq, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - nq)[None, None]
-    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # mask [B|1, 1, 1, Q, L]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v[:, :, None]).reshape(b, h, nq, d)  # [B, H, Q, D]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=h != kvh
+        )
+    if mask is None:  # causal, bottom-right aligned
+        mask = torch.ones(n, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - n)[None, None]
+    g = h // kvh
+    qg = q.reshape(1, kvh, g * n, d)  # rows ordered (group member, position)
+    return _grouped_attention(qg, k, v, mask.repeat(1, 1, g, 1), scaling, softcap).reshape(1, h, n, d)
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
@@ -182,9 +205,8 @@ def _torch_paged_attention(
         n = group.num_seqs
         k = _gather(k_cache, group.gather_index, n)  # [B, KVH, L, D]
         v = _gather(v_cache, group.gather_index, n)
-        qd = q[:, :n].transpose(0, 1)[:, :, None]  # [B, H, 1, D]
-        res = _attend(qd, k, v, _decode_mask(group, block_size, window), scaling, softcap)
-        out[:n] = res[:, :, 0]
+        qd = q[:, :n].transpose(0, 1)  # [B, H, D]
+        out[:n] = _attend_decodes(qd, k, v, _decode_mask(group, block_size, window), scaling, softcap)
     for chunk in ctx.prefills:
         if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
             k, v = key[None, :, chunk.start:chunk.end], value[None, :, chunk.start:chunk.end]
@@ -193,7 +215,7 @@ def _torch_paged_attention(
             k = _gather(k_cache, chunk.block_table, 1)[:, :, :total]  # [1, KVH, total, D]
             v = _gather(v_cache, chunk.block_table, 1)[:, :, :total]
         qc = q[None, :, chunk.start:chunk.end]  # [1, H, n, D]
-        res = _attend(qc, k, v, _prefill_mask(chunk, window, q.device), scaling, softcap)
+        res = _attend_chunk(qc, k, v, _prefill_mask(chunk, window, q.device), scaling, softcap)
         out[chunk.start:chunk.end] = res[0].transpose(0, 1)
     return out
 

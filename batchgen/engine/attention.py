@@ -259,6 +259,13 @@ def paged_attention_forward(
     """query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: attention sinks (s_aux) are not supported")
+    if attention_mask is not None:
+        raise NotImplementedError(
+            f"{ATTN_IMPLEMENTATION}: {type(module).__name__} built its own attention mask; only causal "
+            "(optionally sliding-window) attention is supported"
+        )
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: non-causal attention ({type(module).__name__})")
     if query.shape[0] != 1:
         raise ValueError(f"{ATTN_IMPLEMENTATION} expects one packed row, got batch size {query.shape[0]}")
     ctx = _current_context()

@@ -68,7 +68,7 @@ class StopChecker:
         # ids given to the stream that produced no text yet, and the ids just before them
         self._pending: list[int] = []
         self._context: list[int] = self._prime_ids(prompt_token_ids or [])
-        self._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
+        self._stream: DecodeStream | None = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
 
     @property
     def text(self) -> str:
@@ -138,18 +138,25 @@ class StopChecker:
 
     def _step(self, token_id: int) -> str:
         """New complete text for `token_id` ('' while a character is incomplete)."""
-        try:
-            chunk = self._stream.step(self._backend, token_id)
-        except Exception as err:  # tokenizers raises when a decoder rewrites earlier text
-            logger.debug("DecodeStream failed (%s); decoding token %d with context instead", err, token_id)
-            chunk = self._decode_with_context([*self._pending, token_id])
-            self._advance_context(token_id)
-            self._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
-            return chunk
-        if chunk is None:
+        if self._stream is not None:
+            try:
+                chunk = self._stream.step(self._backend, token_id)
+            except Exception as err:  # tokenizers raises when a decoder rewrites earlier text
+                logger.debug("DecodeStream failed at token %d (%s); decoding it with context", token_id, err)
+                self._stream = None
+            else:
+                if chunk is None:
+                    self._pending.append(token_id)
+                    return ""
+                self._advance_context(token_id)
+                return chunk
+        # the stream's rule by hand, until the text is whole again and a fresh stream can take over
+        chunk = self._decode_with_context([*self._pending, token_id])
+        if not chunk or chunk.endswith(REPLACEMENT_CHAR):
             self._pending.append(token_id)
             return ""
         self._advance_context(token_id)
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
         return chunk
 
     def _advance_context(self, token_id: int) -> None:

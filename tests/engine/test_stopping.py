@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
+from batchgen.engine import stopping
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.stopping import REPLACEMENT_CHAR, StopChecker
 
@@ -115,6 +117,34 @@ def test_stop_strings_on_random_sequences_match_reference(tok: Any) -> None:
         text, k, stop = reference(tok, ids, stops, include)
         assert (checker.text, used, checker.stop_reason) == (text, k, stop), (ids, stops)
         assert checker.finish_reason == ("stop" if stop else "length")
+
+
+class FlakyStream:
+    """A DecodeStream that raises on every 3rd step, as tokenizers does on an invalid prefix."""
+
+    steps = 0
+
+    def __init__(self, ids: list[int] | None = None, skip_special_tokens: bool = False) -> None:
+        self._inner = DecodeStream(ids=ids, skip_special_tokens=skip_special_tokens)
+
+    def step(self, tokenizer: Any, token_id: int) -> str | None:
+        FlakyStream.steps += 1
+        if FlakyStream.steps % 3 == 0:
+            raise Exception("Invalid prefix encountered")
+        return self._inner.step(tokenizer, token_id)
+
+
+def test_a_failing_stream_is_replaced_without_changing_the_text(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stopping, "DecodeStream", FlakyStream)
+    rng = random.Random(3)
+    for _ in range(150):
+        ids, prompt = random_ids(tok, rng), random_ids(tok, rng)
+        checker, _ = run(tok, ids, prompt=prompt, ignore_eos=True)
+        assert checker.text == tok.decode(ids, skip_special_tokens=True)
+        stops = [tok.decode(ids[:3], skip_special_tokens=True).replace(REPLACEMENT_CHAR, "")[-2:] or "x"]
+        checker, used = run(tok, ids, stop=stops, ignore_eos=True)
+        assert (checker.text, used, checker.stop_reason) == reference(tok, ids, stops, include=False)
+    assert FlakyStream.steps > 1000
 
 
 def test_multibyte_characters_come_out_whole(tok: Any) -> None:

@@ -7,12 +7,16 @@ the string, or kept through it with `include_stop_str_in_output`); otherwise rea
 `max_tokens` finishes it with "length".
 
 Detokenization uses tokenizers' `DecodeStream`, which decodes only a short window per step and
-holds text back while a multi-byte character is incomplete, so characters come out whole.
+holds text back while a multi-byte character is incomplete, so characters come out whole; bytes
+still incomplete when the request ends come out as U+FFFD, as `tokenizer.decode` writes them.
+For byte-level BPE the final `text` equals `tokenizer.decode(output_ids)` cut at the stop.
 The stream is primed with the end of the prompt: SentencePiece-style (Metaspace) decoders strip
 the leading space of the *first* decoded token, and priming keeps the space that separates the
-completion from the prompt (vLLM does the same). So for such tokenizers `text` may start with a
-space that `tokenizer.decode(output_ids)` drops; for byte-level BPE the two are equal.
-transformers' `clean_up_tokenization_spaces` is not applied (it rewrites text like " ." -> ".").
+completion from the prompt (vLLM does the same): `text` is decode(prompt + output) minus
+decode(prompt), so it may start with a space that `tokenizer.decode(output_ids)` drops.
+Known difference: a ByteFallback decoder turns a whole run of byte tokens into U+FFFD when the
+run is not valid UTF-8 (even its valid characters); the stream keeps characters it already
+emitted. transformers' `clean_up_tokenization_spaces` is not applied (" ." stays " .").
 """
 
 from __future__ import annotations

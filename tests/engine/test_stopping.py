@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+import string
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
@@ -263,3 +264,24 @@ def test_metaspace_keeps_the_leading_space_when_primed() -> None:
     assert tok.decode(prompt + out) == "hello world the fox"
     assert run(tok, out, prompt=prompt)[0].text == " the fox"  # the completion of the prompt
     assert run(tok, out)[0].text == "the fox"
+
+
+def test_llama_style_byte_fallback_text_is_the_continuation_of_the_prompt() -> None:
+    """Metaspace + byte fallback (Llama 2 / Mistral style): characters outside the vocab are byte tokens."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", *string.ascii_lowercase, ".", "▁the", "▁fox", "he"]:
+        vocab[piece] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", clean_up_tokenization_spaces=False)
+    rng = random.Random(4)
+    words = ["é", "😀", "日本", "the", "fox", "ñandú", "ok."]
+    for _ in range(200):
+        out = backend.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))).ids
+        prompt = backend.encode(rng.choice(["hello world", "the fox", "café"])).ids
+        checker, _ = run(tok, out, prompt=prompt)
+        full, head = tok.decode(prompt + out), tok.decode(prompt)
+        assert checker.text == full[len(head):] == " " + tok.decode(out)
+        assert REPLACEMENT_CHAR not in checker.text

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from batchgen.backends.base import context_length
@@ -52,12 +53,12 @@ class Estimate:
         ok = [r for r in rows if r.ok]
         self.rows += len(rows)
         self.ok_rows += len(ok)
+        lengths = [len(r.prompt_ids) for r in ok]
+        self.input_tokens += sum(lengths)
+        self.input_lengths.add_many(np.array(lengths, np.int64))
+        self.max_output_tokens += sum(r.params.max_tokens for r in ok)
         for r in rows:
-            if r.ok:
-                self.input_tokens += len(r.prompt_ids)
-                self.input_lengths.add(len(r.prompt_ids))
-                self.max_output_tokens += r.params.max_tokens
-            else:
+            if not r.ok:
                 self.error_codes[r.error_code] = self.error_codes.get(r.error_code, 0) + 1
                 if len(self.error_examples) < MAX_ERROR_EXAMPLES:
                     self.error_examples.append(f"{r.error_code}: {r.error_message}")

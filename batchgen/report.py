@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -36,36 +37,39 @@ NULL_NAME = "(null)"
 
 @dataclass
 class IntHistogram:
-    """Exact counts of integer values (token lengths)."""
+    """Exact counts of integer values (token lengths): sorted distinct values and their counts."""
 
-    counts: dict[int, int] = field(default_factory=dict)
+    values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [distinct], ascending
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [distinct]
 
-    def add(self, value: int, count: int = 1) -> None:
-        self.counts[value] = self.counts.get(value, 0) + count
+    def add_many(self, values: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Count each of `values` (`counts[i]` times when given); vectorized, no per-value Python."""
+        values = np.asarray(values, np.int64)
+        counts = np.ones(len(values), np.int64) if counts is None else np.asarray(counts, np.int64)
+        merged, inverse = np.unique(np.concatenate([self.values, values]), return_inverse=True)
+        summed = np.zeros(len(merged), np.int64)
+        np.add.at(summed, inverse, np.concatenate([self.counts, counts]))
+        self.values, self.counts = merged, summed
 
     def merge(self, other: IntHistogram) -> None:
-        for value, count in other.counts.items():
-            self.add(value, count)
+        self.add_many(other.values, other.counts)
 
     @property
     def n(self) -> int:
-        return sum(self.counts.values())
+        return int(self.counts.sum())
 
     def mean(self) -> float | None:
-        n = self.n
-        return sum(v * c for v, c in self.counts.items()) / n if n else None
+        return int((self.values * self.counts).sum()) / self.n if self.n else None
 
     def max(self) -> int | None:
-        return max(self.counts) if self.counts else None
+        return int(self.values[-1]) if len(self.values) else None
 
     def percentile(self, q: float) -> int | None:
         """Nearest-rank percentile: the smallest value with at least q% of the values <= it."""
-        rank, seen = max(1, math.ceil(q / 100 * self.n)), 0
-        for value in sorted(self.counts):
-            seen += self.counts[value]
-            if seen >= rank:
-                return value
-        return None  # no values
+        if not self.n:
+            return None
+        rank = max(1, math.ceil(q / 100 * self.n))
+        return int(self.values[np.searchsorted(np.cumsum(self.counts), rank)])
 
 
 @dataclass
@@ -120,17 +124,13 @@ class Report:
     status: OutputStatus
 
 
-def committed_parts(out_dir: Path) -> list[Path]:
-    if not out_dir.is_dir():
-        raise InputDataError(f"{out_dir}: no such output folder")
-    # Why the glob is enough: a part in flight has a hidden temporary name (".part-...tmp").
-    return sorted(p for p in out_dir.glob(PART_GLOB) if p.is_file())
-
-
 def read_report(out_dir: str | Path, by: str | None = None) -> Report:
     """Stream every committed part of `out_dir` once; group by the `by` column when given."""
     out_dir = Path(out_dir)
-    parts = committed_parts(out_dir)
+    if not out_dir.is_dir():
+        raise InputDataError(f"{out_dir}: no such output folder")
+    # Why the glob is enough: a part in flight has a hidden temporary name (".part-...tmp").
+    parts = sorted(p for p in out_dir.glob(PART_GLOB) if p.is_file())
     if not parts:
         raise InputDataError(f"{out_dir}: no committed part-*.parquet files (has the run started?)")
     groups: dict[str, GroupStats] = {}
@@ -178,19 +178,36 @@ def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -
         stats = groups.setdefault(_group_name(row, by), GroupStats())
         count, code = row["count_all"], row["error_code"]
         stats.rows += count
+        _add_counts(stats.error_codes, {code: count} if code is not None else {})
         stats.ok_rows += count if code is None else 0
-        if code is not None:
-            _add_counts(stats.error_codes, {code: count})
         _add_counts(stats.finish_reasons, {_text(row["finish_reason"]): count})
         stats.input_tokens += row["input_tokens_sum"] or 0
         stats.cached_tokens += row["cached_tokens_sum"] or 0
         stats.output_tokens += row["output_tokens_sum"] or 0
     ok = table.filter(pc.is_null(table.column("error_code")))
+    if ok.num_rows:
+        _add_lengths(groups, ok, by)
+
+
+def _add_lengths(groups: dict[str, GroupStats], ok: pa.Table, by: str | None) -> None:
+    """Length histograms of ok rows: rows sorted by group, then one vectorized count per group."""
+    if by is None:
+        names, index = ["all"], np.zeros(ok.num_rows, np.int64)
+    else:
+        column = ok.column(by).combine_chunks()
+        if pa.types.is_dictionary(column.type):  # why: its own dictionary would keep nulls out of it
+            column = column.cast(column.type.value_type)
+        encoded = pc.dictionary_encode(column, null_encoding="encode")
+        names = [_text(v) for v in encoded.dictionary.to_pylist()]
+        index = encoded.indices.to_numpy(zero_copy_only=False)
+    order = np.argsort(index, kind="stable")
+    cuts = np.flatnonzero(np.diff(index[order])) + 1
     for column, attr in (("input_tokens", "input_lengths"), ("output_tokens", "output_lengths")):
-        lengths = ok.group_by(list(dict.fromkeys(keys + [column])), use_threads=False).aggregate([([], "count_all")])
-        for row in lengths.to_pylist():
-            if row[column] is not None:
-                getattr(groups.setdefault(_group_name(row, by), GroupStats()), attr).add(row[column], row["count_all"])
+        lengths = ok.column(column).fill_null(0).to_numpy()[order]
+        for rows in np.split(np.arange(len(order)), cuts):
+            stats = groups.setdefault(names[index[order[rows[0]]]], GroupStats())
+            values, counts = np.unique(lengths[rows], return_counts=True)
+            getattr(stats, attr).add_many(values, counts)
 
 
 def _group_name(row: dict[str, Any], by: str | None) -> str:
@@ -275,9 +292,8 @@ def to_csv(report: Report, prices: Prices) -> str:
     plain = [k for k in rows[0] if k not in ("finish_reasons", "error_codes")]
     writer.writerow(plain + [f"finish_reason.{k}" for k in reasons] + [f"error_code.{k}" for k in codes])
     for r in rows:
-        values = [money_text(r[k]) if k.endswith("cost") else r[k] for k in plain]
         counts = [r["finish_reasons"].get(k, 0) for k in reasons] + [r["error_codes"].get(k, 0) for k in codes]
-        writer.writerow(values + counts)
+        writer.writerow([money_text(r[k]) if k.endswith("cost") else r[k] for k in plain] + counts)
     return buf.getvalue()
 
 
@@ -291,7 +307,7 @@ def to_text(report: Report, prices: Prices) -> str:
         table.append([r["group"], r["rows"], r["ok_rows"], r["error_rows"], r["input_tokens"], r["cached_tokens"],
                       r["output_tokens"], r["output_tokens_mean"], r["output_tokens_p95"],
                       money_display(r["cost"]), mix])
-    cells = [[_cell(v) for v in row] for row in table]
+    cells = [["-" if v is None else str(v) for v in row] for row in table]
     widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
     left = (0, len(head) - 1)
     lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
@@ -301,7 +317,3 @@ def to_text(report: Report, prices: Prices) -> str:
         notes.append("no prices: give --job JOB (its pricing section) or "
                      "--price-input/--price-cached-input/--price-output")
     return "\n".join(notes + lines) + "\n"
-
-
-def _cell(value: Any) -> str:
-    return "-" if value is None else str(value)

@@ -9,6 +9,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from batchgen.errors import OutputError
 from batchgen.pricing import Prices, money_display
 from batchgen.report import IntHistogram, Report, records
@@ -106,17 +108,16 @@ def _outcome_table(rows: list[dict[str, Any]]) -> str:
 
 def _bins(hist: IntHistogram) -> list[tuple[int, int, int]]:
     """(low, high, rows) for at most MAX_BINS equal-width integer bins from the min to the max."""
-    low, high = min(hist.counts), max(hist.counts)
+    low, high = int(hist.values[0]), int(hist.values[-1])
     width = max(1, -(-(high - low + 1) // MAX_BINS))
-    bins = [[low + i * width, low + (i + 1) * width - 1, 0] for i in range((high - low) // width + 1)]
-    for value, count in hist.counts.items():
-        bins[(value - low) // width][2] += count
-    return [(a, b, c) for a, b, c in bins]
+    rows = np.zeros((high - low) // width + 1, np.int64)
+    np.add.at(rows, (hist.values - low) // width, hist.counts)
+    return [(low + i * width, low + (i + 1) * width - 1, int(c)) for i, c in enumerate(rows)]
 
 
 def histogram_svg(hist: IntHistogram, label: str) -> str:
     """A bar chart of rows per length bin; each bar's tooltip gives its range and count."""
-    if not hist.counts:
+    if not hist.n:
         return '<p class="note">no rows</p>'
     bins = _bins(hist)
     peak = max(c for _, _, c in bins)

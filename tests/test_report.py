@@ -11,6 +11,7 @@ import shutil
 from decimal import Decimal
 from pathlib import Path
 
+import numpy as np
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -170,3 +171,25 @@ def test_clear_errors(output: Path, tmp_path: Path) -> None:
     pq.write_table(foreign, tmp_path / "empty" / "part-000000.parquet")
     code, _, err = _report(str(tmp_path / "empty"))
     assert code == 3 and "not a batchgen output" in err
+
+
+def test_histograms_and_null_or_dictionary_groups_on_a_written_part(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from batchgen.report import IntHistogram, read_report
+
+    hist = IntHistogram()
+    hist.add_many(np.array([5, 1, 3, 3]))
+    hist.merge(hist)
+    assert (hist.n, hist.max(), hist.mean(), hist.percentile(50), hist.percentile(95)) == (8, 5, 3.0, 3, 5)
+    category = pa.array(["a", None, "b", "a", None, "b"]).dictionary_encode()
+    table = pa.table({"category": category, "finish_reason": ["stop", "length", "error", "stop", "stop", "length"],
+                      "error_code": [None, None, "empty_prompt", None, None, None],
+                      "input_tokens": [3, 4, 0, 5, 6, 7], "cached_tokens": [0, 2, 0, 3, 0, 0],
+                      "output_tokens": [1, 2, 0, 3, 4, 5]})
+    pq.write_table(table, tmp_path / "part-000000.parquet")
+    report = read_report(tmp_path, "category")
+    assert list(report.groups) == ["(null)", "a", "b"]
+    assert [g.rows for g in report.groups.values()] == [2, 2, 2]
+    assert report.groups["b"].error_codes == {"empty_prompt": 1} and report.groups["b"].output_lengths.n == 1
+    assert report.groups["(null)"].output_lengths.percentile(95) == 4 and report.totals.cached_tokens == 5

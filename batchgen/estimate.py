@@ -13,10 +13,9 @@ from decimal import Decimal
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from batchgen.backends.base import context_length
-from batchgen.dataset import InputFile, Shard, plan_shards, read_shards
+from batchgen.dataset import plan_shards, read_shards
 from batchgen.errors import ModelError
 from batchgen.idcheck import find_duplicate_ids
 from batchgen.job import JobSpec
@@ -99,12 +98,7 @@ def estimate_job(spec: JobSpec) -> Estimate:
     shards = plan_shards(files, engine.window_rows, spec.input.limit)
     duplicates = find_duplicate_ids(files, shards, spec.input.id_column) if spec.input.id_column else {}
     for shard, table in read_shards(files, shards, input_columns(spec)):
-        labels = _labels(spec, files[shard.file_index], shard, table)
-        rows = preparer.prepare(table, labels)
-        for i, row in enumerate(rows):  # as `run` does: a repeated id fails, its first use is served
-            duplicate = duplicates.get((shard.file_index, shard.start + i))
-            if duplicate is not None:
-                row.error_code, row.error_message, row.prompt_ids = "duplicate_id", f"{labels[i]}: {duplicate}", None
+        rows = preparer.prepare_shard(files[shard.file_index], shard, table, duplicates)
         est.add_window(rows, engine.ordering, engine.block_size)
         log.info("estimated %d of %d shards", shard.index + 1, len(shards))
     return est
@@ -120,14 +114,6 @@ def _context_length(spec: JobSpec) -> int:
         return context_length(config.get_text_config())
     except (OSError, ValueError) as exc:
         raise ModelError(f"model.path {spec.model.path}: {exc}") from exc
-
-
-def _labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
-    """Row names in error messages, as `run` writes them: file, row index, id."""
-    base = [f"{f.path} row {i}" for i in range(shard.start, shard.stop)]
-    if spec.input.id_column is None:
-        return base
-    return [f"{b} (id {v})" for b, v in zip(base, table.column(spec.input.id_column).to_pylist())]
 
 
 def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchgen.dataset import InputFile, Shard
 from batchgen.engine.params import SamplingParams
 from batchgen.job import JobSpec
 
@@ -44,6 +45,18 @@ class RowPreparer:
         texts = self._texts(table, rows, labels)
         self._tokenize(texts, rows, labels)
         self._sampling(table, rows, labels)
+        return rows
+
+    def prepare_shard(
+        self, f: InputFile, shard: Shard, table: pa.Table, duplicates: dict[tuple[int, int], str]
+    ) -> list[PreparedRow]:
+        """Prepare a shard's rows; a repeated id (see idcheck) fails, its first use is served."""
+        labels = row_labels(self.spec, f, shard, table)
+        rows = self.prepare(table, labels)
+        for i, row in enumerate(rows):
+            duplicate = duplicates.get((shard.file_index, shard.start + i))
+            if duplicate is not None:
+                row.error_code, row.error_message, row.prompt_ids = "duplicate_id", f"{labels[i]}: {duplicate}", None
         return rows
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
@@ -105,6 +118,14 @@ class RowPreparer:
             except (ValueError, TypeError) as exc:
                 row.error_code = "invalid_sampling"
                 row.error_message = f"{labels[i]}: per-row sampling columns {sorted(columns.values())}: {exc}"
+
+
+def row_labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
+    """Row names in error messages: file, row index, and id when the job has one."""
+    base = [f"{f.path} row {i}" for i in range(shard.start, shard.stop)]
+    if spec.input.id_column is None:
+        return base
+    return [f"{b} (id {v})" for b, v in zip(base, table.column(spec.input.id_column).to_pylist())]
 
 
 class RowError(Exception):

@@ -126,12 +126,7 @@ class JobRunner:
     def _run_shard(
         self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, preparer: RowPreparer, bar: tqdm
     ) -> dict[str, list[Any]]:
-        labels = _labels(self.spec, f, shard, table)
-        rows = preparer.prepare(table, labels)
-        for i, row in enumerate(rows):
-            duplicate = self.duplicates.get((shard.file_index, shard.start + i))
-            if duplicate is not None:
-                row.error_code, row.error_message, row.prompt_ids = "duplicate_id", f"{labels[i]}: {duplicate}", None
+        rows = preparer.prepare_shard(f, shard, table, self.duplicates)
         ok = [i for i, r in enumerate(rows) if r.ok]
         bar.update(len(rows) - len(ok))  # error rows are done already
         order = [ok[j] for j in order_requests([rows[i].prompt_ids for i in ok], self.spec.engine.ordering)]
@@ -183,10 +178,3 @@ class JobRunner:
 def _read_columns(spec: JobSpec, carried: list[str]) -> list[str]:
     return list(dict.fromkeys(input_columns(spec) + carried))
 
-
-def _labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
-    base = [f"{f.path} row {i}" for i in range(shard.start, shard.stop)]
-    if spec.input.id_column is None:
-        return base
-    ids = table.column(spec.input.id_column).to_pylist()
-    return [f"{b} (id {v})" for b, v in zip(base, ids)]

@@ -9,7 +9,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
-import pytest
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 

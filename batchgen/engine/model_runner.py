@@ -74,6 +74,9 @@ def build_forward_context(
     if any(c.num_tokens == 1 for c in chunks[num_dec:]):
         raise ValueError("one-token chunks must come first in the packed order")
     needed = [math.ceil((c.context_start + c.num_tokens) / block_size) for c in chunks]
+    short = [i for i, (c, n) in enumerate(zip(chunks, needed)) if len(c.block_table) < n]
+    if short:  # why: a missing block would silently alias block 0 (another sequence's K/V)
+        raise RuntimeError(f"chunks {short[:5]} have fewer KV blocks than their tokens need")
     max_blocks = max(needed)
     # [N, max_blocks]; padding points at block 0, which masks always hide
     tables = torch.tensor([c.block_table[:n] + [0] * (max_blocks - n) for c, n in zip(chunks, needed)])

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from batchgen.backends.base import context_length
+from batchgen.engine.models import resolve_max_model_len
 from batchgen.dataset import plan_shards, read_shards
 from batchgen.errors import ModelError
 from batchgen.idcheck import find_duplicate_ids
@@ -105,13 +105,11 @@ def estimate_job(spec: JobSpec) -> Estimate:
 
 
 def _context_length(spec: JobSpec) -> int:
-    if spec.engine.max_model_len is not None:
-        return spec.engine.max_model_len
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(spec.model.path)
-        return context_length(config.get_text_config())
+        return resolve_max_model_len(config, spec.engine.max_model_len)
     except (OSError, ValueError) as exc:
         raise ModelError(f"model.path {spec.model.path}: {exc}") from exc
 

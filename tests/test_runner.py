@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 from transformers import AutoTokenizer
 
@@ -52,21 +53,47 @@ def test_glob_folder_and_file_inputs_keep_input_order(tmp_path: Path, tiny_model
     assert _read(single).column("id").to_pylist() == expected[7:14]
 
 
-def test_usage_equals_tokenizer_counts(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_usage_equals_tokenizer_counts(tmp_path: Path, tiny_model_dir: Path, backend: str) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [p * k for k, p in enumerate(PROMPTS, start=1)]
     write_parquet(tmp_path / "in.parquet", {"id": ["a", "b", "c", "d"], "prompt": prompts})
     out = tmp_path / "out"
-    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out, sampling={"max_tokens": 6, "ignore_eos": True})
+    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out, sampling={"max_tokens": 6, "ignore_eos": True},
+                   engine={"backend": backend})
     code, text = _run(write_job(tmp_path / "job.yaml", job))
     assert code == 0, text
     rows = _read(out).to_pylist()
     assert [r["input_tokens"] for r in rows] == [len(tok(p)["input_ids"]) for p in prompts]
     assert all(r["output_tokens"] == 6 and r["finish_reason"] == "length" for r in rows)
-    assert all(r["cached_tokens"] == 0 for r in rows)  # the hf backend has no prefix cache
     manifest = json.loads((out / "_SUCCESS").read_text())
     assert manifest["tokens"]["input"] == sum(r["input_tokens"] for r in rows)
     assert manifest["tokens"]["output"] == 24
+    assert manifest["backend"] == backend
+    if backend == "hf":
+        assert all(r["cached_tokens"] == 0 for r in rows)  # the hf backend has no prefix cache
+
+
+def test_backends_agree_and_native_serves_shared_prefixes_from_cache(tmp_path: Path, tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    preamble = "once upon a time there was a little cat who liked to play in the sun. " * 4
+    prompts = [preamble + p for p in PROMPTS] * 3
+    write_parquet(tmp_path / "in.parquet", {"id": [str(i) for i in range(12)], "prompt": prompts})
+    rows = {}
+    for backend in ("hf", "native"):
+        out = tmp_path / backend
+        job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out, sampling={"max_tokens": 10},
+                       engine={"backend": backend, "window_rows": 12, "block_size": 8})
+        code, text = _run(write_job(tmp_path / f"{backend}.yaml", job))
+        assert code == 0, text
+        rows[backend] = _read(out).to_pylist()
+    for hf_row, native_row in zip(rows["hf"], rows["native"]):  # greedy: the same tokens either way
+        assert native_row["generated_text"] == hf_row["generated_text"]
+        assert native_row["output_tokens"] == hf_row["output_tokens"]
+    shared_blocks = len(tok(preamble)["input_ids"]) // 8
+    cached = [r["cached_tokens"] for r in rows["native"]]
+    assert sum(c >= shared_blocks * 8 for c in cached) >= 11  # all but the first one computed
+    assert all(c < r["input_tokens"] for c, r in zip(cached, rows["native"]))
 
 
 def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchgen.backends.base import OnOutput, context_length, eos_token_ids
+from batchgen.backends.base import OnOutput
+from batchgen.engine.llm import eos_token_ids
+from batchgen.engine.models import resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.stopping import StopChecker
@@ -32,15 +34,15 @@ class HFBackend:
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.batch_size = spec.engine.batch_size
-        self.device = _pick_device(spec.model.device)
-        dtype = _pick_dtype(spec.model.dtype, self.device)
+        self.device = resolve_device(spec.model.device)
+        dtype = resolve_dtype(spec.model.dtype, self.device)
         try:
             self.model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).to(self.device)
+            self.max_model_len = resolve_max_model_len(self.model.config, spec.engine.max_model_len)
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: cannot load the model: {exc}") from exc
         self.model.eval()
-        self.max_model_len = spec.engine.max_model_len or context_length(self.model.config)
-        self.eos_ids = eos_token_ids(self.model.generation_config, tokenizer)
+        self.eos_ids = set(eos_token_ids(self.model, tokenizer))
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
 
@@ -111,15 +113,3 @@ class HFBackend:
             stop_reason=checker.stop_reason,
         )
 
-
-def _pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
-    return getattr(torch, dtype)

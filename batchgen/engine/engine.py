@@ -109,6 +109,9 @@ class Engine:
         sampled = [seq for i, seq in enumerate(batch.seqs) if batch.needs_sample(i)]
         self._count(batch)
         logits = self.runner.execute(batch)  # [len(sampled), vocab]
+        if sampled and bool(logits.isnan().any()):
+            # why: a NaN would be "sampled" into garbage silently; failing lets the job retry
+            raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {[s.seq_id for s in sampled][:8]})")
         self.scheduler.advance(batch)
         if sampled:
             tokens = self.sampler(logits, sampled)

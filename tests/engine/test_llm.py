@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from batchgen import LLM, RequestOutput, SamplingParams
 
@@ -86,3 +87,19 @@ def test_bad_arguments_raise(llm: LLM) -> None:
         llm.generate([[1, 2]], [SamplingParams(), SamplingParams()])
     with pytest.raises(TypeError):
         llm.generate("w2 w3")  # type: ignore[arg-type]
+
+
+def test_nan_logits_raise_instead_of_sampling_garbage(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fresh = LLM(str(tiny_model("llama")), num_kv_blocks=32)  # why fresh: the failed step leaves state behind
+    runner = fresh.engine.runner
+    real = runner.execute
+
+    def poisoned(batch):  # type: ignore[no-untyped-def]
+        logits = real(batch)
+        return torch.full_like(logits, float("nan"))
+
+    monkeypatch.setattr(runner, "execute", poisoned)
+    with pytest.raises(RuntimeError, match="NaN logits"):
+        fresh.generate([[1, 2, 3]], SamplingParams(max_tokens=2))

@@ -118,7 +118,8 @@ def report(output_dir: str, by: str | None, job_file: str | None, price_input: D
            html_file: str | None) -> None:
     """Usage and cost of OUTPUT_DIR (finished or still running): totals and, with --by, per group."""
     _setup_logging(quiet=True)
-    from batchgen import report as rep
+    from batchgen import report_render as render_as
+    from batchgen.report import read_report
     from batchgen.errors import InputDataError
     from batchgen.pricing import Prices
     from batchgen.report_html import write_html
@@ -129,12 +130,12 @@ def report(output_dir: str, by: str | None, job_file: str | None, price_input: D
     def work() -> None:
         base = Prices.from_section(load_job(job_file).pricing) if job_file else Prices()
         prices = base.overridden(price_input, price_cached_input, price_output)
-        result = rep.read_report(output_dir, by)
+        result = read_report(output_dir, by)
         if html_file is not None:
             write_html(result, prices, html_file)
             click.echo(f"batchgen: {result.status.line()}\nbatchgen: report written to {html_file}")
         else:
-            render = rep.to_csv if as_csv else rep.to_json if as_json else rep.to_text
+            render = render_as.to_csv if as_csv else render_as.to_json if as_json else render_as.to_text
             click.echo(render(result, prices), nl=False)
         if result.status.mismatches:
             raise InputDataError(f"{output_dir}: the committed parts disagree with _SUCCESS: "

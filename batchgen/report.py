@@ -1,6 +1,6 @@
 """Usage and cost from an output dataset: streams the committed parts' usage columns into
-per-group token totals, row outcomes and exact length histograms, cross-checks a finished run's
-`_SUCCESS`, and lays the result out as records (JSON), CSV and a terminal table.
+per-group token totals, row outcomes and exact length histograms, and cross-checks a finished
+run's `_SUCCESS`. Rendering (records, JSON, CSV, terminal table) lives in report_render.
 
 Memory is bounded by the number of groups times the number of DISTINCT token lengths (at most
 the context length each), never by the number of rows: lengths are kept as exact integer
@@ -9,8 +9,6 @@ histograms, so p95 is exact.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
 import math
@@ -27,7 +25,6 @@ import pyarrow.dataset as ds
 from batchgen.errors import InputDataError
 from batchgen.jobstate import SUCCESS_NAME
 from batchgen.output import PART_GLOB
-from batchgen.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
 
 log = logging.getLogger(__name__)
 USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
@@ -249,71 +246,3 @@ def _mismatches(manifest: dict[str, Any], num_parts: int, totals: GroupStats) ->
         ("finish_reasons", manifest.get("finish_reasons"), totals.finish_reasons),
     ]
     return [f"{name}: _SUCCESS says {said}, the parts hold {held}" for name, said, held in expected if said != held]
-
-
-def record(name: str, stats: GroupStats, prices: Prices) -> dict[str, Any]:
-    """One group's (or the totals') figures; money as exact Decimal."""
-    in_cost = input_cost(prices, stats.input_tokens, stats.cached_tokens)
-    out_cost = output_cost(prices, stats.output_tokens)
-    mean = stats.output_lengths.mean()
-    return {
-        "group": name, "rows": stats.rows, "ok_rows": stats.ok_rows, "error_rows": stats.error_rows,
-        "error_codes": dict(sorted(stats.error_codes.items())),
-        "input_tokens": stats.input_tokens, "cached_tokens": stats.cached_tokens, "output_tokens": stats.output_tokens,
-        "finish_reasons": dict(sorted(stats.finish_reasons.items())),
-        "output_tokens_mean": None if mean is None else round(mean, 2),
-        "output_tokens_p95": stats.output_lengths.percentile(95),
-        "input_tokens_p95": stats.input_lengths.percentile(95),
-        "input_cost": in_cost, "output_cost": out_cost, "cost": add_costs(in_cost, out_cost),
-    }
-
-
-def records(report: Report, prices: Prices) -> list[dict[str, Any]]:
-    """The totals first (group "(total)"), then one record per group."""
-    return [record("(total)", report.totals, prices)] + [record(n, s, prices) for n, s in report.groups.items()]
-
-
-def to_json(report: Report, prices: Prices) -> str:
-    rows = [{k: money_text(v) if k.endswith("cost") else v for k, v in r.items()} for r in records(report, prices)]
-    body = {"path": str(report.path), "by": report.by, "status": report.status.line(),
-            "finished": report.status.finished, "parts": report.status.parts,
-            "mismatches": report.status.mismatches, "prices": prices.as_json(), "p95": "nearest rank, exact",
-            "totals": rows[0], "groups": rows[1:]}
-    return json.dumps(body, indent=2)
-
-
-def to_csv(report: Report, prices: Prices) -> str:
-    """One row per group after the totals row; finish reasons and error codes become columns."""
-    rows = records(report, prices)
-    reasons = sorted({k for r in rows for k in r["finish_reasons"]})
-    codes = sorted({k for r in rows for k in r["error_codes"]})
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    plain = [k for k in rows[0] if k not in ("finish_reasons", "error_codes")]
-    writer.writerow(plain + [f"finish_reason.{k}" for k in reasons] + [f"error_code.{k}" for k in codes])
-    for r in rows:
-        counts = [r["finish_reasons"].get(k, 0) for k in reasons] + [r["error_codes"].get(k, 0) for k in codes]
-        writer.writerow([money_text(r[k]) if k.endswith("cost") else r[k] for k in plain] + counts)
-    return buf.getvalue()
-
-
-def to_text(report: Report, prices: Prices) -> str:
-    """An aligned terminal table with a status line and, when prices are missing, a hint."""
-    head = ["group", "rows", "ok", "errors", "input", "cached", "output", "out mean", "out p95", "cost",
-            "finish / errors"]
-    table = [head]
-    for r in records(report, prices):
-        mix = " ".join(f"{k}:{v}" for k, v in [*r["finish_reasons"].items(), *r["error_codes"].items()])
-        table.append([r["group"], r["rows"], r["ok_rows"], r["error_rows"], r["input_tokens"], r["cached_tokens"],
-                      r["output_tokens"], r["output_tokens_mean"], r["output_tokens_p95"],
-                      money_display(r["cost"]), mix])
-    cells = [["-" if v is None else str(v) for v in row] for row in table]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
-    left = (0, len(head) - 1)
-    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-             for row in cells]
-    notes = [f"{report.path}: {report.status.line()}"]
-    if not prices.any_set:
-        notes.append("no prices: give --job JOB (its pricing section) or "
-                     "--price-input/--price-cached-input/--price-output")
-    return "\n".join(notes + lines) + "\n"

@@ -13,7 +13,8 @@ import numpy as np
 
 from batchgen.errors import OutputError
 from batchgen.pricing import Prices, money_display
-from batchgen.report import IntHistogram, Report, records
+from batchgen.report import IntHistogram, Report
+from batchgen.report_render import records
 
 MAX_BINS = 40
 _TOTAL_ROW = ' class="total"'

@@ -1,0 +1,29 @@
+"""The quickstart job, end to end on the committed demo model and sample prompts (native engine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.dataset as ds
+from click.testing import CliRunner
+
+from batchgen.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_job_runs_on_the_demo_model(tmp_path: Path) -> None:
+    out = tmp_path / "quickstart"
+    args = ["run", str(REPO / "jobs/quickstart.yaml"), "--quiet", "--set", f"output.path={out}",
+            "--set", "input.limit=48", "--set", "sampling.max_tokens=24"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "48 rows ok, 0 failed" in result.output
+    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    assert len(rows) == 48 and all(r["generated_text"] for r in rows)
+    assert {r["finish_reason"] for r in rows} <= {"stop", "length"}
+    fewshot = [r for r in rows if r["category"].startswith("fewshot")]
+    assert fewshot and sum(r["cached_tokens"] > 0 for r in fewshot) >= len(fewshot) - 2  # the preamble is shared
+    manifest = json.loads((out / "_SUCCESS").read_text())
+    assert manifest["backend"] == "native" and manifest["tokens"]["cached"] == sum(r["cached_tokens"] for r in rows)

@@ -15,6 +15,7 @@ from batchgen.errors import InputDataError
 
 log = logging.getLogger(__name__)
 READ_BATCH_ROWS = 4096  # rows decoded at a time: bounds memory even for one huge row group
+READ_BUFFER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,9 @@ def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> 
     buffered: list[pa.RecordBatch] = []
     offset = 0  # file row index of buffered[0]'s first row
     try:
-        batches = pq.ParquetFile(f.path).iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
+        # Why buffered, not pre-buffered: a huge row group is then read page by page, not whole.
+        reader = pq.ParquetFile(f.path, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
+        batches = reader.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
         for batch in batches:
             buffered.append(batch)
             while pending and offset + sum(b.num_rows for b in buffered) >= pending[0].stop:

@@ -141,6 +141,10 @@ def _column_values(column: pa.ChunkedArray, as_bytes: bool) -> list[Any]:
         column = column.cast(pa.binary())
     elif as_bytes and pa.types.is_large_string(column.type):
         column = column.cast(pa.large_binary())
+    try:
+        return column.to_pylist()
+    except (UnicodeDecodeError, pa.ArrowException):
+        pass  # some row holds invalid UTF-8: convert row by row so only that row fails
     values: list[Any] = []
     for i in range(len(column)):
         try:

@@ -91,36 +91,42 @@ class PartWriter:
 
 @dataclass
 class Totals:
-    """Running totals over written rows, for the summary line and the manifest."""
+    """Usage totals over output rows: the summary line, the manifest and the report share them."""
 
     rows: int = 0
     ok_rows: int = 0
-    error_rows: int = 0
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
     error_codes: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def error_rows(self) -> int:
+        return self.rows - self.ok_rows
+
     def add_part(self, columns: dict[str, list[Any]]) -> None:
         for reason, code in zip(columns["finish_reason"], columns["error_code"]):
             self.rows += 1
-            self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+            add_counts(self.finish_reasons, {reason: 1})
             if code is None:
                 self.ok_rows += 1
             else:
-                self.error_rows += 1
-                self.error_codes[code] = self.error_codes.get(code, 0) + 1
+                add_counts(self.error_codes, {code: 1})
         self.input_tokens += sum(columns["input_tokens"])
         self.cached_tokens += sum(columns["cached_tokens"])
         self.output_tokens += sum(columns["output_tokens"])
 
     def merge(self, other: "Totals") -> None:
-        for name in ("rows", "ok_rows", "error_rows", "input_tokens", "cached_tokens", "output_tokens"):
+        for name in ("rows", "ok_rows", "input_tokens", "cached_tokens", "output_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.finish_reasons, other.finish_reasons), (self.error_codes, other.error_codes)):
-            for key, count in theirs.items():
-                mine[key] = mine.get(key, 0) + count
+        add_counts(self.finish_reasons, other.finish_reasons)
+        add_counts(self.error_codes, other.error_codes)
+
+
+def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    for key, count in counts.items():
+        into[key] = into.get(key, 0) + count
 
 
 def _fsync(path: Path) -> None:

@@ -24,7 +24,7 @@ import pyarrow.dataset as ds
 
 from batchgen.errors import InputDataError
 from batchgen.jobstate import SUCCESS_NAME
-from batchgen.output import PART_GLOB
+from batchgen.output import PART_GLOB, Totals, add_counts
 
 log = logging.getLogger(__name__)
 USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
@@ -70,30 +70,17 @@ class IntHistogram:
 
 
 @dataclass
-class GroupStats:
-    """Usage of one group of output rows (or of all of them)."""
+class GroupStats(Totals):
+    """Usage of one group of output rows (or of all of them), with exact length histograms."""
 
-    rows: int = 0
-    ok_rows: int = 0
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    error_codes: dict[str, int] = field(default_factory=dict)
     input_lengths: IntHistogram = field(default_factory=IntHistogram)  # ok rows only
     output_lengths: IntHistogram = field(default_factory=IntHistogram)  # ok rows only
 
-    @property
-    def error_rows(self) -> int:
-        return self.rows - self.ok_rows
-
-    def merge(self, other: GroupStats) -> None:
-        for name in ("rows", "ok_rows", "input_tokens", "cached_tokens", "output_tokens"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        _add_counts(self.finish_reasons, other.finish_reasons)
-        _add_counts(self.error_codes, other.error_codes)
-        self.input_lengths.merge(other.input_lengths)
-        self.output_lengths.merge(other.output_lengths)
+    def merge(self, other: Totals) -> None:
+        super().merge(other)
+        if isinstance(other, GroupStats):
+            self.input_lengths.merge(other.input_lengths)
+            self.output_lengths.merge(other.output_lengths)
 
 
 @dataclass
@@ -175,9 +162,9 @@ def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -
         stats = groups.setdefault(_group_name(row, by), GroupStats())
         count, code = row["count_all"], row["error_code"]
         stats.rows += count
-        _add_counts(stats.error_codes, {code: count} if code is not None else {})
+        add_counts(stats.error_codes, {code: count} if code is not None else {})
         stats.ok_rows += count if code is None else 0
-        _add_counts(stats.finish_reasons, {_text(row["finish_reason"]): count})
+        add_counts(stats.finish_reasons, {_text(row["finish_reason"]): count})
         stats.input_tokens += row["input_tokens_sum"] or 0
         stats.cached_tokens += row["cached_tokens_sum"] or 0
         stats.output_tokens += row["output_tokens_sum"] or 0
@@ -213,11 +200,6 @@ def _group_name(row: dict[str, Any], by: str | None) -> str:
 
 def _text(value: Any) -> str:
     return NULL_NAME if value is None else str(value)
-
-
-def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
-    for key, count in counts.items():
-        into[key] = into.get(key, 0) + count
 
 
 def _status(out_dir: Path, num_parts: int, totals: GroupStats) -> OutputStatus:

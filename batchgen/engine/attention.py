@@ -42,8 +42,13 @@ def use_flash_attn(device: torch.device, block_size: int) -> bool:
 
 @dataclass
 class DecodeGroup:
-    """All one-token chunks of a step; they are the first `num_seqs` packed tokens."""
+    """Consecutive one-token chunks of a step, padded to one length: packed tokens [start, start + num_seqs).
 
+    A step's decodes (packed first) are split into a few groups of similar context length, so a
+    short sequence is not padded to the longest one's blocks (gather and attention cost the padding).
+    """
+
+    start: int
     num_seqs: int
     gather_index: torch.Tensor  # [num_seqs * max_blocks] block ids, padded rows point at block 0
     context_lens: torch.Tensor  # [num_seqs] tokens in cache after this step, the new one included
@@ -77,7 +82,7 @@ class FlashMetadata:
 class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, kvh, d]
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
-    decode: DecodeGroup | None
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
     flash: FlashMetadata | None = None
     num_attention_calls: int = 0  # checked by the runner: every layer must come through us
@@ -200,13 +205,12 @@ def _torch_paged_attention(
     k_cache, v_cache = ctx.kv_caches[layer]
     block_size = k_cache.shape[1]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
-    group = ctx.decode
-    if group is not None:
-        n = group.num_seqs
+    for group in ctx.decodes:
+        first, n = group.start, group.num_seqs
         k = _gather(k_cache, group.gather_index, n)  # [B, KVH, L, D]
         v = _gather(v_cache, group.gather_index, n)
-        qd = q[:, :n].transpose(0, 1)  # [B, H, D]
-        out[:n] = _attend_decodes(qd, k, v, _decode_mask(group, block_size, window), scaling, softcap)
+        qd = q[:, first:first + n].transpose(0, 1)  # [B, H, D]
+        out[first:first + n] = _attend_decodes(qd, k, v, _decode_mask(group, block_size, window), scaling, softcap)
     for chunk in ctx.prefills:
         if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
             k, v = key[None, :, chunk.start:chunk.end], value[None, :, chunk.start:chunk.end]

@@ -14,6 +14,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -145,8 +146,8 @@ def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, seq_len: int, li
         n_windows = min(n_windows, limit)
     total, count = 0.0, 0
     for start in range(0, n_windows, 8):
-        rows = [stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(start, min(start + 8, n_windows))]
-        batch = torch.stack(rows)  # [b, seq_len + 1]
+        rows = range(start, min(start + 8, n_windows))
+        batch = torch.stack([stream[i * seq_len : (i + 1) * seq_len + 1] for i in rows])  # [b, seq_len + 1]
         logits = model(input_ids=batch[:, :-1]).logits  # [b, seq_len, vocab]
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"
@@ -188,7 +189,7 @@ def train(model: LlamaForCausalLM, stream: torch.Tensor, val: torch.Tensor, s: T
     return log
 
 
-def continuations(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, seed: int) -> list[dict]:
+def continuations(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, seed: int) -> list[dict[str, Any]]:
     """Sampled continuations of fixed story openings, with whether they ended in EOS."""
     model.eval()
     out = []
@@ -205,10 +206,11 @@ def continuations(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, seed: i
     return out
 
 
-def write_report(out: Path, facts: dict, samples: list[dict], log: list[str]) -> None:
-    """TRAINING.md: settings, cost, held-out loss, samples, provenance and licence."""
+def report_head(facts: dict[str, Any]) -> list[str]:
+    """TRAINING.md up to the training settings: model, tokenizer, data, cost."""
     s = facts["settings"]
-    lines = [
+    tokens_seen = s["steps"] * s["batch_size"] * s["seq_len"]
+    return [
         "# Demo model: how it was trained",
         "",
         "A tiny Llama trained from scratch by `scripts/train_demo_model.py` so that the quickstart,",
@@ -235,10 +237,18 @@ def write_report(out: Path, facts: dict, samples: list[dict], log: list[str]) ->
         "```",
         f"- AdamW (betas 0.9/0.95), linear warmup then cosine decay, grad-norm clip, random packed"
         f" {s['seq_len']}-token windows, torch {torch.__version__}, {s['threads']} CPU threads.",
-        f"- Tokens seen: {s['steps'] * s['batch_size'] * s['seq_len']:,}. Wall time: {facts['wall_s'] / 60:.1f} min"
-        " (tokenizer + training + evaluation) on a shared 2-core CPU.",
+        f"- Tokens seen: {tokens_seen:,}. Wall time: {facts['wall_s'] / 60:.1f} min"
+        " (tokenizer + training + evaluation) on a 2-core CPU shared with other jobs,",
+        "  so it varies from run to run; the seconds column of the log shows the pace.",
+    ]
+
+
+def write_report(out: Path, facts: dict[str, Any], samples: list[dict[str, Any]], log: list[str]) -> None:
+    """TRAINING.md: settings and cost, held-out loss, samples, log, provenance and licence."""
+    loss = facts["heldout_loss"]
+    lines = report_head(facts) + [
         "",
-        f"## Held-out loss: {facts['heldout_loss']:.3f} nats/token (perplexity {math.exp(facts['heldout_loss']):.1f})",
+        f"## Held-out loss: {loss:.3f} nats/token (perplexity {math.exp(loss):.1f})",
         "Mean cross-entropy per predicted token over non-overlapping 512-token windows of the packed",
         "held-out stream.",
         "",
@@ -247,7 +257,9 @@ def write_report(out: Path, facts: dict, samples: list[dict], log: list[str]) ->
     for sample in samples:
         lines += ["", f"**{sample['opening']}** {sample['text'].strip()}", "",
                   f"_({sample['new_tokens']} new tokens, ended with EOS: {sample['eos']})_"]
-    lines += ["", "## Training log", "```", *log, "```", "", "## Provenance and licence",
+    lines += ["", "## Training log", "",
+              "`heldout` here is a quick estimate on the first 16 held-out windows.", "",
+              "```", *log, "```", "", "## Provenance and licence",
               "The corpus is TinyStories (Eldan & Li, 2023, arXiv:2305.07759,"
               " huggingface.co/datasets/roneneldan/TinyStories), licensed CDLA-Sharing-1.0",
               "(https://cdla.dev/sharing-1-0/). The copies used are described in `shared/corpus/SOURCE.md`.",
@@ -267,6 +279,7 @@ def save(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, out: Path) -> No
 
 
 def main() -> None:
+    """Parse settings; train tokenizer and model; evaluate; save the folder and TRAINING.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=REPO.parent / "shared" / "corpus")
     parser.add_argument("--out", type=Path, default=REPO / "sample_data" / "demo-model")

@@ -4,8 +4,9 @@ One forward = one packed varlen batch: every scheduled token of every sequence i
 The model runner describes the step in a ForwardContext (set around the forward); for each layer
 this function writes the new K/V into the paged pool at the step's slot mapping, then attends
 each sequence's queries over its own blocks. Decodes (chunks of one token) are packed first and
-attended in ONE padded call; each longer chunk attends with a causal mask offset by its cached
-context. CPU/GPU without flash-attn use torch SDPA; CUDA with flash-attn uses its paged varlen
+attended in a few padded calls, one per group of similar context length, reading their K/V from
+contiguous decode rows on CPU (see decode_rows) or gathered from their blocks elsewhere; each
+longer chunk attends with a causal mask offset by its cached context. CPU/GPU without flash-attn use torch SDPA; CUDA with flash-attn uses its paged varlen
 kernel. Sliding windows and logit soft-capping are exact; attention sinks are refused.
 """
 
@@ -14,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from batchgen.engine.step_metadata import DecodeGroup, ForwardContext, PrefillChunk
 
 logger = logging.getLogger(__name__)
 
@@ -38,54 +39,6 @@ except ImportError:  # the CPU path and the torch GPU path need nothing else
 def use_flash_attn(device: torch.device, block_size: int) -> bool:
     """Whether a step on `device` with this block size goes through flash-attn's paged kernel."""
     return HAS_FLASH_ATTN and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0
-
-
-@dataclass
-class DecodeGroup:
-    """Consecutive one-token chunks of a step, padded to one length: packed tokens [start, start + num_seqs).
-
-    A step's decodes (packed first) are split into a few groups of similar context length, so a
-    short sequence is not padded to the longest one's blocks (gather and attention cost the padding).
-    """
-
-    start: int
-    num_seqs: int
-    gather_index: torch.Tensor  # [num_seqs * max_blocks] block ids, padded rows point at block 0
-    context_lens: torch.Tensor  # [num_seqs] tokens in cache after this step, the new one included
-    max_blocks: int
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
-
-
-@dataclass
-class PrefillChunk:
-    """One multi-token chunk: packed tokens [start, end), positions context_start + (0..n-1)."""
-
-    start: int
-    end: int
-    context_start: int  # tokens of this sequence already in the cache before this chunk
-    block_table: torch.Tensor  # [num_blocks covering context_start + n tokens]
-    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [1, 1, n, L]
-
-
-@dataclass
-class FlashMetadata:
-    """flash-attn varlen metadata for the whole packed batch (CUDA only)."""
-
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32
-    max_seqlen_q: int
-    max_seqlen_k: int
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-
-
-@dataclass
-class ForwardContext:
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, kvh, d]
-    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
-    decodes: list[DecodeGroup]
-    prefills: list[PrefillChunk]
-    flash: FlashMetadata | None = None
-    num_attention_calls: int = 0  # checked by the runner: every layer must come through us
 
 
 _CONTEXT: ForwardContext | None = None
@@ -123,11 +76,11 @@ def _window_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.
     return allowed
 
 
-def _decode_mask(group: DecodeGroup, block_size: int, window: int | None) -> torch.Tensor:
+def _decode_mask(group: DecodeGroup, window: int | None) -> torch.Tensor:
     if window not in group.masks:
         # why: causality alone hides the padded tail, since a decode's query is its last token
         q_pos = group.context_lens - 1  # [B]
-        mask = _window_mask(q_pos, group.max_blocks * block_size, window)
+        mask = _window_mask(q_pos, group.kv_len, window)
         group.masks[window] = mask[:, None, None, :]  # [B, 1, 1, L]
     return group.masks[window]
 
@@ -197,20 +150,31 @@ def _gather(cache: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor
     return blocks.view(rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
+def _decode_kv(ctx: ForwardContext, layer: int, group: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [B, KVH, L, D] of a decode group: views of its rows, or gathered from its blocks."""
+    n = group.num_seqs
+    if group.rows is not None:
+        return group.rows.k[layer][:n, :, :group.kv_len], group.rows.v[layer][:n, :, :group.kv_len]
+    if group.gather_index is None:
+        raise RuntimeError("a decode group needs a gather index or decode rows")
+    k_cache, v_cache = ctx.kv_caches[layer]
+    return _gather(k_cache, group.gather_index, n), _gather(v_cache, group.gather_index, n)
+
+
 def _torch_paged_attention(
     ctx: ForwardContext, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scaling: float, window: int | None, softcap: float | None,
 ) -> torch.Tensor:
     """q [H, T, D], key/value [KVH, T, D] -> [T, H, D]."""
     k_cache, v_cache = ctx.kv_caches[layer]
-    block_size = k_cache.shape[1]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
+    if ctx.rows is not None and ctx.decodes:
+        ctx.rows.update(layer, ctx.kv_caches[layer], key, value)
     for group in ctx.decodes:
         first, n = group.start, group.num_seqs
-        k = _gather(k_cache, group.gather_index, n)  # [B, KVH, L, D]
-        v = _gather(v_cache, group.gather_index, n)
+        k, v = _decode_kv(ctx, layer, group)
         qd = q[:, first:first + n].transpose(0, 1)  # [B, H, D]
-        out[first:first + n] = _attend_decodes(qd, k, v, _decode_mask(group, block_size, window), scaling, softcap)
+        out[first:first + n] = _attend_decodes(qd, k, v, _decode_mask(group, window), scaling, softcap)
     for chunk in ctx.prefills:
         if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
             k, v = key[None, :, chunk.start:chunk.end], value[None, :, chunk.start:chunk.end]

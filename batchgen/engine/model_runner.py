@@ -1,7 +1,7 @@
 """ModelRunner: owns the HF model and the paged KV pool; runs one packed forward per step.
 
 It packs every scheduled chunk into one [1, T] row (one-token chunks first, so the attention
-function can treat all decodes as one padded batch), builds the step's metadata tensors once,
+function can treat decodes as a few padded batches), builds the step's metadata tensors once,
 runs the unchanged HF model under our attention implementation, and returns float32 logits only
 for the sequences whose chunk reaches their last token, in batch order. It decides nothing: what
 runs, and when, is the scheduler's business.
@@ -16,16 +16,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from batchgen.engine.attention import (
-    DecodeGroup,
-    FlashMetadata,
-    ForwardContext,
-    PrefillChunk,
-    forward_context,
-    use_flash_attn,
-)
+from batchgen.engine.attention import forward_context, use_flash_attn
+from batchgen.engine.decode_rows import DecodeRequest, DecodeRows, RowsView
 from batchgen.engine.models import KVSpec
 from batchgen.engine.scheduler import ScheduledBatch
+from batchgen.engine.step_metadata import DecodeGroup, FlashMetadata, ForwardContext, PrefillChunk
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +66,9 @@ def num_kv_blocks_for(
 
 
 def split_decodes(blocks: list[int]) -> list[tuple[int, int, int]]:
-    """Consecutive decode rows -> groups (start, end, max blocks), for rows sorted by length.
+    """Consecutive decodes' sizes (blocks or tokens) -> groups (start, end, largest size).
 
-    Equal-count groups of at least MIN_DECODE_GROUP rows, at most MAX_DECODE_GROUPS; a group
+    Best for decodes sorted by length. Equal-count groups of at least MIN_DECODE_GROUP rows, at most MAX_DECODE_GROUPS; a group
     joins the previous one when that would pad it by little (its longest row is at most
     DECODE_MERGE_RATIO times the previous group's), since each group costs a gather and an
     attention call per layer.
@@ -95,9 +90,12 @@ def split_decodes(blocks: list[int]) -> list[tuple[int, int, int]]:
 
 def build_forward_context(
     chunks: list[Chunk], kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-    device: torch.device, flash: bool = False,
+    device: torch.device, flash: bool = False, rows: RowsView | None = None,
 ) -> tuple[ForwardContext, torch.Tensor]:
-    """Step metadata for `chunks` (one-token chunks first) -> (context, positions [T])."""
+    """Step metadata for `chunks` (one-token chunks first) -> (context, positions [T]).
+
+    With `rows`, the one-token chunks read their K/V from decode rows (in `rows`' order), not blocks.
+    """
     num_dec = next((i for i, c in enumerate(chunks) if c.num_tokens != 1), len(chunks))
     if any(c.num_tokens == 1 for c in chunks[num_dec:]):
         raise ValueError("one-token chunks must come first in the packed order")
@@ -114,11 +112,14 @@ def build_forward_context(
     seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lens)  # [T]
     positions = torch.arange(int(lens.sum())) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
-    decodes = [
-        DecodeGroup(start=a, num_seqs=b - a, gather_index=tables[a:b, :mb].flatten().to(device),
-                    context_lens=(ctx_start[a:b] + 1).to(device), max_blocks=mb)
-        for a, b, mb in split_decodes(needed[:num_dec])
-    ]
+    if rows is None:
+        decodes = [
+            DecodeGroup(start=a, num_seqs=b - a, gather_index=tables[a:b, :mb].flatten().to(device), rows=None,
+                        context_lens=(ctx_start[a:b] + 1).to(device), kv_len=mb * block_size)
+            for a, b, mb in split_decodes(needed[:num_dec])
+        ]
+    else:
+        decodes = _row_groups(rows, ctx_start, device)
     starts = cu.tolist()
     prefills = [
         PrefillChunk(start=starts[i], end=starts[i] + c.num_tokens, context_start=c.context_start,
@@ -127,8 +128,20 @@ def build_forward_context(
     ]
     meta = _flash_metadata(lens, ctx_start, tables, device) if flash else None
     ctx = ForwardContext(kv_caches=kv_caches, slot_mapping=slots.to(device), decodes=decodes,
-                         prefills=prefills, flash=meta)
+                         prefills=prefills, flash=meta, rows=rows)
     return ctx, positions.to(device)
+
+
+def _row_groups(rows: RowsView, ctx_start: torch.Tensor, device: torch.device) -> list[DecodeGroup]:
+    """One decode group per length class of the rows; the decodes are packed class by class."""
+    groups, first = [], 0
+    for step in rows.classes:
+        n = step.positions.numel()
+        lens = ctx_start[first:first + n] + 1  # [n]
+        groups.append(DecodeGroup(start=first, num_seqs=n, gather_index=None, rows=step,
+                                  context_lens=lens.to(device), kv_len=int(lens.max())))
+        first += n
+    return groups
 
 
 def _flash_metadata(
@@ -174,6 +187,11 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
         self.flash = use_flash_attn(device, block_size)
+        # why CPU only: there a decode step is memory-bound and gathering blocks every step
+        # dominated it; on a GPU the gather is cheap and rows would cost GPU memory
+        self.rows = (DecodeRows(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size,
+                                num_kv_blocks * block_size, dtype, device)
+                     if device.type == "cpu" else None)
         logger.info("KV pool: %d blocks x %d tokens, %d layers (%s)", num_kv_blocks, block_size,
                     spec.num_layers, "flash-attn" if self.flash else "torch SDPA")
 
@@ -183,6 +201,9 @@ class ModelRunner:
         if n == 0:
             raise ValueError("execute() needs a non-empty batch")
         order = packing_order(batch)
+        rows = None
+        if self.rows is not None:
+            order, rows = self._plan_rows(batch, order)
         chunks, token_ids, packed_end = [], [], [0] * n
         for i in order:
             seq, count = batch.seqs[i], batch.num_new_tokens[i]
@@ -191,7 +212,8 @@ class ModelRunner:
             token_ids.extend(seq.token_ids[start:start + count])
             packed_end[i] = len(token_ids)
         keep = [packed_end[i] - 1 for i in range(n) if batch.needs_sample(i)]
-        ctx, positions = build_forward_context(chunks, self.kv_caches, self.block_size, self.device, self.flash)
+        ctx, positions = build_forward_context(chunks, self.kv_caches, self.block_size, self.device, self.flash,
+                                               rows)
         input_ids = torch.tensor(token_ids, device=self.device)[None]  # [1, T]
         keep_idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # [num sampled]
         with torch.inference_mode(), forward_context(ctx):
@@ -203,3 +225,12 @@ class ModelRunner:
                 f"{len(self.kv_caches)} layers; it does not route all attention through the interface"
             )
         return out.logits[0].float()  # [num sampled, vocab]
+
+    def _plan_rows(self, batch: ScheduledBatch, order: list[int]) -> tuple[list[int], RowsView]:
+        """Give this step's one-token chunks their decode rows; pack them in the rows' order."""
+        assert self.rows is not None
+        decodes = [i for i in order if batch.num_new_tokens[i] == 1]
+        requests = [DecodeRequest(batch.seqs[i].seq_id, batch.seqs[i].num_computed_tokens, batch.seqs[i].block_table)
+                    for i in decodes]
+        packed, view = self.rows.plan(requests)
+        return [decodes[j] for j in packed] + order[len(decodes):], view

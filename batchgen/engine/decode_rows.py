@@ -1,0 +1,185 @@
+"""DecodeRows: a contiguous copy of each decoding sequence's K/V, so CPU decode attention reads in place.
+
+Why: on CPU a decode step is memory-bound. Gathering every sequence's blocks out of the paged
+pool each step copies its whole context per layer, and attention then reads the copy again. Here
+a decoding sequence holds a row of per-layer tensors, filled once from its blocks; each step
+appends one token per layer, and attention reads the rows as views. The paged pool stays the
+source of truth (prefix caching, preemption): it is written exactly as before, a row is only a
+copy of it, and a row that is out of step with its sequence is dropped and refilled.
+
+Rows come in length classes (class c holds contexts up to MIN_CLASS_LEN * 2**c tokens), one
+pack of tensors `[rows, kv_heads, class length, head_dim]` per class, so a short sequence is
+padded only to its class, never to the longest sequence. A sequence that outgrows its class is
+refilled into the next one (a copy of its context, about twice over its whole life, instead of
+once per step). Within a class rows are packed 0..n-1; a freed row is taken by the last one.
+The model runner packs the step's decodes by (class, row): decode j of class c is row j.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+MIN_CLASS_LEN = 64  # tokens held by the shortest class
+ROW_GROWTH = 1.5  # a class's row count grows geometrically, so reallocation copies are amortized
+
+
+def length_class(length: int) -> int:
+    """The smallest class whose rows hold `length` tokens."""
+    return 0 if length <= MIN_CLASS_LEN else math.ceil(math.log2(length / MIN_CLASS_LEN))
+
+
+@dataclass
+class DecodeRequest:
+    """One decode of this step: the sequence, its position (= tokens already cached) and its blocks."""
+
+    seq_id: int
+    position: int
+    block_table: list[int]
+
+
+@dataclass
+class ClassStep:
+    """One class's part of a step: its decodes are rows 0..n-1, in packed order."""
+
+    k: list[torch.Tensor]  # per layer [rows, KVH, class length, D]
+    v: list[torch.Tensor]
+    positions: torch.Tensor  # [n] where this step's token goes in each row
+    fills: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, length, blocks)
+
+
+@dataclass
+class RowsView:
+    """What the attention function needs from the rows in one step, classes in packed order."""
+
+    classes: list[ClassStep]
+
+    def update(self, layer: int, pool: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
+               value: torch.Tensor) -> None:
+        """Fill new rows from the pool, then append this step's K/V ([KVH, T, D], decodes first).
+
+        Why per layer, after the layer's K/V went to the pool: a new row's blocks may be matched
+        prefix blocks that another sequence computes in this very step.
+        """
+        first = 0
+        for step in self.classes:
+            k, v = step.k[layer], step.v[layer]
+            for row, length, blocks in step.fills:
+                # [blocks, block_size, KVH, D] -> [length, KVH, D] -> [KVH, length, D]
+                k[row, :, :length] = pool[0].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)
+                v[row, :, :length] = pool[1].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)
+            n = step.positions.numel()
+            rows = torch.arange(n, device=k.device)
+            k[rows, :, step.positions] = key[:, first:first + n].transpose(0, 1)  # [n, KVH, D]
+            v[rows, :, step.positions] = value[:, first:first + n].transpose(0, 1)
+            first += n
+
+
+class _Pack:
+    """The rows of one length class: tensors and which sequence holds which row."""
+
+    def __init__(self, num_layers: int, shape_tail: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_layers, self.shape_tail, self.dtype, self.device = num_layers, shape_tail, dtype, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.seqs: list[int] = []  # seq id of each row
+
+    def add(self, seq_id: int) -> int:
+        if not self.k or len(self.seqs) == self.k[0].shape[0]:
+            self._grow(max(len(self.seqs) + 1, math.ceil(len(self.seqs) * ROW_GROWTH)))
+        self.seqs.append(seq_id)
+        return len(self.seqs) - 1
+
+    def remove(self, row: int, moved_len: int) -> int | None:
+        """Free `row`; the last row (with `moved_len` tokens) moves into it. Returns the moved seq."""
+        last = self.seqs.pop()
+        if row == len(self.seqs):
+            return None
+        for t in self.k + self.v:
+            t[row, :, :moved_len] = t[len(self.seqs), :, :moved_len]
+        self.seqs[row] = last
+        return last
+
+    def _grow(self, rows: int) -> None:
+        # why zeros: masked positions still enter the attention arithmetic; garbage NaNs would leak
+        shape = (rows, *self.shape_tail)
+        have = self.k[0].shape[0] if self.k else 0
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        for old, new in zip(self.k + self.v, new_k + new_v):
+            new[:have] = old
+        self.k, self.v = new_k, new_v
+
+
+class DecodeRows:
+    """Every decoding sequence's row, by length class; plans each step's rows for the model runner."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size = block_size
+        self.max_len = max_len  # no sequence is longer (the pool's capacity)
+        self.dtype, self.device = dtype, device
+        self._packs: dict[int, _Pack] = {}
+        self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
+        self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
+        self.num_fills = 0  # rows filled from the pool (for tests and the benchmark)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._where)
+
+    def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], RowsView]:
+        """Rows for this step's decodes -> (their packed order as indices into `decodes`, the view).
+
+        A row is kept when its sequence decodes again at the next position in the same class;
+        otherwise it is released, and the sequence gets a new row filled from the pool.
+        """
+        wanted = {d.seq_id: d for d in decodes}
+        for seq_id in [s for s in self._where if not self._in_step(s, wanted.get(s))]:
+            self._release(seq_id)
+        fills: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        for d in decodes:
+            if d.seq_id not in self._where:
+                self._assign(d, fills)
+            # why now: the forward appends this step's token; a failed step is caught by the
+            # length check next time (the position will not have advanced), and refilled
+            self._len_of[d.seq_id] = d.position + 1
+        order = sorted(range(len(decodes)), key=lambda i: self._where[decodes[i].seq_id])
+        steps: dict[int, list[int]] = {}
+        for i in order:
+            steps.setdefault(self._where[decodes[i].seq_id][0], []).append(decodes[i].position)
+        view = RowsView([
+            ClassStep(self._packs[c].k, self._packs[c].v, torch.tensor(pos, device=self.device), fills.get(c, []))
+            for c, pos in steps.items()
+        ])
+        return order, view
+
+    def _in_step(self, seq_id: int, d: DecodeRequest | None) -> bool:
+        return (d is not None and self._len_of[seq_id] == d.position
+                and self._where[seq_id][0] == length_class(d.position + 1))
+
+    def _assign(self, d: DecodeRequest, fills: dict[int, list[tuple[int, int, torch.Tensor]]]) -> None:
+        c = length_class(d.position + 1)
+        if c not in self._packs:
+            length = min(MIN_CLASS_LEN << c, max(self.max_len, d.position + 1))
+            self._packs[c] = _Pack(self.num_layers, (self.num_kv_heads, length, self.head_dim), self.dtype,
+                                   self.device)
+        row = self._packs[c].add(d.seq_id)
+        self._where[d.seq_id] = (c, row)
+        self.num_fills += 1
+        if d.position > 0:
+            blocks = torch.tensor(d.block_table[:math.ceil(d.position / self.block_size)], device=self.device)
+            fills.setdefault(c, []).append((row, d.position, blocks))
+
+    def _release(self, seq_id: int) -> None:
+        c, row = self._where.pop(seq_id)
+        del self._len_of[seq_id]
+        pack = self._packs[c]
+        last = pack.seqs[-1]
+        moved = pack.remove(row, self._len_of.get(last, 0))
+        if moved is not None:
+            self._where[moved] = (c, row)

@@ -1,0 +1,73 @@
+"""DecodeRows: rows are reused while a sequence keeps decoding, refilled when out of step, and exact."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from batchgen.engine.decode_rows import MIN_CLASS_LEN, DecodeRequest, DecodeRows, length_class
+from batchgen.engine.llm import LLM
+from batchgen.engine.params import SamplingParams
+
+BLOCK, KVH, DIM = 4, 2, 8
+
+
+def _rows() -> DecodeRows:
+    return DecodeRows(num_layers=1, num_kv_heads=KVH, head_dim=DIM, block_size=BLOCK, max_len=4096,
+                      dtype=torch.float32, device=torch.device("cpu"))
+
+
+def _fill_seq_ids(view: object) -> list[tuple[int, int]]:
+    return [(row, length) for step in view.classes for row, length, _ in step.fills]  # type: ignore[attr-defined]
+
+
+def test_length_classes() -> None:
+    assert [length_class(n) for n in (1, MIN_CLASS_LEN, MIN_CLASS_LEN + 1, 2 * MIN_CLASS_LEN, 2 * MIN_CLASS_LEN + 1)] \
+        == [0, 0, 1, 1, 2]
+
+
+def test_rows_are_kept_while_decoding_and_refilled_when_out_of_step() -> None:
+    rows = _rows()
+    table = list(range(64))
+    order, view = rows.plan([DecodeRequest(7, 10, table), DecodeRequest(8, 20, table)])
+    assert order == [0, 1] and _fill_seq_ids(view) == [(0, 10), (1, 20)]
+    order, view = rows.plan([DecodeRequest(7, 11, table), DecodeRequest(8, 21, table)])
+    assert _fill_seq_ids(view) == [] and rows.num_fills == 2  # both kept, nothing copied
+    # seq 7 skips a step (preempted, prefilling again): it loses its row, seq 8 moves into row 0
+    order, view = rows.plan([DecodeRequest(8, 22, table)])
+    assert rows.num_rows == 1 and _fill_seq_ids(view) == []
+    order, view = rows.plan([DecodeRequest(7, 30, table), DecodeRequest(8, 23, table)])
+    assert _fill_seq_ids(view) == [(1, 30)]
+    # a position that does not follow the row's length means the row is stale: refill
+    order, view = rows.plan([DecodeRequest(7, 30, table), DecodeRequest(8, 24, table)])
+    assert _fill_seq_ids(view) == [(1, 30)]
+
+
+def test_outgrowing_a_class_moves_to_the_next_and_packs_by_class() -> None:
+    rows = _rows()
+    table = list(range(200))
+    rows.plan([DecodeRequest(1, MIN_CLASS_LEN - 1, table), DecodeRequest(2, 5, table)])
+    order, view = rows.plan([DecodeRequest(1, MIN_CLASS_LEN, table), DecodeRequest(2, 6, table)])
+    # seq 1 now needs MIN_CLASS_LEN + 1 tokens: class 1, refilled; class 0 is packed first
+    assert order == [1, 0]
+    assert [step.positions.tolist() for step in view.classes] == [[6], [MIN_CLASS_LEN]]
+    assert _fill_seq_ids(view) == [(0, MIN_CLASS_LEN)]
+
+
+def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str], Path]) -> None:
+    """Mixed lengths, joins, finishes, chunked prefill and preemption: rows on CPU vs gathered blocks."""
+    prompts = [[(i * 7 + j) % 250 + 2 for j in range(5 + 23 * i)] for i in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 4), ignore_eos=True) for i in range(12)]
+    outputs = []
+    for use_rows in (True, False):
+        llm = LLM(str(tiny_model("mistral")), block_size=8, max_num_batched_tokens=48, max_num_seqs=6,
+                  num_kv_blocks=40)
+        if not use_rows:
+            llm.engine.runner.rows = None
+        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+        if use_rows:
+            assert 0 < llm.engine.runner.rows.num_fills < llm.stats["decode_tokens"]  # type: ignore[union-attr]
+            assert llm.stats["preemptions"] > 0
+    assert outputs[0] == outputs[1]

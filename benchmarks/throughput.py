@@ -1,0 +1,205 @@
+"""Side-by-side throughput: batchgen's engine vs transformers `generate` and `generate_batch`, one run.
+
+    .venv/bin/python benchmarks/throughput.py                 # full run, JSON on stdout
+    .venv/bin/python benchmarks/throughput.py --quick         # small sizes, a few minutes
+    .venv/bin/python benchmarks/throughput.py --markdown      # also rewrite the table in RESULTS.md
+
+Same models, prompts, machine and process for every system; greedy everywhere. For each model
+(the demo model and a random ~57M Llama) and workload (a: mixed lengths, b: shared prefix,
+c: the sample dataset with stop strings) it reports output and total tokens/s, prefill tokens
+computed, preemptions, peak RSS, the ratios the issue targets, greedy agreement on (a), and a
+decode step of the engine against the raw model forward of the same batch, with a breakdown.
+Absolute numbers on a shared machine are noise; the ratios, measured in one run, are the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from benchmarks import bench_models, decode_floor, results_md, systems, workloads  # noqa: E402
+from benchmarks.systems import RunResult  # noqa: E402
+
+log = logging.getLogger("throughput")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["demo", "large"], choices=["demo", "large"])
+    p.add_argument("--workloads", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
+    p.add_argument("--requests", type=int, default=None, help="requests per workload (default 64, --quick 16)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                   help="static batch sizes swept for transformers generate (default 8 16 32 64)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (one core each)")
+    p.add_argument("--decode-steps", type=int, default=None, help="decode steps timed for the floor (default 20)")
+    p.add_argument("--quick", action="store_true", help="small sizes for a smoke run (not for the table)")
+    p.add_argument("--markdown", action="store_true", help="rewrite the results table in benchmarks/RESULTS.md")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    args.requests = args.requests or (16 if args.quick else 64)
+    args.batch_sizes = args.batch_sizes or ([8, 16] if args.quick else [8, 16, 32, 64])
+    args.decode_steps = args.decode_steps or (8 if args.quick else 20)
+    return args
+
+
+def figures(r: RunResult) -> dict[str, Any]:
+    """One system's row: throughput from the tokens the requests asked for, over the timed region."""
+    return {
+        "seconds": round(r.seconds, 3), "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
+        "output_tok_s": round(r.output_tokens / r.seconds, 1),
+        "total_tok_s": round((r.output_tokens + r.prompt_tokens) / r.seconds, 1),
+        "prefill_tokens": r.prefill_tokens, "preemptions": r.preemptions,
+        "peak_rss_mib": round(r.peak_rss_mib, 1), "load_1m_after": r.load_1m, **r.extra,
+    }
+
+
+def agreement(native: RunResult, other: RunResult) -> dict[str, Any]:
+    """Greedy agreement: requests whose tokens match exactly, and the share of matching leading tokens."""
+    same = sum(a == b for a, b in zip(native.outputs, other.outputs))
+    prefix = total = 0
+    for a, b in zip(native.outputs, other.outputs):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix, total = prefix + n, total + len(a)
+    return {"against": other.system, "identical_requests": same, "requests": len(native.outputs),
+            "leading_tokens_matching": round(prefix / max(total, 1), 4)}
+
+
+def _ratio(a: RunResult, b: RunResult) -> float:
+    return round((a.output_tokens / a.seconds) / (b.output_tokens / b.seconds), 3)
+
+
+def run_mixed(model: bench_models.BenchModel, wl: workloads.Workload, args: argparse.Namespace,
+              hf: tuple[Any, Any]) -> dict[str, Any]:
+    """(a): native, generate at every batch size (best kept), generate_batch; ratios and agreement."""
+    native = systems.run_native(model.path, wl)
+    log.info("%s a native %.1fs", model.name, native.seconds)
+    sweep = []
+    for bs in args.batch_sizes:
+        sweep.append(systems.run_hf_generate(*hf, wl, bs))
+        log.info("%s a generate bs=%d %.1fs", model.name, bs, sweep[-1].seconds)
+    best = min(sweep, key=lambda r: r.seconds / max(r.output_tokens, 1))
+    cb = systems.run_hf_generate_batch(*hf, wl)
+    log.info("%s a generate_batch %.1fs", model.name, cb.seconds)
+    return {
+        "description": wl.description,
+        "systems": {r.system: figures(r) for r in [native, *sweep, cb]},
+        "best_static_batch_size": best.extra["batch_size"],
+        "ratios": {"native_over_hf_generate_best": _ratio(native, best),
+                   "native_over_hf_generate_batch": _ratio(native, cb)},
+        "greedy_agreement": [agreement(native, best), agreement(native, cb)],
+    }
+
+
+def run_prefix(model: bench_models.BenchModel, wl: workloads.Workload) -> dict[str, Any]:
+    """(b): the same engine with prefix caching on and off."""
+    on = systems.run_native(model.path, wl, prefix_caching=True, name="native_prefix_cache_on")
+    off = systems.run_native(model.path, wl, prefix_caching=False, name="native_prefix_cache_off")
+    log.info("%s b on %.1fs off %.1fs", model.name, on.seconds, off.seconds)
+    return {"description": wl.description, "systems": {r.system: figures(r) for r in (on, off)},
+            "ratios": {"prefix_on_over_off": round(off.seconds / on.seconds, 3)}}
+
+
+def run_sample(model: bench_models.BenchModel, wl: workloads.Workload, batch_size: int,
+               hf: tuple[Any, Any]) -> dict[str, Any]:
+    """(c): native vs generate (the best batch size of (a)) and generate_batch, with stop strings."""
+    native = systems.run_native(model.path, wl)
+    static = systems.run_hf_generate(*hf, wl, batch_size)
+    cb = systems.run_hf_generate_batch(*hf, wl)
+    log.info("%s c native %.1fs generate %.1fs generate_batch %.1fs", model.name, native.seconds,
+             static.seconds, cb.seconds)
+    return {
+        "description": wl.description + f"; generate at the best batch size of (a), {batch_size}",
+        "systems": {r.system: figures(r) for r in (native, static, cb)},
+        "ratios": {"native_over_hf_generate": _ratio(native, static),
+                   "native_over_hf_generate_batch": _ratio(native, cb)},
+        "greedy_agreement": [agreement(native, static), agreement(native, cb)],
+    }
+
+
+def run_model(model: bench_models.BenchModel, args: argparse.Namespace) -> dict[str, Any]:
+    hf = systems.load_hf(model.path)
+    vocab, eos = hf[0].config.vocab_size, hf[0].generation_config.eos_token_id
+    special = {eos} if isinstance(eos, int) else set(eos or [])
+    out: dict[str, Any] = {"description": model.description, "params": model.params, "standin": model.standin,
+                           "workloads": {}}
+    best_bs = args.batch_sizes[-1]
+    if "a" in args.workloads:
+        max_out = 64 if args.quick else 256
+        res = run_mixed(model, workloads.mixed(args.requests, vocab, special, max_out=max_out), args, hf)
+        out["workloads"]["a_mixed"], best_bs = res, res["best_static_batch_size"]
+    if "b" in args.workloads:
+        out["workloads"]["b_shared_prefix"] = run_prefix(model, workloads.shared_prefix(args.requests, vocab, special))
+    if "c" in args.workloads:
+        wl = workloads.sample_dataset(args.requests, hf[1])
+        out["workloads"]["c_sample"] = (run_sample(model, wl, best_bs, hf) if wl is not None
+                                        else {"skipped": "sample_data/prompts.parquet is not there yet"})
+    out["decode_step"] = decode_floor.measure(model.path, batch=64, context=256, steps=args.decode_steps)
+    log.info("%s decode step/raw %.3f", model.name, out["decode_step"]["step_over_raw"])
+    return out
+
+
+def targets(models: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured ratio and whether it is met."""
+    rows = []
+    goals = {"demo": 3.0, "large": 2.0}
+    for name, res in models.items():
+        a = res["workloads"].get("a_mixed")
+        if a:
+            for key in ("native_over_hf_generate_best", "native_over_hf_generate_batch"):
+                rows.append({"target": f"{name} (a) {key} >= {goals[name]}", "measured": a["ratios"][key],
+                             "met": a["ratios"][key] >= goals[name]})
+        b = res["workloads"].get("b_shared_prefix")
+        if b:
+            ratio = b["ratios"]["prefix_on_over_off"]
+            rows.append({"target": f"{name} (b) prefix_on_over_off >= 2", "measured": ratio, "met": ratio >= 2.0})
+        if name == "large":
+            ratio = res["decode_step"]["step_over_raw"]
+            rows.append({"target": "large decode step / raw forward <= 1.3", "measured": ratio, "met": ratio <= 1.3})
+    return rows
+
+
+def machine(args: argparse.Namespace) -> dict[str, Any]:
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch_threads": args.threads,
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    transformers.logging.set_verbosity_error()
+    # why: on CPU it logs an ERROR about psutil for memory sizing we do not use (num_blocks is given)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+    torch.set_num_threads(args.threads)
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="batchgen-bench-") as tmp:
+        models = {m.name: run_model(m, args) for m in bench_models.build(args.models, Path(tmp))}
+    report = {"command": " ".join(["benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+              "date": datetime.date.today().isoformat(), "quick": args.quick, "requests": args.requests,
+              "machine": machine(args), "wall_seconds": round(time.perf_counter() - began, 1),
+              "targets": targets(models), "models": models}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    if args.markdown:
+        results_md.update(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
-ROW_GROWTH = 1.5  # a class's row count grows geometrically, so reallocation copies are amortized
+MIN_ROWS = 8  # a class's first allocation when the number of rows is not bounded
+ROW_GROWTH = 2  # then its row count doubles, so reallocation copies are amortized
 
 
 def length_class(length: int) -> int:
@@ -81,17 +82,29 @@ class _Pack:
     """The rows of one length class: tensors and which sequence holds which row."""
 
     def __init__(self, num_layers: int, shape_tail: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, max_rows: int | None) -> None:
         self.num_layers, self.shape_tail, self.dtype, self.device = num_layers, shape_tail, dtype, device
+        self.max_rows = max_rows
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.seqs: list[int] = []  # seq id of each row
+        self.zeroed = 0  # rows 0..zeroed-1 hold finite values (see add)
 
     def add(self, seq_id: int) -> int:
-        if not self.k or len(self.seqs) == self.k[0].shape[0]:
-            self._grow(max(len(self.seqs) + 1, math.ceil(len(self.seqs) * ROW_GROWTH)))
+        row = len(self.seqs)
+        if not self.k or row == self.k[0].shape[0]:
+            # why all max_rows at once: `empty` only reserves address space (pages are touched on
+            # first use below), so growing in steps would copy for nothing
+            self._grow(max(row + 1, self.max_rows or max(MIN_ROWS, ROW_GROWTH * row)))
+        if row >= self.zeroed:
+            # why: masked positions still enter the attention arithmetic (0 * NaN is NaN), so a
+            # row's padding must hold finite values; a used row's stale K/V are finite, fresh
+            # memory may not be. Zeroing on first use touches only the rows really used.
+            for t in self.k + self.v:
+                t[row].zero_()
+            self.zeroed = row + 1
         self.seqs.append(seq_id)
-        return len(self.seqs) - 1
+        return row
 
     def remove(self, row: int, moved_len: int) -> int | None:
         """Free `row`; the last row (with `moved_len` tokens) moves into it. Returns the moved seq."""
@@ -104,11 +117,10 @@ class _Pack:
         return last
 
     def _grow(self, rows: int) -> None:
-        # why zeros: masked positions still enter the attention arithmetic; garbage NaNs would leak
         shape = (rows, *self.shape_tail)
         have = self.k[0].shape[0] if self.k else 0
-        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         for old, new in zip(self.k + self.v, new_k + new_v):
             new[:have] = old
         self.k, self.v = new_k, new_v
@@ -118,10 +130,11 @@ class DecodeRows:
     """Every decoding sequence's row, by length class; plans each step's rows for the model runner."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, max_rows: int | None = None) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
-        self.max_len = max_len  # no sequence is longer (the pool's capacity)
+        self.max_len = max_len  # no sequence is longer: caps the longest class
+        self.max_rows = max_rows  # no step has more decodes: caps every class's rows
         self.dtype, self.device = dtype, device
         self._packs: dict[int, _Pack] = {}
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
@@ -167,7 +180,7 @@ class DecodeRows:
         if c not in self._packs:
             length = min(MIN_CLASS_LEN << c, max(self.max_len, d.position + 1))
             self._packs[c] = _Pack(self.num_layers, (self.num_kv_heads, length, self.head_dim), self.dtype,
-                                   self.device)
+                                   self.device, self.max_rows)
         row = self._packs[c].add(d.seq_id)
         self._where[d.seq_id] = (c, row)
         self.num_fills += 1

@@ -73,7 +73,8 @@ class LLM:
             spec, block_size, torch_dtype, torch_device, num_kv_blocks=num_kv_blocks,
             budget_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
         )
-        runner = ModelRunner(hf_model, spec, block_size, blocks, torch_device, torch_dtype)
+        runner = ModelRunner(hf_model, spec, block_size, blocks, torch_device, torch_dtype, max_num_seqs,
+                             self.max_model_len)
         scheduler = Scheduler(config, BlockManager(blocks, block_size, enable_prefix_caching), self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model)
         eos = eos_token_ids(hf_model, self.tokenizer)

@@ -173,7 +173,7 @@ def packing_order(batch: ScheduledBatch) -> list[int]:
 class ModelRunner:
     def __init__(
         self, model: PreTrainedModel, spec: KVSpec, block_size: int, num_kv_blocks: int,
-        device: torch.device, dtype: torch.dtype,
+        device: torch.device, dtype: torch.dtype, max_num_seqs: int | None = None, max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -190,7 +190,7 @@ class ModelRunner:
         # why CPU only: there a decode step is memory-bound and gathering blocks every step
         # dominated it; on a GPU the gather is cheap and rows would cost GPU memory
         self.rows = (DecodeRows(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size,
-                                num_kv_blocks * block_size, dtype, device)
+                                max_model_len or num_kv_blocks * block_size, dtype, device, max_num_seqs)
                      if device.type == "cpu" else None)
         logger.info("KV pool: %d blocks x %d tokens, %d layers (%s)", num_kv_blocks, block_size,
                     spec.num_layers, "flash-attn" if self.flash else "torch SDPA")

@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from batchgen.engine.cascade import cascade_decode_attention
 from batchgen.engine.step_metadata import DecodeGroup, ForwardContext, PrefillChunk
 
 logger = logging.getLogger(__name__)
@@ -174,7 +176,12 @@ def _torch_paged_attention(
         first, n = group.start, group.num_seqs
         k, v = _decode_kv(ctx, layer, group)
         qd = q[:, first:first + n].transpose(0, 1)  # [B, H, D]
-        out[first:first + n] = _attend_decodes(qd, k, v, _decode_mask(group, window), scaling, softcap)
+        mask = _decode_mask(group, window)
+        if group.shared_len and window is None and softcap is None:
+            out[first:first + n] = cascade_decode_attention(qd, k, v, group.shared_len,
+                                                            mask[..., group.shared_len:], scaling)
+        else:
+            out[first:first + n] = _attend_decodes(qd, k, v, mask, scaling, softcap)
     for chunk in ctx.prefills:
         if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
             k, v = key[None, :, chunk.start:chunk.end], value[None, :, chunk.start:chunk.end]

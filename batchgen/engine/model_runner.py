@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.attention import forward_context, use_flash_attn
+from batchgen.engine.cascade import shared_prefix_len, worth_splitting
 from batchgen.engine.decode_rows import DecodeRequest, DecodeRows, RowsView
 from batchgen.engine.models import KVSpec
 from batchgen.engine.scheduler import ScheduledBatch
@@ -119,7 +120,7 @@ def build_forward_context(
             for a, b, mb in split_decodes(needed[:num_dec])
         ]
     else:
-        decodes = _row_groups(rows, ctx_start, device)
+        decodes = _row_groups(rows, tables, ctx_start, block_size, device)
     starts = cu.tolist()
     prefills = [
         PrefillChunk(start=starts[i], end=starts[i] + c.num_tokens, context_start=c.context_start,
@@ -132,14 +133,22 @@ def build_forward_context(
     return ctx, positions.to(device)
 
 
-def _row_groups(rows: RowsView, ctx_start: torch.Tensor, device: torch.device) -> list[DecodeGroup]:
-    """One decode group per length class of the rows; the decodes are packed class by class."""
+def _row_groups(rows: RowsView, tables: torch.Tensor, ctx_start: torch.Tensor, block_size: int,
+                device: torch.device) -> list[DecodeGroup]:
+    """One decode group per length class of the rows; the decodes are packed class by class.
+
+    A group whose sequences share their first cached blocks (prefix caching) is marked for
+    cascade attention when that pays (see cascade.py).
+    """
     groups, first = [], 0
     for step in rows.classes:
         n = step.positions.numel()
         lens = ctx_start[first:first + n] + 1  # [n]
+        kv_len = int(lens.max())
+        shared = shared_prefix_len(tables[first:first + n], ctx_start[first:first + n], block_size)
         groups.append(DecodeGroup(start=first, num_seqs=n, gather_index=None, rows=step,
-                                  context_lens=lens.to(device), kv_len=int(lens.max())))
+                                  context_lens=lens.to(device), kv_len=kv_len,
+                                  shared_len=shared if worth_splitting(shared, kv_len, n) else 0))
         first += n
     return groups
 

@@ -28,6 +28,7 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [num_seqs] tokens in cache after this step, the new one included
     kv_len: int  # padded key length L: blocks * block_size when gathered, the longest context in rows
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
+    shared_len: int = 0  # > 0: the first shared_len keys are the same blocks in every row (cascade)
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""Shared-prefix ("cascade") decode attention: a prefix every sequence of a decode group holds in the
+same KV blocks (prefix caching) is read once for the group, not once per sequence.
+
+Why: decode attention on CPU is memory-bound, and a batch job with a few-shot preamble reads
+that preamble's K/V again for every sequence, every step. Softmax attention splits exactly over
+a partition of the keys: each part gives its unnormalised output, its row max and its sum, and
+the parts are merged by rescaling to the common max. The shared part is one matrix product per
+KV head for all queries of the group; each sequence's own rest is a small batched product.
+Plain causal attention only: the caller keeps the ordinary path for sliding windows and
+logit soft-capping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# A group is worth splitting when its shared prefix is at least this share of its padded keys
+# and it has at least this many sequences (below that the extra kernels cost more than the reads).
+CASCADE_MIN_SHARE = 0.5
+CASCADE_MIN_SEQS = 4
+
+
+def shared_prefix_len(tables: torch.Tensor, cached: torch.Tensor, block_size: int) -> int:
+    """Tokens from the start that every sequence holds in the very same, fully cached blocks.
+
+    tables: [n, blocks] block ids; cached: [n] tokens each sequence has in the cache.
+    """
+    full = int(cached.min()) // block_size
+    if full == 0 or tables.shape[0] < 2:
+        return 0
+    same = (tables[:, :full] == tables[:1, :full]).all(dim=0)  # [full]
+    return int(same.int().cumprod(dim=0).sum()) * block_size
+
+
+def worth_splitting(shared: int, kv_len: int, num_seqs: int) -> bool:
+    return num_seqs >= CASCADE_MIN_SEQS and shared >= CASCADE_MIN_SHARE * kv_len
+
+
+def _part(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scores [..., M, L] (-inf where masked), v [..., L, D] -> (exp-weighted sum of v, max, sum), unnormalised."""
+    top = scores.amax(dim=-1, keepdim=True)  # [..., M, 1]
+    weights = torch.exp(scores - top)
+    return torch.matmul(weights, v), top, weights.sum(dim=-1, keepdim=True)
+
+
+def cascade_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shared: int, own_mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """q [B, H, D]; k/v [B, KVH, L, D] whose first `shared` positions are the same K/V in every row;
+    own_mask [B, 1, 1, L - shared] (True: attend) -> [B, H, D].
+
+    Every row attends to at least its own newest token, so no part is empty for a row.
+    """
+    b, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    qg = q.reshape(b, kvh, g, d)  # [B, KVH, G, D]
+    # shared part: all B*G queries of a KV head against one copy of the prefix
+    q_all = qg.transpose(0, 1).reshape(kvh, b * g, d)  # [KVH, B*G, D]
+    scores = torch.matmul(q_all, k[0, :, :shared].transpose(-1, -2)) * scaling  # [KVH, B*G, P]
+    parts = [t.reshape(kvh, b, g, -1).transpose(0, 1) for t in _part(scores, v[0, :, :shared])]  # [B, KVH, G, .]
+    # own part: each row's keys after the prefix
+    scores = torch.matmul(qg, k[:, :, shared:].transpose(-1, -2)) * scaling  # [B, KVH, G, L - P]
+    own = _part(scores.masked_fill(~own_mask, float("-inf")), v[:, :, shared:])
+    top = torch.maximum(parts[1], own[1])  # [B, KVH, G, 1]
+    scale_shared, scale_own = torch.exp(parts[1] - top), torch.exp(own[1] - top)
+    out = (parts[0] * scale_shared + own[0] * scale_own) / (parts[2] * scale_shared + own[2] * scale_own)
+    return out.reshape(b, h, d)  # [B, H, D]

@@ -1,0 +1,65 @@
+"""Cascade (shared-prefix) decode attention equals plain attention; shared prefixes are found exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchgen.engine import attention
+from batchgen.engine.cascade import cascade_decode_attention, shared_prefix_len, worth_splitting
+from batchgen.engine.llm import LLM
+from batchgen.engine.params import SamplingParams
+
+
+def test_cascade_equals_plain_attention() -> None:
+    gen = torch.Generator().manual_seed(0)
+    b, kvh, g, d, shared, length = 5, 2, 3, 16, 24, 40
+    k = torch.randn(b, kvh, length, d, generator=gen)
+    v = torch.randn(b, kvh, length, d, generator=gen)
+    k[:, :, :shared], v[:, :, :shared] = k[:1, :, :shared], v[:1, :, :shared]  # one shared prefix
+    context = torch.tensor([25, 40, 31, 26, 38])  # every row has at least one own key
+    mask = (torch.arange(length) < context[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    q = torch.randn(b, kvh * g, d, generator=gen)
+    expected = F.scaled_dot_product_attention(q.reshape(b, kvh, g, d), k, v, attn_mask=mask, scale=0.2)
+    got = cascade_decode_attention(q, k, v, shared, mask[..., shared:], 0.2)
+    torch.testing.assert_close(got, expected.reshape(b, kvh * g, d), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_counts_only_identical_fully_cached_blocks() -> None:
+    tables = torch.tensor([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 5, 3]])
+    assert shared_prefix_len(tables, torch.tensor([40, 40, 40]), block_size=8) == 16
+    assert shared_prefix_len(tables[:2], torch.tensor([40, 40]), block_size=8) == 24
+    assert shared_prefix_len(tables[:2], torch.tensor([40, 20]), block_size=8) == 16  # block 9 not full for row 1
+    assert shared_prefix_len(tables[:1], torch.tensor([40]), block_size=8) == 0  # alone: nothing to share
+    assert worth_splitting(shared=400, kv_len=520, num_seqs=8)
+    assert not worth_splitting(shared=64, kv_len=520, num_seqs=8)
+    assert not worth_splitting(shared=400, kv_len=520, num_seqs=2)
+
+
+def test_engine_with_a_shared_preamble_uses_cascade_and_matches_gathered_attention(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real = attention.cascade_decode_attention
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "cascade_decode_attention", counting)
+    preamble = [(7 * j) % 250 + 2 for j in range(64)]
+    prompts = [preamble + [(i * 11 + j) % 250 + 2 for j in range(3 + i)] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for use_rows in (True, False):
+        llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200)
+        if not use_rows:
+            llm.engine.runner.rows = None
+        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert bool(calls) == use_rows  # the gathered path never splits
+        calls.clear()
+    assert outputs[0] == outputs[1]

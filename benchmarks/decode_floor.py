@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from batchgen.engine import attention, model_runner
+from batchgen.engine.decode_rows import DecodeRows, RowsView
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.sampler import Sampler
@@ -138,27 +139,28 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     targets = [
         (engine.scheduler, "schedule", "scheduling"), (engine.scheduler, "advance", "scheduling"),
-        (model_runner, "build_forward_context", "metadata"), (engine.runner, "execute", "execute_total"),
-        (engine.runner, "model", "model_forward_total"),
-        (attention, "_store_kv", "attn_kv_write"), (attention, "_gather", "attn_gather"),
-        (attention, "_attend_decodes", "attn_compute"), (attention, "_attend_chunk", "attn_compute"),
+        # metadata: both run inside execute(), plan() places decode rows, the other packs the step
+        (model_runner, "build_forward_context", "metadata"), (DecodeRows, "plan", "metadata"),
+        (engine.runner, "execute", "execute_total"), (engine.runner, "model", "model_forward_total"),
+        (attention, "_store_kv", "attn_kv_write"), (RowsView, "update", "attn_rows_update"),
+        (attention, "_gather", "attn_gather"), (attention, "_attend_decodes", "attn_compute"),
+        (attention, "cascade_decode_attention", "attn_compute"), (attention, "_attend_chunk", "attn_compute"),
         (Sampler, "__call__", "sampling"), (StopChecker, "append", "detokenize_stop"),
     ]
     with ExitStack() as stack:
         for owner, name, label in targets:
             stack.enter_context(_wrapped(owner, name, label, totals))
         total = sum(_timed(engine.step) for _ in range(steps))
-    per = {k: v * 1e3 / steps for k, v in totals.items()}
-    attn = per.get("attn_kv_write", 0) + per.get("attn_gather", 0) + per.get("attn_compute", 0)
+    per = defaultdict(float, {k: v * 1e3 / steps for k, v in totals.items()})
+    attn_keys = ("attn_kv_write", "attn_rows_update", "attn_gather", "attn_compute")
     out = {
         "step_total": total * 1e3 / steps,
-        "scheduling": per.get("scheduling", 0.0),
-        "metadata": per.get("metadata", 0.0),
-        "model_matmuls_and_rest": per.get("model_forward_total", 0.0) - attn,
-        "attn_kv_write": per.get("attn_kv_write", 0.0), "attn_gather": per.get("attn_gather", 0.0),
-        "attn_compute": per.get("attn_compute", 0.0),
-        "runner_other": per.get("execute_total", 0.0) - per.get("model_forward_total", 0.0) - per.get("metadata", 0.0),
-        "sampling": per.get("sampling", 0.0), "detokenize_stop": per.get("detokenize_stop", 0.0),
+        "scheduling": per["scheduling"],
+        "metadata": per["metadata"],
+        "model_matmuls_and_rest": per["model_forward_total"] - sum(per[k] for k in attn_keys),
+        **{k: per[k] for k in attn_keys},
+        "runner_other": per["execute_total"] - per["model_forward_total"] - per["metadata"],
+        "sampling": per["sampling"], "detokenize_stop": per["detokenize_stop"],
     }
     out["engine_other"] = out["step_total"] - per.get("execute_total", 0.0) - sum(
         out[k] for k in ("scheduling", "sampling", "detokenize_stop"))

@@ -114,11 +114,7 @@ def build_forward_context(
     positions = torch.arange(int(lens.sum())) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
     if rows is None:
-        decodes = [
-            DecodeGroup(start=a, num_seqs=b - a, gather_index=tables[a:b, :mb].flatten().to(device), rows=None,
-                        context_lens=(ctx_start[a:b] + 1).to(device), kv_len=mb * block_size)
-            for a, b, mb in split_decodes(needed[:num_dec])
-        ]
+        decodes = _gather_groups(needed[:num_dec], tables, ctx_start, block_size, device)
     else:
         decodes = _row_groups(rows, tables, ctx_start, block_size, device)
     starts = cu.tolist()
@@ -131,6 +127,16 @@ def build_forward_context(
     ctx = ForwardContext(kv_caches=kv_caches, slot_mapping=slots.to(device), decodes=decodes,
                          prefills=prefills, flash=meta, rows=rows)
     return ctx, positions.to(device)
+
+
+def _gather_groups(blocks: list[int], tables: torch.Tensor, ctx_start: torch.Tensor, block_size: int,
+                   device: torch.device) -> list[DecodeGroup]:
+    """Decode groups that gather their K/V from the pool: the first len(blocks) chunks are decodes."""
+    return [
+        DecodeGroup(start=a, num_seqs=b - a, gather_index=tables[a:b, :mb].flatten().to(device), rows=None,
+                    context_lens=(ctx_start[a:b] + 1).to(device), kv_len=mb * block_size)
+        for a, b, mb in split_decodes(blocks)
+    ]
 
 
 def _row_groups(rows: RowsView, tables: torch.Tensor, ctx_start: torch.Tensor, block_size: int,

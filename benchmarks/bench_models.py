@@ -99,7 +99,7 @@ def large_model(workdir: Path) -> BenchModel:
     # why the model's vocab is 4096 even with the 257-token stand-in: same LM-head cost either way
     vocab = max(4096, len(tokenizer))
     params = _save(large_config(vocab, tokenizer.eos_token_id), tokenizer, path, seed=0)
-    return BenchModel("large", path, params, False, f"random-weight Llama, {params / 1e6:.0f}M parameters")
+    return BenchModel("large", path, params, False, "random-weight Llama (8 layers, hidden 768, GQA 12/4)")
 
 
 def build(names: list[str], workdir: Path) -> list[BenchModel]:

@@ -172,8 +172,18 @@ def targets(models: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {torch.backends.cpu.get_cpu_capability()}"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine(args: argparse.Namespace) -> dict[str, Any]:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch_threads": args.threads,
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": args.threads,
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 

@@ -130,11 +130,13 @@ class DecodeRows:
     """Every decoding sequence's row, by length class; plans each step's rows for the model runner."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device, max_rows: int | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, max_rows: int | None = None,
+                 pool_tokens: int | None = None) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
         self.max_len = max_len  # no sequence is longer: caps the longest class
         self.max_rows = max_rows  # no step has more decodes: caps every class's rows
+        self.pool_tokens = pool_tokens  # the pool holds no more: caps the rows of long classes
         self.dtype, self.device = dtype, device
         self._packs: dict[int, _Pack] = {}
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
@@ -171,6 +173,17 @@ class DecodeRows:
         ])
         return order, view
 
+    def _class_rows(self, c: int) -> int | None:
+        """Most rows class c can ever need: seats, and what the pool can hold at the class's lengths.
+
+        Why: the rows of a class are reserved at once (address space only), and a long class with
+        many seats could ask for more than the machine has, although the pool never holds that much.
+        """
+        if self.max_rows is None or self.pool_tokens is None or c == 0:
+            return self.max_rows
+        shortest = (MIN_CLASS_LEN << (c - 1)) + 1  # every sequence in class c holds at least this many
+        return min(self.max_rows, self.pool_tokens // shortest + 1)
+
     def _in_step(self, seq_id: int, d: DecodeRequest | None) -> bool:
         return (d is not None and self._len_of[seq_id] == d.position
                 and self._where[seq_id][0] == length_class(d.position + 1))
@@ -180,7 +193,7 @@ class DecodeRows:
         if c not in self._packs:
             length = min(MIN_CLASS_LEN << c, max(self.max_len, d.position + 1))
             self._packs[c] = _Pack(self.num_layers, (self.num_kv_heads, length, self.head_dim), self.dtype,
-                                   self.device, self.max_rows)
+                                   self.device, self._class_rows(c))
         row = self._packs[c].add(d.seq_id)
         self._where[d.seq_id] = (c, row)
         self.num_fills += 1

@@ -205,7 +205,8 @@ class ModelRunner:
         # why CPU only: there a decode step is memory-bound and gathering blocks every step
         # dominated it; on a GPU the gather is cheap and rows would cost GPU memory
         self.rows = (DecodeRows(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size,
-                                max_model_len or num_kv_blocks * block_size, dtype, device, max_num_seqs)
+                                max_model_len or num_kv_blocks * block_size, dtype, device, max_num_seqs,
+                                num_kv_blocks * block_size)
                      if device.type == "cpu" else None)
         logger.info("KV pool: %d blocks x %d tokens, %d layers (%s)", num_kv_blocks, block_size,
                     spec.num_layers, "flash-attn" if self.flash else "torch SDPA")

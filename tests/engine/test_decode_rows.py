@@ -71,3 +71,13 @@ def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str],
             assert 0 < llm.engine.runner.rows.num_fills < llm.stats["decode_tokens"]  # type: ignore[union-attr]
             assert llm.stats["preemptions"] > 0
     assert outputs[0] == outputs[1]
+
+
+def test_long_classes_reserve_only_the_rows_the_pool_can_fill() -> None:
+    rows = DecodeRows(num_layers=1, num_kv_heads=KVH, head_dim=DIM, block_size=BLOCK, max_len=4096,
+                      dtype=torch.float32, device=torch.device("cpu"), max_rows=64, pool_tokens=1000)
+    table = list(range(300))
+    rows.plan([DecodeRequest(1, 10, table), DecodeRequest(2, 600, table)])
+    shapes = {c: pack.k[0].shape[0] for c, pack in rows._packs.items()}
+    # class 0 may seat all 64; a sequence in class 4 holds > 512 tokens, so a 1000-token pool fits 1
+    assert shapes == {0: 64, length_class(601): 1000 // (8 * MIN_CLASS_LEN + 1) + 1}

@@ -90,7 +90,8 @@ class _Pack:
         self.seqs: list[int] = []  # seq id of each row
         self.zeroed = 0  # rows 0..zeroed-1 hold finite values (see add)
 
-    def add(self, seq_id: int) -> int:
+    def add(self, seq_id: int, filled: int) -> int:
+        """A row for `seq_id`, whose positions 0..filled-1 the step's fill will write."""
         row = len(self.seqs)
         if not self.k or row == self.k[0].shape[0]:
             # why all max_rows at once: `empty` only reserves address space (pages are touched on
@@ -99,9 +100,11 @@ class _Pack:
         if row >= self.zeroed:
             # why: masked positions still enter the attention arithmetic (0 * NaN is NaN), so a
             # row's padding must hold finite values; a used row's stale K/V are finite, fresh
-            # memory may not be. Zeroing on first use touches only the rows really used.
+            # memory may not be. Only the part the fill will not write is zeroed, on first use
+            # (a step that fails mid-fill can leave garbage behind: a NaN there reaches the
+            # logits and fails the engine's NaN check, it cannot pass silently).
             for t in self.k + self.v:
-                t[row].zero_()
+                t[row, :, filled:].zero_()
             self.zeroed = row + 1
         self.seqs.append(seq_id)
         return row
@@ -194,7 +197,7 @@ class DecodeRows:
             length = min(MIN_CLASS_LEN << c, max(self.max_len, d.position + 1))
             self._packs[c] = _Pack(self.num_layers, (self.num_kv_heads, length, self.head_dim), self.dtype,
                                    self.device, self._class_rows(c))
-        row = self._packs[c].add(d.seq_id)
+        row = self._packs[c].add(d.seq_id, d.position)
         self._where[d.seq_id] = (c, row)
         self.num_fills += 1
         if d.position > 0:

@@ -12,13 +12,14 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 def _row(model: str, workload: str, system: str, f: dict[str, Any]) -> str:
     cells = [model, workload, system, f"{f['output_tok_s']:.0f}", f"{f['total_tok_s']:.0f}", f"{f['seconds']:.1f}",
              str(f["prefill_tokens"] if f["prefill_tokens"] is not None else "n/a"),
-             str(f["preemptions"] if f["preemptions"] is not None else "n/a"), f"{f['peak_rss_mib']:.0f}"]
+             str(f["preemptions"] if f["preemptions"] is not None else "n/a"), f"{f['peak_rss_mib']:.0f}",
+             "n/a" if f.get("cpu_wait_share") is None else f"{f['cpu_wait_share']:.2f}"]
     return "| " + " | ".join(cells) + " |"
 
 
 def systems_table(report: dict[str, Any]) -> list[str]:
     lines = ["| model | workload | system | output tok/s | total tok/s | seconds | prefill tokens | preemptions "
-             "| peak RSS MiB |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| peak RSS MiB | CPU wait |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for model, res in report["models"].items():
         for workload, w in res["workloads"].items():
             for system, f in w.get("systems", {}).items():

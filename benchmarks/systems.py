@@ -14,7 +14,6 @@ Model loading, KV pool allocation and a short warm-up are outside the timed regi
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -44,8 +43,8 @@ class RunResult:
     peak_rss_mib: float
     outputs: list[list[int]] = field(repr=False, default_factory=list)  # per request, in order
     extra: dict[str, Any] = field(default_factory=dict)
-    # why: the machine is shared; a run next to someone else's job is visible in its load average
-    load_1m: float = field(default_factory=lambda: round(os.getloadavg()[0], 2))
+    # why: the machine is shared; a run next to someone else's job shows here (see Stopwatch)
+    cpu_wait: float | None = None
 
 
 def reset_peak_rss() -> None:
@@ -54,6 +53,35 @@ def reset_peak_rss() -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass  # then peaks accumulate over the process; the table says peaks are process-wide
+
+
+def _cpu_wait_seconds() -> float | None:
+    """Seconds, since boot, that some task waited for a CPU (Linux pressure stall information)."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    match = re.search(r"total=(\d+)", line)
+    return int(match.group(1)) / 1e6 if match else None
+
+
+class Stopwatch:
+    """One run's timed region: wall seconds, and the share of them some task waited for a CPU.
+
+    This process's own threads fit the cores, so a share well above zero means someone else was
+    running too and the figure is suspect. Starting it also resets the peak-RSS mark.
+    """
+
+    def __init__(self) -> None:
+        reset_peak_rss()
+        self._wait = _cpu_wait_seconds()
+        self._start = time.perf_counter()
+
+    def stop(self) -> tuple[float, float | None]:
+        seconds = time.perf_counter() - self._start
+        wait = _cpu_wait_seconds()
+        share = None if wait is None or self._wait is None else round((wait - self._wait) / seconds, 3)
+        return seconds, share
 
 
 def peak_rss_mib() -> float:
@@ -86,10 +114,9 @@ def run_native(path: Path, workload: Workload, prefix_caching: bool = True, name
               max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=prefix_caching)
     llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     before = llm.stats
-    reset_peak_rss()
-    start = time.perf_counter()
+    watch = Stopwatch()
     outs = llm.generate([r.prompt_ids for r in workload.requests], _params(workload))
-    seconds = time.perf_counter() - start
+    seconds, cpu_wait = watch.stop()
     after = llm.stats
     delta = {k: after[k] - before[k] for k in after}
     return RunResult(
@@ -97,7 +124,7 @@ def run_native(path: Path, workload: Workload, prefix_caching: bool = True, name
         prompt_tokens=workload.prompt_tokens, prefill_tokens=delta["prefill_tokens"],
         preemptions=delta["preemptions"], peak_rss_mib=peak_rss_mib(),
         outputs=[list(o.token_ids) for o in outs],
-        extra={"cached_tokens": delta["cached_tokens"], "steps": delta["steps"]},
+        extra={"cached_tokens": delta["cached_tokens"], "steps": delta["steps"]}, cpu_wait=cpu_wait,
     )
 
 
@@ -139,28 +166,28 @@ def run_hf_generate(model: Any, tokenizer: Any, workload: Workload, batch_size: 
     order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].prompt_ids))
     outputs: list[list[int]] = [[] for _ in reqs]
     prefill = 0
-    reset_peak_rss()
-    start = time.perf_counter()
+    watch = Stopwatch()
     for b in range(0, len(order), batch_size):
         rows = order[b:b + batch_size]
         new, computed = _static_batch(model, tokenizer, [reqs[i] for i in rows], workload.ignore_eos)
         prefill += computed
         for i, tokens in zip(rows, new):
             outputs[i] = tokens
-    seconds = time.perf_counter() - start
-    return _hf_result(f"hf_generate_bs{batch_size}", seconds, workload, outputs, tokenizer, _eos(model), prefill,
-                      {"batch_size": batch_size})
+    seconds, cpu_wait = watch.stop()
+    return _hf_result(f"hf_generate_bs{batch_size}", (seconds, cpu_wait), workload, outputs, tokenizer, _eos(model),
+                      prefill, {"batch_size": batch_size})
 
 
 def _hf_result(
-    name: str, seconds: float, workload: Workload, outputs: list[list[int]], tokenizer: Any, eos: list[int],
-    prefill: int | None, extra: dict[str, Any],
+    name: str, timing: tuple[float, float | None], workload: Workload, outputs: list[list[int]], tokenizer: Any,
+    eos: list[int], prefill: int | None, extra: dict[str, Any],
 ) -> RunResult:
+    seconds, cpu_wait = timing
     counts = [useful_tokens(tokenizer, r, o, eos, workload.ignore_eos) for r, o in zip(workload.requests, outputs)]
     return RunResult(
         system=name, seconds=seconds, output_tokens=sum(counts), prompt_tokens=workload.prompt_tokens,
         prefill_tokens=prefill, preemptions=None, peak_rss_mib=peak_rss_mib(),
-        outputs=[o[:n] for o, n in zip(outputs, counts)], extra=extra,
+        outputs=[o[:n] for o, n in zip(outputs, counts)], extra=extra, cpu_wait=cpu_wait,
     )
 
 
@@ -184,8 +211,7 @@ def run_hf_generate_batch(model: Any, tokenizer: Any, workload: Workload, page_s
     manager.warmup()
     manager.start()
     try:
-        reset_peak_rss()
-        start = time.perf_counter()
+        watch = Stopwatch()
         ids = [manager.add_request(r.prompt_ids, request_id=f"r{i}", max_new_tokens=r.max_tokens,
                                    eos_token_id=-1 if workload.ignore_eos else eos)
                for i, r in enumerate(workload.requests)]
@@ -196,9 +222,9 @@ def run_hf_generate_batch(model: Any, tokenizer: Any, workload: Workload, page_s
                 done[result.request_id] = list(result.generated_tokens)
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching thread died")
-        seconds = time.perf_counter() - start
+        timing = watch.stop()
     finally:
         manager.stop(block=True, timeout=30)
         manager.destroy()
     outputs = [done[i] for i in ids]
-    return _hf_result("hf_generate_batch", seconds, workload, outputs, tokenizer, eos, None, {"page_size": page_size})
+    return _hf_result("hf_generate_batch", timing, workload, outputs, tokenizer, eos, None, {"page_size": page_size})

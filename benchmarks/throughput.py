@@ -66,7 +66,7 @@ def figures(r: RunResult) -> dict[str, Any]:
         "output_tok_s": round(r.output_tokens / r.seconds, 1),
         "total_tok_s": round((r.output_tokens + r.prompt_tokens) / r.seconds, 1),
         "prefill_tokens": r.prefill_tokens, "preemptions": r.preemptions,
-        "peak_rss_mib": round(r.peak_rss_mib, 1), "load_1m_after": r.load_1m, **r.extra,
+        "peak_rss_mib": round(r.peak_rss_mib, 1), "cpu_wait_share": r.cpu_wait, **r.extra,
     }
 
 

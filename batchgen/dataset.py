@@ -120,18 +120,23 @@ def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> 
         # Why buffered, not pre-buffered: a huge row group is then read page by page, not whole.
         reader = pq.ParquetFile(f.path, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
         batches = reader.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
+        end = 0  # file row index just past the buffered rows
         for batch in batches:
             buffered.append(batch)
-            while pending and offset + sum(b.num_rows for b in buffered) >= pending[0].stop:
+            end += batch.num_rows
+            while pending and end >= pending[0].stop:
                 shard = pending.pop(0)
                 table = pa.Table.from_batches(buffered, schema=buffered[0].schema)
                 yield shard, table.slice(shard.start - offset, shard.num_rows)
-                # Why: drop what no later shard needs, so memory stays one window plus one batch.
-                rest = table.slice(shard.stop - offset)
-                offset = shard.stop
-                buffered = rest.to_batches()
+                buffered, offset = table.slice(shard.stop - offset).to_batches(), shard.stop
             if not pending:
                 return
+            # Why: rows before the next wanted shard (committed ones a resumed run skips) are
+            # dropped as they arrive, so memory stays one window plus one batch.
+            keep_from = min(pending[0].start, end)
+            if keep_from > offset:
+                table = pa.Table.from_batches(buffered, schema=batch.schema)
+                buffered, offset = table.slice(keep_from - offset).to_batches(), keep_from
     except (pa.ArrowException, OSError) as exc:
         raise InputDataError(f"{f.path}: failed while reading rows: {exc}") from exc
     if pending:

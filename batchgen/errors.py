@@ -39,6 +39,18 @@ class EngineFailure(BatchgenError):
     exit_code = 6
 
 
+class LockedError(BatchgenError):
+    """Another live run holds this output folder."""
+
+    exit_code = 7
+
+
+class FingerprintMismatch(BatchgenError):
+    """The output folder was made by a different job."""
+
+    exit_code = 2
+
+
 class Interrupted(BaseException):
     """SIGTERM arrived. A BaseException, like KeyboardInterrupt, so that no `except Exception`
     on the way (the engine's failure handling above all) can swallow it."""

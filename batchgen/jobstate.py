@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from batchgen.errors import BatchgenError, OutputError
+from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.fingerprint import describe_difference
 from batchgen.output import PART_GLOB, RESULT_NAMES, Totals
 
@@ -22,18 +22,6 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"
 RECORD_NAME = "_JOB.json"
 SUCCESS_NAME = "_SUCCESS"
-
-
-class LockedError(BatchgenError):
-    """Another live run holds this output folder."""
-
-    exit_code = 7
-
-
-class FingerprintMismatch(BatchgenError):
-    """The output folder was made by a different job."""
-
-    exit_code = 2
 
 
 class OutputLock:
@@ -102,7 +90,7 @@ class OutputState:
 
     def remove_leftovers(self) -> int:
         """Delete temp files of a killed run: they were never committed."""
-        leftovers = [p for p in self.out_dir.glob(".*.tmp")]
+        leftovers = self._temp_files()
         for path in leftovers:
             path.unlink(missing_ok=True)
         return len(leftovers)
@@ -121,4 +109,7 @@ class OutputState:
     def _ours(self) -> list[Path]:
         names = [RECORD_NAME, SUCCESS_NAME]
         paths = [self.out_dir / n for n in names] + list(self.committed_parts().values())
-        return paths + list(self.out_dir.glob(".*.tmp"))
+        return paths + self._temp_files()
+
+    def _temp_files(self) -> list[Path]:
+        return list(self.out_dir.glob(".*.tmp"))

@@ -8,7 +8,7 @@ TORCH_PIP_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test install clean-venv
+.PHONY: quickstart test lint format install clean-venv
 
 install: $(STAMP)
 
@@ -23,6 +23,16 @@ quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+# Lint, format check and types; CI runs it before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check batchgen tests benchmarks scripts
+	$(VENV)/bin/ruff format --check batchgen tests benchmarks scripts
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix batchgen tests benchmarks scripts
+	$(VENV)/bin/ruff format batchgen tests benchmarks scripts
 
 clean-venv:
 	rm -rf $(VENV)

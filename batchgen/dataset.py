@@ -49,7 +49,7 @@ class Shard:
 
 def discover(pattern: str, exclude: Path | None = None) -> list[tuple[Path, str]]:
     """(path, key) of a Parquet file, a folder's *.parquet files (recursively) or a glob's files;
-    sorted by key, never empty. Files under `exclude` (the job's output folder) are left out."""
+    sorted, never empty. Files under `exclude` (the job's output folder) are left out."""
     pattern = os.path.normpath(os.path.abspath(pattern))
     path = Path(pattern)
     if path.is_file():

@@ -53,12 +53,13 @@ def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool)
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE, its inputs and the model folder without loading weights or running anything."""
     _setup_logging(quiet=True)
+    from batchgen.dataset import planned_rows
     from batchgen.validate import validate_job
 
     def work() -> None:
         spec = load_job(job_file, list(overrides))
         files = validate_job(spec)
-        rows = sum(f.num_rows for f in files)
+        rows = planned_rows(files, spec.input.limit)
         click.echo(f"batchgen: {job_file} is valid: {len(files)} input file(s), {rows} rows, model {spec.model.path}")
 
     _guarded(work)

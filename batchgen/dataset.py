@@ -1,9 +1,16 @@
-"""Parquet input: find the files, check their schemas, plan shards, stream the rows of each shard."""
+"""Parquet input: find the files, check their schemas, plan shards, stream the rows of each shard.
+
+Each input file is named by its path relative to the input's root (`InputFile.key`): the folder
+for a folder input, the fixed leading directories of a glob, the file's own folder for a single
+file. The key is what `row_id` and the job fingerprint use, so it is unique within a job and the
+same wherever the data is mounted.
+"""
 
 from __future__ import annotations
 
 import glob
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +27,10 @@ READ_BUFFER_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class InputFile:
-    path: Path
+    path: Path  # absolute and normalised (no `..`), for messages and the manifest
     num_rows: int
     schema: pa.Schema
+    key: str = ""  # the path relative to the input's root, with "/" separators (see module doc)
 
 
 @dataclass(frozen=True)
@@ -39,44 +47,68 @@ class Shard:
         return self.stop - self.start
 
 
-def discover(pattern: str) -> list[Path]:
-    """A Parquet file, a folder (its *.parquet files, recursively) or a glob; sorted, never empty."""
+def discover(pattern: str, exclude: Path | None = None) -> list[tuple[Path, str]]:
+    """(path, key) of a Parquet file, a folder's *.parquet files (recursively) or a glob's files;
+    sorted, never empty. Files under `exclude` (the job's output folder) are left out."""
+    pattern = os.path.normpath(os.path.abspath(pattern))
     path = Path(pattern)
     if path.is_file():
-        return [path]
+        return [(path, path.name)]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*.parquet") if p.is_file() and not p.name.startswith("."))
-        where = f"folder {path}"
+        root, where = path, f"folder {path}"
+        found = [p for p in path.rglob("*.parquet") if p.is_file() and not p.name.startswith(".")]
     else:
-        files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+        root = _glob_root(pattern)
         where = f"glob {pattern!r}" if glob.has_magic(pattern) else f"path {pattern}"
+        found = [Path(os.path.normpath(p)) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
+    files = sorted((p, p.relative_to(root).as_posix()) for p in found if not _inside(p, exclude))
     if not files:
-        raise InputDataError(f"input.path: no Parquet files found at {where}")
+        skipped = f" (the output folder {exclude} is not read as input)" if found else ""
+        raise InputDataError(f"input.path: no Parquet files found at {where}{skipped}")
     return files
 
 
-def open_inputs(pattern: str, required: list[str]) -> list[InputFile]:
+def _glob_root(pattern: str) -> Path:
+    """The leading directories of a glob that hold no wildcard: its files' keys are relative to it."""
+    parts = Path(pattern).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
+    return Path(*parts[:fixed])
+
+
+def _inside(path: Path, folder: Path | None) -> bool:
+    return folder is not None and path.resolve().is_relative_to(folder.resolve())
+
+
+def open_inputs(pattern: str, required: list[str], exclude: Path | None = None) -> list[InputFile]:
     """Read every file's footer; check the required columns exist with one type across files."""
-    files = [_open_one(p) for p in discover(pattern)]
+    files = [_open_one(p, key) for p, key in discover(pattern, exclude)]
     for column in required:
-        _check_column(files, column)
+        check_column(files, column)
     return files
 
 
-def _open_one(path: Path) -> InputFile:
+def planned_rows(files: list[InputFile], limit: int | None) -> int:
+    """Rows a job reads: every row of every file, or the first `limit` of them."""
+    total = sum(f.num_rows for f in files)
+    return total if limit is None else min(total, limit)
+
+
+def _open_one(path: Path, key: str) -> InputFile:
     try:
         meta = pq.ParquetFile(path)
-        return InputFile(path=path, num_rows=meta.metadata.num_rows, schema=meta.schema_arrow)
+        return InputFile(path=path, num_rows=meta.metadata.num_rows, schema=meta.schema_arrow, key=key)
     except (pa.ArrowException, OSError) as exc:
         raise InputDataError(f"{path}: not a readable Parquet file: {exc}") from exc
 
 
-def _check_column(files: list[InputFile], column: str) -> None:
+def check_column(files: list[InputFile], column: str, why: str = "") -> None:
+    """`column` exists in every file with one type; else an InputDataError naming file and column.
+    `why` is appended to a missing-column message (e.g. that the column is carried)."""
     first_type = None
     for f in files:
         if column not in f.schema.names:
             raise InputDataError(
-                f"{f.path}: no column {column!r} (columns: {', '.join(f.schema.names)})"
+                f"{f.path}: no column {column!r}{why} (columns: {', '.join(f.schema.names)})"
             )
         col_type = f.schema.field(column).type
         if first_type is None:

@@ -163,6 +163,12 @@ def _discounted(cost: Decimal | None) -> str:
     return "" if cost is None else f" ({money_display(cost)} with the cache discount)"
 
 
+def _token_stats(tok: dict[str, Any]) -> str:
+    if tok["mean"] is None:  # why: mean, p50 ... of no rows are undefined, not "None"
+        return f"total {tok['total']} (no row would run)"
+    return "  ".join(f"{k} {tok[k]}" for k in ("total", "mean", "p50", "p95", "max"))
+
+
 def to_json(est: Estimate, spec: JobSpec, prices: Prices) -> str:
     return json.dumps(summary(est, spec, prices), indent=2)
 
@@ -174,7 +180,7 @@ def to_text(est: Estimate, spec: JobSpec, prices: Prices) -> str:
     lines = [
         ("job", f"{s['job']} (context {est.context_length} tokens)"),
         ("rows", f"{est.rows} ({est.ok_rows} ok; would fail: {errors})"),
-        ("input tokens", "  ".join(f"{k} {tok[k]}" for k in ("total", "mean", "p50", "p95", "max"))),
+        ("input tokens", _token_stats(tok)),
         ("prefix cache", f"{pc['cached_tokens']} of {tok['total']} input tokens served from cache"),
         ("", f"assumes {pc['assumption']}"),
         ("output tokens", f"0 .. {est.max_output_tokens} (each row's max_tokens, capped to the context)"),

@@ -1,5 +1,9 @@
 """A job's fingerprint: what its output depends on (settings, model files, input files), kept in
-parts so that a refusal to resume can say what differs."""
+parts so that a refusal to resume can say what differs.
+
+Input files are keyed by their path relative to the input's root (`InputFile.key`) and identified
+by size and content digest (`_file_digest`), never by where they are mounted: the same data reached through
+`jobs/../in`, an absolute path or another host's mount point is the same job."""
 
 from __future__ import annotations
 
@@ -20,14 +24,14 @@ _NEUTRAL_ENGINE = ("batch_size", "max_num_seqs", "max_num_batched_tokens", "num_
 
 
 def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
-    """{"settings": {...}, "model": hex, "inputs": {file name: hex}, "id": hex over all of it}."""
+    """{"settings": {...}, "model": hex, "inputs": {file key: hex}, "id": hex over all of it}."""
     settings = spec.model_dump(mode="json", exclude=_NEUTRAL)
     for name in _NEUTRAL_ENGINE:
         settings["engine"].pop(name, None)
     model = hashlib.sha256()
     for path in sorted(p for p in Path(spec.model.path).rglob("*") if p.is_file()):
         model.update(str(path.relative_to(spec.model.path)).encode() + _file_digest(path))
-    inputs = {str(f.path): _file_digest(f.path).hex() for f in files}
+    inputs = {f.key: _file_digest(f.path).hex() for f in files}
     parts = {"settings": settings, "model": model.hexdigest(), "inputs": inputs}
     parts["id"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
     return parts
@@ -39,13 +43,16 @@ def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     if old.get("model") != new["model"]:
         lines.append("model files changed")
     old_inputs, new_inputs = old.get("inputs", {}), new["inputs"]
+    if any(Path(name).is_absolute() for name in old_inputs):
+        # why: keys are relative now; an older record's absolute keys would all read as "no longer present"
+        return [*lines, "the record was made by an older batchgen that named input files by absolute path"]
     for name in sorted(set(old_inputs) | set(new_inputs)):
         if name not in new_inputs:
-            lines.append(f"input file no longer present: {name}")
+            lines.append(f"input file no longer present: {name} (paths relative to input.path)")
         elif name not in old_inputs:
-            lines.append(f"new input file: {name}")
+            lines.append(f"new input file: {name} (paths relative to input.path)")
         elif old_inputs[name] != new_inputs[name]:
-            lines.append(f"input file changed: {name}")
+            lines.append(f"input file changed (size or content): {name}")
     return lines or ["fingerprint format changed"]
 
 

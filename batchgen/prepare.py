@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from batchgen.dataset import InputFile, Shard
 from batchgen.engine.params import SamplingParams
+from batchgen.idcheck import IdProblem
 from batchgen.job import JobSpec
 
 
@@ -48,15 +49,15 @@ class RowPreparer:
         return rows
 
     def prepare_shard(
-        self, f: InputFile, shard: Shard, table: pa.Table, duplicates: dict[tuple[int, int], str]
+        self, f: InputFile, shard: Shard, table: pa.Table, duplicates: dict[tuple[int, int], IdProblem]
     ) -> list[PreparedRow]:
-        """Prepare a shard's rows; a repeated id (see idcheck) fails, its first use is served."""
+        """Prepare a shard's rows; a repeated id (see idcheck) fails, its first use is served; a null id fails."""
         labels = row_labels(self.spec, f, shard, table)
         rows = self.prepare(table, labels)
         for i, row in enumerate(rows):
-            duplicate = duplicates.get((shard.file_index, shard.start + i))
-            if duplicate is not None:
-                row.error_code, row.error_message, row.prompt_ids = "duplicate_id", f"{labels[i]}: {duplicate}", None
+            problem = duplicates.get((shard.file_index, shard.start + i))
+            if problem is not None:
+                row.error_code, row.error_message, row.prompt_ids = problem.code, f"{labels[i]}: {problem.message}", None
         return rows
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:

@@ -22,7 +22,7 @@ from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import BatchgenError, EngineFailure
 from batchgen.faults import fault_point
 from batchgen.fingerprint import job_fingerprint
-from batchgen.idcheck import find_duplicate_ids
+from batchgen.idcheck import IdProblem, find_duplicate_ids
 from batchgen.job import JobSpec
 from batchgen.jobstate import SUCCESS_NAME, OutputLock, OutputState
 from batchgen.ordering import order_requests
@@ -60,7 +60,7 @@ class JobRunner:
         self.spec = spec
         self.quiet = quiet
         self.overwrite = overwrite
-        self.duplicates: dict[tuple[int, int], str] = {}  # (file index, row) -> why it is a duplicate
+        self.duplicates: dict[tuple[int, int], IdProblem] = {}  # (file index, row) -> why its id fails
 
     def run(self) -> Summary:
         start = time.time()
@@ -118,7 +118,7 @@ class JobRunner:
             for shard, table in read_shards(files, todo, _read_columns(self.spec, carried)):
                 f = files[shard.file_index]
                 cols = self._run_shard(shard, table, f, backend, preparer, bar)
-                row_ids = [f"{f.path.name}:{i}" for i in range(shard.start, shard.stop)] if add_row_id else None
+                row_ids = [f"{f.key}:{i}" for i in range(shard.start, shard.stop)] if add_row_id else None
                 writer.write_part(shard.index, part_table(table, carried, row_ids, cols))
                 totals.add_part(cols)
                 bar.set_postfix(tok_s=f"{totals.output_tokens / max(time.time() - start, 1e-9):.0f}")

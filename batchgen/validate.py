@@ -1,5 +1,6 @@
-"""Checks that run before any work: the columns a job reads, the columns it carries, and that the
-model folder has a loadable config and tokenizer (without loading weights)."""
+"""Checks that run before any work: the columns a job reads (present and of a usable type in every
+file), the columns it carries (present with one type in every file), and that the model folder has a
+loadable config and tokenizer, with a chat template when the job has messages (without loading weights)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.dataset import InputFile, open_inputs
+from batchgen.dataset import InputFile, check_column, open_inputs
 from batchgen.errors import InputDataError, ModelError
 from batchgen.job import JobSpec
 from batchgen.output import RESULT_NAMES, ROW_ID_COLUMN
@@ -41,6 +42,58 @@ def carried_columns(spec: JobSpec, schema: pa.Schema) -> list[str]:
     return wanted
 
 
+def check_carried_in_every_file(spec: JobSpec, files: list[InputFile], carried: list[str]) -> None:
+    """Every carried column is in every file with one type, so no part can fail to write mid-run.
+
+    Policy: no union schema. With carry_columns null (carry everything) every file must have the
+    first file's columns, no more, no fewer; a named carry column must be in every file."""
+    first = files[0]
+    if spec.input.carry_columns is None:
+        why = f" (input.carry_columns is null, so every column of {first.path} is carried; name the columns to carry)"
+        for f in files[1:]:
+            extra = [c for c in f.schema.names if c not in first.schema.names]
+            if extra:
+                raise InputDataError(f"{f.path}: column(s) {extra} are not in {first.path}{why}")
+    else:
+        why = " (named in input.carry_columns)"
+    for column in carried:
+        check_column(files, column, why)
+
+
+def check_read_types(spec: JobSpec, files: list[InputFile]) -> None:
+    """The prompt, messages and id columns have a type the job can use (one type in every file is
+    checked when the files are opened, so the first file's type is every file's)."""
+    schema, where = files[0].schema, files[0].path
+    i = spec.input
+    if i.prompt_column is not None and not _is_text(schema.field(i.prompt_column).type):
+        raise InputDataError(f"{where}: input.prompt_column {i.prompt_column!r} is "
+                             f"{schema.field(i.prompt_column).type}; it must be a string (or binary) column")
+    if i.messages_column is not None and not _is_messages(schema.field(i.messages_column).type):
+        raise InputDataError(f"{where}: input.messages_column {i.messages_column!r} is "
+                             f"{schema.field(i.messages_column).type}; it must be a list of structs with "
+                             "string fields 'role' and 'content'")
+    if i.id_column is not None and pa.types.is_nested(schema.field(i.id_column).type):
+        raise InputDataError(f"{where}: input.id_column {i.id_column!r} is {schema.field(i.id_column).type}; "
+                             "an id must be a scalar (string, integer, ...)")
+
+
+def _is_text(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return any(check(t) for check in (
+        pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view,
+        pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view, pa.types.is_fixed_size_binary,
+    ))
+
+
+def _is_messages(t: pa.DataType) -> bool:
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)
+            or pa.types.is_large_list_view(t) or pa.types.is_fixed_size_list(t)):
+        return False
+    item = t.value_type
+    return pa.types.is_struct(item) and {"role", "content"} <= {item.field(k).name for k in range(item.num_fields)}
+
+
 def load_tokenizer(model_path: Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -50,8 +103,9 @@ def load_tokenizer(model_path: Path) -> Any:
         raise ModelError(f"model.path {model_path}: cannot load a tokenizer: {exc}") from exc
 
 
-def check_model_folder(model_path: Path) -> Any:
-    """The model's config and tokenizer load; weights are not touched. Returns the config."""
+def check_model_folder(model_path: Path, needs_chat_template: bool = False) -> Any:
+    """The model's config and tokenizer load (and the tokenizer has a chat template when
+    `needs_chat_template`); weights are not touched. Returns the config."""
     from transformers import AutoConfig
 
     if not model_path.is_dir():
@@ -60,13 +114,18 @@ def check_model_folder(model_path: Path) -> Any:
         config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError) as exc:
         raise ModelError(f"model.path {model_path}: cannot load config.json: {exc}") from exc
-    load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path)
+    if needs_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ModelError(f"model.path {model_path}: the tokenizer has no chat template, so input.messages_column "
+                         "cannot be rendered; use input.prompt_column with text prompts, or a chat model")
     return config
 
 
 def validate_job(spec: JobSpec) -> list[InputFile]:
-    """Everything `run` checks before loading weights; raises a BatchgenError naming the problem."""
-    files = open_inputs(spec.input.path, input_columns(spec))
-    carried_columns(spec, files[0].schema)
-    check_model_folder(spec.model.path)
+    """Everything `run` checks before loading weights; raises a BatchgenError naming the problem.
+    The output folder is never read as input, even when it lies inside input.path."""
+    files = open_inputs(spec.input.path, input_columns(spec), exclude=spec.output.path)
+    check_read_types(spec, files)
+    check_carried_in_every_file(spec, files, carried_columns(spec, files[0].schema))
+    check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     return files

@@ -1,4 +1,5 @@
-"""Streaming shards: a resumed run reads only some shards; each must get exactly its own rows."""
+"""Input files: discovery (keys relative to the input root, normalised paths, the output folder left out) and
+streaming shards: a resumed run reads only some shards; each must get exactly its own rows."""
 
 from __future__ import annotations
 
@@ -20,3 +21,26 @@ def test_reading_a_subset_of_shards_yields_exactly_their_rows(tmp_path: Path, mo
     wanted = [shards[i] for i in (0, 3, 4, 8, 9)]  # gaps: the committed parts a rerun skips
     got = [(s.index, t.column("x").to_pylist()) for s, t in dataset.read_shards(files, wanted, ["x"])]
     assert got == [(s.index, list(range(s.start, s.stop))) for s in wanted]
+
+
+def test_discovery_keys_are_relative_to_the_input_root_and_paths_normalised(tmp_path: Path) -> None:
+    for name in ("x/part-0.parquet", "y/part-0.parquet", "out/part-000000.parquet"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"x": [1]}), tmp_path / name)
+    spelled = str(tmp_path / "x" / "..")  # the folder, through a "..": paths come back normalised
+    found = dataset.discover(spelled, exclude=tmp_path / "out")
+    assert found == [(tmp_path / "x" / "part-0.parquet", "x/part-0.parquet"),
+                     (tmp_path / "y" / "part-0.parquet", "y/part-0.parquet")]
+    assert [k for _, k in dataset.discover(str(tmp_path / "*" / "part-0.parquet"))] == ["x/part-0.parquet", "y/part-0.parquet"]
+    assert dataset.discover(str(tmp_path / "y" / "part-0.parquet")) == [(tmp_path / "y" / "part-0.parquet", "part-0.parquet")]
+    with pytest.raises(dataset.InputDataError, match="output folder .* is not read as input"):
+        dataset.discover(str(tmp_path / "out"), exclude=tmp_path / "out")
+
+
+def test_an_older_record_keyed_by_absolute_paths_is_named_as_such() -> None:
+    from batchgen.fingerprint import describe_difference
+
+    old = {"settings": {}, "model": "m", "inputs": {"/data/in/x.parquet": "aa"}}
+    new = {"settings": {}, "model": "m", "inputs": {"x.parquet": "aa"}}
+    assert describe_difference(old, new) == [
+        "the record was made by an older batchgen that named input files by absolute path"]

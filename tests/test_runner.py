@@ -17,6 +17,7 @@ from batchgen.cli import main
 from batchgen.output import RESULT_NAMES
 from tests.conftest import make_job, write_job, write_parquet
 
+WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()
 PROMPTS = ["once upon a time", "the little cat", "a dog who liked to play in the sun", "her friend"]
 
 
@@ -74,7 +75,38 @@ def test_usage_equals_tokenizer_counts(tmp_path: Path, tiny_model_dir: Path, bac
         assert all(r["cached_tokens"] == 0 for r in rows)  # the hf backend has no prefix cache
 
 
-def test_backends_agree_and_native_serves_shared_prefixes_from_cache(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def metaspace_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a SentencePiece-style (Metaspace) tokenizer: its decoder drops the
+    leading space of the first token decoded, so a completion's text depends on priming."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    lines = [" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(12)) + "." for i in range(200)]
+    backend.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>", pad_token="</s>",
+                                  clean_up_tokenization_spaces=False)
+    path = tmp_path_factory.mktemp("metaspace-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, initializer_range=0.2,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "metaspace_model_dir"])
+def test_backends_agree_and_native_serves_shared_prefixes_from_cache(
+    tmp_path: Path, model_fixture: str, request: pytest.FixtureRequest
+) -> None:
+    tiny_model_dir = request.getfixturevalue(model_fixture)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     preamble = "once upon a time there was a little cat who liked to play in the sun. " * 4
     prompts = [preamble + p for p in PROMPTS] * 3
@@ -90,6 +122,8 @@ def test_backends_agree_and_native_serves_shared_prefixes_from_cache(tmp_path: P
     for hf_row, native_row in zip(rows["hf"], rows["native"]):  # greedy: the same tokens either way
         assert native_row["generated_text"] == hf_row["generated_text"]
         assert native_row["output_tokens"] == hf_row["output_tokens"]
+    if model_fixture == "metaspace_model_dir":  # the case that tells a primed stop checker from an unprimed one
+        assert any(r["generated_text"].startswith(" ") for r in rows["hf"])
     shared_blocks = len(tok(preamble)["input_ids"]) // 8
     cached = [r["cached_tokens"] for r in rows["native"]]
     assert sum(c >= shared_blocks * 8 for c in cached) >= 11  # all but the first one computed

@@ -98,7 +98,9 @@ class HFBackend:
         return kwargs
 
     def _replay(self, prompt: list[int], new_tokens: list[int], p: SamplingParams) -> RequestOutput:
-        checker = StopChecker(self.tokenizer, p, self.eos_ids)
+        # Why the prompt: primed with it, a Metaspace (SentencePiece) decoder keeps the completion's
+        # leading space, as the native engine's checker does; unprimed the text would lose it.
+        checker = StopChecker(self.tokenizer, p, self.eos_ids, prompt_token_ids=prompt)
         taken: list[int] = []
         for token in new_tokens:
             taken.append(token)

@@ -1,0 +1,161 @@
+"""Input discovery, schemas and ids through the CLI: carried columns checked in every file before
+any work, unique row_ids for nested folders, prompt/messages column types, a fingerprint that does
+not depend on where the data is mounted, an output folder inside the input folder, null ids."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from tests.conftest import make_job, write_job, write_parquet
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def _run(job: Path) -> tuple[int, str]:
+    return _cli("run", str(job), "--quiet")
+
+
+def _rows(out: Path) -> list[dict]:
+    return ds.dataset(out, format="parquet").to_table().to_pylist()
+
+
+def test_a_carried_column_missing_from_a_later_file_fails_before_any_work(tmp_path: Path, tiny_model_dir: Path) -> None:
+    write_parquet(tmp_path / "d" / "a.parquet", {"id": ["1", "2"], "prompt": ["the cat"] * 2, "topic": ["x", "y"]})
+    write_parquet(tmp_path / "d" / "b.parquet", {"id": ["3"], "prompt": ["a dog"]})
+    out = tmp_path / "out"
+    for i, carry in enumerate([None, ["id", "topic"]]):
+        job = write_job(tmp_path / f"j{i}.yaml", make_job(tiny_model_dir, str(tmp_path / "d"), out,
+                                                          input={"carry_columns": carry}, engine={"window_rows": 1}))
+        code, text = _run(job)
+        assert code == 3, text
+        assert f"{tmp_path / 'd' / 'b.parquet'}: no column 'topic'" in text
+        assert not out.exists()  # refused before any part was committed
+        assert _cli("validate", str(job))[0] == 3
+
+
+def test_extra_or_retyped_carried_columns_fail_before_any_work(tmp_path: Path, tiny_model_dir: Path) -> None:
+    d = tmp_path / "d"
+    write_parquet(d / "a.parquet", {"id": ["1"], "prompt": ["the cat"], "n": [1]})
+    write_parquet(d / "b.parquet", {"id": ["2"], "prompt": ["a dog"], "n": ["one"]})
+    out = tmp_path / "out"
+    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(d), out)))
+    assert code == 3 and f"{d / 'b.parquet'}: column 'n' is string but {d / 'a.parquet'} has int64" in text, text
+    write_parquet(d / "b.parquet", {"id": ["2"], "prompt": ["a dog"], "n": [2], "more": [0.5]})
+    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(d), out)))
+    assert code == 3 and f"{d / 'b.parquet'}: column(s) ['more'] are not in {d / 'a.parquet'}" in text, text
+    assert not out.exists()
+    job = make_job(tiny_model_dir, str(d), out, input={"carry_columns": ["id", "n"]})
+    assert _run(write_job(tmp_path / "j.yaml", job))[0] == 0  # naming the columns to carry is the fix
+    assert [r["n"] for r in _rows(out)] == [1, 2]
+
+
+def test_row_ids_are_unique_for_nested_folders_and_globs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = tmp_path / "data"
+    write_parquet(data / "x" / "part-0.parquet", {"prompt": ["the cat", "a dog"]})
+    write_parquet(data / "y" / "part-0.parquet", {"prompt": ["her friend"]})
+    expected = ["x/part-0.parquet:0", "x/part-0.parquet:1", "y/part-0.parquet:0"]
+    for i, inputs in enumerate([str(data), str(data / "*" / "part-*.parquet"), str(data / "x" / "part-0.parquet")]):
+        out = tmp_path / f"out{i}"
+        job = make_job(tiny_model_dir, inputs, out, input={"id_column": None})
+        code, text = _run(write_job(tmp_path / f"j{i}.yaml", job))
+        assert code == 0, text
+        got = [r["row_id"] for r in _rows(out)]
+        assert got == (expected if i < 2 else ["part-0.parquet:0", "part-0.parquet:1"])
+
+
+def test_a_prompt_column_of_integers_fails_before_any_work(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = write_parquet(tmp_path / "in.parquet", {"id": ["1", "2"], "prompt": [3, 4]})
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(data), out))
+    for command in ("validate", "run"):
+        code, text = _cli(command, str(job))
+        assert code == 3 and f"{data}: input.prompt_column 'prompt' is int64" in text, text
+    assert not out.exists()
+
+
+def test_messages_with_a_model_that_has_no_chat_template_fail_before_any_work(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    model = shutil.copytree(tiny_model_dir, tmp_path / "no-template")
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    data = write_parquet(tmp_path / "in.parquet", {"id": ["1"], "messages": [[{"role": "user", "content": "hi"}]]})
+    out = tmp_path / "out"
+    job = make_job(model, str(data), out)
+    job["input"] = {"path": str(data), "messages_column": "messages", "id_column": "id"}
+    job_path = write_job(tmp_path / "j.yaml", job)
+    for command in ("validate", "run"):
+        code, text = _cli(command, str(job_path))
+        assert code == 4 and "has no chat template" in text, text
+    assert not out.exists()
+
+
+def test_the_same_data_through_another_path_or_mount_is_the_same_job(tmp_path: Path, tiny_model_dir: Path) -> None:
+    (tmp_path / "jobs").mkdir()
+    write_parquet(tmp_path / "in" / "sub" / "x.parquet", {"id": ["1", "2"], "prompt": ["the cat", "a dog"]})
+    out = tmp_path / "out"
+    first = make_job(tiny_model_dir, "../in", out)
+    code, text = _run(write_job(tmp_path / "jobs" / "j.yaml", first))
+    assert code == 0, text
+    moved = shutil.copytree(tmp_path / "in", tmp_path / "mnt" / "elsewhere")
+    for i, path in enumerate([str(tmp_path / "in"), str(moved)]):
+        code, text = _run(write_job(tmp_path / f"j{i}.yaml", make_job(tiny_model_dir, path, out)))
+        assert code == 0 and "nothing to do" in text, text
+    inputs = json.loads((out / "_SUCCESS").read_text())["inputs"]
+    assert inputs == [str(tmp_path / "in" / "sub" / "x.parquet")]  # normalised: no "jobs/.."
+    write_parquet(moved / "sub" / "x.parquet", {"id": ["1", "2"], "prompt": ["the cat", "a cat"]})
+    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(moved), out)))
+    assert code == 2 and "input file changed (size or content): sub/x.parquet" in text, text
+
+
+def test_an_output_folder_inside_the_input_folder_is_not_read_as_input(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = tmp_path / "data"
+    write_parquet(data / "in.parquet", {"id": ["1", "2"], "prompt": ["the cat", "a dog"]})
+    job = write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(data), data / "out"))
+    assert _run(job)[0] == 0
+    code, text = _cli("validate", str(job))
+    assert code == 0 and "1 input file(s), 2 rows" in text, text
+    code, text = _run(job)
+    assert code == 0 and "nothing to do" in text, text
+    assert len(_rows(data / "out")) == 2
+
+
+def test_null_ids_are_missing_id_rows_and_duplicates_are_named_plainly(tmp_path: Path, tiny_model_dir: Path) -> None:
+    schema = pa.schema([("id", pa.int64()), ("prompt", pa.string())])
+    write_parquet(tmp_path / "d" / "a.parquet", {"id": [1, None, 2, None], "prompt": ["the cat"] * 4}, schema)
+    write_parquet(tmp_path / "d" / "b.parquet", {"id": [2, 1], "prompt": ["a dog"] * 2}, schema)
+    out = tmp_path / "out"
+    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(tmp_path / "d"), out,
+                                                              engine={"window_rows": 2})))
+    assert code == 0, text
+    rows = _rows(out)
+    assert [r["error_code"] for r in rows] == [None, "missing_id", None, "missing_id", "duplicate_id", "duplicate_id"]
+    assert rows[1]["error_message"].endswith("row 1 (id None): id is null")
+    assert f"duplicate id 2: first used by {tmp_path / 'd' / 'a.parquet'} row 2" in rows[4]["error_message"]
+    assert f"duplicate id 1: first used by {tmp_path / 'd' / 'a.parquet'} row 0" in rows[5]["error_message"]
+
+
+def test_validate_counts_rows_after_the_limit_and_estimate_of_no_rows_prints_no_none(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    data = write_parquet(tmp_path / "in.parquet", {"id": [str(i) for i in range(5)], "prompt": ["the cat"] * 5})
+    job = write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(data), tmp_path / "o", input={"limit": 2}))
+    code, text = _cli("validate", str(job))
+    assert code == 0 and "1 input file(s), 2 rows" in text, text
+    empty = write_parquet(tmp_path / "empty.parquet", {"id": [], "prompt": []},
+                          pa.schema([("id", pa.string()), ("prompt", pa.string())]))
+    code, text = _cli("estimate", str(write_job(tmp_path / "e.yaml", make_job(tiny_model_dir, str(empty), tmp_path / "o"))))
+    assert code == 0, text
+    assert "None" not in text and "input tokens" in text and "total 0" in text

@@ -13,6 +13,7 @@ from batchgen.dataset import InputFile, open_inputs
 from batchgen.errors import InputDataError, ModelError
 from batchgen.job import JobSpec
 from batchgen.output import RESULT_NAMES, ROW_ID_COLUMN
+from batchgen.prepare import check_sampling_columns
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ def check_model_folder(model_path: Path) -> Any:
 def validate_job(spec: JobSpec) -> list[InputFile]:
     """Everything `run` checks before loading weights; raises a BatchgenError naming the problem."""
     files = open_inputs(spec.input.path, input_columns(spec))
+    check_sampling_columns(spec, files)
     carried_columns(spec, files[0].schema)
     check_model_folder(spec.model.path)
+    from batchgen.engine.models import resolve_device  # why lazy: torch
+
+    resolve_device(spec.model.device)  # a DeviceError (exit 4) names the devices on this machine
     return files

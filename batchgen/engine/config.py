@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     # None: a share of free memory on CUDA, else 1 GiB capped by what max_num_seqs can use
+    # (model_runner.num_kv_blocks_for)
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -36,3 +36,24 @@ def test_settings_reach_the_engine(tiny_model: Callable[[str], Path]) -> None:
     assert (llm.config.block_size, llm.config.num_kv_blocks, llm.config.max_num_seqs) == (8, 20, 3)
     with pytest.raises(TypeError):
         LLM(str(tiny_model("llama")), "cpu")  # type: ignore[misc]  # device is keyword-only
+
+
+def test_device_availability_lists_this_machines_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from batchgen.engine.models import DeviceError, resolve_device
+    from batchgen.errors import ModelError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
+    for device in ("cuda", "cuda:0", "mps"):
+        with pytest.raises(DeviceError, match=rf"device '{device}' is not available on this machine; devices here: cpu$"):
+            resolve_device(device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1") and resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(ModelError, match="devices here: cpu, cuda:0, cuda:1"):  # a ModelError: exit 4
+        resolve_device("cuda:2")
+    with pytest.raises(ValueError, match="not a device name"):
+        resolve_device("banana")

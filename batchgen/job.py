@@ -121,7 +121,8 @@ class ModelSection(_Strict):
     @classmethod
     def _device_name(cls, value: str) -> str:
         if not DEVICE_NAME.fullmatch(value):
-            raise ValueError(f"must be {DEVICE_CHOICES}, got {value!r}")
+            context = {"choices": DEVICE_CHOICES, "value": repr(value)}
+            raise PydanticCustomError("device", "must be {choices}, got {value}", context)
         return value
 
 

@@ -138,7 +138,7 @@ def test_top_k_minus_one_is_valid_in_the_job_and_the_engine(tmp_path: Path) -> N
 def test_device_names(tmp_path: Path) -> None:
     for device in ("auto", "cpu", "cuda", "cuda:1", "mps"):
         assert load_job(_write(tmp_path, GOOD), [f"model.device={device}"]).model.device == device
-    with pytest.raises(JobFileError, match=r"model.device: Value error, must be auto, cpu, cuda, cuda:N"):
+    with pytest.raises(JobFileError, match=r"model.device: must be auto, cpu, cuda, cuda:N"):
         load_job(_write(tmp_path, GOOD), ["model.device=banana"])
 
 

@@ -19,7 +19,8 @@ def test_unknown_setting_is_named_before_anything_loads(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("settings, name", [
     ({"block_size": 0}, "block_size"), ({"max_num_seqs": True}, "max_num_seqs"),
-    ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"), ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+    ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
 ])
 def test_invalid_setting_is_a_value_error_naming_it(tmp_path: Path, settings: dict, name: str) -> None:
     with pytest.raises(ValueError, match=rf"EngineConfig.{name} must be"):
@@ -48,7 +49,7 @@ def test_device_availability_lists_this_machines_devices(monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu") == resolve_device("cpu")
     for device in ("cuda", "cuda:0", "mps"):
-        with pytest.raises(DeviceError, match=rf"device '{device}' is not available on this machine; devices here: cpu$"):
+        with pytest.raises(DeviceError, match=rf"'{device}' is not available on this machine; devices here: cpu$"):
             resolve_device(device)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

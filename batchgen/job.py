@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
@@ -60,7 +60,7 @@ def _setting_error(model: str, exc: SettingError, value: Any) -> ValidationError
 
 class _SamplingChecks(_Strict):
     @model_validator(mode="after")
-    def _check(self) -> "_SamplingChecks":
+    def _check(self) -> _SamplingChecks:
         self.to_params()
         return self
 
@@ -73,9 +73,15 @@ class _SamplingChecks(_Strict):
             raise _setting_error("SamplingSection", exc, values.get(exc.field)) from None
 
 
-SamplingSection = create_model(  # type: ignore[call-overload]
-    "SamplingSection", __base__=_SamplingChecks, **_derived_fields(SamplingParams, "sampling")
-)
+if TYPE_CHECKING:  # why: the fields exist only at run time, taken from SamplingParams
+
+    class SamplingSection(_SamplingChecks):
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    SamplingSection = create_model(
+        "SamplingSection", __base__=_SamplingChecks, **_derived_fields(SamplingParams, "sampling")
+    )
 
 
 class _EngineChecks(_Strict):
@@ -87,7 +93,7 @@ class _EngineChecks(_Strict):
     kv_cache_memory_mb: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
-    def _check(self) -> "_EngineChecks":
+    def _check(self) -> _EngineChecks:
         self.to_config()
         return self
 
@@ -107,9 +113,13 @@ class _EngineChecks(_Strict):
             raise _setting_error("EngineSection", exc, getattr(self, field, None)) from None
 
 
-EngineSection = create_model(  # type: ignore[call-overload]
-    "EngineSection", __base__=_EngineChecks, **_derived_fields(EngineConfig, "engine")
-)
+if TYPE_CHECKING:  # why: the engine's fields exist only at run time, taken from EngineConfig
+
+    class EngineSection(_EngineChecks):
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    EngineSection = create_model("EngineSection", __base__=_EngineChecks, **_derived_fields(EngineConfig, "engine"))
 
 
 class ModelSection(_Strict):

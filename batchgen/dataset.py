@@ -32,6 +32,10 @@ class InputFile:
     schema: pa.Schema
     key: str = ""  # the path relative to the input's root, with "/" separators (see module doc)
 
+    def row_ids(self, start: int, stop: int) -> list[str]:
+        """`row_id` of rows [start, stop): "<key>:<row index>", unique within a job."""
+        return [f"{self.key}:{i}" for i in range(start, stop)]
+
 
 @dataclass(frozen=True)
 class Shard:

@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from batchgen.engine.config import DEVICE_CHOICES, DEVICE_NAME, EngineConfig
+from batchgen.engine.params import SamplingParams, SettingError
 from batchgen.errors import JobFileError
 
 SAMPLING_OVERRIDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens")
+
+# Where the job file's defaults differ from the engine's (SamplingParams, EngineConfig), on purpose.
+# This is the only place they are stated; every other default comes from the engine's dataclasses.
+JOB_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sampling": {
+        "max_tokens": 128,  # why: vLLM's 16 cuts most answers short; a batch job wants whole answers
+        "temperature": 0.0,  # why: a batch job is reproducible by default (greedy), not vLLM's 1.0
+    },
+}
+# Engine settings the job file spells in other units: kv_cache_memory_mb (MiB, what people type)
+# stands for EngineConfig.kv_cache_memory_bytes.
+_JOB_SPELLED = {"kv_cache_memory_bytes": "kv_cache_memory_mb"}
 
 
 class _Strict(BaseModel):
@@ -19,15 +35,110 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _derived_fields(cls: type, section: str) -> dict[str, Any]:
+    """pydantic field definitions (type, default) for a dataclass's fields, with the job defaults."""
+    hints = get_type_hints(cls)
+    defaults = JOB_DEFAULTS.get(section, {})
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in _JOB_SPELLED:
+            continue
+        if f.name in defaults:
+            out[f.name] = (hints[f.name], defaults[f.name])
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = (hints[f.name], Field(default_factory=f.default_factory))
+        else:
+            out[f.name] = (hints[f.name], f.default)
+    return out
+
+
+def _setting_error(model: str, exc: SettingError, value: Any) -> ValidationError:
+    """A dataclass's SettingError as a pydantic error located at its field (for key and line)."""
+    kind = PydanticCustomError("setting", "must be {expected}", {"expected": exc.expected})
+    return ValidationError.from_exception_data(model, [InitErrorDetails(type=kind, loc=(exc.field,), input=value)])
+
+
+class _SamplingChecks(_Strict):
+    @model_validator(mode="after")
+    def _check(self) -> _SamplingChecks:
+        self.to_params()
+        return self
+
+    def to_params(self) -> SamplingParams:
+        """The job-level SamplingParams: checked with the engine's own rules at load time."""
+        values = self.model_dump()
+        try:
+            return SamplingParams(**values)
+        except SettingError as exc:
+            raise _setting_error("SamplingSection", exc, values.get(exc.field)) from None
+
+
+if TYPE_CHECKING:  # why: the fields exist only at run time, taken from SamplingParams
+
+    class SamplingSection(_SamplingChecks):
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    SamplingSection = create_model(
+        "SamplingSection", __base__=_SamplingChecks, **_derived_fields(SamplingParams, "sampling")
+    )
+
+
+class _EngineChecks(_Strict):
+    # Job-file-only settings: how rows reach the engine, not the engine itself.
+    backend: Literal["native", "hf"] = "native"
+    window_rows: int = Field(default=1024, ge=1)  # rows ordered together, then committed as one part
+    ordering: Literal["prefix", "length", "none"] = "prefix"
+    batch_size: int = Field(default=32, ge=1)  # hf backend: rows per static batch
+    kv_cache_memory_mb: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> _EngineChecks:
+        self.to_config()
+        return self
+
+    def engine_settings(self) -> dict[str, Any]:
+        """Keyword settings for LLM(...) / EngineConfig(...): every EngineConfig field."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in _JOB_SPELLED}
+        mb = self.kv_cache_memory_mb
+        values["kv_cache_memory_bytes"] = mb * (1 << 20) if mb is not None else None
+        return values
+
+    def to_config(self) -> EngineConfig:
+        values = self.engine_settings()
+        try:
+            return EngineConfig(**values)
+        except SettingError as exc:
+            field = _JOB_SPELLED.get(exc.field, exc.field)
+            raise _setting_error("EngineSection", exc, getattr(self, field, None)) from None
+
+
+if TYPE_CHECKING:  # why: the engine's fields exist only at run time, taken from EngineConfig
+
+    class EngineSection(_EngineChecks):
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    EngineSection = create_model("EngineSection", __base__=_EngineChecks, **_derived_fields(EngineConfig, "engine"))
+
+
 class ModelSection(_Strict):
     path: Path = Field(strict=False)
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not DEVICE_NAME.fullmatch(value):
+            context = {"choices": DEVICE_CHOICES, "value": repr(value)}
+            raise PydanticCustomError("device", "must be {choices}, got {value}", context)
+        return value
+
 
 class InputSection(_Strict):
     path: str  # a Parquet file, a folder of them, or a glob
-    prompt_column: str | None = None
+    prompt_column: str | None = None  # None: "prompt", unless messages_column is set
     messages_column: str | None = None
     id_column: str | None = None
     carry_columns: list[str] | None = None  # None: carry every input column
@@ -36,8 +147,10 @@ class InputSection(_Strict):
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> "InputSection":
-        if (self.prompt_column is None) == (self.messages_column is None):
+        if self.prompt_column is not None and self.messages_column is not None:
             raise ValueError("set exactly one of input.prompt_column or input.messages_column")
+        if self.messages_column is None and self.prompt_column is None:
+            self.prompt_column = "prompt"
         for name in self.sampling_columns:
             if name not in SAMPLING_OVERRIDABLE:
                 raise ValueError(
@@ -49,35 +162,6 @@ class InputSection(_Strict):
 
 class OutputSection(_Strict):
     path: Path = Field(strict=False)
-
-
-class SamplingSection(_Strict):
-    max_tokens: int = Field(default=128, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    skip_special_tokens: bool = True
-
-
-class EngineSection(_Strict):
-    backend: Literal["native", "hf"] = "native"
-    window_rows: int = Field(default=1024, ge=1)  # rows ordered together, then committed as one part
-    ordering: Literal["prefix", "length", "none"] = "prefix"
-    batch_size: int = Field(default=32, ge=1)  # hf backend: rows per static batch
-    block_size: int = Field(default=16, ge=1)
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    num_kv_blocks: int | None = Field(default=None, ge=1)
-    kv_cache_memory_mb: int | None = Field(default=None, ge=1)
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = Field(default=None, ge=1)
 
 
 class PricingSection(_Strict):
@@ -107,12 +191,13 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     except OSError as exc:
         raise JobFileError(f"{path}: cannot read the job file: {exc.strerror or exc}") from exc
     raw, lines = _parse_yaml(text, path)
+    where: dict[str, str] = {}  # why: an overridden value's error must cite --set, not the file's line
     for item in overrides or []:
-        _apply_override(raw, item)
+        where[_apply_override(raw, item)] = f"--set {item}"
     try:
         spec = JobSpec.model_validate(raw)
     except ValidationError as exc:
-        raise JobFileError(_describe(exc, path, lines)) from None
+        raise JobFileError(_describe(exc, path, lines, where)) from None
     return _resolve_paths(spec, path)
 
 
@@ -138,8 +223,9 @@ def _key_lines(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
     return lines
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
-    """Apply one `section.key=value` override; the value is parsed as YAML (64, 0.7, [a, b])."""
+def _apply_override(raw: dict[str, Any], item: str) -> str:
+    """Apply one `section.key=value` override (the value is parsed as YAML: 64, 0.7, [a, b]);
+    returns the dotted key."""
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
         raise JobFileError(f"--set {item!r}: expected section.key=value")
@@ -154,14 +240,18 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         target[parts[-1]] = yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError as exc:
         raise JobFileError(f"--set {item!r}: value is not valid YAML: {exc}") from None
+    return ".".join(parts)
 
 
-def _describe(exc: ValidationError, path: Path, lines: dict[str, int]) -> str:
+def _describe(exc: ValidationError, path: Path, lines: dict[str, int], overridden: dict[str, str]) -> str:
     problems = []
     for err in exc.errors():
         dotted = ".".join(str(p) for p in err["loc"])
         line = _nearest_line(dotted, lines)
         where = f"{path}:{line}" if line else str(path)
+        origin = next((o for key, o in overridden.items() if dotted == key or dotted.startswith(key + ".")), None)
+        if origin is not None:
+            where = f"{path} ({origin})"
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         problems.append(f"{where}: {dotted}: {msg}")
     return "invalid job file:\n  " + "\n  ".join(problems)

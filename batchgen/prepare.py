@@ -6,13 +6,15 @@ The input token count is fixed here: it is the first half of the bill.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_type_hints
 
 import pyarrow as pa
 
 from batchgen.dataset import InputFile, Shard
 from batchgen.engine.params import SamplingParams
+from batchgen.errors import InputDataError
 from batchgen.idcheck import IdProblem
 from batchgen.job import JobSpec
 
@@ -40,12 +42,13 @@ class RowPreparer:
         self.max_model_len = max_model_len
         self.base_params = spec.sampling.model_dump()
 
-    def prepare(self, table: pa.Table, labels: list[str]) -> list[PreparedRow]:
-        """`labels[i]` names row i in messages (file, row index, id)."""
+    def prepare(self, table: pa.Table, labels: list[str], keys: list[str]) -> list[PreparedRow]:
+        """`labels[i]` names row i in messages (file, row index, id); `keys[i]` identifies it
+        across runs (see row_keys): the run seed is combined with it."""
         rows = [PreparedRow() for _ in range(table.num_rows)]
         texts = self._texts(table, rows, labels)
         self._tokenize(texts, rows, labels)
-        self._sampling(table, rows, labels)
+        self._sampling(table, rows, labels, keys)
         return rows
 
     def prepare_shard(
@@ -53,7 +56,7 @@ class RowPreparer:
     ) -> list[PreparedRow]:
         """Prepare a shard's rows; a repeated id (see idcheck) fails, its first use is served; a null id fails."""
         labels = row_labels(self.spec, f, shard, table)
-        rows = self.prepare(table, labels)
+        rows = self.prepare(table, labels, row_keys(self.spec, f, shard, table))
         for i, row in enumerate(rows):
             problem = duplicates.get((shard.file_index, shard.start + i))
             if problem is not None:
@@ -101,24 +104,68 @@ class RowPreparer:
             else:
                 rows[i].prompt_ids = list(ids)
 
-    def _sampling(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> None:
+    def _sampling(self, table: pa.Table, rows: list[PreparedRow], labels: list[str], keys: list[str]) -> None:
         columns = self.spec.input.sampling_columns
         per_row = {name: table.column(col).to_pylist() for name, col in columns.items()}
+        run_seed = self.base_params["seed"]
         for i, row in enumerate(rows):
             if not row.ok:
                 continue
             values = dict(self.base_params)
+            if run_seed is not None:
+                values["seed"] = row_seed(run_seed, keys[i])
             for name, column_values in per_row.items():
                 if column_values[i] is not None:
-                    values[name] = column_values[i]
-            # Why: like vLLM, generation stops at the context end ("length") rather than failing.
-            values["max_tokens"] = min(values["max_tokens"], self.max_model_len - len(row.prompt_ids))
-            values["min_tokens"] = min(values["min_tokens"], values["max_tokens"])
+                    values[name] = _whole(name, column_values[i])
             try:
-                row.params = SamplingParams(**values)
+                params = SamplingParams(**values)
             except (ValueError, TypeError) as exc:
                 row.error_code = "invalid_sampling"
                 row.error_message = f"{labels[i]}: per-row sampling columns {sorted(columns.values())}: {exc}"
+                continue
+            # Why: like vLLM, generation stops at the context end ("length") rather than failing;
+            # min_tokens follows a max_tokens cut by the context (the user's own min > max failed above).
+            room = self.max_model_len - len(row.prompt_ids or [])
+            if params.max_tokens > room:
+                params.max_tokens, params.min_tokens = room, min(params.min_tokens, room)
+            row.params = params
+
+
+def row_seed(run_seed: int, key: str) -> int:
+    """A row's seed from the run seed and the row's id: the same on every run, resume, window
+    size and ordering, and different for every row (duplicated prompts draw different samples)."""
+    digest = hashlib.sha256(f"{run_seed}\x00{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def row_keys(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
+    """What identifies each row across runs: its id_column value, else its row_id."""
+    if spec.input.id_column is not None:
+        return [f"id:{v}" for v in table.column(spec.input.id_column).to_pylist()]
+    return [f"row:{row_id}" for row_id in f.row_ids(shard.start, shard.stop)]
+
+
+_INTEGER_FIELDS = {name for name, kind in get_type_hints(SamplingParams).items() if kind in (int, int | None)}
+
+
+def _whole(name: str, value: Any) -> Any:
+    """64.0 -> 64 for an integer field (what pandas writes for an int column with nulls); a
+    fractional value stays as it is and SamplingParams refuses it (an invalid_sampling row)."""
+    if name in _INTEGER_FIELDS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
+    """Before any work: each per-row sampling column holds numbers (or only nulls) in every file."""
+    for f in files:
+        for name, column in spec.input.sampling_columns.items():
+            kind = f.schema.field(column).type
+            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_null(kind)):
+                raise InputDataError(
+                    f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
+                    f"{name} needs numbers (an integer or float column)"
+                )
 
 
 def row_labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:

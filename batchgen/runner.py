@@ -118,7 +118,7 @@ class JobRunner:
             for shard, table in read_shards(files, todo, _read_columns(self.spec, carried)):
                 f = files[shard.file_index]
                 cols = self._run_shard(shard, table, f, backend, preparer, bar)
-                row_ids = [f"{f.key}:{i}" for i in range(shard.start, shard.stop)] if add_row_id else None
+                row_ids = f.row_ids(shard.start, shard.stop) if add_row_id else None
                 writer.write_part(shard.index, part_table(table, carried, row_ids, cols))
                 totals.add_part(cols)
                 bar.set_postfix(tok_s=f"{totals.output_tokens / max(time.time() - start, 1e-9):.0f}")

@@ -14,6 +14,7 @@ from batchgen.dataset import InputFile, check_column, open_inputs
 from batchgen.errors import InputDataError, ModelError
 from batchgen.job import JobSpec
 from batchgen.output import RESULT_NAMES, ROW_ID_COLUMN
+from batchgen.prepare import check_sampling_columns
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,10 @@ def validate_job(spec: JobSpec) -> list[InputFile]:
     The output folder is never read as input, even when it lies inside input.path."""
     files = open_inputs(spec.input.path, input_columns(spec), exclude=spec.output.path)
     check_read_types(spec, files)
+    check_sampling_columns(spec, files)
     check_carried_in_every_file(spec, files, carried_columns(spec, files[0].schema))
     check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
+    from batchgen.engine.models import resolve_device  # why lazy: torch
+
+    resolve_device(spec.model.device)  # a DeviceError (exit 4) names the devices on this machine
     return files

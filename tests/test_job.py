@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Literal
 
 import pytest
+from pydantic import ValidationError, create_model
 
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.params import SamplingParams
 from batchgen.errors import JobFileError
-from batchgen.job import load_job
+from batchgen.job import JOB_DEFAULTS, EngineSection, SamplingSection, _derived_fields, _Strict, load_job
 
 GOOD = """\
 model:
@@ -86,3 +91,59 @@ def test_unreadable_and_invalid_yaml(tmp_path: Path) -> None:
         load_job(_write(tmp_path, "model: [unclosed\n"))
     with pytest.raises(JobFileError, match="must be a mapping"):
         load_job(_write(tmp_path, "- a\n- b\n"))
+
+
+def test_sections_are_derived_from_the_engine_dataclasses() -> None:
+    """One source: every EngineConfig / SamplingParams field is a job key with the engine's
+    default, except the differences stated in JOB_DEFAULTS and the MiB spelling of the KV budget."""
+    engine, sampling = EngineSection(), SamplingSection()
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "kv_cache_memory_bytes":
+            assert engine.kv_cache_memory_mb is None
+        else:
+            assert getattr(engine, f.name) == f.default, f.name
+    assert set(engine.engine_settings()) == {f.name for f in dataclasses.fields(EngineConfig)}
+    defaults = SamplingParams()
+    for f in dataclasses.fields(SamplingParams):
+        want = JOB_DEFAULTS["sampling"].get(f.name, getattr(defaults, f.name))
+        assert getattr(sampling, f.name) == want, f.name
+    assert sampling.to_params() == SamplingParams(max_tokens=128, temperature=0.0)
+
+
+def test_a_field_added_to_the_engine_config_appears_in_the_job_file() -> None:
+    @dataclasses.dataclass
+    class WithNewField(EngineConfig):
+        decode_kv: Literal["gathered", "rows"] | None = None
+
+    section = create_model("S", __base__=_Strict, **_derived_fields(WithNewField, "engine"))
+    assert section(decode_kv="rows").decode_kv == "rows" and section().decode_kv is None
+    with pytest.raises(ValidationError):
+        section(decode_kv="banana")
+
+
+def test_engine_checks_and_units(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD + "engine:\n  kv_cache_memory_mb: 2\n  block_size: 0\n")
+    with pytest.raises(JobFileError, match=r"job.yaml:12: engine.block_size: must be an integer >= 1"):
+        load_job(path)
+    spec = load_job(path, ["engine.block_size=8"])
+    assert spec.engine.engine_settings()["kv_cache_memory_bytes"] == 2 << 20
+    assert spec.engine.to_config().block_size == 8
+
+
+def test_top_k_minus_one_is_valid_in_the_job_and_the_engine(tmp_path: Path) -> None:
+    spec = load_job(_write(tmp_path, GOOD + "  top_k: -1\n"))
+    assert spec.sampling.to_params().top_k == 0 == SamplingParams(top_k=-1).top_k
+
+
+def test_device_names(tmp_path: Path) -> None:
+    for device in ("auto", "cpu", "cuda", "cuda:1", "mps"):
+        assert load_job(_write(tmp_path, GOOD), [f"model.device={device}"]).model.device == device
+    with pytest.raises(JobFileError, match=r"model.device: must be auto, cpu, cuda, cuda:N"):
+        load_job(_write(tmp_path, GOOD), ["model.device=banana"])
+
+
+def test_prompt_column_default_and_messages(tmp_path: Path) -> None:
+    spec = load_job(_write(tmp_path, GOOD.replace("  prompt_column: prompt\n", "")))
+    assert spec.input.prompt_column == "prompt"
+    spec = load_job(_write(tmp_path, GOOD.replace("  prompt_column: prompt\n", "  messages_column: m\n")))
+    assert spec.input.prompt_column is None and spec.input.messages_column == "m"

@@ -11,21 +11,24 @@ import logging
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from batchgen.backends.base import OnOutput
 from batchgen.engine.llm import eos_token_ids
 from batchgen.engine.models import resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
+from batchgen.engine.sampler import Sampler
+from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import StopChecker
 from batchgen.errors import ModelError
 from batchgen.job import JobSpec
 
 log = logging.getLogger(__name__)
 
-# Settings that must be equal inside one static batch (max_tokens is not: rows are cut on replay).
-_BATCH_KEY = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "min_tokens", "stop_token_ids")
+# Settings that must be equal inside one static batch (max_tokens is not: rows are cut on replay;
+# seed is not: each seeded row draws from its own generator, see _SeededDraw).
+_BATCH_KEY = ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "min_tokens", "stop_token_ids")
 
 
 class HFBackend:
@@ -51,7 +54,7 @@ class HFBackend:
     ) -> list[RequestOutput]:
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
-            key = tuple(str(getattr(p, name)) for name in _BATCH_KEY)
+            key = (*(str(getattr(p, name)) for name in _BATCH_KEY), p.seed is None)
             groups.setdefault(key, []).append(i)
         results: list[RequestOutput | None] = [None] * len(prompts)
         for indices in groups.values():
@@ -75,12 +78,14 @@ class HFBackend:
             input_ids[b, width - len(ids) :] = torch.tensor(ids)
             mask[b, width - len(ids) :] = 1
         p = params[0]
-        if p.seed is not None:
-            torch.manual_seed(p.seed)
+        kwargs = self._generate_kwargs(p, max(q.max_tokens for q in params))
+        if p.seed is not None and not p.greedy:  # the batch key puts seeded rows together
+            # why greedy decoding: the processor leaves one finite logit per row, its own draw
+            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([_SeededDraw(prompts, params, width)]))
+            for name in ("temperature", "top_p", "top_k", "min_p"):
+                kwargs.pop(name, None)
         generated = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            **self._generate_kwargs(p, max(q.max_tokens for q in params)),
+            input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), **kwargs,
         )[:, width:].tolist()  # [B, new_tokens]
         return [self._replay(ids, new, q) for ids, new, q in zip(prompts, generated, params)]
 
@@ -115,3 +120,29 @@ class HFBackend:
             stop_reason=checker.stop_reason,
         )
 
+
+
+class _SeededDraw(LogitsProcessor):
+    """Seeded rows draw with the native engine's Sampler, each from its own generator.
+
+    Why: transformers samples every row of a batch from torch's one global generator, so a row's
+    tokens would depend on the rows beside it. Here each row keeps a Sequence and a generator
+    seeded with its own seed (the Sampler's), the draw is made with the native engine's
+    temperature, top-k, top-p, min-p and exponential race, and every other logit is set to -inf
+    so that transformers' greedy step takes exactly that token.
+    """
+
+    def __init__(self, prompts: list[list[int]], params: list[SamplingParams], width: int) -> None:
+        # why no eos ids: transformers' own min_new_tokens processor has already masked them
+        self.sampler = Sampler(eos_token_ids=())
+        self.seqs = [Sequence(seq_id=b, prompt_token_ids=ids, params=p)
+                     for b, (ids, p) in enumerate(zip(prompts, params))]
+        self.width = width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # input_ids: [B, width + generated]; scores: [B, V]
+        for b, seq in enumerate(self.seqs):
+            seq.token_ids = seq.prompt_token_ids + input_ids[b, self.width :].tolist()
+        tokens = torch.tensor(self.sampler(scores, self.seqs), device=scores.device)  # [B]
+        chosen = torch.full_like(scores, float("-inf"))
+        return chosen.scatter_(1, tokens[:, None], 0.0)  # type: ignore[return-value]

@@ -17,21 +17,13 @@ class NativeBackend:
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
         from batchgen.engine.llm import LLM
 
-        e = spec.engine
-        memory = e.kv_cache_memory_mb * (1 << 20) if e.kv_cache_memory_mb else None
         try:
             self.llm = LLM(
                 str(spec.model.path),
+                tokenizer=tokenizer,
                 device=spec.model.device,
                 dtype=spec.model.dtype,
-                block_size=e.block_size,
-                max_num_seqs=e.max_num_seqs,
-                max_num_batched_tokens=e.max_num_batched_tokens,
-                num_kv_blocks=e.num_kv_blocks,
-                kv_cache_memory_bytes=memory,
-                enable_prefix_caching=e.enable_prefix_caching,
-                max_model_len=e.max_model_len,
-                tokenizer=tokenizer,
+                **spec.engine.engine_settings(),
             )
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: {exc}") from exc

@@ -1,8 +1,16 @@
-"""EngineConfig: the engine's knobs, validated once at LLM construction."""
+"""EngineConfig: the engine's knobs, validated once at LLM construction.
+
+This dataclass is the one definition of the engine settings: `LLM(**settings)` forwards to it and
+the job file's `engine` section is derived from its fields (batchgen/job.py), so a new field added
+here (with a default and a check) appears in both without further edits.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
+
+from batchgen.engine.params import SettingError, is_int
 
 
 @dataclass
@@ -11,14 +19,34 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30
+    # None: a share of free memory on CUDA, else 1 GiB capped by what max_num_seqs can use
+    # (model_runner.num_kv_blocks_for)
+    kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
-            raise ValueError(f"EngineConfig.num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
+            if not is_int(value) or value < 1:
+                raise SettingError("EngineConfig", name, "an integer >= 1", value)
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise SettingError("EngineConfig", name, "null or an integer >= 1", value)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise SettingError("EngineConfig", "enable_prefix_caching", "true or false", self.enable_prefix_caching)
+
+
+def engine_config(**settings: object) -> EngineConfig:
+    """EngineConfig from keyword settings; an unknown name is a TypeError that lists the known ones."""
+    known = [f.name for f in fields(EngineConfig)]
+    unknown = [name for name in settings if name not in known]
+    if unknown:
+        raise TypeError(f"unknown engine setting(s) {unknown} (known: {', '.join(known)})")
+    return EngineConfig(**settings)  # type: ignore[arg-type]
+
+
+# The device names LLM and the job file accept (their availability is checked when the model loads).
+DEVICE_NAME = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:N, mps, xpu or xpu:N"

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.config import EngineConfig
+from batchgen.engine.config import engine_config
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner, num_kv_blocks_for
 from batchgen.engine.models import kv_spec, load_model, resolve_device, resolve_dtype, resolve_max_model_len
@@ -46,36 +46,30 @@ class LLM:
     def __init__(
         self,
         model: str,
+        *,
+        tokenizer: Any = None,
         device: str = "auto",
         dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        tokenizer: Any = None,
+        **settings: Any,
     ) -> None:
-        config = EngineConfig(
-            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
-            max_model_len=max_model_len,
-            **({"kv_cache_memory_bytes": kv_cache_memory_bytes} if kv_cache_memory_bytes is not None else {}),
-        )
+        """`settings` are EngineConfig's fields (block_size, max_num_seqs, ...); an unknown name is a
+        TypeError and a bad value a ValueError, both naming the setting."""
+        config = engine_config(**settings)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         hf_model = load_model(model, torch_device, torch_dtype)
-        self.max_model_len = resolve_max_model_len(hf_model.config, max_model_len)
+        self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
         config.max_model_len = self.max_model_len
         spec = kv_spec(hf_model.config)
         blocks = num_kv_blocks_for(
-            spec, block_size, torch_dtype, torch_device, num_kv_blocks=num_kv_blocks,
-            budget_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+            spec, config.block_size, torch_dtype, torch_device, num_kv_blocks=config.num_kv_blocks,
+            budget_bytes=config.kv_cache_memory_bytes, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
-        runner = ModelRunner(hf_model, spec, block_size, blocks, torch_device, torch_dtype, max_num_seqs,
-                             self.max_model_len)
-        scheduler = Scheduler(config, BlockManager(blocks, block_size, enable_prefix_caching), self.max_model_len)
+        runner = ModelRunner(hf_model, spec, config.block_size, blocks, torch_device, torch_dtype,
+                             config.max_num_seqs, self.max_model_len)
+        block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
+        scheduler = Scheduler(config, block_manager, self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model)
         eos = eos_token_ids(hf_model, self.tokenizer)
         self.config = config

@@ -16,6 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from batchgen.engine.attention import ATTN_IMPLEMENTATION
+from batchgen.engine.config import DEVICE_CHOICES, DEVICE_NAME
+from batchgen.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +37,36 @@ class KVSpec:
     head_dim: int
 
 
+class DeviceError(ModelError, ValueError):
+    """The device is not a device name, or not present on this machine (exit 4 from the CLI)."""
+
+
+def available_devices() -> list[str]:
+    """The devices torch can use on this machine, e.g. ["cpu", "cuda:0", "cuda:1"]."""
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        found.append("mps")
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        found += [f"xpu:{i}" for i in range(xpu.device_count())]
+    return found
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto": cuda when available, else cpu. Anything else must be present on this machine."""
+    if isinstance(device, torch.device):
+        return device
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    here = available_devices()
+    if not DEVICE_NAME.fullmatch(device):
+        raise DeviceError(f"device {device!r} is not a device name (use {DEVICE_CHOICES}); on this machine: "
+                          + ", ".join(here))
+    kind, _, index = device.partition(":")
+    if not any(d == device or (not index and d.split(":")[0] == kind) for d in here):
+        raise DeviceError(f"device {device!r} is not available on this machine; devices here: {', '.join(here)}")
     return torch.device(device)
 
 

@@ -1,8 +1,33 @@
-"""SamplingParams: what one request asks of the engine, validated where users type it."""
+"""SamplingParams: what one request asks of the engine, validated where users type it.
+
+This dataclass is the one definition of the sampling settings: the job file's `sampling` section
+and its per-row columns are derived from it (batchgen/job.py), so a field is added here once.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+
+
+class SettingError(ValueError):
+    """A setting has a wrong type or value; `field` names it (for the job file's key and line)."""
+
+    def __init__(self, owner: str, name: str, expected: str, value: Any) -> None:
+        super().__init__(f"{owner}.{name} must be {expected}, got {value!r}")
+        self.field = name
+        self.expected = expected
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -10,7 +35,7 @@ class SamplingParams:
     """Per-request generation settings (vLLM names and defaults).
 
     temperature 0 means greedy; top_k 0 or -1 and top_p 1.0 disable those filters.
-    Invalid values raise ValueError naming the field.
+    Invalid values raise SettingError (a ValueError) naming the field.
     """
 
     max_tokens: int = 16
@@ -36,22 +61,26 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        s = self
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
-            ("temperature", self.temperature >= 0.0, ">= 0"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "0 (disabled), -1 (disabled) or >= 1"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
-            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-             "an integer in [0, max_tokens]"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "an integer or None"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            ("max_tokens", is_int(s.max_tokens) and s.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", is_finite(s.temperature) and s.temperature >= 0.0, "a finite number >= 0"),
+            ("top_p", is_finite(s.top_p) and 0.0 < s.top_p <= 1.0, "a number in (0, 1]"),
+            ("top_k", is_int(s.top_k) and s.top_k >= 0, "0 (disabled), -1 (disabled) or an integer >= 1"),
+            ("min_p", is_finite(s.min_p) and 0.0 <= s.min_p <= 1.0, "a number in [0, 1]"),
+            ("min_tokens", is_int(s.min_tokens) and 0 <= s.min_tokens <= s.max_tokens,
+             f"an integer in [0, max_tokens={s.max_tokens}]"),
+            ("seed", s.seed is None or (is_int(s.seed) and SEED_MIN <= s.seed <= SEED_MAX),
+             f"null or an integer that fits 64 bits ({SEED_MIN} .. {SEED_MAX})"),
+            ("stop", all(isinstance(x, str) and x for x in s.stop), "a list of non-empty strings"),
+            ("stop_token_ids", all(is_int(t) and t >= 0 for t in s.stop_token_ids),
              "a list of non-negative token ids"),
         ]
+        checks += [(name, isinstance(getattr(s, name), bool), "true or false")
+                   for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")]
         for name, ok, expected in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}")
+                raise SettingError("SamplingParams", name, expected, getattr(self, name))
 
     @property
     def greedy(self) -> bool:

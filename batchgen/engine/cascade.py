@@ -7,7 +7,8 @@ a partition of the keys: each part gives its unnormalised output, its row max an
 the parts are merged by rescaling to the common max. The shared part is one matrix product per
 KV head for all queries of the group; each sequence's own rest is a small batched product.
 Plain causal attention only: the caller keeps the ordinary path for sliding windows and
-logit soft-capping.
+logit soft-capping. Whether a decode group is split is decided from block tables alone
+(`shared_prefix_len`, `worth_splitting`), the same for every decode K/V source.
 """
 
 from __future__ import annotations
@@ -49,20 +50,22 @@ def cascade_decode_attention(
     """q [B, H, D]; k/v [B, KVH, L, D] whose first `shared` positions are the same K/V in every row;
     own_mask [B, 1, 1, L - shared] (True: attend) -> [B, H, D].
 
-    Every row attends to at least its own newest token, so no part is empty for a row.
+    Every row attends to at least its own newest token, so no part is empty for a row. Computed
+    in float32 (a no-op for float32 models): half-precision exp-sums would lose what SDPA keeps.
     """
     b, h, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
-    qg = q.reshape(b, kvh, g, d)  # [B, KVH, G, D]
+    qg = q.float().reshape(b, kvh, g, d)  # [B, KVH, G, D]
     # shared part: all B*G queries of a KV head against one copy of the prefix
     q_all = qg.transpose(0, 1).reshape(kvh, b * g, d)  # [KVH, B*G, D]
-    scores = torch.matmul(q_all, k[0, :, :shared].transpose(-1, -2)) * scaling  # [KVH, B*G, P]
-    parts = [t.reshape(kvh, b, g, -1).transpose(0, 1) for t in _part(scores, v[0, :, :shared])]  # [B, KVH, G, .]
+    scores = torch.matmul(q_all, k[0, :, :shared].float().transpose(-1, -2)) * scaling  # [KVH, B*G, P]
+    parts = [t.reshape(kvh, b, g, -1).transpose(0, 1)  # [B, KVH, G, .]
+             for t in _part(scores, v[0, :, :shared].float())]
     # own part: each row's keys after the prefix
-    scores = torch.matmul(qg, k[:, :, shared:].transpose(-1, -2)) * scaling  # [B, KVH, G, L - P]
-    own = _part(scores.masked_fill(~own_mask, float("-inf")), v[:, :, shared:])
+    scores = torch.matmul(qg, k[:, :, shared:].float().transpose(-1, -2)) * scaling  # [B, KVH, G, L - P]
+    own = _part(scores.masked_fill(~own_mask, float("-inf")), v[:, :, shared:].float())
     top = torch.maximum(parts[1], own[1])  # [B, KVH, G, 1]
     scale_shared, scale_own = torch.exp(parts[1] - top), torch.exp(own[1] - top)
     out = (parts[0] * scale_shared + own[0] * scale_own) / (parts[2] * scale_shared + own[2] * scale_own)
-    return out.reshape(b, h, d)  # [B, H, D]
+    return out.reshape(b, h, d).to(q.dtype)  # [B, H, D]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
@@ -14,6 +15,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # where decodes read K/V (see decode_kv): "auto" = contiguous rows on CPU, gathered blocks elsewhere
+    decode_kv: Literal["auto", "gather", "rows"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
@@ -22,3 +25,5 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"EngineConfig.num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
+        if self.decode_kv not in ("auto", "gather", "rows"):
+            raise ValueError(f"EngineConfig.decode_kv must be 'auto', 'gather' or 'rows', got {self.decode_kv!r}")

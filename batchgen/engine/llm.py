@@ -56,11 +56,12 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         tokenizer: Any = None,
+        decode_kv: str = "auto",
     ) -> None:
         config = EngineConfig(
             block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
-            max_model_len=max_model_len,
+            max_model_len=max_model_len, decode_kv=decode_kv,  # type: ignore[arg-type]
             **({"kv_cache_memory_bytes": kv_cache_memory_bytes} if kv_cache_memory_bytes is not None else {}),
         )
         torch_device = resolve_device(device)
@@ -74,7 +75,7 @@ class LLM:
             budget_bytes=kv_cache_memory_bytes, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
         )
         runner = ModelRunner(hf_model, spec, block_size, blocks, torch_device, torch_dtype, max_num_seqs,
-                             self.max_model_len)
+                             self.max_model_len, config.decode_kv)
         scheduler = Scheduler(config, BlockManager(blocks, block_size, enable_prefix_caching), self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model)
         eos = eos_token_ids(hf_model, self.tokenizer)

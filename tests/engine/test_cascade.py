@@ -40,7 +40,7 @@ def test_shared_prefix_counts_only_identical_fully_cached_blocks() -> None:
     assert not worth_splitting(shared=400, kv_len=520, num_seqs=2)
 
 
-def test_engine_with_a_shared_preamble_uses_cascade_and_matches_gathered_attention(
+def test_engine_with_a_shared_preamble_uses_cascade_with_either_decode_source(
     tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = []
@@ -55,11 +55,9 @@ def test_engine_with_a_shared_preamble_uses_cascade_and_matches_gathered_attenti
     prompts = [preamble + [(i * 11 + j) % 250 + 2 for j in range(3 + i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = []
-    for use_rows in (True, False):
-        llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200)
-        if not use_rows:
-            llm.engine.runner.rows = None
+    for decode_kv in ("rows", "gather"):
+        llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200, decode_kv=decode_kv)
         outputs.append([o.token_ids for o in llm.generate(prompts, params)])
-        assert bool(calls) == use_rows  # the gathered path never splits
+        assert calls, decode_kv  # the split is decided from block tables, whichever source
         calls.clear()
     assert outputs[0] == outputs[1]

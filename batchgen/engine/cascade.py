@@ -8,10 +8,12 @@ the parts are merged by rescaling to the common max. The shared part is one matr
 KV head for all queries of the group; each sequence's own rest is a small batched product.
 Plain causal attention only: the caller keeps the ordinary path for sliding windows and
 logit soft-capping. Whether a decode group is split is decided from block tables alone
-(`shared_prefix_len`, `worth_splitting`), the same for every decode K/V source.
+(`cascade_len`), the same for every decode K/V source.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -21,16 +23,33 @@ CASCADE_MIN_SHARE = 0.5
 CASCADE_MIN_SEQS = 4
 
 
-def shared_prefix_len(tables: torch.Tensor, cached: torch.Tensor, block_size: int) -> int:
+def shared_prefix_len(tables: Sequence[Sequence[int]], cached: Sequence[int], block_size: int) -> int:
     """Tokens from the start that every sequence holds in the very same, fully cached blocks.
 
-    tables: [n, blocks] block ids; cached: [n] tokens each sequence has in the cache.
+    tables: each sequence's block ids; cached: tokens each sequence has in the cache. Plain
+    Python on purpose: tuple slices compare at C speed, cheaper than tensor ops at these sizes.
     """
-    full = int(cached.min()) // block_size
-    if full == 0 or tables.shape[0] < 2:
+    full = min(cached) // block_size
+    if full == 0 or len(tables) < 2:
         return 0
-    same = (tables[:, :full] == tables[:1, :full]).all(dim=0)  # [full]
-    return int(same.int().cumprod(dim=0).sum()) * block_size
+    first = tuple(tables[0][:full])
+    for table in tables[1:]:
+        if tuple(table[:full]) != first:
+            full = next(j for j, (a, b) in enumerate(zip(table, first)) if a != b)
+            if full == 0:
+                return 0
+            first = first[:full]
+    return full * block_size
+
+
+def cascade_len(tables: Sequence[Sequence[int]], cached: Sequence[int], block_size: int, kv_len: int) -> int:
+    """The shared prefix a decode group of these block tables should read once (0: not worth it)."""
+    n = len(tables)
+    # why first: the cheap bounds rule most groups out before any block is compared
+    if n < CASCADE_MIN_SEQS or (min(cached) // block_size) * block_size < CASCADE_MIN_SHARE * kv_len:
+        return 0
+    shared = shared_prefix_len(tables, cached, block_size)
+    return shared if worth_splitting(shared, kv_len, n) else 0
 
 
 def worth_splitting(shared: int, kv_len: int, num_seqs: int) -> bool:

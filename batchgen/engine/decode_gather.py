@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, block_tables, gather_blocks, make_group
+from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, gather_blocks, make_group, padded_tables
 
 # Decode grouping (see split_decodes): measured on CPU, 4 groups over 64 mixed-length decodes
 # halve the gather + attention time of one padded group; more groups gain nothing.
@@ -68,13 +68,12 @@ class GatheredBlocks:
         # why stable: ties keep batch order
         order = sorted(range(len(decodes)), key=lambda i: decodes[i].position)
         packed = [decodes[i] for i in order]
-        tables, needed = block_tables(packed, self.block_size)  # [M, max_blocks]
-        positions = torch.tensor([d.position for d in packed])  # [M]
+        needed = [d.position // self.block_size + 1 for d in packed]  # blocks holding positions 0..position
         groups, indices = [], []
         for a, b, mb in split_decodes(needed):
-            groups.append(make_group(a, tables[a:b, :mb], positions[a:b], mb * self.block_size, self.block_size,
-                                     self.device))
-            indices.append(tables[a:b, :mb].flatten().to(self.device))
+            groups.append(make_group(a, packed[a:b], mb * self.block_size, self.block_size, self.device))
+            tables = padded_tables([d.block_table for d in packed[a:b]], needed[a:b], mb)  # [B, mb]
+            indices.append(tables.flatten().to(self.device))  # [B * mb]
         return order, GatherStep(groups, indices)
 
     def reset(self) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, block_tables, make_group
+from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, make_group
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
 MIN_ROWS = 8  # a class's first allocation when the number of rows is not bounded
@@ -189,13 +189,11 @@ class DecodeRows:
 
     def _groups(self, packed: list[DecodeRequest], sizes: list[int]) -> list[DecodeGroup]:
         """One group per class (`sizes` rows each, in packed order), padded to its longest context."""
-        tables, _ = block_tables(packed, self.block_size)  # [M, max_blocks]
-        positions = torch.tensor([d.position for d in packed])  # [M]
         groups, first = [], 0
         for n in sizes:
-            pos = positions[first:first + n]
-            groups.append(make_group(first, tables[first:first + n], pos, int(pos.max()) + 1, self.block_size,
-                                     self.device))
+            group = packed[first:first + n]
+            kv_len = max(d.position for d in group) + 1
+            groups.append(make_group(first, group, kv_len, self.block_size, self.device))
             first += n
         return groups
 

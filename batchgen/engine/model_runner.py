@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from batchgen.engine.attention import forward_context, use_flash_attn
 from batchgen.engine.decode_gather import GatheredBlocks
-from batchgen.engine.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, resolve_decode_kv
+from batchgen.engine.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables, resolve_decode_kv
 from batchgen.engine.decode_rows import DecodeRows
 from batchgen.engine.models import KVSpec
 from batchgen.engine.scheduler import ScheduledBatch, ScheduledChunk
@@ -79,8 +79,7 @@ def build_forward_context(
     if short:  # why: a missing block would silently alias block 0 (another sequence's K/V)
         raise RuntimeError(f"chunks {short[:5]} have fewer KV blocks than their tokens need")
     max_blocks = max(needed)
-    # [N, max_blocks]; padding points at block 0, which masks always hide
-    tables = torch.tensor([list(c.block_table[:n]) + [0] * (max_blocks - n) for c, n in zip(packed, needed)])
+    tables = padded_tables([c.block_table for c in packed], needed, max_blocks)  # [N, max_blocks]
     lens = torch.tensor([c.num_tokens for c in packed])  # [N]
     ctx_start = torch.tensor([c.start for c in packed])  # [N]
     cu = torch.cumsum(lens, 0) - lens  # [N] packed offset of each chunk

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
@@ -25,14 +26,15 @@ from batchgen.engine.sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """One sequence's chunk in one step, fixed when it is scheduled (a row of vLLM v1's SchedulerOutput).
 
     It runs `token_ids` at positions start, start + 1, ... over `block_table`. Why a snapshot: the
     engine advances computed counts and appends sampled tokens while the step is being handled,
     so whatever decides what a row is (decode, needs a sample, where it starts) must not read the
     live sequence. `seq` is the engine's handle for advancing and sampling, never read to decide.
+    Why a NamedTuple: immutable, and about 4x cheaper to build than a frozen dataclass (one per
+    running sequence per step).
     """
 
     seq: Sequence

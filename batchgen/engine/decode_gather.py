@@ -8,6 +8,8 @@ for the padding).
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, gather_blocks, make_group, padded_tables
@@ -33,7 +35,7 @@ def split_decodes(blocks: list[int]) -> list[tuple[int, int, int]]:
     count = max(1, min(MAX_DECODE_GROUPS, m // MIN_DECODE_GROUP))
     bounds = [round(i * m / count) for i in range(count + 1)]
     groups: list[tuple[int, int, int]] = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in pairwise(bounds):
         longest = max(blocks[a:b])
         if groups and longest <= DECODE_MERGE_RATIO * groups[-1][2]:
             groups[-1] = (groups[-1][0], b, max(longest, groups[-1][2]))

@@ -20,7 +20,7 @@ _SMALL_FILE = 1 << 20  # model files up to this size are hashed whole; larger on
 # (window_rows is not one: it decides which rows form each committed part.)
 _NEUTRAL = {"output": True, "model": {"path"}, "input": {"path"}}
 _NEUTRAL_ENGINE = ("batch_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                   "kv_cache_memory_mb", "enable_prefix_caching", "block_size")
+                   "kv_cache_memory_mb", "enable_prefix_caching", "block_size", "decode_kv")
 
 
 def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from batchgen.engine import attention, model_runner
-from batchgen.engine.decode_rows import DecodeRows, RowsView
+from batchgen.engine import attention, decode_gather, model_runner
+from batchgen.engine.decode_rows import RowsView
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.sampler import Sampler
@@ -139,11 +139,12 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     targets = [
         (engine.scheduler, "schedule", "scheduling"), (engine.scheduler, "advance", "scheduling"),
-        # metadata: both run inside execute(), plan() places decode rows, the other packs the step
-        (model_runner, "build_forward_context", "metadata"), (DecodeRows, "plan", "metadata"),
+        # metadata: packing the step, the decode K/V source's plan() included (it runs inside)
+        (model_runner, "build_forward_context", "metadata"),
         (engine.runner, "execute", "execute_total"), (engine.runner, "model", "model_forward_total"),
         (attention, "_store_kv", "attn_kv_write"), (RowsView, "update", "attn_rows_update"),
-        (attention, "_gather", "attn_gather"), (attention, "_attend_decodes", "attn_compute"),
+        (attention, "gather_blocks", "attn_gather"), (decode_gather, "gather_blocks", "attn_gather"),
+        (attention, "_attend_decodes", "attn_compute"),
         (attention, "cascade_decode_attention", "attn_compute"), (attention, "_attend_chunk", "attn_compute"),
         (Sampler, "__call__", "sampling"), (StopChecker, "append", "detokenize_stop"),
     ]

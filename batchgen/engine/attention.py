@@ -3,11 +3,12 @@
 One forward = one packed varlen batch: every scheduled token of every sequence in a [1, T] row.
 The model runner describes the step in a ForwardContext (set around the forward); for each layer
 this function writes the new K/V into the paged pool at the step's slot mapping, then attends
-each sequence's queries over its own blocks. Decodes (chunks of one token) are packed first and
-attended in a few padded calls, one per group of similar context length, reading their K/V from
-contiguous decode rows on CPU (see decode_rows) or gathered from their blocks elsewhere; each
-longer chunk attends with a causal mask offset by its cached context. CPU/GPU without flash-attn use torch SDPA; CUDA with flash-attn uses its paged varlen
-kernel. Sliding windows and logit soft-capping are exact; attention sinks are refused.
+each sequence's queries over its own blocks. Decodes are packed first and attended in a few
+padded calls, one per group of similar context length, over the K/V their source hands out (see
+decode_kv; this function does not know which source it reads), with cascade attention where the
+source marked a shared prefix; every other chunk attends with a causal mask offset by its cached
+context. CPU/GPU without flash-attn use torch SDPA; CUDA with flash-attn uses its paged varlen
+kernel for everything. Sliding windows and logit soft-capping are exact; attention sinks are refused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from batchgen.engine.cascade import cascade_decode_attention
-from batchgen.engine.step_metadata import DecodeGroup, ForwardContext, PrefillChunk
+from batchgen.engine.decode_kv import DecodeGroup, DecodeStep, Pool, gather_blocks
+from batchgen.engine.step_metadata import ForwardContext, PrefillChunk
 
 logger = logging.getLogger(__name__)
 
@@ -146,21 +148,22 @@ def _attend_chunk(
     return _grouped_attention(qg, k, v, mask.repeat(1, 1, g, 1), scaling, softcap).reshape(1, h, n, d)
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-    """Blocks `index` of `cache` as [rows, KVH, L, D] (a strided view of one gathered copy)."""
-    blocks = cache.index_select(0, index)  # [rows * max_blocks, block_size, KVH, D]
-    return blocks.view(rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
-
-
-def _decode_kv(ctx: ForwardContext, layer: int, group: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V [B, KVH, L, D] of a decode group: views of its rows, or gathered from its blocks."""
-    n = group.num_seqs
-    if group.rows is not None:
-        return group.rows.k[layer][:n, :, :group.kv_len], group.rows.v[layer][:n, :, :group.kv_len]
-    if group.gather_index is None:
-        raise RuntimeError("a decode group needs a gather index or decode rows")
-    k_cache, v_cache = ctx.kv_caches[layer]
-    return _gather(k_cache, group.gather_index, n), _gather(v_cache, group.gather_index, n)
+def _decode_attention(
+    step: DecodeStep, layer: int, pool: Pool, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    out: torch.Tensor, scaling: float, window: int | None, softcap: float | None,
+) -> None:
+    """The decodes' rows of `out` [T, H, D]; q [H, T, D], key/value [KVH, T, D] (this step's, decodes first)."""
+    step.update(layer, pool, key, value)
+    for i, group in enumerate(step.groups):
+        first, n = group.start, group.num_seqs
+        k, v = step.kv(layer, pool, i)  # [B, KVH, L, D] each
+        qd = q[:, first:first + n].transpose(0, 1)  # [B, H, D]
+        mask = _decode_mask(group, window)
+        if group.shared_len and window is None and softcap is None:
+            out[first:first + n] = cascade_decode_attention(qd, k, v, group.shared_len,
+                                                            mask[..., group.shared_len:], scaling)
+        else:
+            out[first:first + n] = _attend_decodes(qd, k, v, mask, scaling, softcap)
 
 
 def _torch_paged_attention(
@@ -170,25 +173,15 @@ def _torch_paged_attention(
     """q [H, T, D], key/value [KVH, T, D] -> [T, H, D]."""
     k_cache, v_cache = ctx.kv_caches[layer]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
-    if ctx.rows is not None and ctx.decodes:
-        ctx.rows.update(layer, ctx.kv_caches[layer], key, value)
-    for group in ctx.decodes:
-        first, n = group.start, group.num_seqs
-        k, v = _decode_kv(ctx, layer, group)
-        qd = q[:, first:first + n].transpose(0, 1)  # [B, H, D]
-        mask = _decode_mask(group, window)
-        if group.shared_len and window is None and softcap is None:
-            out[first:first + n] = cascade_decode_attention(qd, k, v, group.shared_len,
-                                                            mask[..., group.shared_len:], scaling)
-        else:
-            out[first:first + n] = _attend_decodes(qd, k, v, mask, scaling, softcap)
+    if ctx.decodes is not None:
+        _decode_attention(ctx.decodes, layer, ctx.kv_caches[layer], q, key, value, out, scaling, window, softcap)
     for chunk in ctx.prefills:
         if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
             k, v = key[None, :, chunk.start:chunk.end], value[None, :, chunk.start:chunk.end]
         else:
             total = chunk.context_start + chunk.end - chunk.start
-            k = _gather(k_cache, chunk.block_table, 1)[:, :, :total]  # [1, KVH, total, D]
-            v = _gather(v_cache, chunk.block_table, 1)[:, :, :total]
+            k = gather_blocks(k_cache, chunk.block_table, 1)[:, :, :total]  # [1, KVH, total, D]
+            v = gather_blocks(v_cache, chunk.block_table, 1)[:, :, :total]
         qc = q[None, :, chunk.start:chunk.end]  # [1, H, n, D]
         res = _attend_chunk(qc, k, v, _prefill_mask(chunk, window, q.device), scaling, softcap)
         out[chunk.start:chunk.end] = res[0].transpose(0, 1)

@@ -68,9 +68,6 @@ class BlockManager:
         # Insertion order = eviction order; O(1) pop-front, append, and removal by id.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._seq_hashes: dict[Sequence, _SeqHashes] = {}
-        # Prefix-cache statistics over fresh admissions (tokens, not blocks).
-        self.num_query_tokens = 0
-        self.num_hit_tokens = 0
 
     # ----------------------------------------------------------------- queries
 
@@ -78,10 +75,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks with ref count 0, cached-but-unreferenced ones included (they are evictable)."""
         return len(self._free)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (next to be reused first); for tests and debugging."""
@@ -121,27 +114,25 @@ class BlockManager:
 
         `computed_blocks` (from `get_computed_blocks`) may only be given for a fresh sequence
         (empty block table, `num_computed_tokens == 0`; ValueError otherwise). On success they
-        head the block table (ref + 1) and THIS CALL sets `seq.num_computed_tokens` to the tokens
-        they cover, so the caller never sets it. Every block that becomes full with known tokens
-        is registered in the hash table. Returns False and changes nothing when the pool is short.
+        head the block table (ref + 1); `seq.num_computed_tokens` is left alone: the scheduler,
+        its only writer, sets it to the cached tokens `get_computed_blocks` returned. Every block
+        that becomes full with known tokens is registered in the hash table. Returns False and
+        changes nothing when the pool is short.
         """
         computed = computed_blocks or []
         self._check_args(seq, num_new_tokens, computed)
         num_new_blocks = self._num_new_blocks(seq, num_new_tokens, computed)
         if num_new_blocks > self._num_available(computed):
             return False
-        if not seq.block_table and seq.num_computed_tokens == 0:
-            self.num_query_tokens += seq.num_tokens
-            self.num_hit_tokens += len(computed) * self.block_size
         for block_id in computed:
             self._touch(block_id)
         seq.block_table.extend(computed)
-        seq.num_computed_tokens += len(computed) * self.block_size
         seq.block_table.extend(self._pop_free() for _ in range(num_new_blocks))
         if self.enable_prefix_caching:
             state = self._seq_hashes.setdefault(seq, _SeqHashes())
             state.num_registered = max(state.num_registered, len(computed))
-            self._register_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
+            covered = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+            self._register_full_blocks(seq, covered)
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -162,6 +153,19 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         seq.block_table.clear()
         self._seq_hashes.pop(seq, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash, so no later request matches K/V written before now.
+
+        Why: after a step that failed mid-forward, blocks registered for that step may hold
+        partial or poisoned K/V. Only valid when no sequence holds a block (RuntimeError otherwise).
+        """
+        held = sum(1 for r in self.ref_counts if r)
+        if held:
+            raise RuntimeError(f"reset_prefix_cache() with {held} blocks still held by sequences")
+        self.block_hashes = [None] * self.num_blocks
+        self.hash_to_block.clear()
+        self._seq_hashes.clear()
 
     # ---------------------------------------------------------------- helpers
 

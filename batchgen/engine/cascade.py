@@ -7,10 +7,13 @@ a partition of the keys: each part gives its unnormalised output, its row max an
 the parts are merged by rescaling to the common max. The shared part is one matrix product per
 KV head for all queries of the group; each sequence's own rest is a small batched product.
 Plain causal attention only: the caller keeps the ordinary path for sliding windows and
-logit soft-capping.
+logit soft-capping. Whether a decode group is split is decided from block tables alone
+(`cascade_len`), the same for every decode K/V source.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -20,16 +23,33 @@ CASCADE_MIN_SHARE = 0.5
 CASCADE_MIN_SEQS = 4
 
 
-def shared_prefix_len(tables: torch.Tensor, cached: torch.Tensor, block_size: int) -> int:
+def shared_prefix_len(tables: Sequence[Sequence[int]], cached: Sequence[int], block_size: int) -> int:
     """Tokens from the start that every sequence holds in the very same, fully cached blocks.
 
-    tables: [n, blocks] block ids; cached: [n] tokens each sequence has in the cache.
+    tables: each sequence's block ids; cached: tokens each sequence has in the cache. Plain
+    Python on purpose: tuple slices compare at C speed, cheaper than tensor ops at these sizes.
     """
-    full = int(cached.min()) // block_size
-    if full == 0 or tables.shape[0] < 2:
+    full = min(cached) // block_size
+    if full == 0 or len(tables) < 2:
         return 0
-    same = (tables[:, :full] == tables[:1, :full]).all(dim=0)  # [full]
-    return int(same.int().cumprod(dim=0).sum()) * block_size
+    first = tuple(tables[0][:full])
+    for table in tables[1:]:
+        if tuple(table[:full]) != first:
+            full = next(j for j, (a, b) in enumerate(zip(table, first)) if a != b)
+            if full == 0:
+                return 0
+            first = first[:full]
+    return full * block_size
+
+
+def cascade_len(tables: Sequence[Sequence[int]], cached: Sequence[int], block_size: int, kv_len: int) -> int:
+    """The shared prefix a decode group of these block tables should read once (0: not worth it)."""
+    n = len(tables)
+    # why first: the cheap bounds rule most groups out before any block is compared
+    if n < CASCADE_MIN_SEQS or (min(cached) // block_size) * block_size < CASCADE_MIN_SHARE * kv_len:
+        return 0
+    shared = shared_prefix_len(tables, cached, block_size)
+    return shared if worth_splitting(shared, kv_len, n) else 0
 
 
 def worth_splitting(shared: int, kv_len: int, num_seqs: int) -> bool:
@@ -49,20 +69,22 @@ def cascade_decode_attention(
     """q [B, H, D]; k/v [B, KVH, L, D] whose first `shared` positions are the same K/V in every row;
     own_mask [B, 1, 1, L - shared] (True: attend) -> [B, H, D].
 
-    Every row attends to at least its own newest token, so no part is empty for a row.
+    Every row attends to at least its own newest token, so no part is empty for a row. Computed
+    in float32 (a no-op for float32 models): half-precision exp-sums would lose what SDPA keeps.
     """
     b, h, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
-    qg = q.reshape(b, kvh, g, d)  # [B, KVH, G, D]
+    qg = q.float().reshape(b, kvh, g, d)  # [B, KVH, G, D]
     # shared part: all B*G queries of a KV head against one copy of the prefix
     q_all = qg.transpose(0, 1).reshape(kvh, b * g, d)  # [KVH, B*G, D]
-    scores = torch.matmul(q_all, k[0, :, :shared].transpose(-1, -2)) * scaling  # [KVH, B*G, P]
-    parts = [t.reshape(kvh, b, g, -1).transpose(0, 1) for t in _part(scores, v[0, :, :shared])]  # [B, KVH, G, .]
+    scores = torch.matmul(q_all, k[0, :, :shared].float().transpose(-1, -2)) * scaling  # [KVH, B*G, P]
+    parts = [t.reshape(kvh, b, g, -1).transpose(0, 1)  # [B, KVH, G, .]
+             for t in _part(scores, v[0, :, :shared].float())]
     # own part: each row's keys after the prefix
-    scores = torch.matmul(qg, k[:, :, shared:].transpose(-1, -2)) * scaling  # [B, KVH, G, L - P]
-    own = _part(scores.masked_fill(~own_mask, float("-inf")), v[:, :, shared:])
+    scores = torch.matmul(qg, k[:, :, shared:].float().transpose(-1, -2)) * scaling  # [B, KVH, G, L - P]
+    own = _part(scores.masked_fill(~own_mask, float("-inf")), v[:, :, shared:].float())
     top = torch.maximum(parts[1], own[1])  # [B, KVH, G, 1]
     scale_shared, scale_own = torch.exp(parts[1] - top), torch.exp(own[1] - top)
     out = (parts[0] * scale_shared + own[0] * scale_own) / (parts[2] * scale_shared + own[2] * scale_own)
-    return out.reshape(b, h, d)  # [B, H, D]
+    return out.reshape(b, h, d).to(q.dtype)  # [B, H, D]

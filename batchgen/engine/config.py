@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from typing import Literal
 
 from batchgen.engine.params import SettingError, is_int
 
@@ -24,6 +25,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # where decodes read K/V (see decode_kv): "auto" = contiguous rows on CPU, gathered blocks elsewhere
+    decode_kv: Literal["auto", "gather", "rows"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -36,6 +39,8 @@ class EngineConfig:
                 raise SettingError("EngineConfig", name, "null or an integer >= 1", value)
         if not isinstance(self.enable_prefix_caching, bool):
             raise SettingError("EngineConfig", "enable_prefix_caching", "true or false", self.enable_prefix_caching)
+        if self.decode_kv not in ("auto", "gather", "rows"):
+            raise SettingError("EngineConfig", "decode_kv", "'auto', 'gather' or 'rows'", self.decode_kv)
 
 
 def engine_config(**settings: object) -> EngineConfig:

@@ -1,4 +1,4 @@
-"""DecodeRows: a contiguous copy of each decoding sequence's K/V, so CPU decode attention reads in place.
+"""DecodeRows: the decode K/V source that keeps a contiguous copy of each decoding sequence's K/V.
 
 Why: on CPU a decode step is memory-bound. Gathering every sequence's blocks out of the paged
 pool each step copies its whole context per layer, and attention then reads the copy again. Here
@@ -12,7 +12,8 @@ pack of tensors `[rows, kv_heads, class length, head_dim]` per class, so a short
 padded only to its class, never to the longest sequence. A sequence that outgrows its class is
 refilled into the next one (a copy of its context, about twice over its whole life, instead of
 once per step). Within a class rows are packed 0..n-1; a freed row is taken by the last one.
-The model runner packs the step's decodes by (class, row): decode j of class c is row j.
+A step's decodes are packed by (class, row): decode j of class c is row j, and each class is
+one decode group (see decode_kv).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, make_group
+
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
 MIN_ROWS = 8  # a class's first allocation when the number of rows is not bounded
 ROW_GROWTH = 2  # then its row count doubles, so reallocation copies are amortized
@@ -30,15 +33,6 @@ ROW_GROWTH = 2  # then its row count doubles, so reallocation copies are amortiz
 def length_class(length: int) -> int:
     """The smallest class whose rows hold `length` tokens."""
     return 0 if length <= MIN_CLASS_LEN else math.ceil(math.log2(length / MIN_CLASS_LEN))
-
-
-@dataclass
-class DecodeRequest:
-    """One decode of this step: the sequence, its position (= tokens already cached) and its blocks."""
-
-    seq_id: int
-    position: int
-    block_table: list[int]
 
 
 @dataclass
@@ -53,12 +47,17 @@ class ClassStep:
 
 @dataclass
 class RowsView:
-    """What the attention function needs from the rows in one step, classes in packed order."""
+    """One step's rows: a class per decode group, in packed order."""
 
     classes: list[ClassStep]
+    groups: list[DecodeGroup] = field(default_factory=list)
 
-    def update(self, layer: int, pool: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
-               value: torch.Tensor) -> None:
+    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the group's rows, [B, KVH, L, D] each, L the group's longest context."""
+        step, g = self.classes[group], self.groups[group]
+        return step.k[layer][:g.num_seqs, :, :g.kv_len], step.v[layer][:g.num_seqs, :, :g.kv_len]
+
+    def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
         """Fill new rows from the pool, then append this step's K/V ([KVH, T, D], decodes first).
 
         Why per layer, after the layer's K/V went to the pool: a new row's blocks may be matched
@@ -130,7 +129,7 @@ class _Pack:
 
 
 class DecodeRows:
-    """Every decoding sequence's row, by length class; plans each step's rows for the model runner."""
+    """Every decoding sequence's row, by length class; plans each step's rows (a DecodeKVSource)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, max_len: int,
                  dtype: torch.dtype, device: torch.device, max_rows: int | None = None,
@@ -174,7 +173,29 @@ class DecodeRows:
             ClassStep(self._packs[c].k, self._packs[c].v, torch.tensor(pos, device=self.device), fills.get(c, []))
             for c, pos in steps.items()
         ])
+        view.groups = self._groups([decodes[i] for i in order], [len(p) for p in steps.values()])
         return order, view
+
+    def reset(self) -> None:
+        """Release every row; the tensors stay allocated, and are zeroed again on first use.
+
+        Why re-zero: a reset follows a failed step, which may have left NaN in a row's padding.
+        """
+        self._where.clear()
+        self._len_of.clear()
+        for pack in self._packs.values():
+            pack.seqs.clear()
+            pack.zeroed = 0
+
+    def _groups(self, packed: list[DecodeRequest], sizes: list[int]) -> list[DecodeGroup]:
+        """One group per class (`sizes` rows each, in packed order), padded to its longest context."""
+        groups, first = [], 0
+        for n in sizes:
+            group = packed[first:first + n]
+            kv_len = max(d.position for d in group) + 1
+            groups.append(make_group(first, group, kv_len, self.block_size, self.device))
+            first += n
+        return groups
 
     def _class_rows(self, c: int) -> int | None:
         """Most rows class c can ever need: seats, and what the pool can hold at the class's lengths.

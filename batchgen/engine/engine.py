@@ -1,9 +1,10 @@
 """Engine: the step loop that ties scheduler, model runner, sampler and stop checks together.
 
-Each step: the scheduler picks chunks -> the model runner runs them in one forward -> the
-scheduler advances the computed counts -> the sampler picks a token for every sequence whose
-chunk reached its last token -> stop checks -> finished requests release their blocks and
-become RequestOutputs. A request that can never fit becomes an "error" output on its own.
+Each step: the scheduler picks chunks (a frozen snapshot) -> the model runner runs them in one
+forward -> the scheduler advances the computed counts -> the sampler picks a token for every
+chunk that needs one -> stop checks -> finished requests release their blocks and become
+RequestOutputs. A request that can never fit becomes an "error" output on its own. When
+`generate()` fails, every unfinished request is aborted, so the engine can be used again.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class EngineStats:
     requests: int = 0
     errors: int = 0
     prefill_tokens: int = 0  # prompt chunks, and recomputation after preemption
-    decode_tokens: int = 0  # one-token chunks of generated tokens
+    decode_tokens: int = 0  # decode chunks (scheduler.is_decode): one new token each
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, over finished requests
     output_tokens: int = 0  # sampled tokens
     preemptions: int = 0
@@ -105,8 +106,7 @@ class Engine:
                 f"the scheduler scheduled nothing with {self.scheduler.num_waiting} waiting and "
                 f"{self.scheduler.num_running} running sequences"
             )
-        # why before advance(): needs_sample compares the computed count before this chunk
-        sampled = [seq for i, seq in enumerate(batch.seqs) if batch.needs_sample(i)]
+        sampled = batch.sampled
         self._count(batch)
         logits = self.runner.execute(batch)  # [len(sampled), vocab]
         if sampled and bool(logits.isnan().any()):
@@ -126,11 +126,30 @@ class Engine:
 
     def _count(self, batch: ScheduledBatch) -> None:
         self.stats.steps += 1
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens and seq.num_uncomputed_tokens == 1:
+        for chunk in batch.chunks:
+            if chunk.is_decode:
                 self.stats.decode_tokens += 1
             else:
-                self.stats.prefill_tokens += n
+                self.stats.prefill_tokens += chunk.num_tokens
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request (queued or running) and what it holds, reporting none of them.
+
+        Why everything, and the prefix cache too: a failed step may have been half run, so the
+        K/V it wrote (and any block registered for it) cannot be trusted, and its requests'
+        counts no longer match the cache.
+        """
+        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for seq in seqs:
+            self.scheduler.finish(seq)
+        for seq_id in self._requests:
+            self.sampler.release(seq_id)
+        if seqs:
+            logger.warning("aborted %d unfinished requests", len(seqs))
+        self._requests.clear()
+        self._errors.clear()
+        self.scheduler.block_manager.reset_prefix_cache()
+        self.runner.reset()
 
     def _finish(self, request: _Request) -> RequestOutput:
         seq, stop = request.seq, request.stop
@@ -154,6 +173,17 @@ class Engine:
         """
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        try:
+            return self._run(prompts, params, on_output)
+        except BaseException:
+            # why BaseException: a KeyboardInterrupt mid-step orphans requests just the same
+            self.abort_all()
+            raise
+
+    def _run(
+        self, prompts: list[list[int]], params: list[SamplingParams],
+        on_output: Callable[[RequestOutput], None] | None,
+    ) -> list[RequestOutput]:
         position = {self.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
         results: list[RequestOutput | None] = [None] * len(prompts)
         while self.has_unfinished():

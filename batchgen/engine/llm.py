@@ -67,7 +67,7 @@ class LLM:
             max_model_len=self.max_model_len,
         )
         runner = ModelRunner(hf_model, spec, config.block_size, blocks, torch_device, torch_dtype,
-                             config.max_num_seqs, self.max_model_len)
+                             config.max_num_seqs, self.max_model_len, config.decode_kv)
         block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(config, block_manager, self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model)

@@ -29,12 +29,15 @@ def is_int(value: Any) -> bool:
 def is_finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+# Below this temperature a request is greedy: logits / ~0 overflow float32 (vLLM's cut-off).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """Per-request generation settings (vLLM names and defaults).
 
-    temperature 0 means greedy; top_k 0 or -1 and top_p 1.0 disable those filters.
+    temperature 0 (below 1e-5) means greedy; top_k 0 or -1 and top_p 1.0 disable those filters.
     Invalid values raise SettingError (a ValueError) naming the field.
     """
 
@@ -84,4 +87,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The one definition of greedy (engine sampler and hf backend): argmax of the raw logits."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS

@@ -1,6 +1,6 @@
 """Sampler: one engine step's logits -> one next token id per sequence.
 
-Greedy rows take the exact argmax of the raw logits (what transformers' greedy `generate` does).
+Greedy rows (SamplingParams.greedy) take the exact argmax of the raw logits (what transformers' greedy `generate` does).
 Other rows go through temperature, top-k, top-p and min-p, vectorized over the batch with
 per-row parameters as tensors, and are drawn by the exponential race: the token with the largest
 p / q, q ~ Exp(1) i.i.d. per vocabulary entry, is an exact draw from p. A seeded request draws
@@ -19,8 +19,6 @@ from batchgen.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-# Below this temperature a row is sampled greedily: logits / ~0 overflow float32 (vLLM's cut-off).
-GREEDY_TEMPERATURE_EPS = 1e-5
 # Tokens ranked before top-p falls back to a full sort; nuclei of real models are far smaller.
 NUCLEUS_WINDOW = 1024
 
@@ -44,7 +42,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
         logits = self._mask_min_tokens(logits, seqs)
-        sample_rows = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_TEMPERATURE_EPS]
+        sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if len(sample_rows) == len(seqs):
             return self._sample(logits, seqs).tolist()
         tokens = logits.argmax(dim=-1)  # [num_seqs] greedy for every row; sampled rows overwritten

@@ -1,21 +1,23 @@
 """Scheduler: token-budget continuous batching with chunked prefill and preemption.
 
 One rule for prefill and decode (vLLM v1): each sequence's `num_computed_tokens` catches up with
-its `num_tokens`; a decode is a chunk of one token. Each step:
+its `num_tokens`; a decode is (nearly) a chunk of one token, see `is_decode`. Each step:
   1. running sequences, oldest admission first, each get min(uncomputed, budget left) tokens; when
      the pool cannot hold a chunk, the NEWEST running sequence is preempted (blocks freed, to be
      recomputed later) until it can — possibly the sequence itself;
   2. then waiting sequences in order, while budget and seats remain and nothing was preempted in
      this step: reuse their longest cached prefix, and admit one only when the pool has room for
      its whole remaining prompt.
-The scheduler touches no tensors and no hashes; memory goes through the BlockManager.
+The scheduler touches no tensors and no hashes; memory goes through the BlockManager. Its output
+is an immutable ScheduledBatch, and it is the only writer of `num_computed_tokens`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
@@ -24,25 +26,65 @@ from batchgen.engine.sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ScheduledBatch:
-    """One step's work. For seqs[i], the chunk to run is
-    seqs[i].token_ids[seqs[i].num_computed_tokens : seqs[i].num_computed_tokens + num_new_tokens[i]]
-    (num_computed_tokens is advanced by the engine AFTER the forward pass). A sequence needs a
-    sampled token when its chunk reaches its last token.
+class ScheduledChunk(NamedTuple):
+    """One sequence's chunk in one step, fixed when it is scheduled (a row of vLLM v1's SchedulerOutput).
+
+    It runs `token_ids` at positions start, start + 1, ... over `block_table`. Why a snapshot: the
+    engine advances computed counts and appends sampled tokens while the step is being handled,
+    so whatever decides what a row is (decode, needs a sample, where it starts) must not read the
+    live sequence. `seq` is the engine's handle for advancing and sampling, never read to decide.
+    Why a NamedTuple: immutable, and about 4x cheaper to build than a frozen dataclass (one per
+    running sequence per step).
     """
 
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    seq: Sequence
+    start: int  # the sequence's computed tokens when scheduled: the chunk's first position
+    token_ids: tuple[int, ...]  # seq.token_ids[start : start + num_tokens]
+    block_table: tuple[int, ...]  # the sequence's KV blocks, covering start + num_tokens tokens
+    needs_sample: bool  # the chunk ends at the sequence's last token: its logits give the next one
+    is_decode: bool  # see `is_decode`: the one definition of a decode for stats, runner and sampler
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def is_decode(num_tokens: int, start: int, num_prompt_tokens: int, needs_sample: bool) -> bool:
+    """A decode: a one-token chunk that runs a sequence's newest token, a generated one.
+
+    So a one-token prompt, the last token of a chunked prompt and a one-token piece of a
+    recomputation after preemption are prefill chunks, not decodes.
+    """
+    return num_tokens == 1 and needs_sample and start >= num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work, immutable: the chunks in batch order and the sequences preempted for it."""
+
+    chunks: tuple[ScheduledChunk, ...] = ()
+    preempted: tuple[Sequence, ...] = ()
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.chunks]
+
+    @property
+    def num_new_tokens(self) -> list[int]:
+        return [c.num_tokens for c in self.chunks]
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return sum(c.num_tokens for c in self.chunks)
 
-    def needs_sample(self, i: int) -> bool:
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in batch order (the logits' rows)."""
+        return [c.seq for c in self.chunks if c.needs_sample]
 
 
 class Scheduler:
@@ -61,8 +103,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: newest last (first to be preempted)
         self.num_preemptions = 0
-        self.num_steps = 0
-        self.num_scheduled_tokens = 0  # all tokens run, recomputation after preemption included
 
     # ------------------------------------------------------------ requests
 
@@ -108,25 +148,28 @@ class Scheduler:
     # ---------------------------------------------------------------- step
 
     def schedule(self) -> ScheduledBatch:
-        """This step's chunks. The caller runs them, then calls `advance(batch)`."""
-        batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
-        if not batch.preempted:
+        """This step's chunks, as a snapshot. The caller runs them, then calls `advance(batch)`."""
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+        budget = self._schedule_running(chunks, preempted, self.config.max_num_batched_tokens)
+        if not preempted:
             # why: after a preemption the pool is under pressure; admitting now would thrash.
-            self._schedule_waiting(batch, budget)
-        self.num_steps += 1
-        self.num_scheduled_tokens += batch.total_tokens
-        return batch
+            self._schedule_waiting(chunks, budget)
+        return ScheduledBatch(tuple(chunks), tuple(preempted))
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: the scheduled chunks' K/V are now in the cache."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens + n > seq.num_tokens:
+        """After the forward pass: the scheduled chunks' K/V are now in the cache.
+
+        The scheduler is the only writer of `num_computed_tokens` (here, at admission, at preemption).
+        """
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            if seq.num_computed_tokens != chunk.start:
                 raise RuntimeError(
-                    f"seq {seq.seq_id}: {seq.num_computed_tokens} + {n} computed tokens would exceed its "
-                    f"{seq.num_tokens} tokens; advance() called twice for one batch?"
+                    f"seq {seq.seq_id}: {seq.num_computed_tokens} computed tokens but its chunk starts at "
+                    f"{chunk.start}; advance() called twice for one batch, or for a stale one?"
                 )
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
 
     def finish(self, seq: Sequence) -> None:
         """Mark finished (or aborted), drop it from the queues and release its blocks."""
@@ -139,7 +182,7 @@ class Scheduler:
 
     # ------------------------------------------------------------- helpers
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -147,26 +190,25 @@ class Scheduler:
             if n == 0:
                 i += 1  # nothing to compute (the engine has not appended a token yet)
                 continue
-            if not self._allocate_or_preempt(seq, n, batch):
+            if not self._allocate_or_preempt(seq, n, preempted):
                 break  # seq preempted itself; it was the newest, so nothing follows it
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            chunks.append(_snapshot(seq, n))
             budget -= n
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+    def _allocate_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
         """Allocate `n` slots for a running seq, preempting newest-first; False if seq itself went."""
         while not self.block_manager.allocate_slots(seq, n):
             # why: victims come from the end, behind seq (index >= seq's), so none of them has
             # been scheduled in this batch yet.
             victim = self.running.pop()
-            self._preempt(victim, batch)
+            self._preempt(victim, preempted)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -174,10 +216,10 @@ class Scheduler:
         self.num_preemptions += 1
         # why: to the front, so it is re-admitted before newer requests (FCFS, bounded delay)
         self.waiting.appendleft(seq)
-        batch.preempted.append(seq)
+        preempted.append(seq)
         logger.debug("preempted seq %d (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -191,10 +233,20 @@ class Scheduler:
             if not bm.allocate_slots(seq, n, computed):
                 raise RuntimeError(f"seq {seq.seq_id}: allocation failed after can_allocate said it fits")
             self.waiting.popleft()
+            seq.num_computed_tokens = num_cached  # the matched blocks hold these tokens' K/V
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached  # the bill counts the first admission only
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            chunks.append(_snapshot(seq, n))
             budget -= n
+
+
+def _snapshot(seq: Sequence, n: int) -> ScheduledChunk:
+    """The next `n` tokens of `seq` as a frozen chunk (its blocks must already be allocated)."""
+    start = seq.num_computed_tokens
+    needs_sample = start + n == seq.num_tokens
+    return ScheduledChunk(
+        seq=seq, start=start, token_ids=tuple(seq.token_ids[start:start + n]), block_table=tuple(seq.block_table),
+        needs_sample=needs_sample, is_decode=is_decode(n, start, seq.num_prompt_tokens, needs_sample),
+    )

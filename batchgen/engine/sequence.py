@@ -2,7 +2,8 @@
 
 The single scheduling rule (vLLM v1): `num_computed_tokens` (tokens whose K/V are in the cache)
 catches up with `num_tokens`. A prefill chunk and a decode step are the same thing: a chunk of
-`token_ids[num_computed_tokens : num_computed_tokens + n]`; a decode is a chunk of one token.
+`token_ids[num_computed_tokens : num_computed_tokens + n]`; a decode is a chunk of one token
+(exactly: see scheduler.is_decode). Only the scheduler writes `num_computed_tokens`.
 """
 
 from __future__ import annotations

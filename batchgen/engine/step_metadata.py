@@ -1,7 +1,8 @@
 """Step metadata: what one forward needs to know about the packed batch, built by the model runner.
 
 The model runner builds a ForwardContext once per step; the attention function reads it for
-every layer. Nothing here computes: these are the shapes and indices of one step.
+every layer. Nothing here computes: these are the shapes and indices of one step. The decodes
+(packed first) are described by their K/V source's step (see decode_kv), whichever it is.
 """
 
 from __future__ import annotations
@@ -10,30 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine.decode_rows import ClassStep, RowsView
-
-
-@dataclass
-class DecodeGroup:
-    """Consecutive one-token chunks of a step, padded to one length: packed tokens [start, start + num_seqs).
-
-    A step's decodes (packed first) are split into a few groups of similar context length, so a
-    short sequence is not padded to the longest one's blocks (gather and attention cost the padding).
-    """
-
-    start: int
-    num_seqs: int
-    gather_index: torch.Tensor | None  # [num_seqs * blocks] block ids (padding: block 0), or
-    rows: ClassStep | None  # decode rows 0..num_seqs-1 of one length class hold the K/V
-    context_lens: torch.Tensor  # [num_seqs] tokens in cache after this step, the new one included
-    kv_len: int  # padded key length L: blocks * block_size when gathered, the longest context in rows
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
-    shared_len: int = 0  # > 0: the first shared_len keys are the same blocks in every row (cascade)
+from batchgen.engine.decode_kv import DecodeStep
 
 
 @dataclass
 class PrefillChunk:
-    """One multi-token chunk: packed tokens [start, end), positions context_start + (0..n-1)."""
+    """One chunk that is not a decode: packed tokens [start, end), positions context_start + (0..n-1)."""
 
     start: int
     end: int
@@ -57,8 +40,7 @@ class FlashMetadata:
 class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, kvh, d]
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
-    decodes: list[DecodeGroup]
+    decodes: DecodeStep | None  # the decodes (packed first) as their source planned them; None: no decodes
     prefills: list[PrefillChunk]
-    flash: FlashMetadata | None = None
-    rows: RowsView | None = None  # CPU: decodes read K/V from contiguous rows, not gathered blocks
+    flash: FlashMetadata | None = None  # set: flash-attn reads the pool for every chunk, decodes included
     num_attention_calls: int = 0  # checked by the runner: every layer must come through us

@@ -1,4 +1,4 @@
-"""The paged attention function against plain attention on random tensors (CPU)."""
+"""The paged attention function against plain attention on random tensors (CPU), with either decode K/V source."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from batchgen.engine.attention import forward_context, paged_attention_forward
-from batchgen.engine.model_runner import Chunk, build_forward_context
+from batchgen.engine.decode_gather import GatheredBlocks
+from batchgen.engine.decode_kv import DecodeKVSource
+from batchgen.engine.decode_rows import DecodeRows
+from batchgen.engine.model_runner import build_forward_context
+from batchgen.engine.params import SamplingParams
+from batchgen.engine.scheduler import ScheduledChunk
+from batchgen.engine.sequence import Sequence
+from batchgen.engine.step_metadata import ForwardContext
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -38,55 +45,87 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
     return (torch.softmax(scores, -1) @ v).transpose(0, 1)
 
 
-def _run_case(specs: list[tuple[int, int]], window: int | None, softcap: float | None) -> None:
-    """specs: (cached context, new tokens) per sequence, one-token chunks first."""
+def _source(kind: str) -> DecodeKVSource:
+    if kind == "rows":
+        return DecodeRows(num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BLOCK, max_len=256,
+                          dtype=torch.float32, device=torch.device("cpu"))
+    return GatheredBlocks(BLOCK, torch.device("cpu"))
+
+
+def _chunk(seq_id: int, start: int, n: int, table: list[int], decode: bool) -> ScheduledChunk:
+    seq = Sequence(seq_id, [2] * (start + n), SamplingParams())
+    return ScheduledChunk(seq=seq, start=start, token_ids=(2,) * n, block_table=tuple(table), needs_sample=True,
+                          is_decode=decode)
+
+
+def _run_case(specs: list[tuple[int, int]], window: int | None, softcap: float | None, decode_kv: str,
+              shared: int = 0) -> ForwardContext:
+    """specs: (cached context, new tokens) per sequence; a one-token chunk is a decode unless its
+    context is odd. The first `shared` tokens (whole blocks) are the same blocks in every sequence."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(math.ceil((c + n) / BLOCK) for c, n in specs) + 3
     k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)  # garbage outside the written slots
     v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, out-of-order blocks
+    prefix_blocks = [free.pop() for _ in range(shared // BLOCK)]
+    prefix_k, prefix_v = torch.randn(2, KV_HEADS, shared, DIM, generator=gen)
     chunks, full_k, full_v, queries = [], [], [], []
-    for ctx_len, n in specs:
+    for i, (ctx_len, n) in enumerate(specs):
         total = ctx_len + n
-        table = [free.pop() for _ in range(math.ceil(total / BLOCK))]
+        table = prefix_blocks + [free.pop() for _ in range(math.ceil(total / BLOCK) - len(prefix_blocks))]
         k = torch.randn(KV_HEADS, total, DIM, generator=gen)
         v = torch.randn(KV_HEADS, total, DIM, generator=gen)
+        k[:, :shared], v[:, :shared] = prefix_k, prefix_v
         for pos in range(ctx_len):  # the cached context is already in the pool
             k_cache[table[pos // BLOCK], pos % BLOCK] = k[:, pos]
             v_cache[table[pos // BLOCK], pos % BLOCK] = v[:, pos]
-        chunks.append(Chunk(ctx_len, n, table))
+        chunks.append(_chunk(i, ctx_len, n, table, decode=n == 1 and ctx_len % 2 == 0))
         full_k.append(k)
         full_v.append(v)
         queries.append(torch.randn(HEADS, n, DIM, generator=gen))
-    ctx, positions = build_forward_context(chunks, [(k_cache, v_cache)], BLOCK, torch.device("cpu"))
-    query = torch.cat(queries, dim=1)[None]  # [1, H, T, D]
-    key = torch.cat([k[:, c:] for k, (c, _) in zip(full_k, specs)], dim=1)[None]  # [1, KVH, T, D]
-    value = torch.cat([v[:, c:] for v, (c, _) in zip(full_v, specs)], dim=1)[None]
+    ctx, positions, order = build_forward_context(chunks, _source(decode_kv), [(k_cache, v_cache)], BLOCK,
+                                                  torch.device("cpu"))
+    query = torch.cat([queries[i] for i in order], dim=1)[None]  # [1, H, T, D], packed order
+    key = torch.cat([full_k[i][:, specs[i][0]:] for i in order], dim=1)[None]  # [1, KVH, T, D]
+    value = torch.cat([full_v[i][:, specs[i][0]:] for i in order], dim=1)[None]
     with forward_context(ctx):
         out, _ = paged_attention_forward(_Layer(), query, key, value, None, scaling=0.3,
                                          sliding_window=window, softcap=softcap)
-    expected = torch.cat([_reference(q, k, v, 0.3, window, softcap) for q, k, v in zip(queries, full_k, full_v)])
+    expected = torch.cat([_reference(queries[i], full_k[i], full_v[i], 0.3, window, softcap) for i in order])
     torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
-    assert positions.tolist() == [p for c, n in specs for p in range(c, c + n)]
+    assert positions.tolist() == [p for i in order for p in range(specs[i][0], sum(specs[i]))]
+    decodes = {i for i, c in enumerate(chunks) if c.is_decode}
+    assert set(order[:len(decodes)]) == decodes  # decodes are packed first
+    return ctx
 
 
+@pytest.mark.parametrize("decode_kv", ["gather", "rows"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 2.0])
-def test_mixed_decode_and_prefill_with_context(window: int | None, softcap: float | None) -> None:
-    specs = [(0, 1), (7, 1), (12, 1), (3, 1),  # decodes: fresh, mid-block, block boundary
+def test_mixed_decode_and_prefill_with_context(window: int | None, softcap: float | None, decode_kv: str) -> None:
+    specs = [(0, 1), (8, 1), (12, 1), (2, 1),  # decodes: fresh, block boundary, mid-block
+             (9, 1),  # a one-token chunk that is not a decode (e.g. a chunked prompt's last token)
              (0, 9), (5, 6), (8, 4), (2, 13)]  # prefill chunks: fresh and over cached context
-    _run_case(specs, window, softcap)
+    _run_case(specs, window, softcap, decode_kv)
 
 
-def test_prefill_only_and_decode_only() -> None:
-    _run_case([(0, 11)], None, None)
-    _run_case([(15, 1), (0, 1), (30, 1)], None, None)
+@pytest.mark.parametrize("decode_kv", ["gather", "rows"])
+def test_prefill_only_and_decode_only(decode_kv: str) -> None:
+    _run_case([(0, 11)], None, None, decode_kv)
+    _run_case([(16, 1), (0, 1), (30, 1)], None, None, decode_kv)
+
+
+@pytest.mark.parametrize("decode_kv", ["gather", "rows"])
+def test_decodes_sharing_cached_blocks_use_cascade_with_either_source(decode_kv: str) -> None:
+    ctx = _run_case([(20, 1), (22, 1), (24, 1), (26, 1)], None, None, decode_kv, shared=16)
+    assert ctx.decodes is not None and [g.shared_len for g in ctx.decodes.groups] == [16]
 
 
 def test_new_kv_lands_in_the_slot_mapping() -> None:
     k_cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
     v_cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
-    ctx, _ = build_forward_context([Chunk(2, 3, [3, 1])], [(k_cache, v_cache)], BLOCK, torch.device("cpu"))
+    ctx, _, _ = build_forward_context([_chunk(0, 2, 3, [3, 1], False)], _source("gather"), [(k_cache, v_cache)],
+                                      BLOCK, torch.device("cpu"))
     assert ctx.slot_mapping.tolist() == [3 * BLOCK + 2, 3 * BLOCK + 3, 1 * BLOCK + 0]
     key = torch.randn(1, KV_HEADS, 3, DIM)
     with forward_context(ctx):
@@ -96,8 +135,8 @@ def test_new_kv_lands_in_the_slot_mapping() -> None:
 
 
 def test_attention_sinks_are_refused() -> None:
-    ctx, _ = build_forward_context([Chunk(0, 2, [0])], [(torch.zeros(1, BLOCK, 1, DIM),) * 2], BLOCK,
-                                   torch.device("cpu"))
+    ctx, _, _ = build_forward_context([_chunk(0, 0, 2, [0], False)], _source("gather"),
+                                      [(torch.zeros(1, BLOCK, 1, DIM),) * 2], BLOCK, torch.device("cpu"))
     with forward_context(ctx), pytest.raises(NotImplementedError, match="attention sinks"):
         paged_attention_forward(_Layer(), torch.randn(1, 1, 2, DIM), torch.randn(1, 1, 2, DIM),
                                 torch.randn(1, 1, 2, DIM), None, s_aux=torch.zeros(1))

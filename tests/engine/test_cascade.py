@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine import attention
-from batchgen.engine.cascade import cascade_decode_attention, shared_prefix_len, worth_splitting
+from batchgen.engine.cascade import cascade_decode_attention, cascade_len, shared_prefix_len, worth_splitting
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
 
@@ -30,17 +30,22 @@ def test_cascade_equals_plain_attention() -> None:
 
 
 def test_shared_prefix_counts_only_identical_fully_cached_blocks() -> None:
-    tables = torch.tensor([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 5, 3]])
-    assert shared_prefix_len(tables, torch.tensor([40, 40, 40]), block_size=8) == 16
-    assert shared_prefix_len(tables[:2], torch.tensor([40, 40]), block_size=8) == 24
-    assert shared_prefix_len(tables[:2], torch.tensor([40, 20]), block_size=8) == 16  # block 9 not full for row 1
-    assert shared_prefix_len(tables[:1], torch.tensor([40]), block_size=8) == 0  # alone: nothing to share
+    tables = [(7, 8, 9, 1), (7, 8, 9, 2), (7, 8, 5, 3)]
+    assert shared_prefix_len(tables, [40, 40, 40], block_size=8) == 16
+    assert shared_prefix_len(tables[:2], [40, 40], block_size=8) == 24
+    assert shared_prefix_len(tables[:2], [40, 20], block_size=8) == 16  # block 9 not full for row 1
+    assert shared_prefix_len(tables[:1], [40], block_size=8) == 0  # alone: nothing to share
+    assert shared_prefix_len([(1, 2), (3, 2)], [16, 16], block_size=8) == 0  # same later block, not a prefix
     assert worth_splitting(shared=400, kv_len=520, num_seqs=8)
     assert not worth_splitting(shared=64, kv_len=520, num_seqs=8)
     assert not worth_splitting(shared=400, kv_len=520, num_seqs=2)
+    four = [(7, 8, 9, i) for i in range(4)]
+    assert cascade_len(four, [30, 31, 30, 29], block_size=8, kv_len=32) == 24
+    assert cascade_len(four[:3], [30, 31, 30], block_size=8, kv_len=32) == 0  # too few rows
+    assert cascade_len(four, [30, 31, 30, 29], block_size=8, kv_len=64) == 0  # too small a share
 
 
-def test_engine_with_a_shared_preamble_uses_cascade_and_matches_gathered_attention(
+def test_engine_with_a_shared_preamble_uses_cascade_with_either_decode_source(
     tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = []
@@ -55,11 +60,9 @@ def test_engine_with_a_shared_preamble_uses_cascade_and_matches_gathered_attenti
     prompts = [preamble + [(i * 11 + j) % 250 + 2 for j in range(3 + i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = []
-    for use_rows in (True, False):
-        llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200)
-        if not use_rows:
-            llm.engine.runner.rows = None
+    for decode_kv in ("rows", "gather"):
+        llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200, decode_kv=decode_kv)
         outputs.append([o.token_ids for o in llm.generate(prompts, params)])
-        assert bool(calls) == use_rows  # the gathered path never splits
+        assert calls, decode_kv  # the split is decided from block tables, whichever source
         calls.clear()
     assert outputs[0] == outputs[1]

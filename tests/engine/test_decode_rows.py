@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
-from batchgen.engine.decode_rows import MIN_CLASS_LEN, DecodeRequest, DecodeRows, length_class
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.decode_kv import DecodeRequest, resolve_decode_kv
+from batchgen.engine.decode_rows import MIN_CLASS_LEN, DecodeRows, length_class
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
 
@@ -61,14 +64,14 @@ def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str],
     prompts = [[(i * 7 + j) % 250 + 2 for j in range(5 + 23 * i)] for i in range(12)]
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 4), ignore_eos=True) for i in range(12)]
     outputs = []
-    for use_rows in (True, False):
+    for decode_kv in ("rows", "gather"):
         llm = LLM(str(tiny_model("mistral")), block_size=8, max_num_batched_tokens=48, max_num_seqs=6,
-                  num_kv_blocks=40)
-        if not use_rows:
-            llm.engine.runner.rows = None
+                  num_kv_blocks=40, decode_kv=decode_kv)
         outputs.append([o.token_ids for o in llm.generate(prompts, params)])
-        if use_rows:
-            assert 0 < llm.engine.runner.rows.num_fills < llm.stats["decode_tokens"]  # type: ignore[union-attr]
+        source = llm.engine.runner.decode_kv
+        assert isinstance(source, DecodeRows) == (decode_kv == "rows")
+        if isinstance(source, DecodeRows):
+            assert 0 < source.num_fills < llm.stats["decode_tokens"]
             assert llm.stats["preemptions"] > 0
     assert outputs[0] == outputs[1]
 
@@ -81,3 +84,12 @@ def test_long_classes_reserve_only_the_rows_the_pool_can_fill() -> None:
     shapes = {c: pack.k[0].shape[0] for c, pack in rows._packs.items()}
     # class 0 may seat all 64; a sequence in class 4 holds > 512 tokens, so a 1000-token pool fits 1
     assert shapes == {0: 64, length_class(601): 1000 // (8 * MIN_CLASS_LEN + 1) + 1}
+
+
+def test_auto_means_rows_on_cpu_and_a_bad_setting_is_refused(tiny_model: Callable[[str], Path]) -> None:
+    assert resolve_decode_kv("auto", torch.device("cpu")) == "rows"
+    assert resolve_decode_kv("auto", torch.device("cuda")) == "gather"
+    assert resolve_decode_kv("gather", torch.device("cpu")) == "gather"
+    assert isinstance(LLM(str(tiny_model("llama")), num_kv_blocks=16).engine.runner.decode_kv, DecodeRows)
+    with pytest.raises(ValueError, match="decode_kv"):
+        EngineConfig(decode_kv="pool")  # type: ignore[arg-type]

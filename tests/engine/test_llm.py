@@ -89,17 +89,71 @@ def test_bad_arguments_raise(llm: LLM) -> None:
         llm.generate("w2 w3")  # type: ignore[arg-type]
 
 
-def test_nan_logits_raise_instead_of_sampling_garbage(
-    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fresh = LLM(str(tiny_model("llama")), num_kv_blocks=32)  # why fresh: the failed step leaves state behind
-    runner = fresh.engine.runner
+def test_nan_logits_raise_instead_of_sampling_garbage(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = llm.engine.runner
     real = runner.execute
 
     def poisoned(batch):  # type: ignore[no-untyped-def]
         logits = real(batch)
         return torch.full_like(logits, float("nan"))
 
-    monkeypatch.setattr(runner, "execute", poisoned)
-    with pytest.raises(RuntimeError, match="NaN logits"):
-        fresh.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "execute", poisoned)
+        with pytest.raises(RuntimeError, match="NaN logits"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    # the same engine serves the next call, with nothing of the failed one left over
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0]
+    assert out.error is None and len(out.token_ids) == 2
+
+
+def test_engine_is_reusable_after_a_failed_step(tiny_model: Callable[[str], Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 7: a failed generate() left its requests queued and running, with their blocks and
+    sampler state; the next generate() ran them too, and served the failed step's K/V from the cache."""
+    llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=32)
+    prompts = [list(range(10, 30)), list(range(10, 26)) + [50, 51]]  # sharing two full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    runner, calls = llm.engine.runner, []
+    real = runner.execute
+
+    def dies_in_second_step(batch):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        logits = real(batch)
+        if len(calls) == 2:  # a step that died half-way through writing the pool
+            for k, v in runner.kv_caches:
+                k.fill_(float("nan"))
+                v.fill_(float("nan"))
+            raise RuntimeError("device lost")
+        return logits
+
+    seeded = SamplingParams(seed=3, max_tokens=30)
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "execute", dies_in_second_step)
+        with pytest.raises(RuntimeError, match="device lost"):
+            llm.generate(prompts + [[7] * 30], [params, params, seeded])
+    engine = llm.engine
+    assert not engine.has_unfinished() and engine.sampler.num_seeded == 0
+    assert engine.scheduler.block_manager.num_free_blocks == 32
+    before, seen = llm.stats, []
+    again = llm.generate(prompts, params, on_output=seen.append)
+    assert [o.token_ids for o in again] == want  # no poisoned K/V served from the prefix cache
+    assert llm.stats["output_tokens"] - before["output_tokens"] == 8 and len(seen) == 2  # no orphan ran
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_an_exception_from_on_output_leaves_no_orphans(llm: LLM) -> None:
+    def stop(output: RequestOutput) -> None:
+        raise _Stop
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 6, 12)]
+    with pytest.raises(_Stop):  # raised when the first request finishes, two steps in
+        llm.generate([[30] * 5, [31] * 40, [32] * 60], params, on_output=stop)
+    assert not llm.engine.has_unfinished()
+    outputs = llm.generate([[33] * 5], params[1])
+    assert len(outputs) == 1 and len(outputs[0].token_ids) == 6
+    assert llm.engine.scheduler.block_manager.num_free_blocks == 32

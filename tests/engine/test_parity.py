@@ -4,7 +4,8 @@ For every supported architecture, 37 prompts (1 to 300 tokens, shared long prefi
 run through the engine twice — under pressure (prefix caching on, a 64-token step budget that
 forces chunked prefill, a KV pool small enough to force preemption) and relaxed (prefix caching
 off, big budget, another block size) — and must match `generate(do_sample=False)` run per prompt,
-unpadded, on the same float32 weights. Refused architectures raise a clear error at load.
+unpadded, on the same float32 weights, with either decode K/V source (contiguous rows, gathered
+blocks). Refused architectures raise a clear error at load.
 """
 
 from __future__ import annotations
@@ -69,12 +70,14 @@ def _reference(arch: str, path: Path) -> list[list[int]]:
     return _REFERENCE[arch]
 
 
+@pytest.mark.parametrize("decode_kv", ["rows", "gather"])
 @pytest.mark.parametrize("setting", ["pressure", "relaxed"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_parity(arch: str, setting: str, tiny_model: Callable[[str], Path]) -> None:
+def test_greedy_parity(arch: str, setting: str, decode_kv: str, tiny_model: Callable[[str], Path]) -> None:
     path = tiny_model(arch)
     expected = _reference(arch, path)
-    llm = LLM(str(path), device="cpu", dtype="float32", **(PRESSURE if setting == "pressure" else RELAXED))
+    llm = LLM(str(path), device="cpu", dtype="float32", decode_kv=decode_kv,
+              **(PRESSURE if setting == "pressure" else RELAXED))
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS]
     outputs = llm.generate(PROMPTS, params)
     for i, (out, want) in enumerate(zip(outputs, expected)):

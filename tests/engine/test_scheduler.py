@@ -49,9 +49,8 @@ def step(sched: Scheduler, finished: list[Sequence] | None = None) -> ScheduledB
     """A fake engine step: schedule, 'forward', advance, sample a token, finish at max_tokens."""
     batch = sched.schedule()
     check_invariants(sched, batch)
-    sample = [batch.needs_sample(i) for i in range(len(batch.seqs))]
     sched.advance(batch)
-    for seq, needs in zip(batch.seqs, sample):
+    for seq, needs in zip(batch.seqs, [c.needs_sample for c in batch.chunks]):
         if needs:
             seq.append_token(1000 + seq.seq_id)
             if seq.num_output_tokens == seq.params.max_tokens:
@@ -153,7 +152,7 @@ def test_preemption_picks_the_newest_which_is_recomputed_to_completion() -> None
     d = make_seq(3, [4])
     sched.add(d)
     batch = step(sched)  # a (the oldest) needs a 2nd block: c, the newest, makes room
-    assert batch.preempted == [c] and batch.seqs == [a, b] and a.block_table == [0, 3]
+    assert batch.preempted == (c,) and batch.seqs == [a, b] and a.block_table == [0, 3]
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.block_table == []
     # c goes back in FRONT of the newer request d, and nobody is admitted in a preempting step
     assert c.num_preemptions == 1 and sched.num_preemptions == 1 and list(sched.waiting) == [c, d]
@@ -170,7 +169,7 @@ def test_a_sequence_preempts_itself_when_it_is_the_newest() -> None:
     sched.add(b)
     step(sched)  # a: block 0, b: block 1 (one free)
     batch = step(sched)  # a takes the last block; b then cannot and is itself the newest
-    assert batch.seqs == [a] and batch.preempted == [b]
+    assert batch.seqs == [a] and batch.preempted == (b,)
     assert run_to_completion(sched)[-1] is b
 
 
@@ -219,8 +218,8 @@ def test_prefix_hits_counted_in_num_cached_tokens_from_first_admission() -> None
     batch = step(sched)
     assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 3]
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
+    assert b.num_computed_tokens == 8 + 3  # the scheduler set 8 at admission, advance() added the chunk
     run_to_completion(sched)
-    assert sched.block_manager.num_hit_tokens == 8
 
 
 def test_same_step_admission_reuses_blocks_registered_in_that_step() -> None:
@@ -239,7 +238,7 @@ def test_readmission_reuses_own_cached_blocks_but_bills_the_first_count() -> Non
     sched.add(a)
     sched.add(c)
     step(sched)  # a: block 0; c: blocks 1, 2 (full, hashed) and 3
-    assert step(sched).preempted == [c]  # a needs a block; c's hashed blocks stay cached
+    assert step(sched).preempted == (c,)  # a needs a block; c's hashed blocks stay cached
     while c.status is not SequenceStatus.RUNNING:
         batch = step(sched)
     assert batch.seqs[-1] is c and batch.num_new_tokens[-1] == 2  # 10 tokens, 8 of them cached
@@ -295,7 +294,7 @@ def test_finish_aborts_a_waiting_sequence_and_advance_twice_raises() -> None:
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
-    assert batch.seqs == [a] and batch.num_new_tokens == [4] and not batch.needs_sample(0)
+    assert batch.seqs == [a] and batch.num_new_tokens == [4] and not batch.chunks[0].needs_sample
     sched.finish(b)  # aborted before admission
     assert b.status is SequenceStatus.FINISHED and sched.num_waiting == 0
     sched.advance(batch)
@@ -303,3 +302,49 @@ def test_finish_aborts_a_waiting_sequence_and_advance_twice_raises() -> None:
     with pytest.raises(RuntimeError, match="advance"):
         sched.advance(batch)
     assert a.num_computed_tokens == 4
+
+
+# ----------------------------------------------------------------- the batch is a snapshot
+
+def test_batch_is_a_frozen_snapshot_that_advance_and_sampling_do_not_change() -> None:
+    sched = make_scheduler(num_blocks=16, budget=8)
+    a, b = make_seq(0, [1, 2, 3]), make_seq(1, list(range(10, 20)))
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()  # a whole (3 tokens), b's first 5
+    before = [(c.start, c.token_ids, c.block_table, c.needs_sample, c.is_decode) for c in batch.chunks]
+    assert before == [(0, (1, 2, 3), tuple(a.block_table), True, False),
+                      (0, (10, 11, 12, 13, 14), tuple(b.block_table), False, False)]
+    sched.advance(batch)
+    a.append_token(7)  # what the engine does with a's sample
+    assert [(c.start, c.token_ids, c.block_table, c.needs_sample, c.is_decode) for c in batch.chunks] == before
+    with pytest.raises(AttributeError):
+        batch.chunks[0].needs_sample = False  # type: ignore[misc]
+    nxt = sched.schedule()
+    assert [(c.seq, c.start, c.token_ids, c.needs_sample, c.is_decode) for c in nxt.chunks] == [
+        (a, 3, (7,), True, True), (b, 5, (15, 16, 17, 18, 19), True, False)]
+
+
+def test_what_counts_as_a_decode() -> None:
+    """A decode runs a sequence's newest, generated token; other one-token chunks are prefill."""
+    sched = make_scheduler(num_blocks=16, budget=4)
+    one, chunked = make_seq(0, [5]), make_seq(1, list(range(20, 24)))
+    sched.add(one)
+    sched.add(chunked)
+    first = sched.schedule()  # the one-token prompt, and 3 tokens of the chunked one
+    assert [(c.num_tokens, c.needs_sample, c.is_decode) for c in first.chunks] == [(1, True, False), (3, False, False)]
+    sched.advance(first)
+    one.append_token(6)
+    second = sched.schedule()  # one's first decode; chunked's last prompt token
+    assert [(c.num_tokens, c.needs_sample, c.is_decode) for c in second.chunks] == [(1, True, True), (1, True, False)]
+
+
+def test_block_manager_leaves_computed_counts_to_the_scheduler() -> None:
+    sched = make_scheduler(num_blocks=16, budget=64)
+    a = make_seq(0, list(range(9)))
+    sched.add(a)
+    step(sched)
+    b = make_seq(1, list(range(8)) + [55])
+    computed, cached = sched.block_manager.get_computed_blocks(b)
+    assert cached == 8 and sched.block_manager.allocate_slots(b, 1, computed)
+    assert b.num_computed_tokens == 0  # allocation alone never moves it

@@ -4,8 +4,10 @@ uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from click.testing import CliRunner
@@ -193,3 +196,19 @@ def test_a_live_run_holds_the_lock(tmp_path: Path, tiny_model_dir: Path) -> None
     assert blocked.returncode == 7
     assert f"pid {os.getpid()}" in blocked.stderr
     assert _in_process(job)[0] == 0  # released: the next run goes ahead
+
+
+def test_after_a_resume_the_rate_counts_this_runs_tokens_only(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    job = _job(tmp_path, tiny_model_dir, out)
+    assert _cli(job, fault="after_rename:3").returncode == -signal.SIGKILL  # 3 of 6 parts kept
+    kept = sum(sum(pq.read_table(p, columns=["output_tokens"]).column(0).to_pylist()) for p in out.glob("part-*"))
+    resumed = _cli(job)
+    assert resumed.returncode == 0, resumed.stderr
+    match = re.search(r"(\d+) out \| [\d.]+s, ([\d.]+) output tok/s \| resumed: 3 part", resumed.stdout)
+    assert match, resumed.stdout
+    timings = json.loads((out / "_SUCCESS").read_text())["timings"]
+    this_run = int(match.group(1)) - kept
+    assert 0 < kept and 0 < this_run
+    assert abs(float(match.group(2)) - this_run / timings["wall_seconds"]) < 0.1
+    assert abs(timings["output_tokens_per_second"] - this_run / timings["wall_seconds"]) < 0.1

@@ -38,7 +38,7 @@ def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool)
 
     A rerun after a crash or kill resumes: committed parts are kept, the rest is computed.
     """
-    _setup_logging(quiet)
+    _setup_logging(logging.ERROR if quiet else logging.INFO)
     from batchgen.runner import JobRunner
 
     def work() -> None:
@@ -56,7 +56,7 @@ def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool)
 @_set_option
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE, its inputs and the model folder without loading weights or running anything."""
-    _setup_logging(quiet=True)
+    _setup_logging(logging.WARNING)
     from batchgen.validate import validate_job
 
     def work() -> None:
@@ -96,7 +96,7 @@ def estimate(job_file: str, overrides: tuple[str, ...], price_input: Decimal | N
              price_output: Decimal | None, as_json: bool) -> None:
     """Tokenize JOB_FILE's inputs as `run` would, without loading weights: rows, input tokens, failing
     rows, prefix-cache hits and the cost range."""
-    _setup_logging(quiet=True)
+    _setup_logging(logging.WARNING)
     from batchgen.estimate import estimate_job, to_json, to_text
     from batchgen.pricing import Prices
 
@@ -121,7 +121,7 @@ def report(output_dir: str, by: str | None, job_file: str | None, price_input: D
            price_cached_input: Decimal | None, price_output: Decimal | None, as_csv: bool, as_json: bool,
            html_file: str | None) -> None:
     """Usage and cost of OUTPUT_DIR (finished or still running): totals and, with --by, per group."""
-    _setup_logging(quiet=True)
+    _setup_logging(logging.WARNING)
     from batchgen import report_render as render_as
     from batchgen.report import read_report
     from batchgen.errors import InputDataError
@@ -180,31 +180,27 @@ def _exit_on_closed_stdout() -> None:
     sys.exit(EXIT_INTERRUPTED_BASE + signal.SIGPIPE)
 
 
-def _setup_logging(quiet: bool) -> None:
-    """Log INFO; with --quiet, errors only (batchgen's, transformers', Python warnings and
-    progress bars of the libraries included), so cron logs hold errors and the summary line."""
-    logging.basicConfig(
-        level=logging.ERROR if quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _setup_logging(level: int) -> None:
+    """Log from `level` up. At ERROR (run --quiet) that covers transformers' logs, Python warnings
+    and the libraries' progress bars too, so cron logs hold errors and the summary line only."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.captureWarnings(True)  # Python warnings become log records, filtered like the rest
     # Why: transformers' own info logs would drown the progress bar.
-    logging.getLogger("transformers").setLevel(logging.ERROR if quiet else logging.WARNING)
-    if quiet:
+    logging.getLogger("transformers").setLevel(max(level, logging.WARNING))
+    if level >= logging.ERROR:
         _silence_library_progress()
 
 
 def _silence_library_progress() -> None:
-    # Why the environment: transformers reads its verbosity and the hub's progress-bar switch when
-    # it is imported, resetting any level set earlier; a library already imported is told directly.
-    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    if "transformers" in sys.modules:
+    if "transformers" in sys.modules:  # already imported (an in-process caller): tell it directly
         import transformers
+        from huggingface_hub.utils import disable_progress_bars
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()  # "Loading weights" and the like
-    if "huggingface_hub" in sys.modules:
-        from huggingface_hub.utils import disable_progress_bars
-
         disable_progress_bars()
+    else:
+        # Why the environment: transformers reads its verbosity and the hub's progress-bar switch
+        # when it is imported, resetting any logger level set before.
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"

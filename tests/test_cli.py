@@ -19,7 +19,7 @@ from tests.conftest import make_job, write_job, write_parquet
 
 def _batchgen(*args: str, **kwargs: object) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BATCHGEN_FAULT", "TRANSFORMERS_", "HF_HUB_"))}
-    return subprocess.run([sys.executable, "-m", "batchgen", *args], env=env, timeout=300, **kwargs)  # type: ignore[call-overload]
+    return subprocess.run([sys.executable, "-m", "batchgen", *args], check=False, env=env, timeout=300, **kwargs)  # type: ignore[call-overload]
 
 
 def test_quiet_prints_errors_and_the_summary_line_only(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from batchgen.errors import InputDataError
-from batchgen.jobstate import RECORD_NAME, SUCCESS_NAME
+from batchgen.jobstate import LOCK_NAME, RECORD_NAME, SUCCESS_NAME
 from batchgen.output import Totals, add_counts, committed_parts
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def read_report(out_dir: str | Path, by: str | None = None) -> Report:
         raise InputDataError(f"{out_dir}: no such output folder")
     # Why committed_parts is enough: a part in flight has a hidden temporary name (".part-...tmp").
     parts = list(committed_parts(out_dir).values())
-    started = (out_dir / RECORD_NAME).exists() or (out_dir / SUCCESS_NAME).exists()
+    started = any((out_dir / name).exists() for name in (LOCK_NAME, RECORD_NAME, SUCCESS_NAME))
     if not parts and not started:
         raise InputDataError(f"{out_dir}: no committed part-*.parquet files (has the run started?)")
     groups: dict[str, GroupStats] = {}

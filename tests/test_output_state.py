@@ -124,3 +124,10 @@ def test_nothing_but_part_files_is_read_as_parts(tmp_path: Path) -> None:
     (tmp_path / "part-000002.parquet").mkdir()
     assert [p.name for p in output.committed_parts(tmp_path).values()] == ["part-000000.parquet",
                                                                            "part-000001.parquet"]
+
+
+def test_report_on_a_run_still_validating_is_in_progress(tmp_path: Path) -> None:
+    (tmp_path / ".batchgen.lock").write_text("pid 1 on host since now")  # locked, nothing written yet
+    code, text, err = _cli("report", str(tmp_path), "--by", "category")
+    assert code == 0, err
+    assert "in progress: 0 parts committed, no _SUCCESS" in text

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -10,6 +12,7 @@ from decimal import Decimal, InvalidOperation
 
 import click
 
+from batchgen import interrupt
 from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED_BASE, BatchgenError, Interrupted
 from batchgen.job import load_job
 
@@ -28,21 +31,22 @@ def main() -> None:
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
-@click.option("--quiet", is_flag=True, help="No progress bar; only warnings and the summary line (for cron).")
+@click.option("--quiet", is_flag=True, help="Print errors and the final summary line only (for cron).")
 @click.option("--overwrite", is_flag=True, help="Replace an output folder made by a different job.")
 def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool) -> None:
     """Run JOB_FILE: answer every input row and write the output Parquet dataset.
 
     A rerun after a crash or kill resumes: committed parts are kept, the rest is computed.
     """
-    _setup_logging(quiet)
+    _setup_logging(logging.ERROR if quiet else logging.INFO)
     from batchgen.runner import JobRunner
 
     def work() -> None:
         spec = load_job(job_file, list(overrides))
         summary = JobRunner(spec, quiet=quiet, overwrite=overwrite).run()
         click.echo(f"batchgen: {summary.line()}")
-        click.echo(f"batchgen: output in {spec.output.path}")
+        if not quiet:
+            click.echo(f"batchgen: output in {spec.output.path}")
 
     _guarded(work)
 
@@ -52,7 +56,7 @@ def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool)
 @_set_option
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE, its inputs and the model folder without loading weights or running anything."""
-    _setup_logging(quiet=True)
+    _setup_logging(logging.WARNING)
     from batchgen.dataset import planned_rows
     from batchgen.validate import validate_job
 
@@ -93,7 +97,7 @@ def estimate(job_file: str, overrides: tuple[str, ...], price_input: Decimal | N
              price_output: Decimal | None, as_json: bool) -> None:
     """Tokenize JOB_FILE's inputs as `run` would, without loading weights: rows, input tokens, failing
     rows, prefix-cache hits and the cost range."""
-    _setup_logging(quiet=True)
+    _setup_logging(logging.WARNING)
     from batchgen.estimate import estimate_job, to_json, to_text
     from batchgen.pricing import Prices
 
@@ -118,7 +122,7 @@ def report(output_dir: str, by: str | None, job_file: str | None, price_input: D
            price_cached_input: Decimal | None, price_output: Decimal | None, as_csv: bool, as_json: bool,
            html_file: str | None) -> None:
     """Usage and cost of OUTPUT_DIR (finished or still running): totals and, with --by, per group."""
-    _setup_logging(quiet=True)
+    _setup_logging(logging.WARNING)
     from batchgen import report_render as render_as
     from batchgen.report import read_report
     from batchgen.errors import InputDataError
@@ -147,9 +151,12 @@ def report(output_dir: str, by: str | None, job_file: str | None, price_input: D
 
 def _guarded(work) -> None:  # type: ignore[no-untyped-def]
     """Turn errors into one clear line on stderr and the documented exit code."""
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        work()
+        with interrupt.installed():
+            work()
+            sys.stdout.flush()  # why here: a closed pipe must surface now, not at interpreter exit
+    except BrokenPipeError:
+        _exit_on_closed_stdout()
     except BatchgenError as exc:
         click.echo(f"batchgen: error: {exc}", err=True)
         sys.exit(exc.exit_code)
@@ -163,15 +170,38 @@ def _guarded(work) -> None:  # type: ignore[no-untyped-def]
         sys.exit(EXIT_INTERNAL)
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    # Why: raising unwinds the part in flight without committing it, exactly like Ctrl-C.
-    raise Interrupted(signum)
+def _exit_on_closed_stdout() -> None:
+    """The reader went away (`| head -1`): stop quietly, as Unix tools do, with 128 + SIGPIPE."""
+    try:
+        # Why: Python flushes stdout again at exit; pointing it at /dev/null keeps that quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # not a real file descriptor (an in-process test runner): nothing left to flush
+    sys.exit(EXIT_INTERRUPTED_BASE + signal.SIGPIPE)
 
 
-def _setup_logging(quiet: bool) -> None:
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def _setup_logging(level: int) -> None:
+    """Log from `level` up. At ERROR (run --quiet) that covers transformers' logs, Python warnings
+    and the libraries' progress bars too, so cron logs hold errors and the summary line only."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.captureWarnings(True)  # Python warnings become log records, filtered like the rest
     # Why: transformers' own info logs would drown the progress bar.
-    logging.getLogger("transformers").setLevel(logging.WARNING)
+    logging.getLogger("transformers").setLevel(max(level, logging.WARNING))
+    if level >= logging.ERROR:
+        _silence_library_progress()
+
+
+def _silence_library_progress() -> None:
+    if "transformers" in sys.modules:  # already imported (an in-process caller): tell it directly
+        import transformers
+        from huggingface_hub.utils import disable_progress_bars
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()  # "Loading weights" and the like
+        disable_progress_bars()
+    else:
+        # Why the environment: transformers reads its verbosity and the hub's progress-bar switch
+        # when it is imported, resetting any logger level set before.
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.fingerprint import describe_difference
-from batchgen.output import PART_GLOB, RESULT_NAMES, Totals
+from batchgen.output import RESULT_NAMES, Totals, atomic_write, committed_parts
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"
@@ -76,6 +76,12 @@ class OutputState:
                 )
             return False
         old = json.loads(record_path.read_text(encoding="utf-8"))
+        if old.get("id") != fingerprint["id"] and not self.committed_parts():
+            # Why: a run that failed before its first commit (bad override, model not loadable)
+            # produced nothing; the folder belongs to no job yet and the corrected rerun starts.
+            log.info("%s: the previous job committed no part; starting afresh", self.out_dir)
+            (self.out_dir / SUCCESS_NAME).unlink(missing_ok=True)
+            return False
         if old.get("id") != fingerprint["id"]:
             lines = "\n  ".join(describe_difference(old, fingerprint))
             raise FingerprintMismatch(
@@ -84,9 +90,12 @@ class OutputState:
         return (self.out_dir / SUCCESS_NAME).exists()
 
     def write_record(self, fingerprint: dict[str, Any]) -> None:
-        tmp = self.out_dir / f".{RECORD_NAME}.tmp"
-        tmp.write_text(json.dumps(fingerprint, indent=2, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, self.out_dir / RECORD_NAME)
+        text = json.dumps(fingerprint, indent=2, sort_keys=True)
+        try:
+            atomic_write(self.out_dir / RECORD_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"),
+                         "record_temp_write")
+        except OSError as exc:
+            raise OutputError(f"{self.out_dir / RECORD_NAME}: cannot write: {exc.strerror or exc}") from exc
 
     def remove_leftovers(self) -> int:
         """Delete temp files of a killed run: they were never committed."""
@@ -96,10 +105,7 @@ class OutputState:
         return len(leftovers)
 
     def committed_parts(self) -> dict[int, Path]:
-        parts = {}
-        for path in self.out_dir.glob(PART_GLOB):
-            parts[int(path.name.split("-")[1].split(".")[0])] = path
-        return parts
+        return committed_parts(self.out_dir)
 
     def totals_of(self, path: Path) -> Totals:
         totals = Totals()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +39,21 @@ def output_schema(carried: list[pa.Field], add_row_id: bool) -> pa.Schema:
 
 
 PART_GLOB = "part-*.parquet"
+_PART_NAME = re.compile(r"part-(\d{6})\.parquet")  # only these are ours; a stray part-old.parquet is not
 
 
 def part_name(index: int) -> str:
     return f"part-{index:06d}.parquet"
+
+
+def committed_parts(out_dir: Path) -> dict[int, Path]:
+    """The committed parts in `out_dir` by index (a part in flight has a hidden temp name)."""
+    parts = {}
+    for path in out_dir.glob(PART_GLOB):
+        match = _PART_NAME.fullmatch(path.name)
+        if match and path.is_file():
+            parts[int(match.group(1))] = path
+    return dict(sorted(parts.items()))
 
 
 class PartWriter:
@@ -62,31 +75,38 @@ class PartWriter:
 
     def write_part(self, index: int, table: pa.Table) -> Path:
         final = self.out_dir / part_name(index)
-        tmp = self.out_dir / f".{part_name(index)}.{uuid.uuid4().hex}.tmp"
         try:
-            pq.write_table(table.cast(self.schema), tmp)
-            _fsync(tmp)
-            fault_point("after_temp_write")
-            os.replace(tmp, final)
-            _fsync(self.out_dir)
+            atomic_write(final, lambda tmp: pq.write_table(table.cast(self.schema), tmp), "after_temp_write")
             fault_point("after_rename")
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise OutputError(f"{final}: cannot write part: {exc.strerror or exc}") from exc
         return final
 
     def write_success(self, manifest: dict[str, Any]) -> Path:
         final = self.out_dir / "_SUCCESS"
-        tmp = self.out_dir / f"._SUCCESS.{uuid.uuid4().hex}.tmp"
+        text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
         try:
-            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            _fsync(tmp)
-            os.replace(tmp, final)
-            _fsync(self.out_dir)
+            atomic_write(final, lambda tmp: tmp.write_text(text, encoding="utf-8"), "success_temp_write")
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise OutputError(f"{final}: cannot write the manifest: {exc.strerror or exc}") from exc
         return final
+
+
+def atomic_write(final: Path, write: Callable[[Path], object], fault: str) -> None:
+    """Write `final` through a hidden temp file, fsync it, rename it into place, sync the folder.
+
+    Why the finally: whatever stops the write (a full disk, a bad cast, an interrupt), the temp
+    file is removed; after the rename it no longer exists and the unlink does nothing.
+    """
+    tmp = final.parent / f".{final.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        write(tmp)
+        _fsync(tmp)
+        fault_point(fault)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from batchgen.errors import InputDataError
-from batchgen.jobstate import SUCCESS_NAME
-from batchgen.output import PART_GLOB, Totals, add_counts
+from batchgen.jobstate import LOCK_NAME, RECORD_NAME, SUCCESS_NAME
+from batchgen.output import Totals, add_counts, committed_parts
 
 log = logging.getLogger(__name__)
 USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
@@ -113,28 +114,58 @@ def read_report(out_dir: str | Path, by: str | None = None) -> Report:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise InputDataError(f"{out_dir}: no such output folder")
-    # Why the glob is enough: a part in flight has a hidden temporary name (".part-...tmp").
-    parts = sorted(p for p in out_dir.glob(PART_GLOB) if p.is_file())
-    if not parts:
+    # Why committed_parts is enough: a part in flight has a hidden temporary name (".part-...tmp").
+    parts = list(committed_parts(out_dir).values())
+    started = any((out_dir / name).exists() for name in (LOCK_NAME, RECORD_NAME, SUCCESS_NAME))
+    if not parts and not started:
         raise InputDataError(f"{out_dir}: no committed part-*.parquet files (has the run started?)")
     groups: dict[str, GroupStats] = {}
-    for table in _scan(out_dir, parts, by):
-        _add_table(groups, table, by)
+    numeric = False
+    if parts:  # a run that started but committed nothing yet has empty totals
+        numeric = _is_numeric(_schema(out_dir, parts), by)
+        for table in _scan(out_dir, parts, by):
+            _add_table(groups, table, by)
     totals = GroupStats()
     for stats in groups.values():
         totals.merge(stats)
     status = _status(out_dir, len(parts), totals)
     if status.mismatches:
         log.error("%s: %s", out_dir, status.line())
-    ordered = {name: groups[name] for name in sorted(groups)} if by else {}
+    ordered = {name: groups[name] for name in sorted(groups, key=_sort_key if numeric else None)} if by else {}
     return Report(path=out_dir, by=by, groups=ordered, totals=totals, status=status)
 
 
-def _scan(out_dir: Path, parts: list[Path], by: str | None) -> Iterator[pa.Table]:
+def _dataset(out_dir: Path, parts: list[Path]) -> ds.Dataset:
     try:
-        dataset = ds.dataset([str(p) for p in parts], format="parquet")
+        return ds.dataset([str(p) for p in parts], format="parquet")
     except (pa.ArrowException, OSError) as exc:
         raise InputDataError(f"{out_dir}: cannot read the committed parts: {exc}") from exc
+
+
+def _schema(out_dir: Path, parts: list[Path]) -> pa.Schema:
+    return _dataset(out_dir, parts).schema
+
+
+def _is_numeric(schema: pa.Schema, by: str | None) -> bool:
+    """Whether groups of `by` sort as numbers (1, 2, 10) rather than as text (1, 10, 2)."""
+    if by is None or by not in schema.names:
+        return False
+    kind = schema.field(by).type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
+
+
+def _sort_key(name: str) -> tuple[int, Decimal]:
+    """Numeric group order: null first (as in text order), then by value, NaN last."""
+    if name == NULL_NAME:
+        return (0, Decimal(0))
+    value = Decimal(name)
+    return (2, Decimal(0)) if value.is_nan() else (1, value)
+
+
+def _scan(out_dir: Path, parts: list[Path], by: str | None) -> Iterator[pa.Table]:
+    dataset = _dataset(out_dir, parts)
     names = dataset.schema.names
     missing = [c for c in USAGE_COLUMNS if c not in names]
     if missing:

@@ -193,3 +193,11 @@ def test_histograms_and_null_or_dictionary_groups_on_a_written_part(tmp_path: Pa
     assert [g.rows for g in report.groups.values()] == [2, 2, 2]
     assert report.groups["b"].error_codes == {"empty_prompt": 1} and report.groups["b"].output_lengths.n == 1
     assert report.groups["(null)"].output_lengths.percentile(95) == 4 and report.totals.cached_tokens == 5
+
+
+def test_groups_of_a_numeric_column_sort_as_numbers(output: Path) -> None:
+    code, out, err = _report(str(output), "--by", "input_tokens", "--json")
+    assert code == 0, err
+    names = [g["group"] for g in json.loads(out)["groups"]]
+    assert len(names) > 3 and any(len(n) > 1 for n in names) and any(len(n) == 1 for n in names)
+    assert names == [str(v) for v in sorted(int(n) for n in names)]  # 2, 3, 10, not "10", "2", "3"

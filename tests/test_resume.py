@@ -4,8 +4,10 @@ uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from click.testing import CliRunner
@@ -25,17 +28,24 @@ ROWS = 24
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
 
 
-def _job(tmp_path: Path, model: Path, out: Path, rows: int = ROWS, **engine: object) -> Path:
+BACKENDS = ["hf", "native"]
+
+
+def _job(tmp_path: Path, model: Path, out: Path, rows: int = ROWS, backend: str = "hf", **engine: object) -> Path:
     prompts = [" ".join(WORDS[(i + j) % 10] for j in range(2 + i % 7)) for i in range(rows)]
     data = write_parquet(tmp_path / "in.parquet", {"id": [f"r{i}" for i in range(rows)], "prompt": prompts})
-    job = make_job(model, str(data), out, engine={"window_rows": 4, **engine}, sampling={"max_tokens": 6})
+    job = make_job(model, str(data), out, engine={"window_rows": 4, "backend": backend, **engine}, sampling={"max_tokens": 6})
     return write_job(tmp_path / f"{out.name}.yaml", job)
 
 
-def _cli(job: Path, *args: str, fault: str | None = None, wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "BATCHGEN_FAULT"}
+def _cli(
+    job: Path, *args: str, fault: str | None = None, wait: bool = True, fault_signal: str | None = None
+) -> subprocess.Popen | subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGEN_FAULT")}
     if fault:
         env["BATCHGEN_FAULT"] = fault
+    if fault_signal:
+        env["BATCHGEN_FAULT_SIGNAL"] = fault_signal
     cmd = [sys.executable, "-m", "batchgen", "run", str(job), "--quiet", *args]
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -47,36 +57,52 @@ def _rows(out: Path) -> list[tuple[str, str, int]]:
     return list(zip(*(table.column(c).to_pylist() for c in table.column_names)))
 
 
+class _References(dict):  # type: ignore[type-arg]
+    """An uninterrupted run's rows per backend, computed on first use."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, model: Path) -> None:
+        super().__init__()
+        self.tmp_path_factory, self.model = tmp_path_factory, model
+
+    def __missing__(self, backend: str) -> list[tuple[str, str, int]]:
+        tmp = self.tmp_path_factory.mktemp(f"ref-{backend}")
+        done = _cli(_job(tmp, self.model, tmp / "out", backend=backend))
+        assert done.returncode == 0, done.stderr
+        rows = _rows(tmp / "out")
+        assert [r[0] for r in rows] == [f"r{i}" for i in range(ROWS)]
+        self[backend] = rows
+        return rows
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> list[tuple[str, str, int]]:
-    tmp = tmp_path_factory.mktemp("ref")
-    done = _cli(_job(tmp, tiny_model_dir, tmp / "out"))
-    assert done.returncode == 0, done.stderr
-    rows = _rows(tmp / "out")
-    assert [r[0] for r in rows] == [f"r{i}" for i in range(ROWS)]
-    return rows
+def references(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> _References:
+    return _References(tmp_path_factory, tiny_model_dir)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("point", ["after_temp_write:2", "after_rename:2", "before_success", "mid_engine:9"])
-def test_kill_at_a_named_point_then_resume(tmp_path: Path, tiny_model_dir: Path, reference: list, point: str) -> None:
+def test_kill_at_a_named_point_then_resume(
+    tmp_path: Path, tiny_model_dir: Path, references: _References, point: str, backend: str
+) -> None:
     out = tmp_path / "out"
-    job = _job(tmp_path, tiny_model_dir, out)
+    job = _job(tmp_path, tiny_model_dir, out, backend=backend)
     killed = _cli(job, fault=point)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (out / "_SUCCESS").exists()
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     resumed = _cli(job)
     assert resumed.returncode == 0, resumed.stderr
-    assert _rows(out) == reference  # every row exactly once, equal to an uninterrupted run
+    assert _rows(out) == references[backend]  # every row exactly once, equal to an uninterrupted run
     assert all(out.joinpath(n).stat().st_mtime_ns == t for n, t in kept.items())  # not recomputed
     assert not list(out.glob(".*.tmp"))
     if kept:
         assert f"resumed: {len(kept)} part(s) kept" in resumed.stdout
 
 
-def test_random_kill_soak(tmp_path: Path, tiny_model_dir: Path, reference: list) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_kill_soak(tmp_path: Path, tiny_model_dir: Path, references: _References, backend: str) -> None:
     out = tmp_path / "out"
-    job = _job(tmp_path, tiny_model_dir, out)
+    job = _job(tmp_path, tiny_model_dir, out, backend=backend)
     rng = random.Random(7)
     for _ in range(2):  # bounded: two kills at random moments, then a clean finish
         proc = _cli(job, wait=False)
@@ -85,23 +111,59 @@ def test_random_kill_soak(tmp_path: Path, tiny_model_dir: Path, reference: list)
         proc.communicate(timeout=60)
     final = _cli(job)
     assert final.returncode == 0, final.stderr
-    assert _rows(out) == reference
+    assert _rows(out) == references[backend]
 
 
-def test_sigterm_stops_cleanly_and_resumes(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_cleanly_and_resumes(tmp_path: Path, tiny_model_dir: Path, signum: int, backend: str) -> None:
+    """A signal from outside at whatever moment the run is in: no temp file, 128 + signal, resume."""
+    rows = 160
     out = tmp_path / "out"
-    job = _job(tmp_path, tiny_model_dir, out, rows=400)
+    job = _job(tmp_path, tiny_model_dir, out, rows=rows, backend=backend)
     proc = _cli(job, wait=False)
     deadline = time.time() + 120
     while not (out / "part-000001.parquet").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+        time.sleep(0.02)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
-    assert "interrupted by SIGTERM" in stderr
+    assert proc.returncode == 128 + signum, stderr
+    assert f"interrupted by {signal.Signals(signum).name}" in stderr
     assert not (out / "_SUCCESS").exists() and not list(out.glob(".*.tmp"))
     assert _cli(job).returncode == 0
-    assert [r[0] for r in _rows(out)] == [f"r{i}" for i in range(400)]
+    assert [r[0] for r in _rows(out)] == [f"r{i}" for i in range(rows)]
+
+
+@pytest.mark.parametrize(
+    ("point", "signame", "backend"),
+    [
+        ("after_temp_write:2", "SIGTERM", "hf"),  # inside a part's write, between fsync and rename
+        ("after_temp_write:2", "SIGINT", "native"),
+        ("mid_engine:5", "SIGTERM", "native"),  # between two requests' outputs
+        ("record_temp_write", "SIGINT", "hf"),  # inside the job record's write
+        ("success_temp_write", "SIGTERM", "native"),  # inside _SUCCESS's write: the job is done
+    ],
+)
+def test_a_signal_inside_a_write_never_leaves_a_temp_file(
+    tmp_path: Path, tiny_model_dir: Path, references: _References, point: str, signame: str, backend: str
+) -> None:
+    """The signal lands at an exact line (the process sends it to itself): the write in flight
+    completes, the run stops at the next clean point, and a rerun finishes (the kill tests
+    cover resuming after the other points)."""
+    out = tmp_path / "out"
+    job = _job(tmp_path, tiny_model_dir, out, backend=backend)
+    stopped = _cli(job, fault=point, fault_signal=signame)
+    assert not list(out.glob(".*.tmp")), stopped.stderr
+    if point == "success_temp_write":  # all parts and _SUCCESS committed: nothing left to stop
+        assert stopped.returncode == 0 and (out / "_SUCCESS").exists(), stopped.stderr
+        assert _rows(out) == references[backend]
+    else:
+        assert stopped.returncode == 128 + signal.Signals[signame], stopped.stderr
+        assert not (out / "_SUCCESS").exists()
+    if point.startswith("after_temp_write"):  # the part being written: committed once, never twice
+        resumed = _cli(job)
+        assert resumed.returncode == 0, resumed.stderr
+        assert _rows(out) == references[backend]
 
 
 def _in_process(job: Path, *args: str) -> tuple[int, str]:
@@ -137,3 +199,19 @@ def test_a_live_run_holds_the_lock(tmp_path: Path, tiny_model_dir: Path) -> None
     assert blocked.returncode == 7
     assert f"pid {os.getpid()}" in blocked.stderr
     assert _in_process(job)[0] == 0  # released: the next run goes ahead
+
+
+def test_after_a_resume_the_rate_counts_this_runs_tokens_only(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    job = _job(tmp_path, tiny_model_dir, out)
+    assert _cli(job, fault="after_rename:3").returncode == -signal.SIGKILL  # 3 of 6 parts kept
+    kept = sum(sum(pq.read_table(p, columns=["output_tokens"]).column(0).to_pylist()) for p in out.glob("part-*"))
+    resumed = _cli(job)
+    assert resumed.returncode == 0, resumed.stderr
+    match = re.search(r"(\d+) out \| [\d.]+s, ([\d.]+) output tok/s \| resumed: 3 part", resumed.stdout)
+    assert match, resumed.stdout
+    timings = json.loads((out / "_SUCCESS").read_text())["timings"]
+    this_run = int(match.group(1)) - kept
+    assert 0 < kept and 0 < this_run
+    assert abs(float(match.group(2)) - this_run / timings["wall_seconds"]) < 0.1
+    assert abs(timings["output_tokens_per_second"] - this_run / timings["wall_seconds"]) < 0.1

@@ -1,0 +1,133 @@
+"""The output folder across runs, through the CLI: temp writes never outlive a failure, stray files
+are not ours, a run that committed nothing binds the folder to no job, a 0-row input still reads
+back with its columns, and `_SUCCESS` names its inputs by normalised paths."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from batchgen import output
+from batchgen.cli import main
+from batchgen.errors import OutputError
+from batchgen.jobstate import OutputState
+from batchgen.output import RESULT_NAMES, PartWriter, output_schema
+from tests.conftest import make_job, write_job, write_parquet
+
+
+def _job(tmp_path: Path, model: Path, rows: int = 6, **sections: dict) -> Path:
+    data = write_parquet(tmp_path / "in.parquet", {"id": [f"r{i}" for i in range(rows)],
+                                                   "prompt": [f"once upon a time {i}" for i in range(rows)]},
+                         schema=pa.schema([("id", pa.string()), ("prompt", pa.string())]))
+    job = make_job(model, str(data), tmp_path / "out", engine={"window_rows": 4}, sampling={"max_tokens": 3})
+    for name, values in sections.items():
+        job[name].update(values)
+    return write_job(tmp_path / "job.yaml", job)
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError, OSError])
+def test_every_temp_write_removes_its_file_on_any_exception(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            failure: type[BaseException]) -> None:
+    def broken_fsync(path: Path) -> None:
+        raise failure("stopped between write and rename")
+
+    monkeypatch.setattr(output, "_fsync", broken_fsync)
+    writer = PartWriter(tmp_path, output_schema([], add_row_id=True))
+    for write in (lambda: writer.write_part(0, writer.schema.empty_table()),
+                  lambda: writer.write_success({"rows": {}}),
+                  lambda: OutputState(tmp_path).write_record({"id": "x"})):
+        with pytest.raises((failure, OutputError)):  # an OSError is reported as OutputError
+            write()
+        assert list(tmp_path.iterdir()) == []  # no temp file and nothing committed
+
+
+def test_stray_part_files_are_not_ours(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = _job(tmp_path, tiny_model_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-old.parquet").write_bytes(b"someone else's file")
+    (out / "part-1.parquet").write_bytes(b"not six digits")
+    code, text, err = _cli("run", str(job), "--quiet")
+    assert code == 0, err
+    code, text, err = _cli("report", str(out), "--json")
+    assert code == 0, err
+    assert json.loads(text)["totals"]["rows"] == 6 and json.loads(text)["parts"] == 2
+    code, text, err = _cli("run", str(job), "--quiet", "--overwrite", "--set", "sampling.max_tokens=2")
+    assert code == 0, err
+    assert (out / "part-old.parquet").read_bytes() == b"someone else's file"
+    assert (out / "part-1.parquet").exists()
+
+
+def test_a_run_that_committed_nothing_does_not_block_the_corrected_rerun(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = _job(tmp_path, tiny_model_dir)
+    out = tmp_path / "out"
+    code, _, err = _cli("run", str(job), "--quiet", "--set", "engine.max_model_len=5000")  # context is 256
+    assert code == 4, err
+    assert (out / "_JOB.json").exists() and not list(out.glob("part-*"))
+    code, text, err = _cli("report", str(out))
+    assert code == 0, err
+    assert "in progress: 0 parts committed" in text
+    code, text, err = _cli("run", str(job), "--quiet")  # no --overwrite needed
+    assert code == 0, err
+    assert ds.dataset(out).to_table().num_rows == 6
+    code, _, err = _cli("run", str(job), "--quiet", "--set", "sampling.max_tokens=2")
+    assert code == 2 and "made by a different job" in err  # parts committed: now it is this job's
+
+
+def test_a_zero_row_input_reads_back_with_its_columns(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = _job(tmp_path, tiny_model_dir, rows=0)
+    out = tmp_path / "out"
+    code, text, err = _cli("run", str(job), "--quiet")
+    assert code == 0, err
+    assert "0 rows ok, 0 failed" in text
+    table = ds.dataset(out).to_table()
+    assert table.num_rows == 0 and table.column_names == ["id", "prompt", *RESULT_NAMES]
+    assert table.schema.field("output_tokens").type == pa.int64()
+    code, text, err = _cli("report", str(out), "--json")
+    assert code == 0, err
+    body = json.loads(text)
+    assert body["finished"] and body["mismatches"] == [] and body["totals"]["rows"] == 0
+    code, text, err = _cli("run", str(job), "--quiet")
+    assert code == 0 and "already finished" in text
+
+
+def test_success_names_inputs_by_normalised_absolute_paths(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = _job(tmp_path, tiny_model_dir)
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    spec = yaml.safe_load(job.read_text())
+    spec["input"]["path"] = "../in.parquet"
+    spec["output"]["path"] = "../out"
+    moved = write_job(jobs / "job.yaml", spec)
+    code, _, err = _cli("run", str(Path(os.path.relpath(moved))), "--quiet")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "out" / "_SUCCESS").read_text())
+    assert manifest["inputs"] == [str(tmp_path / "in.parquet")]  # not ".../jobs/../in.parquet"
+
+
+def test_nothing_but_part_files_is_read_as_parts(tmp_path: Path) -> None:
+    for name in ("part-000000.parquet", "part-000001.parquet", "part-old.parquet", "part-12.parquet"):
+        pq.write_table(pa.table({"x": [1]}), tmp_path / name)
+    (tmp_path / "part-000002.parquet").mkdir()
+    assert [p.name for p in output.committed_parts(tmp_path).values()] == ["part-000000.parquet",
+                                                                           "part-000001.parquet"]
+
+
+def test_report_on_a_run_still_validating_is_in_progress(tmp_path: Path) -> None:
+    (tmp_path / ".batchgen.lock").write_text("pid 1 on host since now")  # locked, nothing written yet
+    code, text, err = _cli("report", str(tmp_path), "--by", "category")
+    assert code == 0, err
+    assert "in progress: 0 parts committed, no _SUCCESS" in text

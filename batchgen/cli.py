@@ -98,8 +98,8 @@ def estimate(job_file: str, overrides: tuple[str, ...], price_input: Decimal | N
     """Tokenize JOB_FILE's inputs as `run` would, without loading weights: rows, input tokens, failing
     rows, prefix-cache hits and the cost range."""
     _setup_logging(logging.WARNING)
-    from batchgen.estimate import estimate_job, to_json, to_text
-    from batchgen.pricing import Prices
+    from batchgen.usage.estimate import estimate_job, to_json, to_text
+    from batchgen.usage.pricing import Prices
 
     def work() -> None:
         spec = load_job(job_file, list(overrides))
@@ -123,11 +123,11 @@ def report(output_dir: str, by: str | None, job_file: str | None, price_input: D
            html_file: str | None) -> None:
     """Usage and cost of OUTPUT_DIR (finished or still running): totals and, with --by, per group."""
     _setup_logging(logging.WARNING)
-    from batchgen import report_render as render_as
-    from batchgen.report import read_report
     from batchgen.errors import InputDataError
-    from batchgen.pricing import Prices
-    from batchgen.report_html import write_html
+    from batchgen.usage import render as render_as
+    from batchgen.usage.html import write_html
+    from batchgen.usage.pricing import Prices
+    from batchgen.usage.report import read_report
 
     if as_csv + as_json + (html_file is not None) > 1:
         raise click.UsageError("choose one of --csv, --json, --html")

@@ -16,7 +16,9 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.fingerprint import describe_difference
-from batchgen.output import RESULT_NAMES, Totals, atomic_write, committed_parts
+from batchgen.output_table import RESULT_NAMES
+from batchgen.parts import atomic_write, committed_parts
+from batchgen.usage.totals import Totals
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"

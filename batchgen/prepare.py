@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, get_type_hints
 
 import pyarrow as pa
 
 from batchgen.dataset import InputFile, Shard
+from batchgen.duplicate_ids import IdProblem
 from batchgen.engine.params import SamplingParams
-from batchgen.errors import InputDataError
-from batchgen.idcheck import IdProblem
+from batchgen.errors import InputDataError, ModelError
 from batchgen.job import JobSpec
 
 
@@ -31,6 +32,22 @@ class PreparedRow:
     @property
     def ok(self) -> bool:
         return self.error_code is None
+
+
+def input_columns(spec: JobSpec) -> list[str]:
+    """Columns the job must read from every input file."""
+    i = spec.input
+    names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
+    return [n for n in dict.fromkeys(names) if n is not None]
+
+
+def load_tokenizer(model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelError(f"model.path {model_path}: cannot load a tokenizer: {exc}") from exc
 
 
 class RowPreparer:
@@ -54,7 +71,7 @@ class RowPreparer:
     def prepare_shard(
         self, f: InputFile, shard: Shard, table: pa.Table, duplicates: dict[tuple[int, int], IdProblem]
     ) -> list[PreparedRow]:
-        """Prepare a shard's rows; a repeated id (see idcheck) fails, its first use is served; a null id fails."""
+        """Prepare a shard's rows; a repeated id (see duplicate_ids) fails, its first use is served; a null id fails."""
         labels = row_labels(self.spec, f, shard, table)
         rows = self.prepare(table, labels, row_keys(self.spec, f, shard, table))
         for i, row in enumerate(rows):

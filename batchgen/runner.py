@@ -20,18 +20,19 @@ from batchgen import interrupt
 from batchgen.backends import load_backend
 from batchgen.backends.base import Backend
 from batchgen.dataset import InputFile, Shard, plan_shards, read_shards
+from batchgen.duplicate_ids import IdProblem, find_duplicate_ids
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import BatchgenError, EngineFailure
 from batchgen.faults import fault_point
 from batchgen.fingerprint import job_fingerprint
-from batchgen.idcheck import IdProblem, find_duplicate_ids
 from batchgen.job import JobSpec
 from batchgen.jobstate import SUCCESS_NAME, OutputLock, OutputState
 from batchgen.ordering import order_requests
-from batchgen.output import PartWriter, Totals, output_schema
-from batchgen.prepare import RowPreparer
-from batchgen.results import part_table, result_columns
-from batchgen.validate import carried_columns, input_columns, load_tokenizer, validate_job
+from batchgen.output_table import carried_columns, output_schema, part_table, result_columns
+from batchgen.parts import PartWriter
+from batchgen.prepare import RowPreparer, input_columns, load_tokenizer
+from batchgen.usage.totals import Totals
+from batchgen.validate import validate_job
 
 log = logging.getLogger(__name__)
 

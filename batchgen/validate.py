@@ -13,34 +13,10 @@ import pyarrow as pa
 from batchgen.dataset import InputFile, check_column, open_inputs
 from batchgen.errors import InputDataError, ModelError
 from batchgen.job import JobSpec
-from batchgen.output import RESULT_NAMES, ROW_ID_COLUMN
-from batchgen.prepare import check_sampling_columns
+from batchgen.output_table import carried_columns
+from batchgen.prepare import check_sampling_columns, input_columns, load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def input_columns(spec: JobSpec) -> list[str]:
-    """Columns the job must read from every input file."""
-    i = spec.input
-    names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
-    return [n for n in dict.fromkeys(names) if n is not None]
-
-
-def carried_columns(spec: JobSpec, schema: pa.Schema) -> list[str]:
-    """Input columns copied into the output; they must not collide with the result columns."""
-    wanted = spec.input.carry_columns if spec.input.carry_columns is not None else list(schema.names)
-    if spec.input.id_column and spec.input.id_column not in wanted:
-        wanted = [spec.input.id_column, *wanted]  # why: an output row must say which input row it is
-    missing = [c for c in wanted if c not in schema.names]
-    if missing:
-        raise InputDataError(f"input.carry_columns: no such column(s) {missing} (columns: {', '.join(schema.names)})")
-    reserved = set(RESULT_NAMES) | ({ROW_ID_COLUMN} if spec.input.id_column is None else set())
-    clash = [c for c in wanted if c in reserved]
-    if clash:
-        raise InputDataError(
-            f"input columns {clash} collide with batchgen's output columns; leave them out with input.carry_columns"
-        )
-    return wanted
 
 
 def check_carried_in_every_file(spec: JobSpec, files: list[InputFile], carried: list[str]) -> None:
@@ -93,15 +69,6 @@ def _is_messages(t: pa.DataType) -> bool:
         return False
     item = t.value_type
     return pa.types.is_struct(item) and {"role", "content"} <= {item.field(k).name for k in range(item.num_fields)}
-
-
-def load_tokenizer(model_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ModelError(f"model.path {model_path}: cannot load a tokenizer: {exc}") from exc
 
 
 def check_model_folder(model_path: Path, needs_chat_template: bool = False) -> Any:

@@ -8,8 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 MODEL_DIR = SAMPLE_DATA / "demo-model"

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.estimate import prefix_cache_hits
+from batchgen.usage.estimate import prefix_cache_hits
 from tests.conftest import make_job, write_job, write_parquet
 
 WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()

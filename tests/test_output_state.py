@@ -15,11 +15,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from batchgen import output
+from batchgen import parts
 from batchgen.cli import main
 from batchgen.errors import OutputError
 from batchgen.jobstate import OutputState
-from batchgen.output import RESULT_NAMES, PartWriter, output_schema
+from batchgen.output_table import RESULT_NAMES, output_schema
+from batchgen.parts import PartWriter
 from tests.conftest import make_job, write_job, write_parquet
 
 
@@ -44,7 +45,7 @@ def test_every_temp_write_removes_its_file_on_any_exception(tmp_path: Path, monk
     def broken_fsync(path: Path) -> None:
         raise failure("stopped between write and rename")
 
-    monkeypatch.setattr(output, "_fsync", broken_fsync)
+    monkeypatch.setattr(parts, "_fsync", broken_fsync)
     writer = PartWriter(tmp_path, output_schema([], add_row_id=True))
     for write in (lambda: writer.write_part(0, writer.schema.empty_table()),
                   lambda: writer.write_success({"rows": {}}),
@@ -122,7 +123,7 @@ def test_nothing_but_part_files_is_read_as_parts(tmp_path: Path) -> None:
     for name in ("part-000000.parquet", "part-000001.parquet", "part-old.parquet", "part-12.parquet"):
         pq.write_table(pa.table({"x": [1]}), tmp_path / name)
     (tmp_path / "part-000002.parquet").mkdir()
-    assert [p.name for p in output.committed_parts(tmp_path).values()] == ["part-000000.parquet",
+    assert [p.name for p in parts.committed_parts(tmp_path).values()] == ["part-000000.parquet",
                                                                            "part-000001.parquet"]
 
 

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.pricing import money_text
+from batchgen.usage.pricing import money_text
 from tests.conftest import make_job, write_job, write_parquet
 
 WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()
@@ -176,7 +176,8 @@ def test_clear_errors(output: Path, tmp_path: Path) -> None:
 def test_histograms_and_null_or_dictionary_groups_on_a_written_part(tmp_path: Path) -> None:
     import pyarrow as pa
 
-    from batchgen.report import IntHistogram, read_report
+    from batchgen.usage.report import read_report
+    from batchgen.usage.totals import IntHistogram
 
     hist = IntHistogram()
     hist.add_many(np.array([5, 1, 3, 3]))

@@ -17,7 +17,6 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-
 from click.testing import CliRunner
 
 from batchgen.cli import main

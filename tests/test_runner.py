@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from transformers import AutoTokenizer
 
 from batchgen.cli import main
-from batchgen.output import RESULT_NAMES
+from batchgen.output_table import RESULT_NAMES
 from tests.conftest import make_job, write_job, write_parquet
 
 WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()

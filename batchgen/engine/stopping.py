@@ -22,7 +22,8 @@ emitted. transformers' `clean_up_tokenization_spaces` is not applied (" ." stays
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence as SequenceOf
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
 from typing import Any
 
 from tokenizers import Tokenizer

@@ -8,8 +8,8 @@ import io
 import json
 from typing import Any
 
-from batchgen.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
-from batchgen.report import GroupStats, Report
+from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
+from batchgen.usage.report import GroupStats, Report
 
 
 def record(name: str, stats: GroupStats, prices: Prices) -> dict[str, Any]:

@@ -14,16 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from batchgen.engine.models import resolve_max_model_len
 from batchgen.dataset import plan_shards, read_shards
+from batchgen.duplicate_ids import find_duplicate_ids
+from batchgen.engine.models import resolve_max_model_len
 from batchgen.errors import ModelError
-from batchgen.idcheck import find_duplicate_ids
 from batchgen.job import JobSpec
 from batchgen.ordering import order_requests
-from batchgen.prepare import PreparedRow, RowPreparer
-from batchgen.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
-from batchgen.report import IntHistogram
-from batchgen.validate import input_columns, load_tokenizer, validate_job
+from batchgen.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
+from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
+from batchgen.usage.totals import IntHistogram
+from batchgen.validate import validate_job
 
 log = logging.getLogger(__name__)
 MAX_ERROR_EXAMPLES = 5

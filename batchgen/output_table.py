@@ -1,4 +1,5 @@
-"""One shard's output table: carried input columns plus result columns, in input row order."""
+"""What an output row holds: the output schema (carried input columns, then the result columns),
+and one part's table built from prepared rows and engine outputs, in input row order."""
 
 from __future__ import annotations
 
@@ -7,8 +8,47 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.engine.outputs import RequestOutput
-from batchgen.output import RESULT_FIELDS, ROW_ID_COLUMN
+from batchgen.errors import InputDataError
+from batchgen.job import JobSpec
 from batchgen.prepare import PreparedRow
+
+RESULT_FIELDS = [
+    pa.field("generated_text", pa.string()),
+    pa.field("finish_reason", pa.string()),  # stop | length | error
+    pa.field("stop_reason", pa.string()),  # the stop string, or a stop token id in decimal
+    pa.field("input_tokens", pa.int64()),
+    pa.field("cached_tokens", pa.int64()),
+    pa.field("output_tokens", pa.int64()),
+    pa.field("error_code", pa.string()),
+    pa.field("error_message", pa.string()),
+]
+RESULT_NAMES = [f.name for f in RESULT_FIELDS]
+ROW_ID_COLUMN = "row_id"  # added when the job names no id_column: see InputFile.row_ids
+
+
+def output_schema(carried: list[pa.Field], add_row_id: bool) -> pa.Schema:
+    fields = list(carried)
+    if add_row_id:
+        fields.insert(0, pa.field(ROW_ID_COLUMN, pa.string()))
+    return pa.schema(fields + RESULT_FIELDS)
+
+
+def carried_columns(spec: JobSpec, schema: pa.Schema) -> list[str]:
+    """Input columns copied into the output; they must not collide with the result columns."""
+    wanted = spec.input.carry_columns if spec.input.carry_columns is not None else list(schema.names)
+    if spec.input.id_column and spec.input.id_column not in wanted:
+        wanted = [spec.input.id_column, *wanted]  # why: an output row must say which input row it is
+    missing = [c for c in wanted if c not in schema.names]
+    if missing:
+        raise InputDataError(f"input.carry_columns: no such column(s) {missing} (columns: {', '.join(schema.names)})")
+    reserved = set(RESULT_NAMES) | ({ROW_ID_COLUMN} if spec.input.id_column is None else set())
+    clash = [c for c in wanted if c in reserved]
+    if clash:
+        raise InputDataError(
+            f"input columns {clash} collide with batchgen's output columns; leave them out with input.carry_columns"
+        )
+    return wanted
+
 
 
 def result_columns(rows: list[PreparedRow], outputs: dict[int, RequestOutput]) -> dict[str, list[Any]]:

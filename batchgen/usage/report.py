@@ -1,6 +1,6 @@
 """Usage and cost from an output dataset: streams the committed parts' usage columns into
 per-group token totals, row outcomes and exact length histograms, and cross-checks a finished
-run's `_SUCCESS`. Rendering (records, JSON, CSV, terminal table) lives in report_render.
+run's `_SUCCESS`. Rendering (records, JSON, CSV, terminal table) lives in render.
 
 Memory is bounded by the number of groups times the number of DISTINCT token lengths (at most
 the context length each), never by the number of rows: lengths are kept as exact integer
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -25,49 +24,13 @@ import pyarrow.dataset as ds
 
 from batchgen.errors import InputDataError
 from batchgen.jobstate import LOCK_NAME, RECORD_NAME, SUCCESS_NAME
-from batchgen.output import Totals, add_counts, committed_parts
+from batchgen.parts import committed_parts
+from batchgen.usage.totals import IntHistogram, Totals, add_counts
 
 log = logging.getLogger(__name__)
 USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
 SCAN_BATCH_ROWS = 65536
 NULL_NAME = "(null)"
-
-
-@dataclass
-class IntHistogram:
-    """Exact counts of integer values (token lengths): sorted distinct values and their counts."""
-
-    values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [distinct], ascending
-    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [distinct]
-
-    def add_many(self, values: np.ndarray, counts: np.ndarray | None = None) -> None:
-        """Count each of `values` (`counts[i]` times when given); vectorized, no per-value Python."""
-        values = np.asarray(values, np.int64)
-        counts = np.ones(len(values), np.int64) if counts is None else np.asarray(counts, np.int64)
-        merged, inverse = np.unique(np.concatenate([self.values, values]), return_inverse=True)
-        summed = np.zeros(len(merged), np.int64)
-        np.add.at(summed, inverse, np.concatenate([self.counts, counts]))
-        self.values, self.counts = merged, summed
-
-    def merge(self, other: IntHistogram) -> None:
-        self.add_many(other.values, other.counts)
-
-    @property
-    def n(self) -> int:
-        return int(self.counts.sum())
-
-    def mean(self) -> float | None:
-        return int((self.values * self.counts).sum()) / self.n if self.n else None
-
-    def max(self) -> int | None:
-        return int(self.values[-1]) if len(self.values) else None
-
-    def percentile(self, q: float) -> int | None:
-        """Nearest-rank percentile: the smallest value with at least q% of the values <= it."""
-        if not self.n:
-            return None
-        rank = max(1, math.ceil(q / 100 * self.n))
-        return int(self.values[np.searchsorted(np.cumsum(self.counts), rank)])
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Parquet output: the explicit output schema, atomic part commits, and the `_SUCCESS` manifest."""
+"""The output folder's files: part names, which parts are committed, and atomic writes (parts,
+`_SUCCESS`, the job record) that never leave half a file under a final name."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,27 +16,6 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import OutputError
 from batchgen.faults import fault_point
-
-RESULT_FIELDS = [
-    pa.field("generated_text", pa.string()),
-    pa.field("finish_reason", pa.string()),  # stop | length | error
-    pa.field("stop_reason", pa.string()),  # the stop string, or a stop token id in decimal
-    pa.field("input_tokens", pa.int64()),
-    pa.field("cached_tokens", pa.int64()),
-    pa.field("output_tokens", pa.int64()),
-    pa.field("error_code", pa.string()),
-    pa.field("error_message", pa.string()),
-]
-RESULT_NAMES = [f.name for f in RESULT_FIELDS]
-ROW_ID_COLUMN = "row_id"  # added when the job names no id_column: "<file name>:<row index>"
-
-
-def output_schema(carried: list[pa.Field], add_row_id: bool) -> pa.Schema:
-    fields = list(carried)
-    if add_row_id:
-        fields.insert(0, pa.field(ROW_ID_COLUMN, pa.string()))
-    return pa.schema(fields + RESULT_FIELDS)
-
 
 PART_GLOB = "part-*.parquet"
 _PART_NAME = re.compile(r"part-(\d{6})\.parquet")  # only these are ours; a stray part-old.parquet is not
@@ -107,46 +86,6 @@ def atomic_write(final: Path, write: Callable[[Path], object], fault: str) -> No
         _fsync(final.parent)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-@dataclass
-class Totals:
-    """Usage totals over output rows: the summary line, the manifest and the report share them."""
-
-    rows: int = 0
-    ok_rows: int = 0
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    error_codes: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def error_rows(self) -> int:
-        return self.rows - self.ok_rows
-
-    def add_part(self, columns: dict[str, list[Any]]) -> None:
-        for reason, code in zip(columns["finish_reason"], columns["error_code"]):
-            self.rows += 1
-            add_counts(self.finish_reasons, {reason: 1})
-            if code is None:
-                self.ok_rows += 1
-            else:
-                add_counts(self.error_codes, {code: 1})
-        self.input_tokens += sum(columns["input_tokens"])
-        self.cached_tokens += sum(columns["cached_tokens"])
-        self.output_tokens += sum(columns["output_tokens"])
-
-    def merge(self, other: "Totals") -> None:
-        for name in ("rows", "ok_rows", "input_tokens", "cached_tokens", "output_tokens"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        add_counts(self.finish_reasons, other.finish_reasons)
-        add_counts(self.error_codes, other.error_codes)
-
-
-def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
-    for key, count in counts.items():
-        into[key] = into.get(key, 0) + count
 
 
 def _fsync(path: Path) -> None:

@@ -1,0 +1,2 @@
+"""Usage and cost: what a job will cost before it runs (estimate) and what it cost (report), priced
+(pricing) and rendered (render, html), all counted with the shared counters (totals)."""

@@ -1,0 +1,88 @@
+"""The usage counters every bill is built from: row outcomes and token totals (Totals), and exact
+integer histograms of token lengths (IntHistogram). The run's summary and manifest, the report and
+the estimate all count with these."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Totals:
+    """Usage totals over output rows: the summary line, the manifest and the report share them."""
+
+    rows: int = 0
+    ok_rows: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    error_codes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def error_rows(self) -> int:
+        return self.rows - self.ok_rows
+
+    def add_part(self, columns: dict[str, list[Any]]) -> None:
+        for reason, code in zip(columns["finish_reason"], columns["error_code"]):
+            self.rows += 1
+            add_counts(self.finish_reasons, {reason: 1})
+            if code is None:
+                self.ok_rows += 1
+            else:
+                add_counts(self.error_codes, {code: 1})
+        self.input_tokens += sum(columns["input_tokens"])
+        self.cached_tokens += sum(columns["cached_tokens"])
+        self.output_tokens += sum(columns["output_tokens"])
+
+    def merge(self, other: "Totals") -> None:
+        for name in ("rows", "ok_rows", "input_tokens", "cached_tokens", "output_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        add_counts(self.finish_reasons, other.finish_reasons)
+        add_counts(self.error_codes, other.error_codes)
+
+
+def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    for key, count in counts.items():
+        into[key] = into.get(key, 0) + count
+
+
+@dataclass
+class IntHistogram:
+    """Exact counts of integer values (token lengths): sorted distinct values and their counts."""
+
+    values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [distinct], ascending
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [distinct]
+
+    def add_many(self, values: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Count each of `values` (`counts[i]` times when given); vectorized, no per-value Python."""
+        values = np.asarray(values, np.int64)
+        counts = np.ones(len(values), np.int64) if counts is None else np.asarray(counts, np.int64)
+        merged, inverse = np.unique(np.concatenate([self.values, values]), return_inverse=True)
+        summed = np.zeros(len(merged), np.int64)
+        np.add.at(summed, inverse, np.concatenate([self.counts, counts]))
+        self.values, self.counts = merged, summed
+
+    def merge(self, other: IntHistogram) -> None:
+        self.add_many(other.values, other.counts)
+
+    @property
+    def n(self) -> int:
+        return int(self.counts.sum())
+
+    def mean(self) -> float | None:
+        return int((self.values * self.counts).sum()) / self.n if self.n else None
+
+    def max(self) -> int | None:
+        return int(self.values[-1]) if len(self.values) else None
+
+    def percentile(self, q: float) -> int | None:
+        """Nearest-rank percentile: the smallest value with at least q% of the values <= it."""
+        if not self.n:
+            return None
+        rank = max(1, math.ceil(q / 100 * self.n))
+        return int(self.values[np.searchsorted(np.cumsum(self.counts), rank)])

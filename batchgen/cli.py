@@ -17,7 +17,10 @@ from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED_BASE, BatchgenError,
 from batchgen.job import load_job
 
 _set_option = click.option(
-    "--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
     help="Override a job file value, e.g. --set sampling.max_tokens=64 (repeatable).",
 )
 
@@ -83,8 +86,12 @@ def _price(ctx: click.Context, param: click.Parameter, value: str | None) -> Dec
 
 def _price_options(command: Callable[..., None]) -> Callable[..., None]:
     for name, what in (("output", "output"), ("cached-input", "cached input"), ("input", "input")):
-        command = click.option(f"--price-{name}", callback=_price, metavar="PRICE",
-                               help=f"Price per million {what} tokens (overrides the job's pricing).")(command)
+        command = click.option(
+            f"--price-{name}",
+            callback=_price,
+            metavar="PRICE",
+            help=f"Price per million {what} tokens (overrides the job's pricing).",
+        )(command)
     return command
 
 
@@ -93,8 +100,14 @@ def _price_options(command: Callable[..., None]) -> Callable[..., None]:
 @_set_option
 @_price_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (for Airflow XCom) instead of a table.")
-def estimate(job_file: str, overrides: tuple[str, ...], price_input: Decimal | None, price_cached_input: Decimal | None,
-             price_output: Decimal | None, as_json: bool) -> None:
+def estimate(
+    job_file: str,
+    overrides: tuple[str, ...],
+    price_input: Decimal | None,
+    price_cached_input: Decimal | None,
+    price_output: Decimal | None,
+    as_json: bool,
+) -> None:
     """Tokenize JOB_FILE's inputs as `run` would, without loading weights: rows, input tokens, failing
     rows, prefix-cache hits and the cost range."""
     _setup_logging(logging.WARNING)
@@ -118,9 +131,17 @@ def estimate(job_file: str, overrides: tuple[str, ...], price_input: Decimal | N
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV: the totals row, then one row per group.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False), help="Write a self-contained HTML page here.")
-def report(output_dir: str, by: str | None, job_file: str | None, price_input: Decimal | None,
-           price_cached_input: Decimal | None, price_output: Decimal | None, as_csv: bool, as_json: bool,
-           html_file: str | None) -> None:
+def report(
+    output_dir: str,
+    by: str | None,
+    job_file: str | None,
+    price_input: Decimal | None,
+    price_cached_input: Decimal | None,
+    price_output: Decimal | None,
+    as_csv: bool,
+    as_json: bool,
+    html_file: str | None,
+) -> None:
     """Usage and cost of OUTPUT_DIR (finished or still running): totals and, with --by, per group."""
     _setup_logging(logging.WARNING)
     from batchgen.errors import InputDataError
@@ -143,8 +164,9 @@ def report(output_dir: str, by: str | None, job_file: str | None, price_input: D
             render = render_as.to_csv if as_csv else render_as.to_json if as_json else render_as.to_text
             click.echo(render(result, prices), nl=False)
         if result.status.mismatches:
-            raise InputDataError(f"{output_dir}: the committed parts disagree with _SUCCESS: "
-                                 + "; ".join(result.status.mismatches))
+            raise InputDataError(
+                f"{output_dir}: the committed parts disagree with _SUCCESS: " + "; ".join(result.status.mismatches)
+            )
 
     _guarded(work)
 
@@ -162,8 +184,10 @@ def _guarded(work) -> None:  # type: ignore[no-untyped-def]
         sys.exit(exc.exit_code)
     except (KeyboardInterrupt, Interrupted) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        click.echo(f"batchgen: interrupted by {signal.Signals(signum).name}; committed parts are kept, "
-                   "run again to resume", err=True)
+        click.echo(
+            f"batchgen: interrupted by {signal.Signals(signum).name}; committed parts are kept, run again to resume",
+            err=True,
+        )
         sys.exit(EXIT_INTERRUPTED_BASE + signum)
     except Exception:
         logging.getLogger("batchgen").exception("internal error")

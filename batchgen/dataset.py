@@ -111,16 +111,12 @@ def check_column(files: list[InputFile], column: str, why: str = "") -> None:
     first_type = None
     for f in files:
         if column not in f.schema.names:
-            raise InputDataError(
-                f"{f.path}: no column {column!r}{why} (columns: {', '.join(f.schema.names)})"
-            )
+            raise InputDataError(f"{f.path}: no column {column!r}{why} (columns: {', '.join(f.schema.names)})")
         col_type = f.schema.field(column).type
         if first_type is None:
             first_type = (f.path, col_type)
         elif col_type != first_type[1]:
-            raise InputDataError(
-                f"{f.path}: column {column!r} is {col_type} but {first_type[0]} has {first_type[1]}"
-            )
+            raise InputDataError(f"{f.path}: column {column!r} is {col_type} but {first_type[0]} has {first_type[1]}")
 
 
 def plan_shards(files: list[InputFile], window_rows: int, limit: int | None = None) -> list[Shard]:
@@ -137,9 +133,7 @@ def plan_shards(files: list[InputFile], window_rows: int, limit: int | None = No
     return shards
 
 
-def read_shards(
-    files: list[InputFile], shards: list[Shard], columns: list[str]
-) -> Iterator[tuple[Shard, pa.Table]]:
+def read_shards(files: list[InputFile], shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
     """Yield (shard, table of its rows), streaming each file once in record batches."""
     by_file: dict[int, list[Shard]] = {}
     for shard in shards:

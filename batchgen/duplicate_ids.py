@@ -26,9 +26,7 @@ class IdProblem(NamedTuple):
     message: str
 
 
-def find_duplicate_ids(
-    files: list[InputFile], shards: list[Shard], id_column: str
-) -> dict[tuple[int, int], IdProblem]:
+def find_duplicate_ids(files: list[InputFile], shards: list[Shard], id_column: str) -> dict[tuple[int, int], IdProblem]:
     """{(file index, row index): problem} for every row whose id is null or already appeared earlier."""
     problems: dict[tuple[int, int], IdProblem] = {}
     hashes = []
@@ -59,7 +57,8 @@ def _confirm(
             value, row = column[int(offset)].as_py(), shard.start + int(offset)
             if value in first:
                 later[(shard.file_index, row)] = IdProblem(
-                    "duplicate_id", f"duplicate id {value!r}: first used by {first[value]}")
+                    "duplicate_id", f"duplicate id {value!r}: first used by {first[value]}"
+                )
             else:
                 first[value] = f"{files[shard.file_index].path} row {row}"
     return later

@@ -12,7 +12,12 @@ import os
 import signal
 
 _KILL_POINTS = {
-    "after_temp_write", "after_rename", "before_success", "mid_engine", "record_temp_write", "success_temp_write",
+    "after_temp_write",
+    "after_rename",
+    "before_success",
+    "mid_engine",
+    "record_temp_write",
+    "success_temp_write",
 }
 _RAISE_POINTS = {"engine_exception"}
 _hits: dict[str, int] = {}

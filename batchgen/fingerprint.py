@@ -19,13 +19,21 @@ _SMALL_FILE = 1 << 20  # model files up to this size are hashed whole; larger on
 # Settings that change no generated text: where the output goes and how the engine is tuned.
 # (window_rows is not one: it decides which rows form each committed part.)
 _NEUTRAL = {"output": True, "model": {"path"}, "input": {"path"}}
-_NEUTRAL_ENGINE = ("batch_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                   "kv_cache_memory_mb", "enable_prefix_caching", "block_size", "decode_kv")
+_NEUTRAL_ENGINE = (
+    "batch_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_kv_blocks",
+    "kv_cache_memory_mb",
+    "enable_prefix_caching",
+    "block_size",
+    "decode_kv",
+)
 
 
 def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     """{"settings": {...}, "model": hex, "inputs": {file key: hex}, "id": hex over all of it}."""
-    settings = spec.model_dump(mode="json", exclude=_NEUTRAL)
+    settings = spec.model_dump(mode="json", exclude=_NEUTRAL)  # type: ignore[arg-type]
     for name in _NEUTRAL_ENGINE:
         settings["engine"].pop(name, None)
     model = hashlib.sha256()

@@ -146,7 +146,7 @@ class InputSection(_Strict):
     limit: int | None = Field(default=None, ge=1)  # only the first N rows (quick trials)
 
     @model_validator(mode="after")
-    def _one_prompt_source(self) -> "InputSection":
+    def _one_prompt_source(self) -> InputSection:
         if self.prompt_column is not None and self.messages_column is not None:
             raise ValueError("set exactly one of input.prompt_column or input.messages_column")
         if self.messages_column is None and self.prompt_column is None:

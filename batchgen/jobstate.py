@@ -94,8 +94,9 @@ class OutputState:
     def write_record(self, fingerprint: dict[str, Any]) -> None:
         text = json.dumps(fingerprint, indent=2, sort_keys=True)
         try:
-            atomic_write(self.out_dir / RECORD_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"),
-                         "record_temp_write")
+            atomic_write(
+                self.out_dir / RECORD_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"), "record_temp_write"
+            )
         except OSError as exc:
             raise OutputError(f"{self.out_dir / RECORD_NAME}: cannot write: {exc.strerror or exc}") from exc
 

@@ -50,7 +50,6 @@ def carried_columns(spec: JobSpec, schema: pa.Schema) -> list[str]:
     return wanted
 
 
-
 def result_columns(rows: list[PreparedRow], outputs: dict[int, RequestOutput]) -> dict[str, list[Any]]:
     """Result values per row: `outputs` maps a row index to its engine output (ok rows only)."""
     cols: dict[str, list[Any]] = {f.name: [] for f in RESULT_FIELDS}
@@ -64,16 +63,31 @@ def result_columns(rows: list[PreparedRow], outputs: dict[int, RequestOutput]) -
 
 
 def _append(cols: dict[str, list[Any]], row: PreparedRow, out: RequestOutput | None) -> None:
-    ok = out is not None
-    cols["generated_text"].append(out.text if ok else None)
-    cols["finish_reason"].append(out.finish_reason if ok else "error")
-    cols["stop_reason"].append(None if not ok or out.stop_reason is None else str(out.stop_reason))
-    # Why: usage is what was billed; an error row fed nothing to the model (its message says why).
-    cols["input_tokens"].append(len(row.prompt_ids) if ok else 0)
-    cols["cached_tokens"].append(out.num_cached_tokens if ok else 0)
-    cols["output_tokens"].append(out.num_output_tokens if ok else 0)
-    cols["error_code"].append(None if ok else row.error_code or "engine_error")
-    cols["error_message"].append(None if ok else row.error_message or "the engine returned no output")
+    if out is None:
+        # Why zeros: usage is what was billed; an error row fed nothing to the model (its message says why).
+        values: dict[str, Any] = {
+            "generated_text": None,
+            "finish_reason": "error",
+            "stop_reason": None,
+            "input_tokens": 0,
+            "cached_tokens": 0,
+            "output_tokens": 0,
+            "error_code": row.error_code or "engine_error",
+            "error_message": row.error_message or "the engine returned no output",
+        }
+    else:
+        values = {
+            "generated_text": out.text,
+            "finish_reason": out.finish_reason,
+            "stop_reason": None if out.stop_reason is None else str(out.stop_reason),
+            "input_tokens": len(row.prompt_ids or ()),
+            "cached_tokens": out.num_cached_tokens,
+            "output_tokens": out.num_output_tokens,
+            "error_code": None,
+            "error_message": None,
+        }
+    for name, value in values.items():
+        cols[name].append(value)
 
 
 def part_table(

@@ -33,6 +33,12 @@ class PreparedRow:
     def ok(self) -> bool:
         return self.error_code is None
 
+    def request(self) -> tuple[list[int], SamplingParams]:
+        """(prompt ids, params) of an ok row; an error row has no request."""
+        if self.prompt_ids is None or self.params is None:
+            raise ValueError(f"an error row ({self.error_code}) has no request")
+        return self.prompt_ids, self.params
+
 
 def input_columns(spec: JobSpec) -> list[str]:
     """Columns the job must read from every input file."""
@@ -77,7 +83,11 @@ class RowPreparer:
         for i, row in enumerate(rows):
             problem = duplicates.get((shard.file_index, shard.start + i))
             if problem is not None:
-                row.error_code, row.error_message, row.prompt_ids = problem.code, f"{labels[i]}: {problem.message}", None
+                row.error_code, row.error_message, row.prompt_ids = (
+                    problem.code,
+                    f"{labels[i]}: {problem.message}",
+                    None,
+                )
         return rows
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
@@ -115,7 +125,9 @@ class RowPreparer:
                 rows[i].error_code, rows[i].error_message = "empty_prompt", f"{labels[i]}: prompt has no tokens"
             elif len(ids) >= self.max_model_len:
                 rows[i].error_code = "prompt_too_long"
-                rows[i].error_message = (
+                rows[
+                    i
+                ].error_message = (
                     f"{labels[i]}: prompt has {len(ids)} tokens; the model's context is {self.max_model_len}"
                 )
             else:

@@ -71,7 +71,9 @@ class JobRunner:
         files = validate_job(self.spec)  # fails here, before any weights load, on a bad job
         carried = carried_columns(self.spec, files[0].schema)
         add_row_id = self.spec.input.id_column is None
-        writer = PartWriter(self.spec.output.path, output_schema([files[0].schema.field(c) for c in carried], add_row_id))
+        writer = PartWriter(
+            self.spec.output.path, output_schema([files[0].schema.field(c) for c in carried], add_row_id)
+        )
         writer.prepare()
         lock = OutputLock(self.spec.output.path)
         lock.acquire()
@@ -123,7 +125,12 @@ class JobRunner:
             writer.write_part(0, writer.schema.empty_table())
 
     def _process(
-        self, files: list[InputFile], carried: list[str], writer: PartWriter, todo: list[Shard], totals: Totals,
+        self,
+        files: list[InputFile],
+        carried: list[str],
+        writer: PartWriter,
+        todo: list[Shard],
+        totals: Totals,
         start: float,
     ) -> None:
         if not todo:
@@ -149,9 +156,10 @@ class JobRunner:
         self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, preparer: RowPreparer, bar: tqdm
     ) -> dict[str, list[Any]]:
         rows = preparer.prepare_shard(f, shard, table, self.duplicates)
-        ok = [i for i, r in enumerate(rows) if r.ok]
+        requests = {i: r.request() for i, r in enumerate(rows) if r.ok}
+        ok = list(requests)
         bar.update(len(rows) - len(ok))  # error rows are done already
-        order = [ok[j] for j in order_requests([rows[i].prompt_ids for i in ok], self.spec.engine.ordering)]
+        order = [ok[j] for j in order_requests([requests[i][0] for i in ok], self.spec.engine.ordering)]
 
         def on_output(_: RequestOutput) -> None:
             interrupt.check()  # between requests' outputs: the part in flight is abandoned uncommitted
@@ -160,7 +168,8 @@ class JobRunner:
             fault_point("engine_exception")
 
         try:
-            outs = backend.generate([rows[i].prompt_ids for i in order], [rows[i].params for i in order], on_output)
+            prompts, params = [requests[i][0] for i in order], [requests[i][1] for i in order]
+            outs = backend.generate(prompts, params, on_output)
         except BatchgenError:
             raise
         except Exception as exc:
@@ -169,7 +178,13 @@ class JobRunner:
         return result_columns(rows, dict(zip(order, outs)))
 
     def _manifest(
-        self, totals: Totals, files: list[InputFile], num_parts: int, start: float, wall: float, fingerprint: str,
+        self,
+        totals: Totals,
+        files: list[InputFile],
+        num_parts: int,
+        start: float,
+        wall: float,
+        fingerprint: str,
         run_tokens: int,
     ) -> dict[str, Any]:
         import torch
@@ -202,4 +217,3 @@ class JobRunner:
 
 def _read_columns(spec: JobSpec, carried: list[str]) -> list[str]:
     return list(dict.fromkeys(input_columns(spec) + carried))
-

@@ -43,29 +43,48 @@ def check_read_types(spec: JobSpec, files: list[InputFile]) -> None:
     schema, where = files[0].schema, files[0].path
     i = spec.input
     if i.prompt_column is not None and not _is_text(schema.field(i.prompt_column).type):
-        raise InputDataError(f"{where}: input.prompt_column {i.prompt_column!r} is "
-                             f"{schema.field(i.prompt_column).type}; it must be a string (or binary) column")
+        raise InputDataError(
+            f"{where}: input.prompt_column {i.prompt_column!r} is "
+            f"{schema.field(i.prompt_column).type}; it must be a string (or binary) column"
+        )
     if i.messages_column is not None and not _is_messages(schema.field(i.messages_column).type):
-        raise InputDataError(f"{where}: input.messages_column {i.messages_column!r} is "
-                             f"{schema.field(i.messages_column).type}; it must be a list of structs with "
-                             "string fields 'role' and 'content'")
+        raise InputDataError(
+            f"{where}: input.messages_column {i.messages_column!r} is "
+            f"{schema.field(i.messages_column).type}; it must be a list of structs with "
+            "string fields 'role' and 'content'"
+        )
     if i.id_column is not None and pa.types.is_nested(schema.field(i.id_column).type):
-        raise InputDataError(f"{where}: input.id_column {i.id_column!r} is {schema.field(i.id_column).type}; "
-                             "an id must be a scalar (string, integer, ...)")
+        raise InputDataError(
+            f"{where}: input.id_column {i.id_column!r} is {schema.field(i.id_column).type}; "
+            "an id must be a scalar (string, integer, ...)"
+        )
 
 
 def _is_text(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
         t = t.value_type
-    return any(check(t) for check in (
-        pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view,
-        pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view, pa.types.is_fixed_size_binary,
-    ))
+    return any(
+        check(t)
+        for check in (
+            pa.types.is_string,
+            pa.types.is_large_string,
+            pa.types.is_string_view,
+            pa.types.is_binary,
+            pa.types.is_large_binary,
+            pa.types.is_binary_view,
+            pa.types.is_fixed_size_binary,
+        )
+    )
 
 
 def _is_messages(t: pa.DataType) -> bool:
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)
-            or pa.types.is_large_list_view(t) or pa.types.is_fixed_size_list(t)):
+    if not (
+        pa.types.is_list(t)
+        or pa.types.is_large_list(t)
+        or pa.types.is_list_view(t)
+        or pa.types.is_large_list_view(t)
+        or pa.types.is_fixed_size_list(t)
+    ):
         return False
     item = t.value_type
     return pa.types.is_struct(item) and {"role", "content"} <= {item.field(k).name for k in range(item.num_fields)}
@@ -84,8 +103,10 @@ def check_model_folder(model_path: Path, needs_chat_template: bool = False) -> A
         raise ModelError(f"model.path {model_path}: cannot load config.json: {exc}") from exc
     tokenizer = load_tokenizer(model_path)
     if needs_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ModelError(f"model.path {model_path}: the tokenizer has no chat template, so input.messages_column "
-                         "cannot be rendered; use input.prompt_column with text prompts, or a chat model")
+        raise ModelError(
+            f"model.path {model_path}: the tokenizer has no chat template, so input.messages_column "
+            "cannot be rendered; use input.prompt_column with text prompts, or a chat model"
+        )
     return config
 
 

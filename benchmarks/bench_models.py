@@ -33,18 +33,34 @@ class BenchModel:
 def demo_config(vocab_size: int, eos_id: int) -> LlamaConfig:
     """The demo model's shape (scripts/train_demo_model.py): 4 layers, hidden 256, GQA 8/4."""
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-        tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
     )
 
 
 def large_config(vocab_size: int, eos_id: int) -> LlamaConfig:
     """~57M parameters: 8 layers, hidden 768, 12 query heads over 4 K/V heads, head_dim 64."""
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
-        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
-        tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+        vocab_size=vocab_size,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
     )
 
 

@@ -43,8 +43,9 @@ def _native(path: Path, prompts: list[list[int]], steps: int) -> LLM:
     engine = llm.engine
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=3 * steps + 8, ignore_eos=True))
-    while engine.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                              for s in engine.scheduler.running):
+    while engine.scheduler.num_waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
         engine.step()
     return llm
 
@@ -56,8 +57,7 @@ class _RawDecoder:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
         self.cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor(prompts), cache=self.cache, use_cache=True,
-                             logits_to_keep=1)
+            out = self.model(input_ids=torch.tensor(prompts), cache=self.cache, use_cache=True, logits_to_keep=1)
         self.next = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
 
     def step(self) -> None:
@@ -92,9 +92,20 @@ def measure(path: Path, batch: int = 64, context: int = 256, steps: int = 30) ->
         raw_times.append(_timed(raw.step))
         step_times.append(_timed(llm.engine.step))
     runner.execute = real_execute  # type: ignore[method-assign]
-    med = {k: statistics.median(v) * 1e3 for k, v in
-           (("raw_forward_ms", raw_times), ("native_execute_ms", execute_times), ("native_step_ms", step_times))}
-    result: dict[str, Any] = {"batch": batch, "context": context, "steps": steps, **{k: round(v, 2) for k, v in med.items()}}
+    med = {
+        k: statistics.median(v) * 1e3
+        for k, v in (
+            ("raw_forward_ms", raw_times),
+            ("native_execute_ms", execute_times),
+            ("native_step_ms", step_times),
+        )
+    }
+    result: dict[str, Any] = {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        **{k: round(v, 2) for k, v in med.items()},
+    }
     result["step_over_raw"] = round(med["native_step_ms"] / med["raw_forward_ms"], 3)
     result["execute_over_raw"] = round(med["native_execute_ms"] / med["raw_forward_ms"], 3)
     result["breakdown_ms"] = breakdown(llm, steps)
@@ -138,15 +149,21 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
     engine = llm.engine
     totals: dict[str, float] = defaultdict(float)
     targets = [
-        (engine.scheduler, "schedule", "scheduling"), (engine.scheduler, "advance", "scheduling"),
+        (engine.scheduler, "schedule", "scheduling"),
+        (engine.scheduler, "advance", "scheduling"),
         # metadata: packing the step, the decode K/V source's plan() included (it runs inside)
         (model_runner, "build_forward_context", "metadata"),
-        (engine.runner, "execute", "execute_total"), (engine.runner, "model", "model_forward_total"),
-        (attention, "_store_kv", "attn_kv_write"), (RowsView, "update", "attn_rows_update"),
-        (attention, "gather_blocks", "attn_gather"), (decode_gather, "gather_blocks", "attn_gather"),
+        (engine.runner, "execute", "execute_total"),
+        (engine.runner, "model", "model_forward_total"),
+        (attention, "_store_kv", "attn_kv_write"),
+        (RowsView, "update", "attn_rows_update"),
+        (attention, "gather_blocks", "attn_gather"),
+        (decode_gather, "gather_blocks", "attn_gather"),
         (attention, "_attend_decodes", "attn_compute"),
-        (attention, "cascade_decode_attention", "attn_compute"), (attention, "_attend_chunk", "attn_compute"),
-        (Sampler, "__call__", "sampling"), (StopChecker, "append", "detokenize_stop"),
+        (attention, "cascade_decode_attention", "attn_compute"),
+        (attention, "_attend_chunk", "attn_compute"),
+        (Sampler, "__call__", "sampling"),
+        (StopChecker, "append", "detokenize_stop"),
     ]
     with ExitStack() as stack:
         for owner, name, label in targets:
@@ -161,8 +178,12 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         "model_matmuls_and_rest": per["model_forward_total"] - sum(per[k] for k in attn_keys),
         **{k: per[k] for k in attn_keys},
         "runner_other": per["execute_total"] - per["model_forward_total"] - per["metadata"],
-        "sampling": per["sampling"], "detokenize_stop": per["detokenize_stop"],
+        "sampling": per["sampling"],
+        "detokenize_stop": per["detokenize_stop"],
     }
-    out["engine_other"] = out["step_total"] - per.get("execute_total", 0.0) - sum(
-        out[k] for k in ("scheduling", "sampling", "detokenize_stop"))
+    out["engine_other"] = (
+        out["step_total"]
+        - per.get("execute_total", 0.0)
+        - sum(out[k] for k in ("scheduling", "sampling", "detokenize_stop"))
+    )
     return {k: round(v, 3) for k, v in out.items()}

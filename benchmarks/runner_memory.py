@@ -50,10 +50,12 @@ def write_input(path: Path, rows: int) -> None:
     writer = None
     for start in range(0, rows, 100_000):
         n = min(100_000, rows - start)
-        table = pa.table({
-            "id": [f"row-{i}" for i in range(start, start + n)],
-            "prompt": [f"Once upon a time there was a cat number {i % 977}." for i in range(start, start + n)],
-        })
+        table = pa.table(
+            {
+                "id": [f"row-{i}" for i in range(start, start + n)],
+                "prompt": [f"Once upon a time there was a cat number {i % 977}." for i in range(start, start + n)],
+            }
+        )
         writer = writer or pq.ParquetWriter(path, table.schema)
         writer.write_table(table)
     writer.close()

@@ -14,6 +14,7 @@ Model loading, KV pool allocation and a short warm-up are outside the timed regi
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -49,10 +50,9 @@ class RunResult:
 
 def reset_peak_rss() -> None:
     """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS, so each run gets its own peak."""
-    try:
+    # If it cannot, peaks accumulate over the process; the table says peaks are process-wide.
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # then peaks accumulate over the process; the table says peaks are process-wide
 
 
 def _cpu_wait_seconds() -> float | None:
@@ -110,8 +110,14 @@ def _params(workload: Workload) -> list[SamplingParams]:
 
 def run_native(path: Path, workload: Workload, prefix_caching: bool = True, name: str = "native") -> RunResult:
     """batchgen's LLM.generate over the whole workload."""
-    llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=MAX_NUM_SEQS,
-              max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=prefix_caching)
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        enable_prefix_caching=prefix_caching,
+    )
     llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     before = llm.stats
     watch = Stopwatch()
@@ -120,11 +126,16 @@ def run_native(path: Path, workload: Workload, prefix_caching: bool = True, name
     after = llm.stats
     delta = {k: after[k] - before[k] for k in after}
     return RunResult(
-        system=name, seconds=seconds, output_tokens=sum(o.num_output_tokens for o in outs),
-        prompt_tokens=workload.prompt_tokens, prefill_tokens=delta["prefill_tokens"],
-        preemptions=delta["preemptions"], peak_rss_mib=peak_rss_mib(),
+        system=name,
+        seconds=seconds,
+        output_tokens=sum(o.num_output_tokens for o in outs),
+        prompt_tokens=workload.prompt_tokens,
+        prefill_tokens=delta["prefill_tokens"],
+        preemptions=delta["preemptions"],
+        peak_rss_mib=peak_rss_mib(),
         outputs=[list(o.token_ids) for o in outs],
-        extra={"cached_tokens": delta["cached_tokens"], "steps": delta["steps"]}, cpu_wait=cpu_wait,
+        extra={"cached_tokens": delta["cached_tokens"], "steps": delta["steps"]},
+        cpu_wait=cpu_wait,
     )
 
 
@@ -145,17 +156,21 @@ def _static_batch(model: Any, tokenizer: Any, requests: list[Request], ignore_eo
     ids = torch.full((len(requests), width), pad, dtype=torch.long)  # [B, width]
     mask = torch.zeros((len(requests), width), dtype=torch.long)
     for row, r in enumerate(requests):
-        ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-        mask[row, width - len(r.prompt_ids):] = 1
+        ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+        mask[row, width - len(r.prompt_ids) :] = 1
     stops = sorted({s for r in requests for s in r.stop})
     config = GenerationConfig(
-        do_sample=False, max_new_tokens=max(r.max_tokens for r in requests), pad_token_id=pad,
+        do_sample=False,
+        max_new_tokens=max(r.max_tokens for r in requests),
+        pad_token_id=pad,
         # why -1, not None: None falls back to the model's generation_config EOS and stops there
-        eos_token_id=-1 if ignore_eos else _eos(model), stop_strings=stops or None,
+        eos_token_id=-1 if ignore_eos else _eos(model),
+        stop_strings=stops or None,
     )
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                             tokenizer=tokenizer if stops else None)
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=tokenizer if stops else None
+        )
     new = out[:, width:].tolist()
     return new, len(requests) * width
 
@@ -168,26 +183,47 @@ def run_hf_generate(model: Any, tokenizer: Any, workload: Workload, batch_size: 
     prefill = 0
     watch = Stopwatch()
     for b in range(0, len(order), batch_size):
-        rows = order[b:b + batch_size]
+        rows = order[b : b + batch_size]
         new, computed = _static_batch(model, tokenizer, [reqs[i] for i in rows], workload.ignore_eos)
         prefill += computed
         for i, tokens in zip(rows, new):
             outputs[i] = tokens
     seconds, cpu_wait = watch.stop()
-    return _hf_result(f"hf_generate_bs{batch_size}", (seconds, cpu_wait), workload, outputs, tokenizer, _eos(model),
-                      prefill, {"batch_size": batch_size})
+    return _hf_result(
+        f"hf_generate_bs{batch_size}",
+        (seconds, cpu_wait),
+        workload,
+        outputs,
+        tokenizer,
+        _eos(model),
+        prefill,
+        {"batch_size": batch_size},
+    )
 
 
 def _hf_result(
-    name: str, timing: tuple[float, float | None], workload: Workload, outputs: list[list[int]], tokenizer: Any,
-    eos: list[int], prefill: int | None, extra: dict[str, Any],
+    name: str,
+    timing: tuple[float, float | None],
+    workload: Workload,
+    outputs: list[list[int]],
+    tokenizer: Any,
+    eos: list[int],
+    prefill: int | None,
+    extra: dict[str, Any],
 ) -> RunResult:
     seconds, cpu_wait = timing
     counts = [useful_tokens(tokenizer, r, o, eos, workload.ignore_eos) for r, o in zip(workload.requests, outputs)]
     return RunResult(
-        system=name, seconds=seconds, output_tokens=sum(counts), prompt_tokens=workload.prompt_tokens,
-        prefill_tokens=prefill, preemptions=None, peak_rss_mib=peak_rss_mib(),
-        outputs=[o[:n] for o, n in zip(outputs, counts)], extra=extra, cpu_wait=cpu_wait,
+        system=name,
+        seconds=seconds,
+        output_tokens=sum(counts),
+        prompt_tokens=workload.prompt_tokens,
+        prefill_tokens=prefill,
+        preemptions=None,
+        peak_rss_mib=peak_rss_mib(),
+        outputs=[o[:n] for o, n in zip(outputs, counts)],
+        extra=extra,
+        cpu_wait=cpu_wait,
     )
 
 
@@ -195,8 +231,12 @@ def _cb_config(workload: Workload, page_size: int) -> ContinuousBatchingConfig:
     # why explicit sizes: on CPU its defaults size the cache from total RAM (tens of GB of zeros)
     pages_per_request = -(-workload.max_total_len // page_size)
     return ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=2 * MAX_NUM_SEQS * pages_per_request, max_batch_tokens=MAX_BATCHED_TOKENS,
-        max_requests_per_batch=MAX_NUM_SEQS, allow_block_sharing=True, use_cuda_graph=False,
+        page_size=page_size,
+        num_blocks=2 * MAX_NUM_SEQS * pages_per_request,
+        max_batch_tokens=MAX_BATCHED_TOKENS,
+        max_requests_per_batch=MAX_NUM_SEQS,
+        allow_block_sharing=True,
+        use_cuda_graph=False,
         auto_switch_to_flash=False,
     )
 
@@ -204,17 +244,28 @@ def _cb_config(workload: Workload, page_size: int) -> ContinuousBatchingConfig:
 def run_hf_generate_batch(model: Any, tokenizer: Any, workload: Workload, page_size: int = 256) -> RunResult:
     """transformers' continuous batching, one request per prompt with its own max_new_tokens."""
     eos = _eos(model)
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in workload.requests),
-                              pad_token_id=model.generation_config.pad_token_id, eos_token_id=eos or -1)
-    manager = model.init_continuous_batching(generation_config=config,
-                                             continuous_batching_config=_cb_config(workload, page_size))
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max(r.max_tokens for r in workload.requests),
+        pad_token_id=model.generation_config.pad_token_id,
+        eos_token_id=eos or -1,
+    )
+    manager = model.init_continuous_batching(
+        generation_config=config, continuous_batching_config=_cb_config(workload, page_size)
+    )
     manager.warmup()
     manager.start()
     try:
         watch = Stopwatch()
-        ids = [manager.add_request(r.prompt_ids, request_id=f"r{i}", max_new_tokens=r.max_tokens,
-                                   eos_token_id=-1 if workload.ignore_eos else eos)
-               for i, r in enumerate(workload.requests)]
+        ids = [
+            manager.add_request(
+                r.prompt_ids,
+                request_id=f"r{i}",
+                max_new_tokens=r.max_tokens,
+                eos_token_id=-1 if workload.ignore_eos else eos,
+            )
+            for i, r in enumerate(workload.requests)
+        ]
         done: dict[str, list[int]] = {}
         while len(done) < len(ids):
             result = manager.get_result(timeout=1)

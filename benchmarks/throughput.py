@@ -28,11 +28,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
-from benchmarks import bench_models, decode_floor, results_md, systems, workloads  # noqa: E402
-from benchmarks.systems import RunResult  # noqa: E402
+from benchmarks import bench_models, decode_floor, results_md, systems, workloads
+from benchmarks.systems import RunResult
 
 log = logging.getLogger("throughput")
 
@@ -42,12 +42,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", default=["demo", "large"], choices=["demo", "large"])
     p.add_argument("--workloads", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default 64, --quick 16)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
-                   help="static batch sizes swept for transformers generate (default 8 16 32 64)")
+    p.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="static batch sizes swept for transformers generate (default 8 16 32 64)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (one core each)")
     p.add_argument("--decode-steps", type=int, default=None, help="decode steps timed for the floor (default 20)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="runs of each side of a headline ratio, fastest kept (default 2, --quick 1)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs of each side of a headline ratio, fastest kept (default 2, --quick 1)",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke run (not for the table)")
     p.add_argument("--markdown", action="store_true", help="rewrite the results table in benchmarks/RESULTS.md")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -62,11 +71,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def figures(r: RunResult) -> dict[str, Any]:
     """One system's row: throughput from the tokens the requests asked for, over the timed region."""
     return {
-        "seconds": round(r.seconds, 3), "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
+        "seconds": round(r.seconds, 3),
+        "output_tokens": r.output_tokens,
+        "prompt_tokens": r.prompt_tokens,
         "output_tok_s": round(r.output_tokens / r.seconds, 1),
         "total_tok_s": round((r.output_tokens + r.prompt_tokens) / r.seconds, 1),
-        "prefill_tokens": r.prefill_tokens, "preemptions": r.preemptions,
-        "peak_rss_mib": round(r.peak_rss_mib, 1), "cpu_wait_share": r.cpu_wait, **r.extra,
+        "prefill_tokens": r.prefill_tokens,
+        "preemptions": r.preemptions,
+        "peak_rss_mib": round(r.peak_rss_mib, 1),
+        "cpu_wait_share": r.cpu_wait,
+        **r.extra,
     }
 
 
@@ -77,8 +91,12 @@ def agreement(native: RunResult, other: RunResult) -> dict[str, Any]:
     for a, b in zip(native.outputs, other.outputs):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         prefix, total = prefix + n, total + len(a)
-    return {"against": other.system, "identical_requests": same, "requests": len(native.outputs),
-            "leading_tokens_matching": round(prefix / max(total, 1), 4)}
+    return {
+        "against": other.system,
+        "identical_requests": same,
+        "requests": len(native.outputs),
+        "leading_tokens_matching": round(prefix / max(total, 1), 4),
+    }
 
 
 def _ratio(a: RunResult, b: RunResult) -> float:
@@ -92,8 +110,9 @@ def best_of(runs: list[RunResult]) -> RunResult:
     return best
 
 
-def run_mixed(model: bench_models.BenchModel, wl: workloads.Workload, args: argparse.Namespace,
-              hf: tuple[Any, Any]) -> dict[str, Any]:
+def run_mixed(
+    model: bench_models.BenchModel, wl: workloads.Workload, args: argparse.Namespace, hf: tuple[Any, Any]
+) -> dict[str, Any]:
     """(a): native, generate at every batch size, generate_batch; ratios and agreement.
 
     Native and the best static batch size both run `--repeats` times and keep their fastest
@@ -115,36 +134,50 @@ def run_mixed(model: bench_models.BenchModel, wl: workloads.Workload, args: argp
         "description": wl.description,
         "systems": {r.system: figures(r) for r in [native, *sweep, cb]},
         "best_static_batch_size": best.extra["batch_size"],
-        "ratios": {"native_over_hf_generate_best": _ratio(native, best),
-                   "native_over_hf_generate_batch": _ratio(native, cb)},
+        "ratios": {
+            "native_over_hf_generate_best": _ratio(native, best),
+            "native_over_hf_generate_batch": _ratio(native, cb),
+        },
         "greedy_agreement": [agreement(native, best), agreement(native, cb)],
     }
 
 
 def run_prefix(model: bench_models.BenchModel, wl: workloads.Workload, repeats: int) -> dict[str, Any]:
     """(b): the same engine with prefix caching on and off, each the fastest of `repeats` runs."""
-    on = best_of([systems.run_native(model.path, wl, prefix_caching=True, name="native_prefix_cache_on")
-                  for _ in range(repeats)])
-    off = best_of([systems.run_native(model.path, wl, prefix_caching=False, name="native_prefix_cache_off")
-                   for _ in range(repeats)])
+    on = best_of(
+        [systems.run_native(model.path, wl, prefix_caching=True, name="native_prefix_cache_on") for _ in range(repeats)]
+    )
+    off = best_of(
+        [
+            systems.run_native(model.path, wl, prefix_caching=False, name="native_prefix_cache_off")
+            for _ in range(repeats)
+        ]
+    )
     log.info("%s b on %s off %s", model.name, on.extra["seconds_all"], off.extra["seconds_all"])
-    return {"description": wl.description, "systems": {r.system: figures(r) for r in (on, off)},
-            "ratios": {"prefix_on_over_off": round(off.seconds / on.seconds, 3)}}
+    return {
+        "description": wl.description,
+        "systems": {r.system: figures(r) for r in (on, off)},
+        "ratios": {"prefix_on_over_off": round(off.seconds / on.seconds, 3)},
+    }
 
 
-def run_sample(model: bench_models.BenchModel, wl: workloads.Workload, batch_size: int,
-               hf: tuple[Any, Any]) -> dict[str, Any]:
+def run_sample(
+    model: bench_models.BenchModel, wl: workloads.Workload, batch_size: int, hf: tuple[Any, Any]
+) -> dict[str, Any]:
     """(c): native vs generate (the best batch size of (a)) and generate_batch, with stop strings."""
     native = systems.run_native(model.path, wl)
     static = systems.run_hf_generate(*hf, wl, batch_size)
     cb = systems.run_hf_generate_batch(*hf, wl)
-    log.info("%s c native %.1fs generate %.1fs generate_batch %.1fs", model.name, native.seconds,
-             static.seconds, cb.seconds)
+    log.info(
+        "%s c native %.1fs generate %.1fs generate_batch %.1fs", model.name, native.seconds, static.seconds, cb.seconds
+    )
     return {
         "description": wl.description + f"; generate at the best batch size of (a), {batch_size}",
         "systems": {r.system: figures(r) for r in (native, static, cb)},
-        "ratios": {"native_over_hf_generate": _ratio(native, static),
-                   "native_over_hf_generate_batch": _ratio(native, cb)},
+        "ratios": {
+            "native_over_hf_generate": _ratio(native, static),
+            "native_over_hf_generate_batch": _ratio(native, cb),
+        },
         "greedy_agreement": [agreement(native, static), agreement(native, cb)],
     }
 
@@ -153,8 +186,12 @@ def run_model(model: bench_models.BenchModel, args: argparse.Namespace) -> dict[
     hf = systems.load_hf(model.path)
     vocab, eos = hf[0].config.vocab_size, hf[0].generation_config.eos_token_id
     special = {eos} if isinstance(eos, int) else set(eos or [])
-    out: dict[str, Any] = {"description": model.description, "params": model.params, "standin": model.standin,
-                           "workloads": {}}
+    out: dict[str, Any] = {
+        "description": model.description,
+        "params": model.params,
+        "standin": model.standin,
+        "workloads": {},
+    }
     best_bs = args.batch_sizes[-1]
     if "a" in args.workloads:
         max_out = 64 if args.quick else 256
@@ -165,8 +202,11 @@ def run_model(model: bench_models.BenchModel, args: argparse.Namespace) -> dict[
         out["workloads"]["b_shared_prefix"] = run_prefix(model, wl, args.repeats)
     if "c" in args.workloads:
         wl = workloads.sample_dataset(args.requests, hf[1])
-        out["workloads"]["c_sample"] = (run_sample(model, wl, best_bs, hf) if wl is not None
-                                        else {"skipped": "sample_data/prompts.parquet is not there yet"})
+        out["workloads"]["c_sample"] = (
+            run_sample(model, wl, best_bs, hf)
+            if wl is not None
+            else {"skipped": "sample_data/prompts.parquet is not there yet"}
+        )
     out["decode_step"] = decode_floor.measure(model.path, batch=64, context=256, steps=args.decode_steps)
     log.info("%s decode step/raw %.3f", model.name, out["decode_step"]["step_over_raw"])
     return out
@@ -180,8 +220,13 @@ def targets(models: dict[str, Any]) -> list[dict[str, Any]]:
         a = res["workloads"].get("a_mixed")
         if a:
             for key in ("native_over_hf_generate_best", "native_over_hf_generate_batch"):
-                rows.append({"target": f"{name} (a) {key} >= {goals[name]}", "measured": a["ratios"][key],
-                             "met": a["ratios"][key] >= goals[name]})
+                rows.append(
+                    {
+                        "target": f"{name} (a) {key} >= {goals[name]}",
+                        "measured": a["ratios"][key],
+                        "met": a["ratios"][key] >= goals[name],
+                    }
+                )
         b = res["workloads"].get("b_shared_prefix")
         if b:
             ratio = b["ratios"]["prefix_on_over_off"]
@@ -203,9 +248,15 @@ def cpu_name() -> str:
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": args.threads,
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "torch_threads": args.threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -218,10 +269,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="batchgen-bench-") as tmp:
         models = {m.name: run_model(m, args) for m in bench_models.build(args.models, Path(tmp))}
-    report = {"command": " ".join(["benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),
-              "date": datetime.date.today().isoformat(), "quick": args.quick, "requests": args.requests,
-              "machine": machine(args), "wall_seconds": round(time.perf_counter() - began, 1),
-              "targets": targets(models), "models": models}
+    report = {
+        "command": " ".join(["benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.date.today().isoformat(),
+        "quick": args.quick,
+        "requests": args.requests,
+        "machine": machine(args),
+        "wall_seconds": round(time.perf_counter() - began, 1),
+        "targets": targets(models),
+        "models": models,
+    }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

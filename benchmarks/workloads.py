@@ -62,8 +62,7 @@ def mixed(n: int, vocab: int, special: set[int], seed: int = 0, max_out: int = 2
     """(a): random-token prompts of 16-512 tokens, 16-`max_out` output tokens each, EOS ignored."""
     rng = random.Random(seed)
     requests = [
-        Request(_random_ids(rng, rng.randint(16, 512), vocab, special), rng.randint(16, max_out))
-        for _ in range(n)
+        Request(_random_ids(rng, rng.randint(16, 512), vocab, special), rng.randint(16, max_out)) for _ in range(n)
     ]
     desc = f"{n} requests, prompts 16-512 tokens, outputs 16-{max_out} tokens (per request, EOS ignored)"
     return Workload("a_mixed", desc, requests, ignore_eos=True)

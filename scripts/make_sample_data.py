@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_demo_model import REPO, load_corpus  # noqa: E402
+from train_demo_model import REPO, load_corpus
 
 MAX_PROMPT_TOKENS = 350
 MIN_OPENING_WORDS = 5

@@ -91,9 +91,7 @@ def train_tokenizer(stories: list[str], vocab_size: int) -> PreTrainedTokenizerF
         show_progress=False,
     )
     tok.train_from_iterator(stories, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=None
-    )
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=None)
     wrapped.chat_template = CHAT_TEMPLATE
     wrapped.model_max_length = 1024
     return wrapped
@@ -149,9 +147,7 @@ def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, seq_len: int, li
         rows = range(start, min(start + 8, n_windows))
         batch = torch.stack([stream[i * seq_len : (i + 1) * seq_len + 1] for i in rows])  # [b, seq_len + 1]
         logits = model(input_ids=batch[:, :-1]).logits  # [b, seq_len, vocab]
-        loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum"
-        )
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
         total, count = total + loss.item(), count + batch[:, 1:].numel()
     model.train()
     return total / count
@@ -164,7 +160,9 @@ def train(model: LlamaForCausalLM, stream: torch.Tensor, val: torch.Tensor, s: T
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=s.lr, betas=(0.9, 0.95), fused=False,
+        lr=s.lr,
+        betas=(0.9, 0.95),
+        fused=False,
     )
     log: list[str] = []
     start = time.time()
@@ -197,8 +195,13 @@ def continuations(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, seed: i
         torch.manual_seed(seed + i)
         ids = tok(opening, return_tensors="pt", add_special_tokens=False)["input_ids"]
         gen = model.generate(
-            ids, max_new_tokens=200, do_sample=True, temperature=0.7, top_p=0.9,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+            ids,
+            max_new_tokens=200,
+            do_sample=True,
+            temperature=0.7,
+            top_p=0.9,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
         )[0, ids.shape[1] :]
         ended = bool(len(gen) and gen[-1].item() == tok.eos_token_id)
         text = tok.decode(gen, skip_special_tokens=True)
@@ -255,16 +258,30 @@ def write_report(out: Path, facts: dict[str, Any], samples: list[dict[str, Any]]
         "## Sample continuations (temperature 0.7, top-p 0.9, seeded, up to 200 new tokens)",
     ]
     for sample in samples:
-        lines += ["", f"**{sample['opening']}** {sample['text'].strip()}", "",
-                  f"_({sample['new_tokens']} new tokens, ended with EOS: {sample['eos']})_"]
-    lines += ["", "## Training log", "",
-              "`heldout` here is a quick estimate on the first 16 held-out windows.", "",
-              "```", *log, "```", "", "## Provenance and licence",
-              "The corpus is TinyStories (Eldan & Li, 2023, arXiv:2305.07759,"
-              " huggingface.co/datasets/roneneldan/TinyStories), licensed CDLA-Sharing-1.0",
-              "(https://cdla.dev/sharing-1-0/). The copies used are described in `shared/corpus/SOURCE.md`.",
-              "CDLA-Sharing-1.0 does not cover the results of training on the data, so these weights are",
-              "not covered by it; they are released with this repository.", ""]
+        lines += [
+            "",
+            f"**{sample['opening']}** {sample['text'].strip()}",
+            "",
+            f"_({sample['new_tokens']} new tokens, ended with EOS: {sample['eos']})_",
+        ]
+    lines += [
+        "",
+        "## Training log",
+        "",
+        "`heldout` here is a quick estimate on the first 16 held-out windows.",
+        "",
+        "```",
+        *log,
+        "```",
+        "",
+        "## Provenance and licence",
+        "The corpus is TinyStories (Eldan & Li, 2023, arXiv:2305.07759,"
+        " huggingface.co/datasets/roneneldan/TinyStories), licensed CDLA-Sharing-1.0",
+        "(https://cdla.dev/sharing-1-0/). The copies used are described in `shared/corpus/SOURCE.md`.",
+        "CDLA-Sharing-1.0 does not cover the results of training on the data, so these weights are",
+        "not covered by it; they are released with this repository.",
+        "",
+    ]
     (out / "TRAINING.md").write_text("\n".join(lines), encoding="utf-8")
 
 
@@ -297,9 +314,14 @@ def main() -> None:
     model = build_model(len(tok), tok.eos_token_id)
     log = train(model, stream, val, s)
     facts = {
-        "settings": asdict(s), "params": sum(p.numel() for p in model.parameters()),
-        "vocab": len(tok), "eos_id": tok.eos_token_id, "n_train": len(train_stories),
-        "train_tokens": len(stream), "n_heldout": len(heldout), "heldout_tokens": len(val),
+        "settings": asdict(s),
+        "params": sum(p.numel() for p in model.parameters()),
+        "vocab": len(tok),
+        "eos_id": tok.eos_token_id,
+        "n_train": len(train_stories),
+        "train_tokens": len(stream),
+        "n_heldout": len(heldout),
+        "heldout_tokens": len(val),
         "heldout_loss": heldout_loss(model, val, s.seq_len),
     }
     samples = continuations(model, tok, s.seed)

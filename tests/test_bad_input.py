@@ -44,7 +44,9 @@ def test_unreadable_file_among_good_ones_fails_before_work(tmp_path: Path, tiny_
 def test_column_types_that_differ_between_files(tmp_path: Path, tiny_model_dir: Path) -> None:
     _good(tmp_path / "data", "a.parquet")
     write_parquet(tmp_path / "data" / "b.parquet", {"id": [1, 2], "prompt": ["x", "y"]})
-    code, text = _run(write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(tmp_path / "data"), tmp_path / "o")))
+    code, text = _run(
+        write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(tmp_path / "data"), tmp_path / "o"))
+    )
     assert code == 3 and "b.parquet: column 'id' is int64" in text and "a.parquet has string" in text
 
 
@@ -52,7 +54,9 @@ def test_duplicate_ids_and_bad_per_row_settings_become_error_rows(tmp_path: Path
     write_parquet(tmp_path / "a.parquet", {"id": ["x", "y", "x"], "prompt": ["the cat"] * 3, "temp": [0.0, -0.5, None]})
     write_parquet(tmp_path / "b.parquet", {"id": ["y", "z", "w"], "prompt": ["a dog"] * 3, "temp": [None, None, 0.5]})
     out = tmp_path / "out"
-    job = make_job(tiny_model_dir, str(tmp_path / "*.parquet"), out, input={"sampling_columns": {"temperature": "temp"}})
+    job = make_job(
+        tiny_model_dir, str(tmp_path / "*.parquet"), out, input={"sampling_columns": {"temperature": "temp"}}
+    )
     code, text = _run(write_job(tmp_path / "job.yaml", job))
     assert code == 0, text
     rows = ds.dataset(out, format="parquet").to_table().to_pylist()
@@ -71,8 +75,16 @@ def test_bad_job_files_are_refused_before_the_model_loads(tmp_path: Path, tiny_m
         (make_job(tmp_path / "nope", str(data), tmp_path / "o"), 4, "no such folder"),
         (make_job(no_tokenizer, str(data), tmp_path / "o"), 4, "cannot load a tokenizer"),
         (make_job(tiny_model_dir, str(tmp_path / "missing.parquet"), tmp_path / "o"), 3, "no Parquet files found"),
-        (make_job(tiny_model_dir, str(data), tmp_path / "o", engine={"wndow_rows": 3}), 2, "engine.wndow_rows: unknown key"),
-        (make_job(tiny_model_dir, str(data), tmp_path / "o", sampling={"max_tokens": "many"}), 2, "sampling.max_tokens"),
+        (
+            make_job(tiny_model_dir, str(data), tmp_path / "o", engine={"wndow_rows": 3}),
+            2,
+            "engine.wndow_rows: unknown key",
+        ),
+        (
+            make_job(tiny_model_dir, str(data), tmp_path / "o", sampling={"max_tokens": "many"}),
+            2,
+            "sampling.max_tokens",
+        ),
     ]
     for i, (job, code, message) in enumerate(cases):
         got, text = _run(write_job(tmp_path / f"job{i}.yaml", job))
@@ -90,8 +102,9 @@ def test_unwritable_output_fails_before_work(tmp_path: Path, tiny_model_dir: Pat
 
 def test_disk_full_mid_write_keeps_earlier_parts(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
     out = tmp_path / "out"
-    job = write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(_good(tmp_path, rows=8)), out,
-                                                     engine={"window_rows": 4}))
+    job = write_job(
+        tmp_path / "job.yaml", make_job(tiny_model_dir, str(_good(tmp_path, rows=8)), out, engine={"window_rows": 4})
+    )
     real_write = pq.write_table
     calls = []
 
@@ -105,17 +118,23 @@ def test_disk_full_mid_write_keeps_earlier_parts(tmp_path: Path, tiny_model_dir:
     monkeypatch.setattr(pq, "write_table", write_then_fail)
     code, text = _run(job)
     assert code == 5 and "No space left on device" in text and "part-000001.parquet" in text
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".batchgen")) == ["_JOB.json", "part-000000.parquet"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".batchgen")) == [
+        "_JOB.json",
+        "part-000000.parquet",
+    ]
     assert pq.read_table(out / "part-000000.parquet").num_rows == 4
     monkeypatch.setattr(pq, "write_table", real_write)
     assert _run(job)[0] == 0  # the rerun completes
     assert ds.dataset(out, format="parquet").to_table().num_rows == 8
 
 
-def test_engine_exception_abandons_the_part_and_a_rerun_completes(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
+def test_engine_exception_abandons_the_part_and_a_rerun_completes(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch
+) -> None:
     out = tmp_path / "out"
-    job = write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(_good(tmp_path, rows=8)), out,
-                                                     engine={"window_rows": 4}))
+    job = write_job(
+        tmp_path / "job.yaml", make_job(tiny_model_dir, str(_good(tmp_path, rows=8)), out, engine={"window_rows": 4})
+    )
     monkeypatch.setattr(faults, "_hits", {})
     monkeypatch.setenv("BATCHGEN_FAULT", "engine_exception:6")  # inside the second part
     code, text = _run(job)

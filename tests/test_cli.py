@@ -39,9 +39,16 @@ def test_quiet_prints_errors_and_the_summary_line_only(tmp_path: Path, tiny_mode
 
 
 def test_a_closed_stdout_ends_quietly(tmp_path: Path) -> None:
-    table = pa.table({"category": [str(i) for i in range(500)], "finish_reason": ["stop"] * 500,
-                      "error_code": pa.array([None] * 500, pa.string()), "input_tokens": [3] * 500,
-                      "cached_tokens": [0] * 500, "output_tokens": [2] * 500})
+    table = pa.table(
+        {
+            "category": [str(i) for i in range(500)],
+            "finish_reason": ["stop"] * 500,
+            "error_code": pa.array([None] * 500, pa.string()),
+            "input_tokens": [3] * 500,
+            "cached_tokens": [0] * 500,
+            "output_tokens": [2] * 500,
+        }
+    )
     pq.write_table(table, tmp_path / "part-000000.parquet")
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first line, as after `| head -0`

@@ -29,11 +29,18 @@ def test_discovery_keys_are_relative_to_the_input_root_and_paths_normalised(tmp_
         pq.write_table(pa.table({"x": [1]}), tmp_path / name)
     spelled = str(tmp_path / "x" / "..")  # the folder, through a "..": paths come back normalised
     found = dataset.discover(spelled, exclude=tmp_path / "out")
-    assert found == [(tmp_path / "x" / "part-0.parquet", "x/part-0.parquet"),
-                     (tmp_path / "y" / "part-0.parquet", "y/part-0.parquet")]
-    assert [k for _, k in dataset.discover(str(tmp_path / "*" / "part-0.parquet"))] == ["x/part-0.parquet", "y/part-0.parquet"]
-    assert dataset.discover(str(tmp_path / "y" / "part-0.parquet")) == [(tmp_path / "y" / "part-0.parquet", "part-0.parquet")]
-    with pytest.raises(dataset.InputDataError, match="output folder .* is not read as input"):
+    assert found == [
+        (tmp_path / "x" / "part-0.parquet", "x/part-0.parquet"),
+        (tmp_path / "y" / "part-0.parquet", "y/part-0.parquet"),
+    ]
+    assert [k for _, k in dataset.discover(str(tmp_path / "*" / "part-0.parquet"))] == [
+        "x/part-0.parquet",
+        "y/part-0.parquet",
+    ]
+    assert dataset.discover(str(tmp_path / "y" / "part-0.parquet")) == [
+        (tmp_path / "y" / "part-0.parquet", "part-0.parquet")
+    ]
+    with pytest.raises(dataset.InputDataError, match=r"output folder .* is not read as input"):
         dataset.discover(str(tmp_path / "out"), exclude=tmp_path / "out")
 
 
@@ -43,4 +50,5 @@ def test_an_older_record_keyed_by_absolute_paths_is_named_as_such() -> None:
     old = {"settings": {}, "model": "m", "inputs": {"/data/in/x.parquet": "aa"}}
     new = {"settings": {}, "model": "m", "inputs": {"x.parquet": "aa"}}
     assert describe_difference(old, new) == [
-        "the record was made by an older batchgen that named input files by absolute path"]
+        "the record was made by an older batchgen that named input files by absolute path"
+    ]

@@ -48,7 +48,7 @@ def test_model_shape_exercises_grouped_query_attention(model: PreTrainedModel) -
 
 
 def test_tokenizer_round_trips_story_text(tokenizer: PreTrainedTokenizerBase) -> None:
-    text = 'Lily said, “Look, a big dog!”\nThe dog wagged its tail. 123'
+    text = "Lily said, “Look, a big dog!”\nThe dog wagged its tail. 123"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text
     assert tokenizer.eos_token_id not in ids
@@ -84,9 +84,7 @@ def test_prompts_parquet_shape(tokenizer: PreTrainedTokenizerBase) -> None:
     assert max(lengths) + 128 <= 512
 
 
-def test_greedy_generation_is_english_story_text(
-    tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel
-) -> None:
+def test_greedy_generation_is_english_story_text(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> None:
     prompt = "Once upon a time, there was a little girl named Lily. One day, she"
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():

@@ -50,9 +50,14 @@ def test_estimate_agrees_with_the_run(tmp_path: Path, tiny_model_dir: Path) -> N
     max_tokens = [None if i % 4 else 3 + i % 5 for i in range(20)]
     max_tokens[7] = 0
     write_parquet(tmp_path / "in.parquet", {"id": ids, "prompt": prompts, "mt": max_tokens})
-    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), tmp_path / "out",
-                   sampling={"max_tokens": 6, "ignore_eos": True}, engine={"window_rows": 6},
-                   input={"sampling_columns": {"max_tokens": "mt"}})
+    job = make_job(
+        tiny_model_dir,
+        str(tmp_path / "in.parquet"),
+        tmp_path / "out",
+        sampling={"max_tokens": 6, "ignore_eos": True},
+        engine={"window_rows": 6},
+        input={"sampling_columns": {"max_tokens": "mt"}},
+    )
     job["pricing"] = {"input": 0.15, "cached_input": 0.075, "output": 0.6}
     job_path = write_job(tmp_path / "job.yaml", job)
     est = _estimate(job_path)
@@ -79,10 +84,14 @@ def test_estimate_agrees_with_the_run(tmp_path: Path, tiny_model_dir: Path) -> N
 
 
 def test_shared_preamble_is_predicted_from_the_cache(tmp_path: Path, tiny_model_dir: Path) -> None:
-    prompts = [PREAMBLE + " ".join(WORDS[i:i + 3]) for i in range(12)] + ["the dog", "a sun"]
+    prompts = [PREAMBLE + " ".join(WORDS[i : i + 3]) for i in range(12)] + ["the dog", "a sun"]
     write_parquet(tmp_path / "in.parquet", {"id": [str(i) for i in range(14)], "prompt": prompts})
-    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), tmp_path / "out",
-                   engine={"backend": "native", "block_size": 4, "window_rows": 7})
+    job = make_job(
+        tiny_model_dir,
+        str(tmp_path / "in.parquet"),
+        tmp_path / "out",
+        engine={"backend": "native", "block_size": 4, "window_rows": 7},
+    )
     job_path = write_job(tmp_path / "job.yaml", job)
     est = _estimate(job_path, "--price-input", "1", "--price-cached-input", "0.5")
     cache, total = est["prefix_cache"], est["input_tokens"]["total"]
@@ -104,16 +113,20 @@ def test_chat_messages_no_weights_and_the_text_table(tmp_path: Path, tiny_model_
     shutil.copytree(tiny_model_dir, model)
     for weights in model.glob("*.safetensors"):
         weights.unlink()  # the estimate must not need them
-    convs = [[{"role": "user", "content": "tell me about the cat"}],
-             [{"role": "system", "content": "be short"}, {"role": "user", "content": "a dog"}], []]
+    convs = [
+        [{"role": "user", "content": "tell me about the cat"}],
+        [{"role": "system", "content": "be short"}, {"role": "user", "content": "a dog"}],
+        [],
+    ]
     write_parquet(tmp_path / "in.parquet", {"id": ["x", "y", "z"], "messages": convs})
     job = make_job(model, str(tmp_path / "in.parquet"), tmp_path / "out")
     job["input"] = {"path": str(tmp_path / "in.parquet"), "messages_column": "messages", "id_column": "id"}
     job_path = write_job(tmp_path / "job.yaml", job)
     est = _estimate(job_path)
     tok = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(tiny_model_dir)
-    rendered = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)
-                for c in convs[:2]]
+    rendered = [
+        tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True) for c in convs[:2]
+    ]
     expected = sum(len(r["input_ids"]) for r in rendered)
     assert est["input_tokens"]["total"] == expected and est["error_codes"] == {"empty_prompt": 1}
     assert est["cost"]["input"] is None and est["context_length"] == 256

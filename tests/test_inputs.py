@@ -34,8 +34,12 @@ def test_a_carried_column_missing_from_a_later_file_fails_before_any_work(tmp_pa
     write_parquet(tmp_path / "d" / "b.parquet", {"id": ["3"], "prompt": ["a dog"]})
     out = tmp_path / "out"
     for i, carry in enumerate([None, ["id", "topic"]]):
-        job = write_job(tmp_path / f"j{i}.yaml", make_job(tiny_model_dir, str(tmp_path / "d"), out,
-                                                          input={"carry_columns": carry}, engine={"window_rows": 1}))
+        job = write_job(
+            tmp_path / f"j{i}.yaml",
+            make_job(
+                tiny_model_dir, str(tmp_path / "d"), out, input={"carry_columns": carry}, engine={"window_rows": 1}
+            ),
+        )
         code, text = _run(job)
         assert code == 3, text
         assert f"{tmp_path / 'd' / 'b.parquet'}: no column 'topic'" in text
@@ -137,8 +141,9 @@ def test_null_ids_are_missing_id_rows_and_duplicates_are_named_plainly(tmp_path:
     write_parquet(tmp_path / "d" / "a.parquet", {"id": [1, None, 2, None], "prompt": ["the cat"] * 4}, schema)
     write_parquet(tmp_path / "d" / "b.parquet", {"id": [2, 1], "prompt": ["a dog"] * 2}, schema)
     out = tmp_path / "out"
-    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(tmp_path / "d"), out,
-                                                              engine={"window_rows": 2})))
+    code, text = _run(
+        write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(tmp_path / "d"), out, engine={"window_rows": 2}))
+    )
     assert code == 0, text
     rows = _rows(out)
     assert [r["error_code"] for r in rows] == [None, "missing_id", None, "missing_id", "duplicate_id", "duplicate_id"]
@@ -154,8 +159,11 @@ def test_validate_counts_rows_after_the_limit_and_estimate_of_no_rows_prints_no_
     job = write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(data), tmp_path / "o", input={"limit": 2}))
     code, text = _cli("validate", str(job))
     assert code == 0 and "1 input file(s), 2 rows" in text, text
-    empty = write_parquet(tmp_path / "empty.parquet", {"id": [], "prompt": []},
-                          pa.schema([("id", pa.string()), ("prompt", pa.string())]))
-    code, text = _cli("estimate", str(write_job(tmp_path / "e.yaml", make_job(tiny_model_dir, str(empty), tmp_path / "o"))))
+    empty = write_parquet(
+        tmp_path / "empty.parquet", {"id": [], "prompt": []}, pa.schema([("id", pa.string()), ("prompt", pa.string())])
+    )
+    code, text = _cli(
+        "estimate", str(write_job(tmp_path / "e.yaml", make_job(tiny_model_dir, str(empty), tmp_path / "o")))
+    )
     assert code == 0, text
     assert "None" not in text and "input tokens" in text and "total 0" in text

@@ -50,8 +50,12 @@ def test_unknown_key_is_named_with_its_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "line, key",
-    [("  max_tokens: 0", "sampling.max_tokens"), ("  max_tokens: ten", "sampling.max_tokens"),
-     ("  temperature: -1", "sampling.temperature"), ("  top_p: 1.5", "sampling.top_p")],
+    [
+        ("  max_tokens: 0", "sampling.max_tokens"),
+        ("  max_tokens: ten", "sampling.max_tokens"),
+        ("  temperature: -1", "sampling.temperature"),
+        ("  top_p: 1.5", "sampling.top_p"),
+    ],
 )
 def test_wrong_type_or_range_is_rejected(tmp_path: Path, line: str, key: str) -> None:
     text = GOOD.replace("  max_tokens: 32", line)
@@ -62,7 +66,7 @@ def test_wrong_type_or_range_is_rejected(tmp_path: Path, line: str, key: str) ->
 def test_missing_section_and_both_prompt_sources(tmp_path: Path) -> None:
     with pytest.raises(JobFileError, match="output: Field required"):
         load_job(_write(tmp_path, GOOD.replace("output:\n  path: out\n", "")))
-    with pytest.raises(JobFileError, match="exactly one of input.prompt_column or input.messages_column"):
+    with pytest.raises(JobFileError, match=r"exactly one of input\.prompt_column or input\.messages_column"):
         load_job(_write(tmp_path, GOOD.replace("  prompt_column: prompt", "  prompt_column: p\n  messages_column: m")))
 
 
@@ -76,11 +80,11 @@ def test_set_overrides_parse_values_as_yaml(tmp_path: Path) -> None:
     path = _write(tmp_path, GOOD)
     spec = load_job(path, ["sampling.max_tokens=64", "sampling.stop=[a, b]", "engine.backend=hf"])
     assert spec.sampling.max_tokens == 64 and spec.sampling.stop == ["a", "b"] and spec.engine.backend == "hf"
-    with pytest.raises(JobFileError, match="sampling.max_tokens"):
+    with pytest.raises(JobFileError, match=r"sampling\.max_tokens"):
         load_job(path, ["sampling.max_tokens=0"])
-    with pytest.raises(JobFileError, match="expected section.key=value"):
+    with pytest.raises(JobFileError, match=r"expected section\.key=value"):
         load_job(path, ["sampling.max_tokens"])
-    with pytest.raises(JobFileError, match="engine.nope: unknown key"):
+    with pytest.raises(JobFileError, match=r"engine\.nope: unknown key"):
         load_job(path, ["engine.nope=1"])
 
 

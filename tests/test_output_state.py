@@ -25,9 +25,11 @@ from tests.conftest import make_job, write_job, write_parquet
 
 
 def _job(tmp_path: Path, model: Path, rows: int = 6, **sections: dict) -> Path:
-    data = write_parquet(tmp_path / "in.parquet", {"id": [f"r{i}" for i in range(rows)],
-                                                   "prompt": [f"once upon a time {i}" for i in range(rows)]},
-                         schema=pa.schema([("id", pa.string()), ("prompt", pa.string())]))
+    data = write_parquet(
+        tmp_path / "in.parquet",
+        {"id": [f"r{i}" for i in range(rows)], "prompt": [f"once upon a time {i}" for i in range(rows)]},
+        schema=pa.schema([("id", pa.string()), ("prompt", pa.string())]),
+    )
     job = make_job(model, str(data), tmp_path / "out", engine={"window_rows": 4}, sampling={"max_tokens": 3})
     for name, values in sections.items():
         job[name].update(values)
@@ -40,16 +42,19 @@ def _cli(*args: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError, OSError])
-def test_every_temp_write_removes_its_file_on_any_exception(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            failure: type[BaseException]) -> None:
+def test_every_temp_write_removes_its_file_on_any_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: type[BaseException]
+) -> None:
     def broken_fsync(path: Path) -> None:
         raise failure("stopped between write and rename")
 
     monkeypatch.setattr(parts, "_fsync", broken_fsync)
     writer = PartWriter(tmp_path, output_schema([], add_row_id=True))
-    for write in (lambda: writer.write_part(0, writer.schema.empty_table()),
-                  lambda: writer.write_success({"rows": {}}),
-                  lambda: OutputState(tmp_path).write_record({"id": "x"})):
+    for write in (
+        lambda: writer.write_part(0, writer.schema.empty_table()),
+        lambda: writer.write_success({"rows": {}}),
+        lambda: OutputState(tmp_path).write_record({"id": "x"}),
+    ):
         with pytest.raises((failure, OutputError)):  # an OSError is reported as OutputError
             write()
         assert list(tmp_path.iterdir()) == []  # no temp file and nothing committed
@@ -123,8 +128,7 @@ def test_nothing_but_part_files_is_read_as_parts(tmp_path: Path) -> None:
     for name in ("part-000000.parquet", "part-000001.parquet", "part-old.parquet", "part-12.parquet"):
         pq.write_table(pa.table({"x": [1]}), tmp_path / name)
     (tmp_path / "part-000002.parquet").mkdir()
-    assert [p.name for p in parts.committed_parts(tmp_path).values()] == ["part-000000.parquet",
-                                                                           "part-000001.parquet"]
+    assert [p.name for p in parts.committed_parts(tmp_path).values()] == ["part-000000.parquet", "part-000001.parquet"]
 
 
 def test_report_on_a_run_still_validating_is_in_progress(tmp_path: Path) -> None:

@@ -15,8 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_quickstart_job_runs_on_the_demo_model(tmp_path: Path) -> None:
     out = tmp_path / "quickstart"
-    args = ["run", str(REPO / "jobs/quickstart.yaml"), "--quiet", "--set", f"output.path={out}",
-            "--set", "input.limit=48", "--set", "sampling.max_tokens=24"]
+    args = [
+        "run",
+        str(REPO / "jobs/quickstart.yaml"),
+        "--quiet",
+        "--set",
+        f"output.path={out}",
+        "--set",
+        "input.limit=48",
+        "--set",
+        "sampling.max_tokens=24",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "48 rows ok, 0 failed" in result.output

@@ -35,10 +35,22 @@ def output(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Pa
     prompts[3], prompts[10], prompts[17] = None, "   ", "the cat " * 200
     max_tokens = [2 + i % 7 for i in range(24)]
     max_tokens[21] = -1
-    write_parquet(tmp / "in.parquet", {"id": [f"r{i}" for i in range(24)], "prompt": prompts,
-                                       "category": [CATEGORIES[i % 3] for i in range(24)], "mt": max_tokens})
-    job = make_job(tiny_model_dir, str(tmp / "in.parquet"), tmp / "out", engine={"window_rows": 8},
-                   input={"sampling_columns": {"max_tokens": "mt"}})
+    write_parquet(
+        tmp / "in.parquet",
+        {
+            "id": [f"r{i}" for i in range(24)],
+            "prompt": prompts,
+            "category": [CATEGORIES[i % 3] for i in range(24)],
+            "mt": max_tokens,
+        },
+    )
+    job = make_job(
+        tiny_model_dir,
+        str(tmp / "in.parquet"),
+        tmp / "out",
+        engine={"window_rows": 8},
+        input={"sampling_columns": {"max_tokens": "mt"}},
+    )
     job["pricing"] = dict(PRICES)
     result = CliRunner().invoke(main, ["run", str(write_job(tmp / "job.yaml", job)), "--quiet"])
     assert result.exit_code == 0, result.output
@@ -51,8 +63,14 @@ def _report(*args: str) -> tuple[int, str, str]:
 
 
 def _prices() -> list[str]:
-    return ["--price-input", PRICES["input"], "--price-cached-input", PRICES["cached_input"],
-            "--price-output", PRICES["output"]]
+    return [
+        "--price-input",
+        PRICES["input"],
+        "--price-cached-input",
+        PRICES["cached_input"],
+        "--price-output",
+        PRICES["output"],
+    ]
 
 
 def test_totals_and_groups_equal_the_column_sums(output: Path) -> None:
@@ -67,8 +85,9 @@ def test_totals_and_groups_equal_the_column_sums(output: Path) -> None:
     codes = table.column("error_code").to_pylist()
     assert totals["rows"] == table.num_rows == 24 and totals["ok_rows"] == 20 and totals["error_rows"] == 4
     assert totals["error_codes"] == {"empty_prompt": 2, "invalid_sampling": 1, "prompt_too_long": 1}
-    assert totals["finish_reasons"] == {r: table.column("finish_reason").to_pylist().count(r)
-                                        for r in set(table.column("finish_reason").to_pylist())}
+    assert totals["finish_reasons"] == {
+        r: table.column("finish_reason").to_pylist().count(r) for r in set(table.column("finish_reason").to_pylist())
+    }
     assert [g["group"] for g in body["groups"]] == CATEGORIES
     for group in body["groups"]:
         rows = [r for r in table.to_pylist() if r["category"] == group["group"]]
@@ -86,8 +105,10 @@ def test_costs_are_exact_decimals_and_groups_sum_to_the_total(output: Path) -> N
     body = json.loads(out)
     t = body["totals"]
     price = {k: Decimal(v) for k, v in PRICES.items()}
-    expected_in = (Decimal(t["input_tokens"] - t["cached_tokens"]) * price["input"]
-                   + Decimal(t["cached_tokens"]) * price["cached_input"]) / 1_000_000
+    expected_in = (
+        Decimal(t["input_tokens"] - t["cached_tokens"]) * price["input"]
+        + Decimal(t["cached_tokens"]) * price["cached_input"]
+    ) / 1_000_000
     expected_out = Decimal(t["output_tokens"]) * price["output"] / 1_000_000
     assert Decimal(t["input_cost"]) == expected_in and Decimal(t["output_cost"]) == expected_out
     assert t["cost"] == money_text(expected_in + expected_out)
@@ -184,10 +205,16 @@ def test_histograms_and_null_or_dictionary_groups_on_a_written_part(tmp_path: Pa
     hist.merge(hist)
     assert (hist.n, hist.max(), hist.mean(), hist.percentile(50), hist.percentile(95)) == (8, 5, 3.0, 3, 5)
     category = pa.array(["a", None, "b", "a", None, "b"]).dictionary_encode()
-    table = pa.table({"category": category, "finish_reason": ["stop", "length", "error", "stop", "stop", "length"],
-                      "error_code": [None, None, "empty_prompt", None, None, None],
-                      "input_tokens": [3, 4, 0, 5, 6, 7], "cached_tokens": [0, 2, 0, 3, 0, 0],
-                      "output_tokens": [1, 2, 0, 3, 4, 5]})
+    table = pa.table(
+        {
+            "category": category,
+            "finish_reason": ["stop", "length", "error", "stop", "stop", "length"],
+            "error_code": [None, None, "empty_prompt", None, None, None],
+            "input_tokens": [3, 4, 0, 5, 6, 7],
+            "cached_tokens": [0, 2, 0, 3, 0, 0],
+            "output_tokens": [1, 2, 0, 3, 4, 5],
+        }
+    )
     pq.write_table(table, tmp_path / "part-000000.parquet")
     report = read_report(tmp_path, "category")
     assert list(report.groups) == ["(null)", "a", "b"]

@@ -33,7 +33,9 @@ BACKENDS = ["hf", "native"]
 def _job(tmp_path: Path, model: Path, out: Path, rows: int = ROWS, backend: str = "hf", **engine: object) -> Path:
     prompts = [" ".join(WORDS[(i + j) % 10] for j in range(2 + i % 7)) for i in range(rows)]
     data = write_parquet(tmp_path / "in.parquet", {"id": [f"r{i}" for i in range(rows)], "prompt": prompts})
-    job = make_job(model, str(data), out, engine={"window_rows": 4, "backend": backend, **engine}, sampling={"max_tokens": 6})
+    job = make_job(
+        model, str(data), out, engine={"window_rows": 4, "backend": backend, **engine}, sampling={"max_tokens": 6}
+    )
     return write_job(tmp_path / f"{out.name}.yaml", job)
 
 
@@ -211,6 +213,6 @@ def test_after_a_resume_the_rate_counts_this_runs_tokens_only(tmp_path: Path, ti
     assert match, resumed.stdout
     timings = json.loads((out / "_SUCCESS").read_text())["timings"]
     this_run = int(match.group(1)) - kept
-    assert 0 < kept and 0 < this_run
+    assert kept > 0 and this_run > 0
     assert abs(float(match.group(2)) - this_run / timings["wall_seconds"]) < 0.1
     assert abs(timings["output_tokens_per_second"] - this_run / timings["wall_seconds"]) < 0.1

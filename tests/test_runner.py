@@ -38,8 +38,9 @@ def test_glob_folder_and_file_inputs_keep_input_order(tmp_path: Path, tiny_model
     expected = [f"f{f}-{i}" for f in range(3) for i in range(7)]
     for k, inputs in enumerate([str(data / "in*.parquet"), str(data)]):
         out = tmp_path / f"out{k}"
-        code, text = _run(write_job(tmp_path / f"job{k}.yaml", make_job(tiny_model_dir, inputs, out,
-                                                                        engine={"window_rows": 5})))
+        code, text = _run(
+            write_job(tmp_path / f"job{k}.yaml", make_job(tiny_model_dir, inputs, out, engine={"window_rows": 5}))
+        )
         assert code == 0, text
         table = _read(out)
         assert table.column("id").to_pylist() == expected
@@ -60,8 +61,13 @@ def test_usage_equals_tokenizer_counts(tmp_path: Path, tiny_model_dir: Path, bac
     prompts = [p * k for k, p in enumerate(PROMPTS, start=1)]
     write_parquet(tmp_path / "in.parquet", {"id": ["a", "b", "c", "d"], "prompt": prompts})
     out = tmp_path / "out"
-    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out, sampling={"max_tokens": 6, "ignore_eos": True},
-                   engine={"backend": backend})
+    job = make_job(
+        tiny_model_dir,
+        str(tmp_path / "in.parquet"),
+        out,
+        sampling={"max_tokens": 6, "ignore_eos": True},
+        engine={"backend": backend},
+    )
     code, text = _run(write_job(tmp_path / "job.yaml", job))
     assert code == 0, text
     rows = _read(out).to_pylist()
@@ -88,14 +94,27 @@ def metaspace_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
     lines = [" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(12)) + "." for i in range(200)]
     backend.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>", pad_token="</s>",
-                                  clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="</s>",
+        clean_up_tokenization_spaces=False,
+    )
     path = tmp_path_factory.mktemp("metaspace-llama")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, initializer_range=0.2,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        initializer_range=0.2,
     )
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -114,8 +133,13 @@ def test_backends_agree_and_native_serves_shared_prefixes_from_cache(
     rows = {}
     for backend in ("hf", "native"):
         out = tmp_path / backend
-        job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out, sampling={"max_tokens": 10},
-                       engine={"backend": backend, "window_rows": 12, "block_size": 8})
+        job = make_job(
+            tiny_model_dir,
+            str(tmp_path / "in.parquet"),
+            out,
+            sampling={"max_tokens": 10},
+            engine={"backend": backend, "window_rows": 12, "block_size": 8},
+        )
         code, text = _run(write_job(tmp_path / f"{backend}.yaml", job))
         assert code == 0, text
         rows[backend] = _read(out).to_pylist()
@@ -137,18 +161,29 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path: Path, tiny_mod
         buf += value or b""
         offsets.append(len(buf))
     prompts = pa.Array.from_buffers(  # bytes are not validated: a writer really can produce this
-        pa.string(), len(raw), [pa.py_buffer(bytes([0b1111101])), pa.py_buffer(pa.array(offsets, pa.int32()).buffers()[1]),
-                               pa.py_buffer(buf)],
+        pa.string(),
+        len(raw),
+        [pa.py_buffer(bytes([0b1111101])), pa.py_buffer(pa.array(offsets, pa.int32()).buffers()[1]), pa.py_buffer(buf)],
     )
     table = pa.table({"id": [str(i) for i in range(7)], "prompt": prompts, "max_tokens": [4, 4, 4, 4, 4, 4, -3]})
     pq.write_table(table, tmp_path / "in.parquet")
     out = tmp_path / "out"
-    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out, input={"sampling_columns": {"max_tokens": "max_tokens"}})
+    job = make_job(
+        tiny_model_dir, str(tmp_path / "in.parquet"), out, input={"sampling_columns": {"max_tokens": "max_tokens"}}
+    )
     code, text = _run(write_job(tmp_path / "job.yaml", job))
     assert code == 0, text
     rows = _read(out).to_pylist()
     codes = [r["error_code"] for r in rows]
-    assert codes == [None, "empty_prompt", "empty_prompt", "empty_prompt", "invalid_utf8", "prompt_too_long", "invalid_sampling"]
+    assert codes == [
+        None,
+        "empty_prompt",
+        "empty_prompt",
+        "empty_prompt",
+        "invalid_utf8",
+        "prompt_too_long",
+        "invalid_sampling",
+    ]
     assert all(r["finish_reason"] == "error" and r["generated_text"] is None for r in rows[1:])
     assert "row 4 (id 4)" in rows[4]["error_message"] and "UTF-8" in rows[4]["error_message"]
     assert "401 tokens; the model's context is 256" in rows[5]["error_message"]
@@ -159,8 +194,11 @@ def test_bad_rows_become_error_rows_and_the_job_goes_on(tmp_path: Path, tiny_mod
 
 
 def test_an_all_error_part_keeps_string_types(tmp_path: Path, tiny_model_dir: Path) -> None:
-    write_parquet(tmp_path / "a.parquet", {"id": ["1", "2"], "prompt": [None, " "]},
-                  pa.schema([("id", pa.string()), ("prompt", pa.string())]))
+    write_parquet(
+        tmp_path / "a.parquet",
+        {"id": ["1", "2"], "prompt": [None, " "]},
+        pa.schema([("id", pa.string()), ("prompt", pa.string())]),
+    )
     write_parquet(tmp_path / "b.parquet", {"id": ["3"], "prompt": ["the cat"]})
     out = tmp_path / "out"
     code, text = _run(write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(tmp_path / "*.parquet"), out)))
@@ -173,8 +211,11 @@ def test_an_all_error_part_keeps_string_types(tmp_path: Path, tiny_model_dir: Pa
 
 def test_chat_messages_are_rendered_with_the_template(tmp_path: Path, tiny_model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    convs = [[{"role": "user", "content": "tell me about the cat"}],
-             [{"role": "system", "content": "be short"}, {"role": "user", "content": "a dog"}], []]
+    convs = [
+        [{"role": "user", "content": "tell me about the cat"}],
+        [{"role": "system", "content": "be short"}, {"role": "user", "content": "a dog"}],
+        [],
+    ]
     write_parquet(tmp_path / "in.parquet", {"id": ["x", "y", "z"], "messages": convs})
     out = tmp_path / "out"
     job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), out)
@@ -182,8 +223,10 @@ def test_chat_messages_are_rendered_with_the_template(tmp_path: Path, tiny_model
     code, text = _run(write_job(tmp_path / "job.yaml", job))
     assert code == 0, text
     rows = _read(out).to_pylist()
-    expected = [len(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-                for c in convs[:2]]
+    expected = [
+        len(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        for c in convs[:2]
+    ]
     assert [r["input_tokens"] for r in rows[:2]] == expected
     assert rows[2]["error_code"] == "empty_prompt"
 
@@ -196,8 +239,12 @@ def test_stop_strings_cut_the_text(tmp_path: Path, tiny_model_dir: Path) -> None
     first = _read(base).to_pylist()[0]
     stop = first["generated_text"][3:5]  # a stop string that really occurs in the greedy output
     cut = tmp_path / "cut"
-    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), cut,
-                   sampling={"max_tokens": 12, "ignore_eos": True, "stop": [stop]})
+    job = make_job(
+        tiny_model_dir,
+        str(tmp_path / "in.parquet"),
+        cut,
+        sampling={"max_tokens": 12, "ignore_eos": True, "stop": [stop]},
+    )
     assert _run(write_job(tmp_path / "cut.yaml", job))[0] == 0
     row = _read(cut).to_pylist()[0]
     assert row["finish_reason"] == "stop" and row["stop_reason"] == stop

@@ -22,11 +22,16 @@ def _run(tmp_path: Path, model: Path, name: str, with_ids: bool = True, **sectio
     """Run the job into out-<name>; {id or row_id: generated_text}."""
     data = tmp_path / "in.parquet"
     if not data.exists():
-        write_parquet(data, {"id": [f"r{i}" for i in range(ROWS)], "prompt": ["the cat"] * ROWS,
-                             "own_seed": [None, None, None, None, 5, 5]})
+        write_parquet(
+            data,
+            {
+                "id": [f"r{i}" for i in range(ROWS)],
+                "prompt": ["the cat"] * ROWS,
+                "own_seed": [None, None, None, None, 5, 5],
+            },
+        )
     out = tmp_path / f"out-{name}"
-    job = make_job(model, str(data), out, sampling={"max_tokens": 6, "temperature": 1.0, "seed": 7,
-                                                    "ignore_eos": True})
+    job = make_job(model, str(data), out, sampling={"max_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True})
     job["input"]["sampling_columns"] = {"seed": "own_seed"}
     if not with_ids:
         job["input"]["id_column"] = None
@@ -54,8 +59,12 @@ def test_duplicated_prompts_draw_different_samples_the_same_on_every_run(
     unseeded = [first[f"r{i}"] for i in range(4)]
     assert len(set(unseeded)) == 4, unseeded  # one prompt, four ids: four different samples
     assert first["r4"] == first["r5"]  # the per-row seed column wins over the run seed
-    again = _run(tmp_path, tiny_model_dir, "b", engine={"backend": backend, "window_rows": 1, "ordering": "none",
-                                                        "batch_size": 1})
+    again = _run(
+        tmp_path,
+        tiny_model_dir,
+        "b",
+        engine={"backend": backend, "window_rows": 1, "ordering": "none", "batch_size": 1},
+    )
     assert again == first  # another window size, ordering and (hf) batch size: the same draws
 
 
@@ -70,4 +79,5 @@ def test_seeded_rows_draw_the_same_tokens_on_both_backends(tmp_path: Path, tiny_
     # float32 on CPU gives both backends the same logits; the hf backend then draws each seeded
     # row with the native Sampler and the row's own generator, so the tokens agree
     assert _run(tmp_path, tiny_model_dir, "hf", engine={"backend": "hf"}) == _run(
-        tmp_path, tiny_model_dir, "native", engine={"backend": "native"})
+        tmp_path, tiny_model_dir, "native", engine={"backend": "native"}
+    )

@@ -22,8 +22,13 @@ def _cli(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-def _job(tmp_path: Path, model_dir: Path, columns: dict[str, list[Any]] | None = None,
-         schema: pa.Schema | None = None, **sections: dict[str, Any]) -> Path:
+def _job(
+    tmp_path: Path,
+    model_dir: Path,
+    columns: dict[str, list[Any]] | None = None,
+    schema: pa.Schema | None = None,
+    **sections: dict[str, Any],
+) -> Path:
     data = columns or {"id": ["a", "b"], "prompt": ["the cat", "a dog"]}
     write_parquet(tmp_path / "in.parquet", data, schema)
     model = sections.pop("model", {})  # why apart: make_job's first parameter is called model
@@ -36,14 +41,17 @@ def _rows(tmp_path: Path) -> list[dict[str, Any]]:
     return ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()
 
 
-@pytest.mark.parametrize("override, key, expected", [
-    ('sampling.stop=[""]', "sampling.stop", "a list of non-empty strings"),
-    ("sampling.stop_token_ids=[-1]", "sampling.stop_token_ids", "non-negative token ids"),
-    ("sampling.seed=18446744073709551616", "sampling.seed", "fits 64 bits"),
-    ("sampling.temperature=.nan", "sampling.temperature", "must be a finite number"),
-    ("sampling.top_p=.inf", "sampling.top_p", "a number in (0, 1]"),
-    ("sampling.min_tokens=9", "sampling.min_tokens", "max_tokens=8"),
-])
+@pytest.mark.parametrize(
+    "override, key, expected",
+    [
+        ('sampling.stop=[""]', "sampling.stop", "a list of non-empty strings"),
+        ("sampling.stop_token_ids=[-1]", "sampling.stop_token_ids", "non-negative token ids"),
+        ("sampling.seed=18446744073709551616", "sampling.seed", "fits 64 bits"),
+        ("sampling.temperature=.nan", "sampling.temperature", "must be a finite number"),
+        ("sampling.top_p=.inf", "sampling.top_p", "a number in (0, 1]"),
+        ("sampling.min_tokens=9", "sampling.min_tokens", "max_tokens=8"),
+    ],
+)
 def test_job_level_values_that_can_never_work_fail_at_load(
     tmp_path: Path, tiny_model_dir: Path, override: str, key: str, expected: str
 ) -> None:
@@ -98,8 +106,14 @@ def test_per_row_values_that_cannot_work_become_error_rows(tmp_path: Path, tiny_
     cols = {"max_tokens": "mt", "min_tokens": "mn", "temperature": "temp", "seed": "seed"}
     # max_model_len 12: the "clamped" row's max_tokens (the job's 40) is cut by the context to
     # fit, and its min_tokens 30 follows it down (as in vLLM): the row asked nothing inconsistent
-    job = _job(tmp_path, tiny_model_dir, columns, input={"sampling_columns": cols},
-               sampling={"max_tokens": 40}, engine={"max_model_len": 12})
+    job = _job(
+        tmp_path,
+        tiny_model_dir,
+        columns,
+        input={"sampling_columns": cols},
+        sampling={"max_tokens": 40},
+        engine={"max_model_len": 12},
+    )
     code, text = _cli("run", str(job), "--quiet")
     assert code == 0, text
     rows = {r["id"]: r for r in _rows(tmp_path)}
@@ -123,8 +137,13 @@ def test_a_text_sampling_column_is_refused_before_work(tmp_path: Path, tiny_mode
 def test_whole_floats_are_integers_and_fractions_are_error_rows(tmp_path: Path, tiny_model_dir: Path) -> None:
     # what pandas writes for an integer column with nulls: float64 with 2.0 and NaN/null
     columns = {"id": ["whole", "null", "fraction"], "prompt": ["the cat"] * 3, "mt": [2.0, None, 2.5]}
-    job = _job(tmp_path, tiny_model_dir, columns, input={"sampling_columns": {"max_tokens": "mt"}},
-               sampling={"max_tokens": 8, "ignore_eos": True})
+    job = _job(
+        tmp_path,
+        tiny_model_dir,
+        columns,
+        input={"sampling_columns": {"max_tokens": "mt"}},
+        sampling={"max_tokens": 8, "ignore_eos": True},
+    )
     code, text = _cli("run", str(job), "--quiet")
     assert code == 0, text
     rows = {r["id"]: r for r in _rows(tmp_path)}

@@ -24,4 +24,3 @@ class Backend(Protocol):
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
     ) -> list[RequestOutput]: ...
-

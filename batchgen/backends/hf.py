@@ -40,7 +40,7 @@ class HFBackend:
         self.device = resolve_device(spec.model.device)
         dtype = resolve_dtype(spec.model.dtype, self.device)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).to(self.device)
+            self.model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).to(self.device)  # type: ignore[arg-type]
             self.max_model_len = resolve_max_model_len(self.model.config, spec.engine.max_model_len)
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: cannot load the model: {exc}") from exc
@@ -85,7 +85,9 @@ class HFBackend:
             for name in ("temperature", "top_p", "top_k", "min_p"):
                 kwargs.pop(name, None)
         generated = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device), **kwargs,
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            **kwargs,
         )[:, width:].tolist()  # [B, new_tokens]
         return [self._replay(ids, new, q) for ids, new, q in zip(prompts, generated, params)]
 
@@ -121,7 +123,6 @@ class HFBackend:
         )
 
 
-
 class _SeededDraw(LogitsProcessor):
     """Seeded rows draw with the native engine's Sampler, each from its own generator.
 
@@ -135,8 +136,9 @@ class _SeededDraw(LogitsProcessor):
     def __init__(self, prompts: list[list[int]], params: list[SamplingParams], width: int) -> None:
         # why no eos ids: transformers' own min_new_tokens processor has already masked them
         self.sampler = Sampler(eos_token_ids=())
-        self.seqs = [Sequence(seq_id=b, prompt_token_ids=ids, params=p)
-                     for b, (ids, p) in enumerate(zip(prompts, params))]
+        self.seqs = [
+            Sequence(seq_id=b, prompt_token_ids=ids, params=p) for b, (ids, p) in enumerate(zip(prompts, params))
+        ]
         self.width = width
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:

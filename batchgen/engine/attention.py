@@ -102,7 +102,11 @@ def _prefill_mask(chunk: PrefillChunk, window: int | None, device: torch.device)
 
 
 def _grouped_attention(
-    qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+    qg: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
     """qg [B, KVH, M, D] (the query rows of each KV head), k/v [B, KVH, L, D], mask [B|1, 1, M, L]."""
@@ -117,7 +121,11 @@ def _grouped_attention(
 
 
 def _attend_decodes(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
     """q [B, H, D], k/v [B, KVH, L, D], mask [B, 1, 1, L] -> [B, H, D]."""
@@ -131,7 +139,11 @@ def _attend_decodes(
 
 
 def _attend_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
     """q [1, H, n, D], k/v [1, KVH, L, D], mask [1, 1, n, L] (None: causal, n == L) -> [1, H, n, D]."""
@@ -149,26 +161,41 @@ def _attend_chunk(
 
 
 def _decode_attention(
-    step: DecodeStep, layer: int, pool: Pool, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    out: torch.Tensor, scaling: float, window: int | None, softcap: float | None,
+    step: DecodeStep,
+    layer: int,
+    pool: Pool,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
 ) -> None:
     """The decodes' rows of `out` [T, H, D]; q [H, T, D], key/value [KVH, T, D] (this step's, decodes first)."""
     step.update(layer, pool, key, value)
     for i, group in enumerate(step.groups):
         first, n = group.start, group.num_seqs
         k, v = step.kv(layer, pool, i)  # [B, KVH, L, D] each
-        qd = q[:, first:first + n].transpose(0, 1)  # [B, H, D]
+        qd = q[:, first : first + n].transpose(0, 1)  # [B, H, D]
         mask = _decode_mask(group, window)
         if group.shared_len and window is None and softcap is None:
-            out[first:first + n] = cascade_decode_attention(qd, k, v, group.shared_len,
-                                                            mask[..., group.shared_len:], scaling)
+            out[first : first + n] = cascade_decode_attention(
+                qd, k, v, group.shared_len, mask[..., group.shared_len :], scaling
+            )
         else:
-            out[first:first + n] = _attend_decodes(qd, k, v, mask, scaling, softcap)
+            out[first : first + n] = _attend_decodes(qd, k, v, mask, scaling, softcap)
 
 
 def _torch_paged_attention(
-    ctx: ForwardContext, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    scaling: float, window: int | None, softcap: float | None,
+    ctx: ForwardContext,
+    layer: int,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """q [H, T, D], key/value [KVH, T, D] -> [T, H, D]."""
     k_cache, v_cache = ctx.kv_caches[layer]
@@ -177,29 +204,40 @@ def _torch_paged_attention(
         _decode_attention(ctx.decodes, layer, ctx.kv_caches[layer], q, key, value, out, scaling, window, softcap)
     for chunk in ctx.prefills:
         if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
-            k, v = key[None, :, chunk.start:chunk.end], value[None, :, chunk.start:chunk.end]
+            k, v = key[None, :, chunk.start : chunk.end], value[None, :, chunk.start : chunk.end]
         else:
             total = chunk.context_start + chunk.end - chunk.start
             k = gather_blocks(k_cache, chunk.block_table, 1)[:, :, :total]  # [1, KVH, total, D]
             v = gather_blocks(v_cache, chunk.block_table, 1)[:, :, :total]
-        qc = q[None, :, chunk.start:chunk.end]  # [1, H, n, D]
+        qc = q[None, :, chunk.start : chunk.end]  # [1, H, n, D]
         res = _attend_chunk(qc, k, v, _prefill_mask(chunk, window, q.device), scaling, softcap)
-        out[chunk.start:chunk.end] = res[0].transpose(0, 1)
+        out[chunk.start : chunk.end] = res[0].transpose(0, 1)
     return out
 
 
 def _flash_paged_attention(  # pragma: no cover - needs CUDA and flash-attn
-    ctx: ForwardContext, layer: int, q: torch.Tensor, scaling: float, window: int | None,
+    ctx: ForwardContext,
+    layer: int,
+    q: torch.Tensor,
+    scaling: float,
+    window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
     """q [H, T, D] -> [T, H, D] via flash-attn's varlen kernel over the paged pool."""
     meta = ctx.flash
+    if meta is None:
+        raise RuntimeError("the flash-attn path needs the step's FlashMetadata")
     k_cache, v_cache = ctx.kv_caches[layer]
     return flash_attn_varlen_func(
-        q.transpose(0, 1), k_cache, v_cache,
-        cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-        max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-        softmax_scale=scaling, causal=True,
+        q.transpose(0, 1),
+        k_cache,
+        v_cache,
+        cu_seqlens_q=meta.cu_seqlens_q,
+        cu_seqlens_k=meta.cu_seqlens_k,
+        max_seqlen_q=meta.max_seqlen_q,
+        max_seqlen_k=meta.max_seqlen_k,
+        softmax_scale=scaling,
+        causal=True,
         window_size=(window - 1, 0) if window is not None else (-1, -1),
         softcap=softcap if softcap is not None else 0.0,
         block_table=meta.block_tables,
@@ -220,8 +258,13 @@ def _store_kv(ctx: ForwardContext, layer: int, key: torch.Tensor, value: torch.T
 
 
 def paged_attention_forward(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
@@ -243,6 +286,8 @@ def paged_attention_forward(
         raise RuntimeError(f"{type(module).__name__} has no integer layer_idx; cannot find its KV pool")
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")
+    if not (window is None or isinstance(window, int)) or not (softcap is None or isinstance(softcap, (int, float))):
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: sliding_window {window!r}, softcap {softcap!r} unknown")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     _store_kv(ctx, layer, key[0], value[0])
     if ctx.flash is not None:

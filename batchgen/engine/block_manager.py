@@ -209,7 +209,7 @@ class BlockManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def _register_full_blocks(self, seq: Sequence, num_covered_tokens: int) -> None:

@@ -79,8 +79,10 @@ def cascade_decode_attention(
     # shared part: all B*G queries of a KV head against one copy of the prefix
     q_all = qg.transpose(0, 1).reshape(kvh, b * g, d)  # [KVH, B*G, D]
     scores = torch.matmul(q_all, k[0, :, :shared].float().transpose(-1, -2)) * scaling  # [KVH, B*G, P]
-    parts = [t.reshape(kvh, b, g, -1).transpose(0, 1)  # [B, KVH, G, .]
-             for t in _part(scores, v[0, :, :shared].float())]
+    parts = [
+        t.reshape(kvh, b, g, -1).transpose(0, 1)  # [B, KVH, G, .]
+        for t in _part(scores, v[0, :, :shared].float())
+    ]
     # own part: each row's keys after the prefix
     scores = torch.matmul(qg, k[:, :, shared:].float().transpose(-1, -2)) * scaling  # [B, KVH, G, L - P]
     own = _part(scores.masked_fill(~own_mask, float("-inf")), v[:, :, shared:].float())

@@ -31,7 +31,7 @@ Pool = tuple[torch.Tensor, torch.Tensor]  # one layer's K, V: [num_blocks, block
 
 
 def resolve_decode_kv(setting: str, device: torch.device) -> DecodeKV:
-    """"auto" -> rows on CPU (memory-bound decode), gather elsewhere (the copy is cheap, rows cost memory)."""
+    """ "auto" -> rows on CPU (memory-bound decode), gather elsewhere (the copy is cheap, rows cost memory)."""
     if setting == "auto":
         return "rows" if device.type == "cpu" else "gather"
     if setting not in ("gather", "rows"):
@@ -81,14 +81,16 @@ class DecodeKVSource(Protocol):
         """Forget every sequence (the engine aborted them all)."""
 
 
-def make_group(start: int, decodes: Sequence[DecodeRequest], kv_len: int, block_size: int,
-               device: torch.device) -> DecodeGroup:
+def make_group(
+    start: int, decodes: Sequence[DecodeRequest], kv_len: int, block_size: int, device: torch.device
+) -> DecodeGroup:
     """A group of consecutive packed decodes padded to `kv_len` keys; cascade when they share enough blocks."""
     positions = [d.position for d in decodes]
     shared = cascade_len([d.block_table for d in decodes], positions, block_size, kv_len)
     context_lens = torch.tensor(positions) + 1  # [B]
-    return DecodeGroup(start=start, num_seqs=len(decodes), context_lens=context_lens.to(device), kv_len=kv_len,
-                       shared_len=shared)
+    return DecodeGroup(
+        start=start, num_seqs=len(decodes), context_lens=context_lens.to(device), kv_len=kv_len, shared_len=shared
+    )
 
 
 def padded_tables(tables: Iterable[Sequence[int]], counts: Sequence[int], width: int) -> torch.Tensor:

@@ -55,7 +55,7 @@ class RowsView:
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the group's rows, [B, KVH, L, D] each, L the group's longest context."""
         step, g = self.classes[group], self.groups[group]
-        return step.k[layer][:g.num_seqs, :, :g.kv_len], step.v[layer][:g.num_seqs, :, :g.kv_len]
+        return step.k[layer][: g.num_seqs, :, : g.kv_len], step.v[layer][: g.num_seqs, :, : g.kv_len]
 
     def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
         """Fill new rows from the pool, then append this step's K/V ([KVH, T, D], decodes first).
@@ -72,16 +72,22 @@ class RowsView:
                 v[row, :, :length] = pool[1].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)
             n = step.positions.numel()
             rows = torch.arange(n, device=k.device)
-            k[rows, :, step.positions] = key[:, first:first + n].transpose(0, 1)  # [n, KVH, D]
-            v[rows, :, step.positions] = value[:, first:first + n].transpose(0, 1)
+            k[rows, :, step.positions] = key[:, first : first + n].transpose(0, 1)  # [n, KVH, D]
+            v[rows, :, step.positions] = value[:, first : first + n].transpose(0, 1)
             first += n
 
 
 class _Pack:
     """The rows of one length class: tensors and which sequence holds which row."""
 
-    def __init__(self, num_layers: int, shape_tail: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device, max_rows: int | None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        shape_tail: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int | None,
+    ) -> None:
         self.num_layers, self.shape_tail, self.dtype, self.device = num_layers, shape_tail, dtype, device
         self.max_rows = max_rows
         self.k: list[torch.Tensor] = []
@@ -131,9 +137,18 @@ class _Pack:
 class DecodeRows:
     """Every decoding sequence's row, by length class; plans each step's rows (a DecodeKVSource)."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device, max_rows: int | None = None,
-                 pool_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int | None = None,
+        pool_tokens: int | None = None,
+    ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
         self.max_len = max_len  # no sequence is longer: caps the longest class
@@ -169,10 +184,12 @@ class DecodeRows:
         steps: dict[int, list[int]] = {}
         for i in order:
             steps.setdefault(self._where[decodes[i].seq_id][0], []).append(decodes[i].position)
-        view = RowsView([
-            ClassStep(self._packs[c].k, self._packs[c].v, torch.tensor(pos, device=self.device), fills.get(c, []))
-            for c, pos in steps.items()
-        ])
+        view = RowsView(
+            [
+                ClassStep(self._packs[c].k, self._packs[c].v, torch.tensor(pos, device=self.device), fills.get(c, []))
+                for c, pos in steps.items()
+            ]
+        )
         view.groups = self._groups([decodes[i] for i in order], [len(p) for p in steps.values()])
         return order, view
 
@@ -191,7 +208,7 @@ class DecodeRows:
         """One group per class (`sizes` rows each, in packed order), padded to its longest context."""
         groups, first = [], 0
         for n in sizes:
-            group = packed[first:first + n]
+            group = packed[first : first + n]
             kv_len = max(d.position for d in group) + 1
             groups.append(make_group(first, group, kv_len, self.block_size, self.device))
             first += n
@@ -209,20 +226,28 @@ class DecodeRows:
         return min(self.max_rows, self.pool_tokens // shortest + 1)
 
     def _in_step(self, seq_id: int, d: DecodeRequest | None) -> bool:
-        return (d is not None and self._len_of[seq_id] == d.position
-                and self._where[seq_id][0] == length_class(d.position + 1))
+        return (
+            d is not None
+            and self._len_of[seq_id] == d.position
+            and self._where[seq_id][0] == length_class(d.position + 1)
+        )
 
     def _assign(self, d: DecodeRequest, fills: dict[int, list[tuple[int, int, torch.Tensor]]]) -> None:
         c = length_class(d.position + 1)
         if c not in self._packs:
             length = min(MIN_CLASS_LEN << c, max(self.max_len, d.position + 1))
-            self._packs[c] = _Pack(self.num_layers, (self.num_kv_heads, length, self.head_dim), self.dtype,
-                                   self.device, self._class_rows(c))
+            self._packs[c] = _Pack(
+                self.num_layers,
+                (self.num_kv_heads, length, self.head_dim),
+                self.dtype,
+                self.device,
+                self._class_rows(c),
+            )
         row = self._packs[c].add(d.seq_id, d.position)
         self._where[d.seq_id] = (c, row)
         self.num_fills += 1
         if d.position > 0:
-            blocks = torch.tensor(d.block_table[:math.ceil(d.position / self.block_size)], device=self.device)
+            blocks = torch.tensor(d.block_table[: math.ceil(d.position / self.block_size)], device=self.device)
             fills.setdefault(c, []).append((row, d.position, blocks))
 
     def _release(self, seq_id: int) -> None:

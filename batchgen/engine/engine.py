@@ -51,8 +51,13 @@ class _Request:
 
 class Engine:
     def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, tokenizer: Any,
-        eos_token_ids: Iterable[int], vocab_size: int,
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        sampler: Sampler,
+        tokenizer: Any,
+        eos_token_ids: Iterable[int],
+        vocab_size: int,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -158,13 +163,19 @@ class Engine:
         del self._requests[seq.seq_id]
         self.stats.cached_tokens += seq.num_cached_tokens
         return RequestOutput(
-            request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=stop.text,
-            token_ids=seq.output_token_ids, finish_reason=stop.finish_reason, stop_reason=stop.stop_reason,
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=stop.text,
+            token_ids=seq.output_token_ids,
+            finish_reason=stop.finish_reason,  # type: ignore[arg-type]  # set: _finish follows a stop
+            stop_reason=stop.stop_reason,
             num_cached_tokens=seq.num_cached_tokens,
         )
 
     def generate(
-        self, prompts: list[list[int]], params: list[SamplingParams],
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion; outputs in input order, `on_output` as each one finishes.
@@ -181,7 +192,9 @@ class Engine:
             raise
 
     def _run(
-        self, prompts: list[list[int]], params: list[SamplingParams],
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None,
     ) -> list[RequestOutput]:
         position = {self.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}

@@ -62,18 +62,32 @@ class LLM:
         config.max_model_len = self.max_model_len
         spec = kv_spec(hf_model.config)
         blocks = num_kv_blocks_for(
-            spec, config.block_size, torch_dtype, torch_device, num_kv_blocks=config.num_kv_blocks,
-            budget_bytes=config.kv_cache_memory_bytes, max_num_seqs=config.max_num_seqs,
+            spec,
+            config.block_size,
+            torch_dtype,
+            torch_device,
+            num_kv_blocks=config.num_kv_blocks,
+            budget_bytes=config.kv_cache_memory_bytes,
+            max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
-        runner = ModelRunner(hf_model, spec, config.block_size, blocks, torch_device, torch_dtype,
-                             config.max_num_seqs, self.max_model_len, config.decode_kv)
+        runner = ModelRunner(
+            hf_model,
+            spec,
+            config.block_size,
+            blocks,
+            torch_device,
+            torch_dtype,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.decode_kv,
+        )
         block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(config, block_manager, self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model)
         eos = eos_token_ids(hf_model, self.tokenizer)
         self.config = config
-        vocab_size = hf_model.get_input_embeddings().num_embeddings
+        vocab_size = int(hf_model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
         self.engine = Engine(scheduler, runner, Sampler(eos), self.tokenizer, eos, vocab_size)
 
     @property
@@ -105,9 +119,9 @@ class LLM:
                 raise ValueError(f"got {len(token_ids)} prompts but {len(params)} SamplingParams")
         return self.engine.generate(token_ids, params, on_output=on_output)
 
-    def _encode(self, index: int, prompt: str | list[int]) -> list[int]:
+    def _encode(self, index: int, prompt: object) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
+            return [int(t) for t in prompt]
         raise TypeError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")

@@ -32,8 +32,15 @@ CPU_CAPACITY_FACTOR = 2  # CPU pool: at most 2x what max_num_seqs full-length se
 
 
 def num_kv_blocks_for(
-    spec: KVSpec, block_size: int, dtype: torch.dtype, device: torch.device, *, num_kv_blocks: int | None,
-    budget_bytes: int | None, max_num_seqs: int, max_model_len: int,
+    spec: KVSpec,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    num_kv_blocks: int | None,
+    budget_bytes: int | None,
+    max_num_seqs: int,
+    max_model_len: int,
 ) -> int:
     """Pool size: explicit blocks, else a byte budget, else (CUDA) free memory, else a CPU default."""
     if num_kv_blocks is not None:
@@ -54,21 +61,29 @@ def num_kv_blocks_for(
     return blocks
 
 
-def _packed_order(chunks: Sequence[ScheduledChunk], decode_kv: DecodeKVSource, flash: bool,
-                  ) -> tuple[list[int], DecodeStep | None]:
+def _packed_order(
+    chunks: Sequence[ScheduledChunk],
+    decode_kv: DecodeKVSource,
+    flash: bool,
+) -> tuple[list[int], DecodeStep | None]:
     """Chunk indices in packed order (decodes as their source plans them, then the rest in batch
     order) and the decodes' step. With flash-attn every chunk reads the pool: nothing is planned."""
     decodes = [] if flash else [i for i, c in enumerate(chunks) if c.is_decode]
     if not decodes:
         return list(range(len(chunks))), None
-    packed, step = decode_kv.plan([DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table)
-                                   for i in decodes])
+    packed, step = decode_kv.plan(
+        [DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table) for i in decodes]
+    )
     return [decodes[j] for j in packed] + [i for i, c in enumerate(chunks) if not c.is_decode], step
 
 
 def build_forward_context(
-    chunks: Sequence[ScheduledChunk], decode_kv: DecodeKVSource, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    block_size: int, device: torch.device, flash: bool = False,
+    chunks: Sequence[ScheduledChunk],
+    decode_kv: DecodeKVSource,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    block_size: int,
+    device: torch.device,
+    flash: bool = False,
 ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
     """Step metadata for `chunks` (batch order) -> (context, positions [T], packed order of the chunks)."""
     order, step = _packed_order(chunks, decode_kv, flash)
@@ -88,13 +103,19 @@ def build_forward_context(
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
     starts = cu.tolist()
     prefills = [
-        PrefillChunk(start=starts[j], end=starts[j] + c.num_tokens, context_start=c.start,
-                     block_table=tables[j, :needed[j]].to(device))
-        for j, c in enumerate(packed) if j >= num_dec
+        PrefillChunk(
+            start=starts[j],
+            end=starts[j] + c.num_tokens,
+            context_start=c.start,
+            block_table=tables[j, : needed[j]].to(device),
+        )
+        for j, c in enumerate(packed)
+        if j >= num_dec
     ]
     meta = _flash_metadata(lens, ctx_start, tables, device) if flash else None
-    ctx = ForwardContext(kv_caches=kv_caches, slot_mapping=slots.to(device), decodes=step, prefills=prefills,
-                         flash=meta)
+    ctx = ForwardContext(
+        kv_caches=kv_caches, slot_mapping=slots.to(device), decodes=step, prefills=prefills, flash=meta
+    )
     return ctx, positions.to(device), order
 
 
@@ -106,15 +127,23 @@ def _flash_metadata(
     return FlashMetadata(
         cu_seqlens_q=torch.cat([zero, torch.cumsum(lens, 0).int()]).to(device),
         cu_seqlens_k=torch.cat([zero, torch.cumsum(kv_lens, 0).int()]).to(device),
-        max_seqlen_q=int(lens.max()), max_seqlen_k=int(kv_lens.max()),
+        max_seqlen_q=int(lens.max()),
+        max_seqlen_k=int(kv_lens.max()),
         block_tables=tables.int().to(device),
     )
 
 
 class ModelRunner:
     def __init__(
-        self, model: PreTrainedModel, spec: KVSpec, block_size: int, num_kv_blocks: int,
-        device: torch.device, dtype: torch.dtype, max_num_seqs: int | None = None, max_model_len: int | None = None,
+        self,
+        model: PreTrainedModel,
+        spec: KVSpec,
+        block_size: int,
+        num_kv_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
         decode_kv: str = "auto",
     ) -> None:
         self.model = model
@@ -131,21 +160,37 @@ class ModelRunner:
         self.flash = use_flash_attn(device, block_size)
         self.decode_kv_kind = resolve_decode_kv(decode_kv, device)
         self.decode_kv: DecodeKVSource = (
-            DecodeRows(spec.num_layers, spec.num_kv_heads, spec.head_dim, block_size,
-                       max_model_len or num_kv_blocks * block_size, dtype, device, max_num_seqs,
-                       num_kv_blocks * block_size)
-            if self.decode_kv_kind == "rows" else GatheredBlocks(block_size, device)
+            DecodeRows(
+                spec.num_layers,
+                spec.num_kv_heads,
+                spec.head_dim,
+                block_size,
+                max_model_len or num_kv_blocks * block_size,
+                dtype,
+                device,
+                max_num_seqs,
+                num_kv_blocks * block_size,
+            )
+            if self.decode_kv_kind == "rows"
+            else GatheredBlocks(block_size, device)
         )
-        logger.info("KV pool: %d blocks x %d tokens, %d layers (%s, decode K/V: %s)", num_kv_blocks, block_size,
-                    spec.num_layers, "flash-attn" if self.flash else "torch SDPA", self.decode_kv_kind)
+        logger.info(
+            "KV pool: %d blocks x %d tokens, %d layers (%s, decode K/V: %s)",
+            num_kv_blocks,
+            block_size,
+            spec.num_layers,
+            "flash-attn" if self.flash else "torch SDPA",
+            self.decode_kv_kind,
+        )
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """One forward over the batch -> float32 logits [num sampled chunks, vocab], in batch order."""
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
-        ctx, positions, order = build_forward_context(chunks, self.decode_kv, self.kv_caches, self.block_size,
-                                                      self.device, self.flash)
+        ctx, positions, order = build_forward_context(
+            chunks, self.decode_kv, self.kv_caches, self.block_size, self.device, self.flash
+        )
         token_ids: list[int] = []
         packed_end = [0] * len(chunks)
         for i in order:
@@ -155,8 +200,9 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, device=self.device)[None]  # [1, T]
         keep_idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # [num sampled]
         with torch.inference_mode(), forward_context(ctx):
-            out = self.model(input_ids=input_ids, position_ids=positions[None], logits_to_keep=keep_idx,
-                             use_cache=False)
+            out = self.model(
+                input_ids=input_ids, position_ids=positions[None], logits_to_keep=keep_idx, use_cache=False
+            )
         if ctx.num_attention_calls != len(self.kv_caches):
             raise RuntimeError(
                 f"the model called batchgen's attention {ctx.num_attention_calls} times for "

@@ -55,15 +55,16 @@ def available_devices() -> list[str]:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """"auto": cuda when available, else cpu. Anything else must be present on this machine."""
+    """ "auto": cuda when available, else cpu. Anything else must be present on this machine."""
     if isinstance(device, torch.device):
         return device
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     here = available_devices()
     if not DEVICE_NAME.fullmatch(device):
-        raise DeviceError(f"device {device!r} is not a device name (use {DEVICE_CHOICES}); on this machine: "
-                          + ", ".join(here))
+        raise DeviceError(
+            f"device {device!r} is not a device name (use {DEVICE_CHOICES}); on this machine: " + ", ".join(here)
+        )
     kind, _, index = device.partition(":")
     if not any(d == device or (not index and d.split(":")[0] == kind) for d in here):
         raise DeviceError(f"device {device!r} is not available on this machine; devices here: {', '.join(here)}")
@@ -71,7 +72,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto": float32 on CPU (exactness, and CPU matmuls gain little from bf16); bf16 on capable GPUs."""
+    """ "auto": float32 on CPU (exactness, and CPU matmuls gain little from bf16); bf16 on capable GPUs."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -96,7 +97,8 @@ def check_config(config: PretrainedConfig) -> None:
         raise _refuse(config, "loading with AutoModelForCausalLM (not a causal LM)")
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     if not getattr(model_cls, "_supports_attention_backend", False):
-        raise _refuse(config, f"{model_cls.__name__} (it does not support transformers' attention interface)")
+        name = getattr(model_cls, "__name__", str(model_cls))
+        raise _refuse(config, f"{name} (it does not support transformers' attention interface)")
     if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
         raise _refuse(config, "a multimodal model (load its text-only checkpoint instead)")
     text = config.get_text_config()
@@ -169,6 +171,6 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype) -> PreTraine
     check_config(config)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
     check_model(model)
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() for its own models badly
     logger.info("loaded %s (%s) on %s as %s", path, type(model).__name__, device, dtype)
     return model

@@ -29,6 +29,7 @@ def is_int(value: Any) -> bool:
 def is_finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
 # Below this temperature a request is greedy: logits / ~0 overflow float32 (vLLM's cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -71,16 +72,23 @@ class SamplingParams:
             ("top_p", is_finite(s.top_p) and 0.0 < s.top_p <= 1.0, "a number in (0, 1]"),
             ("top_k", is_int(s.top_k) and s.top_k >= 0, "0 (disabled), -1 (disabled) or an integer >= 1"),
             ("min_p", is_finite(s.min_p) and 0.0 <= s.min_p <= 1.0, "a number in [0, 1]"),
-            ("min_tokens", is_int(s.min_tokens) and 0 <= s.min_tokens <= s.max_tokens,
-             f"an integer in [0, max_tokens={s.max_tokens}]"),
-            ("seed", s.seed is None or (is_int(s.seed) and SEED_MIN <= s.seed <= SEED_MAX),
-             f"null or an integer that fits 64 bits ({SEED_MIN} .. {SEED_MAX})"),
+            (
+                "min_tokens",
+                is_int(s.min_tokens) and 0 <= s.min_tokens <= s.max_tokens,
+                f"an integer in [0, max_tokens={s.max_tokens}]",
+            ),
+            (
+                "seed",
+                s.seed is None or (is_int(s.seed) and SEED_MIN <= s.seed <= SEED_MAX),
+                f"null or an integer that fits 64 bits ({SEED_MIN} .. {SEED_MAX})",
+            ),
             ("stop", all(isinstance(x, str) and x for x in s.stop), "a list of non-empty strings"),
-            ("stop_token_ids", all(is_int(t) and t >= 0 for t in s.stop_token_ids),
-             "a list of non-negative token ids"),
+            ("stop_token_ids", all(is_int(t) and t >= 0 for t in s.stop_token_ids), "a list of non-negative token ids"),
         ]
-        checks += [(name, isinstance(getattr(s, name), bool), "true or false")
-                   for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")]
+        checks += [
+            (name, isinstance(getattr(s, name), bool), "true or false")
+            for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+        ]
         for name, ok, expected in checks:
             if not ok:
                 raise SettingError("SamplingParams", name, expected, getattr(self, name))

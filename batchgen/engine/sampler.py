@@ -87,7 +87,7 @@ class Sampler:
         params = torch.tensor(table, dtype=torch.float32).to(logits.device)  # [n, 4]
         temperature, top_k, top_p, min_p = params.unbind(dim=1)  # each [n]
         probs = (logits.float() / temperature[:, None]).softmax(dim=-1)  # [n, V]
-        max_k = max((row[1] for row in table if row[1] < vocab), default=0)
+        max_k = int(max((row[1] for row in table if row[1] < vocab), default=0))
         need_p = any(row[2] < 1.0 for row in table)
         if max_k or need_p:
             probs = _filter_top_k_top_p(probs, top_k.long(), top_p, max_k, need_p)

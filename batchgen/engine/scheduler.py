@@ -247,6 +247,10 @@ def _snapshot(seq: Sequence, n: int) -> ScheduledChunk:
     start = seq.num_computed_tokens
     needs_sample = start + n == seq.num_tokens
     return ScheduledChunk(
-        seq=seq, start=start, token_ids=tuple(seq.token_ids[start:start + n]), block_table=tuple(seq.block_table),
-        needs_sample=needs_sample, is_decode=is_decode(n, start, seq.num_prompt_tokens, needs_sample),
+        seq=seq,
+        start=start,
+        token_ids=tuple(seq.token_ids[start : start + n]),
+        block_table=tuple(seq.block_table),
+        needs_sample=needs_sample,
+        is_decode=is_decode(n, start, seq.num_prompt_tokens, needs_sample),
     )

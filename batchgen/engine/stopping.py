@@ -182,7 +182,7 @@ class StopChecker:
         base = self._backend.decode(self._context, skip_special_tokens=self._skip_special)
         full = self._backend.decode([*self._context, *ids], skip_special_tokens=self._skip_special)
         if full.startswith(base):
-            return full[len(base):]
+            return full[len(base) :]
         return self._backend.decode(ids, skip_special_tokens=self._skip_special)
 
     def _prime_ids(self, prompt_token_ids: SequenceOf[int]) -> list[int]:

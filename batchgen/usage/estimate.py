@@ -19,7 +19,7 @@ from batchgen.duplicate_ids import find_duplicate_ids
 from batchgen.engine.models import resolve_max_model_len
 from batchgen.errors import ModelError
 from batchgen.job import JobSpec
-from batchgen.ordering import order_requests
+from batchgen.ordering import Strategy, order_requests
 from batchgen.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
 from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
 from batchgen.usage.totals import IntHistogram
@@ -48,20 +48,20 @@ class Estimate:
     def cached_tokens(self) -> int:
         return self.shareable_tokens if self.cache_enabled else 0
 
-    def add_window(self, rows: list[PreparedRow], ordering: str, block_size: int) -> None:
-        ok = [r for r in rows if r.ok]
+    def add_window(self, rows: list[PreparedRow], ordering: Strategy, block_size: int) -> None:
+        ok = [r.request() for r in rows if r.ok]
         self.rows += len(rows)
         self.ok_rows += len(ok)
-        lengths = [len(r.prompt_ids) for r in ok]
+        lengths = [len(ids) for ids, _ in ok]
         self.input_tokens += sum(lengths)
         self.input_lengths.add_many(np.array(lengths, np.int64))
-        self.max_output_tokens += sum(r.params.max_tokens for r in ok)
+        self.max_output_tokens += sum(params.max_tokens for _, params in ok)
         for r in rows:
-            if not r.ok:
+            if r.error_code is not None:
                 self.error_codes[r.error_code] = self.error_codes.get(r.error_code, 0) + 1
                 if len(self.error_examples) < MAX_ERROR_EXAMPLES:
                     self.error_examples.append(f"{r.error_code}: {r.error_message}")
-        prompts = [r.prompt_ids for r in ok]
+        prompts = [ids for ids, _ in ok]
         self.shareable_tokens += prefix_cache_hits([prompts[i] for i in order_requests(prompts, ordering)], block_size)
 
 
@@ -119,14 +119,25 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
     hist, engine = est.input_lengths, spec.engine
     mean = hist.mean()
     return {
-        "job": str(spec.source), "context_length": est.context_length,
+        "job": str(spec.source),
+        "context_length": est.context_length,
         "rows": {"total": est.rows, "ok": est.ok_rows, "error": est.rows - est.ok_rows},
-        "error_codes": dict(sorted(est.error_codes.items())), "error_examples": est.error_examples,
-        "input_tokens": {"total": est.input_tokens, "mean": None if mean is None else round(mean, 2),
-                         "p50": hist.percentile(50), "p95": hist.percentile(95), "max": hist.max()},
+        "error_codes": dict(sorted(est.error_codes.items())),
+        "error_examples": est.error_examples,
+        "input_tokens": {
+            "total": est.input_tokens,
+            "mean": None if mean is None else round(mean, 2),
+            "p50": hist.percentile(50),
+            "p95": hist.percentile(95),
+            "max": hist.max(),
+        },
         "prefix_cache": {
-            "enabled": est.cache_enabled, "cached_tokens": est.cached_tokens, "shareable_tokens": est.shareable_tokens,
-            "block_size": engine.block_size, "ordering": engine.ordering, "window_rows": engine.window_rows,
+            "enabled": est.cache_enabled,
+            "cached_tokens": est.cached_tokens,
+            "shareable_tokens": est.shareable_tokens,
+            "block_size": engine.block_size,
+            "ordering": engine.ordering,
+            "window_rows": engine.window_rows,
             "assumption": _cache_assumption(est, spec),
         },
         "output_tokens": {"min": 0, "max": est.max_output_tokens},
@@ -143,16 +154,21 @@ def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
     out_max = output_cost(prices, est.max_output_tokens)
     billed = cached if cached is not None else plain
     return {
-        "input": plain, "input_with_cache": cached,
-        "output_min": None if out_max is None else Decimal(0), "output_max": out_max,
-        "total_min": billed, "total_max": add_costs(billed, out_max),
+        "input": plain,
+        "input_with_cache": cached,
+        "output_min": None if out_max is None else Decimal(0),
+        "output_max": out_max,
+        "total_min": billed,
+        "total_max": add_costs(billed, out_max),
     }
 
 
 def _cache_assumption(est: Estimate, spec: JobSpec) -> str:
-    scope = (f"full blocks of {spec.engine.block_size} tokens, an unbounded cache within each window of "
-             f"{spec.engine.window_rows} rows in '{spec.engine.ordering}' order and nothing counted across windows "
-             "(a real KV pool can evict within a window and keep blocks across windows)")
+    scope = (
+        f"full blocks of {spec.engine.block_size} tokens, an unbounded cache within each window of "
+        f"{spec.engine.window_rows} rows in '{spec.engine.ordering}' order and nothing counted across windows "
+        "(a real KV pool can evict within a window and keep blocks across windows)"
+    )
     if est.cache_enabled:
         return scope
     why = "the hf backend has no prefix cache" if spec.engine.backend == "hf" else "engine.enable_prefix_caching is off"

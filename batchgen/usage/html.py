@@ -28,10 +28,20 @@ td.n{text-align:right;font-variant-numeric:tabular-nums}tr.total{font-weight:bol
 .bad{color:#b00;font-weight:bold}.note{color:#666}svg text{font-size:11px;fill:#333}
 rect.bar{fill:#4a7fb5}
 """
-_COLUMNS = [("group", "group"), ("rows", "rows"), ("ok_rows", "ok"), ("error_rows", "errors"),
-            ("input_tokens", "input tokens"), ("cached_tokens", "cached tokens"), ("output_tokens", "output tokens"),
-            ("output_tokens_mean", "output mean"), ("output_tokens_p95", "output p95"),
-            ("input_cost", "input cost"), ("output_cost", "output cost"), ("cost", "cost")]
+_COLUMNS = [
+    ("group", "group"),
+    ("rows", "rows"),
+    ("ok_rows", "ok"),
+    ("error_rows", "errors"),
+    ("input_tokens", "input tokens"),
+    ("cached_tokens", "cached tokens"),
+    ("output_tokens", "output tokens"),
+    ("output_tokens_mean", "output mean"),
+    ("output_tokens_p95", "output p95"),
+    ("input_cost", "input cost"),
+    ("output_cost", "output cost"),
+    ("cost", "cost"),
+]
 
 
 def render_html(report: Report, prices: Prices) -> str:
@@ -61,7 +71,6 @@ def render_html(report: Report, prices: Prices) -> str:
     )
 
 
-
 def write_html(report: Report, prices: Prices, path: str | Path) -> Path:
     path = Path(path)
     try:
@@ -69,6 +78,7 @@ def write_html(report: Report, prices: Prices, path: str | Path) -> Path:
     except OSError as exc:
         raise OutputError(f"--html {path}: cannot write the page: {exc.strerror or exc}") from exc
     return path
+
 
 def _prices_text(prices: Prices) -> str:
     if not prices.any_set:
@@ -128,14 +138,20 @@ def histogram_svg(hist: IntHistogram, label: str) -> str:
     for i, (low, high, count) in enumerate(bins):
         h = plot_h * count / peak
         span = str(low) if low == high else f"{low}-{high}"
-        bars.append(f'<rect class="bar" x="{i * bar_w:.1f}" y="{plot_h - h:.1f}" width="{max(bar_w - 1, 1):.1f}" '
-                    f'height="{h:.1f}"><title>{span} tokens: {count} rows</title></rect>')
-    axis = (f'<text x="0" y="{plot_h + 14}">{bins[0][0]}</text>'
-            f'<text x="{CHART_W}" y="{plot_h + 14}" text-anchor="end">{bins[-1][1]}</text>'
-            f'<text x="{CHART_W / 2}" y="{plot_h + 26}" text-anchor="middle">'
-            f"{escape(label)}; tallest bar {peak} rows</text>")
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_W}" height="{CHART_H}" '
-            f'role="img" aria-label="{escape(label)}">{"".join(bars)}{axis}</svg>')
+        bars.append(
+            f'<rect class="bar" x="{i * bar_w:.1f}" y="{plot_h - h:.1f}" width="{max(bar_w - 1, 1):.1f}" '
+            f'height="{h:.1f}"><title>{span} tokens: {count} rows</title></rect>'
+        )
+    axis = (
+        f'<text x="0" y="{plot_h + 14}">{bins[0][0]}</text>'
+        f'<text x="{CHART_W}" y="{plot_h + 14}" text-anchor="end">{bins[-1][1]}</text>'
+        f'<text x="{CHART_W / 2}" y="{plot_h + 26}" text-anchor="middle">'
+        f"{escape(label)}; tallest bar {peak} rows</text>"
+    )
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_W}" height="{CHART_H}" '
+        f'role="img" aria-label="{escape(label)}">{"".join(bars)}{axis}</svg>'
+    )
 
 
 def _group_chart(rows: list[dict[str, Any]], prices: Prices) -> str:
@@ -151,9 +167,13 @@ def _group_chart(rows: list[dict[str, Any]], prices: Prices) -> str:
     for i, (name, value) in enumerate(values):
         y, w = i * row_h, float(value / peak) * plot_w
         shown = money_display(value) if use_cost else f"{value} tokens"
-        items.append(f'<text x="{label_w - 6}" y="{y + 14}" text-anchor="end">{escape(name[:24])}</text>'
-                     f'<rect class="bar" x="{label_w}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}">'
-                     f"<title>{escape(name)}: {escape(shown)}</title></rect>"
-                     f'<text x="{label_w + w + 4:.1f}" y="{y + 14}">{escape(shown)}</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_W}" height="{row_h * len(values) + 4}" '
-            f'role="img" aria-label="by group">{"".join(items)}</svg>')
+        items.append(
+            f'<text x="{label_w - 6}" y="{y + 14}" text-anchor="end">{escape(name[:24])}</text>'
+            f'<rect class="bar" x="{label_w}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}">'
+            f"<title>{escape(name)}: {escape(shown)}</title></rect>"
+            f'<text x="{label_w + w + 4:.1f}" y="{y + 14}">{escape(shown)}</text>'
+        )
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{CHART_W}" height="{row_h * len(values) + 4}" '
+        f'role="img" aria-label="by group">{"".join(items)}</svg>'
+    )

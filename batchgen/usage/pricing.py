@@ -43,8 +43,12 @@ class Prices:
         return any(p is not None for p in (self.input, self.cached_input, self.output))
 
     def as_json(self) -> dict[str, str | None]:
-        return {"input": money_text(self.input), "cached_input": money_text(self.cached_input),
-                "output": money_text(self.output), "per_tokens": str(PER_TOKENS)}
+        return {
+            "input": money_text(self.input),
+            "cached_input": money_text(self.cached_input),
+            "output": money_text(self.output),
+            "per_tokens": str(PER_TOKENS),
+        }
 
 
 def per_million(tokens: int, price: Decimal) -> Decimal:

@@ -18,14 +18,21 @@ def record(name: str, stats: GroupStats, prices: Prices) -> dict[str, Any]:
     out_cost = output_cost(prices, stats.output_tokens)
     mean = stats.output_lengths.mean()
     return {
-        "group": name, "rows": stats.rows, "ok_rows": stats.ok_rows, "error_rows": stats.error_rows,
+        "group": name,
+        "rows": stats.rows,
+        "ok_rows": stats.ok_rows,
+        "error_rows": stats.error_rows,
         "error_codes": dict(sorted(stats.error_codes.items())),
-        "input_tokens": stats.input_tokens, "cached_tokens": stats.cached_tokens, "output_tokens": stats.output_tokens,
+        "input_tokens": stats.input_tokens,
+        "cached_tokens": stats.cached_tokens,
+        "output_tokens": stats.output_tokens,
         "finish_reasons": dict(sorted(stats.finish_reasons.items())),
         "output_tokens_mean": None if mean is None else round(mean, 2),
         "output_tokens_p95": stats.output_lengths.percentile(95),
         "input_tokens_p95": stats.input_lengths.percentile(95),
-        "input_cost": in_cost, "output_cost": out_cost, "cost": add_costs(in_cost, out_cost),
+        "input_cost": in_cost,
+        "output_cost": out_cost,
+        "cost": add_costs(in_cost, out_cost),
     }
 
 
@@ -36,10 +43,18 @@ def records(report: Report, prices: Prices) -> list[dict[str, Any]]:
 
 def to_json(report: Report, prices: Prices) -> str:
     rows = [{k: money_text(v) if k.endswith("cost") else v for k, v in r.items()} for r in records(report, prices)]
-    body = {"path": str(report.path), "by": report.by, "status": report.status.line(),
-            "finished": report.status.finished, "parts": report.status.parts,
-            "mismatches": report.status.mismatches, "prices": prices.as_json(), "p95": "nearest rank, exact",
-            "totals": rows[0], "groups": rows[1:]}
+    body = {
+        "path": str(report.path),
+        "by": report.by,
+        "status": report.status.line(),
+        "finished": report.status.finished,
+        "parts": report.status.parts,
+        "mismatches": report.status.mismatches,
+        "prices": prices.as_json(),
+        "p95": "nearest rank, exact",
+        "totals": rows[0],
+        "groups": rows[1:],
+    }
     return json.dumps(body, indent=2)
 
 
@@ -60,21 +75,47 @@ def to_csv(report: Report, prices: Prices) -> str:
 
 def to_text(report: Report, prices: Prices) -> str:
     """An aligned terminal table with a status line and, when prices are missing, a hint."""
-    head = ["group", "rows", "ok", "errors", "input", "cached", "output", "out mean", "out p95", "cost",
-            "finish / errors"]
+    head = [
+        "group",
+        "rows",
+        "ok",
+        "errors",
+        "input",
+        "cached",
+        "output",
+        "out mean",
+        "out p95",
+        "cost",
+        "finish / errors",
+    ]
     table = [head]
     for r in records(report, prices):
         mix = " ".join(f"{k}:{v}" for k, v in [*r["finish_reasons"].items(), *r["error_codes"].items()])
-        table.append([r["group"], r["rows"], r["ok_rows"], r["error_rows"], r["input_tokens"], r["cached_tokens"],
-                      r["output_tokens"], r["output_tokens_mean"], r["output_tokens_p95"],
-                      money_display(r["cost"]), mix])
+        table.append(
+            [
+                r["group"],
+                r["rows"],
+                r["ok_rows"],
+                r["error_rows"],
+                r["input_tokens"],
+                r["cached_tokens"],
+                r["output_tokens"],
+                r["output_tokens_mean"],
+                r["output_tokens_p95"],
+                money_display(r["cost"]),
+                mix,
+            ]
+        )
     cells = [["-" if v is None else str(v) for v in row] for row in table]
     widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
     left = (0, len(head) - 1)
-    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-             for row in cells]
+    lines = [
+        "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        for row in cells
+    ]
     notes = [f"{report.path}: {report.status.line()}"]
     if not prices.any_set:
-        notes.append("no prices: give --job JOB (its pricing section) or "
-                     "--price-input/--price-cached-input/--price-output")
+        notes.append(
+            "no prices: give --job JOB (its pricing section) or --price-input/--price-cached-input/--price-output"
+        )
     return "\n".join(notes + lines) + "\n"

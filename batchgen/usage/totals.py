@@ -39,7 +39,7 @@ class Totals:
         self.cached_tokens += sum(columns["cached_tokens"])
         self.output_tokens += sum(columns["output_tokens"])
 
-    def merge(self, other: "Totals") -> None:
+    def merge(self, other: Totals) -> None:
         for name in ("rows", "ok_rows", "input_tokens", "cached_tokens", "output_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         add_counts(self.finish_reasons, other.finish_reasons)

@@ -27,8 +27,9 @@ class _Layer(torch.nn.Module):
         self.layer_idx = 0
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int | None,
-               softcap: float | None) -> torch.Tensor:
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int | None, softcap: float | None
+) -> torch.Tensor:
     """q [H, n, D] (the last n positions), k/v [KVH, L, D] -> [n, H, D], eager math, K/V repeated."""
     n, total = q.shape[1], k.shape[1]
     k = k.repeat_interleave(HEADS // KV_HEADS, dim=0)
@@ -47,19 +48,28 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
 
 def _source(kind: str) -> DecodeKVSource:
     if kind == "rows":
-        return DecodeRows(num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, block_size=BLOCK, max_len=256,
-                          dtype=torch.float32, device=torch.device("cpu"))
+        return DecodeRows(
+            num_layers=1,
+            num_kv_heads=KV_HEADS,
+            head_dim=DIM,
+            block_size=BLOCK,
+            max_len=256,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
     return GatheredBlocks(BLOCK, torch.device("cpu"))
 
 
 def _chunk(seq_id: int, start: int, n: int, table: list[int], decode: bool) -> ScheduledChunk:
     seq = Sequence(seq_id, [2] * (start + n), SamplingParams())
-    return ScheduledChunk(seq=seq, start=start, token_ids=(2,) * n, block_table=tuple(table), needs_sample=True,
-                          is_decode=decode)
+    return ScheduledChunk(
+        seq=seq, start=start, token_ids=(2,) * n, block_table=tuple(table), needs_sample=True, is_decode=decode
+    )
 
 
-def _run_case(specs: list[tuple[int, int]], window: int | None, softcap: float | None, decode_kv: str,
-              shared: int = 0) -> ForwardContext:
+def _run_case(
+    specs: list[tuple[int, int]], window: int | None, softcap: float | None, decode_kv: str, shared: int = 0
+) -> ForwardContext:
     """specs: (cached context, new tokens) per sequence; a one-token chunk is a decode unless its
     context is odd. The first `shared` tokens (whole blocks) are the same blocks in every sequence."""
     gen = torch.Generator().manual_seed(0)
@@ -83,19 +93,21 @@ def _run_case(specs: list[tuple[int, int]], window: int | None, softcap: float |
         full_k.append(k)
         full_v.append(v)
         queries.append(torch.randn(HEADS, n, DIM, generator=gen))
-    ctx, positions, order = build_forward_context(chunks, _source(decode_kv), [(k_cache, v_cache)], BLOCK,
-                                                  torch.device("cpu"))
+    ctx, positions, order = build_forward_context(
+        chunks, _source(decode_kv), [(k_cache, v_cache)], BLOCK, torch.device("cpu")
+    )
     query = torch.cat([queries[i] for i in order], dim=1)[None]  # [1, H, T, D], packed order
-    key = torch.cat([full_k[i][:, specs[i][0]:] for i in order], dim=1)[None]  # [1, KVH, T, D]
-    value = torch.cat([full_v[i][:, specs[i][0]:] for i in order], dim=1)[None]
+    key = torch.cat([full_k[i][:, specs[i][0] :] for i in order], dim=1)[None]  # [1, KVH, T, D]
+    value = torch.cat([full_v[i][:, specs[i][0] :] for i in order], dim=1)[None]
     with forward_context(ctx):
-        out, _ = paged_attention_forward(_Layer(), query, key, value, None, scaling=0.3,
-                                         sliding_window=window, softcap=softcap)
+        out, _ = paged_attention_forward(
+            _Layer(), query, key, value, None, scaling=0.3, sliding_window=window, softcap=softcap
+        )
     expected = torch.cat([_reference(queries[i], full_k[i], full_v[i], 0.3, window, softcap) for i in order])
     torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
     assert positions.tolist() == [p for i in order for p in range(specs[i][0], sum(specs[i]))]
     decodes = {i for i, c in enumerate(chunks) if c.is_decode}
-    assert set(order[:len(decodes)]) == decodes  # decodes are packed first
+    assert set(order[: len(decodes)]) == decodes  # decodes are packed first
     return ctx
 
 
@@ -103,9 +115,17 @@ def _run_case(specs: list[tuple[int, int]], window: int | None, softcap: float |
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_mixed_decode_and_prefill_with_context(window: int | None, softcap: float | None, decode_kv: str) -> None:
-    specs = [(0, 1), (8, 1), (12, 1), (2, 1),  # decodes: fresh, block boundary, mid-block
-             (9, 1),  # a one-token chunk that is not a decode (e.g. a chunked prompt's last token)
-             (0, 9), (5, 6), (8, 4), (2, 13)]  # prefill chunks: fresh and over cached context
+    specs = [
+        (0, 1),
+        (8, 1),
+        (12, 1),
+        (2, 1),  # decodes: fresh, block boundary, mid-block
+        (9, 1),  # a one-token chunk that is not a decode (e.g. a chunked prompt's last token)
+        (0, 9),
+        (5, 6),
+        (8, 4),
+        (2, 13),
+    ]  # prefill chunks: fresh and over cached context
     _run_case(specs, window, softcap, decode_kv)
 
 
@@ -124,8 +144,9 @@ def test_decodes_sharing_cached_blocks_use_cascade_with_either_source(decode_kv:
 def test_new_kv_lands_in_the_slot_mapping() -> None:
     k_cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
     v_cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
-    ctx, _, _ = build_forward_context([_chunk(0, 2, 3, [3, 1], False)], _source("gather"), [(k_cache, v_cache)],
-                                      BLOCK, torch.device("cpu"))
+    ctx, _, _ = build_forward_context(
+        [_chunk(0, 2, 3, [3, 1], False)], _source("gather"), [(k_cache, v_cache)], BLOCK, torch.device("cpu")
+    )
     assert ctx.slot_mapping.tolist() == [3 * BLOCK + 2, 3 * BLOCK + 3, 1 * BLOCK + 0]
     key = torch.randn(1, KV_HEADS, 3, DIM)
     with forward_context(ctx):
@@ -135,14 +156,26 @@ def test_new_kv_lands_in_the_slot_mapping() -> None:
 
 
 def test_attention_sinks_are_refused() -> None:
-    ctx, _, _ = build_forward_context([_chunk(0, 0, 2, [0], False)], _source("gather"),
-                                      [(torch.zeros(1, BLOCK, 1, DIM),) * 2], BLOCK, torch.device("cpu"))
+    ctx, _, _ = build_forward_context(
+        [_chunk(0, 0, 2, [0], False)],
+        _source("gather"),
+        [(torch.zeros(1, BLOCK, 1, DIM),) * 2],
+        BLOCK,
+        torch.device("cpu"),
+    )
     with forward_context(ctx), pytest.raises(NotImplementedError, match="attention sinks"):
-        paged_attention_forward(_Layer(), torch.randn(1, 1, 2, DIM), torch.randn(1, 1, 2, DIM),
-                                torch.randn(1, 1, 2, DIM), None, s_aux=torch.zeros(1))
+        paged_attention_forward(
+            _Layer(),
+            torch.randn(1, 1, 2, DIM),
+            torch.randn(1, 1, 2, DIM),
+            torch.randn(1, 1, 2, DIM),
+            None,
+            s_aux=torch.zeros(1),
+        )
 
 
 def test_outside_the_runner_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="no forward context"):
-        paged_attention_forward(_Layer(), torch.randn(1, 1, 2, DIM), torch.randn(1, 1, 2, DIM),
-                                torch.randn(1, 1, 2, DIM), None)
+        paged_attention_forward(
+            _Layer(), torch.randn(1, 1, 2, DIM), torch.randn(1, 1, 2, DIM), torch.randn(1, 1, 2, DIM), None
+        )

@@ -29,7 +29,10 @@ def admit(bm: BlockManager, seq: Sequence, num_new: int | None = None) -> tuple[
 
 def snapshot(bm: BlockManager, *seqs: Sequence) -> tuple:
     return (
-        list(bm.ref_counts), list(bm.block_hashes), dict(bm.hash_to_block), bm.free_block_ids(),
+        list(bm.ref_counts),
+        list(bm.block_hashes),
+        dict(bm.hash_to_block),
+        bm.free_block_ids(),
         [(list(s.block_table), s.num_computed_tokens) for s in seqs],
     )
 

@@ -18,8 +18,15 @@ BLOCK, KVH, DIM = 4, 2, 8
 
 
 def _rows() -> DecodeRows:
-    return DecodeRows(num_layers=1, num_kv_heads=KVH, head_dim=DIM, block_size=BLOCK, max_len=4096,
-                      dtype=torch.float32, device=torch.device("cpu"))
+    return DecodeRows(
+        num_layers=1,
+        num_kv_heads=KVH,
+        head_dim=DIM,
+        block_size=BLOCK,
+        max_len=4096,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
 
 
 def _fill_seq_ids(view: object) -> list[tuple[int, int]]:
@@ -27,8 +34,9 @@ def _fill_seq_ids(view: object) -> list[tuple[int, int]]:
 
 
 def test_length_classes() -> None:
-    assert [length_class(n) for n in (1, MIN_CLASS_LEN, MIN_CLASS_LEN + 1, 2 * MIN_CLASS_LEN, 2 * MIN_CLASS_LEN + 1)] \
-        == [0, 0, 1, 1, 2]
+    assert [
+        length_class(n) for n in (1, MIN_CLASS_LEN, MIN_CLASS_LEN + 1, 2 * MIN_CLASS_LEN, 2 * MIN_CLASS_LEN + 1)
+    ] == [0, 0, 1, 1, 2]
 
 
 def test_rows_are_kept_while_decoding_and_refilled_when_out_of_step() -> None:
@@ -65,8 +73,14 @@ def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str],
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 4), ignore_eos=True) for i in range(12)]
     outputs = []
     for decode_kv in ("rows", "gather"):
-        llm = LLM(str(tiny_model("mistral")), block_size=8, max_num_batched_tokens=48, max_num_seqs=6,
-                  num_kv_blocks=40, decode_kv=decode_kv)
+        llm = LLM(
+            str(tiny_model("mistral")),
+            block_size=8,
+            max_num_batched_tokens=48,
+            max_num_seqs=6,
+            num_kv_blocks=40,
+            decode_kv=decode_kv,
+        )
         outputs.append([o.token_ids for o in llm.generate(prompts, params)])
         source = llm.engine.runner.decode_kv
         assert isinstance(source, DecodeRows) == (decode_kv == "rows")
@@ -77,8 +91,17 @@ def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str],
 
 
 def test_long_classes_reserve_only_the_rows_the_pool_can_fill() -> None:
-    rows = DecodeRows(num_layers=1, num_kv_heads=KVH, head_dim=DIM, block_size=BLOCK, max_len=4096,
-                      dtype=torch.float32, device=torch.device("cpu"), max_rows=64, pool_tokens=1000)
+    rows = DecodeRows(
+        num_layers=1,
+        num_kv_heads=KVH,
+        head_dim=DIM,
+        block_size=BLOCK,
+        max_len=4096,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_rows=64,
+        pool_tokens=1000,
+    )
     table = list(range(300))
     rows.plan([DecodeRequest(1, 10, table), DecodeRequest(2, 600, table)])
     shapes = {c: pack.k[0].shape[0] for c, pack in rows._packs.items()}

@@ -17,11 +17,15 @@ def test_unknown_setting_is_named_before_anything_loads(tmp_path: Path) -> None:
         LLM(str(tmp_path / "nowhere"), block_sise=8)
 
 
-@pytest.mark.parametrize("settings, name", [
-    ({"block_size": 0}, "block_size"), ({"max_num_seqs": True}, "max_num_seqs"),
-    ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
-    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
-])
+@pytest.mark.parametrize(
+    "settings, name",
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": True}, "max_num_seqs"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+    ],
+)
 def test_invalid_setting_is_a_value_error_naming_it(tmp_path: Path, settings: dict, name: str) -> None:
     with pytest.raises(ValueError, match=rf"EngineConfig.{name} must be"):
         LLM(str(tmp_path / "nowhere"), **settings)

@@ -15,8 +15,14 @@ from .conftest import EOS_ID
 
 @pytest.fixture(scope="module")
 def llm(tiny_model: Callable[[str], Path]) -> LLM:
-    return LLM(str(tiny_model("llama")), device="cpu", block_size=8, num_kv_blocks=32, max_num_batched_tokens=128,
-               max_model_len=200)
+    return LLM(
+        str(tiny_model("llama")),
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=32,
+        max_num_batched_tokens=128,
+        max_model_len=200,
+    )
 
 
 def test_string_prompts_and_single_params(llm: LLM) -> None:
@@ -26,7 +32,7 @@ def test_string_prompts_and_single_params(llm: LLM) -> None:
         assert out.finish_reason == "length" and len(out.token_ids) == 4
         # the text continues the prompt's text (here: with its separating space)
         full = llm.tokenizer.decode(out.prompt_token_ids + out.token_ids)
-        assert out.text == full[len(llm.tokenizer.decode(out.prompt_token_ids)):]
+        assert out.text == full[len(llm.tokenizer.decode(out.prompt_token_ids)) :]
 
 
 def test_per_request_params_and_input_order(llm: LLM) -> None:
@@ -107,8 +113,9 @@ def test_nan_logits_raise_instead_of_sampling_garbage(llm: LLM, monkeypatch: pyt
     assert out.error is None and len(out.token_ids) == 2
 
 
-def test_engine_is_reusable_after_a_failed_step(tiny_model: Callable[[str], Path],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_is_reusable_after_a_failed_step(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Defect 7: a failed generate() left its requests queued and running, with their blocks and
     sampler state; the next generate() ran them too, and served the failed step's K/V from the cache."""
     llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=32)

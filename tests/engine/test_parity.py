@@ -23,8 +23,7 @@ from batchgen.engine.params import SamplingParams
 
 from .conftest import ARCHITECTURES, EOS_ID, MAX_POS, VOCAB, save_tiny_model
 
-PRESSURE = dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=24,
-                enable_prefix_caching=True)
+PRESSURE = dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=24, enable_prefix_caching=True)
 RELAXED = dict(block_size=8, max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False)
 
 
@@ -63,9 +62,15 @@ def _reference(arch: str, path: Path) -> list[list[int]]:
         with torch.inference_mode():
             for prompt, max_tokens in zip(PROMPTS, MAX_TOKENS):
                 ids = torch.tensor([prompt])
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=max_tokens, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
-                outputs.append(out[0, len(prompt):].tolist())
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=max_tokens,
+                    eos_token_id=EOS_ID,
+                    pad_token_id=EOS_ID,
+                )
+                outputs.append(out[0, len(prompt) :].tolist())
         _REFERENCE[arch] = outputs
     return _REFERENCE[arch]
 
@@ -76,8 +81,13 @@ def _reference(arch: str, path: Path) -> list[list[int]]:
 def test_greedy_parity(arch: str, setting: str, decode_kv: str, tiny_model: Callable[[str], Path]) -> None:
     path = tiny_model(arch)
     expected = _reference(arch, path)
-    llm = LLM(str(path), device="cpu", dtype="float32", decode_kv=decode_kv,
-              **(PRESSURE if setting == "pressure" else RELAXED))
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        decode_kv=decode_kv,
+        **(PRESSURE if setting == "pressure" else RELAXED),
+    )
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS]
     outputs = llm.generate(PROMPTS, params)
     for i, (out, want) in enumerate(zip(outputs, expected)):
@@ -109,10 +119,19 @@ def test_model_without_attention_interface_is_refused(tmp_path: Path) -> None:
 def test_attention_sinks_are_refused(tmp_path: Path) -> None:
     from transformers import GptOssConfig
 
-    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
-                          num_experts_per_tok=1, max_position_embeddings=MAX_POS,
-                          layer_types=["sliding_attention", "full_attention"])
+    config = GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        max_position_embeddings=MAX_POS,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     assert "attention sinks" in _refused(tmp_path, config)
 
 
@@ -120,10 +139,18 @@ def test_long_rope_past_its_switch_is_refused() -> None:
     from transformers import Phi3Config
 
     factors = [1.0] * 8
-    config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=1024,
-                        original_max_position_embeddings=256,
-                        rope_parameters={"rope_type": "longrope", "short_factor": factors, "long_factor": factors,
-                                         "original_max_position_embeddings": 256})
+    config = Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        original_max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "longrope",
+            "short_factor": factors,
+            "long_factor": factors,
+            "original_max_position_embeddings": 256,
+        },
+    )
     with pytest.raises(UnsupportedModelError, match="LongRoPE"):
         resolve_max_model_len(config, None)
     assert resolve_max_model_len(config, 256) == 256

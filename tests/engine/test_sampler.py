@@ -72,15 +72,22 @@ def test_top_k_1_equals_greedy() -> None:
 def test_each_row_draws_only_within_its_own_filters(vocab: int, scale: float) -> None:
     """Per-row top-k / top-p / min-p in one vectorized batch, checked against a slow reference."""
     rng = random.Random(2)
-    configs = [dict(temperature=rng.choice([0.5, 1.0, 1.7]), top_k=rng.choice([0, 1, 3, 10]),
-                    top_p=rng.choice([1.0, 0.9, 0.5, 0.2]), min_p=rng.choice([0.0, 0.05, 0.3])) for _ in range(12)]
+    configs = [
+        dict(
+            temperature=rng.choice([0.5, 1.0, 1.7]),
+            top_k=rng.choice([0, 1, 3, 10]),
+            top_p=rng.choice([1.0, 0.9, 0.5, 0.2]),
+            min_p=rng.choice([0.0, 0.05, 0.3]),
+        )
+        for _ in range(12)
+    ]
     rows = torch.randn(12, vocab, generator=torch.Generator().manual_seed(2)) * scale
     reps = 200  # every config repeated, so each row is drawn many times in one call
     logits = rows.repeat_interleave(reps, dim=0)
     seqs = [seq(i, **configs[i // reps]) for i in range(12 * reps)]
     tokens = Sampler([EOS], seed=2)(logits, seqs)
     for r, config in enumerate(configs):
-        drawn = set(tokens[r * reps:(r + 1) * reps])
+        drawn = set(tokens[r * reps : (r + 1) * reps])
         ok = allowed(rows[r], **config)
         assert drawn <= ok, (config, drawn - ok)
         assert len(drawn) >= min(len(ok), 2) or len(ok) == 1  # the filter is not stricter than asked
@@ -129,8 +136,16 @@ def _seeded_stream(steps: list[torch.Tensor], batch_size: int, order_seed: int) 
     rng = random.Random(order_seed)
     sampler = Sampler([EOS], seed=order_seed)
     target = seq(10_000, temperature=0.9, top_p=0.95, seed=1234)
-    others = [seq(i, temperature=rng.choice([0.0, 0.5, 1.0]), top_k=rng.choice([0, 5]),
-                  top_p=rng.choice([1.0, 0.8]), seed=rng.choice([None, i])) for i in range(batch_size)]
+    others = [
+        seq(
+            i,
+            temperature=rng.choice([0.0, 0.5, 1.0]),
+            top_k=rng.choice([0, 5]),
+            top_p=rng.choice([1.0, 0.8]),
+            seed=rng.choice([None, i]),
+        )
+        for i in range(batch_size)
+    ]
     out = []
     for logits_row in steps:
         batch = [target, *others]
@@ -168,10 +183,12 @@ def test_min_tokens_masks_eos_and_stop_ids_then_lets_them_through() -> None:
     logits[:, EOS] = 50.0
     logits[:, 9] = 40.0  # a stop token id
     logits[:, 11] = 1.0  # the best remaining token
-    seqs = [seq(0, outputs=1, temperature=0.0, min_tokens=2, stop_token_ids=[9]),
-            seq(1, outputs=1, temperature=1.0, min_tokens=2, stop_token_ids=[9], ignore_eos=True),
-            seq(2, outputs=2, temperature=0.0, min_tokens=2, stop_token_ids=[9]),
-            seq(3, outputs=0, temperature=0.0)]
+    seqs = [
+        seq(0, outputs=1, temperature=0.0, min_tokens=2, stop_token_ids=[9]),
+        seq(1, outputs=1, temperature=1.0, min_tokens=2, stop_token_ids=[9], ignore_eos=True),
+        seq(2, outputs=2, temperature=0.0, min_tokens=2, stop_token_ids=[9]),
+        seq(3, outputs=0, temperature=0.0),
+    ]
     before = logits.clone()
     tokens = Sampler([EOS], seed=5)(logits, seqs)
     assert tokens[0] == 11 and tokens[1] not in (EOS, 9)

@@ -14,11 +14,20 @@ from batchgen.engine.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(
-    num_blocks: int, block_size: int = 4, budget: int = 64, max_seqs: int = 8,
-    caching: bool = True, max_model_len: int = 4096,
+    num_blocks: int,
+    block_size: int = 4,
+    budget: int = 64,
+    max_seqs: int = 8,
+    caching: bool = True,
+    max_model_len: int = 4096,
 ) -> Scheduler:
-    config = EngineConfig(block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          num_kv_blocks=num_blocks, enable_prefix_caching=caching)
+    config = EngineConfig(
+        block_size=block_size,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        num_kv_blocks=num_blocks,
+        enable_prefix_caching=caching,
+    )
     return Scheduler(config, BlockManager(num_blocks, block_size, caching), max_model_len)
 
 
@@ -66,11 +75,13 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[Sequenc
         if not sched.has_unfinished():
             return finished
         step(sched, finished)
-    raise AssertionError(f"not finished after {max_steps} steps: {sched.num_running} running, "
-                         f"{sched.num_waiting} waiting")
+    raise AssertionError(
+        f"not finished after {max_steps} steps: {sched.num_running} running, {sched.num_waiting} waiting"
+    )
 
 
 # ----------------------------------------------------------------- admission checks
+
 
 def test_check_fits_messages_and_add_raises() -> None:
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=20)
@@ -92,6 +103,7 @@ def test_block_size_mismatch_is_rejected() -> None:
 
 
 # ----------------------------------------------------------------- chunked prefill
+
 
 def test_chunked_prefill_chunk_sizes_then_decodes() -> None:
     sched = make_scheduler(num_blocks=32, budget=16)
@@ -127,11 +139,12 @@ def test_max_num_seqs_limits_admission() -> None:
 
 # ----------------------------------------------------------------- memory pressure
 
+
 def test_admission_blocked_while_pool_is_full_and_order_kept() -> None:
     sched = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False)
-    a = make_seq(0, [1] * 16, max_tokens=4)   # 4 blocks of 6
-    b = make_seq(1, [2] * 12, max_tokens=4)   # needs 3 blocks for its prompt: does not fit beside a
-    c = make_seq(2, [3] * 2, max_tokens=4)    # would fit, but must not overtake b
+    a = make_seq(0, [1] * 16, max_tokens=4)  # 4 blocks of 6
+    b = make_seq(1, [2] * 12, max_tokens=4)  # needs 3 blocks for its prompt: does not fit beside a
+    c = make_seq(2, [3] * 2, max_tokens=4)  # would fit, but must not overtake b
     for seq in (a, b, c):
         sched.add(seq)
     batch = step(sched)
@@ -158,7 +171,9 @@ def test_preemption_picks_the_newest_which_is_recomputed_to_completion() -> None
     assert c.num_preemptions == 1 and sched.num_preemptions == 1 and list(sched.waiting) == [c, d]
     assert c.num_tokens == 7  # its generated token is kept and recomputed, not regenerated
     finished = run_to_completion(sched)
-    assert finished.index(c) < finished.index(d) and c.num_output_tokens == 4 and c.num_computed_tokens == c.num_tokens - 1
+    assert (
+        finished.index(c) < finished.index(d) and c.num_output_tokens == 4 and c.num_computed_tokens == c.num_tokens - 1
+    )
     assert c.output_token_ids == [1002] * 4
 
 
@@ -176,8 +191,9 @@ def test_a_sequence_preempts_itself_when_it_is_the_newest() -> None:
 def test_no_hang_with_a_tiny_pool() -> None:
     rng = random.Random(0)
     sched = make_scheduler(num_blocks=5, block_size=4, budget=9, max_seqs=4, caching=True)
-    seqs = [make_seq(i, [rng.randrange(3) for _ in range(rng.randint(1, 12))], rng.randint(1, 20 - 12))
-            for i in range(30)]
+    seqs = [
+        make_seq(i, [rng.randrange(3) for _ in range(rng.randint(1, 12))], rng.randint(1, 20 - 12)) for i in range(30)
+    ]
     for seq in seqs:
         sched.add(seq)
     finished = run_to_completion(sched, max_steps=5_000)
@@ -189,12 +205,16 @@ def test_no_hang_with_a_tiny_pool() -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_randomized_run_keeps_budget_seats_and_ref_counts(seed: int) -> None:
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=rng.randint(12, 40), block_size=rng.choice([1, 2, 4, 8]),
-                           budget=rng.randint(8, 64), max_seqs=rng.randint(1, 8))
+    sched = make_scheduler(
+        num_blocks=rng.randint(12, 40),
+        block_size=rng.choice([1, 2, 4, 8]),
+        budget=rng.randint(8, 64),
+        max_seqs=rng.randint(1, 8),
+    )
     shared = [rng.randrange(50) for _ in range(rng.randint(0, 20))]
     seqs = []
     for i in range(40):
-        prompt = shared[:rng.randint(0, len(shared))] + [rng.randrange(50) for _ in range(rng.randint(1, 20))]
+        prompt = shared[: rng.randint(0, len(shared))] + [rng.randrange(50) for _ in range(rng.randint(1, 20))]
         seq = make_seq(i, prompt, rng.randint(1, 12))
         if sched.check_fits(seq) is None:
             sched.add(seq)
@@ -207,6 +227,7 @@ def test_randomized_run_keeps_budget_seats_and_ref_counts(seed: int) -> None:
 
 
 # ----------------------------------------------------------------- prefix cache
+
 
 def test_prefix_hits_counted_in_num_cached_tokens_from_first_admission() -> None:
     sched = make_scheduler(num_blocks=16, block_size=4, budget=64)
@@ -288,6 +309,7 @@ def test_200_sequences_behind_a_shared_prefix_compute_it_about_once() -> None:
 
 # ----------------------------------------------------------------- engine-facing contract
 
+
 def test_finish_aborts_a_waiting_sequence_and_advance_twice_raises() -> None:
     sched = make_scheduler(num_blocks=8, budget=4)
     a, b = make_seq(0, [1] * 6), make_seq(1, [2] * 3)
@@ -306,6 +328,7 @@ def test_finish_aborts_a_waiting_sequence_and_advance_twice_raises() -> None:
 
 # ----------------------------------------------------------------- the batch is a snapshot
 
+
 def test_batch_is_a_frozen_snapshot_that_advance_and_sampling_do_not_change() -> None:
     sched = make_scheduler(num_blocks=16, budget=8)
     a, b = make_seq(0, [1, 2, 3]), make_seq(1, list(range(10, 20)))
@@ -313,8 +336,10 @@ def test_batch_is_a_frozen_snapshot_that_advance_and_sampling_do_not_change() ->
     sched.add(b)
     batch = sched.schedule()  # a whole (3 tokens), b's first 5
     before = [(c.start, c.token_ids, c.block_table, c.needs_sample, c.is_decode) for c in batch.chunks]
-    assert before == [(0, (1, 2, 3), tuple(a.block_table), True, False),
-                      (0, (10, 11, 12, 13, 14), tuple(b.block_table), False, False)]
+    assert before == [
+        (0, (1, 2, 3), tuple(a.block_table), True, False),
+        (0, (10, 11, 12, 13, 14), tuple(b.block_table), False, False),
+    ]
     sched.advance(batch)
     a.append_token(7)  # what the engine does with a's sample
     assert [(c.start, c.token_ids, c.block_table, c.needs_sample, c.is_decode) for c in batch.chunks] == before
@@ -322,7 +347,9 @@ def test_batch_is_a_frozen_snapshot_that_advance_and_sampling_do_not_change() ->
         batch.chunks[0].needs_sample = False  # type: ignore[misc]
     nxt = sched.schedule()
     assert [(c.seq, c.start, c.token_ids, c.needs_sample, c.is_decode) for c in nxt.chunks] == [
-        (a, 3, (7,), True, True), (b, 5, (15, 16, 17, 18, 19), True, False)]
+        (a, 3, (7,), True, True),
+        (b, 5, (15, 16, 17, 18, 19), True, False),
+    ]
 
 
 def test_what_counts_as_a_decode() -> None:

@@ -87,7 +87,7 @@ def random_ids(tok: Any, rng: random.Random) -> list[int]:
     kind = rng.randrange(3)
     if kind == 0:
         return [rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))]
-    text = rng.choice(SENTENCES)[rng.randrange(5):]
+    text = rng.choice(SENTENCES)[rng.randrange(5) :]
     return byte_ids(tok, text) if kind == 1 else tok.encode(text)
 
 
@@ -112,7 +112,7 @@ def test_stop_strings_on_random_sequences_match_reference(tok: Any) -> None:
         stops = []
         for _ in range(rng.randint(1, 3)):
             start = rng.randrange(len(full))
-            stops.append(full[start:start + rng.randint(1, 4)])
+            stops.append(full[start : start + rng.randint(1, 4)])
         include = rng.random() < 0.5
         checker, used = run(tok, ids, stop=stops, include_stop_str_in_output=include, ignore_eos=True)
         text, k, stop = reference(tok, ids, stops, include)
@@ -160,7 +160,7 @@ def test_multibyte_characters_come_out_whole(tok: Any) -> None:
         visible.append(checker.text)
     assert checker.text == text and checker.finish_reason == "length"
     emoji_at = len(byte_ids(tok, "café "))
-    assert visible[emoji_at:emoji_at + 3] == ["café "] * 3  # 4 byte tokens: nothing until the last
+    assert visible[emoji_at : emoji_at + 3] == ["café "] * 3  # 4 byte tokens: nothing until the last
     assert visible[emoji_at + 3] == "café 😀"
 
 
@@ -256,8 +256,9 @@ def test_metaspace_keeps_the_leading_space_when_primed() -> None:
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    backend.train_from_iterator(["hello world the quick brown fox"] * 5, trainers.BpeTrainer(
-        vocab_size=80, special_tokens=["<unk>", "</s>"]))
+    backend.train_from_iterator(
+        ["hello world the quick brown fox"] * 5, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"])
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", clean_up_tokenization_spaces=False)
     prompt, out = backend.encode("hello world").ids, backend.encode("the fox").ids
     assert tok.decode(out) == "the fox"  # decoding the output alone drops its leading "▁"
@@ -274,7 +275,8 @@ def test_llama_style_byte_fallback_text_is_the_continuation_of_the_prompt() -> N
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>", fuse_unk=True))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     backend.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", clean_up_tokenization_spaces=False)
     rng = random.Random(4)
     words = ["é", "😀", "日本", "the", "fox", "ñandú", "ok."]
@@ -283,5 +285,5 @@ def test_llama_style_byte_fallback_text_is_the_continuation_of_the_prompt() -> N
         prompt = backend.encode(rng.choice(["hello world", "the fox", "café"])).ids
         checker, _ = run(tok, out, prompt=prompt)
         full, head = tok.decode(prompt + out), tok.decode(prompt)
-        assert checker.text == full[len(head):] == " " + tok.decode(out)
+        assert checker.text == full[len(head) :] == " " + tok.decode(out)
         assert REPLACEMENT_CHAR not in checker.text

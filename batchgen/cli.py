@@ -15,6 +15,7 @@ import click
 from batchgen import interrupt
 from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED_BASE, BatchgenError, Interrupted
 from batchgen.job import load_job
+from batchgen.sharding import ShardSpec
 
 _set_option = click.option(
     "--set",
@@ -23,6 +24,13 @@ _set_option = click.option(
     metavar="SECTION.KEY=VALUE",
     help="Override a job file value, e.g. --set sampling.max_tokens=64 (repeatable).",
 )
+
+
+def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> ShardSpec | None:
+    try:
+        return None if value is None else ShardSpec.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.group()
@@ -36,17 +44,28 @@ def main() -> None:
 @_set_option
 @click.option("--quiet", is_flag=True, help="Print errors and the final summary line only (for cron).")
 @click.option("--overwrite", is_flag=True, help="Replace an output folder made by a different job.")
-def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool) -> None:
+@click.option(
+    "--shard",
+    callback=_shard,
+    metavar="I/N",
+    help="Only the parts of static shard I of N (part p belongs to shard p % N; I counts from 0).",
+)
+def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool, shard: ShardSpec | None) -> None:
     """Run JOB_FILE: answer every input row and write the output Parquet dataset.
 
     A rerun after a crash or kill resumes: committed parts are kept, the rest is computed.
     """
+    if shard is not None and overwrite:
+        raise click.UsageError(
+            "--overwrite cannot be combined with --shard: each shard would delete the others' parts; "
+            "delete the output folder first instead"
+        )
     _setup_logging(logging.ERROR if quiet else logging.INFO)
     from batchgen.runner import JobRunner
 
     def work() -> None:
         spec = load_job(job_file, list(overrides))
-        summary = JobRunner(spec, quiet=quiet, overwrite=overwrite).run()
+        summary = JobRunner(spec, quiet=quiet, overwrite=overwrite, shard=shard).run()
         click.echo(f"batchgen: {summary.line()}")
         if not quiet:
             click.echo(f"batchgen: output in {spec.output.path}")
@@ -167,6 +186,27 @@ def report(
             raise InputDataError(
                 f"{output_dir}: the committed parts disagree with _SUCCESS: " + "; ".join(result.status.mismatches)
             )
+
+    _guarded(work)
+
+
+@main.command()
+@click.argument("output_dir", type=click.Path(file_okay=False))
+def finalize(output_dir: str) -> None:
+    """Write OUTPUT_DIR's _SUCCESS once every part is committed (after shard runs); idempotent.
+
+    Exits 8, naming the missing parts, while some are not committed.
+    """
+    _setup_logging(logging.WARNING)
+    from batchgen.completion import finalize as finalize_output
+
+    def work() -> None:
+        manifest, already = finalize_output(output_dir)
+        rows = manifest["rows"]
+        what = "already finalized" if already else "finalized"
+        click.echo(
+            f"batchgen: {output_dir} {what}: {manifest['parts']} parts, {rows['ok']} rows ok, {rows['error']} failed"
+        )
 
     _guarded(work)
 

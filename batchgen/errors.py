@@ -45,6 +45,12 @@ class LockedError(BatchgenError):
     exit_code = 7
 
 
+class IncompleteOutput(BatchgenError):
+    """`finalize`: parts of the job are not committed yet (a shard has not finished)."""
+
+    exit_code = 8
+
+
 class FingerprintMismatch(BatchgenError):
     """The output folder was made by a different job."""
 

@@ -7,8 +7,10 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,42 +20,89 @@ from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.fingerprint import describe_difference
 from batchgen.output_table import RESULT_NAMES
 from batchgen.parts import atomic_write, committed_parts
+from batchgen.sharding import ShardSpec
 from batchgen.usage.totals import Totals
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"
 RECORD_NAME = "_JOB.json"
 SUCCESS_NAME = "_SUCCESS"
+_TEMP_PART = re.compile(r"\.part-(\d{6})\.parquet\.[0-9a-f]+\.tmp")
 
 
 class OutputLock:
-    """An exclusive flock on the output folder. The kernel drops it when the holder dies, even by
-    kill -9, so a killed run never blocks the next one."""
+    """flocks on the output folder. The kernel drops them when the holder dies, even by kill -9,
+    so a killed run never blocks the next one.
 
-    def __init__(self, out_dir: Path) -> None:
+    A plain run holds `.batchgen.lock` exclusively. A shard run (`shard`) and `finalize`
+    (`shared=True`) hold it shared, so they run beside each other but never beside a plain run;
+    a shard run also holds its own `.batchgen.shard-I-of-N.lock` exclusively.
+    """
+
+    def __init__(self, out_dir: Path, shard: ShardSpec | None = None, shared: bool = False) -> None:
         self.path = out_dir / LOCK_NAME
-        self.fd: int | None = None
+        self.shard = shard
+        self.shared = shared or shard is not None
+        self.fds: list[int] = []
 
     def acquire(self) -> None:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise OutputError(f"{self.path}: cannot create the run lock: {exc.strerror or exc}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown process"
-            os.close(fd)
-            raise LockedError(f"{self.path.parent}: another run is writing this output ({holder})") from None
-        holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        os.ftruncate(fd, 0)
-        os.write(fd, holder.encode())
-        self.fd = fd
+            main = self._open(self.path)
+            if not self._try(main, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX):
+                raise LockedError(f"{self.path.parent}: another run is writing this output ({self._holders(main)})")
+            if not self.shared:
+                self._write_holder(main)
+                return
+            os.ftruncate(main, 0)  # why: holding it shared proves no plain run holds it; its text is stale
+            if self.shard is not None:
+                own = self._open(self.path.parent / self.shard.lock_name)
+                if not self._try(own, fcntl.LOCK_EX):
+                    holder = _read_holder(own)
+                    raise LockedError(
+                        f"{self.path.parent}: another run of shard {self.shard} is writing this output ({holder})"
+                    )
+                self._write_holder(own)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing drops the flock; the file stays, harmlessly
-            self.fd = None
+        for fd in reversed(self.fds):
+            os.close(fd)  # closing drops the flock; the file stays, harmlessly
+        self.fds = []
+
+    def _open(self, path: Path) -> int:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutputError(f"{path}: cannot create the run lock: {exc.strerror or exc}") from exc
+        self.fds.append(fd)
+        return fd
+
+    @staticmethod
+    def _try(fd: int, mode: int) -> bool:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def _holders(self, fd: int) -> str:
+        """Who holds the main lock: a plain run's own text, else (held shared) the shard runs."""
+        holder = _read_holder(fd)
+        if holder != "unknown process" or not list(self.path.parent.glob(".batchgen.shard-*.lock")):
+            return holder
+        return f"shard runs or finalize; see {self.path.parent}/.batchgen.shard-*.lock"
+
+    @staticmethod
+    def _write_holder(fd: int) -> None:
+        holder = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+
+
+def _read_holder(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
 
 
 class OutputState:
@@ -91,18 +140,50 @@ class OutputState:
             )
         return (self.out_dir / SUCCESS_NAME).exists()
 
-    def write_record(self, fingerprint: dict[str, Any]) -> None:
-        text = json.dumps(fingerprint, indent=2, sort_keys=True)
+    def write_record(self, record: dict[str, Any], replace: bool = True) -> bool:
+        """Write the job record (the fingerprint and the facts `finalize` needs); with
+        `replace=False` only when there is none yet (False: another run wrote one first)."""
+        text = json.dumps(record, indent=2, sort_keys=True)
         try:
-            atomic_write(
-                self.out_dir / RECORD_NAME, lambda tmp: tmp.write_text(text, encoding="utf-8"), "record_temp_write"
+            return atomic_write(
+                self.out_dir / RECORD_NAME,
+                lambda tmp: tmp.write_text(text, encoding="utf-8"),
+                "record_temp_write",
+                replace=replace,
             )
         except OSError as exc:
             raise OutputError(f"{self.out_dir / RECORD_NAME}: cannot write: {exc.strerror or exc}") from exc
 
-    def remove_leftovers(self) -> int:
-        """Delete temp files of a killed run: they were never committed."""
+    def claim_record(self, record: dict[str, Any]) -> None:
+        """The shard runs' write_record: N of them may start at once. The first creates the record
+        (never replacing one a concurrent run just wrote); the others keep it when it is this job's.
+        Read back after: a different job that won the race is refused, as at any start."""
+        old = self.read_record()
+        if old is None:
+            self.write_record(record, replace=False)
+        elif old.get("id") != record["id"] or "run" not in old:
+            self.write_record(record)  # a job that committed nothing (check_record), or an older record
+        now = self.read_record() or {}
+        if now.get("id") != record["id"]:
+            lines = "\n  ".join(describe_difference(now, record))
+            raise FingerprintMismatch(f"{self.out_dir}: another job claimed this output at the same time:\n  {lines}")
+
+    def read_record(self) -> dict[str, Any] | None:
+        path = self.out_dir / RECORD_NAME
+        try:
+            record: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise OutputError(f"{path}: cannot read the job record: {exc}") from exc
+        return record
+
+    def remove_leftovers(self, owns: Callable[[int], bool] | None = None) -> int:
+        """Delete temp files of a killed run: they were never committed. With `owns` (a shard
+        run: others may be writing right now) only the temp files of the parts it owns."""
         leftovers = self._temp_files()
+        if owns is not None:
+            leftovers = [p for p in leftovers if (i := _temp_part_index(p.name)) is not None and owns(i)]
         for path in leftovers:
             path.unlink(missing_ok=True)
         return len(leftovers)
@@ -122,3 +203,9 @@ class OutputState:
 
     def _temp_files(self) -> list[Path]:
         return list(self.out_dir.glob(".*.tmp"))
+
+
+def _temp_part_index(name: str) -> int | None:
+    """The part index of a part's temp file (".part-000003.parquet.<hex>.tmp"), else None."""
+    match = _TEMP_PART.fullmatch(name)
+    return int(match.group(1)) if match else None

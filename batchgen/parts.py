@@ -52,27 +52,38 @@ class PartWriter:
         except OSError as exc:
             raise OutputError(f"output.path {self.out_dir}: not writable: {exc.strerror or exc}") from exc
 
-    def write_part(self, index: int, table: pa.Table) -> Path:
+    def write_part(self, index: int, table: pa.Table) -> bool:
+        """Commit part `index`; False when it was already committed (by a concurrent shard run of
+        another N): the existing part is kept, never replaced, so each row lands once."""
         final = self.out_dir / part_name(index)
         try:
-            atomic_write(final, lambda tmp: pq.write_table(table.cast(self.schema), tmp), "after_temp_write")
+            committed = atomic_write(
+                final, lambda tmp: pq.write_table(table.cast(self.schema), tmp), "after_temp_write", replace=False
+            )
             fault_point("after_rename")
         except OSError as exc:
             raise OutputError(f"{final}: cannot write part: {exc.strerror or exc}") from exc
-        return final
+        return committed
 
     def write_success(self, manifest: dict[str, Any]) -> Path:
-        final = self.out_dir / "_SUCCESS"
-        text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-        try:
-            atomic_write(final, lambda tmp: tmp.write_text(text, encoding="utf-8"), "success_temp_write")
-        except OSError as exc:
-            raise OutputError(f"{final}: cannot write the manifest: {exc.strerror or exc}") from exc
-        return final
+        return write_success(self.out_dir, manifest)
 
 
-def atomic_write(final: Path, write: Callable[[Path], object], fault: str) -> None:
+def write_success(out_dir: Path, manifest: dict[str, Any]) -> Path:
+    """The `_SUCCESS` manifest, replaced atomically: concurrent writers of the same totals are safe."""
+    final = out_dir / "_SUCCESS"
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    try:
+        atomic_write(final, lambda tmp: tmp.write_text(text, encoding="utf-8"), "success_temp_write")
+    except OSError as exc:
+        raise OutputError(f"{final}: cannot write the manifest: {exc.strerror or exc}") from exc
+    return final
+
+
+def atomic_write(final: Path, write: Callable[[Path], object], fault: str, replace: bool = True) -> bool:
     """Write `final` through a hidden temp file, fsync it, rename it into place, sync the folder.
+    With `replace=False` an existing `final` is kept and False returned (a hard link, which fails
+    when the name exists, commits instead of the rename).
 
     Why the finally: whatever stops the write (a full disk, a bad cast, an interrupt), the temp
     file is removed; after the rename it no longer exists and the unlink does nothing.
@@ -82,10 +93,28 @@ def atomic_write(final: Path, write: Callable[[Path], object], fault: str) -> No
         write(tmp)
         _fsync(tmp)
         fault_point(fault)
-        os.replace(tmp, final)
+        if replace:
+            os.replace(tmp, final)
+        elif not _link_new(tmp, final):
+            return False
         _fsync(final.parent)
+        return True
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _link_new(tmp: Path, final: Path) -> bool:
+    """Give `tmp` the name `final` unless that name exists; False if it does."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        return False
+    except OSError:
+        # Why: a file system without hard links; the check-then-rename leaves a tiny window.
+        if final.exists():
+            return False
+        os.replace(tmp, final)
+    return True
 
 
 def _fsync(path: Path) -> None:

@@ -26,13 +26,13 @@ test: $(STAMP)
 
 # Lint, format check and types; CI runs it before the tests.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check batchgen tests benchmarks scripts
-	$(VENV)/bin/ruff format --check batchgen tests benchmarks scripts
+	$(VENV)/bin/ruff check batchgen tests benchmarks scripts examples
+	$(VENV)/bin/ruff format --check batchgen tests benchmarks scripts examples
 	$(VENV)/bin/mypy
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix batchgen tests benchmarks scripts
-	$(VENV)/bin/ruff format batchgen tests benchmarks scripts
+	$(VENV)/bin/ruff check --fix batchgen tests benchmarks scripts examples
+	$(VENV)/bin/ruff format batchgen tests benchmarks scripts examples
 
 clean-venv:
 	rm -rf $(VENV)

@@ -96,16 +96,10 @@ class JobRunner:
             manifest = json.loads((self.spec.output.path / SUCCESS_NAME).read_text(encoding="utf-8"))
             return Summary(Totals(), 0.0, manifest, already_done=True)
         owns = self.shard.owns if self.shard is not None else None
-        if state.remove_leftovers(owns):
-            log.info("removed temporary files of an interrupted run")
         shards = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
-        record = {**fingerprint, "run": run_facts(self.spec, files, max(len(shards), 1), start)}
-        with interrupt.cooperative():
-            if self.shard is not None:
-                state.claim_record(record)  # N shards may start at once
-            else:
-                state.write_record(record)
-        interrupt.check()
+        record = self._claim_output(
+            state, {**fingerprint, "run": run_facts(self.spec, files, max(len(shards), 1), start)}
+        )
         committed = state.committed_parts()
         mine = [s for s in shards if owns is None or owns(s.index)]
         totals = Totals()
@@ -133,6 +127,18 @@ class JobRunner:
             interrupt.check()
             writer.write_success(manifest)
         return Summary(totals, wall, manifest, skipped_parts=kept, run_output_tokens=run_tokens)
+
+    def _claim_output(self, state: OutputState, record: dict[str, Any]) -> dict[str, Any]:
+        """Remove a killed run's temp files (a shard: its own parts' only) and write the job record."""
+        if state.remove_leftovers(self.shard.owns if self.shard is not None else None):
+            log.info("removed temporary files of an interrupted run")
+        with interrupt.cooperative():
+            if self.shard is not None:
+                state.claim_record(record)  # N shards may start at once
+            else:
+                state.write_record(record)
+        interrupt.check()
+        return record
 
     def _finish_shard(self, state: OutputState, record: dict[str, Any], summary: Summary) -> Summary:
         """This shard's parts are committed: write `_SUCCESS` if every other part is too."""

@@ -100,6 +100,22 @@ def test_the_dags_commands_with_a_killed_shard_equal_a_plain_run(
     assert report["totals"]["output_tokens"] == manifest["tokens"]["output"]
 
 
+def test_shards_finishing_together_write_one_consistent_success(
+    tmp_path: Path, tiny_model_dir: Path, reference: tuple[list[tuple[object, ...]], dict]
+) -> None:
+    dag = _dag()
+    job, out = _job(tmp_path, tiny_model_dir, "out")
+    commands = dag.shard_commands(str(job), str(out), 3, batchgen=[sys.executable, "-m", "batchgen"])
+    procs = [subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, text=True) for argv in commands["shards"]]
+    lines = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], lines
+    assert any("_SUCCESS written" in line for line in lines)
+    assert "already finalized" in dag.run_command(commands["finalize"], env=_env())
+    dag.run_command(commands["report"], env=_env())  # exits 3 if _SUCCESS disagreed with the parts
+    assert _rows(out) == reference[0]
+    assert not list(out.glob(".*.tmp"))
+
+
 def test_changing_the_number_of_shards_between_runs_completes_the_job(
     tmp_path: Path, tiny_model_dir: Path, reference: tuple[list[tuple[object, ...]], dict]
 ) -> None:

@@ -38,11 +38,14 @@ def build_tokenizer(vocab_size: int = 400) -> Any:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama (GQA) with random weights, saved with its tokenizer like a real HF folder."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), build_tokenizer())
+
+
+def save_tiny_llama(path: Path, tokenizer: Any) -> Path:
+    """Save a 2-layer GQA Llama with random weights (seed 0) sized for `tokenizer`, and the tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),

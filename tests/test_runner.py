@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from batchgen.cli import main
 from batchgen.output_table import RESULT_NAMES
-from tests.conftest import make_job, write_job, write_parquet
+from tests.conftest import make_job, save_tiny_llama, write_job, write_parquet
 
 WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()
 PROMPTS = ["once upon a time", "the little cat", "a dog who liked to play in the sun", "her friend"]
@@ -85,9 +85,8 @@ def test_usage_equals_tokenizer_counts(tmp_path: Path, tiny_model_dir: Path, bac
 def metaspace_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a SentencePiece-style (Metaspace) tokenizer: its decoder drops the
     leading space of the first token decoded, so a completion's text depends on priming."""
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
@@ -101,24 +100,7 @@ def metaspace_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pad_token="</s>",
         clean_up_tokenization_spaces=False,
     )
-    path = tmp_path_factory.mktemp("metaspace-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
-        pad_token_id=tok.eos_token_id,
-        initializer_range=0.2,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("metaspace-llama"), tok)
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "metaspace_model_dir"])

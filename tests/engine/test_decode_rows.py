@@ -17,7 +17,8 @@ from batchgen.engine.params import SamplingParams
 BLOCK, KVH, DIM = 4, 2, 8
 
 
-def _rows() -> DecodeRows:
+def _rows(**limits: int) -> DecodeRows:
+    """One-layer rows; `limits` are DecodeRows' max_rows / pool_tokens."""
     return DecodeRows(
         num_layers=1,
         num_kv_heads=KVH,
@@ -26,6 +27,7 @@ def _rows() -> DecodeRows:
         max_len=4096,
         dtype=torch.float32,
         device=torch.device("cpu"),
+        **limits,
     )
 
 
@@ -91,17 +93,7 @@ def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str],
 
 
 def test_long_classes_reserve_only_the_rows_the_pool_can_fill() -> None:
-    rows = DecodeRows(
-        num_layers=1,
-        num_kv_heads=KVH,
-        head_dim=DIM,
-        block_size=BLOCK,
-        max_len=4096,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        max_rows=64,
-        pool_tokens=1000,
-    )
+    rows = _rows(max_rows=64, pool_tokens=1000)
     table = list(range(300))
     rows.plan([DecodeRequest(1, 10, table), DecodeRequest(2, 600, table)])
     shapes = {c: pack.k[0].shape[0] for c, pack in rows._packs.items()}

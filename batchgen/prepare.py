@@ -39,6 +39,10 @@ class PreparedRow:
             raise ValueError(f"an error row ({self.error_code}) has no request")
         return self.prompt_ids, self.params
 
+    def fail(self, code: str, message: str) -> None:
+        """Make this an error row: `code` goes to error_code, `message` (naming the row) to error_message."""
+        self.error_code, self.error_message = code, message
+
 
 def input_columns(spec: JobSpec) -> list[str]:
     """Columns the job must read from every input file."""
@@ -83,11 +87,8 @@ class RowPreparer:
         for i, row in enumerate(rows):
             problem = duplicates.get((shard.file_index, shard.start + i))
             if problem is not None:
-                row.error_code, row.error_message, row.prompt_ids = (
-                    problem.code,
-                    f"{labels[i]}: {problem.message}",
-                    None,
-                )
+                row.fail(problem.code, f"{labels[i]}: {problem.message}")
+                row.prompt_ids = None
         return rows
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
@@ -103,7 +104,7 @@ class RowPreparer:
             try:
                 texts[i] = render(value)
             except RowError as exc:
-                rows[i].error_code, rows[i].error_message = exc.code, f"{labels[i]}: {exc}"
+                rows[i].fail(exc.code, f"{labels[i]}: {exc}")
         return texts
 
     def _render_messages(self, value: Any) -> str:
@@ -122,14 +123,10 @@ class RowPreparer:
         encoded = self.tokenizer([texts[i] for i in order], add_special_tokens=add_special)["input_ids"]
         for i, ids in zip(order, encoded):
             if not ids:
-                rows[i].error_code, rows[i].error_message = "empty_prompt", f"{labels[i]}: prompt has no tokens"
+                rows[i].fail("empty_prompt", f"{labels[i]}: prompt has no tokens")
             elif len(ids) >= self.max_model_len:
-                rows[i].error_code = "prompt_too_long"
-                rows[
-                    i
-                ].error_message = (
-                    f"{labels[i]}: prompt has {len(ids)} tokens; the model's context is {self.max_model_len}"
-                )
+                context = f"the model's context is {self.max_model_len}"
+                rows[i].fail("prompt_too_long", f"{labels[i]}: prompt has {len(ids)} tokens; {context}")
             else:
                 rows[i].prompt_ids = list(ids)
 
@@ -149,8 +146,7 @@ class RowPreparer:
             try:
                 params = SamplingParams(**values)
             except (ValueError, TypeError) as exc:
-                row.error_code = "invalid_sampling"
-                row.error_message = f"{labels[i]}: per-row sampling columns {sorted(columns.values())}: {exc}"
+                row.fail("invalid_sampling", f"{labels[i]}: per-row sampling columns {sorted(columns.values())}: {exc}")
                 continue
             # Why: like vLLM, generation stops at the context end ("length") rather than failing;
             # min_tokens follows a max_tokens cut by the context (the user's own min > max failed above).

@@ -9,7 +9,6 @@ pipeline step can write it without the job file.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -25,6 +24,7 @@ from batchgen.errors import IncompleteOutput, InputDataError
 from batchgen.job import JobSpec
 from batchgen.jobstate import RECORD_NAME, SUCCESS_NAME, OutputLock, OutputState
 from batchgen.parts import part_name, write_success
+from batchgen.storage import open_storage
 from batchgen.usage.totals import Totals
 
 SHOWN_MISSING = 5  # missing parts named in finalize's refusal; the rest are counted
@@ -34,7 +34,7 @@ def run_facts(spec: JobSpec, files: list[InputFile], num_parts: int, started: fl
     """What the manifest needs besides totals; kept in `_JOB.json` (not part of the fingerprint)."""
     return {
         "parts": num_parts,
-        "inputs": [os.path.normpath(os.path.abspath(f.path)) for f in files],
+        "inputs": [f.path if isinstance(f.path, str) else os.path.normpath(os.path.abspath(f.path)) for f in files],
         "backend": spec.engine.backend,
         "started": started,
     }
@@ -77,34 +77,36 @@ def complete_from_parts(state: OutputState, record: dict[str, Any]) -> tuple[dic
     if missing:
         return None, missing
     totals = Totals()
-    for index, path in state.committed_parts().items():
+    for index, name in state.committed_parts().items():
         if index < record["run"]["parts"]:
-            totals.merge(state.totals_of(path))
+            totals.merge(state.totals_of(name))
     started = float(record["run"]["started"])
     manifest = build_manifest(totals, record, started, time.time() - started, totals.output_tokens)
-    write_success(state.out_dir, manifest)
+    write_success(state.storage, manifest)
     return manifest, []
 
 
 def finalize(out_dir: str | Path) -> tuple[dict[str, Any], bool]:
     """`batchgen finalize`: (manifest, whether _SUCCESS was already there). Idempotent.
+    `out_dir` may be an object-store URI (options in its query or the store's environment).
 
     Refuses (IncompleteOutput, exit 8) naming the missing parts when some are not committed.
     """
-    out = Path(out_dir)
-    if not out.is_dir():
+    storage = open_storage(out_dir)
+    out = storage.where
+    if not storage.is_dir():
         raise InputDataError(f"{out}: no such output folder")
-    state = OutputState(out)
+    state = OutputState(storage)
     record = state.read_record()
     if record is None:
         raise InputDataError(f"{out}: no {RECORD_NAME}: no batchgen run has started here")
     if "run" not in record:
         raise InputDataError(f"{out}: {RECORD_NAME} was written by an older batchgen; run the job again to finish it")
-    lock = OutputLock(out, shared=True)  # beside shard runs, never beside a plain run
+    lock = OutputLock(storage, shared=True)  # beside shard runs, never beside a plain run
     lock.acquire()
     try:
-        if (out / SUCCESS_NAME).exists():
-            return json.loads((out / SUCCESS_NAME).read_text(encoding="utf-8")), True
+        if storage.exists(SUCCESS_NAME):
+            return state.read_success(), True
         manifest, missing = complete_from_parts(state, record)
     finally:
         lock.release()

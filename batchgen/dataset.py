@@ -3,7 +3,8 @@
 Each input file is named by its path relative to the input's root (`InputFile.key`): the folder
 for a folder input, the fixed leading directories of a glob, the file's own folder for a single
 file. The key is what `row_id` and the job fingerprint use, so it is unique within a job and the
-same wherever the data is mounted.
+same wherever the data is mounted. On an object store (`s3://bucket/prefix`) the prefix plays the
+folder's part, through pyarrow.fs (`batchgen.objectstore`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.errors import InputDataError
+from batchgen.errors import InputDataError, OutputError
+from batchgen.storage import is_remote, options_from_uri
 
 log = logging.getLogger(__name__)
 READ_BATCH_ROWS = 4096  # rows decoded at a time: bounds memory even for one huge row group
@@ -27,10 +30,16 @@ READ_BUFFER_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class InputFile:
-    path: Path  # absolute and normalised (no `..`), for messages and the manifest
+    path: Path | str  # absolute and normalised (no `..`), or the object's URI; for messages and the manifest
     num_rows: int
     schema: pa.Schema
     key: str = ""  # the path relative to the input's root, with "/" separators (see module doc)
+    filesystem: Any = None  # an object store's pyarrow FileSystem; None: a local file
+    fs_path: str = ""  # the object's path in `filesystem` ("bucket/key")
+
+    def source(self) -> Any:
+        """What pyarrow reads: the local path, or the object opened for random access."""
+        return self.path if self.filesystem is None else self.filesystem.open_input_file(self.fs_path)
 
     def row_ids(self, start: int, stop: int) -> list[str]:
         """`row_id` of rows [start, stop): "<key>:<row index>", unique within a job."""
@@ -83,9 +92,16 @@ def _inside(path: Path, folder: Path | None) -> bool:
     return folder is not None and path.resolve().is_relative_to(folder.resolve())
 
 
-def open_inputs(pattern: str, required: list[str], exclude: Path | None = None) -> list[InputFile]:
-    """Read every file's footer; check the required columns exist with one type across files."""
-    files = [_open_one(p, key) for p, key in discover(pattern, exclude)]
+def open_inputs(
+    pattern: str, required: list[str], exclude: Path | str | None = None, options: dict[str, Any] | None = None
+) -> list[InputFile]:
+    """Read every file's footer; check the required columns exist with one type across files.
+    `options`: the input's storage_options when `pattern` is an object-store URI."""
+    if is_remote(pattern):
+        files = _open_objects(pattern, options or {}, exclude)
+    else:
+        local_exclude = exclude if isinstance(exclude, Path) else None
+        files = [_open_one(p, key) for p, key in discover(pattern, local_exclude)]
     for column in required:
         check_column(files, column)
     return files
@@ -97,12 +113,34 @@ def planned_rows(files: list[InputFile], limit: int | None) -> int:
     return total if limit is None else min(total, limit)
 
 
-def _open_one(path: Path, key: str) -> InputFile:
+def _open_one(path: Path | str, key: str, filesystem: Any = None, fs_path: str = "") -> InputFile:
+    f = InputFile(path=path, num_rows=0, schema=pa.schema([]), key=key, filesystem=filesystem, fs_path=fs_path)
     try:
-        meta = pq.ParquetFile(path)
-        return InputFile(path=path, num_rows=meta.metadata.num_rows, schema=meta.schema_arrow, key=key)
+        with pq.ParquetFile(f.source()) as meta:
+            num_rows, schema = meta.metadata.num_rows, meta.schema_arrow
     except (pa.ArrowException, OSError) as exc:
         raise InputDataError(f"{path}: not a readable Parquet file: {exc}") from exc
+    return InputFile(path, num_rows, schema, key, filesystem, fs_path)
+
+
+def _open_objects(uri: str, options: dict[str, Any], exclude: Path | str | None) -> list[InputFile]:
+    """The input objects of an `s3://` / `gs://` URI (a prefix, an object or a glob), footers read."""
+    from batchgen.objectstore import bucket_problem, discover_objects, fs_path, make_filesystem
+
+    try:
+        uri, checked = options_from_uri(uri, options, "input")
+        fs, pattern = make_filesystem(uri, checked)
+        skip = fs_path(exclude) if isinstance(exclude, str) and is_remote(exclude) else None
+        found = discover_objects(fs, pattern, uri, skip)
+    except OutputError as exc:
+        raise InputDataError(str(exc)) from None
+    except (pa.ArrowException, OSError) as exc:
+        raise InputDataError(f"input.path {uri}: cannot list the objects: {exc}") from exc
+    if not found:
+        problem = bucket_problem(fs, pattern, uri)
+        raise InputDataError(f"input.path {problem}" if problem else f"input.path: no Parquet objects found at {uri}")
+    scheme = uri.split("://", 1)[0]
+    return [_open_one(f"{scheme}://{p}", key, fs, p) for p, key in found]
 
 
 def check_column(files: list[InputFile], column: str, why: str = "") -> None:
@@ -148,7 +186,7 @@ def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> 
     offset = 0  # file row index of buffered[0]'s first row
     try:
         # Why buffered, not pre-buffered: a huge row group is then read page by page, not whole.
-        reader = pq.ParquetFile(f.path, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
+        reader = pq.ParquetFile(f.source(), buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
         batches = reader.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
         end = 0  # file row index just past the buffered rows
         for batch in batches:

@@ -18,7 +18,8 @@ from batchgen.job import JobSpec
 _SMALL_FILE = 1 << 20  # model files up to this size are hashed whole; larger ones by size and edges
 # Settings that change no generated text: where the output goes and how the engine is tuned.
 # (window_rows is not one: it decides which rows form each committed part.)
-_NEUTRAL = {"output": True, "model": {"path"}, "input": {"path"}}
+# (storage_options say how to reach the data, and may hold secrets: never in the record.)
+_NEUTRAL = {"output": True, "model": {"path"}, "input": {"path", "storage_options"}}
 _NEUTRAL_ENGINE = (
     "batch_size",
     "max_num_seqs",
@@ -39,7 +40,7 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     model = hashlib.sha256()
     for path in sorted(p for p in Path(spec.model.path).rglob("*") if p.is_file()):
         model.update(str(path.relative_to(spec.model.path)).encode() + _file_digest(path))
-    inputs = {f.key: _file_digest(f.path).hex() for f in files}
+    inputs = {f.key: _input_digest(f).hex() for f in files}
     parts = {"settings": settings, "model": model.hexdigest(), "inputs": inputs}
     parts["id"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
     return parts
@@ -73,16 +74,28 @@ def _flat_diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return [] if a == b else [(prefix.rstrip("."), a, b)]
 
 
+def _input_digest(f: InputFile) -> bytes:
+    """An input file's digest, the same for the same bytes on a local disk or an object store."""
+    if f.filesystem is None:
+        return _file_digest(Path(f.path))
+    with f.source() as fh:
+        return _stream_digest(fh, fh.size())
+
+
 def _file_digest(path: Path) -> bytes:
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
     with path.open("rb") as fh:
-        if size <= _SMALL_FILE:
-            h.update(fh.read())
-        else:
-            # Why: hashing gigabytes of weights on every run costs more than the check is worth;
-            # size plus the first and last MiB catches any real change of checkpoint.
-            h.update(fh.read(_SMALL_FILE))
-            fh.seek(size - _SMALL_FILE)
-            h.update(fh.read(_SMALL_FILE))
+        return _stream_digest(fh, path.stat().st_size)
+
+
+def _stream_digest(fh: Any, size: int) -> bytes:
+    """sha256 of the size and the content (or, above _SMALL_FILE, its first and last MiB)."""
+    h = hashlib.sha256(str(size).encode())
+    if size <= _SMALL_FILE:
+        h.update(fh.read())
+    else:
+        # Why: hashing gigabytes of weights on every run costs more than the check is worth;
+        # size plus the first and last MiB catches any real change of checkpoint.
+        h.update(fh.read(_SMALL_FILE))
+        fh.seek(size - _SMALL_FILE)
+        h.update(fh.read(_SMALL_FILE))
     return h.digest()

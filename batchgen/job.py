@@ -8,12 +8,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from batchgen.engine.config import DEVICE_CHOICES, DEVICE_NAME, EngineConfig
 from batchgen.engine.params import SamplingParams, SettingError
 from batchgen.errors import JobFileError
+from batchgen.storage import check_storage_options, is_remote, local_path
 
 SAMPLING_OVERRIDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens")
 
@@ -136,14 +146,25 @@ class ModelSection(_Strict):
         return value
 
 
+def _checked_options(options: dict[str, Any], info: ValidationInfo, section: str) -> dict[str, Any]:
+    """storage_options checked against the section's path (an unknown key fails at load)."""
+    return check_storage_options(info.data.get("path", ""), options, section)
+
+
 class InputSection(_Strict):
-    path: str  # a Parquet file, a folder of them, or a glob
+    path: str  # a Parquet file, a folder of them, or a glob; or an s3:// / gs:// URI of one
+    storage_options: dict[str, Any] = Field(default_factory=dict)  # object stores: endpoint, region, keys
     prompt_column: str | None = None  # None: "prompt", unless messages_column is set
     messages_column: str | None = None
     id_column: str | None = None
     carry_columns: list[str] | None = None  # None: carry every input column
     sampling_columns: dict[str, str] = Field(default_factory=dict)  # SamplingParams field -> column
     limit: int | None = Field(default=None, ge=1)  # only the first N rows (quick trials)
+
+    @field_validator("storage_options")
+    @classmethod
+    def _options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        return _checked_options(options, info, "input")
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
@@ -161,7 +182,18 @@ class InputSection(_Strict):
 
 
 class OutputSection(_Strict):
-    path: Path = Field(strict=False)
+    path: Path | str = Field(strict=False)  # a local folder (a Path), or an s3:// / gs:// URI (kept as text)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("path")
+    @classmethod
+    def _local_as_path(cls, path: Path | str) -> Path | str:
+        return path if isinstance(path, Path) or is_remote(path) else Path(local_path(path))
+
+    @field_validator("storage_options")
+    @classmethod
+    def _options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        return _checked_options(options, info, "output")
 
 
 class PricingSection(_Strict):
@@ -271,7 +303,9 @@ def _resolve_paths(spec: JobSpec, job_path: Path) -> JobSpec:
     base = job_path.resolve().parent
     spec.source = job_path.resolve()
     spec.model.path = (base / spec.model.path).resolve()
-    spec.output.path = (base / spec.output.path).resolve()
-    if not Path(spec.input.path).is_absolute():
+    if isinstance(spec.output.path, Path):  # an object-store URI stays as it is
+        spec.output.path = (base / spec.output.path).resolve()
+    spec.input.path = local_path(spec.input.path)
+    if not is_remote(spec.input.path) and not Path(spec.input.path).is_absolute():
         spec.input.path = str(base / spec.input.path)
     return spec

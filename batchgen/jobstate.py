@@ -1,5 +1,6 @@
 """The output folder's state across runs: the run lock, the job record (fingerprint), committed
-parts, leftovers of a killed run, and --overwrite."""
+parts, leftovers of a killed run, and --overwrite. The state is read and written through a
+`storage.Storage` (a local folder or an object-store prefix); the lock exists on local folders only."""
 
 from __future__ import annotations
 
@@ -14,13 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.fingerprint import describe_difference
 from batchgen.output_table import RESULT_NAMES
-from batchgen.parts import atomic_write, committed_parts
 from batchgen.sharding import ShardSpec
+from batchgen.storage import Storage, open_storage
 from batchgen.usage.totals import Totals
 
 log = logging.getLogger(__name__)
@@ -37,15 +36,23 @@ class OutputLock:
     A plain run holds `.batchgen.lock` exclusively. A shard run (`shard`) and `finalize`
     (`shared=True`) hold it shared, so they run beside each other but never beside a plain run;
     a shard run also holds its own `.batchgen.shard-I-of-N.lock` exclusively.
+
+    An object store has no lock that can be trusted: there acquire() does nothing, and each part's
+    conditional write keeps two runs from committing a part twice (README, "Object storage").
     """
 
-    def __init__(self, out_dir: Path, shard: ShardSpec | None = None, shared: bool = False) -> None:
-        self.path = out_dir / LOCK_NAME
+    def __init__(self, out_dir: Path | Storage, shard: ShardSpec | None = None, shared: bool = False) -> None:
+        folder = open_storage(out_dir).local_dir
+        self.enabled = folder is not None
+        self.path = (folder or Path()) / LOCK_NAME
         self.shard = shard
         self.shared = shared or shard is not None
         self.fds: list[int] = []
 
     def acquire(self) -> None:
+        if not self.enabled:
+            log.info("object storage: no run lock; parts are committed by conditional writes")
+            return
         try:
             main = self._open(self.path)
             if not self._try(main, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX):
@@ -108,51 +115,51 @@ def _read_holder(fd: int) -> str:
 class OutputState:
     """What a previous run left in the output folder, and the decisions about it."""
 
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
+    def __init__(self, out_dir: Path | Storage) -> None:
+        self.storage = open_storage(out_dir)
+        self.out_dir = self.storage.local_dir if self.storage.local_dir is not None else self.storage.where
 
     def overwrite(self) -> None:
         """Remove what batchgen wrote here (parts, record, manifest, temp files); nothing else."""
-        for path in self._ours():
-            path.unlink(missing_ok=True)
+        for name in self._ours():
+            self.storage.delete(name)
 
     def check_record(self, fingerprint: dict[str, Any]) -> bool:
         """True when this job already finished here. Refuses a folder made by a different job."""
-        record_path = self.out_dir / RECORD_NAME
-        if not record_path.exists():
+        if not self.storage.exists(RECORD_NAME):
             if self.committed_parts():
                 raise FingerprintMismatch(
                     f"{self.out_dir}: holds parts but no {RECORD_NAME}; not a batchgen output of this job "
                     "(use --overwrite to replace it)"
                 )
             return False
-        old = json.loads(record_path.read_text(encoding="utf-8"))
+        old = self.read_record() or {}
         if old.get("id") != fingerprint["id"] and not self.committed_parts():
             # Why: a run that failed before its first commit (bad override, model not loadable)
             # produced nothing; the folder belongs to no job yet and the corrected rerun starts.
             log.info("%s: the previous job committed no part; starting afresh", self.out_dir)
-            (self.out_dir / SUCCESS_NAME).unlink(missing_ok=True)
+            self.storage.delete(SUCCESS_NAME)
             return False
         if old.get("id") != fingerprint["id"]:
             lines = "\n  ".join(describe_difference(old, fingerprint))
             raise FingerprintMismatch(
                 f"{self.out_dir}: made by a different job; use --overwrite to replace it. What differs:\n  {lines}"
             )
-        return (self.out_dir / SUCCESS_NAME).exists()
+        return self.storage.exists(SUCCESS_NAME)
+
+    def read_success(self) -> dict[str, Any]:
+        """The `_SUCCESS` manifest of a finished run."""
+        manifest: dict[str, Any] = json.loads(self.storage.read_text(SUCCESS_NAME) or "{}")
+        return manifest
 
     def write_record(self, record: dict[str, Any], replace: bool = True) -> bool:
         """Write the job record (the fingerprint and the facts `finalize` needs); with
         `replace=False` only when there is none yet (False: another run wrote one first)."""
         text = json.dumps(record, indent=2, sort_keys=True)
         try:
-            return atomic_write(
-                self.out_dir / RECORD_NAME,
-                lambda tmp: tmp.write_text(text, encoding="utf-8"),
-                "record_temp_write",
-                replace=replace,
-            )
+            return self.storage.write_text(RECORD_NAME, text, "record_temp_write", replace=replace)
         except OSError as exc:
-            raise OutputError(f"{self.out_dir / RECORD_NAME}: cannot write: {exc.strerror or exc}") from exc
+            raise OutputError(f"{self.storage.describe(RECORD_NAME)}: cannot write: {exc.strerror or exc}") from exc
 
     def claim_record(self, record: dict[str, Any]) -> None:
         """The shard runs' write_record: N of them may start at once. The first creates the record
@@ -169,40 +176,36 @@ class OutputState:
             raise FingerprintMismatch(f"{self.out_dir}: another job claimed this output at the same time:\n  {lines}")
 
     def read_record(self) -> dict[str, Any] | None:
-        path = self.out_dir / RECORD_NAME
         try:
-            record: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
+            text = self.storage.read_text(RECORD_NAME)
+            record: dict[str, Any] | None = None if text is None else json.loads(text)
         except (OSError, ValueError) as exc:
-            raise OutputError(f"{path}: cannot read the job record: {exc}") from exc
+            raise OutputError(f"{self.storage.describe(RECORD_NAME)}: cannot read the job record: {exc}") from exc
         return record
 
     def remove_leftovers(self, owns: Callable[[int], bool] | None = None) -> int:
         """Delete temp files of a killed run: they were never committed. With `owns` (a shard
         run: others may be writing right now) only the temp files of the parts it owns."""
-        leftovers = self._temp_files()
+        leftovers = self.storage.temp_names()
         if owns is not None:
-            leftovers = [p for p in leftovers if (i := _temp_part_index(p.name)) is not None and owns(i)]
-        for path in leftovers:
-            path.unlink(missing_ok=True)
+            leftovers = [n for n in leftovers if (i := _temp_part_index(n)) is not None and owns(i)]
+        for name in leftovers:
+            self.storage.delete(name)
         return len(leftovers)
 
-    def committed_parts(self) -> dict[int, Path]:
-        return committed_parts(self.out_dir)
+    def committed_parts(self) -> dict[int, str]:
+        """Committed parts by index, as names in the output folder."""
+        return self.storage.committed_parts()
 
-    def totals_of(self, path: Path) -> Totals:
+    def totals_of(self, part: str | Path) -> Totals:
+        """The usage totals of one committed part (named, or by a path whose name is used)."""
         totals = Totals()
-        totals.add_part(pq.read_table(path, columns=RESULT_NAMES).to_pydict())
+        totals.add_part(self.storage.read_table(Path(part).name, RESULT_NAMES).to_pydict())
         return totals
 
-    def _ours(self) -> list[Path]:
-        names = [RECORD_NAME, SUCCESS_NAME]
-        paths = [self.out_dir / n for n in names] + list(self.committed_parts().values())
-        return paths + self._temp_files()
-
-    def _temp_files(self) -> list[Path]:
-        return list(self.out_dir.glob(".*.tmp"))
+    def _ours(self) -> list[str]:
+        names = [RECORD_NAME, SUCCESS_NAME, *self.committed_parts().values()]
+        return names + self.storage.temp_names()
 
 
 def _temp_part_index(name: str) -> int | None:

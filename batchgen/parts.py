@@ -1,5 +1,7 @@
 """The output folder's files: part names, which parts are committed, and atomic writes (parts,
-`_SUCCESS`, the job record) that never leave half a file under a final name."""
+`_SUCCESS`, the job record) that never leave half a file under a final name. `PartWriter` commits
+through a `storage.Storage`: a local folder by the protocol below, an object store by one request
+per object (`batchgen.objectstore`)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,15 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchgen.errors import OutputError
 from batchgen.faults import fault_point
+from batchgen.storage import Storage, open_storage
 
 PART_GLOB = "part-*.parquet"
 _PART_NAME = re.compile(r"part-(\d{6})\.parquet")  # only these are ours; a stray part-old.parquet is not
@@ -36,48 +38,47 @@ def committed_parts(out_dir: Path) -> dict[int, Path]:
 
 
 class PartWriter:
-    """Writes each part under a hidden temporary name and renames it when complete, so a reader
-    (or a resumed run) never sees half a part under a final name."""
+    """Commits each part whole: locally under a hidden temporary name, renamed (hard-linked) when
+    complete; on an object store by one write of the whole object. A reader (or a resumed run)
+    never sees half a part under a final name.
 
-    def __init__(self, out_dir: Path, schema: pa.Schema) -> None:
-        self.out_dir = out_dir
+    `out_dir` is a local folder, an `s3://` / `gs://` URI (with `storage_options`) or a Storage.
+    """
+
+    def __init__(
+        self, out_dir: Path | str | Storage, schema: pa.Schema, storage_options: Mapping[str, Any] | None = None
+    ) -> None:
+        self.storage = open_storage(out_dir, storage_options)
+        self.out_dir = self.storage.local_dir if self.storage.local_dir is not None else self.storage.where
         self.schema = schema
 
     def prepare(self) -> None:
-        try:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.out_dir / f".probe-{uuid.uuid4().hex}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise OutputError(f"output.path {self.out_dir}: not writable: {exc.strerror or exc}") from exc
+        self.storage.prepare()
 
     def write_part(self, index: int, table: pa.Table) -> bool:
         """Commit part `index`; False when it was already committed (by a concurrent shard run of
         another N): the existing part is kept, never replaced, so each row lands once."""
-        final = self.out_dir / part_name(index)
+        name = part_name(index)
         try:
-            committed = atomic_write(
-                final, lambda tmp: pq.write_table(table.cast(self.schema), tmp), "after_temp_write", replace=False
-            )
+            committed = self.storage.write_parquet(name, table.cast(self.schema), "after_temp_write")
             fault_point("after_rename")
         except OSError as exc:
-            raise OutputError(f"{final}: cannot write part: {exc.strerror or exc}") from exc
+            raise OutputError(f"{self.storage.describe(name)}: cannot write part: {exc.strerror or exc}") from exc
         return committed
 
-    def write_success(self, manifest: dict[str, Any]) -> Path:
-        return write_success(self.out_dir, manifest)
+    def write_success(self, manifest: dict[str, Any]) -> Path | str:
+        return write_success(self.storage, manifest)
 
 
-def write_success(out_dir: Path, manifest: dict[str, Any]) -> Path:
+def write_success(out_dir: Path | Storage, manifest: dict[str, Any]) -> Path | str:
     """The `_SUCCESS` manifest, replaced atomically: concurrent writers of the same totals are safe."""
-    final = out_dir / "_SUCCESS"
+    storage = open_storage(out_dir)
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
     try:
-        atomic_write(final, lambda tmp: tmp.write_text(text, encoding="utf-8"), "success_temp_write")
+        storage.write_text("_SUCCESS", text, "success_temp_write")
     except OSError as exc:
-        raise OutputError(f"{final}: cannot write the manifest: {exc.strerror or exc}") from exc
-    return final
+        raise OutputError(f"{storage.describe('_SUCCESS')}: cannot write the manifest: {exc.strerror or exc}") from exc
+    return storage.local_dir / "_SUCCESS" if storage.local_dir is not None else storage.describe("_SUCCESS")
 
 
 def atomic_write(final: Path, write: Callable[[Path], object], fault: str, replace: bool = True) -> bool:

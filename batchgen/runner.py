@@ -3,7 +3,6 @@ read, prepare, order, generate, commit; then the `_SUCCESS` manifest and a summa
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from batchgen.errors import BatchgenError, EngineFailure
 from batchgen.faults import fault_point
 from batchgen.fingerprint import job_fingerprint
 from batchgen.job import JobSpec
-from batchgen.jobstate import SUCCESS_NAME, OutputLock, OutputState
+from batchgen.jobstate import OutputLock, OutputState
 from batchgen.ordering import order_requests
 from batchgen.output_table import carried_columns, output_schema, part_table, result_columns
 from batchgen.parts import PartWriter, part_name
@@ -77,10 +76,12 @@ class JobRunner:
         carried = carried_columns(self.spec, files[0].schema)
         add_row_id = self.spec.input.id_column is None
         writer = PartWriter(
-            self.spec.output.path, output_schema([files[0].schema.field(c) for c in carried], add_row_id)
+            self.spec.output.path,
+            output_schema([files[0].schema.field(c) for c in carried], add_row_id),
+            self.spec.output.storage_options,
         )
         writer.prepare()
-        lock = OutputLock(self.spec.output.path, self.shard)
+        lock = OutputLock(writer.storage, self.shard)
         lock.acquire()
         try:
             return self._run_locked(files, carried, writer, start)
@@ -88,12 +89,12 @@ class JobRunner:
             lock.release()
 
     def _run_locked(self, files: list[InputFile], carried: list[str], writer: PartWriter, start: float) -> Summary:
-        state = OutputState(self.spec.output.path)
+        state = OutputState(writer.storage)
         if self.overwrite:
             state.overwrite()
         fingerprint = job_fingerprint(self.spec, files)
         if state.check_record(fingerprint):
-            manifest = json.loads((self.spec.output.path / SUCCESS_NAME).read_text(encoding="utf-8"))
+            manifest = state.read_success()
             return Summary(Totals(), 0.0, manifest, already_done=True)
         owns = self.shard.owns if self.shard is not None else None
         shards = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
@@ -189,7 +190,7 @@ class JobRunner:
                     totals.add_part(cols)
                 else:  # a concurrent shard run of another N committed it first: that part stands
                     log.info("part %d was committed by another run meanwhile; kept that one", shard.index)
-                    totals.merge(OutputState(writer.out_dir).totals_of(writer.out_dir / part_name(shard.index)))
+                    totals.merge(OutputState(writer.storage).totals_of(part_name(shard.index)))
                 bar.set_postfix(tok_s=f"{(totals.output_tokens - kept) / max(time.time() - start, 1e-9):.0f}")
 
     def _run_shard(

@@ -113,7 +113,9 @@ def check_model_folder(model_path: Path, needs_chat_template: bool = False) -> A
 def validate_job(spec: JobSpec) -> list[InputFile]:
     """Everything `run` checks before loading weights; raises a BatchgenError naming the problem.
     The output folder is never read as input, even when it lies inside input.path."""
-    files = open_inputs(spec.input.path, input_columns(spec), exclude=spec.output.path)
+    files = open_inputs(
+        spec.input.path, input_columns(spec), exclude=spec.output.path, options=spec.input.storage_options
+    )
     check_read_types(spec, files)
     check_sampling_columns(spec, files)
     check_carried_in_every_file(spec, files, carried_columns(spec, files[0].schema))

@@ -24,7 +24,7 @@ import pyarrow.dataset as ds
 
 from batchgen.errors import InputDataError
 from batchgen.jobstate import LOCK_NAME, RECORD_NAME, SUCCESS_NAME
-from batchgen.parts import committed_parts
+from batchgen.storage import Storage, open_storage
 from batchgen.usage.totals import IntHistogram, Totals, add_counts
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class OutputStatus:
 
 @dataclass
 class Report:
-    path: Path
+    path: Path | str  # a local folder or an object-store URI
     by: str | None
     groups: dict[str, GroupStats]  # group value as text, sorted; empty without --by
     totals: GroupStats
@@ -73,40 +73,38 @@ class Report:
 
 
 def read_report(out_dir: str | Path, by: str | None = None) -> Report:
-    """Stream every committed part of `out_dir` once; group by the `by` column when given."""
-    out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        raise InputDataError(f"{out_dir}: no such output folder")
+    """Stream every committed part of `out_dir` once; group by the `by` column when given.
+    `out_dir` may be an object-store URI (options in its query or the store's environment)."""
+    storage = open_storage(out_dir)
+    out = storage.local_dir if storage.local_dir is not None else storage.where
+    if not storage.is_dir():
+        raise InputDataError(f"{out}: no such output folder")
     # Why committed_parts is enough: a part in flight has a hidden temporary name (".part-...tmp").
-    parts = list(committed_parts(out_dir).values())
-    started = any((out_dir / name).exists() for name in (LOCK_NAME, RECORD_NAME, SUCCESS_NAME))
+    parts = list(storage.committed_parts().values())
+    started = any(storage.exists(name) for name in (LOCK_NAME, RECORD_NAME, SUCCESS_NAME))
     if not parts and not started:
-        raise InputDataError(f"{out_dir}: no committed part-*.parquet files (has the run started?)")
+        raise InputDataError(f"{out}: no committed part-*.parquet files (has the run started?)")
     groups: dict[str, GroupStats] = {}
     numeric = False
     if parts:  # a run that started but committed nothing yet has empty totals
-        numeric = _is_numeric(_schema(out_dir, parts), by)
-        for table in _scan(out_dir, parts, by):
+        numeric = _is_numeric(_dataset(storage, parts).schema, by)
+        for table in _scan(storage, parts, by):
             _add_table(groups, table, by)
     totals = GroupStats()
     for stats in groups.values():
         totals.merge(stats)
-    status = _status(out_dir, len(parts), totals)
+    status = _status(storage, len(parts), totals)
     if status.mismatches:
-        log.error("%s: %s", out_dir, status.line())
+        log.error("%s: %s", out, status.line())
     ordered = {name: groups[name] for name in sorted(groups, key=_sort_key if numeric else None)} if by else {}
-    return Report(path=out_dir, by=by, groups=ordered, totals=totals, status=status)
+    return Report(path=out, by=by, groups=ordered, totals=totals, status=status)
 
 
-def _dataset(out_dir: Path, parts: list[Path]) -> ds.Dataset:
+def _dataset(storage: Storage, parts: list[str]) -> ds.Dataset:
     try:
-        return ds.dataset([str(p) for p in parts], format="parquet")
+        return storage.dataset(parts)
     except (pa.ArrowException, OSError) as exc:
-        raise InputDataError(f"{out_dir}: cannot read the committed parts: {exc}") from exc
-
-
-def _schema(out_dir: Path, parts: list[Path]) -> pa.Schema:
-    return _dataset(out_dir, parts).schema
+        raise InputDataError(f"{storage.where}: cannot read the committed parts: {exc}") from exc
 
 
 def _is_numeric(schema: pa.Schema, by: str | None) -> bool:
@@ -127,8 +125,9 @@ def _sort_key(name: str) -> tuple[int, Decimal]:
     return (2, Decimal(0)) if value.is_nan() else (1, value)
 
 
-def _scan(out_dir: Path, parts: list[Path], by: str | None) -> Iterator[pa.Table]:
-    dataset = _dataset(out_dir, parts)
+def _scan(storage: Storage, parts: list[str], by: str | None) -> Iterator[pa.Table]:
+    out_dir = storage.where
+    dataset = _dataset(storage, parts)
     names = dataset.schema.names
     missing = [c for c in USAGE_COLUMNS if c not in names]
     if missing:
@@ -196,12 +195,13 @@ def _text(value: Any) -> str:
     return NULL_NAME if value is None else str(value)
 
 
-def _status(out_dir: Path, num_parts: int, totals: GroupStats) -> OutputStatus:
-    success = out_dir / SUCCESS_NAME
-    if not success.exists():
-        return OutputStatus(parts=num_parts, finished=False)
+def _status(storage: Storage, num_parts: int, totals: GroupStats) -> OutputStatus:
+    success = storage.describe(SUCCESS_NAME)
     try:
-        manifest = json.loads(success.read_text(encoding="utf-8"))
+        text = storage.read_text(SUCCESS_NAME)
+        if text is None:
+            return OutputStatus(parts=num_parts, finished=False)
+        manifest = json.loads(text)
     except (OSError, ValueError) as exc:
         return OutputStatus(parts=num_parts, finished=True, mismatches=[f"cannot read {success}: {exc}"])
     return OutputStatus(parts=num_parts, finished=True, mismatches=_mismatches(manifest, num_parts, totals))

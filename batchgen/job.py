@@ -154,6 +154,13 @@ def _checked_options(options: dict[str, Any], info: ValidationInfo, section: str
 class InputSection(_Strict):
     path: str  # a Parquet file, a folder of them, or a glob; or an s3:// / gs:// URI of one
     storage_options: dict[str, Any] = Field(default_factory=dict)  # object stores: endpoint, region, keys
+
+    @field_validator("path")
+    @classmethod
+    def _known_scheme(cls, path: str) -> str:
+        check_storage_options(path, {}, "input")
+        return path
+
     prompt_column: str | None = None  # None: "prompt", unless messages_column is set
     messages_column: str | None = None
     id_column: str | None = None
@@ -182,12 +189,13 @@ class InputSection(_Strict):
 
 
 class OutputSection(_Strict):
-    path: Path | str = Field(strict=False)  # a local folder (a Path), or an s3:// / gs:// URI (kept as text)
+    path: Path | str  # a local folder (made a Path), or an s3:// / gs:// URI (kept as text)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("path")
     @classmethod
     def _local_as_path(cls, path: Path | str) -> Path | str:
+        check_storage_options(path, {}, "output")  # an unsupported scheme or no bucket fails here
         return path if isinstance(path, Path) or is_remote(path) else Path(local_path(path))
 
     @field_validator("storage_options")

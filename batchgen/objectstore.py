@@ -42,10 +42,20 @@ def make_filesystem(uri: str, options: dict[str, Any]) -> tuple[pafs.FileSystem,
     base = fs_path(uri)
     try:
         if REMOTE_SCHEMES[uri_scheme(uri) or ""] == "s3":
-            return pafs.S3FileSystem(**options), base
+            return pafs.S3FileSystem(**_with_env_endpoint(options)), base
         return pafs.GcsFileSystem(**options), base
     except (pa.ArrowException, OSError, TypeError, ValueError) as exc:
         raise OutputError(f"{uri}: cannot open the object store: {exc}") from exc
+
+
+def _with_env_endpoint(options: dict[str, Any]) -> dict[str, Any]:
+    """AWS_ENDPOINT_URL(_S3), the AWS tools' standard variable, when no endpoint_override is set
+    (pyarrow's S3FileSystem reads it only through from_uri; boto3 reads it itself)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if "endpoint_override" in options or not endpoint:
+        return options
+    scheme, _, host = endpoint.rpartition("://")
+    return {**options, "endpoint_override": host, **({"scheme": scheme} if scheme and "scheme" not in options else {})}
 
 
 def bucket_problem(fs: pafs.FileSystem, base: str, uri: str) -> str | None:
@@ -239,9 +249,13 @@ def _has_magic(segment: str) -> bool:
 
 
 def _glob_match(pattern: list[str], parts: list[str]) -> bool:
-    """Python glob semantics on "/"-separated keys: `**` spans zero or more folders."""
+    """Python glob semantics on "/"-separated keys: `**` spans zero or more folders, and a wildcard
+    matches no hidden name (one starting with ".")."""
     if not pattern:
         return not parts
     if pattern[0] == "**":
-        return any(_glob_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(pattern[1:], parts[1:])
+        spans = range(next((i for i, p in enumerate(parts) if p.startswith(".")), len(parts)) + 1)
+        return any(_glob_match(pattern[1:], parts[i:]) for i in spans)
+    if not parts or (parts[0].startswith(".") and not pattern[0].startswith(".")):
+        return False
+    return fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(pattern[1:], parts[1:])

@@ -1,0 +1,268 @@
+"""Object storage end to end against a real S3 API server on localhost (moto's threaded server):
+a job reading Parquet from a bucket and writing to another prefix equals a local run, a kill -9
+mid-run resumes to the same result, report and finalize work on s3:// URIs, and a bad URI,
+option or bucket fails before any work. Credentials reach batchgen the standard way (AWS_*)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchgen import objectstore
+from batchgen.cli import main
+from batchgen.objectstore import ObjectStorage, discover_objects
+from batchgen.storage import check_storage_options
+from tests.conftest import make_job, write_job, write_parquet
+
+WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
+FILES = {"a.parquet": 10, "sub/b.parquet": 8}  # two input objects, one in a sub-prefix: keys differ
+COLUMNS = ["row_id", "prompt", "generated_text", "finish_reason", "input_tokens", "cached_tokens", "output_tokens"]
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, Any]]:
+    """One moto S3 server for the module; credentials in the environment, as a user would set them."""
+    from moto.server import ThreadedMotoServer
+
+    saved = dict(os.environ)
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        os.environ.pop(name, None)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    fs = pafs.S3FileSystem(
+        endpoint_override=f"{host}:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True
+    )
+    for bucket in ("inputs", "outputs"):
+        fs.create_dir(bucket)
+    yield {"endpoint": f"http://{host}:{port}", "fs": fs}
+    server.stop()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _options(s3: dict[str, Any]) -> dict[str, str]:
+    return {"endpoint_override": s3["endpoint"], "region": "us-east-1"}
+
+
+def _prompts(n: int, shift: int) -> list[str]:
+    return [" ".join(WORDS[(i + j + shift) % 10] for j in range(2 + i % 5)) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def local_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("inputs")
+    for k, (name, rows) in enumerate(FILES.items()):
+        write_parquet(folder / name, {"prompt": _prompts(rows, k)})
+    return folder
+
+
+def _upload(s3: dict[str, Any], local: Path, prefix: str) -> str:
+    for name in FILES:
+        s3["fs"].create_dir(f"{prefix}/{name}".rsplit("/", 1)[0])
+        with s3["fs"].open_output_stream(f"{prefix}/{name}") as out:
+            out.write((local / name).read_bytes())
+    return f"s3://{prefix}"
+
+
+def _job(tmp: Path, model: Path, inputs: str, out: str, s3: dict[str, Any] | None) -> Path:
+    job = make_job(model, inputs, Path("unused"), engine={"window_rows": 4}, sampling={"max_tokens": 6})
+    job["input"]["id_column"] = None  # row_id = "<key>:<row>": the same keys on S3 as on disk
+    job["output"]["path"] = out
+    if s3 is not None:
+        job["input"]["storage_options"] = _options(s3) if inputs.startswith("s3://") else {}
+        job["output"]["storage_options"] = _options(s3)
+    return write_job(tmp / f"job-{abs(hash(out))}.yaml", job)
+
+
+def _rows(table: pa.Table) -> list[tuple[Any, ...]]:
+    return sorted(zip(*(table.column(c).to_pylist() for c in COLUMNS)))
+
+
+def _s3_rows(s3: dict[str, Any], prefix: str) -> list[tuple[Any, ...]]:
+    return _rows(ds.dataset(prefix, format="parquet", filesystem=s3["fs"]).to_table())
+
+
+def _read_json(s3: dict[str, Any], key: str) -> dict[str, Any]:
+    with s3["fs"].open_input_stream(key) as stream:
+        data: dict[str, Any] = json.loads(stream.read())
+    return data
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, local_inputs: Path) -> dict[str, Any]:
+    """An uninterrupted local run of the same job: rows, record and report."""
+    tmp = tmp_path_factory.mktemp("local")
+    job = _job(tmp, tiny_model_dir, str(local_inputs), str(tmp / "out"), None)
+    result = CliRunner().invoke(main, ["run", str(job)])
+    assert result.exit_code == 0, result.output
+    report = CliRunner().invoke(main, ["report", str(tmp / "out"), "--json"])
+    assert report.exit_code == 0, report.output
+    return {
+        "rows": _rows(ds.dataset(tmp / "out", format="parquet").to_table()),
+        "record": json.loads((tmp / "out" / "_JOB.json").read_text()),
+        "report": json.loads(report.stdout),
+    }
+
+
+def _without_path(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in report.items() if k not in ("path", "status")}
+
+
+def test_a_job_from_a_bucket_to_a_bucket_equals_a_local_run(
+    tmp_path: Path, tiny_model_dir: Path, s3: dict[str, Any], local_inputs: Path, reference: dict[str, Any]
+) -> None:
+    inputs = _upload(s3, local_inputs, "inputs/equal")
+    result = CliRunner().invoke(main, ["run", str(_job(tmp_path, tiny_model_dir, inputs, "s3://outputs/equal", s3))])
+    assert result.exit_code == 0, result.output
+    assert _s3_rows(s3, "outputs/equal") == reference["rows"]  # rows, row_ids, texts, usage
+    record = _read_json(s3, "outputs/equal/_JOB.json")
+    assert record["id"] == reference["record"]["id"]  # keyed by relative key + content digest
+    assert record["run"]["inputs"] == [f"{inputs}/{name}" for name in sorted(FILES)]
+    assert "storage_options" not in json.dumps(record)  # how to reach the data (secrets) is not recorded
+    manifest = _read_json(s3, "outputs/equal/_SUCCESS")
+    assert manifest["rows"]["total"] == sum(FILES.values())
+    query = "?endpoint_override=" + s3["endpoint"].removeprefix("http://") + "&scheme=http"
+    report = CliRunner().invoke(main, ["report", f"s3://outputs/equal{query}", "--json"])
+    assert report.exit_code == 0, report.output
+    assert _without_path(json.loads(report.stdout)) == _without_path(reference["report"])
+    assert "finished" in json.loads(report.stdout)["status"]
+
+
+def _cli(job: Path, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGEN_FAULT")}
+    if fault:
+        env["BATCHGEN_FAULT"] = fault
+    cmd = [sys.executable, "-m", "batchgen", "run", str(job), "--quiet"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("point", ["after_temp_write:3"])  # part 3 serialized, never put
+def test_killed_mid_run_resumes_to_the_local_result(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    s3: dict[str, Any],
+    local_inputs: Path,
+    reference: dict[str, Any],
+    point: str,
+) -> None:
+    prefix = f"inputs/kill-{point.replace(':', '-')}"
+    inputs = _upload(s3, local_inputs, prefix)
+    out = f"{prefix}/out"  # inside the input prefix: the resumed run must not read its parts as input
+    job = _job(tmp_path, tiny_model_dir, inputs, f"s3://{out}", s3)
+    killed = _cli(job, fault=point)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    selector = pafs.FileSelector(out, allow_not_found=True)
+    kept = {i.base_name: i.mtime for i in s3["fs"].get_file_info(selector) if i.base_name.startswith("part-")}
+    assert len(kept) == 2 and "_SUCCESS" not in {i.base_name for i in s3["fs"].get_file_info(selector)}
+    resumed = _cli(job)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed: 2 part(s) kept" in resumed.stdout
+    assert _s3_rows(s3, out) == reference["rows"]  # every row exactly once, equal to the local run
+    now = {i.base_name: i.mtime for i in s3["fs"].get_file_info(selector)}
+    assert all(now[name] == mtime for name, mtime in kept.items())  # committed parts not rewritten
+
+
+def test_finalize_on_a_bucket(tmp_path: Path, tiny_model_dir: Path, s3: dict[str, Any], local_inputs: Path) -> None:
+    inputs = _upload(s3, local_inputs, "inputs/final")
+    job = _job(tmp_path, tiny_model_dir, inputs, "s3://outputs/final", s3)
+    assert CliRunner().invoke(main, ["run", str(job)]).exit_code == 0
+    written = _read_json(s3, "outputs/final/_SUCCESS")
+    os.environ["AWS_ENDPOINT_URL"] = s3["endpoint"]  # the store's standard variable, read by pyarrow and boto3
+    try:
+        s3["fs"].delete_file("outputs/final/_SUCCESS")
+        done = CliRunner().invoke(main, ["finalize", "s3://outputs/final"])
+        assert done.exit_code == 0, done.output
+        assert "s3://outputs/final finalized: 5 parts, 18 rows ok" in done.stdout
+        assert _read_json(s3, "outputs/final/_SUCCESS")["rows"] == written["rows"]
+        again = CliRunner().invoke(main, ["finalize", "s3://outputs/final"])
+        assert again.exit_code == 0 and "already finalized" in again.stdout
+        s3["fs"].delete_file("outputs/final/_SUCCESS")
+        s3["fs"].delete_file("outputs/final/part-000003.parquet")
+        missing = CliRunner().invoke(main, ["finalize", "s3://outputs/final"])
+        assert missing.exit_code == 8 and "part-000003.parquet" in missing.stderr
+    finally:
+        del os.environ["AWS_ENDPOINT_URL"]
+
+
+@pytest.mark.parametrize(
+    ("where", "change", "code", "message"),
+    [
+        ("output", {"storage_options": {"endpont_override": "x"}}, 2, "unknown key 'endpont_override' for s3://"),
+        ("input", {"storage_options": {"region": 3}}, 2, "input.storage_options.region: must be a string"),
+        ("output", {"path": "hdfs://x/y", "storage_options": {}}, 2, "unsupported URI scheme hdfs://"),
+        ("input", {"path": "ftp://x/y"}, 2, "input.path: unsupported URI scheme ftp://"),
+        ("output", {"path": "s3:///nobucket"}, 2, "names no bucket"),
+        ("input", {"path": "s3://no-such-bucket/data"}, 3, "bucket 'no-such-bucket' does not exist"),
+        ("input", {"path": "s3://inputs/nothing-here"}, 3, "no Parquet objects found at s3://inputs/nothing-here"),
+        ("output", {"path": "s3://no-such-bucket/out"}, 5, "bucket 'no-such-bucket' does not exist"),
+    ],
+)
+def test_a_bad_uri_option_or_bucket_fails_before_any_work(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    s3: dict[str, Any],
+    local_inputs: Path,
+    where: str,
+    change: dict[str, Any],
+    code: int,
+    message: str,
+) -> None:
+    inputs = _upload(s3, local_inputs, "inputs/bad")
+    job = make_job(tiny_model_dir, inputs, Path("unused"))
+    job["input"].update(id_column=None, storage_options=_options(s3))
+    job["output"] = {"path": "s3://outputs/bad", "storage_options": _options(s3)}
+    job[where].update(change)
+    result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / "job.yaml", job))])
+    assert result.exit_code == code, result.output
+    assert message in result.stderr
+    assert s3["fs"].get_file_info(pafs.FileSelector("outputs/bad", allow_not_found=True)) == []
+
+
+def test_storage_options_on_a_local_path_are_a_job_error(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = make_job(tiny_model_dir, str(tmp_path / "in.parquet"), tmp_path / "out")
+    job["output"]["storage_options"] = {"region": "us-east-1"}
+    result = CliRunner().invoke(main, ["validate", str(write_job(tmp_path / "job.yaml", job))])
+    assert result.exit_code == 2 and "output.storage_options: only for s3:// or gs:// paths" in result.stderr
+
+
+@pytest.mark.parametrize("conditional", [True, False])
+def test_a_committed_object_is_never_replaced(
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, conditional: bool
+) -> None:
+    if not conditional:  # without boto3: check-then-put
+        monkeypatch.setattr(objectstore, "s3_client", lambda options, region: False)
+    uri = f"s3://outputs/never-{conditional}"
+    store = ObjectStorage(uri, check_storage_options(uri, _options(s3), "output"))
+    assert store.write_parquet("part-000000.parquet", pa.table({"x": [1]}), "after_temp_write")
+    assert not store.write_parquet("part-000000.parquet", pa.table({"x": [2]}), "after_temp_write")
+    assert store.read_table("part-000000.parquet", ["x"]).column("x").to_pylist() == [1]
+    assert store.committed_parts() == {0: "part-000000.parquet"}
+
+
+def test_input_globs_and_prefixes_on_a_bucket(s3: dict[str, Any], local_inputs: Path) -> None:
+    _upload(s3, local_inputs, "inputs/glob")
+    pq.write_table(pa.table({"x": [1]}), "inputs/glob/.hidden.parquet", filesystem=s3["fs"])
+    found = discover_objects(s3["fs"], "inputs/glob", "s3://inputs/glob", exclude=None)
+    assert [key for _, key in found] == ["a.parquet", "sub/b.parquet"]
+    star = discover_objects(s3["fs"], "inputs/glob/*.parquet", "s3://inputs/glob", exclude=None)
+    assert star == [("inputs/glob/a.parquet", "a.parquet")]
+    deep = discover_objects(s3["fs"], "inputs/glob/**/b.parquet", "s3://inputs/glob", exclude=None)
+    assert [key for _, key in deep] == ["sub/b.parquet"]
+    assert discover_objects(s3["fs"], "inputs/glob", "s3://inputs/glob", exclude="inputs/glob/sub") == [
+        ("inputs/glob/a.parquet", "a.parquet")
+    ]

@@ -127,7 +127,12 @@ def test_a_job_from_a_bucket_to_a_bucket_equals_a_local_run(
     tmp_path: Path, tiny_model_dir: Path, s3: dict[str, Any], local_inputs: Path, reference: dict[str, Any]
 ) -> None:
     inputs = _upload(s3, local_inputs, "inputs/equal")
-    result = CliRunner().invoke(main, ["run", str(_job(tmp_path, tiny_model_dir, inputs, "s3://outputs/equal", s3))])
+    job = str(_job(tmp_path, tiny_model_dir, inputs, "s3://outputs/equal", s3))
+    checked = CliRunner().invoke(main, ["validate", job])
+    assert checked.exit_code == 0 and "2 input file(s), 18 rows" in checked.stdout, checked.output
+    estimate = CliRunner().invoke(main, ["estimate", job, "--json"])
+    assert estimate.exit_code == 0 and json.loads(estimate.stdout)["rows"]["total"] == 18, estimate.output
+    result = CliRunner().invoke(main, ["run", job])
     assert result.exit_code == 0, result.output
     assert _s3_rows(s3, "outputs/equal") == reference["rows"]  # rows, row_ids, texts, usage
     record = _read_json(s3, "outputs/equal/_JOB.json")

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from batchgen import objectstore
 from batchgen.cli import main
 from batchgen.objectstore import ObjectStorage, discover_objects
-from batchgen.storage import check_storage_options
+from batchgen.storage import check_storage_options, options_from_uri
 from tests.conftest import make_job, write_job, write_parquet
 
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
@@ -271,3 +271,18 @@ def test_input_globs_and_prefixes_on_a_bucket(s3: dict[str, Any], local_inputs: 
     assert discover_objects(s3["fs"], "inputs/glob", "s3://inputs/glob", exclude="inputs/glob/sub") == [
         ("inputs/glob/a.parquet", "a.parquet")
     ]
+
+
+def test_storage_options_are_normalized_and_checked_per_store() -> None:
+    assert check_storage_options("s3://b/p", {"endpoint_override": "http://h:9000"}, "output") == {
+        "endpoint_override": "h:9000",
+        "scheme": "http",
+    }
+    with pytest.raises(ValueError, match="endpoint_override is http:// but scheme is https"):
+        check_storage_options("s3://b/p", {"endpoint_override": "http://h:9000", "scheme": "https"}, "output")
+    with pytest.raises(ValueError, match=r"unknown key 'region' for gs:// \(known: anonymous, endpoint_override"):
+        check_storage_options("gs://b/p", {"region": "x"}, "input")
+    with pytest.raises(ValueError, match="anonymous: must be true or false"):
+        check_storage_options("s3://b/p", {"anonymous": "yes"}, "input")
+    uri, options = options_from_uri("s3://b/p/?endpoint_override=h:1&scheme=http&anonymous=true", None, "output")
+    assert (uri, options) == ("s3://b/p", {"endpoint_override": "h:1", "scheme": "http", "anonymous": True})

@@ -8,16 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    create_model,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from batchgen.engine.config import DEVICE_CHOICES, DEVICE_NAME, EngineConfig
@@ -146,20 +137,9 @@ class ModelSection(_Strict):
         return value
 
 
-def _checked_options(options: dict[str, Any], info: ValidationInfo, section: str) -> dict[str, Any]:
-    """storage_options checked against the section's path (an unknown key fails at load)."""
-    return check_storage_options(info.data.get("path", ""), options, section)
-
-
 class InputSection(_Strict):
     path: str  # a Parquet file, a folder of them, or a glob; or an s3:// / gs:// URI of one
     storage_options: dict[str, Any] = Field(default_factory=dict)  # object stores: endpoint, region, keys
-
-    @field_validator("path")
-    @classmethod
-    def _known_scheme(cls, path: str) -> str:
-        check_storage_options(path, {}, "input")
-        return path
 
     prompt_column: str | None = None  # None: "prompt", unless messages_column is set
     messages_column: str | None = None
@@ -168,13 +148,9 @@ class InputSection(_Strict):
     sampling_columns: dict[str, str] = Field(default_factory=dict)  # SamplingParams field -> column
     limit: int | None = Field(default=None, ge=1)  # only the first N rows (quick trials)
 
-    @field_validator("storage_options")
-    @classmethod
-    def _options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        return _checked_options(options, info, "input")
-
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
+        self.storage_options = check_storage_options(self.path, self.storage_options, "input")
         if self.prompt_column is not None and self.messages_column is not None:
             raise ValueError("set exactly one of input.prompt_column or input.messages_column")
         if self.messages_column is None and self.prompt_column is None:
@@ -198,10 +174,10 @@ class OutputSection(_Strict):
         check_storage_options(path, {}, "output")  # an unsupported scheme or no bucket fails here
         return path if isinstance(path, Path) or is_remote(path) else Path(local_path(path))
 
-    @field_validator("storage_options")
-    @classmethod
-    def _options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        return _checked_options(options, info, "output")
+    @model_validator(mode="after")
+    def _options(self) -> OutputSection:
+        self.storage_options = check_storage_options(self.path, self.storage_options, "output")
+        return self
 
 
 class PricingSection(_Strict):

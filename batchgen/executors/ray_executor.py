@@ -30,6 +30,7 @@ from batchgen.errors import BatchgenError, EngineFailure, ExecutorError
 from batchgen.executors.part_queue import PartQueue
 from batchgen.executors.ray_worker import PartWorker, ProgressBoard
 from batchgen.job import ExecutorSection
+from batchgen.jobstate import OutputState
 from batchgen.parts import PartWriter
 from batchgen.usage.totals import Totals
 
@@ -159,6 +160,7 @@ class _Dispatch:
     ) -> None:
         self.ray, self.shape, self.quiet = ray, shape, runner.quiet
         self.args = (runner.spec, files, carried, writer, shape.cpus)
+        self.out_dir = writer.out_dir
         self.queue = PartQueue(todo, shape.count)
         self.duplicates = _duplicates_by_part(runner.duplicates, todo)
         self.total_rows = sum(s.num_rows for s in todo)
@@ -231,6 +233,7 @@ class _Dispatch:
         why = type(exc).__name__
         log.warning("Ray worker %d died on part %d (%s); a new worker takes it over", slot, part.index, why)
         self.ray.kill(self.workers[slot], no_restart=True)
+        OutputState(self.out_dir).remove_leftovers(lambda index: index == part.index)  # a half-written temp file
         self.stats.replaced += 1
         self.queue.give_back(slot, part)
         self._start(slot)

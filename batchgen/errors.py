@@ -51,6 +51,13 @@ class IncompleteOutput(BatchgenError):
     exit_code = 8
 
 
+class ExecutorError(BatchgenError):
+    """`executor: {kind: ray}` cannot start: Ray is not installed, no cluster answers at
+    executor.address, or the cluster cannot hold the workers asked for. Nothing has run."""
+
+    exit_code = 9
+
+
 class FingerprintMismatch(BatchgenError):
     """The output folder was made by a different job."""
 

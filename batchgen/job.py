@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_type_hints
@@ -188,6 +189,29 @@ class PricingSection(_Strict):
     output: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
 
 
+class ExecutorSection(_Strict):
+    """Where the parts run: this process (`local`) or engine workers on Ray (`ray`); see
+    batchgen/executors. The `ray` keys are read only with kind ray."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = None  # null: start a local Ray instance; "auto", "ray://host:port" or "host:port": join one
+    num_workers: int | None = Field(default=None, ge=1)  # null: one per GPU in the cluster (no GPU: 1)
+    worker_gpus: int = Field(default=1, ge=0, le=1)  # more than 1 is reserved for tensor parallelism
+    worker_cpus: float | None = Field(default=None, gt=0)  # null: 1 with a GPU, else the cluster's CPUs / workers
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and not _RAY_ADDRESS.fullmatch(value):
+            raise PydanticCustomError(
+                "address", "must be null, auto, ray://host:port or host:port, got {value}", {"value": repr(value)}
+            )
+        return value
+
+
+_RAY_ADDRESS = re.compile(r"auto|(ray://)?[\w.\-]+:\d+")
+
+
 class JobSpec(_Strict):
     model: ModelSection
     input: InputSection
@@ -196,6 +220,8 @@ class JobSpec(_Strict):
     engine: EngineSection = Field(default_factory=EngineSection)
     # Why excluded from dumps: prices change no generated text, so they stay out of the fingerprint.
     pricing: PricingSection | None = Field(default=None, exclude=True)
+    # Why excluded too: where the parts run changes no output; a job started locally may resume on Ray.
+    executor: ExecutorSection = Field(default_factory=ExecutorSection, exclude=True)
     source: Path | None = Field(default=None, exclude=True, strict=False)  # set by load_job
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 from tqdm import tqdm
@@ -19,6 +19,7 @@ from batchgen.dataset import InputFile, Shard, plan_shards, read_shards
 from batchgen.duplicate_ids import IdProblem, find_duplicate_ids
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import BatchgenError, EngineFailure
+from batchgen.executors import Executor, open_executor
 from batchgen.faults import fault_point
 from batchgen.fingerprint import job_fingerprint
 from batchgen.job import JobSpec
@@ -69,6 +70,7 @@ class JobRunner:
         self.quiet = quiet
         self.overwrite = overwrite
         self.duplicates: dict[tuple[int, int], IdProblem] = {}  # (file index, row) -> why its id fails
+        self.executor: Executor | None = None  # None: parts run in this process
 
     def run(self) -> Summary:
         start = time.time()
@@ -81,12 +83,15 @@ class JobRunner:
             self.spec.output.storage_options,
         )
         writer.prepare()
+        self.executor = open_executor(self.spec, self.quiet)  # kind ray: Ray imported and reached before any work
         lock = OutputLock(writer.storage, self.shard)
-        lock.acquire()
         try:
+            lock.acquire()
             return self._run_locked(files, carried, writer, start)
         finally:
             lock.release()
+            if self.executor is not None:
+                self.executor.close()
 
     def _run_locked(self, files: list[InputFile], carried: list[str], writer: PartWriter, start: float) -> Summary:
         state = OutputState(writer.storage)
@@ -173,10 +178,10 @@ class JobRunner:
     ) -> None:
         if not todo:
             return
-        tokenizer = load_tokenizer(self.spec.model.path)
-        backend = load_backend(self.spec, tokenizer)
-        preparer = RowPreparer(self.spec, tokenizer, backend.max_model_len)
-        add_row_id = self.spec.input.id_column is None
+        if self.executor is not None:  # the parts run elsewhere; each worker calls process_part
+            self.executor.process(self, files, carried, writer, todo, totals)
+            return
+        backend, preparer = load_engine(self.spec)
         kept = totals.output_tokens
         bar = tqdm(total=sum(s.num_rows for s in todo), unit="row", disable=self.quiet, dynamic_ncols=True)
         # Why cooperative: a signal only sets a flag here; the loop and on_output stop at clean points.
@@ -184,17 +189,34 @@ class JobRunner:
             for shard, table in read_shards(files, todo, _read_columns(self.spec, carried)):
                 interrupt.check()
                 f = files[shard.file_index]
-                cols = self._run_shard(shard, table, f, backend, preparer, bar)
-                row_ids = f.row_ids(shard.start, shard.stop) if add_row_id else None
-                if writer.write_part(shard.index, part_table(table, carried, row_ids, cols)):
-                    totals.add_part(cols)
-                else:  # a concurrent shard run of another N committed it first: that part stands
-                    log.info("part %d was committed by another run meanwhile; kept that one", shard.index)
-                    totals.merge(OutputState(writer.storage).totals_of(part_name(shard.index)))
+                totals.merge(self.process_part(f, shard, table, carried, writer, backend, preparer, bar))
                 bar.set_postfix(tok_s=f"{(totals.output_tokens - kept) / max(time.time() - start, 1e-9):.0f}")
 
+    def process_part(
+        self,
+        f: InputFile,
+        shard: Shard,
+        table: pa.Table,
+        carried: list[str],
+        writer: PartWriter,
+        backend: Backend,
+        preparer: RowPreparer,
+        bar: RowCounter,
+    ) -> Totals:
+        """Generate one part from its rows and commit it; its totals. The local loop and every Ray
+        worker call this, so both commit with the same atomic, never-replacing protocol."""
+        cols = self._run_shard(shard, table, f, backend, preparer, bar)
+        row_ids = f.row_ids(shard.start, shard.stop) if self.spec.input.id_column is None else None
+        totals = Totals()
+        if writer.write_part(shard.index, part_table(table, carried, row_ids, cols)):
+            totals.add_part(cols)
+        else:  # a concurrent shard run of another N (or a replaced Ray worker) committed it first: that part stands
+            log.info("part %d was committed by another run meanwhile; kept that one", shard.index)
+            totals.merge(OutputState(writer.storage).totals_of(part_name(shard.index)))
+        return totals
+
     def _run_shard(
-        self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, preparer: RowPreparer, bar: tqdm
+        self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, preparer: RowPreparer, bar: RowCounter
     ) -> dict[str, list[Any]]:
         rows = preparer.prepare_shard(f, shard, table, self.duplicates)
         requests = {i: r.request() for i, r in enumerate(rows) if r.ok}
@@ -217,6 +239,19 @@ class JobRunner:
             # Why: the part in flight is abandoned uncommitted; committed parts stay, a rerun resumes.
             raise EngineFailure(f"engine failed on rows {shard.start}-{shard.stop - 1} of {f.path}: {exc}") from exc
         return result_columns(rows, dict(zip(order, outs)))
+
+
+class RowCounter(Protocol):
+    """Counts finished rows: the progress bar locally, a reporter to the driver's bar on a Ray worker."""
+
+    def update(self, n: int = 1) -> object: ...
+
+
+def load_engine(spec: JobSpec) -> tuple[Backend, RowPreparer]:
+    """The model and the row preparer, loaded once per process (or per Ray worker)."""
+    tokenizer = load_tokenizer(spec.model.path)
+    backend = load_backend(spec, tokenizer)
+    return backend, RowPreparer(spec, tokenizer, backend.max_model_len)
 
 
 def _read_columns(spec: JobSpec, carried: list[str]) -> list[str]:

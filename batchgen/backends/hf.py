@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 from batchgen.backends.base import OnOutput
 from batchgen.engine.llm import eos_token_ids
 from batchgen.engine.models import resolve_device, resolve_dtype, resolve_max_model_len
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.sequence import Sequence
@@ -62,7 +62,7 @@ class HFBackend:
                 batch = indices[start : start + self.batch_size]
                 outs = self._run_batch([prompts[i] for i in batch], [params[i] for i in batch])
                 for i, out in zip(batch, outs):
-                    out.request_id = i
+                    out.request_id = str(i)
                     results[i] = out
                     if on_output is not None:
                         on_output(out)
@@ -113,14 +113,14 @@ class HFBackend:
             taken.append(token)
             if checker.append(token):
                 break
-        return RequestOutput(
-            request_id=0,
-            prompt_token_ids=prompt,
+        sample = CompletionOutput(
+            index=0,
             text=checker.text,
             token_ids=taken,
             finish_reason=checker.finish_reason or "length",
             stop_reason=checker.stop_reason,
         )
+        return RequestOutput(request_id="0", prompt=None, prompt_token_ids=prompt, outputs=[sample])
 
 
 class _SeededDraw(LogitsProcessor):

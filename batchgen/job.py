@@ -172,6 +172,17 @@ class PricingSection(_Strict):
     output: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
 
 
+# Sampling keys the hf backend (transformers generate on static batches) refuses before any work:
+# key -> (is it in use, what it asks for). Why refused rather than emulated: n samples, raw logprobs
+# and prompt scoring would each need a second path through generate; the native engine has them.
+HF_REFUSED = {
+    "n": (lambda v: v != 1, "n > 1 (several samples per prompt)"),
+    "logprobs": (lambda v: v is not None, "logprobs"),
+    "prompt_logprobs": (lambda v: v is not None, "prompt_logprobs"),
+    "max_tokens": (lambda v: v == 0, "max_tokens: 0 (scoring without generating)"),
+}
+
+
 class JobSpec(_Strict):
     model: ModelSection
     input: InputSection
@@ -181,6 +192,20 @@ class JobSpec(_Strict):
     # Why excluded from dumps: prices change no generated text, so they stay out of the fingerprint.
     pricing: PricingSection | None = Field(default=None, exclude=True)
     source: Path | None = Field(default=None, exclude=True, strict=False)  # set by load_job
+
+    @model_validator(mode="after")
+    def _backend_supports_sampling(self) -> JobSpec:
+        if self.engine.backend != "hf":
+            return self
+        for key, (used, what) in HF_REFUSED.items():
+            value = getattr(self.sampling, key)
+            if used(value):
+                kind = PydanticCustomError(
+                    "backend", "the hf backend does not support {what}; use engine.backend: native", {"what": what}
+                )
+                details = [InitErrorDetails(type=kind, loc=("sampling", key), input=value)]
+                raise ValidationError.from_exception_data("JobSpec", details)
+        return self
 
 
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:

@@ -7,6 +7,7 @@ generated tokens through the engine's own StopChecker, so both backends share on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -22,7 +23,7 @@ from batchgen.engine.sampler import Sampler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import StopChecker
 from batchgen.errors import ModelError
-from batchgen.job import JobSpec
+from batchgen.job import HF_REFUSED, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ class HFBackend:
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
     ) -> list[RequestOutput]:
+        for p in params:  # why: the job file refuses these at load; a library caller learns it here
+            for name, (used, what) in HF_REFUSED.items():
+                if used(getattr(p, name)):
+                    raise ValueError(f"sampling.{name}: the hf backend does not support {what}")
+        params = [self._resolve_max_tokens(ids, p) for ids, p in zip(prompts, params)]
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
             key = (*(str(getattr(p, name)) for name in _BATCH_KEY), p.seed is None)
@@ -68,6 +74,13 @@ class HFBackend:
                         on_output(out)
         return [r for r in results if r is not None]
 
+    def _resolve_max_tokens(self, prompt: list[int], p: SamplingParams) -> SamplingParams:
+        """max_tokens None: up to the context, as the native engine does."""
+        if p.max_tokens is not None:
+            return p
+        room = max(1, self.max_model_len - len(prompt))
+        return dataclasses.replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
+
     @torch.inference_mode()
     def _run_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
         width = max(len(p) for p in prompts)
@@ -78,7 +91,7 @@ class HFBackend:
             input_ids[b, width - len(ids) :] = torch.tensor(ids)
             mask[b, width - len(ids) :] = 1
         p = params[0]
-        kwargs = self._generate_kwargs(p, max(q.max_tokens for q in params))
+        kwargs = self._generate_kwargs(p, max(q.max_tokens or 0 for q in params))  # resolved: never None
         if p.seed is not None and not p.greedy:  # the batch key puts seeded rows together
             # why greedy decoding: the processor leaves one finite logit per row, its own draw
             kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([_SeededDraw(prompts, params, width)]))

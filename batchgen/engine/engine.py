@@ -4,7 +4,8 @@ Each step: the scheduler picks chunks (a frozen snapshot) -> the model runner ru
 forward -> the scheduler advances the computed counts -> prompt logprobs are taken -> a request
 with n > 1 whose prefill just ended forks its other samples -> logprobs of the raw logits are
 taken -> the sampler picks a token for every sample that needs one -> stop checks -> finished
-samples release their blocks; a request whose samples are all finished becomes a RequestOutput. A request that can never fit becomes an "error" output on its own. When
+samples release their blocks; a request whose samples are all finished becomes a RequestOutput.
+A request that can never fit becomes an "error" output on its own. When
 `generate()` fails, every unfinished request is aborted, so the engine can be used again.
 """
 

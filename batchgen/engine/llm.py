@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
@@ -100,7 +100,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: PromptInput | list[PromptInput],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: object = None,
@@ -142,7 +142,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {role, content}) or a list of them,
         rendered with the tokenizer's chat template (as vLLM's `LLM.chat`)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(
+            "list[list[dict[str, str]]]", [messages] if messages and isinstance(messages[0], dict) else messages
+        )
         prompts: list[PromptInput] = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(

@@ -85,7 +85,7 @@ class SamplingParams:
             ("min_p", is_finite(s.min_p) and 0.0 <= s.min_p <= 1.0, "a number in [0, 1]"),
             (
                 "min_tokens",
-                is_int(s.min_tokens) and 0 <= s.min_tokens and (s.max_tokens is None or s.min_tokens <= s.max_tokens),
+                is_int(s.min_tokens) and s.min_tokens >= 0 and (s.max_tokens is None or s.min_tokens <= s.max_tokens),
                 f"an integer in [0, max_tokens={s.max_tokens}]",
             ),
             ("n", is_int(s.n) and s.n >= 1, "an integer >= 1"),

@@ -2,8 +2,9 @@
 
 Per generated token, in vLLM's order: count it; while fewer than `min_tokens` tokens are out,
 nothing stops the request; an EOS id (unless `ignore_eos`) stops it with `stop_reason` None (as
-vLLM), a `stop_token_ids` id stops it with that id as `stop_reason`; a stop string completed by the token's text stops it (text cut at
-the string, or kept through it with `include_stop_str_in_output`); otherwise reaching
+vLLM), a `stop_token_ids` id stops it with that id as `stop_reason`; a stop string completed by
+the token's text stops it (text cut at the string, or kept through it with
+`include_stop_str_in_output`); otherwise reaching
 `max_tokens` finishes it with "length".
 
 Detokenization uses tokenizers' `DecodeStream`, which decodes only a short window per step and
@@ -105,7 +106,8 @@ class StopChecker:
         self._text += new_text
         if checks_on and new_text and self._match_stop_string(len(new_text)):
             return True
-        if self._num_output_tokens >= self._params.max_tokens:
+        limit = self._params.max_tokens
+        if limit is not None and self._num_output_tokens >= limit:  # None: the engine stops at the context
             return self._finish("length", None)
         return False
 

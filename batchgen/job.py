@@ -179,7 +179,6 @@ HF_REFUSED = {
     "n": (lambda v: v != 1, "n > 1 (several samples per prompt)"),
     "logprobs": (lambda v: v is not None, "logprobs"),
     "prompt_logprobs": (lambda v: v is not None, "prompt_logprobs"),
-    "max_tokens": (lambda v: v == 0, "max_tokens: 0 (scoring without generating)"),
 }
 
 

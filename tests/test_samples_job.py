@@ -130,6 +130,16 @@ def test_estimate_multiplies_the_output_range_by_n(inputs: Path, tiny_model_dir:
     assert four["input_tokens"] == one["input_tokens"]  # the prompt is billed once
 
 
+def test_hf_backend_answers_max_tokens_zero_with_empty_completions(inputs: Path, tiny_model_dir: Path) -> None:
+    job = _job(inputs, tiny_model_dir, "hf-zero", max_tokens=0)
+    code, text = _cli("run", str(job), "--quiet", "--set", "engine.backend=hf")
+    assert code == 0, text
+    rows = [r for r in ds.dataset(inputs / "hf-zero").to_table().to_pylist() if r["error_code"] is None]
+    assert len(rows) == 3 and {(r["generated_text"], r["output_tokens"], r["finish_reason"]) for r in rows} == {
+        ("", 0, "length")
+    }
+
+
 def test_scoring_job_with_max_tokens_zero(inputs: Path, tiny_model_dir: Path) -> None:
     code, text = _cli("run", str(_job(inputs, tiny_model_dir, "score", max_tokens=0, prompt_logprobs=0)), "--quiet")
     assert code == 0, text
@@ -146,7 +156,7 @@ def test_scoring_job_with_max_tokens_zero(inputs: Path, tiny_model_dir: Path) ->
         assert all(e["top"] == [] for e in row["prompt_logprobs"][1:])  # K = 0: the token's own logprob only
 
 
-@pytest.mark.parametrize("key, value", [("n", 2), ("logprobs", 1), ("prompt_logprobs", 0), ("max_tokens", 0)])
+@pytest.mark.parametrize("key, value", [("n", 2), ("logprobs", 1), ("prompt_logprobs", 0)])
 def test_hf_backend_refuses_before_any_work(inputs: Path, tiny_model_dir: Path, key: str, value: int) -> None:
     job = _job(inputs, tiny_model_dir, f"hf-{key}", **{key: value})
     code, out = _cli("run", str(job), "--quiet", "--set", "engine.backend=hf")

@@ -59,10 +59,16 @@ class HFBackend:
                     raise ValueError(f"sampling.{name}: the hf backend does not support {what}")
         params = [self._resolve_max_tokens(ids, p) for ids, p in zip(prompts, params)]
         groups: dict[tuple, list[int]] = {}
+        results: list[RequestOutput | None] = [None] * len(prompts)
         for i, p in enumerate(params):
+            if p.max_tokens == 0:  # nothing to generate: an empty "length" completion, no model call
+                results[i] = self._replay(prompts[i], [], p)
+                results[i].request_id = str(i)  # type: ignore[union-attr]
+                if on_output is not None:
+                    on_output(results[i])  # type: ignore[arg-type]
+                continue
             key = (*(str(getattr(p, name)) for name in _BATCH_KEY), p.seed is None)
             groups.setdefault(key, []).append(i)
-        results: list[RequestOutput | None] = [None] * len(prompts)
         for indices in groups.values():
             for start in range(0, len(indices), self.batch_size):
                 batch = indices[start : start + self.batch_size]

@@ -210,20 +210,10 @@ class Engine:
         """Logprobs of the prompt tokens whose predicting positions ran in this step (rows in chunk order)."""
         row = 0
         for chunk in batch.chunks:
-            m = chunk.prompt_logits
-            if not m:
-                continue
-            request, _ = self._by_seq[chunk.seq_id]
-            store = request.prompt_logprobs
-            k = request.params.prompt_logprobs
-            pending = take_logprobs(logits[row : row + m], [k] * m)
-            row += m
-            if pending is None or store is None:
-                continue
-            targets = [chunk.seq.prompt_token_ids[chunk.start + j + 1] for j in range(m)]
-            for j, (entry, _) in enumerate(pending.resolve(targets, self.texts)):
-                if store[chunk.start + j + 1] is None:  # why: a recomputation after preemption repeats rows
-                    store[chunk.start + j + 1] = entry
+            if chunk.prompt_logits:
+                request, _ = self._by_seq[chunk.seq_id]
+                request.store_prompt_logprobs(chunk.start, logits[row : row + chunk.prompt_logits], self.texts)
+                row += chunk.prompt_logits
 
     def _count(self, batch: ScheduledBatch) -> None:
         self.stats.steps += 1

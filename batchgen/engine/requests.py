@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
+from batchgen.engine.logprobs import TokenTexts, take_logprobs
 from batchgen.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from batchgen.engine.params import SEED_MAX, SamplingParams
 from batchgen.engine.sequence import Sequence
@@ -79,6 +82,18 @@ class RequestState:
     @property
     def done(self) -> bool:
         return all(s.done for s in self.samples) and self.forked
+
+    def store_prompt_logprobs(self, start: int, logits: torch.Tensor, texts: TokenTexts) -> None:
+        """Logprobs of prompt tokens start+1 .. start+len(logits), from the logits at start .. (rows)."""
+        store, k = self.prompt_logprobs, self.params.prompt_logprobs
+        pending = take_logprobs(logits, [k] * logits.shape[0])
+        if pending is None or store is None:
+            return
+        prompt = self.parent.prompt_token_ids
+        targets = prompt[start + 1 : start + 1 + logits.shape[0]]
+        for j, (entry, _) in enumerate(pending.resolve(targets, texts)):
+            if store[start + j + 1] is None:  # why: a recomputation after preemption repeats positions
+                store[start + j + 1] = entry
 
     def output(self) -> RequestOutput:
         completions = [s.completion() for s in self.samples]

@@ -123,6 +123,17 @@ def test_n_is_part_of_the_fingerprint(sampled: tuple[Path, pa.Table]) -> None:
     assert code == 2 and "sampling.n: 3 -> 2" in out
 
 
+def test_new_keys_stay_out_of_the_fingerprint_at_their_defaults(inputs: Path, tiny_model_dir: Path) -> None:
+    """An output recorded before n/logprobs/prompt_logprobs existed has no such keys: it must still resume."""
+    from batchgen.fingerprint import job_fingerprint
+    from batchgen.job import load_job
+
+    plain = job_fingerprint(load_job(_job(inputs, tiny_model_dir, "fp1")), [])["settings"]["sampling"]
+    asked = job_fingerprint(load_job(_job(inputs, tiny_model_dir, "fp2", n=2, logprobs=0)), [])["settings"]["sampling"]
+    assert not {"n", "logprobs", "prompt_logprobs"} & set(plain)
+    assert (asked["n"], asked["logprobs"]) == (2, 0) and "prompt_logprobs" not in asked
+
+
 def test_estimate_multiplies_the_output_range_by_n(inputs: Path, tiny_model_dir: Path) -> None:
     one = json.loads(_cli("estimate", str(_job(inputs, tiny_model_dir, "e1")), "--json")[1])
     four = json.loads(_cli("estimate", str(_job(inputs, tiny_model_dir, "e4", n=4)), "--json")[1])

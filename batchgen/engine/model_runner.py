@@ -205,7 +205,7 @@ class ModelRunner:
                 first = packed_end[i] - c.num_tokens
                 keep.extend(range(first, first + c.prompt_logits))
         input_ids = torch.tensor(token_ids, device=self.device)[None]  # [1, T]
-        keep_idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # [num sampled]
+        keep_idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # [num sampled + prompt-logit rows]
         with torch.inference_mode(), forward_context(ctx):
             out = self.model(
                 input_ids=input_ids, position_ids=positions[None], logits_to_keep=keep_idx, use_cache=False
@@ -215,7 +215,7 @@ class ModelRunner:
                 f"the model called batchgen's attention {ctx.num_attention_calls} times for "
                 f"{len(self.kv_caches)} layers; it does not route all attention through the interface"
             )
-        return out.logits[0].float()  # [num sampled, vocab]
+        return out.logits[0].float()  # [num sampled + prompt-logit rows, vocab]
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) block's K/V, in every layer."""
@@ -223,7 +223,7 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k, v in self.kv_caches:
+        for k, v in self.kv_caches:  # each [num_blocks, block_size, kv_heads, head_dim]
             k[dst] = k[src]
             v[dst] = v[src]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.engine.params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -31,12 +31,19 @@ _NEUTRAL_ENGINE = (
     "decode_kv",
 )
 
+# Sampling keys added after outputs were first written: left out of the fingerprint at their
+# defaults, so an output written before they existed still resumes (its record lacks them).
+_LATER_SAMPLING_DEFAULTS: dict[str, object] = {"n": 1, "logprobs": None, "prompt_logprobs": None}
+
 
 def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     """{"settings": {...}, "model": hex, "inputs": {file key: hex}, "id": hex over all of it}."""
     settings = spec.model_dump(mode="json", exclude=_NEUTRAL)  # type: ignore[arg-type]
     for name in _NEUTRAL_ENGINE:
         settings["engine"].pop(name, None)
+    for name, default in _LATER_SAMPLING_DEFAULTS.items():
+        if settings["sampling"].get(name, default) == default:
+            settings["sampling"].pop(name, None)
     model = hashlib.sha256()
     for path in sorted(p for p in Path(spec.model.path).rglob("*") if p.is_file()):
         model.update(str(path.relative_to(spec.model.path)).encode() + _file_digest(path))

@@ -212,6 +212,16 @@ class ExecutorSection(_Strict):
 _RAY_ADDRESS = re.compile(r"auto|(ray://)?[\w.\-]+:\d+")
 
 
+# Sampling keys the hf backend (transformers generate on static batches) refuses before any work:
+# key -> (is it in use, what it asks for). Why refused rather than emulated: n samples, raw logprobs
+# and prompt scoring would each need a second path through generate; the native engine has them.
+HF_REFUSED = {
+    "n": (lambda v: v != 1, "n > 1 (several samples per prompt)"),
+    "logprobs": (lambda v: v is not None, "logprobs"),
+    "prompt_logprobs": (lambda v: v is not None, "prompt_logprobs"),
+}
+
+
 class JobSpec(_Strict):
     model: ModelSection
     input: InputSection
@@ -223,6 +233,20 @@ class JobSpec(_Strict):
     # Why excluded too: where the parts run changes no output; a job started locally may resume on Ray.
     executor: ExecutorSection = Field(default_factory=ExecutorSection, exclude=True)
     source: Path | None = Field(default=None, exclude=True, strict=False)  # set by load_job
+
+    @model_validator(mode="after")
+    def _backend_supports_sampling(self) -> JobSpec:
+        if self.engine.backend != "hf":
+            return self
+        for key, (used, what) in HF_REFUSED.items():
+            value = getattr(self.sampling, key)
+            if used(value):
+                kind = PydanticCustomError(
+                    "backend", "the hf backend does not support {what}; use engine.backend: native", {"what": what}
+                )
+                details = [InitErrorDetails(type=kind, loc=("sampling", key), input=value)]
+                raise ValidationError.from_exception_data("JobSpec", details)
+        return self
 
 
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:

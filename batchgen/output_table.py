@@ -10,6 +10,7 @@ import pyarrow as pa
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import InputDataError
 from batchgen.job import JobSpec
+from batchgen.output_samples import ColumnPlan
 from batchgen.prepare import PreparedRow
 
 RESULT_FIELDS = [
@@ -26,11 +27,12 @@ RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 ROW_ID_COLUMN = "row_id"  # added when the job names no id_column: see InputFile.row_ids
 
 
-def output_schema(carried: list[pa.Field], add_row_id: bool) -> pa.Schema:
+def output_schema(carried: list[pa.Field], add_row_id: bool, results: list[pa.Field] | None = None) -> pa.Schema:
+    """`results`: the job's result columns (ColumnPlan.fields); None: the base RESULT_FIELDS."""
     fields = list(carried)
     if add_row_id:
         fields.insert(0, pa.field(ROW_ID_COLUMN, pa.string()))
-    return pa.schema(fields + RESULT_FIELDS)
+    return pa.schema(fields + (RESULT_FIELDS if results is None else results))
 
 
 def carried_columns(spec: JobSpec, schema: pa.Schema) -> list[str]:
@@ -42,6 +44,7 @@ def carried_columns(spec: JobSpec, schema: pa.Schema) -> list[str]:
     if missing:
         raise InputDataError(f"input.carry_columns: no such column(s) {missing} (columns: {', '.join(schema.names)})")
     reserved = set(RESULT_NAMES) | ({ROW_ID_COLUMN} if spec.input.id_column is None else set())
+    reserved |= {f.name for f in ColumnPlan.of(spec).extra_fields()}
     clash = [c for c in wanted if c in reserved]
     if clash:
         raise InputDataError(
@@ -50,25 +53,25 @@ def carried_columns(spec: JobSpec, schema: pa.Schema) -> list[str]:
     return wanted
 
 
-def result_columns(rows: list[PreparedRow], outputs: dict[int, RequestOutput]) -> dict[str, list[Any]]:
+def result_columns(
+    rows: list[PreparedRow], outputs: dict[int, RequestOutput], plan: ColumnPlan | None = None
+) -> dict[str, list[Any]]:
     """Result values per row: `outputs` maps a row index to its engine output (ok rows only)."""
-    cols: dict[str, list[Any]] = {f.name: [] for f in RESULT_FIELDS}
+    plan = plan or ColumnPlan()
+    cols: dict[str, list[Any]] = {f.name: [] for f in plan.fields(RESULT_FIELDS)}
     for i, row in enumerate(rows):
         out = outputs.get(i)
-        if out is not None and out.finish_reason == "error":
+        if out is not None and out.error is not None:
             row = PreparedRow(prompt_ids=row.prompt_ids, error_code="engine_error", error_message=out.error)
             out = None
-        _append(cols, row, out)
+        _append(cols, row, out, plan)
     return cols
 
 
-def _append(cols: dict[str, list[Any]], row: PreparedRow, out: RequestOutput | None) -> None:
+def _append(cols: dict[str, list[Any]], row: PreparedRow, out: RequestOutput | None, plan: ColumnPlan) -> None:
     if out is None:
         # Why zeros: usage is what was billed; an error row fed nothing to the model (its message says why).
         values: dict[str, Any] = {
-            "generated_text": None,
-            "finish_reason": "error",
-            "stop_reason": None,
             "input_tokens": 0,
             "cached_tokens": 0,
             "output_tokens": 0,
@@ -77,28 +80,31 @@ def _append(cols: dict[str, list[Any]], row: PreparedRow, out: RequestOutput | N
         }
     else:
         values = {
-            "generated_text": out.text,
-            "finish_reason": out.finish_reason,
-            "stop_reason": None if out.stop_reason is None else str(out.stop_reason),
             "input_tokens": len(row.prompt_ids or ()),
             "cached_tokens": out.num_cached_tokens,
             "output_tokens": out.num_output_tokens,
             "error_code": None,
             "error_message": None,
         }
+    values.update(plan.values(out))
     for name, value in values.items():
         cols[name].append(value)
 
 
 def part_table(
-    table: pa.Table, carried: list[str], row_ids: list[str] | None, results: dict[str, list[Any]]
+    table: pa.Table,
+    carried: list[str],
+    row_ids: list[str] | None,
+    results: dict[str, list[Any]],
+    fields: list[pa.Field] | None = None,
 ) -> pa.Table:
+    """`fields`: the job's result columns (ColumnPlan.fields); None: the base RESULT_FIELDS."""
     arrays: dict[str, pa.Array | pa.ChunkedArray] = {}
     if row_ids is not None:
         arrays[ROW_ID_COLUMN] = pa.array(row_ids, pa.string())
     for name in carried:
         arrays[name] = _valid_text(table.column(name))
-    for f in RESULT_FIELDS:
+    for f in RESULT_FIELDS if fields is None else fields:
         arrays[f.name] = pa.array(results[f.name], f.type)
     return pa.table(arrays)
 

@@ -151,7 +151,7 @@ class RowPreparer:
             # Why: like vLLM, generation stops at the context end ("length") rather than failing;
             # min_tokens follows a max_tokens cut by the context (the user's own min > max failed above).
             room = self.max_model_len - len(row.prompt_ids or [])
-            if params.max_tokens > room:
+            if params.max_tokens is None or params.max_tokens > room:  # None: up to the context
                 params.max_tokens, params.min_tokens = room, min(params.min_tokens, room)
             row.params = params
 

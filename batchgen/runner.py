@@ -25,7 +25,8 @@ from batchgen.fingerprint import job_fingerprint
 from batchgen.job import JobSpec
 from batchgen.jobstate import OutputLock, OutputState
 from batchgen.ordering import order_requests
-from batchgen.output_table import carried_columns, output_schema, part_table, result_columns
+from batchgen.output_samples import ColumnPlan
+from batchgen.output_table import RESULT_FIELDS, carried_columns, output_schema, part_table, result_columns
 from batchgen.parts import PartWriter, part_name
 from batchgen.prepare import RowPreparer, input_columns, load_tokenizer
 from batchgen.sharding import ShardSpec
@@ -71,17 +72,16 @@ class JobRunner:
         self.overwrite = overwrite
         self.duplicates: dict[tuple[int, int], IdProblem] = {}  # (file index, row) -> why its id fails
         self.executor: Executor | None = None  # None: parts run in this process
+        self.columns = ColumnPlan.of(spec)  # n, logprobs, prompt_logprobs shape the result columns
+        self.result_fields = self.columns.fields(RESULT_FIELDS)
 
     def run(self) -> Summary:
         start = time.time()
         files = validate_job(self.spec)  # fails here, before any weights load, on a bad job
         carried = carried_columns(self.spec, files[0].schema)
         add_row_id = self.spec.input.id_column is None
-        writer = PartWriter(
-            self.spec.output.path,
-            output_schema([files[0].schema.field(c) for c in carried], add_row_id),
-            self.spec.output.storage_options,
-        )
+        schema = output_schema([files[0].schema.field(c) for c in carried], add_row_id, self.result_fields)
+        writer = PartWriter(self.spec.output.path, schema, self.spec.output.storage_options)
         writer.prepare()
         self.executor = open_executor(self.spec, self.quiet)  # kind ray: Ray imported and reached before any work
         lock = OutputLock(writer.storage, self.shard)
@@ -208,7 +208,7 @@ class JobRunner:
         cols = self._run_shard(shard, table, f, backend, preparer, bar)
         row_ids = f.row_ids(shard.start, shard.stop) if self.spec.input.id_column is None else None
         totals = Totals()
-        if writer.write_part(shard.index, part_table(table, carried, row_ids, cols)):
+        if writer.write_part(shard.index, part_table(table, carried, row_ids, cols, self.result_fields)):
             totals.add_part(cols)
         else:  # a concurrent shard run of another N (or a replaced Ray worker) committed it first: that part stands
             log.info("part %d was committed by another run meanwhile; kept that one", shard.index)
@@ -238,7 +238,7 @@ class JobRunner:
         except Exception as exc:
             # Why: the part in flight is abandoned uncommitted; committed parts stay, a rerun resumes.
             raise EngineFailure(f"engine failed on rows {shard.start}-{shard.stop - 1} of {f.path}: {exc}") from exc
-        return result_columns(rows, dict(zip(order, outs)))
+        return result_columns(rows, dict(zip(order, outs)), self.columns)
 
 
 class RowCounter(Protocol):

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import resource, sys, time, json
 from batchgen import runner
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.outputs import CompletionOutput, RequestOutput
 from batchgen.job import load_job
 
 class StandIn:
@@ -31,8 +31,8 @@ class StandIn:
     def generate(self, prompts, params, on_output=None):
         outs = []
         for i, ids in enumerate(prompts):
-            out = RequestOutput(request_id=i, prompt_token_ids=ids, text="ok", token_ids=[1, 2],
-                                finish_reason="length")
+            sample = CompletionOutput(index=0, text="ok", token_ids=[1, 2], finish_reason="length")
+            out = RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=ids, outputs=[sample])
             outs.append(out)
             if on_output: on_output(out)
         return outs

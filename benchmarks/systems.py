@@ -133,7 +133,7 @@ def run_native(path: Path, workload: Workload, prefix_caching: bool = True, name
         prefill_tokens=delta["prefill_tokens"],
         preemptions=delta["preemptions"],
         peak_rss_mib=peak_rss_mib(),
-        outputs=[list(o.token_ids) for o in outs],
+        outputs=[list(o.outputs[0].token_ids) for o in outs],
         extra={"cached_tokens": delta["cached_tokens"], "steps": delta["steps"]},
         cpu_wait=cpu_wait,
     )

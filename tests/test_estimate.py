@@ -48,7 +48,7 @@ def test_estimate_agrees_with_the_run(tmp_path: Path, tiny_model_dir: Path) -> N
     ids = [f"r{i}" for i in range(20)]
     ids[14] = "r1"  # a repeated id: the second use fails
     max_tokens = [None if i % 4 else 3 + i % 5 for i in range(20)]
-    max_tokens[7] = 0
+    max_tokens[7] = -1
     write_parquet(tmp_path / "in.parquet", {"id": ids, "prompt": prompts, "mt": max_tokens})
     job = make_job(
         tiny_model_dir,

@@ -51,7 +51,7 @@ def test_unknown_key_is_named_with_its_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "line, key",
     [
-        ("  max_tokens: 0", "sampling.max_tokens"),
+        ("  max_tokens: -1", "sampling.max_tokens"),
         ("  max_tokens: ten", "sampling.max_tokens"),
         ("  temperature: -1", "sampling.temperature"),
         ("  top_p: 1.5", "sampling.top_p"),
@@ -81,7 +81,7 @@ def test_set_overrides_parse_values_as_yaml(tmp_path: Path) -> None:
     spec = load_job(path, ["sampling.max_tokens=64", "sampling.stop=[a, b]", "engine.backend=hf"])
     assert spec.sampling.max_tokens == 64 and spec.sampling.stop == ["a", "b"] and spec.engine.backend == "hf"
     with pytest.raises(JobFileError, match=r"sampling\.max_tokens"):
-        load_job(path, ["sampling.max_tokens=0"])
+        load_job(path, ["sampling.max_tokens=-1"])
     with pytest.raises(JobFileError, match=r"expected section\.key=value"):
         load_job(path, ["sampling.max_tokens"])
     with pytest.raises(JobFileError, match=r"engine\.nope: unknown key"):

@@ -36,3 +36,21 @@ def test_quickstart_job_runs_on_the_demo_model(tmp_path: Path) -> None:
     assert fewshot and sum(r["cached_tokens"] > 0 for r in fewshot) >= len(fewshot) - 2  # the preamble is shared
     manifest = json.loads((out / "_SUCCESS").read_text())
     assert manifest["backend"] == "native" and manifest["tokens"]["cached"] == sum(r["cached_tokens"] for r in rows)
+
+
+def test_samples_job_runs_on_the_demo_model_and_is_batch_invariant(tmp_path: Path) -> None:
+    """jobs/samples.yaml: 4 seeded samples per row; a row's samples do not depend on the rows beside it."""
+
+    def run(name: str, limit: int, window: int) -> list[dict]:
+        sets = [f"output.path={tmp_path / name}", f"input.limit={limit}", "sampling.max_tokens=16"]
+        args = ["run", str(REPO / "jobs/samples.yaml"), "--quiet", *[a for s in sets for a in ("--set", s)]]
+        result = CliRunner().invoke(main, [*args, "--set", f"engine.window_rows={window}"])
+        assert result.exit_code == 0, result.output
+        return ds.dataset(tmp_path / name, format="parquet").to_table().to_pylist()
+
+    rows = run("all", 8, 8)
+    assert len(rows) == 8 and all(len(r["generated_text"]) == 4 for r in rows)
+    assert all(r["output_tokens"] == sum(r["sample_output_tokens"]) for r in rows)
+    assert any(len(set(r["generated_text"])) > 1 for r in rows)  # temperature 0.8: samples differ
+    few = run("few", 3, 1)  # other batches: one row at a time
+    assert [r["generated_text"] for r in few] == [r["generated_text"] for r in rows[:3]]

@@ -258,5 +258,5 @@ def test_validate_checks_model_folder_without_running(tmp_path: Path, tiny_model
     bad = write_job(tmp_path / "bad.yaml", make_job(empty, str(tmp_path / "in.parquet"), tmp_path / "o"))
     result = CliRunner().invoke(main, ["validate", str(bad)])
     assert result.exit_code == 4 and "cannot load config.json" in result.output
-    result = CliRunner().invoke(main, ["validate", str(job_path), "--set", "sampling.max_tokens=0"])
+    result = CliRunner().invoke(main, ["validate", str(job_path), "--set", "sampling.max_tokens=-1"])
     assert result.exit_code == 2 and "sampling.max_tokens" in result.output

@@ -7,6 +7,7 @@ generated tokens through the engine's own StopChecker, so both backends share on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -16,13 +17,13 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 from batchgen.backends.base import OnOutput
 from batchgen.engine.llm import eos_token_ids
 from batchgen.engine.models import resolve_device, resolve_dtype, resolve_max_model_len
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import StopChecker
 from batchgen.errors import ModelError
-from batchgen.job import JobSpec
+from batchgen.job import HF_REFUSED, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +53,39 @@ class HFBackend:
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
     ) -> list[RequestOutput]:
+        for p in params:  # why: the job file refuses these at load; a library caller learns it here
+            for name, (used, what) in HF_REFUSED.items():
+                if used(getattr(p, name)):
+                    raise ValueError(f"sampling.{name}: the hf backend does not support {what}")
+        params = [self._resolve_max_tokens(ids, p) for ids, p in zip(prompts, params)]
         groups: dict[tuple, list[int]] = {}
+        results: list[RequestOutput | None] = [None] * len(prompts)
         for i, p in enumerate(params):
+            if p.max_tokens == 0:  # nothing to generate: an empty "length" completion, no model call
+                results[i] = self._replay(prompts[i], [], p)
+                results[i].request_id = str(i)  # type: ignore[union-attr]
+                if on_output is not None:
+                    on_output(results[i])  # type: ignore[arg-type]
+                continue
             key = (*(str(getattr(p, name)) for name in _BATCH_KEY), p.seed is None)
             groups.setdefault(key, []).append(i)
-        results: list[RequestOutput | None] = [None] * len(prompts)
         for indices in groups.values():
             for start in range(0, len(indices), self.batch_size):
                 batch = indices[start : start + self.batch_size]
                 outs = self._run_batch([prompts[i] for i in batch], [params[i] for i in batch])
                 for i, out in zip(batch, outs):
-                    out.request_id = i
+                    out.request_id = str(i)
                     results[i] = out
                     if on_output is not None:
                         on_output(out)
         return [r for r in results if r is not None]
+
+    def _resolve_max_tokens(self, prompt: list[int], p: SamplingParams) -> SamplingParams:
+        """max_tokens None: up to the context, as the native engine does."""
+        if p.max_tokens is not None:
+            return p
+        room = max(1, self.max_model_len - len(prompt))
+        return dataclasses.replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
 
     @torch.inference_mode()
     def _run_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
@@ -78,7 +97,7 @@ class HFBackend:
             input_ids[b, width - len(ids) :] = torch.tensor(ids)
             mask[b, width - len(ids) :] = 1
         p = params[0]
-        kwargs = self._generate_kwargs(p, max(q.max_tokens for q in params))
+        kwargs = self._generate_kwargs(p, max(q.max_tokens or 0 for q in params))  # resolved: never None
         if p.seed is not None and not p.greedy:  # the batch key puts seeded rows together
             # why greedy decoding: the processor leaves one finite logit per row, its own draw
             kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([_SeededDraw(prompts, params, width)]))
@@ -113,14 +132,14 @@ class HFBackend:
             taken.append(token)
             if checker.append(token):
                 break
-        return RequestOutput(
-            request_id=0,
-            prompt_token_ids=prompt,
+        sample = CompletionOutput(
+            index=0,
             text=checker.text,
             token_ids=taken,
             finish_reason=checker.finish_reason or "length",
             stop_reason=checker.stop_reason,
         )
+        return RequestOutput(request_id="0", prompt=None, prompt_token_ids=prompt, outputs=[sample])
 
 
 class _SeededDraw(LogitsProcessor):

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.engine.params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

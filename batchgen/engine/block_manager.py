@@ -10,6 +10,11 @@ Block states:
 The free list is the LRU eviction order: allocation pops from the front (least recently freed),
 `free` appends to the back. Hashless free blocks (content nobody can match) are put at the front,
 so they are reused before any cached block.
+
+Forked samples (n > 1) share their prompt's blocks by reference (`fork`). The partially filled
+last block is copied on write: when a sequence is about to write into a block someone else also
+holds, it gets a fresh block and a (source, destination) copy that the model runner makes before
+the step's forward (`take_copies`); the last holder writes in place.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class BlockManager:
         # Insertion order = eviction order; O(1) pop-front, append, and removal by id.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._seq_hashes: dict[Sequence, _SeqHashes] = {}
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) blocks, not yet made
 
     # ----------------------------------------------------------------- queries
 
@@ -105,7 +111,8 @@ class BlockManager:
         """Whether `allocate_slots` with the same arguments would succeed now (changes nothing)."""
         computed = computed_blocks or []
         self._check_args(seq, num_new_tokens, computed)
-        return self._num_new_blocks(seq, num_new_tokens, computed) <= self._num_available(computed)
+        needed = self._num_new_blocks(seq, num_new_tokens, computed) + self._shared_tail(seq, num_new_tokens)
+        return needed <= self._num_available(computed)
 
     # --------------------------------------------------------------- mutations
 
@@ -122,8 +129,11 @@ class BlockManager:
         computed = computed_blocks or []
         self._check_args(seq, num_new_tokens, computed)
         num_new_blocks = self._num_new_blocks(seq, num_new_tokens, computed)
-        if num_new_blocks > self._num_available(computed):
+        cow = self._shared_tail(seq, num_new_tokens)
+        if num_new_blocks + cow > self._num_available(computed):
             return False
+        if cow:
+            self._copy_on_write(seq)
         for block_id in computed:
             self._touch(block_id)
         seq.block_table.extend(computed)
@@ -154,6 +164,23 @@ class BlockManager:
         seq.block_table.clear()
         self._seq_hashes.pop(seq, None)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (ref + 1 each); a shared partial block is copied
+        when one of them first writes into it (see allocate_slots)."""
+        if child.block_table:
+            raise ValueError(f"seq {child.seq_id} already holds blocks; only a fresh sequence can fork")
+        for block_id in parent.block_table:
+            self.ref_counts[block_id] += 1
+        child.block_table.extend(parent.block_table)
+        state = self._seq_hashes.get(parent)
+        if state is not None:
+            self._seq_hashes[child] = _SeqHashes(list(state.hashes), state.num_registered)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies decided since the last call; the runner makes them before the forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
     def reset_prefix_cache(self) -> None:
         """Forget every hash, so no later request matches K/V written before now.
 
@@ -166,6 +193,7 @@ class BlockManager:
         self.block_hashes = [None] * self.num_blocks
         self.hash_to_block.clear()
         self._seq_hashes.clear()
+        self._copies.clear()
 
     # ---------------------------------------------------------------- helpers
 
@@ -181,6 +209,22 @@ class BlockManager:
     def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> int:
         covered = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         return max(0, self.blocks_needed(covered) - len(seq.block_table) - len(computed))
+
+    def _shared_tail(self, seq: Sequence, num_new_tokens: int) -> int:
+        """1 when the next token would be written into a block another sequence also holds, else 0."""
+        first = seq.num_computed_tokens
+        index = first // self.block_size
+        if not num_new_tokens or first % self.block_size == 0 or index >= len(seq.block_table):
+            return 0
+        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        index = seq.num_computed_tokens // self.block_size
+        shared = seq.block_table[index]
+        self.ref_counts[shared] -= 1  # still > 0: another sequence holds it
+        fresh = self._pop_free()
+        seq.block_table[index] = fresh
+        self._copies.append((shared, fresh))
 
     def _num_available(self, computed: list[int]) -> int:
         # why: a matched block with ref 0 sits in the free list; taking it shrinks what is left

@@ -1,23 +1,30 @@
 """Engine: the step loop that ties scheduler, model runner, sampler and stop checks together.
 
 Each step: the scheduler picks chunks (a frozen snapshot) -> the model runner runs them in one
-forward -> the scheduler advances the computed counts -> the sampler picks a token for every
-chunk that needs one -> stop checks -> finished requests release their blocks and become
-RequestOutputs. A request that can never fit becomes an "error" output on its own. When
+forward -> the scheduler advances the computed counts -> prompt logprobs are taken -> a request
+with n > 1 whose prefill just ended forks its other samples -> logprobs of the raw logits are
+taken -> the sampler picks a token for every sample that needs one -> stop checks -> finished
+samples release their blocks; a request whose samples are all finished becomes a RequestOutput.
+A request that can never fit becomes an "error" output on its own. When
 `generate()` fails, every unfinished request is aborted, so the engine can be used again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
+from batchgen.engine.logprobs import TokenTexts, take_logprobs
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
+from batchgen.engine.requests import RequestState, SampleState, fork_params
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import ScheduledBatch, Scheduler
 from batchgen.engine.sequence import Sequence
@@ -43,12 +50,6 @@ class EngineStats:
         return asdict(self)
 
 
-@dataclass
-class _Request:
-    seq: Sequence
-    stop: StopChecker
-
-
 class Engine:
     def __init__(
         self,
@@ -66,14 +67,19 @@ class Engine:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.vocab_size = vocab_size
         self.stats = EngineStats()
-        self._requests: dict[int, _Request] = {}
+        self.texts = TokenTexts(tokenizer)
+        self._requests: dict[int, RequestState] = {}
+        self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}  # every live sample's sequence
+        # parents whose prefill end needs more than a sample: a fork (n > 1) or an end (max_tokens 0)
+        self._special: dict[int, RequestState] = {}
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
         self._ids = itertools.count()
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> int:
         """Queue one request; returns its id. One that can never fit is answered with an error output."""
         request_id = next(self._ids)
         self.stats.requests += 1
+        params = self._resolve_max_tokens(params, len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params)
         message = self._check_token_ids(seq) or self.scheduler.check_fits(seq)
         if message is None:
@@ -84,11 +90,33 @@ class Engine:
         if message is not None:
             logger.warning("refusing request %d: %s", request_id, message)
             self.stats.errors += 1
-            self._errors.append(RequestOutput(request_id, seq.prompt_token_ids, error=message))
+            self._errors.append(RequestOutput(str(request_id), prompt, seq.prompt_token_ids, error=message))
             return request_id
-        stop = StopChecker(self.tokenizer, params, self.eos_token_ids, seq.prompt_token_ids)
-        self._requests[request_id] = _Request(seq, stop)
+        sample = SampleState(0, seq, self._stop_checker(seq))
+        wants_prompt = params.prompt_logprobs is not None
+        request = RequestState(
+            request_id,
+            prompt,
+            params,
+            [sample],
+            prompt_logprobs=[None] * seq.num_prompt_tokens if wants_prompt else None,
+            forked=params.n == 1,
+        )
+        self._requests[request_id] = request
+        self._by_seq[request_id] = (request, sample)
+        if params.n > 1 or params.max_tokens == 0:
+            self._special[request_id] = request
         return request_id
+
+    def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """max_tokens None: up to the context (at least 1, so a full prompt fails as too long)."""
+        if params.max_tokens is not None:
+            return params
+        room = max(1, self.scheduler.max_model_len - num_prompt_tokens)
+        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+
+    def _stop_checker(self, seq: Sequence) -> StopChecker:
+        return StopChecker(self.tokenizer, seq.params, self.eos_token_ids, seq.prompt_token_ids)
 
     def _check_token_ids(self, seq: Sequence) -> str | None:
         # why: an id past the embedding table would crash the whole batch's forward (on CUDA, the process)
@@ -113,21 +141,79 @@ class Engine:
             )
         sampled = batch.sampled
         self._count(batch)
-        logits = self.runner.execute(batch)  # [len(sampled), vocab]
-        if sampled and bool(logits.isnan().any()):
+        logits = self.runner.execute(batch)  # [len(sampled) + prompt-logprob rows, vocab]
+        if logits.shape[0] and bool(logits.isnan().any()):
             # why: a NaN would be "sampled" into garbage silently; failing lets the job retry
             raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {[s.seq_id for s in sampled][:8]})")
         self.scheduler.advance(batch)
-        if sampled:
-            tokens = self.sampler(logits, sampled)
-            self.stats.output_tokens += len(tokens)
-            for seq, token in zip(sampled, tokens):
-                seq.append_token(token)
-                request = self._requests[seq.seq_id]
-                if request.stop.append(token):
-                    finished.append(self._finish(request))
+        if logits.shape[0] > len(sampled):
+            self._take_prompt_logprobs(batch, logits[len(sampled) :])
+        seqs, logits = self._expand(sampled, logits[: len(sampled)], finished)
+        if seqs:
+            self._sample(seqs, logits, finished)
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+        """Draw one token per row, with its raw logprobs when asked, and run the stop checks."""
+        # why before the sampler: logprobs are of the raw distribution, whatever the sampler does
+        pending = take_logprobs(logits, [s.params.logprobs for s in seqs])
+        tokens = self.sampler(logits, seqs)
+        self.stats.output_tokens += len(tokens)
+        taken = {}
+        if pending is not None:
+            taken = dict(zip(pending.rows, pending.resolve([tokens[i] for i in pending.rows], self.texts)))
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.append_token(token)
+            request, sample = self._by_seq[seq.seq_id]
+            if i in taken:
+                sample.record(*taken[i])
+            if sample.stop.append(token):
+                self._finish_sample(request, sample, finished)
+
+    def _expand(
+        self, sampled: list[Sequence], logits: torch.Tensor, finished: list[RequestOutput]
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """The rows to sample: a parent whose prefill ended forks (its row serves all n samples);
+        a max_tokens 0 request ends here, unsampled."""
+        special = self._special
+        if not special or not any(s.seq_id in special for s in sampled):
+            return sampled, logits
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for i, seq in enumerate(sampled):
+            request = special.pop(seq.seq_id, None)
+            if request is None:
+                rows.append(i)
+                seqs.append(seq)
+            elif request.params.max_tokens == 0:
+                request.forked = True
+                self._finish_sample(request, request.samples[0], finished)
+            else:
+                self._fork(request)
+                rows.extend([i] * len(request.samples))
+                seqs.extend(s.seq for s in request.samples)
+        return seqs, logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+
+    def _fork(self, request: RequestState) -> None:
+        """Samples 1..n-1 of a request whose prompt is prefilled, sharing its KV blocks."""
+        parent = request.parent
+        for index in range(1, request.params.n):
+            child = Sequence(next(self._ids), list(parent.prompt_token_ids), fork_params(request.params, index))
+            self.scheduler.fork(parent, child)
+            sample = SampleState(index, child, self._stop_checker(child))
+            request.samples.append(sample)
+            self._by_seq[child.seq_id] = (request, sample)
+        request.forked = True
+
+    def _take_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens whose predicting positions ran in this step (rows in chunk order)."""
+        row = 0
+        for chunk in batch.chunks:
+            if chunk.prompt_logits:
+                request, _ = self._by_seq[chunk.seq_id]
+                request.store_prompt_logprobs(chunk.start, logits[row : row + chunk.prompt_logits], self.texts)
+                row += chunk.prompt_logits
 
     def _count(self, batch: ScheduledBatch) -> None:
         self.stats.steps += 1
@@ -147,45 +233,45 @@ class Engine:
         seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
         for seq in seqs:
             self.scheduler.finish(seq)
-        for seq_id in self._requests:
+        for seq_id in self._by_seq:
             self.sampler.release(seq_id)
         if seqs:
             logger.warning("aborted %d unfinished requests", len(seqs))
         self._requests.clear()
+        self._by_seq.clear()
+        self._special.clear()
         self._errors.clear()
         self.scheduler.block_manager.reset_prefix_cache()
         self.runner.reset()
 
-    def _finish(self, request: _Request) -> RequestOutput:
-        seq, stop = request.seq, request.stop
+    def _finish_sample(self, request: RequestState, sample: SampleState, finished: list[RequestOutput]) -> None:
+        """A sample is done: release its blocks; the request's last one makes the output."""
+        seq = sample.seq
+        sample.done = True
         self.scheduler.finish(seq)
         self.sampler.release(seq.seq_id)
-        del self._requests[seq.seq_id]
-        self.stats.cached_tokens += seq.num_cached_tokens
-        return RequestOutput(
-            request_id=seq.seq_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=stop.text,
-            token_ids=seq.output_token_ids,
-            finish_reason=stop.finish_reason,  # type: ignore[arg-type]  # set: _finish follows a stop
-            stop_reason=stop.stop_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-        )
+        del self._by_seq[seq.seq_id]
+        if request.done:
+            del self._requests[request.request_id]
+            self.stats.cached_tokens += request.parent.num_cached_tokens
+            finished.append(request.output())
 
     def generate(
         self,
         prompts: list[list[int]],
         params: list[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None = None,
+        texts: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion; outputs in input order, `on_output` as each one finishes.
 
-        Each output's `request_id` is its index in `prompts`.
+        Each output's `request_id` is its index in `prompts` (as a string); `texts` are the
+        prompts' texts for the outputs' `prompt` (None: not given as text).
         """
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         try:
-            return self._run(prompts, params, on_output)
+            return self._run(prompts, params, on_output, texts or [None] * len(prompts))
         except BaseException:
             # why BaseException: a KeyboardInterrupt mid-step orphans requests just the same
             self.abort_all()
@@ -196,15 +282,18 @@ class Engine:
         prompts: list[list[int]],
         params: list[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None,
+        texts: list[str | None],
     ) -> list[RequestOutput]:
-        position = {self.add_request(p, sp): i for i, (p, sp) in enumerate(zip(prompts, params))}
+        position = {
+            str(self.add_request(p, sp, text)): i for i, (p, sp, text) in enumerate(zip(prompts, params, texts))
+        }
         results: list[RequestOutput | None] = [None] * len(prompts)
         while self.has_unfinished():
             for output in self.step():
                 index = position.get(output.request_id)
                 if index is None:
                     continue  # a request added outside this call
-                output.request_id = index
+                output.request_id = str(index)
                 results[index] = output
                 if on_output is not None:
                     on_output(output)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
@@ -22,6 +22,9 @@ from batchgen.engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+# What `generate` takes per prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
+PromptInput = str | list[int] | dict[str, Any]
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
@@ -97,31 +100,78 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        lora_request: object = None,
+        *,
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in input order.
+        """Generate for every prompt; outputs in input order (vLLM's offline `LLM.generate`).
 
-        `sampling_params`: one for all, one per prompt, or None for the defaults. `on_output` is
-        called with each output as it finishes (finish order), e.g. for a progress bar.
+        `prompts`: a string, a `{"prompt": str}` or `{"prompt_token_ids": [...]}` dict, a list of
+        token ids, or a list of these. `sampling_params`: one for all, one per prompt, or None for
+        the defaults. `use_tqdm` is accepted and ignored (library code shows no bars);
+        `lora_request` is refused. `on_output` is called with each output as it finishes.
         """
-        if isinstance(prompts, (str, tuple)) or (prompts and isinstance(prompts[0], int)):
-            raise TypeError("prompts must be a list of strings or a list of token-id lists")
-        token_ids = [self._encode(i, p) for i, p in enumerate(prompts)]
+        if lora_request is not None:
+            raise NotImplementedError("LLM.generate: lora_request is not supported by batchgen")
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            raise TypeError("prompts: a flat list of ints is ambiguous; pass [[...ids]] or {'prompt_token_ids': [...]}")
+        encoded = [self._encode(i, p) for i, p in enumerate(items)]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(token_ids)
+            params = [sampling_params] * len(encoded)
         else:
             params = list(sampling_params)
-            if len(params) != len(token_ids):
-                raise ValueError(f"got {len(token_ids)} prompts but {len(params)} SamplingParams")
-        return self.engine.generate(token_ids, params, on_output=on_output)
+            if len(params) != len(encoded):
+                raise ValueError(f"got {len(encoded)} prompts but {len(params)} SamplingParams")
+        token_ids = [ids for ids, _ in encoded]
+        return self.engine.generate(token_ids, params, on_output=on_output, texts=[t for _, t in encoded])
 
-    def _encode(self, index: int, prompt: object) -> list[int]:
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        add_generation_prompt: bool = True,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content}) or a list of them,
+        rendered with the tokenizer's chat template (as vLLM's `LLM.chat`)."""
+        conversations = cast(
+            "list[list[dict[str, str]]]", [messages] if messages and isinstance(messages[0], dict) else messages
+        )
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            # why no special tokens: a rendered template already holds them (BOS etc.)
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm, on_output=on_output)
+
+    def _encode(self, index: int, prompt: object) -> tuple[list[int], str | None]:
+        """(token ids, prompt text or None) of one prompt."""
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt]
-        raise TypeError(f"prompt {index} must be a string or a list of token ids, got {type(prompt).__name__}")
+            return list(self.tokenizer(prompt)["input_ids"]), prompt
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:
+                raise TypeError(f"prompt {index}: unsupported key(s) {unknown} (supported: prompt, prompt_token_ids)")
+            if "prompt_token_ids" in prompt:
+                ids, _ = self._encode(index, list(prompt["prompt_token_ids"]))
+                text = prompt.get("prompt")
+                return ids, text if isinstance(text, str) else None
+            if isinstance(prompt.get("prompt"), str):
+                return self._encode(index, prompt["prompt"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [int(t) for t in prompt], None
+        raise TypeError(
+            f"prompt {index} must be a string, a list of token ids, or a dict with 'prompt' or "
+            f"'prompt_token_ids', got {type(prompt).__name__}"
+        )

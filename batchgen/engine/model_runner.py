@@ -184,10 +184,13 @@ class ModelRunner:
         )
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """One forward over the batch -> float32 logits [num sampled chunks, vocab], in batch order."""
+        """One forward over the batch -> float32 logits [num sampled chunks + prompt-logit rows, vocab]:
+        the sampled chunks' last positions in batch order, then each chunk's `prompt_logits` first
+        positions (chunks in batch order)."""
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
+        self.copy_blocks(batch.copies)
         ctx, positions, order = build_forward_context(
             chunks, self.decode_kv, self.kv_caches, self.block_size, self.device, self.flash
         )
@@ -197,8 +200,12 @@ class ModelRunner:
             token_ids.extend(chunks[i].token_ids)
             packed_end[i] = len(token_ids)
         keep = [packed_end[i] - 1 for i, c in enumerate(chunks) if c.needs_sample]
+        for i, c in enumerate(chunks):
+            if c.prompt_logits:  # prompt_logprobs: positions start .. start + prompt_logits - 1
+                first = packed_end[i] - c.num_tokens
+                keep.extend(range(first, first + c.prompt_logits))
         input_ids = torch.tensor(token_ids, device=self.device)[None]  # [1, T]
-        keep_idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # [num sampled]
+        keep_idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # [num sampled + prompt-logit rows]
         with torch.inference_mode(), forward_context(ctx):
             out = self.model(
                 input_ids=input_ids, position_ids=positions[None], logits_to_keep=keep_idx, use_cache=False
@@ -208,7 +215,17 @@ class ModelRunner:
                 f"the model called batchgen's attention {ctx.num_attention_calls} times for "
                 f"{len(self.kv_caches)} layers; it does not route all attention through the interface"
             )
-        return out.logits[0].float()  # [num sampled, vocab]
+        return out.logits[0].float()  # [num sampled + prompt-logit rows, vocab]
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, destination) block's K/V, in every layer."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k, v in self.kv_caches:  # each [num_blocks, block_size, kv_heads, head_dim]
+            k[dst] = k[src]
+            v[dst] = v[src]
 
     def reset(self) -> None:
         """After an aborted generate: zero the pool and forget the decode source's sequences.

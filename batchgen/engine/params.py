@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
 
 
 class SettingError(ValueError):
@@ -39,10 +40,13 @@ class SamplingParams:
     """Per-request generation settings (vLLM names and defaults).
 
     temperature 0 (below 1e-5) means greedy; top_k 0 or -1 and top_p 1.0 disable those filters.
+    `max_tokens` None means up to the context; 0 generates nothing (scoring with prompt_logprobs).
+    `n` samples share one prefill; sample i of a seeded request draws with seed + i. `logprobs`
+    and `prompt_logprobs` (K in 0..20) are taken from the raw logits, before any processing.
     Invalid values raise SettingError (a ValueError) naming the field.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -54,6 +58,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,16 +74,21 @@ class SamplingParams:
     def _validate(self) -> None:
         s = self
         checks = [
-            ("max_tokens", is_int(s.max_tokens) and s.max_tokens >= 1, "an integer >= 1"),
+            (
+                "max_tokens",
+                s.max_tokens is None or (is_int(s.max_tokens) and s.max_tokens >= 0),
+                "null (up to the context) or an integer >= 0",
+            ),
             ("temperature", is_finite(s.temperature) and s.temperature >= 0.0, "a finite number >= 0"),
             ("top_p", is_finite(s.top_p) and 0.0 < s.top_p <= 1.0, "a number in (0, 1]"),
             ("top_k", is_int(s.top_k) and s.top_k >= 0, "0 (disabled), -1 (disabled) or an integer >= 1"),
             ("min_p", is_finite(s.min_p) and 0.0 <= s.min_p <= 1.0, "a number in [0, 1]"),
             (
                 "min_tokens",
-                is_int(s.min_tokens) and 0 <= s.min_tokens <= s.max_tokens,
+                is_int(s.min_tokens) and s.min_tokens >= 0 and (s.max_tokens is None or s.min_tokens <= s.max_tokens),
                 f"an integer in [0, max_tokens={s.max_tokens}]",
             ),
+            ("n", is_int(s.n) and s.n >= 1, "an integer >= 1"),
             (
                 "seed",
                 s.seed is None or (is_int(s.seed) and SEED_MIN <= s.seed <= SEED_MAX),
@@ -84,6 +96,10 @@ class SamplingParams:
             ),
             ("stop", all(isinstance(x, str) and x for x in s.stop), "a list of non-empty strings"),
             ("stop_token_ids", all(is_int(t) and t >= 0 for t in s.stop_token_ids), "a list of non-negative token ids"),
+        ]
+        checks += [
+            (name, v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), f"null or an integer in [0, {MAX_LOGPROBS}]")
+            for name, v in (("logprobs", s.logprobs), ("prompt_logprobs", s.prompt_logprobs))
         ]
         checks += [
             (name, isinstance(getattr(s, name), bool), "true or false")

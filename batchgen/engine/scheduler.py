@@ -43,6 +43,9 @@ class ScheduledChunk(NamedTuple):
     block_table: tuple[int, ...]  # the sequence's KV blocks, covering start + num_tokens tokens
     needs_sample: bool  # the chunk ends at the sequence's last token: its logits give the next one
     is_decode: bool  # see `is_decode`: the one definition of a decode for stats, runner and sampler
+    # prompt_logprobs: logits wanted at the chunk's first `prompt_logits` positions (each predicts
+    # the next prompt token); 0 for every other chunk
+    prompt_logits: int = 0
 
     @property
     def seq_id(self) -> int:
@@ -68,6 +71,7 @@ class ScheduledBatch:
 
     chunks: tuple[ScheduledChunk, ...] = ()
     preempted: tuple[Sequence, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()  # (source, destination) KV blocks to copy first (copy on write)
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -155,7 +159,8 @@ class Scheduler:
         if not preempted:
             # why: after a preemption the pool is under pressure; admitting now would thrash.
             self._schedule_waiting(chunks, budget)
-        return ScheduledBatch(tuple(chunks), tuple(preempted))
+        copies = self.block_manager.take_copies()
+        return ScheduledBatch(tuple(chunks), tuple(preempted), tuple(copies))
 
     def advance(self, batch: ScheduledBatch) -> None:
         """After the forward pass: the scheduled chunks' K/V are now in the cache.
@@ -179,6 +184,18 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child` (a new sample of `parent`'s prompt) from now on, sharing parent's KV blocks.
+
+        `parent` has just computed its whole prompt; `child` holds the same tokens.
+        """
+        if child.token_ids != parent.token_ids or parent.num_computed_tokens != parent.num_tokens:
+            raise ValueError(f"seq {child.seq_id} cannot fork from seq {parent.seq_id}: not at the same point")
+        self.block_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     # ------------------------------------------------------------- helpers
 
@@ -223,7 +240,11 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            computed, num_cached = bm.get_computed_blocks(seq)
+            if self.running and len(self.running) + seq.seats > self.config.max_num_seqs:
+                break  # why: its samples will fork into seats of their own
+            # why no cache for prompt logprobs: cached positions have no logits to take them from
+            wants_logits = seq.params.prompt_logprobs is not None
+            computed, num_cached = ([], 0) if wants_logits else bm.get_computed_blocks(seq)
             remaining = seq.num_tokens - num_cached
             # Admit only if the whole remaining prompt fits now, not just this chunk: a sequence
             # that can only start would soon be preempted and recomputed.
@@ -246,6 +267,9 @@ def _snapshot(seq: Sequence, n: int) -> ScheduledChunk:
     """The next `n` tokens of `seq` as a frozen chunk (its blocks must already be allocated)."""
     start = seq.num_computed_tokens
     needs_sample = start + n == seq.num_tokens
+    prompt_logits = 0
+    if seq.params.prompt_logprobs is not None:
+        prompt_logits = max(0, min(start + n, seq.num_prompt_tokens - 1) - start)
     return ScheduledChunk(
         seq=seq,
         start=start,
@@ -253,4 +277,5 @@ def _snapshot(seq: Sequence, n: int) -> ScheduledChunk:
         block_table=tuple(seq.block_table),
         needs_sample=needs_sample,
         is_decode=is_decode(n, start, seq.num_prompt_tokens, needs_sample),
+        prompt_logits=prompt_logits,
     )

@@ -57,8 +57,14 @@ class Sequence:
 
     @property
     def max_total_tokens(self) -> int:
-        """Tokens this sequence may ever hold in the cache: prompt + max_tokens."""
-        return len(self.prompt_token_ids) + self.params.max_tokens
+        """Tokens this sequence may ever hold in the cache: prompt + max_tokens (resolved by the engine)."""
+        return len(self.prompt_token_ids) + (self.params.max_tokens or 0)
+
+    @property
+    def seats(self) -> int:
+        """Running seats this sequence takes: n while its samples are still to be forked from it."""
+        n = self.params.n
+        return n if n > 1 and self.num_output_tokens == 0 and self.params.max_tokens != 0 else 1
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -1,9 +1,10 @@
 """StopChecker: one request's incremental detokenization and stop conditions.
 
 Per generated token, in vLLM's order: count it; while fewer than `min_tokens` tokens are out,
-nothing stops the request; an EOS id (unless `ignore_eos`) or a `stop_token_ids` id stops it
-with that id as `stop_reason`; a stop string completed by the token's text stops it (text cut at
-the string, or kept through it with `include_stop_str_in_output`); otherwise reaching
+nothing stops the request; an EOS id (unless `ignore_eos`) stops it with `stop_reason` None (as
+vLLM), a `stop_token_ids` id stops it with that id as `stop_reason`; a stop string completed by
+the token's text stops it (text cut at the string, or kept through it with
+`include_stop_str_in_output`); otherwise reaching
 `max_tokens` finishes it with "length".
 
 Detokenization uses tokenizers' `DecodeStream`, which decodes only a short window per step and
@@ -96,7 +97,7 @@ class StopChecker:
         self._num_output_tokens += 1
         checks_on = self._num_output_tokens >= self._params.min_tokens
         if checks_on and token_id in self._eos:
-            return self._finish("stop", token_id)  # EOS text never enters `text`
+            return self._finish("stop", None)  # EOS text never enters `text`; stop_reason None (vLLM)
         if checks_on and token_id in self._stop_ids:
             if self._params.include_stop_str_in_output:
                 self._text += self._step(token_id)
@@ -105,7 +106,8 @@ class StopChecker:
         self._text += new_text
         if checks_on and new_text and self._match_stop_string(len(new_text)):
             return True
-        if self._num_output_tokens >= self._params.max_tokens:
+        limit = self._params.max_tokens
+        if limit is not None and self._num_output_tokens >= limit:  # None: the engine stops at the context
             return self._finish("length", None)
         return False
 

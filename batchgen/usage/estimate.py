@@ -39,7 +39,7 @@ class Estimate:
     ok_rows: int = 0
     input_tokens: int = 0  # ok rows only: an error row is billed nothing
     shareable_tokens: int = 0  # prompt tokens a prefix cache would serve, whatever the backend
-    max_output_tokens: int = 0  # sum of each ok row's max_tokens after the cap to the context
+    max_output_tokens: int = 0  # sum of each ok row's max_tokens (after the cap to the context) x its n samples
     error_codes: dict[str, int] = field(default_factory=dict)
     error_examples: list[str] = field(default_factory=list)
     input_lengths: IntHistogram = field(default_factory=IntHistogram)
@@ -55,7 +55,7 @@ class Estimate:
         lengths = [len(ids) for ids, _ in ok]
         self.input_tokens += sum(lengths)
         self.input_lengths.add_many(np.array(lengths, np.int64))
-        self.max_output_tokens += sum(params.max_tokens for _, params in ok)
+        self.max_output_tokens += sum((params.max_tokens or 0) * params.n for _, params in ok)
         for r in rows:
             if r.error_code is not None:
                 self.error_codes[r.error_code] = self.error_codes.get(r.error_code, 0) + 1
@@ -140,7 +140,7 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
             "window_rows": engine.window_rows,
             "assumption": _cache_assumption(est, spec),
         },
-        "output_tokens": {"min": 0, "max": est.max_output_tokens},
+        "output_tokens": {"min": 0, "max": est.max_output_tokens, "samples_per_row": spec.sampling.n},
         "prices": prices.as_json(),
         "cost": {k: money_text(v) for k, v in costs(est, prices).items()},
     }
@@ -148,7 +148,8 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
 
 def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
     """Input cost exactly (and with the cache discount when a cached_input price is given), output
-    cost from zero to every row generating its max_tokens; totals use the discounted input cost."""
+    cost from zero to every row generating its max_tokens for each of its n samples (the prompt is
+    prefilled once, so input is billed once); totals use the discounted input cost."""
     plain = input_cost(prices, est.input_tokens, 0)
     cached = input_cost(prices, est.input_tokens, est.cached_tokens) if prices.cached_input is not None else None
     out_max = output_cost(prices, est.max_output_tokens)
@@ -175,6 +176,11 @@ def _cache_assumption(est: Estimate, spec: JobSpec) -> str:
     return f"{why}, so 0 tokens will be cached; the native backend with caching would serve shareable_tokens ({scope})"
 
 
+def _n(spec: JobSpec) -> str:
+    n = spec.sampling.n
+    return f", x {n} samples per row" if n > 1 else ""
+
+
 def _discounted(cost: Decimal | None) -> str:
     return "" if cost is None else f" ({money_display(cost)} with the cache discount)"
 
@@ -199,7 +205,7 @@ def to_text(est: Estimate, spec: JobSpec, prices: Prices) -> str:
         ("input tokens", _token_stats(tok)),
         ("prefix cache", f"{pc['cached_tokens']} of {tok['total']} input tokens served from cache"),
         ("", f"assumes {pc['assumption']}"),
-        ("output tokens", f"0 .. {est.max_output_tokens} (each row's max_tokens, capped to the context)"),
+        ("output tokens", f"0 .. {est.max_output_tokens} (each row's max_tokens, capped to the context{_n(spec)})"),
         ("input cost", money_display(c["input"]) + _discounted(c["input_with_cache"])),
         ("output cost", f"{money_display(c['output_min'])} .. {money_display(c['output_max'])}"),
         ("total cost", f"{money_display(c['total_min'])} .. {money_display(c['total_max'])}"),

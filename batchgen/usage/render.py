@@ -12,8 +12,9 @@ from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display,
 from batchgen.usage.report import GroupStats, Report
 
 
-def record(name: str, stats: GroupStats, prices: Prices) -> dict[str, Any]:
-    """One group's (or the totals') figures; money as exact Decimal."""
+def record(name: str, stats: GroupStats, prices: Prices, per_sample: bool = False) -> dict[str, Any]:
+    """One group's (or the totals') figures; money as exact Decimal. `per_sample` (a job with
+    n > 1): a `samples` figure, and finish reasons and output lengths count samples."""
     in_cost = input_cost(prices, stats.input_tokens, stats.cached_tokens)
     out_cost = output_cost(prices, stats.output_tokens)
     mean = stats.output_lengths.mean()
@@ -33,12 +34,14 @@ def record(name: str, stats: GroupStats, prices: Prices) -> dict[str, Any]:
         "input_cost": in_cost,
         "output_cost": out_cost,
         "cost": add_costs(in_cost, out_cost),
-    }
+    } | ({"samples": stats.samples} if per_sample else {})
 
 
 def records(report: Report, prices: Prices) -> list[dict[str, Any]]:
     """The totals first (group "(total)"), then one record per group."""
-    return [record("(total)", report.totals, prices)] + [record(n, s, prices) for n, s in report.groups.items()]
+    per = report.per_sample
+    groups = [record(n, s, prices, per) for n, s in report.groups.items()]
+    return [record("(total)", report.totals, prices, per), *groups]
 
 
 def to_json(report: Report, prices: Prices) -> str:
@@ -114,6 +117,9 @@ def to_text(report: Report, prices: Prices) -> str:
         for row in cells
     ]
     notes = [f"{report.path}: {report.status.line()}"]
+    if report.per_sample:
+        samples = report.totals.samples
+        notes.append(f"{samples} samples in {report.totals.rows} rows: finish reasons and out mean/p95 are per sample")
     if not prices.any_set:
         notes.append(
             "no prices: give --job JOB (its pricing section) or --price-input/--price-cached-input/--price-output"

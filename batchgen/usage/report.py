@@ -29,6 +29,7 @@ from batchgen.usage.totals import IntHistogram, Totals, add_counts
 
 log = logging.getLogger(__name__)
 USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
+SAMPLE_TOKENS = "sample_output_tokens"  # n > 1: each sample's output tokens
 SCAN_BATCH_ROWS = 65536
 NULL_NAME = "(null)"
 
@@ -38,11 +39,13 @@ class GroupStats(Totals):
     """Usage of one group of output rows (or of all of them), with exact length histograms."""
 
     input_lengths: IntHistogram = field(default_factory=IntHistogram)  # ok rows only
-    output_lengths: IntHistogram = field(default_factory=IntHistogram)  # ok rows only
+    output_lengths: IntHistogram = field(default_factory=IntHistogram)  # ok rows only (samples when n > 1)
+    samples: int = 0  # n > 1 only: the samples of all rows (the finish reasons counted)
 
     def merge(self, other: Totals) -> None:
         super().merge(other)
         if isinstance(other, GroupStats):
+            self.samples += other.samples
             self.input_lengths.merge(other.input_lengths)
             self.output_lengths.merge(other.output_lengths)
 
@@ -70,6 +73,7 @@ class Report:
     groups: dict[str, GroupStats]  # group value as text, sorted; empty without --by
     totals: GroupStats
     status: OutputStatus
+    per_sample: bool = False  # a job with n > 1: finish reasons and output lengths are per sample
 
 
 def read_report(out_dir: str | Path, by: str | None = None) -> Report:
@@ -85,10 +89,12 @@ def read_report(out_dir: str | Path, by: str | None = None) -> Report:
     if not parts and not started:
         raise InputDataError(f"{out}: no committed part-*.parquet files (has the run started?)")
     groups: dict[str, GroupStats] = {}
-    numeric = False
+    numeric = per_sample = False
     if parts:  # a run that started but committed nothing yet has empty totals
-        numeric = _is_numeric(_dataset(storage, parts).schema, by)
-        for table in _scan(storage, parts, by):
+        schema = _dataset(storage, parts).schema
+        numeric = _is_numeric(schema, by)
+        per_sample = "finish_reason" in schema.names and pa.types.is_list(schema.field("finish_reason").type)
+        for table in _scan(storage, parts, by, per_sample):
             _add_table(groups, table, by)
     totals = GroupStats()
     for stats in groups.values():
@@ -97,7 +103,7 @@ def read_report(out_dir: str | Path, by: str | None = None) -> Report:
     if status.mismatches:
         log.error("%s: %s", out, status.line())
     ordered = {name: groups[name] for name in sorted(groups, key=_sort_key if numeric else None)} if by else {}
-    return Report(path=out, by=by, groups=ordered, totals=totals, status=status)
+    return Report(path=out, by=by, groups=ordered, totals=totals, status=status, per_sample=per_sample)
 
 
 def _dataset(storage: Storage, parts: list[str]) -> ds.Dataset:
@@ -125,7 +131,7 @@ def _sort_key(name: str) -> tuple[int, Decimal]:
     return (2, Decimal(0)) if value.is_nan() else (1, value)
 
 
-def _scan(storage: Storage, parts: list[str], by: str | None) -> Iterator[pa.Table]:
+def _scan(storage: Storage, parts: list[str], by: str | None, per_sample: bool = False) -> Iterator[pa.Table]:
     out_dir = storage.where
     dataset = _dataset(storage, parts)
     names = dataset.schema.names
@@ -136,7 +142,8 @@ def _scan(storage: Storage, parts: list[str], by: str | None) -> Iterator[pa.Tab
         raise InputDataError(f"--by {by!r}: {out_dir} has no such column (columns: {', '.join(names)})")
     if by is not None and pa.types.is_nested(dataset.schema.field(by).type):
         raise InputDataError(f"--by {by!r}: column type {dataset.schema.field(by).type} cannot be grouped on")
-    columns = USAGE_COLUMNS + ([by] if by is not None and by not in USAGE_COLUMNS else [])
+    columns = USAGE_COLUMNS + ([SAMPLE_TOKENS] if per_sample else [])
+    columns += [by] if by is not None and by not in columns else []
     try:
         for batch in dataset.scanner(columns=columns, batch_size=SCAN_BATCH_ROWS).to_batches():
             if batch.num_rows:
@@ -148,7 +155,9 @@ def _scan(storage: Storage, parts: list[str], by: str | None) -> Iterator[pa.Tab
 def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -> None:
     """Fold one batch of rows into the per-group stats (vectorized group-bys, no per-row Python)."""
     keys = [by] if by is not None else []
-    outcome = table.group_by(list(dict.fromkeys(keys + ["finish_reason", "error_code"])), use_threads=False).aggregate(
+    per_sample = pa.types.is_list(table.schema.field("finish_reason").type)
+    reasons = [] if per_sample else ["finish_reason"]
+    outcome = table.group_by(list(dict.fromkeys(keys + reasons + ["error_code"])), use_threads=False).aggregate(
         [("input_tokens", "sum"), ("cached_tokens", "sum"), ("output_tokens", "sum"), ([], "count_all")]
     )
     for row in outcome.to_pylist():
@@ -157,16 +166,53 @@ def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -
         stats.rows += count
         add_counts(stats.error_codes, {code: count} if code is not None else {})
         stats.ok_rows += count if code is None else 0
-        add_counts(stats.finish_reasons, {_text(row["finish_reason"]): count})
+        if not per_sample:
+            add_counts(stats.finish_reasons, {_text(row["finish_reason"]): count})
         stats.input_tokens += row["input_tokens_sum"] or 0
         stats.cached_tokens += row["cached_tokens_sum"] or 0
         stats.output_tokens += row["output_tokens_sum"] or 0
+    if per_sample:
+        _add_sample_reasons(groups, table, by)
     ok = table.filter(pc.is_null(table.column("error_code")))
-    if ok.num_rows:
-        _add_lengths(groups, ok, by)
+    if ok.num_rows and per_sample:
+        _add_lengths(groups, ok, by, (INPUT_LENGTHS,))
+        _add_lengths(groups, _per_sample_rows(ok, by), by, (OUTPUT_LENGTHS,))
+    elif ok.num_rows:
+        _add_lengths(groups, ok, by, (INPUT_LENGTHS, OUTPUT_LENGTHS))
 
 
-def _add_lengths(groups: dict[str, GroupStats], ok: pa.Table, by: str | None) -> None:
+def _add_sample_reasons(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -> None:
+    """n > 1: finish reasons counted per sample (each row holds a list of n)."""
+    flat = _flatten(table, "finish_reason", by)
+    keys = list(dict.fromkeys(([by] if by is not None else []) + ["finish_reason"]))
+    for row in flat.group_by(keys, use_threads=False).aggregate([([], "count_all")]).to_pylist():
+        stats = groups.setdefault(_group_name(row, by), GroupStats())
+        add_counts(stats.finish_reasons, {_text(row["finish_reason"]): row["count_all"]})
+        stats.samples += row["count_all"]
+
+
+def _per_sample_rows(ok: pa.Table, by: str | None) -> pa.Table:
+    """n > 1: one row per sample, its output tokens as `output_tokens` (input tokens once per row)."""
+    flat = _flatten(ok, SAMPLE_TOKENS, by).rename_columns({SAMPLE_TOKENS: "output_tokens"})
+    return flat
+
+
+def _flatten(table: pa.Table, column: str, by: str | None) -> pa.Table:
+    """One row per element of the list column `column`, with the `by` value of its row."""
+    values = table.column(column).combine_chunks()
+    columns: dict[str, Any] = {column: pc.list_flatten(values)}
+    if by is not None and by != column:
+        columns[by] = table.column(by).take(pc.list_parent_indices(values))
+    return pa.table(columns)
+
+
+INPUT_LENGTHS = ("input_tokens", "input_lengths")  # (column, GroupStats histogram)
+OUTPUT_LENGTHS = ("output_tokens", "output_lengths")
+
+
+def _add_lengths(
+    groups: dict[str, GroupStats], ok: pa.Table, by: str | None, histograms: tuple[tuple[str, str], ...]
+) -> None:
     """Length histograms of ok rows: rows sorted by group, then one vectorized count per group."""
     if by is None:
         names, index = ["all"], np.zeros(ok.num_rows, np.int64)
@@ -179,7 +225,7 @@ def _add_lengths(groups: dict[str, GroupStats], ok: pa.Table, by: str | None) ->
         index = encoded.indices.to_numpy(zero_copy_only=False)
     order = np.argsort(index, kind="stable")
     cuts = np.flatnonzero(np.diff(index[order])) + 1
-    for column, attr in (("input_tokens", "input_lengths"), ("output_tokens", "output_lengths")):
+    for column, attr in histograms:
         lengths = ok.column(column).fill_null(0).to_numpy()[order]
         for rows in np.split(np.arange(len(order)), cuts):
             stats = groups.setdefault(names[index[order[rows[0]]]], GroupStats())

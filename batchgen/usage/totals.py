@@ -28,9 +28,11 @@ class Totals:
         return self.rows - self.ok_rows
 
     def add_part(self, columns: dict[str, list[Any]]) -> None:
+        """Finish reasons are counted per sample: a job with n > 1 has a list of n per row."""
         for reason, code in zip(columns["finish_reason"], columns["error_code"]):
             self.rows += 1
-            add_counts(self.finish_reasons, {reason: 1})
+            for one in reason if isinstance(reason, list) else [reason]:
+                add_counts(self.finish_reasons, {one: 1})
             if code is None:
                 self.ok_rows += 1
             else:

@@ -62,7 +62,7 @@ def test_engine_with_a_shared_preamble_uses_cascade_with_either_decode_source(
     outputs = []
     for decode_kv in ("rows", "gather"):
         llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200, decode_kv=decode_kv)
-        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert calls, decode_kv  # the split is decided from block tables, whichever source
         calls.clear()
     assert outputs[0] == outputs[1]

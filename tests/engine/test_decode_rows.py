@@ -83,7 +83,7 @@ def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str],
             num_kv_blocks=40,
             decode_kv=decode_kv,
         )
-        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         source = llm.engine.runner.decode_kv
         assert isinstance(source, DecodeRows) == (decode_kv == "rows")
         if isinstance(source, DecodeRows):

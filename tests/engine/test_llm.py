@@ -29,10 +29,11 @@ def test_string_prompts_and_single_params(llm: LLM) -> None:
     outputs = llm.generate(["w5 w6 w7", "w9"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert [o.prompt_token_ids for o in outputs] == [[5, 6, 7], [9]]
     for out in outputs:
-        assert out.finish_reason == "length" and len(out.token_ids) == 4
+        sample = out.outputs[0]
+        assert sample.finish_reason == "length" and len(sample.token_ids) == 4
         # the text continues the prompt's text (here: with its separating space)
-        full = llm.tokenizer.decode(out.prompt_token_ids + out.token_ids)
-        assert out.text == full[len(llm.tokenizer.decode(out.prompt_token_ids)) :]
+        full = llm.tokenizer.decode(out.prompt_token_ids + sample.token_ids)
+        assert sample.text == full[len(llm.tokenizer.decode(out.prompt_token_ids)) :]
 
 
 def test_per_request_params_and_input_order(llm: LLM) -> None:
@@ -41,8 +42,8 @@ def test_per_request_params_and_input_order(llm: LLM) -> None:
     seen: list[RequestOutput] = []
     outputs = llm.generate(prompts, params, on_output=seen.append)
     assert [o.prompt_token_ids for o in outputs] == prompts
-    assert [len(o.token_ids) for o in outputs] == [1 + i for i in range(10)]
-    assert [o.request_id for o in outputs] == list(range(10))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1 + i for i in range(10)]
+    assert [o.request_id for o in outputs] == [str(i) for i in range(10)]
     assert sorted(id(o) for o in seen) == sorted(id(o) for o in outputs)
 
 
@@ -52,11 +53,11 @@ def test_request_that_can_never_fit_is_an_error_alone(llm: LLM) -> None:
     outputs = llm.generate(prompts, params)
     ok, too_long, ok2, empty, bad_id = outputs
     for good in (ok, ok2):
-        assert good.error is None and good.finish_reason in ("stop", "length") and good.token_ids
-    assert too_long.finish_reason == "error" and "exceeds max_model_len" in too_long.error
-    assert too_long.token_ids == [] and too_long.num_prompt_tokens == 300
-    assert empty.finish_reason == "error" and "empty" in empty.error
-    assert bad_id.finish_reason == "error" and "outside the vocabulary" in bad_id.error
+        assert good.error is None and good.outputs[0].finish_reason in ("stop", "length") and good.outputs[0].token_ids
+    assert too_long.error is not None and "exceeds max_model_len" in too_long.error
+    assert too_long.outputs == [] and too_long.num_prompt_tokens == 300
+    assert empty.error is not None and "empty" in empty.error
+    assert bad_id.error is not None and "outside the vocabulary" in bad_id.error
     assert llm.max_model_len == 200
 
 
@@ -71,10 +72,11 @@ def test_shared_prefix_is_served_from_the_cache(llm: LLM) -> None:
 
 def test_eos_and_stop_token_ids_finish_with_stop(llm: LLM) -> None:
     probe = llm.generate([[8, 9, 10]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
-    stop_id = probe.token_ids[1]
+    stop_id = probe.outputs[0].token_ids[1]
     out = llm.generate([[8, 9, 10]], SamplingParams(temperature=0.0, max_tokens=3, stop_token_ids=[stop_id]))[0]
-    assert out.finish_reason == "stop" and out.stop_reason == stop_id
-    assert out.token_ids == probe.token_ids[:2]
+    sample = out.outputs[0]
+    assert sample.finish_reason == "stop" and sample.stop_reason == stop_id
+    assert sample.token_ids == probe.outputs[0].token_ids[:2]
     assert EOS_ID in llm.engine.eos_token_ids
 
 
@@ -91,8 +93,12 @@ def test_stats_count_the_work(llm: LLM) -> None:
 def test_bad_arguments_raise(llm: LLM) -> None:
     with pytest.raises(ValueError, match="SamplingParams"):
         llm.generate([[1, 2]], [SamplingParams(), SamplingParams()])
-    with pytest.raises(TypeError):
-        llm.generate("w2 w3")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ambiguous"):
+        llm.generate([2, 3])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unsupported key"):
+        llm.generate({"prompt": "w2", "multi_modal_data": {}})
+    with pytest.raises(NotImplementedError, match="lora_request"):
+        llm.generate("w2 w3", lora_request=object())
 
 
 def test_nan_logits_raise_instead_of_sampling_garbage(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,7 +116,7 @@ def test_nan_logits_raise_instead_of_sampling_garbage(llm: LLM, monkeypatch: pyt
     # the same engine serves the next call, with nothing of the failed one left over
     assert not llm.engine.has_unfinished()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0]
-    assert out.error is None and len(out.token_ids) == 2
+    assert out.error is None and len(out.outputs[0].token_ids) == 2
 
 
 def test_engine_is_reusable_after_a_failed_step(
@@ -121,7 +127,7 @@ def test_engine_is_reusable_after_a_failed_step(
     llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=32)
     prompts = [list(range(10, 30)), list(range(10, 26)) + [50, 51]]  # sharing two full blocks
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    want = [o.token_ids for o in llm.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     runner, calls = llm.engine.runner, []
     real = runner.execute
 
@@ -145,7 +151,7 @@ def test_engine_is_reusable_after_a_failed_step(
     assert engine.scheduler.block_manager.num_free_blocks == 32
     before, seen = llm.stats, []
     again = llm.generate(prompts, params, on_output=seen.append)
-    assert [o.token_ids for o in again] == want  # no poisoned K/V served from the prefix cache
+    assert [o.outputs[0].token_ids for o in again] == want  # no poisoned K/V served from the prefix cache
     assert llm.stats["output_tokens"] - before["output_tokens"] == 8 and len(seen) == 2  # no orphan ran
 
 
@@ -162,5 +168,5 @@ def test_an_exception_from_on_output_leaves_no_orphans(llm: LLM) -> None:
         llm.generate([[30] * 5, [31] * 40, [32] * 60], params, on_output=stop)
     assert not llm.engine.has_unfinished()
     outputs = llm.generate([[33] * 5], params[1])
-    assert len(outputs) == 1 and len(outputs[0].token_ids) == 6
+    assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 6
     assert llm.engine.scheduler.block_manager.num_free_blocks == 32

@@ -92,8 +92,8 @@ def test_greedy_parity(arch: str, setting: str, decode_kv: str, tiny_model: Call
     outputs = llm.generate(PROMPTS, params)
     for i, (out, want) in enumerate(zip(outputs, expected)):
         assert out.error is None, out.error
-        assert out.token_ids == want, f"{arch}/{setting} prompt {i} ({len(PROMPTS[i])} tokens)"
-        assert out.finish_reason == ("stop" if want[-1] == EOS_ID else "length")
+        assert out.outputs[0].token_ids == want, f"{arch}/{setting} prompt {i} ({len(PROMPTS[i])} tokens)"
+        assert out.outputs[0].finish_reason == ("stop" if want[-1] == EOS_ID else "length")
     stats = llm.stats
     if setting == "pressure":
         assert stats["preemptions"] > 0, stats

@@ -15,7 +15,22 @@ from batchgen.engine.config import DEVICE_CHOICES, DEVICE_NAME, EngineConfig
 from batchgen.engine.params import SamplingParams, SettingError
 from batchgen.errors import JobFileError
 
-SAMPLING_OVERRIDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens")
+SAMPLING_OVERRIDABLE = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+# A per-row column that is not a SamplingParams number: JSON schema text, one row's structured output.
+SCHEMA_COLUMN_KEY = "json_schema"
+# Settings the hf backend (transformers generate) has no cheap native equivalent for: refused at load.
+HF_UNSUPPORTED = ("presence_penalty", "frequency_penalty", "allowed_token_ids", "structured")
 
 # Where the job file's defaults differ from the engine's (SamplingParams, EngineConfig), on purpose.
 # This is the only place they are stated; every other default comes from the engine's dataclasses.
@@ -68,9 +83,18 @@ class _SamplingChecks(_Strict):
         """The job-level SamplingParams: checked with the engine's own rules at load time."""
         values = self.model_dump()
         try:
-            return SamplingParams(**values)
+            params = SamplingParams(**values)
         except SettingError as exc:
             raise _setting_error("SamplingSection", exc, values.get(exc.field)) from None
+        if params.structured is not None:
+            from batchgen.engine.structured import check_structured
+
+            problem = check_structured(params.structured)
+            if problem is not None:
+                kind = PydanticCustomError("structured", "{problem}", {"problem": problem})
+                details = [InitErrorDetails(type=kind, loc=("structured",), input=params.structured)]
+                raise ValidationError.from_exception_data("SamplingSection", details)
+        return params
 
 
 if TYPE_CHECKING:  # why: the fields exist only at run time, taken from SamplingParams
@@ -152,10 +176,10 @@ class InputSection(_Strict):
         if self.messages_column is None and self.prompt_column is None:
             self.prompt_column = "prompt"
         for name in self.sampling_columns:
-            if name not in SAMPLING_OVERRIDABLE:
+            if name not in (*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY):
                 raise ValueError(
                     f"input.sampling_columns: {name!r} cannot be set per row "
-                    f"(allowed: {', '.join(SAMPLING_OVERRIDABLE)})"
+                    f"(allowed: {', '.join((*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY))})"
                 )
         return self
 
@@ -181,6 +205,27 @@ class JobSpec(_Strict):
     # Why excluded from dumps: prices change no generated text, so they stay out of the fingerprint.
     pricing: PricingSection | None = Field(default=None, exclude=True)
     source: Path | None = Field(default=None, exclude=True, strict=False)  # set by load_job
+
+    @model_validator(mode="after")
+    def _hf_features(self) -> JobSpec:
+        """Before any work: the hf backend refuses the features transformers' generate lacks."""
+        if self.engine.backend != "hf":
+            return self
+        defaults = SamplingParams()
+        used: list[tuple[str, ...]] = [
+            ("sampling", n) for n in HF_UNSUPPORTED if getattr(self.sampling, n) != getattr(defaults, n)
+        ]
+        columns = self.input.sampling_columns
+        used += [("input", "sampling_columns", n) for n in columns if n in (*HF_UNSUPPORTED, SCHEMA_COLUMN_KEY)]
+        if used:
+            kind = PydanticCustomError(
+                "hf_unsupported",
+                "engine.backend hf does not support this setting (transformers' generate has no equivalent); "
+                "use engine.backend native",
+            )
+            details = [InitErrorDetails(type=kind, loc=loc, input=None) for loc in used]
+            raise ValidationError.from_exception_data("JobSpec", details)
+        return self
 
 
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:

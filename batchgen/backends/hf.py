@@ -18,6 +18,7 @@ from batchgen.engine.llm import eos_token_ids
 from batchgen.engine.models import resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
+from batchgen.engine.penalties import bad_word_token_ids
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import StopChecker
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 # Settings that must be equal inside one static batch (max_tokens is not: rows are cut on replay;
 # seed is not: each seeded row draws from its own generator, see _SeededDraw).
 _BATCH_KEY = ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "min_tokens", "stop_token_ids")
+# Logits features generate supports natively (the others are refused at job load: job.HF_UNSUPPORTED).
+_FEATURE_KEY = ("repetition_penalty", "logit_bias", "bad_words")
 
 
 class HFBackend:
@@ -54,7 +57,7 @@ class HFBackend:
     ) -> list[RequestOutput]:
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
-            key = (*(str(getattr(p, name)) for name in _BATCH_KEY), p.seed is None)
+            key = (*(str(getattr(p, name)) for name in (*_BATCH_KEY, *_FEATURE_KEY)), p.seed is None)
             groups.setdefault(key, []).append(i)
         results: list[RequestOutput | None] = [None] * len(prompts)
         for indices in groups.values():
@@ -100,8 +103,20 @@ class HFBackend:
             "pad_token_id": self.pad_id,
             "do_sample": not p.greedy,
         }
+        kwargs.update(self._feature_kwargs(p))
         if not p.greedy:
             kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or None, min_p=p.min_p or None)
+        return kwargs
+
+    def _feature_kwargs(self, p: SamplingParams) -> dict[str, Any]:
+        """repetition_penalty, logit_bias and bad_words as generate's own processors (same semantics as native)."""
+        kwargs: dict[str, Any] = {}
+        if p.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = p.repetition_penalty
+        if p.logit_bias:
+            kwargs["sequence_bias"] = {(int(t),): float(b) for t, b in p.logit_bias.items()}
+        if p.bad_words:
+            kwargs["bad_words_ids"] = [list(ids) for ids in bad_word_token_ids(self.tokenizer, p.bad_words)]
         return kwargs
 
     def _replay(self, prompt: list[int], new_tokens: list[int], p: SamplingParams) -> RequestOutput:

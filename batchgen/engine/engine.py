@@ -18,6 +18,7 @@ from typing import Any
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
+from batchgen.engine.penalties import LogitsFeatures
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import ScheduledBatch, Scheduler
 from batchgen.engine.sequence import Sequence
@@ -69,6 +70,8 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
         self._ids = itertools.count()
+        if sampler.features is None:
+            sampler.features = LogitsFeatures(tokenizer, vocab_size, self.eos_token_ids)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Queue one request; returns its id. One that can never fit is answered with an error output."""
@@ -76,12 +79,15 @@ class Engine:
         self.stats.requests += 1
         seq = Sequence(request_id, list(prompt_token_ids), params)
         message = self._check_token_ids(seq) or self.scheduler.check_fits(seq)
+        if message is None and params.uses_logits_features:
+            message = self.sampler.features.add(seq)  # type: ignore[union-attr]  # set in __init__
         if message is None:
             try:
                 self.scheduler.add(seq)
             except ValueError as exc:
                 message = str(exc)
         if message is not None:
+            self.sampler.release(request_id)
             logger.warning("refusing request %d: %s", request_id, message)
             self.stats.errors += 1
             self._errors.append(RequestOutput(request_id, seq.prompt_token_ids, error=message))
@@ -124,10 +130,17 @@ class Engine:
             for seq, token in zip(sampled, tokens):
                 seq.append_token(token)
                 request = self._requests[seq.seq_id]
-                if request.stop.append(token):
+                if request.stop.append(token) or self._grammar_done(request):
                     finished.append(self._finish(request))
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
+
+    def _grammar_done(self, request: _Request) -> bool:
+        """A structured request whose grammar accepted a complete output ends with "stop"."""
+        features = self.sampler.features
+        if features is None or not features.terminated(request.seq.seq_id):
+            return False
+        return request.stop.finish_now()
 
     def _count(self, batch: ScheduledBatch) -> None:
         self.stats.steps += 1

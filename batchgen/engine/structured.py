@@ -8,7 +8,9 @@ the tokenizer once so that each step's mask costs microseconds per row. The piec
     spec's canonical text (rows with the same schema share one compiled grammar);
   * `mask_rows` fills one bitmask for all constrained rows of a step and applies it at once.
 JSON is generated without free whitespace (`any_whitespace=False`): a small model could otherwise
-emit blanks until max_tokens and never close the object.
+emit blanks until max_tokens and never close the object. xgrammar 0.2.9 lets a length-bounded
+string (`maxLength`) hold raw control characters, which JSON forbids (json.loads refuses them);
+`_json_schema_grammar` narrows that character class so every output parses.
 xgrammar is an optional dependency (`pip install 'batchgen[structured]'`); `load_xgrammar` says so.
 """
 
@@ -57,6 +59,19 @@ def _schema_text(schema: dict[str, Any] | str) -> str:
     return json.dumps(schema)
 
 
+# xgrammar's character class for a length-bounded JSON string, and the one JSON allows (no U+0000..U+001F)
+_LOOSE_CHARS = r"[^\"\\\r\n]"
+_JSON_CHARS = r"[^\0-\x1f\"\\]"
+
+
+def _json_schema_grammar(xgr: Any, schema: dict[str, Any] | str) -> Any:
+    grammar = xgr.Grammar.from_json_schema(_schema_text(schema), any_whitespace=False)
+    text = str(grammar)
+    if _LOOSE_CHARS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+
+
 def _choice_regex(choices: list[str]) -> str:
     """One alternative per choice, every regex metacharacter escaped."""
     special = set("\\^$.|?*+()[]{}/")
@@ -69,7 +84,7 @@ def build_grammar(spec: dict[str, Any]) -> Any:
     kind, value = next(iter(spec.items()))
     try:
         if kind == "json_schema":
-            return xgr.Grammar.from_json_schema(_schema_text(value), any_whitespace=False)
+            return _json_schema_grammar(xgr, value)
         if kind == "json_object":
             return xgr.Grammar.builtin_json_grammar()
         if kind == "regex":

@@ -114,9 +114,8 @@ def test_native_and_hf_agree_on_penalties_bias_and_bad_words(tmp_path: Path, tin
 def test_a_non_string_schema_column_fails_before_any_work(tmp_path: Path, tiny_model_dir: Path) -> None:
     data = write_parquet(tmp_path / "in.parquet", {"id": ["a"], "prompt": ["x"], "schema": pa.array([1], pa.int64())})
     out = tmp_path / "out"
-    job = make_job(
-        tiny_model_dir, str(data), out, input={"sampling_columns": {"json_schema": "schema"}}, engine={"backend": "native"}
-    )
+    columns = {"sampling_columns": {"json_schema": "schema"}}
+    job = make_job(tiny_model_dir, str(data), out, input=columns, engine={"backend": "native"})
     code, text = _run(write_job(tmp_path / "job.yaml", job))
     assert code == 3 and "column 'schema' (input.sampling_columns.json_schema) holds int64" in text
     assert not out.exists()

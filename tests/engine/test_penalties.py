@@ -110,7 +110,8 @@ def test_bad_words_are_never_generated_where_greedy_would_pick_them(llama: tuple
     favourite = max({t for o in free for t in o.token_ids} - {EOS_ID})
     # a two-token word: the pair (a, b) greedy made somewhere must not appear any more
     pair = next((o.token_ids[i], o.token_ids[i + 1]) for o in free for i in range(len(o.token_ids) - 1))
-    banned = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, bad_words=[f"w{favourite}", f"w{pair[0]} w{pair[1]}"])
+    words = [f"w{favourite}", f"w{pair[0]} w{pair[1]}"]
+    banned = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, bad_words=words)
     for out in llm.generate(prompts, banned):
         assert favourite not in out.token_ids
         assert all(tuple(out.token_ids[i : i + 2]) != pair for i in range(len(out.token_ids) - 1))

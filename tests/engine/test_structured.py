@@ -128,5 +128,5 @@ def test_a_spec_that_cannot_compile_names_the_problem(llm: LLM, spec: dict[str, 
 
 @pytest.mark.parametrize("value", [{}, {"regex": "a", "choice": ["a"]}, {"json_object": False}, {"choice": []}])
 def test_malformed_structured_settings_are_refused(value: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match="SamplingParams.structured must be"):
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured must be"):
         SamplingParams(structured=value)

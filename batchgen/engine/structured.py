@@ -142,18 +142,27 @@ class GrammarCache:
         return xgr.GrammarMatcher(compiled)
 
 
+_BATCH: Any = None  # one xgrammar.BatchGrammarMatcher (a thread pool) per process, made on first use
+
+
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
     """In place: every token a row's grammar forbids gets -inf; `rows[j]` is matched by `matchers[j]`.
 
-    One bitmask for all constrained rows, one apply. A row left with no finite logit (its grammar
+    One bitmask for all constrained rows, filled by xgrammar's batch matcher (its own threads,
+    without the GIL), and one apply. A row left with no finite logit (its grammar
     allows only a stop token that min_tokens masks) gets the grammar's tokens back at logit 0:
     the grammar wins over min_tokens.
     """
+    global _BATCH
     xgr = load_xgrammar()
     vocab = logits.shape[-1]
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab)  # [k, ceil(V / 32)] int32
-    for j, matcher in enumerate(matchers):
-        matcher.fill_next_token_bitmask(bitmask, j)
+    if len(matchers) == 1:
+        matchers[0].fill_next_token_bitmask(bitmask, 0)
+    else:
+        if _BATCH is None:
+            _BATCH = xgr.BatchGrammarMatcher()
+        _BATCH.batch_fill_next_token_bitmask(matchers, bitmask)
     sub = logits[rows]  # [k, V] a copy
     xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=vocab)
     dead = torch.isneginf(sub).all(dim=-1)  # [k]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.dataset import InputFile
+from batchgen.engine.params import SamplingParams
 from batchgen.job import JobSpec
 
 _SMALL_FILE = 1 << 20  # model files up to this size are hashed whole; larger ones by size and edges
@@ -30,12 +31,28 @@ _NEUTRAL_ENGINE = (
     "decode_kv",
 )
 
+# Sampling settings added after outputs already existed: left out while at their default, so an
+# output made before they existed keeps its fingerprint (and resumes).
+_LATER_SAMPLING = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "structured",
+)
+
 
 def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     """{"settings": {...}, "model": hex, "inputs": {file key: hex}, "id": hex over all of it}."""
     settings = spec.model_dump(mode="json", exclude=_NEUTRAL)  # type: ignore[arg-type]
     for name in _NEUTRAL_ENGINE:
         settings["engine"].pop(name, None)
+    defaults = SamplingParams()
+    for name in _LATER_SAMPLING:
+        if getattr(spec.sampling, name) == getattr(defaults, name):
+            settings["sampling"].pop(name, None)
     model = hashlib.sha256()
     for path in sorted(p for p in Path(spec.model.path).rglob("*") if p.is_file()):
         model.update(str(path.relative_to(spec.model.path)).encode() + _file_digest(path))

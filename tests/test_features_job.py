@@ -136,3 +136,22 @@ def test_missing_xgrammar_says_how_to_install_it(tmp_path: Path, tiny_model_dir:
     assert done.returncode == 2, done.stderr
     assert "pip install 'batchgen[structured]'" in done.stderr + done.stdout
     assert "sampling.structured" in done.stderr + done.stdout
+
+
+def test_the_new_settings_at_their_defaults_leave_an_older_fingerprint_unchanged(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from batchgen.fingerprint import job_fingerprint
+    from batchgen.job import load_job
+
+    data = write_parquet(tmp_path / "in.parquet", {"id": ["a"], "prompt": ["x"]})
+    job = write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(data), tmp_path / "out"))
+    plain = job_fingerprint(load_job(job), [])
+    # the sampling keys an output written before these features existed was fingerprinted with
+    older = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids"}
+    older |= {"include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens"}
+    # (n, logprobs, prompt_logprobs: issue 12 settings of a parallel branch, not this test's concern)
+    assert set(plain["settings"]["sampling"]) <= older | {"n", "logprobs", "prompt_logprobs"}
+    penalized = job_fingerprint(load_job(job, ["sampling.repetition_penalty=1.2"]), [])
+    assert penalized["id"] != plain["id"]
+    assert penalized["settings"]["sampling"]["repetition_penalty"] == 1.2

@@ -181,6 +181,13 @@ class InputSection(_Strict):
                     f"input.sampling_columns: {name!r} cannot be set per row "
                     f"(allowed: {', '.join((*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY))})"
                 )
+        if SCHEMA_COLUMN_KEY in self.sampling_columns:
+            from batchgen.engine.structured import StructuredError, load_xgrammar
+
+            try:  # why here: without xgrammar every row would fail one by one
+                load_xgrammar()
+            except StructuredError as exc:
+                raise ValueError(f"input.sampling_columns.{SCHEMA_COLUMN_KEY}: {exc}") from None
         return self
 
 

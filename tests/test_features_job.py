@@ -136,6 +136,19 @@ def test_missing_xgrammar_says_how_to_install_it(tmp_path: Path, tiny_model_dir:
     assert done.returncode == 2, done.stderr
     assert "pip install 'batchgen[structured]'" in done.stderr + done.stdout
     assert "sampling.structured" in done.stderr + done.stdout
+    # a per-row schema column needs it as much: the job fails at load, not row by row
+    write_parquet(tmp_path / "in.parquet", {"id": ["a"], "prompt": ["x"], "schema": ['{"type": "object"}']})
+    columns = {"sampling_columns": {"json_schema": "schema"}}
+    native = {"backend": "native"}
+    job = write_job(
+        tmp_path / "job.yaml", make_job(tiny_model_dir, str(data), tmp_path / "out", input=columns, engine=native)
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "batchgen", "validate", str(job)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    assert "input.sampling_columns.json_schema" in done.stderr + done.stdout
+    assert "pip install 'batchgen[structured]'" in done.stderr + done.stdout
 
 
 def test_the_new_settings_at_their_defaults_leave_an_older_fingerprint_unchanged(

@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 MISSING_MESSAGE = (
-    "sampling.structured needs the optional dependency xgrammar: pip install 'batchgen[structured]' ({error})"
+    "structured output needs the optional dependency xgrammar: pip install 'batchgen[structured]' ({error})"
 )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.dataset import InputFile
+from batchgen.engine.params import SamplingParams
 from batchgen.job import JobSpec
 
 _SMALL_FILE = 1 << 20  # model files up to this size are hashed whole; larger ones by size and edges
@@ -31,9 +32,20 @@ _NEUTRAL_ENGINE = (
     "decode_kv",
 )
 
-# Sampling keys added after outputs were first written: left out of the fingerprint at their
-# defaults, so an output written before they existed still resumes (its record lacks them).
-_LATER_SAMPLING_DEFAULTS: dict[str, object] = {"n": 1, "logprobs": None, "prompt_logprobs": None}
+# Sampling settings added after outputs already existed: left out while at their default, so an
+# output made before they existed keeps its fingerprint (and resumes).
+_LATER_SAMPLING = (
+    "n",
+    "logprobs",
+    "prompt_logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "structured",
+)
 
 
 def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
@@ -41,8 +53,9 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     settings = spec.model_dump(mode="json", exclude=_NEUTRAL)  # type: ignore[arg-type]
     for name in _NEUTRAL_ENGINE:
         settings["engine"].pop(name, None)
-    for name, default in _LATER_SAMPLING_DEFAULTS.items():
-        if settings["sampling"].get(name, default) == default:
+    defaults = SamplingParams()
+    for name in _LATER_SAMPLING:
+        if getattr(spec.sampling, name) == getattr(defaults, name):
             settings["sampling"].pop(name, None)
     model = hashlib.sha256()
     for path in sorted(p for p in Path(spec.model.path).rglob("*") if p.is_file()):

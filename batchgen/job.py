@@ -17,7 +17,32 @@ from batchgen.engine.params import SamplingParams, SettingError
 from batchgen.errors import JobFileError
 from batchgen.storage import check_storage_options, is_remote, local_path
 
-SAMPLING_OVERRIDABLE = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens")
+SAMPLING_OVERRIDABLE = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+# A per-row column that is not a SamplingParams number: JSON schema text, one row's structured output.
+SCHEMA_COLUMN_KEY = "json_schema"
+# Settings the hf backend (transformers generate on static batches) refuses at load: generate has
+# no cheap equivalent (penalties over generated tokens only, allowed ids, grammars), or each would
+# need a second path through it (n samples, raw logprobs, prompt scoring); the native engine has them.
+HF_UNSUPPORTED = (
+    "n",
+    "logprobs",
+    "prompt_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "allowed_token_ids",
+    "structured",
+)
 
 # Where the job file's defaults differ from the engine's (SamplingParams, EngineConfig), on purpose.
 # This is the only place they are stated; every other default comes from the engine's dataclasses.
@@ -70,9 +95,18 @@ class _SamplingChecks(_Strict):
         """The job-level SamplingParams: checked with the engine's own rules at load time."""
         values = self.model_dump()
         try:
-            return SamplingParams(**values)
+            params = SamplingParams(**values)
         except SettingError as exc:
             raise _setting_error("SamplingSection", exc, values.get(exc.field)) from None
+        if params.structured is not None:
+            from batchgen.engine.structured import check_structured
+
+            problem = check_structured(params.structured)
+            if problem is not None:
+                kind = PydanticCustomError("structured", "{problem}", {"problem": problem})
+                details = [InitErrorDetails(type=kind, loc=("structured",), input=params.structured)]
+                raise ValidationError.from_exception_data("SamplingSection", details)
+        return params
 
 
 if TYPE_CHECKING:  # why: the fields exist only at run time, taken from SamplingParams
@@ -157,11 +191,18 @@ class InputSection(_Strict):
         if self.messages_column is None and self.prompt_column is None:
             self.prompt_column = "prompt"
         for name in self.sampling_columns:
-            if name not in SAMPLING_OVERRIDABLE:
+            if name not in (*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY):
                 raise ValueError(
                     f"input.sampling_columns: {name!r} cannot be set per row "
-                    f"(allowed: {', '.join(SAMPLING_OVERRIDABLE)})"
+                    f"(allowed: {', '.join((*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY))})"
                 )
+        if SCHEMA_COLUMN_KEY in self.sampling_columns:
+            from batchgen.engine.structured import StructuredError, load_xgrammar
+
+            try:  # why here: without xgrammar every row would fail one by one
+                load_xgrammar()
+            except StructuredError as exc:
+                raise ValueError(f"input.sampling_columns.{SCHEMA_COLUMN_KEY}: {exc}") from None
         return self
 
 
@@ -212,16 +253,6 @@ class ExecutorSection(_Strict):
 _RAY_ADDRESS = re.compile(r"auto|(ray://)?[\w.\-]+:\d+")
 
 
-# Sampling keys the hf backend (transformers generate on static batches) refuses before any work:
-# key -> (is it in use, what it asks for). Why refused rather than emulated: n samples, raw logprobs
-# and prompt scoring would each need a second path through generate; the native engine has them.
-HF_REFUSED = {
-    "n": (lambda v: v != 1, "n > 1 (several samples per prompt)"),
-    "logprobs": (lambda v: v is not None, "logprobs"),
-    "prompt_logprobs": (lambda v: v is not None, "prompt_logprobs"),
-}
-
-
 class JobSpec(_Strict):
     model: ModelSection
     input: InputSection
@@ -235,17 +266,24 @@ class JobSpec(_Strict):
     source: Path | None = Field(default=None, exclude=True, strict=False)  # set by load_job
 
     @model_validator(mode="after")
-    def _backend_supports_sampling(self) -> JobSpec:
+    def _hf_features(self) -> JobSpec:
+        """Before any work: the hf backend refuses the features transformers' generate lacks."""
         if self.engine.backend != "hf":
             return self
-        for key, (used, what) in HF_REFUSED.items():
-            value = getattr(self.sampling, key)
-            if used(value):
-                kind = PydanticCustomError(
-                    "backend", "the hf backend does not support {what}; use engine.backend: native", {"what": what}
-                )
-                details = [InitErrorDetails(type=kind, loc=("sampling", key), input=value)]
-                raise ValidationError.from_exception_data("JobSpec", details)
+        defaults = SamplingParams()
+        used: list[tuple[str, ...]] = [
+            ("sampling", n) for n in HF_UNSUPPORTED if getattr(self.sampling, n) != getattr(defaults, n)
+        ]
+        columns = self.input.sampling_columns
+        used += [("input", "sampling_columns", n) for n in columns if n in (*HF_UNSUPPORTED, SCHEMA_COLUMN_KEY)]
+        if used:
+            kind = PydanticCustomError(
+                "hf_unsupported",
+                "engine.backend hf does not support this setting (transformers' generate has no equivalent); "
+                "use engine.backend native",
+            )
+            details = [InitErrorDetails(type=kind, loc=loc, input=None) for loc in used]
+            raise ValidationError.from_exception_data("JobSpec", details)
         return self
 
 

@@ -17,7 +17,7 @@ from batchgen.dataset import InputFile, Shard
 from batchgen.duplicate_ids import IdProblem
 from batchgen.engine.params import SamplingParams
 from batchgen.errors import InputDataError, ModelError
-from batchgen.job import JobSpec
+from batchgen.job import SCHEMA_COLUMN_KEY, JobSpec
 
 
 @dataclass
@@ -68,6 +68,7 @@ class RowPreparer:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.base_params = spec.sampling.model_dump()
+        self._schemas: dict[str, Any] = {}  # schema text -> structured spec, or the RowError it makes
 
     def prepare(self, table: pa.Table, labels: list[str], keys: list[str]) -> list[PreparedRow]:
         """`labels[i]` names row i in messages (file, row index, id); `keys[i]` identifies it
@@ -141,8 +142,14 @@ class RowPreparer:
             if run_seed is not None:
                 values["seed"] = row_seed(run_seed, keys[i])
             for name, column_values in per_row.items():
-                if column_values[i] is not None:
+                if column_values[i] is not None and name == SCHEMA_COLUMN_KEY:
+                    values["structured"] = self._row_schema(column_values[i])
+                elif column_values[i] is not None:
                     values[name] = _whole(name, column_values[i])
+            if isinstance(values.get("structured"), RowError):
+                column = columns[SCHEMA_COLUMN_KEY]
+                row.fail("invalid_structured", f"{labels[i]}: column {column!r}: {values['structured']}")
+                continue
             try:
                 params = SamplingParams(**values)
             except (ValueError, TypeError) as exc:
@@ -154,6 +161,20 @@ class RowPreparer:
             if params.max_tokens is None or params.max_tokens > room:  # None: up to the context
                 params.max_tokens, params.min_tokens = room, min(params.min_tokens, room)
             row.params = params
+
+    def _row_schema(self, text: str) -> dict[str, Any] | RowError:
+        """A row's JSON schema column value as a structured spec; a RowError when it cannot compile.
+
+        Checked once per distinct text: a million rows sharing three schemas compile three times."""
+        known = self._schemas.get(text)
+        if known is None:
+            from batchgen.engine.structured import check_structured
+
+            spec = {"json_schema": text}
+            problem = check_structured(spec)
+            known = spec if problem is None else RowError("invalid_structured", problem)
+            self._schemas[text] = known
+        return known
 
 
 def row_seed(run_seed: int, key: str) -> int:
@@ -186,6 +207,13 @@ def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
     for f in files:
         for name, column in spec.input.sampling_columns.items():
             kind = f.schema.field(column).type
+            if name == SCHEMA_COLUMN_KEY:
+                if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+                    raise InputDataError(
+                        f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
+                        "it needs JSON schema text (a string column)"
+                    )
+                continue
             if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_null(kind)):
                 raise InputDataError(
                     f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "

@@ -171,5 +171,5 @@ def test_scoring_job_with_max_tokens_zero(inputs: Path, tiny_model_dir: Path) ->
 def test_hf_backend_refuses_before_any_work(inputs: Path, tiny_model_dir: Path, key: str, value: int) -> None:
     job = _job(inputs, tiny_model_dir, f"hf-{key}", **{key: value})
     code, out = _cli("run", str(job), "--quiet", "--set", "engine.backend=hf")
-    assert code == 2 and f"sampling.{key}: the hf backend does not support" in out
+    assert code == 2 and f"sampling.{key}: engine.backend hf does not support" in out
     assert not (inputs / f"hf-{key}").exists()

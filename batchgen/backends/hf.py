@@ -19,17 +19,21 @@ from batchgen.engine.llm import eos_token_ids
 from batchgen.engine.models import resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.params import SamplingParams
+from batchgen.engine.penalties import bad_word_token_ids
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import StopChecker
 from batchgen.errors import ModelError
-from batchgen.job import HF_REFUSED, JobSpec
+from batchgen.job import HF_UNSUPPORTED, JobSpec
 
 log = logging.getLogger(__name__)
 
 # Settings that must be equal inside one static batch (max_tokens is not: rows are cut on replay;
 # seed is not: each seeded row draws from its own generator, see _SeededDraw).
 _BATCH_KEY = ("temperature", "top_p", "top_k", "min_p", "ignore_eos", "min_tokens", "stop_token_ids")
+# Logits features generate supports natively (the others are refused at job load: job.HF_UNSUPPORTED).
+_FEATURE_KEY = ("repetition_penalty", "logit_bias", "bad_words")
+_DEFAULTS = SamplingParams()
 
 
 class HFBackend:
@@ -54,9 +58,9 @@ class HFBackend:
         self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
     ) -> list[RequestOutput]:
         for p in params:  # why: the job file refuses these at load; a library caller learns it here
-            for name, (used, what) in HF_REFUSED.items():
-                if used(getattr(p, name)):
-                    raise ValueError(f"sampling.{name}: the hf backend does not support {what}")
+            for name in HF_UNSUPPORTED:
+                if getattr(p, name) != getattr(_DEFAULTS, name):
+                    raise ValueError(f"sampling.{name}: engine.backend hf does not support this setting")
         params = [self._resolve_max_tokens(ids, p) for ids, p in zip(prompts, params)]
         groups: dict[tuple, list[int]] = {}
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -67,7 +71,7 @@ class HFBackend:
                 if on_output is not None:
                     on_output(results[i])  # type: ignore[arg-type]
                 continue
-            key = (*(str(getattr(p, name)) for name in _BATCH_KEY), p.seed is None)
+            key = (*(str(getattr(p, name)) for name in (*_BATCH_KEY, *_FEATURE_KEY)), p.seed is None)
             groups.setdefault(key, []).append(i)
         for indices in groups.values():
             for start in range(0, len(indices), self.batch_size):
@@ -119,8 +123,20 @@ class HFBackend:
             "pad_token_id": self.pad_id,
             "do_sample": not p.greedy,
         }
+        kwargs.update(self._feature_kwargs(p))
         if not p.greedy:
             kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or None, min_p=p.min_p or None)
+        return kwargs
+
+    def _feature_kwargs(self, p: SamplingParams) -> dict[str, Any]:
+        """repetition_penalty, logit_bias and bad_words as generate's own processors (same semantics as native)."""
+        kwargs: dict[str, Any] = {}
+        if p.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = p.repetition_penalty
+        if p.logit_bias:
+            kwargs["sequence_bias"] = {(int(t),): float(b) for t, b in p.logit_bias.items()}
+        if p.bad_words:
+            kwargs["bad_words_ids"] = [list(ids) for ids in bad_word_token_ids(self.tokenizer, p.bad_words)]
         return kwargs
 
     def _replay(self, prompt: list[int], new_tokens: list[int], p: SamplingParams) -> RequestOutput:

@@ -25,6 +25,7 @@ from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.requests import RequestState, SampleState, fork_params
+from batchgen.engine.penalties import LogitsFeatures
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import ScheduledBatch, Scheduler
 from batchgen.engine.sequence import Sequence
@@ -74,6 +75,8 @@ class Engine:
         self._special: dict[int, RequestState] = {}
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
         self._ids = itertools.count()
+        if sampler.features is None:
+            sampler.features = LogitsFeatures(tokenizer, vocab_size, self.eos_token_ids)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> int:
         """Queue one request; returns its id. One that can never fit is answered with an error output."""
@@ -82,12 +85,15 @@ class Engine:
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params)
         message = self._check_token_ids(seq) or self.scheduler.check_fits(seq)
+        if message is None and params.uses_logits_features:
+            message = self.sampler.features.add(seq)  # type: ignore[union-attr]  # set in __init__
         if message is None:
             try:
                 self.scheduler.add(seq)
             except ValueError as exc:
                 message = str(exc)
         if message is not None:
+            self.sampler.release(request_id)
             logger.warning("refusing request %d: %s", request_id, message)
             self.stats.errors += 1
             self._errors.append(RequestOutput(str(request_id), prompt, seq.prompt_token_ids, error=message))
@@ -168,7 +174,7 @@ class Engine:
             request, sample = self._by_seq[seq.seq_id]
             if i in taken:
                 sample.record(*taken[i])
-            if sample.stop.append(token):
+            if sample.stop.append(token) or self._grammar_done(sample):
                 self._finish_sample(request, sample, finished)
 
     def _expand(
@@ -201,6 +207,8 @@ class Engine:
         for index in range(1, request.params.n):
             child = Sequence(next(self._ids), list(parent.prompt_token_ids), fork_params(request.params, index))
             self.scheduler.fork(parent, child)
+            if child.params.uses_logits_features:  # its own penalty counts and grammar state, from the prompt
+                self.sampler.features.add(child)  # type: ignore[union-attr]  # set in __init__; compiled for the parent
             sample = SampleState(index, child, self._stop_checker(child))
             request.samples.append(sample)
             self._by_seq[child.seq_id] = (request, sample)
@@ -214,6 +222,13 @@ class Engine:
                 request, _ = self._by_seq[chunk.seq_id]
                 request.store_prompt_logprobs(chunk.start, logits[row : row + chunk.prompt_logits], self.texts)
                 row += chunk.prompt_logits
+
+    def _grammar_done(self, sample: SampleState) -> bool:
+        """A structured request whose grammar accepted a complete output ends with "stop"."""
+        features = self.sampler.features
+        if features is None or not features.terminated(sample.seq.seq_id):
+            return False
+        return sample.stop.finish_now()
 
     def _count(self, batch: ScheduledBatch) -> None:
         self.stats.steps += 1

@@ -16,6 +16,7 @@ from batchgen.engine.model_runner import ModelRunner, num_kv_blocks_for
 from batchgen.engine.models import kv_spec, load_model, resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
+from batchgen.engine.penalties import LogitsFeatures
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Scheduler
 
@@ -91,7 +92,12 @@ class LLM:
         eos = eos_token_ids(hf_model, self.tokenizer)
         self.config = config
         vocab_size = int(hf_model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
-        self.engine = Engine(scheduler, runner, Sampler(eos), self.tokenizer, eos, vocab_size)
+        sampler = Sampler(eos)
+        # why the logits' width: penalties and grammar masks index logits, which may be wider than the embeddings
+        head = hf_model.get_output_embeddings()
+        width = int(getattr(head, "out_features", 0) or vocab_size)
+        sampler.features = LogitsFeatures(self.tokenizer, width, eos)
+        self.engine = Engine(scheduler, runner, sampler, self.tokenizer, eos, vocab_size)
 
     @property
     def stats(self) -> dict[str, int]:

@@ -61,6 +61,14 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Logits processing (batchgen/engine/penalties.py, structured.py): vLLM's names and meanings.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    structured: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,11 +113,89 @@ class SamplingParams:
             (name, isinstance(getattr(s, name), bool), "true or false")
             for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
         ]
+        checks += _feature_checks(s)
         for name, ok, expected in checks:
             if not ok:
                 raise SettingError("SamplingParams", name, expected, getattr(self, name))
 
     @property
+    def uses_logits_features(self) -> bool:
+        """Any penalty, bias, bad word, allowed-ids list or structured output: the sampler must process logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or bool(self.bad_words)
+            or self.allowed_token_ids is not None
+            or self.structured is not None
+        )
+
+    @property
     def greedy(self) -> bool:
         """The one definition of greedy (engine sampler and hf backend): argmax of the raw logits."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _feature_checks(s: SamplingParams) -> list[tuple[str, bool, str]]:
+    """Shape checks of the logits-processing settings (vLLM's ranges); grammars compile later."""
+    bias = s.logit_bias
+    allowed = s.allowed_token_ids
+    return [
+        ("repetition_penalty", is_finite(s.repetition_penalty) and s.repetition_penalty > 0.0, "a number > 0"),
+        (
+            "presence_penalty",
+            is_finite(s.presence_penalty) and -2.0 <= s.presence_penalty <= 2.0,
+            "a number in [-2, 2]",
+        ),
+        (
+            "frequency_penalty",
+            is_finite(s.frequency_penalty) and -2.0 <= s.frequency_penalty <= 2.0,
+            "a number in [-2, 2]",
+        ),
+        (
+            "logit_bias",
+            bias is None
+            or (
+                isinstance(bias, dict)
+                and all(is_int(t) and t >= 0 and is_finite(b) and -100.0 <= b <= 100.0 for t, b in bias.items())
+            ),
+            "null or a mapping of token id (>= 0) to a bias in [-100, 100]",
+        ),
+        (
+            "bad_words",
+            isinstance(s.bad_words, list) and all(isinstance(w, str) and w.strip() for w in s.bad_words),
+            "a list of non-empty strings",
+        ),
+        (
+            "allowed_token_ids",
+            allowed is None
+            or (isinstance(allowed, list) and bool(allowed) and all(is_int(t) and t >= 0 for t in allowed)),
+            "null or a non-empty list of non-negative token ids",
+        ),
+        ("structured", _structured_ok(s.structured), _STRUCTURED_EXPECTED),
+    ]
+
+
+_STRUCTURED_EXPECTED = (
+    "null or a mapping with exactly one of json_schema (a schema mapping or JSON text), json_object (true), "
+    "regex (text), choice (a list of strings), grammar (EBNF text)"
+)
+
+
+def _structured_ok(value: Any) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, dict) or len(value) != 1:
+        return False
+    kind, spec = next(iter(value.items()))
+    return {
+        "json_schema": isinstance(spec, (dict, str)) and bool(spec),
+        "json_object": spec is True,
+        "regex": isinstance(spec, str) and bool(spec),
+        "choice": isinstance(spec, list) and bool(spec) and all(isinstance(c, str) and c for c in spec),
+        "grammar": isinstance(spec, str) and bool(spec.strip()),
+    }.get(kind, False)

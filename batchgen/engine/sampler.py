@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
+from batchgen.engine.penalties import LogitsFeatures
 from batchgen.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -36,12 +37,23 @@ class Sampler:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator
+        # penalties, biases, bans, grammars (batchgen/engine/penalties.py); the engine registers requests
+        self.features: LogitsFeatures | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` (row i belongs to seqs[i]). `logits` is not modified."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
         logits = self._mask_min_tokens(logits, seqs)
+        features = self.features if self.features is not None and self.features.num_active else None
+        if features is not None:
+            logits = features.apply(logits, seqs)
+        tokens = self._draw(logits, seqs)
+        if features is not None:
+            features.accept(seqs, tokens)
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if len(sample_rows) == len(seqs):
             return self._sample(logits, seqs).tolist()
@@ -54,6 +66,8 @@ class Sampler:
     def release(self, seq_id: int) -> None:
         """Forget a finished request's generator (a no-op for unseeded or unknown requests)."""
         self._generators.pop(seq_id, None)
+        if self.features is not None:
+            self.features.release(seq_id)
 
     @property
     def num_seeded(self) -> int:

@@ -111,6 +111,10 @@ class StopChecker:
             return self._finish("length", None)
         return False
 
+    def finish_now(self) -> bool:
+        """End the request with "stop" and no stop reason (a structured output's grammar is complete)."""
+        return self._finish("stop", None)
+
     def _finish(self, reason: str, stop_reason: int | None) -> bool:
         """Flush text held back for an incomplete character, then record why the request ended."""
         tail = self._flush()

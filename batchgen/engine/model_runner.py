@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from batchgen.engine.attention import forward_context, use_flash_attn
+from batchgen.engine.attention import forward_context
+from batchgen.engine.attention_path import VARLEN, AttentionChoice, choose_attention_path, detect_support, has_softcap
 from batchgen.engine.decode_gather import GatheredBlocks
 from batchgen.engine.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables, resolve_decode_kv
 from batchgen.engine.decode_rows import DecodeRows
@@ -67,7 +68,7 @@ def _packed_order(
     flash: bool,
 ) -> tuple[list[int], DecodeStep | None]:
     """Chunk indices in packed order (decodes as their source plans them, then the rest in batch
-    order) and the decodes' step. With flash-attn every chunk reads the pool: nothing is planned."""
+    order) and the decodes' step. With the varlen kernel every chunk reads the pool: nothing is planned."""
     decodes = [] if flash else [i for i, c in enumerate(chunks) if c.is_decode]
     if not decodes:
         return list(range(len(chunks))), None
@@ -102,16 +103,20 @@ def build_forward_context(
     positions = torch.arange(int(lens.sum())) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
     starts = cu.tolist()
-    prefills = [
-        PrefillChunk(
-            start=starts[j],
-            end=starts[j] + c.num_tokens,
-            context_start=c.start,
-            block_table=tables[j, : needed[j]].to(device),
-        )
-        for j, c in enumerate(packed)
-        if j >= num_dec
-    ]
+    prefills = (
+        []
+        if flash
+        else [  # why: the varlen kernel needs none of it (and no per-chunk copies)
+            PrefillChunk(
+                start=starts[j],
+                end=starts[j] + c.num_tokens,
+                context_start=c.start,
+                block_table=tables[j, : needed[j]].to(device),
+            )
+            for j, c in enumerate(packed)
+            if j >= num_dec
+        ]
+    )
     meta = _flash_metadata(lens, ctx_start, tables, device) if flash else None
     ctx = ForwardContext(
         kv_caches=kv_caches, slot_mapping=slots.to(device), decodes=step, prefills=prefills, flash=meta
@@ -122,14 +127,16 @@ def build_forward_context(
 def _flash_metadata(
     lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, device: torch.device
 ) -> FlashMetadata:
+    """lens/ctx_start [N] (packed order), tables [N, max_blocks] -> the varlen kernel's metadata."""
     zero = torch.zeros(1, dtype=torch.int32)
-    kv_lens = ctx_start + lens
+    kv_lens = ctx_start + lens  # [N] keys each chunk attends over: its cached context and itself
     return FlashMetadata(
         cu_seqlens_q=torch.cat([zero, torch.cumsum(lens, 0).int()]).to(device),
         cu_seqlens_k=torch.cat([zero, torch.cumsum(kv_lens, 0).int()]).to(device),
         max_seqlen_q=int(lens.max()),
         max_seqlen_k=int(kv_lens.max()),
         block_tables=tables.int().to(device),
+        seqused_k=kv_lens.int().to(device),
     )
 
 
@@ -157,7 +164,10 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(spec.num_layers)
         ]
-        self.flash = use_flash_attn(device, block_size)
+        self.attention: AttentionChoice = choose_attention_path(
+            device.type, dtype, block_size, spec.head_dim, has_softcap(model.config), detect_support(device)
+        )
+        self.flash = self.attention.path == VARLEN
         self.decode_kv_kind = resolve_decode_kv(decode_kv, device)
         self.decode_kv: DecodeKVSource = (
             DecodeRows(
@@ -175,11 +185,12 @@ class ModelRunner:
             else GatheredBlocks(block_size, device)
         )
         logger.info(
-            "KV pool: %d blocks x %d tokens, %d layers (%s, decode K/V: %s)",
+            "KV pool: %d blocks x %d tokens, %d layers (attention: %s, %s; decode K/V: %s)",
             num_kv_blocks,
             block_size,
             spec.num_layers,
-            "flash-attn" if self.flash else "torch SDPA",
+            self.attention.path,
+            self.attention.reason,
             self.decode_kv_kind,
         )
 

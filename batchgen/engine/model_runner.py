@@ -28,8 +28,13 @@ from batchgen.engine.step_metadata import FlashMetadata, ForwardContext, Prefill
 
 logger = logging.getLogger(__name__)
 
-CUDA_FREE_MEMORY_FRACTION = 0.85  # of free memory after loading; the rest is activation headroom
 CPU_CAPACITY_FACTOR = 2  # CPU pool: at most 2x what max_num_seqs full-length sequences need
+
+
+def kv_block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block, every layer."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
 def num_kv_blocks_for(
@@ -43,14 +48,10 @@ def num_kv_blocks_for(
     max_num_seqs: int,
     max_model_len: int,
 ) -> int:
-    """Pool size: explicit blocks, else a byte budget, else (CUDA) free memory, else a CPU default."""
+    """Pool size: explicit blocks, else a byte budget (on CUDA, by default, memory.py's), else a CPU default."""
     if num_kv_blocks is not None:
         return num_kv_blocks
-    elem = torch.tensor([], dtype=dtype).element_size()
-    bytes_per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
-    if budget_bytes is None and device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget_bytes = int(free * CUDA_FREE_MEMORY_FRACTION)
+    bytes_per_block = kv_block_bytes(spec, block_size, dtype)
     if budget_bytes is None:
         budget_bytes = 1 << 30
         # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks

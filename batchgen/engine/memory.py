@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.scheduler import ScheduledBatch, ScheduledChunk
 from batchgen.engine.sequence import Sequence
@@ -98,7 +100,15 @@ def profile_kv_budget(
     before = probe.allocated()
     runner = make_runner(PROFILE_BLOCKS)
     resting = probe.allocated()  # weights + scratch pool
-    logits = runner.execute(batch)
+    try:
+        logits = runner.execute(batch)
+    except torch.OutOfMemoryError as exc:
+        long = batch.chunks[0]
+        raise ValueError(
+            f"the profiling forward ran out of device memory: the worst step these settings allow ({long.num_tokens} "
+            f"tokens after {long.start} tokens of context, {len(batch.chunks)} sequences) does not fit; lower "
+            "max_num_batched_tokens or max_model_len"
+        ) from exc
     peak = probe.peak_allocated()
     del logits, runner
     probe.clear()

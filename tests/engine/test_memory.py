@@ -136,3 +136,16 @@ def test_gpu_memory_utilization_is_checked(value: object) -> None:
     with pytest.raises(ValueError, match=r"EngineConfig.gpu_memory_utilization must be a number in \(0, 1\]"):
         EngineConfig(gpu_memory_utilization=value)  # type: ignore[arg-type]
     assert EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_a_profiling_forward_that_runs_out_of_memory_names_the_settings() -> None:
+    from batchgen.engine.memory import profile_kv_budget
+
+    class Runner:
+        def execute(self, batch: object) -> object:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    batch = profile_batch(max_batched_tokens=100, max_num_seqs=8, max_model_len=300, block_size=16)
+    probe = FakeProbe(allocated=[0, 0], peak=0, used=0, total=GIB)
+    with pytest.raises(ValueError, match=r"93 tokens after 207 tokens of context.*lower max_num_batched_tokens"):
+        profile_kv_budget(lambda blocks: Runner(), batch, probe, 256, 0.9)

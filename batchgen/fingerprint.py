@@ -30,6 +30,7 @@ _NEUTRAL_ENGINE = (
     "enable_prefix_caching",
     "block_size",
     "decode_kv",
+    "gpu_memory_utilization",
 )
 
 # Sampling settings added after outputs already existed: left out while at their default, so an

@@ -127,7 +127,7 @@ def test_a_field_added_to_the_engine_config_appears_in_the_job_file() -> None:
 
 def test_engine_checks_and_units(tmp_path: Path) -> None:
     path = _write(tmp_path, GOOD + "engine:\n  kv_cache_memory_mb: 2\n  block_size: 0\n")
-    with pytest.raises(JobFileError, match=r"job.yaml:12: engine.block_size: must be an integer >= 1"):
+    with pytest.raises(JobFileError, match=r"job.yaml:12: engine.block_size: must be null or an integer >= 1"):
         load_job(path)
     spec = load_job(path, ["engine.block_size=8"])
     assert spec.engine.engine_settings()["kv_cache_memory_bytes"] == 2 << 20
@@ -151,3 +151,13 @@ def test_prompt_column_default_and_messages(tmp_path: Path) -> None:
     assert spec.input.prompt_column == "prompt"
     spec = load_job(_write(tmp_path, GOOD.replace("  prompt_column: prompt\n", "  messages_column: m\n")))
     assert spec.input.prompt_column is None and spec.input.messages_column == "m"
+
+
+def test_gpu_memory_utilization_in_the_job_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD + "engine:\n  gpu_memory_utilization: 1.5\n")
+    with pytest.raises(JobFileError, match=r"job.yaml:11: engine.gpu_memory_utilization: must be a number in \(0, 1\]"):
+        load_job(path)
+    for text, value in (("0.5", 0.5), ("1", 1)):
+        spec = load_job(_write(tmp_path, GOOD + f"engine:\n  gpu_memory_utilization: {text}\n"))
+        assert spec.engine.to_config().gpu_memory_utilization == value
+    assert load_job(_write(tmp_path, GOOD)).engine.to_config().max_num_seqs is None  # the device decides

@@ -7,8 +7,9 @@ each sequence's queries over its own blocks. Decodes are packed first and attend
 padded calls, one per group of similar context length, over the K/V their source hands out (see
 decode_kv; this function does not know which source it reads), with cascade attention where the
 source marked a shared prefix; every other chunk attends with a causal mask offset by its cached
-context. CPU/GPU without flash-attn use torch SDPA; CUDA with flash-attn uses its paged varlen
-kernel for everything. Sliding windows and logit soft-capping are exact; attention sinks are refused.
+context, all with torch SDPA. Where the model runner chose the paged varlen kernel (CUDA, half
+precision, 256-token blocks: see attention_path), every chunk goes through that kernel instead,
+with no gather. Sliding windows and logit soft-capping are exact; attention sinks are refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from batchgen.engine.attention_path import varlen_paged_attention
 from batchgen.engine.cascade import cascade_decode_attention
 from batchgen.engine.decode_kv import DecodeGroup, DecodeStep, Pool, gather_blocks
 from batchgen.engine.step_metadata import ForwardContext, PrefillChunk
@@ -28,21 +30,6 @@ from batchgen.engine.step_metadata import ForwardContext, PrefillChunk
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "batchgen_paged"
-# flash-attn's paged kernels need the page size to be a multiple of 256 tokens.
-FLASH_BLOCK_MULTIPLE = 256
-
-try:  # pragma: no cover - only on CUDA boxes with flash-attn installed
-    from flash_attn import flash_attn_varlen_func
-
-    HAS_FLASH_ATTN = True
-except ImportError:  # the CPU path and the torch GPU path need nothing else
-    flash_attn_varlen_func = None
-    HAS_FLASH_ATTN = False
-
-
-def use_flash_attn(device: torch.device, block_size: int) -> bool:
-    """Whether a step on `device` with this block size goes through flash-attn's paged kernel."""
-    return HAS_FLASH_ATTN and device.type == "cuda" and block_size % FLASH_BLOCK_MULTIPLE == 0
 
 
 _CONTEXT: ForwardContext | None = None
@@ -215,35 +202,6 @@ def _torch_paged_attention(
     return out
 
 
-def _flash_paged_attention(  # pragma: no cover - needs CUDA and flash-attn
-    ctx: ForwardContext,
-    layer: int,
-    q: torch.Tensor,
-    scaling: float,
-    window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """q [H, T, D] -> [T, H, D] via flash-attn's varlen kernel over the paged pool."""
-    meta = ctx.flash
-    if meta is None:
-        raise RuntimeError("the flash-attn path needs the step's FlashMetadata")
-    k_cache, v_cache = ctx.kv_caches[layer]
-    return flash_attn_varlen_func(
-        q.transpose(0, 1),
-        k_cache,
-        v_cache,
-        cu_seqlens_q=meta.cu_seqlens_q,
-        cu_seqlens_k=meta.cu_seqlens_k,
-        max_seqlen_q=meta.max_seqlen_q,
-        max_seqlen_k=meta.max_seqlen_k,
-        softmax_scale=scaling,
-        causal=True,
-        window_size=(window - 1, 0) if window is not None else (-1, -1),
-        softcap=softcap if softcap is not None else 0.0,
-        block_table=meta.block_tables,
-    )
-
-
 def _store_kv(ctx: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
     """key/value [KVH, T, D] -> pool slots of this step (one scatter per tensor)."""
     k_cache, v_cache = ctx.kv_caches[layer]
@@ -291,7 +249,10 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     _store_kv(ctx, layer, key[0], value[0])
     if ctx.flash is not None:
-        out = _flash_paged_attention(ctx, layer, query[0], scale, window, softcap)
+        if softcap is not None:  # why: the runner chose this path from the config; never run it wrong
+            raise RuntimeError(f"{ATTN_IMPLEMENTATION}: layer {layer} soft-caps its logits; the varlen kernel cannot")
+        k_cache, v_cache = ctx.kv_caches[layer]
+        out = varlen_paged_attention(ctx.flash, k_cache, v_cache, query[0], scale, window)
     else:
         out = _torch_paged_attention(ctx, layer, query[0], key[0], value[0], scale, window, softcap)
     return out.unsqueeze(0), None

@@ -16,27 +16,37 @@ from batchgen.engine.params import SettingError, is_int
 
 @dataclass
 class EngineConfig:
-    block_size: int = 16
-    max_num_seqs: int = 64  # sequences in one step
-    max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step
+    # None in the next three: the device's default (device_defaults.resolve_engine_defaults):
+    # 256 on CUDA where the paged varlen kernel then applies, else 16
+    block_size: int | None = None
+    max_num_seqs: int | None = None  # sequences in one step; None: 64 on CPU, 256 on CUDA
+    max_num_batched_tokens: int | None = None  # tokens (prefill chunks + decodes) in one step; None: 2048 / 8192
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    # None: a share of free memory on CUDA, else 1 GiB capped by what max_num_seqs can use
-    # (model_runner.num_kv_blocks_for)
+    # None: on CUDA what gpu_memory_utilization leaves after a profiling forward (memory.py), else
+    # 1 GiB capped by what max_num_seqs can use (model_runner.num_kv_blocks_for)
     kv_cache_memory_bytes: int | None = None
+    # CUDA: the share of the GPU's total memory this engine may use (weights, activations, KV pool)
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # where decodes read K/V (see decode_kv): "auto" = contiguous rows on CPU, gathered blocks elsewhere
     decode_kv: Literal["auto", "gather", "rows"] = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise SettingError("EngineConfig", name, "an integer >= 1", value)
-        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "num_kv_blocks",
+            "kv_cache_memory_bytes",
+            "max_model_len",
+        ):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
                 raise SettingError("EngineConfig", name, "null or an integer >= 1", value)
+        share = self.gpu_memory_utilization
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise SettingError("EngineConfig", "gpu_memory_utilization", "a number in (0, 1]", share)
         if not isinstance(self.enable_prefix_caching, bool):
             raise SettingError("EngineConfig", "enable_prefix_caching", "true or false", self.enable_prefix_caching)
         if self.decode_kv not in ("auto", "gather", "rows"):

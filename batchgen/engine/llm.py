@@ -9,14 +9,17 @@ from typing import Any, cast
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
+from batchgen.engine.attention_path import default_block_size, detect_support, has_softcap
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import engine_config
+from batchgen.engine.device_defaults import require_int, resolve_engine_defaults
 from batchgen.engine.engine import Engine
-from batchgen.engine.model_runner import ModelRunner, num_kv_blocks_for
+from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.models import kv_spec, load_model, resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.penalties import LogitsFeatures
+from batchgen.engine.pool_sizing import kv_pool_blocks
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import Scheduler
 
@@ -65,20 +68,16 @@ class LLM:
         self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
         config.max_model_len = self.max_model_len
         spec = kv_spec(hf_model.config)
-        blocks = num_kv_blocks_for(
-            spec,
-            config.block_size,
-            torch_dtype,
-            torch_device,
-            num_kv_blocks=config.num_kv_blocks,
-            budget_bytes=config.kv_cache_memory_bytes,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
+        support = detect_support(torch_device)
+        block_size = default_block_size(
+            torch_device.type, torch_dtype, spec.head_dim, has_softcap(hf_model.config), support
         )
+        config = resolve_engine_defaults(config, torch_device.type, block_size)
+        blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, torch_device, torch_dtype)
         runner = ModelRunner(
             hf_model,
             spec,
-            config.block_size,
+            require_int(config.block_size, "block_size"),
             blocks,
             torch_device,
             torch_dtype,
@@ -86,7 +85,7 @@ class LLM:
             self.max_model_len,
             config.decode_kv,
         )
-        block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
+        block_manager = BlockManager(blocks, runner.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(config, block_manager, self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model)
         eos = eos_token_ids(hf_model, self.tokenizer)

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from batchgen.engine.attention import forward_context, use_flash_attn
+from batchgen.engine.attention import forward_context
+from batchgen.engine.attention_path import VARLEN, AttentionChoice, choose_attention_path, detect_support, has_softcap
 from batchgen.engine.decode_gather import GatheredBlocks
 from batchgen.engine.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables, resolve_decode_kv
 from batchgen.engine.decode_rows import DecodeRows
@@ -27,8 +28,13 @@ from batchgen.engine.step_metadata import FlashMetadata, ForwardContext, Prefill
 
 logger = logging.getLogger(__name__)
 
-CUDA_FREE_MEMORY_FRACTION = 0.85  # of free memory after loading; the rest is activation headroom
 CPU_CAPACITY_FACTOR = 2  # CPU pool: at most 2x what max_num_seqs full-length sequences need
+
+
+def kv_block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block, every layer."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
 def num_kv_blocks_for(
@@ -42,14 +48,10 @@ def num_kv_blocks_for(
     max_num_seqs: int,
     max_model_len: int,
 ) -> int:
-    """Pool size: explicit blocks, else a byte budget, else (CUDA) free memory, else a CPU default."""
+    """Pool size: explicit blocks, else a byte budget (on CUDA, by default, memory.py's), else a CPU default."""
     if num_kv_blocks is not None:
         return num_kv_blocks
-    elem = torch.tensor([], dtype=dtype).element_size()
-    bytes_per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
-    if budget_bytes is None and device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget_bytes = int(free * CUDA_FREE_MEMORY_FRACTION)
+    bytes_per_block = kv_block_bytes(spec, block_size, dtype)
     if budget_bytes is None:
         budget_bytes = 1 << 30
         # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks
@@ -67,7 +69,7 @@ def _packed_order(
     flash: bool,
 ) -> tuple[list[int], DecodeStep | None]:
     """Chunk indices in packed order (decodes as their source plans them, then the rest in batch
-    order) and the decodes' step. With flash-attn every chunk reads the pool: nothing is planned."""
+    order) and the decodes' step. With the varlen kernel every chunk reads the pool: nothing is planned."""
     decodes = [] if flash else [i for i, c in enumerate(chunks) if c.is_decode]
     if not decodes:
         return list(range(len(chunks))), None
@@ -102,16 +104,20 @@ def build_forward_context(
     positions = torch.arange(int(lens.sum())) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
     starts = cu.tolist()
-    prefills = [
-        PrefillChunk(
-            start=starts[j],
-            end=starts[j] + c.num_tokens,
-            context_start=c.start,
-            block_table=tables[j, : needed[j]].to(device),
-        )
-        for j, c in enumerate(packed)
-        if j >= num_dec
-    ]
+    prefills = (
+        []
+        if flash
+        else [  # why: the varlen kernel needs none of it (and no per-chunk copies)
+            PrefillChunk(
+                start=starts[j],
+                end=starts[j] + c.num_tokens,
+                context_start=c.start,
+                block_table=tables[j, : needed[j]].to(device),
+            )
+            for j, c in enumerate(packed)
+            if j >= num_dec
+        ]
+    )
     meta = _flash_metadata(lens, ctx_start, tables, device) if flash else None
     ctx = ForwardContext(
         kv_caches=kv_caches, slot_mapping=slots.to(device), decodes=step, prefills=prefills, flash=meta
@@ -122,14 +128,16 @@ def build_forward_context(
 def _flash_metadata(
     lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, device: torch.device
 ) -> FlashMetadata:
+    """lens/ctx_start [N] (packed order), tables [N, max_blocks] -> the varlen kernel's metadata."""
     zero = torch.zeros(1, dtype=torch.int32)
-    kv_lens = ctx_start + lens
+    kv_lens = ctx_start + lens  # [N] keys each chunk attends over: its cached context and itself
     return FlashMetadata(
         cu_seqlens_q=torch.cat([zero, torch.cumsum(lens, 0).int()]).to(device),
         cu_seqlens_k=torch.cat([zero, torch.cumsum(kv_lens, 0).int()]).to(device),
         max_seqlen_q=int(lens.max()),
         max_seqlen_k=int(kv_lens.max()),
         block_tables=tables.int().to(device),
+        seqused_k=kv_lens.int().to(device),
     )
 
 
@@ -157,7 +165,10 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(spec.num_layers)
         ]
-        self.flash = use_flash_attn(device, block_size)
+        self.attention: AttentionChoice = choose_attention_path(
+            device.type, dtype, block_size, spec.head_dim, has_softcap(model.config), detect_support(device)
+        )
+        self.flash = self.attention.path == VARLEN
         self.decode_kv_kind = resolve_decode_kv(decode_kv, device)
         self.decode_kv: DecodeKVSource = (
             DecodeRows(
@@ -175,11 +186,12 @@ class ModelRunner:
             else GatheredBlocks(block_size, device)
         )
         logger.info(
-            "KV pool: %d blocks x %d tokens, %d layers (%s, decode K/V: %s)",
+            "KV pool: %d blocks x %d tokens, %d layers (attention: %s, %s; decode K/V: %s)",
             num_kv_blocks,
             block_size,
             spec.num_layers,
-            "flash-attn" if self.flash else "torch SDPA",
+            self.attention.path,
+            self.attention.reason,
             self.decode_kv_kind,
         )
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import is_accelerate_available
 
 from batchgen.engine.attention import ATTN_IMPLEMENTATION
 from batchgen.engine.config import DEVICE_CHOICES, DEVICE_NAME
@@ -166,11 +167,20 @@ def kv_spec(config: PretrainedConfig) -> KVSpec:
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-    """Load a local checkpoint with our attention implementation, refusing what we cannot run."""
+    """Load a local checkpoint with our attention implementation, refusing what we cannot run.
+
+    Off the CPU the weights go straight to the device (`device_map`) when accelerate is installed,
+    which transformers requires for that; else they are read into host memory and moved.
+    """
     config = AutoConfig.from_pretrained(path)
     check_config(config)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    direct = device.type != "cpu" and is_accelerate_available()
+    placement = {"device_map": {"": device}} if direct else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **placement
+    )
     check_model(model)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() for its own models badly
-    logger.info("loaded %s (%s) on %s as %s", path, type(model).__name__, device, dtype)
+    how = "straight to the device" if direct or device.type == "cpu" else "via host memory (no accelerate)"
+    logger.info("loaded %s (%s) on %s as %s, weights %s", path, type(model).__name__, device, dtype, how)
     return model

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.config import EngineConfig
+from batchgen.engine.device_defaults import require_int
 from batchgen.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class Scheduler:
                 f"BlockManager block_size {block_manager.block_size} != EngineConfig.block_size {config.block_size}"
             )
         self.config = config
+        self.max_num_seqs = require_int(config.max_num_seqs, "max_num_seqs")
+        self.max_num_batched_tokens = require_int(config.max_num_batched_tokens, "max_num_batched_tokens")
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -155,7 +158,7 @@ class Scheduler:
         """This step's chunks, as a snapshot. The caller runs them, then calls `advance(batch)`."""
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
-        budget = self._schedule_running(chunks, preempted, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(chunks, preempted, self.max_num_batched_tokens)
         if not preempted:
             # why: after a preemption the pool is under pressure; admitting now would thrash.
             self._schedule_waiting(chunks, budget)
@@ -238,7 +241,7 @@ class Scheduler:
 
     def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.running and len(self.running) + seq.seats > self.config.max_num_seqs:
                 break  # why: its samples will fork into seats of their own

@@ -27,13 +27,14 @@ class PrefillChunk:
 
 @dataclass
 class FlashMetadata:
-    """flash-attn varlen metadata for the whole packed batch (CUDA only)."""
+    """The paged varlen kernel's metadata for the whole packed batch (attention_path, CUDA only)."""
 
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32, over each chunk's whole context
     max_seqlen_q: int
     max_seqlen_k: int
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seqused_k: torch.Tensor  # [num_seqs] int32: keys each chunk attends over (context + its own tokens)
 
 
 @dataclass
@@ -42,5 +43,5 @@ class ForwardContext:
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
     decodes: DecodeStep | None  # the decodes (packed first) as their source planned them; None: no decodes
     prefills: list[PrefillChunk]
-    flash: FlashMetadata | None = None  # set: flash-attn reads the pool for every chunk, decodes included
+    flash: FlashMetadata | None = None  # set: the varlen kernel reads the pool for every chunk, decodes included
     num_attention_calls: int = 0  # checked by the runner: every layer must come through us

@@ -16,6 +16,7 @@ import numpy as np
 
 from batchgen.dataset import plan_shards, read_shards
 from batchgen.duplicate_ids import find_duplicate_ids
+from batchgen.engine.attention_path import SMALL_BLOCK_SIZE
 from batchgen.engine.models import resolve_max_model_len
 from batchgen.errors import ModelError
 from batchgen.job import JobSpec
@@ -99,9 +100,15 @@ def estimate_job(spec: JobSpec) -> Estimate:
     duplicates = find_duplicate_ids(files, shards, spec.input.id_column) if spec.input.id_column else {}
     for shard, table in read_shards(files, shards, input_columns(spec)):
         rows = preparer.prepare_shard(files[shard.file_index], shard, table, duplicates)
-        est.add_window(rows, engine.ordering, engine.block_size)
+        est.add_window(rows, engine.ordering, block_size_of(spec))
         log.info("estimated %d of %d shards", shard.index + 1, len(shards))
     return est
+
+
+def block_size_of(spec: JobSpec) -> int:
+    """engine.block_size, else 16: the engine's default except on CUDA, where it may take 256
+    (device_defaults); set engine.block_size to estimate for that."""
+    return int(spec.engine.block_size or SMALL_BLOCK_SIZE)
 
 
 def _context_length(spec: JobSpec) -> int:
@@ -135,7 +142,7 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
             "enabled": est.cache_enabled,
             "cached_tokens": est.cached_tokens,
             "shareable_tokens": est.shareable_tokens,
-            "block_size": engine.block_size,
+            "block_size": block_size_of(spec),
             "ordering": engine.ordering,
             "window_rows": engine.window_rows,
             "assumption": _cache_assumption(est, spec),
@@ -166,7 +173,7 @@ def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
 
 def _cache_assumption(est: Estimate, spec: JobSpec) -> str:
     scope = (
-        f"full blocks of {spec.engine.block_size} tokens, an unbounded cache within each window of "
+        f"full blocks of {block_size_of(spec)} tokens, an unbounded cache within each window of "
         f"{spec.engine.window_rows} rows in '{spec.engine.ordering}' order and nothing counted across windows "
         "(a real KV pool can evict within a window and keep blocks across windows)"
     )

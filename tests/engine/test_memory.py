@@ -1,0 +1,151 @@
+"""KV pool sizing after a profiling forward (memory.py, pool_sizing.py) and the device-aware defaults,
+on CPU: device memory is read through a fake probe, the profiling forward is real."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.engine import models
+from batchgen.engine.config import EngineConfig
+from batchgen.engine.device_defaults import resolve_engine_defaults
+from batchgen.engine.llm import LLM
+from batchgen.engine.memory import (
+    GATHER_LAYERS_HEADROOM,
+    SAMPLER_COPIES,
+    MemoryProfile,
+    kv_budget,
+    pool_budget,
+    profile_batch,
+)
+from batchgen.engine.model_runner import kv_block_bytes
+from batchgen.engine.pool_sizing import kv_pool_blocks
+
+GIB = 1 << 30
+
+
+class FakeProbe:
+    """allocated(): before the scratch runner, then after it; peak and device totals fixed."""
+
+    def __init__(self, allocated: list[int], peak: int, used: int, total: int) -> None:
+        self._allocated, self._peak, self._used, self._total = list(allocated), peak, used, total
+        self.clears = 0
+
+    def clear(self) -> None:
+        self.clears += 1
+
+    def allocated(self) -> int:
+        return self._allocated.pop(0)
+
+    def peak_allocated(self) -> int:
+        return self._peak
+
+    def used_and_total(self) -> tuple[int, int]:
+        return self._used, self._total
+
+
+def test_device_defaults() -> None:
+    cpu = resolve_engine_defaults(EngineConfig(), "cpu", 16)
+    assert (cpu.block_size, cpu.max_num_seqs, cpu.max_num_batched_tokens) == (16, 64, 2048)
+    cuda = resolve_engine_defaults(EngineConfig(), "cuda", 256)
+    assert (cuda.block_size, cuda.max_num_seqs, cuda.max_num_batched_tokens) == (256, 256, 8192)
+    mine = resolve_engine_defaults(EngineConfig(block_size=32, max_num_seqs=3, max_num_batched_tokens=99), "cuda", 256)
+    assert (mine.block_size, mine.max_num_seqs, mine.max_num_batched_tokens) == (32, 3, 99)
+
+
+def test_cpu_keeps_todays_defaults_and_sizing(tiny_model: Callable[[str], Path]) -> None:
+    llm = LLM(str(tiny_model("llama")), device="cpu")
+    config = llm.config
+    assert (config.block_size, config.max_num_seqs, config.max_num_batched_tokens) == (16, 64, 2048)
+    assert llm.memory_profile is None
+    # today's CPU pool: at most 2x what 64 full-length (512-token) sequences need
+    assert llm.engine.runner.num_kv_blocks == 2 * 64 * 512 // 16
+
+
+def test_profile_batch_is_the_worst_step() -> None:
+    batch = profile_batch(max_batched_tokens=100, max_num_seqs=8, max_model_len=300, block_size=16)
+    long, decodes = batch.chunks[0], batch.chunks[1:]
+    assert batch.total_tokens == 100 and len(batch.sampled) == 8
+    assert long.start + long.num_tokens == 300 and not long.is_decode and len(long.block_table) == 19
+    assert all(c.is_decode and c.num_tokens == 1 for c in decodes) and len(decodes) == 7
+    short = profile_batch(max_batched_tokens=4096, max_num_seqs=2, max_model_len=256, block_size=16)
+    assert short.chunks[0].start == 0 and short.chunks[0].num_tokens == 256  # capped by the context
+
+
+def test_budget_arithmetic_and_the_error_when_nothing_fits() -> None:
+    assert kv_budget(total=100 * GIB, used=20 * GIB, activation_peak=5 * GIB, headroom=GIB, utilization=0.9) == (
+        90 * GIB - 26 * GIB
+    )
+    profile = MemoryProfile(80 * GIB, 70 * GIB, 2 * GIB, 0, 0.9, 0)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 leaves no room for the KV cache.*70.00 GiB"):
+        pool_budget(profile, num_layers=16, gather=False, bytes_per_block=1024)
+    roomy = MemoryProfile(80 * GIB, 10 * GIB, GIB, 0, 0.9, 18 * GIB)
+    assert pool_budget(roomy, 16, False, 1024) == 18 * GIB
+    assert pool_budget(roomy, 16, True, 1024) == 18 * GIB * 16 // (16 + GATHER_LAYERS_HEADROOM)
+
+
+def test_pool_is_sized_after_a_real_profiling_forward(tiny_model: Callable[[str], Path]) -> None:
+    llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=4)
+    model, spec = llm.engine.runner.model, models.kv_spec(llm.engine.runner.model.config)
+    config = resolve_engine_defaults(EngineConfig(max_model_len=256, gpu_memory_utilization=0.5), "cpu", 16)
+    probe = FakeProbe(allocated=[1000, 1200], peak=1700, used=2 * GIB, total=8 * GIB)
+    blocks, profile = kv_pool_blocks(model, spec, config, torch.device("cpu"), torch.float32, probe=probe)
+    assert profile is not None and probe.clears == 2
+    headroom = SAMPLER_COPIES * 64 * 256 * 4  # 64 sampled rows, vocab 256, float32
+    assert (profile.activation_peak, profile.sampler_headroom) == (500, headroom)
+    assert profile.kv_budget == 4 * GIB - 2 * GIB - 500 - headroom
+    per_block = kv_block_bytes(spec, 16, torch.float32)
+    assert blocks == profile.kv_budget * 2 // (2 + GATHER_LAYERS_HEADROOM) // per_block  # 2 layers, gather path
+
+
+def test_explicit_sizes_skip_the_profile(tiny_model: Callable[[str], Path]) -> None:
+    llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=4)
+    model, spec = llm.engine.runner.model, models.kv_spec(llm.engine.runner.model.config)
+    config = resolve_engine_defaults(EngineConfig(max_model_len=256, kv_cache_memory_bytes=1 << 20), "cuda", 16)
+    probe = FakeProbe([], 0, 0, 0)
+    blocks, profile = kv_pool_blocks(model, spec, config, torch.device("cpu"), torch.float32, probe=probe)
+    assert profile is None and probe.clears == 0
+    assert blocks == (1 << 20) // kv_block_bytes(spec, 16, torch.float32)
+
+
+@pytest.mark.parametrize("accelerate", [True, False])
+def test_weights_go_straight_to_the_device_when_transformers_can(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, accelerate: bool
+) -> None:
+    seen: dict[str, object] = {}
+    real = models.AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(path: str, **kwargs: object) -> object:
+        seen.update(kwargs)
+        kwargs.pop("device_map", None)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(models, "is_accelerate_available", lambda: accelerate)
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    device = torch.device("meta")  # stands in for a GPU: not the CPU, allocates nothing
+    model = models.load_model(str(tiny_model("llama")), device, torch.float32)
+    assert next(model.parameters()).device == device
+    assert seen.get("device_map") == ({"": device} if accelerate else None)
+
+
+@pytest.mark.parametrize("value", [0, 1.5, True, "0.9", float("nan")])
+def test_gpu_memory_utilization_is_checked(value: object) -> None:
+    with pytest.raises(ValueError, match=r"EngineConfig.gpu_memory_utilization must be a number in \(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=value)  # type: ignore[arg-type]
+    assert EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_a_profiling_forward_that_runs_out_of_memory_names_the_settings() -> None:
+    from batchgen.engine.memory import profile_kv_budget
+
+    class Runner:
+        def execute(self, batch: object) -> object:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    batch = profile_batch(max_batched_tokens=100, max_num_seqs=8, max_model_len=300, block_size=16)
+    probe = FakeProbe(allocated=[0, 0], peak=0, used=0, total=GIB)
+    with pytest.raises(ValueError, match=r"93 tokens after 207 tokens of context.*lower max_num_batched_tokens"):
+        profile_kv_budget(lambda blocks: Runner(), batch, probe, 256, 0.9)

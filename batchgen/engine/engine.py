@@ -24,8 +24,8 @@ from batchgen.engine.logprobs import TokenTexts, take_logprobs
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
-from batchgen.engine.requests import RequestState, SampleState, fork_params
 from batchgen.engine.penalties import LogitsFeatures
+from batchgen.engine.requests import RequestState, SampleState, fork_params
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import ScheduledBatch, Scheduler
 from batchgen.engine.sequence import Sequence

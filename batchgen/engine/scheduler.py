@@ -243,7 +243,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.running and len(self.running) + seq.seats > self.config.max_num_seqs:
+            if self.running and len(self.running) + seq.seats > self.max_num_seqs:
                 break  # why: its samples will fork into seats of their own
             # why no cache for prompt logprobs: cached positions have no logits to take them from
             wants_logits = seq.params.prompt_logprobs is not None

@@ -97,7 +97,7 @@ def test_greedy_features_match_transformers_in_one_mixed_batch(llama: tuple[LLM,
             batch_prompts += [prompt, prompt]  # each featured row next to a plain one: per-row vectorization
             batch_params += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **ours), plain]
             expected += [_reference(model, prompt, **dict(theirs)), reference]
-    got = [o.token_ids for o in llm.generate(batch_prompts, batch_params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(batch_prompts, batch_params)]
     assert got == expected
     # the features change the output (else this test could not fail)
     assert sum(got[i] != got[i + 1] for i in range(0, len(got), 2)) >= len(CASES) * 2
@@ -106,13 +106,13 @@ def test_greedy_features_match_transformers_in_one_mixed_batch(llama: tuple[LLM,
 def test_bad_words_are_never_generated_where_greedy_would_pick_them(llama: tuple[LLM, Any]) -> None:
     llm, _ = llama
     prompts = _prompts()
-    free = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    free = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
     favourite = max({t for o in free for t in o.token_ids} - {EOS_ID})
     # a two-token word: the pair (a, b) greedy made somewhere must not appear any more
     pair = next((o.token_ids[i], o.token_ids[i + 1]) for o in free for i in range(len(o.token_ids) - 1))
     words = [f"w{favourite}", f"w{pair[0]} w{pair[1]}"]
     banned = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, bad_words=words)
-    for out in llm.generate(prompts, banned):
+    for out in (o.outputs[0] for o in llm.generate(prompts, banned)):
         assert favourite not in out.token_ids
         assert all(tuple(out.token_ids[i : i + 2]) != pair for i in range(len(out.token_ids) - 1))
 
@@ -122,7 +122,7 @@ def test_allowed_token_ids_bound_every_token(llama: tuple[LLM, Any], temperature
     llm, _ = llama
     allowed = [3, 17, 42, 99]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=3, allowed_token_ids=allowed)
-    outs = llm.generate(_prompts(), params)
+    outs = [o.outputs[0] for o in llm.generate(_prompts(), params)]
     tokens = {t for o in outs for t in o.token_ids}
     assert tokens <= set(allowed)
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)  # EOS is not allowed either
@@ -132,8 +132,8 @@ def test_an_out_of_vocabulary_bias_is_an_error_output_not_a_crash(llama: tuple[L
     llm, _ = llama
     bad = SamplingParams(max_tokens=4, logit_bias={VOCAB + 5: 1.0})
     out = llm.generate(_prompts(2), [bad, SamplingParams(max_tokens=4)])
-    assert out[0].finish_reason == "error" and "outside the vocabulary" in (out[0].error or "")
-    assert out[1].finish_reason != "error"
+    assert not out[0].outputs and "outside the vocabulary" in (out[0].error or "")
+    assert out[1].error is None and out[1].outputs[0].finish_reason in ("stop", "length")
     assert llm.engine.sampler.features is not None and llm.engine.sampler.features.num_active == 0
 
 

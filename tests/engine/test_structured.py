@@ -74,7 +74,7 @@ def test_every_kind_validates_in_one_mixed_batch(llm: LLM) -> None:
                 prompts.append(prompt)
                 params.append(_params(spec, temperature=temperature, seed=i))
                 labels.append(kind)
-    outs = llm.generate(prompts, params)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     for kind, out in zip(labels, outs):
         if kind == "free":
             continue
@@ -87,14 +87,14 @@ def test_every_kind_validates_in_one_mixed_batch(llm: LLM) -> None:
 
 
 def test_the_grammar_ends_the_request_even_when_eos_is_ignored(llm: LLM) -> None:
-    outs = llm.generate(PROMPTS, _params({"regex": REGEX}, ignore_eos=True))
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, _params({"regex": REGEX}, ignore_eos=True))]
     for out in outs:
         assert re.fullmatch(REGEX, out.text), out.text
         assert out.finish_reason == "stop"
 
 
 def test_the_grammar_wins_over_min_tokens(llm: LLM) -> None:
-    outs = llm.generate(PROMPTS, _params({"choice": ["no"]}, min_tokens=20, temperature=0.0))
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, _params({"choice": ["no"]}, min_tokens=20, temperature=0.0))]
     for out in outs:
         assert out.text == "no" and out.finish_reason == "stop"
 
@@ -122,11 +122,24 @@ def test_a_spec_that_cannot_compile_names_the_problem(llm: LLM, spec: dict[str, 
     problem = check_structured(spec)
     assert problem is not None and needle in problem
     out = llm.generate(PROMPTS[:2], [_params(spec), _params(None, max_tokens=3)])
-    assert out[0].finish_reason == "error" and needle in (out[0].error or "")
-    assert out[1].finish_reason == "length"
+    assert not out[0].outputs and needle in (out[0].error or "")
+    assert out[1].outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("value", [{}, {"regex": "a", "choice": ["a"]}, {"json_object": False}, {"choice": []}])
 def test_malformed_structured_settings_are_refused(value: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"SamplingParams\.structured must be"):
         SamplingParams(structured=value)
+
+
+def test_every_sample_of_an_n_request_follows_the_schema(llm: LLM) -> None:
+    # Forked samples share the prompt's blocks but each needs its own grammar state: a shared
+    # matcher would see the other samples' tokens and reject (or mis-terminate) them.
+    outs = llm.generate(PROMPTS[:3], _params({"json_schema": SCHEMA_A}, n=4))
+    for out in outs:
+        assert len(out.outputs) == 4
+        for sample in out.outputs:
+            assert _valid("a", sample.text), sample.text
+            assert sample.finish_reason == "stop"
+    texts = {s.text for out in outs for s in out.outputs}
+    assert len(texts) > 1  # temperature 1.0, distinct per-sample seeds: not one text repeated

@@ -66,6 +66,7 @@ class Engine:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.vocab_size = vocab_size
         self.stats = EngineStats()
+        sampler.transfers = runner.transfers
         self._requests: dict[int, _Request] = {}
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
         self._ids = itertools.count()
@@ -114,12 +115,17 @@ class Engine:
         sampled = batch.sampled
         self._count(batch)
         logits = self.runner.execute(batch)  # [len(sampled), vocab]
-        if sampled and bool(logits.isnan().any()):
-            # why: a NaN would be "sampled" into garbage silently; failing lets the job retry
-            raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {[s.seq_id for s in sampled][:8]})")
+        tokens: list[int] = []
+        if sampled:
+            # why one read: the NaN flag comes back with the sampled ids, one host sync per step
+            ids = self.sampler.sample_ids(logits, sampled)
+            tokens, nan = self.runner.transfers.read("sampled_ids", ids, logits.isnan().any())
+            if nan[0]:
+                # why: a NaN would be "sampled" into garbage silently; failing lets the job retry
+                seqs = [s.seq_id for s in sampled][:8]
+                raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {seqs})")
         self.scheduler.advance(batch)
         if sampled:
-            tokens = self.sampler(logits, sampled)
             self.stats.output_tokens += len(tokens)
             for seq, token in zip(sampled, tokens):
                 seq.append_token(token)

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.compiled_forward import resolve_compile
 from batchgen.engine.config import engine_config
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner, num_kv_blocks_for
@@ -81,6 +82,8 @@ class LLM:
             config.max_num_seqs,
             self.max_model_len,
             config.decode_kv,
+            compile=resolve_compile(config.compile, torch_device),
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(config, block_manager, self.max_model_len)

@@ -18,12 +18,15 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.attention import forward_context, use_flash_attn
+from batchgen.engine.compiled_forward import StepForward
 from batchgen.engine.decode_gather import GatheredBlocks
 from batchgen.engine.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables, resolve_decode_kv
 from batchgen.engine.decode_rows import DecodeRows
+from batchgen.engine.kv_store import PAD_SLOT, pool_blocks
 from batchgen.engine.models import KVSpec
 from batchgen.engine.scheduler import ScheduledBatch, ScheduledChunk
 from batchgen.engine.step_metadata import FlashMetadata, ForwardContext, PrefillChunk
+from batchgen.engine.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +87,16 @@ def build_forward_context(
     block_size: int,
     device: torch.device,
     flash: bool = False,
+    *,
+    transfers: Transfers | None = None,
+    padded_len: int | None = None,
 ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
-    """Step metadata for `chunks` (batch order) -> (context, positions [T], packed order of the chunks)."""
+    """Step metadata for `chunks` (batch order) -> (context, positions [T], packed order of the chunks).
+
+    Every tensor is staged in `transfers` (uploaded by the caller in one copy before the forward).
+    `padded_len` >= the step's tokens pads positions (0) and the slot mapping (-1, not stored).
+    """
+    transfers = transfers or Transfers(device)
     order, step = _packed_order(chunks, decode_kv, flash)
     num_dec = 0 if step is None else sum(g.num_seqs for g in step.groups)
     packed = [chunks[i] for i in order]
@@ -98,38 +109,48 @@ def build_forward_context(
     lens = torch.tensor([c.num_tokens for c in packed])  # [N]
     ctx_start = torch.tensor([c.start for c in packed])  # [N]
     cu = torch.cumsum(lens, 0) - lens  # [N] packed offset of each chunk
+    num_tokens = int(cu[-1] + lens[-1])
     seq_of_token = torch.repeat_interleave(torch.arange(len(packed)), lens)  # [T]
-    positions = torch.arange(int(lens.sum())) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
+    positions = torch.arange(num_tokens) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
+    pad = (padded_len or num_tokens) - num_tokens
+    if pad > 0:
+        positions = torch.cat([positions, positions.new_zeros(pad)])
+        slots = torch.cat([slots, slots.new_full((pad,), PAD_SLOT)])
     starts = cu.tolist()
     prefills = [
         PrefillChunk(
             start=starts[j],
             end=starts[j] + c.num_tokens,
             context_start=c.start,
-            block_table=tables[j, : needed[j]].to(device),
+            block_table=transfers.stage(tables[j, : needed[j]]),
         )
         for j, c in enumerate(packed)
         if j >= num_dec
     ]
-    meta = _flash_metadata(lens, ctx_start, tables, device) if flash else None
+    meta = _flash_metadata(lens, ctx_start, tables, transfers) if flash else None
     ctx = ForwardContext(
-        kv_caches=kv_caches, slot_mapping=slots.to(device), decodes=step, prefills=prefills, flash=meta
+        kv_caches=kv_caches,
+        slot_mapping=transfers.stage(slots),
+        decodes=step,
+        prefills=prefills,
+        flash=meta,
+        num_tokens=num_tokens,
     )
-    return ctx, positions.to(device), order
+    return ctx, transfers.stage(positions), order
 
 
 def _flash_metadata(
-    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, device: torch.device
+    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, transfers: Transfers
 ) -> FlashMetadata:
-    zero = torch.zeros(1, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int64)
     kv_lens = ctx_start + lens
     return FlashMetadata(
-        cu_seqlens_q=torch.cat([zero, torch.cumsum(lens, 0).int()]).to(device),
-        cu_seqlens_k=torch.cat([zero, torch.cumsum(kv_lens, 0).int()]).to(device),
+        cu_seqlens_q=transfers.stage(torch.cat([zero, torch.cumsum(lens, 0)])),
+        cu_seqlens_k=transfers.stage(torch.cat([zero, torch.cumsum(kv_lens, 0)])),
         max_seqlen_q=int(lens.max()),
         max_seqlen_k=int(kv_lens.max()),
-        block_tables=tables.int().to(device),
+        block_tables=transfers.stage(tables),
     )
 
 
@@ -145,12 +166,14 @@ class ModelRunner:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         decode_kv: str = "auto",
+        compile: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.device = device
-        shape = (num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (pool_blocks(num_kv_blocks), block_size, spec.num_kv_heads, spec.head_dim)  # + the trash block
         # why zeros: padded decode rows read unwritten slots; masked-out garbage NaNs would still
         # poison the output (0 * NaN), zeros cannot
         self.kv_caches = [
@@ -174,6 +197,9 @@ class ModelRunner:
             if self.decode_kv_kind == "rows"
             else GatheredBlocks(block_size, device)
         )
+        self.transfers = Transfers(device)
+        self.decode_kv.stage = self.transfers.stage
+        self.forward = StepForward(model, compile, max_num_batched_tokens)
         logger.info(
             "KV pool: %d blocks x %d tokens, %d layers (%s, decode K/V: %s)",
             num_kv_blocks,
@@ -188,27 +214,37 @@ class ModelRunner:
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
+        padded = self.forward.padded_tokens(sum(c.num_tokens for c in chunks))
         ctx, positions, order = build_forward_context(
-            chunks, self.decode_kv, self.kv_caches, self.block_size, self.device, self.flash
+            chunks,
+            self.decode_kv,
+            self.kv_caches,
+            self.block_size,
+            self.device,
+            self.flash,
+            transfers=self.transfers,
+            padded_len=padded,
         )
         token_ids: list[int] = []
         packed_end = [0] * len(chunks)
         for i in order:
             token_ids.extend(chunks[i].token_ids)
             packed_end[i] = len(token_ids)
-        keep = [packed_end[i] - 1 for i, c in enumerate(chunks) if c.needs_sample]
-        input_ids = torch.tensor(token_ids, device=self.device)[None]  # [1, T]
-        keep_idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # [num sampled]
+        keep = [packed_end[i] - 1 for i, c in enumerate(chunks) if c.needs_sample] or [0]
+        num_keep = sum(c.needs_sample for c in chunks)
+        token_ids.extend([0] * (padded - len(token_ids)))
+        keep.extend([keep[-1]] * (self.forward.padded_keep(len(keep)) - len(keep)))
+        input_ids = self.transfers.stage(torch.tensor(token_ids))  # [T]
+        keep_idx = self.transfers.stage(torch.tensor(keep))  # [K >= num sampled]
+        self.transfers.upload()
         with torch.inference_mode(), forward_context(ctx):
-            out = self.model(
-                input_ids=input_ids, position_ids=positions[None], logits_to_keep=keep_idx, use_cache=False
-            )
+            logits = self.forward(input_ids, positions, keep_idx)
         if ctx.num_attention_calls != len(self.kv_caches):
             raise RuntimeError(
                 f"the model called batchgen's attention {ctx.num_attention_calls} times for "
                 f"{len(self.kv_caches)} layers; it does not route all attention through the interface"
             )
-        return out.logits[0].float()  # [num sampled, vocab]
+        return logits[:num_keep].float()  # [num sampled, vocab]
 
     def reset(self) -> None:
         """After an aborted generate: zero the pool and forget the decode source's sequences.

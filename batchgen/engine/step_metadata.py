@@ -29,18 +29,19 @@ class PrefillChunk:
 class FlashMetadata:
     """flash-attn varlen metadata for the whole packed batch (CUDA only)."""
 
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int64 (staged; cast where used, after the upload)
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int64
     max_seqlen_q: int
     max_seqlen_k: int
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
 
 
 @dataclass
 class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, kvh, d]
-    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
+    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token, -1: padding
     decodes: DecodeStep | None  # the decodes (packed first) as their source planned them; None: no decodes
     prefills: list[PrefillChunk]
     flash: FlashMetadata | None = None  # set: flash-attn reads the pool for every chunk, decodes included
+    num_tokens: int = 0  # real tokens of the step; the forward may run more (padding, slot -1)
     num_attention_calls: int = 0  # checked by the runner: every layer must come through us

@@ -28,6 +28,7 @@ _NEUTRAL_ENGINE = (
     "enable_prefix_caching",
     "block_size",
     "decode_kv",
+    "compile",
 )
 
 

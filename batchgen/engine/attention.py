@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from batchgen.engine import attention_op
 from batchgen.engine.attention_op import paged_attention
 from batchgen.engine.cascade import cascade_decode_attention
+from batchgen.engine.cuda_graphs import static_decode_attention
 from batchgen.engine.decode_kv import DecodeGroup, DecodeStep, Pool, gather_blocks
 from batchgen.engine.kv_store import store_kv
 from batchgen.engine.step_metadata import ForwardContext, PrefillChunk
@@ -276,6 +277,9 @@ def _paged_attention_impl(
     if layer >= len(ctx.kv_caches):
         raise RuntimeError(f"attention called more than once per layer ({len(ctx.kv_caches)} layers)")
     _store_kv(ctx, layer, key, value)
+    if ctx.static_decode is not None:  # a CUDA-graph decode step: fixed shapes, no per-step Python state
+        k_cache, v_cache = ctx.kv_caches[layer]
+        return static_decode_attention(query, k_cache, v_cache, ctx.static_decode, scale, window, softcap)
     if ctx.flash is not None:
         out = _flash_paged_attention(ctx, layer, query, scale, window, softcap)
     else:

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 # Token counts are padded to a multiple of this: with dynamic shapes a new count needs no new
 # graph, but a count of 1 would be specialised (a second graph), and aligned sizes vectorise.
 TOKEN_MULTIPLE = 8
+RECOMPILE_LIMIT = 64
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -63,7 +65,8 @@ class CompileStats:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers: the ModuleList as long as the config's layer count (any architecture)."""
-    num = model.config.get_text_config().num_hidden_layers
+    config: Any = model.config
+    num = config.get_text_config().num_hidden_layers
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == num:
             return list(module)
@@ -103,14 +106,15 @@ class StepForward:
         self.stats = CompileStats()
         check_layer_order(model)
         if compile:
+            # why: every architecture's layers enter through transformers' one GradientCheckpointingLayer
+            # __call__, so each model (and dtype) in a process adds its graphs to that one code object's
+            # cache; the default limit of 8 would fail the fourth model of a test run or benchmark
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             for layer in decoder_layers(model):
                 layer.compile(dynamic=True, fullgraph=True)
 
     def padded_tokens(self, n: int) -> int:
         return bucket(n, self.max_tokens) if self.compile else n
-
-    def padded_keep(self, n: int) -> int:
-        return n
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T], keep [K] -> logits [K, vocab] (model dtype)."""

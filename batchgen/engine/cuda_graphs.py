@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +120,7 @@ class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this modu
         self.forward, self.buffers, self.buckets = forward, buffers, buckets
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: Any = None  # the graphs share one memory pool
 
     def capture(self, bucket: int, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
         """Capture the forward for `bucket` rows; `run` sets the step's context around the call."""
@@ -139,3 +140,41 @@ class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this modu
     def replay(self, bucket: int, n: int) -> torch.Tensor:
         self.graphs[bucket].replay()
         return self.logits[bucket][:n]
+
+
+class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are above)
+    """The model runner's decode-only steps on CUDA: fill the static buffers, replay the bucket's graph."""
+
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.kv_caches, self.block_size = kv_caches, block_size
+        self.buckets = decode_buckets(max_num_seqs)
+        self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device)
+        self.graphs = DecodeGraphs(forward, self.buffers, self.buckets)
+
+    def execute(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        run: Callable[[object, Callable[[], torch.Tensor]], torch.Tensor],
+        make_context: Callable[[torch.Tensor, StaticDecode, int], object],
+    ) -> torch.Tensor | None:
+        """Device ids/positions [n], tables [n, w] (uploaded) -> logits [n, V], or None: no bucket fits."""
+        n = input_ids.shape[0]
+        bucket = pick_bucket(n, self.buckets)
+        if bucket is None or tables.shape[1] > self.buffers.block_tables.shape[1]:
+            return None
+        self.buffers.fill(n, bucket, input_ids, positions, tables)
+        self.buffers.set_slots(n, self.block_size)
+        if bucket not in self.graphs.graphs:
+            ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(bucket), bucket)
+            self.graphs.capture(bucket, lambda call: run(ctx, call))
+        return self.graphs.replay(bucket, n)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.attention import forward_context, use_flash_attn
 from batchgen.engine.compiled_forward import StepForward
+from batchgen.engine.cuda_graphs import GraphDecode, StaticDecode
 from batchgen.engine.decode_gather import GatheredBlocks
 from batchgen.engine.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables, resolve_decode_kv
 from batchgen.engine.decode_rows import DecodeRows
@@ -200,6 +201,11 @@ class ModelRunner:
         self.transfers = Transfers(device)
         self.decode_kv.stage = self.transfers.stage
         self.forward = StepForward(model, compile, max_num_batched_tokens)
+        # CUDA graphs for decode-only steps go with compile (both are about launch overhead)
+        self.graphs: GraphDecode | None = None
+        if device.type == "cuda" and compile and not self.flash:  # pragma: no cover - CUDA only
+            max_blocks = math.ceil((max_model_len or num_kv_blocks * block_size) / block_size)
+            self.graphs = GraphDecode(self.forward, self.kv_caches, max_num_seqs or 64, max_blocks, block_size, device)
         logger.info(
             "KV pool: %d blocks x %d tokens, %d layers (%s, decode K/V: %s)",
             num_kv_blocks,
@@ -214,6 +220,10 @@ class ModelRunner:
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
+        if self.graphs is not None and all(c.is_decode for c in chunks):  # pragma: no cover - CUDA only
+            logits = self._graph_decode(chunks)
+            if logits is not None:
+                return logits
         padded = self.forward.padded_tokens(sum(c.num_tokens for c in chunks))
         ctx, positions, order = build_forward_context(
             chunks,
@@ -233,9 +243,8 @@ class ModelRunner:
         keep = [packed_end[i] - 1 for i, c in enumerate(chunks) if c.needs_sample] or [0]
         num_keep = sum(c.needs_sample for c in chunks)
         token_ids.extend([0] * (padded - len(token_ids)))
-        keep.extend([keep[-1]] * (self.forward.padded_keep(len(keep)) - len(keep)))
         input_ids = self.transfers.stage(torch.tensor(token_ids))  # [T]
-        keep_idx = self.transfers.stage(torch.tensor(keep))  # [K >= num sampled]
+        keep_idx = self.transfers.stage(torch.tensor(keep))  # [num sampled], or [1] when none is
         self.transfers.upload()
         with torch.inference_mode(), forward_context(ctx):
             logits = self.forward(input_ids, positions, keep_idx)
@@ -245,6 +254,27 @@ class ModelRunner:
                 f"{len(self.kv_caches)} layers; it does not route all attention through the interface"
             )
         return logits[:num_keep].float()  # [num sampled, vocab]
+
+    def _graph_decode(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:  # pragma: no cover - CUDA
+        """A decode-only step through the CUDA graph of its batch-size bucket; None: it does not fit one."""
+        if self.graphs is None:
+            return None
+        needed = [c.start // self.block_size + 1 for c in chunks]
+        tables = padded_tables([c.block_table for c in chunks], needed, max(needed))
+        ids = self.transfers.stage(torch.tensor([c.token_ids[-1] for c in chunks]))
+        positions = self.transfers.stage(torch.tensor([c.start for c in chunks]))
+        staged_tables = self.transfers.stage(tables)
+        self.transfers.upload()
+
+        def run(ctx: object, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+            with torch.inference_mode(), forward_context(ctx):  # type: ignore[arg-type]
+                return call()
+
+        def context(slots: torch.Tensor, static: StaticDecode, bucket: int) -> ForwardContext:
+            return ForwardContext(self.kv_caches, slots, None, [], num_tokens=bucket, static_decode=static)
+
+        logits = self.graphs.execute(ids, positions, staged_tables, run, context)
+        return None if logits is None else logits.float()
 
     def reset(self) -> None:
         """After an aborted generate: zero the pool and forget the decode source's sequences.

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.engine.cuda_graphs import StaticDecode
 from batchgen.engine.decode_kv import DecodeStep
 
 
@@ -44,4 +45,5 @@ class ForwardContext:
     prefills: list[PrefillChunk]
     flash: FlashMetadata | None = None  # set: flash-attn reads the pool for every chunk, decodes included
     num_tokens: int = 0  # real tokens of the step; the forward may run more (padding, slot -1)
+    static_decode: StaticDecode | None = None  # set: a CUDA-graph decode step (cuda_graphs), fixed shapes
     num_attention_calls: int = 0  # checked by the runner: every layer must come through us

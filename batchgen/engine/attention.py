@@ -8,7 +8,12 @@ padded calls, one per group of similar context length, over the K/V their source
 decode_kv; this function does not know which source it reads), with cascade attention where the
 source marked a shared prefix; every other chunk attends with a causal mask offset by its cached
 context. CPU/GPU without flash-attn use torch SDPA; CUDA with flash-attn uses its paged varlen
-kernel for everything. Sliding windows and logit soft-capping are exact; attention sinks are refused.
+kernel for everything; a CUDA-graph decode step reads fixed-size buffers (cuda_graphs). Sliding
+windows and logit soft-capping are exact; attention sinks are refused.
+
+The registered function only checks the call and hands the tensors to the custom op
+`batchgen::paged_attention` (attention_op), whose body is `_paged_attention_impl` below: the
+same code runs eager or under torch.compile, and the compiler never sees the step's metadata.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""The model forward of a step, optionally under torch.compile, with tokens padded to a few buckets.
+"""The model forward of a step, optionally with torch.compile (engine.compile), tokens padded a little.
 
 Why: on a small model the unchanged transformers modules run one small op at a time (RMSNorm,
 RoPE, SwiGLU, residuals), and Python dispatch dominates. Compiled, inductor fuses them; the
 paged attention stays one opaque custom op (attention_op), so the graph does not break.
 
-Why buckets: every new input shape is a new compiled graph (tens of seconds on a small CPU).
-A step's tokens are padded to the next bucket (padded tokens write the trash slot and are never
-read), and so is the number of logits kept, so a whole run compiles a handful of shapes. The
-compile time and the shapes compiled are counted here, for the benchmark and the logs.
+Why so few compiled shapes: every decoder layer is compiled with dynamic shapes, so one graph
+serves every layer and every token count (a second one only where layers differ, e.g. sliding
+and full attention, or when the first call's token count equals a model dimension and gets
+specialised). Token counts are padded to a multiple of TOKEN_MULTIPLE (a count of 1 would be
+specialised; padded tokens write the KV pool's trash slot and are never read). The compile
+time and the graphs compiled are counted here, for the benchmark and the logs.
 """
 
 from __future__ import annotations

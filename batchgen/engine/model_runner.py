@@ -5,7 +5,10 @@ planned them, so the attention function can treat them as a few padded groups), 
 step's metadata tensors once, runs the unchanged HF model under our attention implementation,
 and returns float32 logits only for the chunks that need a sample, in batch order. It reads the
 scheduler's frozen chunks, never live sequence state, and decides nothing: what runs, and when,
-is the scheduler's business.
+is the scheduler's business. The step's metadata is staged in the runner's Transfers and sent in
+one upload (see transfers); the forward runs through StepForward (eager or compiled, tokens
+padded to a multiple of 8 when compiled), and on CUDA with compile, decode-only steps replay a
+CUDA graph per batch-size bucket (cuda_graphs).
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ and helpers to write Parquet inputs and job files. Nothing is downloaded."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-# why: torch.compile costs tens of seconds per process on this machine; engine.compile "auto" means
-# eager in the suite (and in the CLI processes it starts), and the tests that need compile ask for it
-os.environ.setdefault("BATCHGEN_COMPILE_AUTO", "0")
-
 WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()
 
 

@@ -15,7 +15,6 @@ time and the graphs compiled are counted here, for the benchmark and the logs.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,19 +37,13 @@ def bucket(n: int, cap: int | None = None) -> int:
     return min(size, cap) if cap is not None and n <= cap else size
 
 
-# Overrides what "auto" means (0 / 1), for this process and the ones it starts: the test suite
-# sets 0, so only the tests that ask for compile pay for it.
-AUTO_ENV = "BATCHGEN_COMPILE_AUTO"
-
-
 def resolve_compile(setting: str | bool, device: torch.device) -> bool:
-    """ "auto" -> compile on CPU (measured: see benchmarks/RESULTS.md), not elsewhere (unmeasured)."""
+    """ "auto" -> off everywhere for now: measured on CPU (benchmarks/RESULTS.md), compiling gained
+    about 2% of a run's CPU time on the demo and the 57M model, against 20-140 s of compiling per
+    process; on CUDA it is unmeasured. `true` turns it (and CUDA-graph decode) on."""
     if setting != "auto":
         return bool(setting)
-    forced = os.environ.get(AUTO_ENV)
-    if forced in ("0", "1"):
-        return forced == "1"
-    return device.type == "cpu"
+    return False
 
 
 @dataclass

@@ -27,8 +27,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # where decodes read K/V (see decode_kv): "auto" = contiguous rows on CPU, gathered blocks elsewhere
     decode_kv: Literal["auto", "gather", "rows"] = "auto"
-    # torch.compile of the model around the paged attention op (compiled_forward): "auto" = on where
-    # it was measured to win (see resolve_compile), true / false to force
+    # torch.compile of the model around the paged attention op (compiled_forward), and CUDA graphs
+    # for decode on CUDA: "auto" = where it was measured to win (see resolve_compile: nowhere yet)
     compile: Literal["auto"] | bool = "auto"
 
     def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ _NEUTRAL_ENGINE = (
     "block_size",
     "decode_kv",
     "gpu_memory_utilization",
+    "compile",
 )
 
 # Sampling settings added after outputs already existed: left out while at their default, so an

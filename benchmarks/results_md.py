@@ -57,6 +57,17 @@ def other_lines(report: dict[str, Any]) -> list[str]:
                     f"/{a['requests']} requests identical, {a['leading_tokens_matching']:.1%} of tokens "
                     "before the first difference"
                 )
+        for workload, w in res["workloads"].items():
+            for system, f in w.get("systems", {}).items():
+                if f.get("compile_seconds"):
+                    lines.append(
+                        f"- {model} {workload} {system}: compiled in {f['compile_seconds']:.1f} s during the warm-up "
+                        f"({f['compiled_graphs']} graphs, {f.get('compiled_graphs_in_run', 0)} more in the timed "
+                        "run), not in its time"
+                    )
+            for key, value in w.get("ratios", {}).items():
+                if key.startswith(("compiled_", "bf16_")):
+                    lines.append(f"- {model} {workload} {key}: {value:.2f}")
         d = res["decode_step"]
         parts = ", ".join(f"{k} {v:.1f}" for k, v in d["breakdown_ms"].items())
         lines.append(

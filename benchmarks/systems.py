@@ -108,17 +108,29 @@ def _params(workload: Workload) -> list[SamplingParams]:
     ]
 
 
-def run_native(path: Path, workload: Workload, prefix_caching: bool = True, name: str = "native") -> RunResult:
-    """batchgen's LLM.generate over the whole workload."""
+def run_native(
+    path: Path,
+    workload: Workload,
+    prefix_caching: bool = True,
+    name: str = "native",
+    compile: bool | str = "auto",
+    dtype: str = "float32",
+) -> RunResult:
+    """batchgen's LLM.generate over the whole workload. Compiling (engine.compile) happens in the
+    warm-up, outside the timed region; its seconds are reported in the row's extra fields."""
     llm = LLM(
         str(path),
         device="cpu",
-        dtype="float32",
+        dtype=dtype,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
         enable_prefix_caching=prefix_caching,
+        compile=compile,
     )
-    llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    # why two sizes: dynamo traces the first call with static shapes, the second makes them dynamic
+    for n in (2, 3):
+        llm.generate([[5, 6, 7, 8]] * n, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    compiled = llm.engine.runner.forward.stats.as_dict()
     before = llm.stats
     watch = Stopwatch()
     outs = llm.generate([r.prompt_ids for r in workload.requests], _params(workload))
@@ -134,13 +146,18 @@ def run_native(path: Path, workload: Workload, prefix_caching: bool = True, name
         preemptions=delta["preemptions"],
         peak_rss_mib=peak_rss_mib(),
         outputs=[list(o.outputs[0].token_ids) for o in outs],
-        extra={"cached_tokens": delta["cached_tokens"], "steps": delta["steps"]},
+        extra={
+            "cached_tokens": delta["cached_tokens"],
+            "steps": delta["steps"],
+            **compiled,
+            "compiled_graphs_in_run": llm.engine.runner.forward.stats.graphs - compiled["compiled_graphs"],
+        },
         cpu_wait=cpu_wait,
     )
 
 
-def load_hf(path: Path) -> tuple[Any, Any]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+def load_hf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 

@@ -182,6 +182,8 @@ def test_changed_job_is_refused_and_finished_job_is_a_no_op(tmp_path: Path, tiny
     assert code == 2 and "sampling.max_tokens: 6 -> 5" in text
     (tmp_path / "in.parquet").write_bytes((tmp_path / "in.parquet").read_bytes())  # same content: same job
     assert _in_process(job)[0] == 0
+    code, text = _in_process(job, "--set", "engine.compile=true")  # a speed setting: the same job
+    assert code == 0 and "already finished" in text, text
     code, text = _in_process(job, "--set", "sampling.max_tokens=5", "--overwrite")
     assert code == 0, text
     assert all(r[2] <= 5 for r in _rows(out))

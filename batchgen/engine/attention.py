@@ -9,7 +9,12 @@ decode_kv; this function does not know which source it reads), with cascade atte
 source marked a shared prefix; every other chunk attends with a causal mask offset by its cached
 context, all with torch SDPA. Where the model runner chose the paged varlen kernel (CUDA, half
 precision, 256-token blocks: see attention_path), every chunk goes through that kernel instead,
-with no gather. Sliding windows and logit soft-capping are exact; attention sinks are refused.
+with no gather; a CUDA-graph decode step reads fixed-size buffers (cuda_graphs). Sliding windows
+and logit soft-capping are exact; attention sinks are refused.
+
+The registered function only checks the call and hands the tensors to the custom op
+`batchgen::paged_attention` (attention_op), whose body is `_paged_attention_impl` below: the
+same code runs eager or under torch.compile, and the compiler never sees the step's metadata.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from batchgen.engine import attention_op
+from batchgen.engine.attention_op import paged_attention
 from batchgen.engine.attention_path import varlen_paged_attention
 from batchgen.engine.cascade import cascade_decode_attention
+from batchgen.engine.cuda_graphs import static_decode_attention
 from batchgen.engine.decode_kv import DecodeGroup, DecodeStep, Pool, gather_blocks
+from batchgen.engine.kv_store import store_kv
 from batchgen.engine.step_metadata import ForwardContext, PrefillChunk
 
 logger = logging.getLogger(__name__)
@@ -203,16 +212,50 @@ def _torch_paged_attention(
 
 
 def _store_kv(ctx: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-    """key/value [KVH, T, D] -> pool slots of this step (one scatter per tensor)."""
+    """key/value [KVH, T, D] -> pool slots of this step (padded tokens, slot -1, go to the trash block)."""
     k_cache, v_cache = ctx.kv_caches[layer]
     if k_cache.shape[2:] != key.shape[0:1] + key.shape[2:]:
         raise RuntimeError(
             f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
             f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
         )
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, ctx.slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
+    store_kv(k_cache, v_cache, ctx.slot_mapping, key.transpose(0, 1), value.transpose(0, 1))
+
+
+def _paged_attention_impl(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The body of the custom op: query [H, T, D], key/value [KVH, T, D] -> [T, H, D] (padded rows zero).
+
+    The layer is this call's number in the forward (see attention_op).
+    """
+    ctx = _current_context()
+    layer = ctx.num_attention_calls
+    ctx.num_attention_calls += 1
+    if layer >= len(ctx.kv_caches):
+        raise RuntimeError(f"attention called more than once per layer ({len(ctx.kv_caches)} layers)")
+    _store_kv(ctx, layer, key, value)
+    if ctx.static_decode is not None:  # a CUDA-graph decode step: fixed shapes, no per-step Python state
+        k_cache, v_cache = ctx.kv_caches[layer]
+        return static_decode_attention(query, k_cache, v_cache, ctx.static_decode, scale, window, softcap)
+    if ctx.flash is not None:
+        if softcap is not None:  # why: the runner chose this path from the config; never run it wrong
+            raise RuntimeError(f"{ATTN_IMPLEMENTATION}: layer {layer} soft-caps its logits; the varlen kernel cannot")
+        k_cache, v_cache = ctx.kv_caches[layer]
+        out = varlen_paged_attention(ctx.flash, k_cache, v_cache, query, scale, window)
+    else:
+        out = _torch_paged_attention(ctx, layer, query, key, value, scale, window, softcap)
+    if ctx.num_tokens < out.shape[0]:  # why: padding rows stay finite (they are never read, but are computed on)
+        out[ctx.num_tokens :] = 0
+    return out
+
+
+attention_op.set_impl(_paged_attention_impl)
 
 
 def paged_attention_forward(
@@ -237,24 +280,13 @@ def paged_attention_forward(
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: non-causal attention ({type(module).__name__})")
     if query.shape[0] != 1:
         raise ValueError(f"{ATTN_IMPLEMENTATION} expects one packed row, got batch size {query.shape[0]}")
-    ctx = _current_context()
-    ctx.num_attention_calls += 1
-    layer = getattr(module, "layer_idx", None)
-    if not isinstance(layer, int):
-        raise RuntimeError(f"{type(module).__name__} has no integer layer_idx; cannot find its KV pool")
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")
     if not (window is None or isinstance(window, int)) or not (softcap is None or isinstance(softcap, (int, float))):
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: sliding_window {window!r}, softcap {softcap!r} unknown")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    _store_kv(ctx, layer, key[0], value[0])
-    if ctx.flash is not None:
-        if softcap is not None:  # why: the runner chose this path from the config; never run it wrong
-            raise RuntimeError(f"{ATTN_IMPLEMENTATION}: layer {layer} soft-caps its logits; the varlen kernel cannot")
-        k_cache, v_cache = ctx.kv_caches[layer]
-        out = varlen_paged_attention(ctx.flash, k_cache, v_cache, query[0], scale, window)
-    else:
-        out = _torch_paged_attention(ctx, layer, query[0], key[0], value[0], scale, window, softcap)
+    # why through the op even in eager mode: compiled and eager runs execute the very same code
+    out = paged_attention(query[0], key[0], value[0], float(scale), window, None if softcap is None else float(softcap))
     return out.unsqueeze(0), None
 
 

@@ -144,14 +144,14 @@ def varlen_paged_attention(
         q.transpose(0, 1),  # [T, H, D]
         k_cache,
         v_cache,
-        meta.cu_seqlens_q,
-        meta.cu_seqlens_k,
+        meta.cu_seqlens_q.int(),  # staged as int64 with the step's other metadata; the kernel takes int32
+        meta.cu_seqlens_k.int(),
         meta.max_seqlen_q,
         meta.max_seqlen_k,
         scale=scaling,
         window_size=varlen_window(window),
         enable_gqa=q.shape[0] != k_cache.shape[2],
-        seqused_k=meta.seqused_k,
-        block_table=meta.block_tables,
+        seqused_k=meta.seqused_k.int(),
+        block_table=meta.block_tables.int(),
     )
     return out

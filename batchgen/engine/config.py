@@ -31,6 +31,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # where decodes read K/V (see decode_kv): "auto" = contiguous rows on CPU, gathered blocks elsewhere
     decode_kv: Literal["auto", "gather", "rows"] = "auto"
+    # torch.compile of the model around the paged attention op (compiled_forward), and CUDA graphs
+    # for decode on CUDA: "auto" = where it was measured to win (see resolve_compile: nowhere yet)
+    compile: Literal["auto"] | bool = "auto"
 
     def __post_init__(self) -> None:
         for name in (
@@ -49,6 +52,8 @@ class EngineConfig:
             raise SettingError("EngineConfig", "gpu_memory_utilization", "a number in (0, 1]", share)
         if not isinstance(self.enable_prefix_caching, bool):
             raise SettingError("EngineConfig", "enable_prefix_caching", "true or false", self.enable_prefix_caching)
+        if not (self.compile == "auto" or isinstance(self.compile, bool)):
+            raise SettingError("EngineConfig", "compile", "'auto', true or false", self.compile)
         if self.decode_kv not in ("auto", "gather", "rows"):
             raise SettingError("EngineConfig", "decode_kv", "'auto', 'gather' or 'rows'", self.decode_kv)
 

@@ -12,7 +12,7 @@ from itertools import pairwise
 
 import torch
 
-from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, gather_blocks, make_group, padded_tables
+from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, Stage, gather_blocks, make_group, padded_tables
 
 # Decode grouping (see split_decodes): measured on CPU, 4 groups over 64 mixed-length decodes
 # halve the gather + attention time of one padded group; more groups gain nothing.
@@ -65,6 +65,7 @@ class GatheredBlocks:
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
+        self.stage: Stage = lambda t: t.to(device)  # the model runner routes it through its Transfers
 
     def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], GatherStep]:
         # why stable: ties keep batch order
@@ -73,9 +74,9 @@ class GatheredBlocks:
         needed = [d.position // self.block_size + 1 for d in packed]  # blocks holding positions 0..position
         groups, indices = [], []
         for a, b, mb in split_decodes(needed):
-            groups.append(make_group(a, packed[a:b], mb * self.block_size, self.block_size, self.device))
+            groups.append(make_group(a, packed[a:b], mb * self.block_size, self.block_size, self.stage))
             tables = padded_tables([d.block_table for d in packed[a:b]], needed[a:b], mb)  # [B, mb]
-            indices.append(tables.flatten().to(self.device))  # [B * mb]
+            indices.append(self.stage(tables.flatten()))  # [B * mb]
         return order, GatherStep(groups, indices)
 
     def reset(self) -> None:

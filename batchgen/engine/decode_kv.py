@@ -16,7 +16,7 @@ same way for both sources.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
@@ -81,15 +81,16 @@ class DecodeKVSource(Protocol):
         """Forget every sequence (the engine aborted them all)."""
 
 
-def make_group(
-    start: int, decodes: Sequence[DecodeRequest], kv_len: int, block_size: int, device: torch.device
-) -> DecodeGroup:
+Stage = Callable[[torch.Tensor], torch.Tensor]  # host int64 tensor -> its device copy (see transfers)
+
+
+def make_group(start: int, decodes: Sequence[DecodeRequest], kv_len: int, block_size: int, stage: Stage) -> DecodeGroup:
     """A group of consecutive packed decodes padded to `kv_len` keys; cascade when they share enough blocks."""
     positions = [d.position for d in decodes]
     shared = cascade_len([d.block_table for d in decodes], positions, block_size, kv_len)
     context_lens = torch.tensor(positions) + 1  # [B]
     return DecodeGroup(
-        start=start, num_seqs=len(decodes), context_lens=context_lens.to(device), kv_len=kv_len, shared_len=shared
+        start=start, num_seqs=len(decodes), context_lens=stage(context_lens), kv_len=kv_len, shared_len=shared
     )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, make_group
+from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, Stage, make_group
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
 MIN_ROWS = 8  # a class's first allocation when the number of rows is not bounded
@@ -155,6 +155,7 @@ class DecodeRows:
         self.max_rows = max_rows  # no step has more decodes: caps every class's rows
         self.pool_tokens = pool_tokens  # the pool holds no more: caps the rows of long classes
         self.dtype, self.device = dtype, device
+        self.stage: Stage = lambda t: t.to(device)  # the model runner routes it through its Transfers
         self._packs: dict[int, _Pack] = {}
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
         self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
@@ -186,7 +187,7 @@ class DecodeRows:
             steps.setdefault(self._where[decodes[i].seq_id][0], []).append(decodes[i].position)
         view = RowsView(
             [
-                ClassStep(self._packs[c].k, self._packs[c].v, torch.tensor(pos, device=self.device), fills.get(c, []))
+                ClassStep(self._packs[c].k, self._packs[c].v, self.stage(torch.tensor(pos)), fills.get(c, []))
                 for c, pos in steps.items()
             ]
         )
@@ -210,7 +211,7 @@ class DecodeRows:
         for n in sizes:
             group = packed[first : first + n]
             kv_len = max(d.position for d in group) + 1
-            groups.append(make_group(first, group, kv_len, self.block_size, self.device))
+            groups.append(make_group(first, group, kv_len, self.block_size, self.stage))
             first += n
         return groups
 
@@ -247,7 +248,7 @@ class DecodeRows:
         self._where[d.seq_id] = (c, row)
         self.num_fills += 1
         if d.position > 0:
-            blocks = torch.tensor(d.block_table[: math.ceil(d.position / self.block_size)], device=self.device)
+            blocks = self.stage(torch.tensor(d.block_table[: math.ceil(d.position / self.block_size)]))
             fills.setdefault(c, []).append((row, d.position, blocks))
 
     def _release(self, seq_id: int) -> None:

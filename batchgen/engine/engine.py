@@ -73,6 +73,7 @@ class Engine:
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}  # every live sample's sequence
         # parents whose prefill end needs more than a sample: a fork (n > 1) or an end (max_tokens 0)
         self._special: dict[int, RequestState] = {}
+        sampler.transfers = runner.transfers
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
         self._ids = itertools.count()
         if sampler.features is None:
@@ -148,23 +149,28 @@ class Engine:
         sampled = batch.sampled
         self._count(batch)
         logits = self.runner.execute(batch)  # [len(sampled) + prompt-logprob rows, vocab]
-        if logits.shape[0] and bool(logits.isnan().any()):
-            # why: a NaN would be "sampled" into garbage silently; failing lets the job retry
-            raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {[s.seq_id for s in sampled][:8]})")
+        nan = logits.isnan().any() if logits.shape[0] else None  # on the device: read with the sampled ids
         self.scheduler.advance(batch)
         if logits.shape[0] > len(sampled):
             self._take_prompt_logprobs(batch, logits[len(sampled) :])
-        seqs, logits = self._expand(sampled, logits[: len(sampled)], finished)
+        seqs, kept = self._expand(sampled, logits[: len(sampled)], finished)
         if seqs:
-            self._sample(seqs, logits, finished)
+            self._sample(seqs, kept, nan, finished)
+        elif nan is not None:  # prompt-logprob rows only: their own read
+            self._check_nan(self.runner.transfers.read("nan_flag", nan)[0][0], sampled)
         self.stats.preemptions = self.scheduler.num_preemptions
         return finished
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, nan: torch.Tensor | None, finished: list[RequestOutput]
+    ) -> None:
         """Draw one token per row, with its raw logprobs when asked, and run the stop checks."""
         # why before the sampler: logprobs are of the raw distribution, whatever the sampler does
         pending = take_logprobs(logits, [s.params.logprobs for s in seqs])
-        tokens = self.sampler(logits, seqs)
+        ids = self.sampler.sample_ids(logits, seqs)
+        # why one read: the NaN flag comes back with the sampled ids, one host sync per step
+        tokens, flag = self.runner.transfers.read("sampled_ids", ids, nan if nan is not None else ids.new_zeros(1))
+        self._check_nan(flag[0], seqs)
         self.stats.output_tokens += len(tokens)
         taken = {}
         if pending is not None:
@@ -176,6 +182,10 @@ class Engine:
                 sample.record(*taken[i])
             if sample.stop.append(token) or self._grammar_done(sample):
                 self._finish_sample(request, sample, finished)
+
+    def _check_nan(self, flag: int, seqs: list[Sequence]) -> None:
+        if flag:  # why: a NaN would be "sampled" into garbage silently; failing lets the job retry
+            raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {[s.seq_id for s in seqs][:8]})")
 
     def _expand(
         self, sampled: list[Sequence], logits: torch.Tensor, finished: list[RequestOutput]

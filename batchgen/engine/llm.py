@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from batchgen.engine.attention_path import default_block_size, detect_support, has_softcap
 from batchgen.engine.block_manager import BlockManager
+from batchgen.engine.compiled_forward import resolve_compile
 from batchgen.engine.config import engine_config
 from batchgen.engine.device_defaults import require_int, resolve_engine_defaults
 from batchgen.engine.engine import Engine
@@ -84,6 +85,8 @@ class LLM:
             config.max_num_seqs,
             self.max_model_len,
             config.decode_kv,
+            compile=resolve_compile(config.compile, torch_device),
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         block_manager = BlockManager(blocks, runner.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(config, block_manager, self.max_model_len)

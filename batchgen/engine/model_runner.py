@@ -5,26 +5,33 @@ planned them, so the attention function can treat them as a few padded groups), 
 step's metadata tensors once, runs the unchanged HF model under our attention implementation,
 and returns float32 logits only for the chunks that need a sample, in batch order. It reads the
 scheduler's frozen chunks, never live sequence state, and decides nothing: what runs, and when,
-is the scheduler's business.
+is the scheduler's business. The step's metadata is staged in the runner's Transfers and sent in
+one upload (see transfers); the forward runs through StepForward (eager or compiled, tokens
+padded to a multiple of 8 when compiled), and on CUDA with compile, decode-only steps replay a
+CUDA graph per batch-size bucket (cuda_graphs).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.attention import forward_context
 from batchgen.engine.attention_path import VARLEN, AttentionChoice, choose_attention_path, detect_support, has_softcap
+from batchgen.engine.compiled_forward import StepForward
+from batchgen.engine.cuda_graphs import GraphDecode, StaticDecode
 from batchgen.engine.decode_gather import GatheredBlocks
 from batchgen.engine.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables, resolve_decode_kv
 from batchgen.engine.decode_rows import DecodeRows
+from batchgen.engine.kv_store import PAD_SLOT, pool_blocks
 from batchgen.engine.models import KVSpec
 from batchgen.engine.scheduler import ScheduledBatch, ScheduledChunk
 from batchgen.engine.step_metadata import FlashMetadata, ForwardContext, PrefillChunk
+from batchgen.engine.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +93,16 @@ def build_forward_context(
     block_size: int,
     device: torch.device,
     flash: bool = False,
+    *,
+    transfers: Transfers | None = None,
+    padded_len: int | None = None,
 ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
-    """Step metadata for `chunks` (batch order) -> (context, positions [T], packed order of the chunks)."""
+    """Step metadata for `chunks` (batch order) -> (context, positions [T], packed order of the chunks).
+
+    Every tensor is staged in `transfers` (uploaded by the caller in one copy before the forward).
+    `padded_len` >= the step's tokens pads positions (0) and the slot mapping (-1, not stored).
+    """
+    transfers = transfers or Transfers(device)
     order, step = _packed_order(chunks, decode_kv, flash)
     num_dec = 0 if step is None else sum(g.num_seqs for g in step.groups)
     packed = [chunks[i] for i in order]
@@ -100,9 +115,14 @@ def build_forward_context(
     lens = torch.tensor([c.num_tokens for c in packed])  # [N]
     ctx_start = torch.tensor([c.start for c in packed])  # [N]
     cu = torch.cumsum(lens, 0) - lens  # [N] packed offset of each chunk
+    num_tokens = int(cu[-1] + lens[-1])
     seq_of_token = torch.repeat_interleave(torch.arange(len(packed)), lens)  # [T]
-    positions = torch.arange(int(lens.sum())) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
+    positions = torch.arange(num_tokens) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
+    pad = (padded_len or num_tokens) - num_tokens
+    if pad > 0:
+        positions = torch.cat([positions, positions.new_zeros(pad)])
+        slots = torch.cat([slots, slots.new_full((pad,), PAD_SLOT)])
     starts = cu.tolist()
     prefills = (
         []
@@ -112,32 +132,38 @@ def build_forward_context(
                 start=starts[j],
                 end=starts[j] + c.num_tokens,
                 context_start=c.start,
-                block_table=tables[j, : needed[j]].to(device),
+                block_table=transfers.stage(tables[j, : needed[j]]),
             )
             for j, c in enumerate(packed)
             if j >= num_dec
         ]
     )
-    meta = _flash_metadata(lens, ctx_start, tables, device) if flash else None
+    meta = _flash_metadata(lens, ctx_start, tables, transfers) if flash else None
     ctx = ForwardContext(
-        kv_caches=kv_caches, slot_mapping=slots.to(device), decodes=step, prefills=prefills, flash=meta
+        kv_caches=kv_caches,
+        slot_mapping=transfers.stage(slots),
+        decodes=step,
+        prefills=prefills,
+        flash=meta,
+        num_tokens=num_tokens,
     )
-    return ctx, positions.to(device), order
+    return ctx, transfers.stage(positions), order
 
 
 def _flash_metadata(
-    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, device: torch.device
+    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, transfers: Transfers
 ) -> FlashMetadata:
-    """lens/ctx_start [N] (packed order), tables [N, max_blocks] -> the varlen kernel's metadata."""
-    zero = torch.zeros(1, dtype=torch.int32)
+    """lens/ctx_start [N] (packed order), tables [N, max_blocks] -> the varlen kernel's metadata
+    (int64 as staged; the kernel's call casts to int32 after the upload)."""
+    zero = torch.zeros(1, dtype=torch.int64)
     kv_lens = ctx_start + lens  # [N] keys each chunk attends over: its cached context and itself
     return FlashMetadata(
-        cu_seqlens_q=torch.cat([zero, torch.cumsum(lens, 0).int()]).to(device),
-        cu_seqlens_k=torch.cat([zero, torch.cumsum(kv_lens, 0).int()]).to(device),
+        cu_seqlens_q=transfers.stage(torch.cat([zero, torch.cumsum(lens, 0)])),
+        cu_seqlens_k=transfers.stage(torch.cat([zero, torch.cumsum(kv_lens, 0)])),
         max_seqlen_q=int(lens.max()),
         max_seqlen_k=int(kv_lens.max()),
-        block_tables=tables.int().to(device),
-        seqused_k=kv_lens.int().to(device),
+        block_tables=transfers.stage(tables),
+        seqused_k=transfers.stage(kv_lens),
     )
 
 
@@ -153,12 +179,14 @@ class ModelRunner:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         decode_kv: str = "auto",
+        compile: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.device = device
-        shape = (num_kv_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (pool_blocks(num_kv_blocks), block_size, spec.num_kv_heads, spec.head_dim)  # + the trash block
         # why zeros: padded decode rows read unwritten slots; masked-out garbage NaNs would still
         # poison the output (0 * NaN), zeros cannot
         self.kv_caches = [
@@ -185,6 +213,14 @@ class ModelRunner:
             if self.decode_kv_kind == "rows"
             else GatheredBlocks(block_size, device)
         )
+        self.transfers = Transfers(device)
+        self.decode_kv.stage = self.transfers.stage
+        self.forward = StepForward(model, compile, max_num_batched_tokens)
+        # CUDA graphs for decode-only steps go with compile (both are about launch overhead)
+        self.graphs: GraphDecode | None = None
+        if device.type == "cuda" and compile and not self.flash:  # pragma: no cover - CUDA only
+            max_blocks = math.ceil((max_model_len or num_kv_blocks * block_size) / block_size)
+            self.graphs = GraphDecode(self.forward, self.kv_caches, max_num_seqs or 64, max_blocks, block_size, device)
         logger.info(
             "KV pool: %d blocks x %d tokens, %d layers (attention: %s, %s; decode K/V: %s)",
             num_kv_blocks,
@@ -202,9 +238,21 @@ class ModelRunner:
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
-        self.copy_blocks(batch.copies)
+        self.copy_blocks(batch.copies)  # copy-on-write of forked samples' shared last block, before any write
+        if self.graphs is not None and all(c.is_decode for c in chunks):  # pragma: no cover - CUDA only
+            logits = self._graph_decode(chunks)
+            if logits is not None:
+                return logits
+        padded = self.forward.padded_tokens(sum(c.num_tokens for c in chunks))
         ctx, positions, order = build_forward_context(
-            chunks, self.decode_kv, self.kv_caches, self.block_size, self.device, self.flash
+            chunks,
+            self.decode_kv,
+            self.kv_caches,
+            self.block_size,
+            self.device,
+            self.flash,
+            transfers=self.transfers,
+            padded_len=padded,
         )
         token_ids: list[int] = []
         packed_end = [0] * len(chunks)
@@ -216,25 +264,47 @@ class ModelRunner:
             if c.prompt_logits:  # prompt_logprobs: positions start .. start + prompt_logits - 1
                 first = packed_end[i] - c.num_tokens
                 keep.extend(range(first, first + c.prompt_logits))
-        input_ids = torch.tensor(token_ids, device=self.device)[None]  # [1, T]
-        keep_idx = torch.tensor(keep, dtype=torch.long, device=self.device)  # [num sampled + prompt-logit rows]
+        num_keep = len(keep)
+        token_ids.extend([0] * (padded - len(token_ids)))
+        input_ids = self.transfers.stage(torch.tensor(token_ids))  # [T]
+        keep_idx = self.transfers.stage(torch.tensor(keep or [0]))  # [num sampled + prompt-logit rows], or [1]
+        self.transfers.upload()
         with torch.inference_mode(), forward_context(ctx):
-            out = self.model(
-                input_ids=input_ids, position_ids=positions[None], logits_to_keep=keep_idx, use_cache=False
-            )
+            logits = self.forward(input_ids, positions, keep_idx)
         if ctx.num_attention_calls != len(self.kv_caches):
             raise RuntimeError(
                 f"the model called batchgen's attention {ctx.num_attention_calls} times for "
                 f"{len(self.kv_caches)} layers; it does not route all attention through the interface"
             )
-        return out.logits[0].float()  # [num sampled + prompt-logit rows, vocab]
+        return logits[:num_keep].float()  # [num sampled + prompt-logit rows, vocab]
+
+    def _graph_decode(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:  # pragma: no cover - CUDA
+        """A decode-only step through the CUDA graph of its batch-size bucket; None: it does not fit one."""
+        if self.graphs is None:
+            return None
+        needed = [c.start // self.block_size + 1 for c in chunks]
+        tables = padded_tables([c.block_table for c in chunks], needed, max(needed))
+        ids = self.transfers.stage(torch.tensor([c.token_ids[-1] for c in chunks]))
+        positions = self.transfers.stage(torch.tensor([c.start for c in chunks]))
+        staged_tables = self.transfers.stage(tables)
+        self.transfers.upload()
+
+        def run(ctx: object, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+            with torch.inference_mode(), forward_context(ctx):  # type: ignore[arg-type]
+                return call()
+
+        def context(slots: torch.Tensor, static: StaticDecode, bucket: int) -> ForwardContext:
+            return ForwardContext(self.kv_caches, slots, None, [], num_tokens=bucket, static_decode=static)
+
+        logits = self.graphs.execute(ids, positions, staged_tables, run, context)
+        return None if logits is None else logits.float()
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) block's K/V, in every layer."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = self.transfers.to_device(torch.tensor([c[0] for c in copies]))  # counted: an extra upload
+        dst = self.transfers.to_device(torch.tensor([c[1] for c in copies]))
         for k, v in self.kv_caches:  # each [num_blocks, block_size, kv_heads, head_dim]
             k[dst] = k[src]
             v[dst] = v[src]

@@ -17,6 +17,7 @@ import torch
 
 from batchgen.engine.penalties import LogitsFeatures
 from batchgen.engine.sequence import Sequence
+from batchgen.engine.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,14 @@ class Sampler:
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator
         # penalties, biases, bans, grammars (batchgen/engine/penalties.py); the engine registers requests
         self.features: LogitsFeatures | None = None
+        self.transfers: Transfers | None = None  # set by the engine: host->device copies are counted there
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` (row i belongs to seqs[i]). `logits` is not modified."""
+        return self.sample_ids(logits, seqs).tolist()
+
+    def sample_ids(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """As __call__, but the ids stay on the device ([num_seqs] int64), for the engine's one read per step."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
         logits = self._mask_min_tokens(logits, seqs)
@@ -50,18 +56,24 @@ class Sampler:
             logits = features.apply(logits, seqs)
         tokens = self._draw(logits, seqs)
         if features is not None:
-            features.accept(seqs, tokens)
+            # why a read here: grammar matchers and penalty counts advance on host ids (one more read a step)
+            host = self.transfers.read("logits_features", tokens)[0] if self.transfers else tokens.tolist()
+            features.accept(seqs, host)
         return tokens
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if len(sample_rows) == len(seqs):
-            return self._sample(logits, seqs).tolist()
+            return self._sample(logits, seqs)
         tokens = logits.argmax(dim=-1)  # [num_seqs] greedy for every row; sampled rows overwritten
         if sample_rows:
-            rows = torch.tensor(sample_rows, device=logits.device)
+            rows = self._to_device(torch.tensor(sample_rows), logits.device)
             tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sample_rows])
-        return tokens.tolist()
+        return tokens
+
+    def _to_device(self, values: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Through the engine's Transfers when it set one (counted), else a plain copy."""
+        return self.transfers.to_device(values) if self.transfers is not None else values.to(device)
 
     def release(self, seq_id: int) -> None:
         """Forget a finished request's generator (a no-op for unseeded or unknown requests)."""
@@ -90,7 +102,8 @@ class Sampler:
             return logits
         # why a copy: the caller's logits stay intact (a logprobs feature may read them later)
         logits = logits.clone()
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        index = self._to_device(torch.tensor([rows, cols]), logits.device)  # [2, n]
+        logits[index[0], index[1]] = float("-inf")
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -98,7 +111,7 @@ class Sampler:
         vocab = logits.shape[-1]
         table = [[p.temperature, min(p.top_k or vocab, vocab), p.top_p, p.min_p] for p in (s.params for s in seqs)]
         # why one tensor: a single host->device copy for all per-row parameters
-        params = torch.tensor(table, dtype=torch.float32).to(logits.device)  # [n, 4]
+        params = self._to_device(torch.tensor(table, dtype=torch.float32), logits.device)  # [n, 4]
         temperature, top_k, top_p, min_p = params.unbind(dim=1)  # each [n]
         probs = (logits.float() / temperature[:, None]).softmax(dim=-1)  # [n, V]
         max_k = int(max((row[1] for row in table if row[1] < vocab), default=0))

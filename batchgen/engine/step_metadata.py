@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.engine.cuda_graphs import StaticDecode
 from batchgen.engine.decode_kv import DecodeStep
 
 
@@ -29,19 +30,21 @@ class PrefillChunk:
 class FlashMetadata:
     """The paged varlen kernel's metadata for the whole packed batch (attention_path, CUDA only)."""
 
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32, over each chunk's whole context
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int64 (staged; cast to int32 where used, after the upload)
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int64, over each chunk's whole context
     max_seqlen_q: int
     max_seqlen_k: int
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    seqused_k: torch.Tensor  # [num_seqs] int32: keys each chunk attends over (context + its own tokens)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    seqused_k: torch.Tensor  # [num_seqs] int64: keys each chunk attends over (context + its own tokens)
 
 
 @dataclass
 class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, kvh, d]
-    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token
+    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each new token, -1: padding
     decodes: DecodeStep | None  # the decodes (packed first) as their source planned them; None: no decodes
     prefills: list[PrefillChunk]
     flash: FlashMetadata | None = None  # set: the varlen kernel reads the pool for every chunk, decodes included
+    num_tokens: int = 0  # real tokens of the step; the forward may run more (padding, slot -1)
+    static_decode: StaticDecode | None = None  # set: a CUDA-graph decode step (cuda_graphs), fixed shapes
     num_attention_calls: int = 0  # checked by the runner: every layer must come through us

@@ -24,6 +24,8 @@ def test_unknown_setting_is_named_before_anything_loads(tmp_path: Path) -> None:
         ({"max_num_seqs": True}, "max_num_seqs"),
         ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
         ({"enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+        ({"compile": "yes"}, "compile"),
+        ({"compile": 1}, "compile"),
     ],
 )
 def test_invalid_setting_is_a_value_error_naming_it(tmp_path: Path, settings: dict, name: str) -> None:

@@ -79,6 +79,21 @@ def _reference(arch: str, path: Path) -> list[list[int]]:
 @pytest.mark.parametrize("setting", ["pressure", "relaxed"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_parity(arch: str, setting: str, decode_kv: str, tiny_model: Callable[[str], Path]) -> None:
+    _check_parity(arch, setting, decode_kv, False, tiny_model)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_parity_compiled(arch: str, tiny_model: Callable[[str], Path]) -> None:
+    """engine.compile on (torch.compile around the attention op, tokens padded): the same tokens.
+
+    Under pressure (chunked prefill, prefix caching, preemption), with decode rows (the CPU default).
+    """
+    llm = _check_parity(arch, "pressure", "rows", True, tiny_model)
+    stats = llm.engine.runner.forward.stats
+    assert stats.graphs >= 1 and stats.seconds > 0, stats  # it really compiled
+
+
+def _check_parity(arch: str, setting: str, decode_kv: str, compile: bool, tiny_model: Callable[[str], Path]) -> LLM:
     path = tiny_model(arch)
     expected = _reference(arch, path)
     llm = LLM(
@@ -86,6 +101,7 @@ def test_greedy_parity(arch: str, setting: str, decode_kv: str, tiny_model: Call
         device="cpu",
         dtype="float32",
         decode_kv=decode_kv,
+        compile=compile,
         **(PRESSURE if setting == "pressure" else RELAXED),
     )
     params = [SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS]
@@ -101,6 +117,7 @@ def test_greedy_parity(arch: str, setting: str, decode_kv: str, tiny_model: Call
         assert stats["steps"] > sum(map(len, PROMPTS)) // PRESSURE["max_num_batched_tokens"]  # chunked
     else:
         assert stats["cached_tokens"] == 0, stats
+    return llm
 
 
 def _refused(tmp_path: Path, config: object) -> str:

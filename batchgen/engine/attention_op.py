@@ -1,0 +1,60 @@
+"""The paged attention as one opaque torch custom op, `batchgen::paged_attention`.
+
+Why: `torch.compile` can fuse the unchanged transformers modules (RMSNorm, RoPE, SwiGLU,
+residuals, projections) only if the attention in between neither breaks the graph nor is traced.
+The attention reads a per-step ForwardContext (Python objects: decode groups, rows, chunks) and
+writes the KV pool; as a custom op it is one node the compiler calls as is, with a fake
+implementation that only says what shape it returns. Everything the op needs beyond its tensor
+arguments comes from the context the model runner sets around the forward, never from the
+compiled code, so nothing in the graph depends on (or is guarded on) a step's metadata.
+
+Eager runs go through the same op, so both modes execute the very same attention code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+OP_NAME = "batchgen::paged_attention"
+
+# Set by attention.py at import: (query [H, T, D], key/value [KVH, T, D], scale, window, softcap) -> [T, H, D].
+# Why a hook: attention.py imports this module, and the op must exist before any model is compiled.
+_IMPL: list[Callable[..., torch.Tensor]] = []
+
+
+def set_impl(impl: Callable[..., torch.Tensor]) -> None:
+    _IMPL[:] = [impl]
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """query [H, T, D], key/value [KVH, T, D] -> [T, H, D]; stores this step's K/V in the pool as a side effect.
+
+    Why mutates_args=(): the pool is not an argument (it lives in the step's context), and the
+    output, which every later layer depends on, keeps the op in its place in the graph.
+    Why no layer index: the layer is the op's call number within the forward (layers run in
+    order; compiled_forward.check_layer_order checks it at load), so every layer's compiled code
+    is the same graph, compiled once, instead of one graph per layer.
+    """
+    return _IMPL[0](query, key, value, scale, window, softcap)
+
+
+@paged_attention.register_fake
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    return query.new_empty(query.shape[1], query.shape[0], query.shape[2])

@@ -1,0 +1,180 @@
+"""CUDA graphs for decode-only steps: one captured forward per batch-size bucket, replayed on static buffers.
+
+Why: a decode step of a small batch launches hundreds of small kernels; on a GPU their launch
+cost, not the math, bounds the step. A CUDA graph replays them all in one launch, but only on
+fixed shapes and fixed addresses. So a decode-only step of n sequences is padded to the next
+bucket B (1, 2, 4, 8, then multiples of 16, as nano-vllm does), its inputs are copied into
+static buffers sized for B, and the graph captured for B is replayed. Padded rows write the KV
+pool's trash block (slot -1, see kv_store) and attend one zero key, so they stay finite.
+
+During capture and replay the attention reads `StaticDecode` (block tables and context lengths
+in the static buffers, padded to the longest sequence the engine allows) instead of the step's
+decode groups: one fixed-shape gather + SDPA. Mixed prefill steps run without graphs.
+
+What no CPU test covers is only `DecodeGraphs.capture` / `replay` (marked below); bucket choice,
+padding, the static attention and the KV store's skipping of slot -1 are plain torch, tested on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.engine.kv_store import PAD_SLOT
+
+MAX_GRAPH_BATCH = 512
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes captured: 1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs (included)."""
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
+    return sorted({*sizes, top})
+
+
+def pick_bucket(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket holding n decodes; None when none does (the step runs without a graph)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+@dataclass
+class StaticDecode:
+    """The decode metadata a captured graph reads, in fixed-size buffers ([B] rows, padded)."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padding: block 0
+    context_lens: torch.Tensor  # [B] int64: tokens in cache after this step, padding: 1
+
+
+class DecodeBuffers:
+    """Static inputs for the largest bucket; a bucket's graph uses their first B rows."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slots = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, device=device)
+        self.context_lens = torch.ones(max_batch, dtype=torch.int64, device=device)
+
+    def fill(self, n: int, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> None:
+        """Rows 0..n-1 from this step (device tensors: ids [n], positions [n], tables [n, w]); n..bucket-1 padding."""
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.context_lens[:n].copy_(positions + 1)
+        self.block_tables[:n].zero_()
+        self.block_tables[:n, : tables.shape[1]].copy_(tables)
+        self.input_ids[n:bucket].zero_()
+        self.positions[n:bucket].zero_()
+        self.context_lens[n:bucket].fill_(1)
+        self.block_tables[n:bucket].zero_()
+        self.slots[n:bucket].fill_(PAD_SLOT)
+
+    def set_slots(self, n: int, block_size: int) -> None:
+        """Slots of rows 0..n-1 from their tables and positions (device-side, no host values)."""
+        rows = torch.arange(n, device=self.positions.device)
+        pos = self.positions[:n]
+        self.slots[:n] = self.block_tables[rows, pos // block_size] * block_size + pos % block_size
+
+    def view(self, bucket: int) -> StaticDecode:
+        return StaticDecode(self.block_tables[:bucket], self.context_lens[:bucket])
+
+
+def static_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: StaticDecode,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [H, B, D] (one query per row) over the pool, fixed shapes -> [B, H, D]."""
+    h, b, d = q.shape
+    kvh, bs = k_cache.shape[2], k_cache.shape[1]
+    index = meta.block_tables.reshape(-1)
+    k = k_cache.index_select(0, index).view(b, -1, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
+    v = v_cache.index_select(0, index).view(b, -1, kvh, d).transpose(1, 2)
+    kv = torch.arange(meta.block_tables.shape[1] * bs, device=q.device)  # [L]
+    q_pos = (meta.context_lens - 1)[:, None]  # [B, 1]
+    allowed = kv[None] <= q_pos
+    if window is not None:
+        allowed &= kv[None] > q_pos - window
+    mask = allowed[:, None, None, :]  # [B, 1, 1, L]
+    qg = q.transpose(0, 1).reshape(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.tanh(torch.matmul(qg, k.transpose(-1, -2)) * scale / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+        out = torch.matmul(probs.to(q.dtype), v)
+    return out.reshape(b, h, d)
+
+
+class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this module no CPU test runs
+    """One CUDA graph per bucket over `forward(input_ids, positions, keep) -> logits [B, V]`."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], buffers: DecodeBuffers, buckets: list[int]) -> None:
+        self.forward, self.buffers, self.buckets = forward, buffers, buckets
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool: Any = None  # the graphs share one memory pool
+
+    def capture(self, bucket: int, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
+        """Capture the forward for `bucket` rows; `run` sets the step's context around the call."""
+        buf = self.buffers
+        keep = torch.arange(bucket, device=buf.input_ids.device)
+
+        def call() -> torch.Tensor:
+            return self.forward(buf.input_ids[:bucket], buf.positions[:bucket], keep)
+
+        run(call)  # warm-up outside the graph (allocator, lazy inits)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[bucket] = run(call)
+        self.pool = graph.pool()
+        self.graphs[bucket] = graph
+
+    def replay(self, bucket: int, n: int) -> torch.Tensor:
+        self.graphs[bucket].replay()
+        return self.logits[bucket][:n]
+
+
+class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are above)
+    """The model runner's decode-only steps on CUDA: fill the static buffers, replay the bucket's graph."""
+
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.kv_caches, self.block_size = kv_caches, block_size
+        self.buckets = decode_buckets(max_num_seqs)
+        self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device)
+        self.graphs = DecodeGraphs(forward, self.buffers, self.buckets)
+
+    def execute(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        run: Callable[[object, Callable[[], torch.Tensor]], torch.Tensor],
+        make_context: Callable[[torch.Tensor, StaticDecode, int], object],
+    ) -> torch.Tensor | None:
+        """Device ids/positions [n], tables [n, w] (uploaded) -> logits [n, V], or None: no bucket fits."""
+        n = input_ids.shape[0]
+        bucket = pick_bucket(n, self.buckets)
+        if bucket is None or tables.shape[1] > self.buffers.block_tables.shape[1]:
+            return None
+        self.buffers.fill(n, bucket, input_ids, positions, tables)
+        self.buffers.set_slots(n, self.block_size)
+        if bucket not in self.graphs.graphs:
+            ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(bucket), bucket)
+            self.graphs.capture(bucket, lambda call: run(ctx, call))
+        return self.graphs.replay(bucket, n)

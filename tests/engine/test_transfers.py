@@ -1,0 +1,92 @@
+"""One host sync per step: every host<->device transfer of a step goes through the runner's Transfers.
+
+On CPU nothing is copied, but everything is counted the same way, and `copy=True` forces the
+staging buffer path (what CUDA runs, without pinning) so its views and growth are checked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.engine.llm import LLM
+from batchgen.engine.params import SamplingParams
+from batchgen.engine.transfers import Transfers
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
+
+
+def _llm(tiny_model: Callable[[str], Path], **settings: object) -> LLM:
+    return LLM(str(tiny_model("llama")), device="cpu", dtype="float32", block_size=4, compile=False, **settings)
+
+
+def _decode_step_counts(llm: LLM, params: SamplingParams) -> list[tuple[int, int]]:
+    """(uploads, reads) of every step that is decode-only."""
+    engine, counts = llm.engine, llm.engine.runner.transfers.counts
+    for p in PROMPTS:
+        engine.add_request(p, params)
+    per_step = []
+    while engine.has_unfinished():
+        decode_only = engine.scheduler.num_waiting == 0 and all(
+            s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running
+        )
+        before = counts.snapshot()
+        engine.step()
+        after = counts.snapshot()
+        if decode_only:
+            per_step.append((after[0] - before[0], after[1] - before[1]))
+    return per_step
+
+
+def test_greedy_decode_step_is_one_upload_and_one_read(tiny_model: Callable[[str], Path]) -> None:
+    llm = _llm(tiny_model)
+    steps = _decode_step_counts(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert len(steps) >= 4
+    assert set(steps) == {(1, 1)}, steps
+    assert set(llm.engine.runner.transfers.counts.read_sites) == {"sampled_ids"}
+
+
+def test_sampling_features_that_cost_more_uploads(tiny_model: Callable[[str], Path]) -> None:
+    """The listed exceptions: per-row sampling parameters (+1 upload), min_tokens masking (+1); still one read."""
+    sampled = _decode_step_counts(_llm(tiny_model), SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=4))
+    assert set(sampled) == {(2, 1)}, sampled
+    masked = _decode_step_counts(
+        _llm(tiny_model), SamplingParams(temperature=0.0, min_tokens=3, max_tokens=3, ignore_eos=True)
+    )
+    assert set(masked) == {(2, 1)}, masked
+
+
+def test_staging_buffer_path_gives_the_same_tokens(tiny_model: Callable[[str], Path]) -> None:
+    """The copy path (one buffer, views filled by one upload; grown when a step needs more) = direct tensors."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in _llm(tiny_model).generate(PROMPTS, params)]
+    llm = _llm(tiny_model)
+    runner = llm.engine.runner
+    runner.transfers = Transfers(torch.device("cpu"), copy=True, capacity=16)  # too small: grows in the first step
+    runner.decode_kv.stage = runner.transfers.stage
+    llm.engine.sampler.transfers = runner.transfers
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    assert runner.transfers._arenas[0].host.numel() > 16
+
+
+def test_staged_values_arrive_with_the_upload() -> None:
+    transfers = Transfers(torch.device("cpu"), copy=True, capacity=4)
+    a = transfers.stage(torch.tensor([1, 2, 3]))
+    b = transfers.stage(torch.tensor([[4, 5], [6, 7]]))  # does not fit: a second buffer for this step
+    transfers.upload()
+    assert a.tolist() == [1, 2, 3] and b.tolist() == [[4, 5], [6, 7]]
+    assert transfers.counts.uploads == 2  # one copy per buffer in the step that grew
+    c = transfers.stage(torch.tensor([8, 9, 10, 11, 12, 13, 14]))
+    transfers.upload()
+    assert c.tolist() == [8, 9, 10, 11, 12, 13, 14] and transfers.counts.uploads == 3  # one buffer again
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_read_is_one_transfer_for_several_tensors(copy: bool) -> None:
+    transfers = Transfers(torch.device("cpu"), copy=copy)
+    ids, flag = transfers.read("sampled_ids", torch.tensor([3, 1, 2]), torch.tensor(True))
+    assert (ids, flag) == ([3, 1, 2], [1])
+    assert transfers.counts.reads == 1 and transfers.counts.read_sites == {"sampled_ids": 1}

@@ -137,7 +137,7 @@ def section1(sizes: Sizes, work: Path) -> dict[str, Any]:
         for name, settings in PARITY_SETTINGS.items():
             llm = LLM(str(path), device=sizes.device, dtype="float32", **settings)
             outs = llm.generate(prompts, [greedy(m) for m in max_tokens])
-            bad = [i for i, (o, e) in enumerate(zip(outs, expected)) if list(o.token_ids) != e]
+            bad = [i for i, (o, e) in enumerate(zip(outs, expected)) if list(o.outputs[0].token_ids) != e]
             row[name] = {
                 "matched": len(prompts) - len(bad),
                 "of": len(prompts),
@@ -172,7 +172,7 @@ def engine_prefill_and_greedy(path: Path, sizes: Sizes, prompts: list[list[int]]
         "block_size": runner.block_size,
         "attention": runner.attention.path,
         "logits": logits[0],
-        "tokens": [list(o.token_ids) for o in outs],
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
     }
     del llm, runner
     free_memory()

@@ -52,7 +52,7 @@ def _run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, f
         wall = time.perf_counter() - start
     finally:
         features.apply, features.accept = apply, accept  # type: ignore[method-assign]
-    return wall, spent[0], sum(len(o.token_ids) for o in outs)
+    return wall, spent[0], sum(len(o.outputs[0].token_ids) for o in outs)
 
 
 def main() -> None:

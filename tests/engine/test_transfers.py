@@ -62,13 +62,13 @@ def test_sampling_features_that_cost_more_uploads(tiny_model: Callable[[str], Pa
 def test_staging_buffer_path_gives_the_same_tokens(tiny_model: Callable[[str], Path]) -> None:
     """The copy path (one buffer, views filled by one upload; grown when a step needs more) = direct tensors."""
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    want = [o.token_ids for o in _llm(tiny_model).generate(PROMPTS, params)]
+    want = [o.outputs[0].token_ids for o in _llm(tiny_model).generate(PROMPTS, params)]
     llm = _llm(tiny_model)
     runner = llm.engine.runner
     runner.transfers = Transfers(torch.device("cpu"), copy=True, capacity=16)  # too small: grows in the first step
     runner.decode_kv.stage = runner.transfers.stage
     llm.engine.sampler.transfers = runner.transfers
-    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
     assert runner.transfers._arenas[0].host.numel() > 16
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -80,6 +81,7 @@ def main() -> None:
             ("tail_ray_2_workers_1_cpu", tail + ray_2),
         ]:
             runs[name] = run_once(Path(tmp) / name, overrides)
+            print(json.dumps({name: runs[name]}), file=sys.stderr, flush=True)  # a long run's figures so far
     local, one, two = runs["local"], runs["ray_1_worker_all_cpus"], runs["ray_2_workers_1_cpu"]
     report = {
         "machine": {"cpus": os.cpu_count(), "shared": "yes: other jobs ran beside this one; see load averages"},

@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/ray_overhead.py            # ~10 min on a quiet 2-core machine
 
-Three runs of jobs/quickstart.yaml (the demo model, the first 300 sample prompts, greedy) with
-`engine.window_rows: 50` (6 parts), each a fresh in-process `JobRunner.run()`, Ray start-up and
-shutdown included: `kind: local`, `kind: ray` with 1 worker on all CPUs, and 2 workers x 1 CPU.
+Three runs of jobs/quickstart.yaml (the demo model, the first `--rows` 300 sample prompts,
+greedy, `--max-tokens` 96) with `engine.window_rows: --window` (50: 6 parts), each a fresh
+in-process `JobRunner.run()`, Ray start-up and shutdown included: `kind: local`, `kind: ray`
+with 1 worker on all CPUs, and 2 workers x 1 CPU.
 Then 2 workers on 2,400 sample rows (window 100: 24 parts, `--tail-max-tokens` each) for the
 parts each worker took and how long each sat idle at the end (the straggler tail). Cached-token
 totals show what splitting the parts over two prefix caches costs.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +59,8 @@ def run_once(out: Path, overrides: list[str]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=300, help="rows of the overhead runs (quickstart: 300)")
+    parser.add_argument("--window", type=int, default=50, help="engine.window_rows of the overhead runs")
+    parser.add_argument("--max-tokens", type=int, default=96, help="max_tokens of the overhead runs (quickstart: 96)")
     parser.add_argument("--tail-rows", type=int, default=2400)
     parser.add_argument("--tail-max-tokens", type=int, default=16, help="max_tokens of the 2,400-row run")
     args = parser.parse_args()
@@ -66,7 +70,7 @@ def main() -> None:
 
     ray_1 = ["executor.kind=ray", "executor.num_workers=1"]  # worker_cpus null: all the CPUs
     ray_2 = ["executor.kind=ray", "executor.num_workers=2", "executor.worker_cpus=1"]
-    base = [f"input.limit={args.rows}", "engine.window_rows=50"]
+    base = [f"input.limit={args.rows}", f"engine.window_rows={args.window}", f"sampling.max_tokens={args.max_tokens}"]
     tail = [f"input.limit={args.tail_rows}", "engine.window_rows=100", f"sampling.max_tokens={args.tail_max_tokens}"]
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,6 +81,7 @@ def main() -> None:
             ("tail_ray_2_workers_1_cpu", tail + ray_2),
         ]:
             runs[name] = run_once(Path(tmp) / name, overrides)
+            print(json.dumps({name: runs[name]}), file=sys.stderr, flush=True)  # a long run's figures so far
     local, one, two = runs["local"], runs["ray_1_worker_all_cpus"], runs["ray_2_workers_1_cpu"]
     report = {
         "machine": {"cpus": os.cpu_count(), "shared": "yes: other jobs ran beside this one; see load averages"},

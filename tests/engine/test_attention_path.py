@@ -144,3 +144,11 @@ def test_cpu_runner_takes_the_sdpa_path(tiny_model) -> None:  # type: ignore[no-
 
     llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=8)
     assert llm.engine.runner.attention.path == SDPA and not llm.engine.runner.flash
+
+
+def test_soft_capping_is_read_from_the_config() -> None:
+    from transformers import Gemma2Config, LlamaConfig
+
+    from batchgen.engine.attention_path import has_softcap
+
+    assert has_softcap(Gemma2Config(attn_logit_softcapping=50.0)) and not has_softcap(LlamaConfig())

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from batchgen.engine.llm import LLM
 from batchgen.engine.scheduler import ScheduledBatch
+from batchgen.engine.tiny_models import tiny_configs
 from benchmarks.gpu_check import (
     EOS,
     Sizes,
@@ -64,52 +65,8 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new: int, device: str)
 
 
 def parity_configs() -> dict[str, Any]:
-    """The parity tests' tiny architectures (tests/engine/conftest.py), vocab 256."""
-    common = dict(
-        vocab_size=256,
-        eos_token_id=EOS,
-        bos_token_id=EOS,
-        pad_token_id=EOS,
-        max_position_embeddings=512,
-        initializer_range=0.25,
-        tie_word_embeddings=False,
-    )
-    llama = dict(
-        common, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    no_pos = {k: v for k, v in common.items() if k != "max_position_embeddings"}
-    return {
-        "llama": tf.LlamaConfig(**llama),
-        "mistral": tf.MistralConfig(**llama, sliding_window=48),
-        "qwen2": tf.Qwen2Config(
-            **llama,
-            use_sliding_window=True,
-            sliding_window=40,
-            max_window_layers=1,
-            layer_types=["full_attention", "sliding_attention"],
-        ),
-        "qwen3": tf.Qwen3Config(**llama, head_dim=16),
-        "phi3": tf.Phi3Config(**llama),
-        "gemma2": tf.Gemma2Config(
-            **llama,
-            head_dim=16,
-            sliding_window=32,
-            attn_logit_softcapping=5.0,
-            final_logit_softcapping=3.0,
-            query_pre_attn_scalar=16,
-        ),
-        "gemma3": tf.Gemma3TextConfig(
-            **llama,
-            head_dim=16,
-            sliding_window=32,
-            query_pre_attn_scalar=16,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
-        "gpt2": tf.GPT2Config(**no_pos, n_positions=512, n_embd=64, n_layer=2, n_head=4),
-        "gpt_neox": tf.GPTNeoXConfig(
-            **common, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
-        ),
-    }
+    """The parity tests' tiny architectures (batchgen/engine/tiny_models.py), vocab 256."""
+    return tiny_configs()
 
 
 PARITY_SETTINGS = {

@@ -13,65 +13,7 @@ from typing import Any
 
 import pytest
 
-VOCAB = 256
-EOS_ID = 0
-MAX_POS = 512
-
-
-def _configs() -> dict[str, Any]:
-    import transformers as tf
-
-    common = dict(
-        vocab_size=VOCAB,
-        eos_token_id=EOS_ID,
-        bos_token_id=EOS_ID,
-        pad_token_id=EOS_ID,
-        max_position_embeddings=MAX_POS,
-        initializer_range=0.25,
-        tie_word_embeddings=False,
-    )
-    llama_like = dict(
-        common, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    return {
-        "llama": tf.LlamaConfig(**llama_like),
-        "mistral": tf.MistralConfig(**llama_like, sliding_window=48),
-        "qwen2": tf.Qwen2Config(
-            **llama_like,
-            use_sliding_window=True,
-            sliding_window=40,
-            max_window_layers=1,
-            layer_types=["full_attention", "sliding_attention"],
-        ),
-        "qwen3": tf.Qwen3Config(**llama_like, head_dim=16),
-        "phi3": tf.Phi3Config(**llama_like),
-        "gemma2": tf.Gemma2Config(
-            **llama_like,
-            head_dim=16,
-            sliding_window=32,
-            attn_logit_softcapping=5.0,
-            final_logit_softcapping=3.0,
-            query_pre_attn_scalar=16,
-        ),
-        "gemma3": tf.Gemma3TextConfig(
-            **llama_like,
-            head_dim=16,
-            sliding_window=32,
-            query_pre_attn_scalar=16,
-            layer_types=["sliding_attention", "full_attention"],
-        ),
-        "gpt2": tf.GPT2Config(
-            **{k: v for k, v in common.items() if k != "max_position_embeddings"},
-            n_positions=MAX_POS,
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-        ),
-        "gpt_neox": tf.GPTNeoXConfig(
-            **common, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
-        ),
-    }
-
+from batchgen.engine.tiny_models import EOS_ID, VOCAB, tiny_configs
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "gpt_neox"]
 
@@ -101,7 +43,7 @@ def save_tiny_model(config: Any, path: Path, seed: int = 0) -> Path:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """tiny_model("llama") -> folder of a saved tiny model of that architecture (built once)."""
     built: dict[str, Path] = {}
-    configs = _configs()
+    configs = tiny_configs()
 
     def get(arch: str) -> Path:
         if arch not in built:

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from batchgen import LLM, RequestOutput, SamplingParams
-
-from .conftest import EOS_ID
+from batchgen.engine.tiny_models import EOS_ID
 
 
 @pytest.fixture(scope="module")

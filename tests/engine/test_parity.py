@@ -20,8 +20,9 @@ import torch
 from batchgen.engine.llm import LLM
 from batchgen.engine.models import UnsupportedModelError, resolve_max_model_len
 from batchgen.engine.params import SamplingParams
+from batchgen.engine.tiny_models import EOS_ID, MAX_POS, VOCAB
 
-from .conftest import ARCHITECTURES, EOS_ID, MAX_POS, VOCAB, save_tiny_model
+from .conftest import ARCHITECTURES, save_tiny_model
 
 PRESSURE = dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=24, enable_prefix_caching=True)
 RELAXED = dict(block_size=8, max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False)

@@ -15,8 +15,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
-
-from .conftest import EOS_ID, VOCAB
+from batchgen.engine.tiny_models import EOS_ID, VOCAB
 
 MAX_TOKENS = 24
 

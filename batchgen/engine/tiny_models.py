@@ -19,7 +19,7 @@ def tiny_configs() -> dict[str, Any]:
     """Architecture name -> its tiny transformers config."""
     import transformers as tf
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB,
         eos_token_id=EOS_ID,
         bos_token_id=EOS_ID,
@@ -28,7 +28,7 @@ def tiny_configs() -> dict[str, Any]:
         initializer_range=0.25,
         tie_word_embeddings=False,
     )
-    llama_like = dict(
+    llama_like: dict[str, Any] = dict(
         common, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )
     return {

@@ -219,7 +219,8 @@ def _store_kv(ctx: ForwardContext, layer: int, key: torch.Tensor, value: torch.T
             f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
             f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
         )
-    store_kv(k_cache, v_cache, ctx.slot_mapping, key.transpose(0, 1), value.transpose(0, 1))
+    padded = ctx.static_decode is not None or ctx.num_tokens != ctx.slot_mapping.shape[0]
+    store_kv(k_cache, v_cache, ctx.slot_mapping, key.transpose(0, 1), value.transpose(0, 1), padded)
 
 
 def _paged_attention_impl(
@@ -285,8 +286,10 @@ def paged_attention_forward(
     if not (window is None or isinstance(window, int)) or not (softcap is None or isinstance(softcap, (int, float))):
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: sliding_window {window!r}, softcap {softcap!r} unknown")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    # why through the op even in eager mode: compiled and eager runs execute the very same code
-    out = paged_attention(query[0], key[0], value[0], float(scale), window, None if softcap is None else float(softcap))
+    args = (query[0], key[0], value[0], float(scale), window, None if softcap is None else float(softcap))
+    # why the op only while compiling: the compiler needs it opaque; eager runs call its body directly
+    # (the very same code, without the custom-op dispatch on every layer of every step)
+    out = paged_attention(*args) if torch.compiler.is_compiling() else _paged_attention_impl(*args)
     return out.unsqueeze(0), None
 
 

@@ -20,12 +20,20 @@ def pool_blocks(num_kv_blocks: int) -> int:
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padded: bool = True,
 ) -> None:
-    """k/v_cache [blocks + 1, block_size, KVH, D]; slots [T] (PAD_SLOT: skip); key/value [T, KVH, D]."""
+    """k/v_cache [blocks + 1, block_size, KVH, D]; slots [T] (PAD_SLOT: skip); key/value [T, KVH, D].
+
+    `padded` False: the caller knows no slot is PAD_SLOT (an eager step's real tokens), so the
+    per-layer remap to the trash block is skipped."""
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     k_flat, v_flat = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
     trash = k_flat.shape[0] - 1  # the last slot of the trash block
-    index = torch.where(slots < 0, trash, slots)
+    index = torch.where(slots < 0, trash, slots) if padded else slots
     k_flat.index_copy_(0, index, key.to(k_cache.dtype))
     v_flat.index_copy_(0, index, value.to(v_cache.dtype))

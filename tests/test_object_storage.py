@@ -23,7 +23,9 @@ from click.testing import CliRunner
 
 from batchgen import objectstore
 from batchgen.cli import main
+from batchgen.job import load_job
 from batchgen.objectstore import ObjectStorage, discover_objects
+from batchgen.runner import JobRunner
 from batchgen.storage import check_storage_options, options_from_uri
 from tests.conftest import make_job, write_job, write_parquet
 
@@ -286,3 +288,27 @@ def test_storage_options_are_normalized_and_checked_per_store() -> None:
         check_storage_options("s3://b/p", {"anonymous": "yes"}, "input")
     uri, options = options_from_uri("s3://b/p/?endpoint_override=h:1&scheme=http&anonymous=true", None, "output")
     assert (uri, options) == ("s3://b/p", {"endpoint_override": "h:1", "scheme": "http", "anonymous": True})
+
+
+def test_ray_workers_read_and_commit_on_a_bucket(
+    tmp_path: Path, tiny_model_dir: Path, s3: dict[str, Any], local_inputs: Path, reference: dict[str, Any]
+) -> None:
+    # Why: a Ray worker rebuilds the storage from the pickled PartWriter/InputFiles in its own
+    # process (no shared file system); its rows must land on the bucket exactly as a local run's.
+    import ray
+
+    inputs = _upload(s3, local_inputs, "inputs/ray")
+    job = _job(tmp_path, tiny_model_dir, inputs, "s3://outputs/ray", s3)
+    spec = load_job(job, ["executor.kind=ray", "executor.num_workers=2", "executor.worker_cpus=1"])
+    # started here, after the fixture set the AWS_* variables, so the workers inherit them
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        summary = JobRunner(spec, quiet=True).run()
+    finally:
+        ray.shutdown()
+    assert summary.totals.ok_rows == sum(FILES.values())
+    skip = COLUMNS.index("cached_tokens")  # which worker's cache a part hits is not fixed
+    assert [r[:skip] + r[skip + 1 :] for r in _s3_rows(s3, "outputs/ray")] == [
+        r[:skip] + r[skip + 1 :] for r in reference["rows"]
+    ]
+    assert _read_json(s3, "outputs/ray/_SUCCESS")["rows"]["total"] == sum(FILES.values())

@@ -16,6 +16,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
+from scripts.train_demo_model import demo_config
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DIR = REPO / "sample_data" / "demo-model"
 EOS = "<|endoftext|>"
@@ -28,23 +30,6 @@ class BenchModel:
     params: int
     standin: bool  # random weights standing in for the trained demo model
     description: str
-
-
-def demo_config(vocab_size: int, eos_id: int) -> LlamaConfig:
-    """The demo model's shape (scripts/train_demo_model.py): 4 layers, hidden 256, GQA 8/4."""
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-    )
 
 
 def large_config(vocab_size: int, eos_id: int) -> LlamaConfig:

@@ -97,9 +97,10 @@ def train_tokenizer(stories: list[str], vocab_size: int) -> PreTrainedTokenizerF
     return wrapped
 
 
-def build_model(vocab_size: int, eos_id: int) -> LlamaForCausalLM:
-    """Small Llama with grouped-query attention (8 query heads share 4 K/V heads)."""
-    config = LlamaConfig(
+def demo_config(vocab_size: int, eos_id: int) -> LlamaConfig:
+    """The demo model's shape: a small Llama with grouped-query attention (8 query heads share 4 K/V
+    heads). benchmarks/bench_models.py builds its random stand-in from this too."""
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=256,
         intermediate_size=688,
@@ -113,7 +114,10 @@ def build_model(vocab_size: int, eos_id: int) -> LlamaForCausalLM:
         pad_token_id=eos_id,
         dtype="float32",
     )
-    return LlamaForCausalLM(config)
+
+
+def build_model(vocab_size: int, eos_id: int) -> LlamaForCausalLM:
+    return LlamaForCausalLM(demo_config(vocab_size, eos_id))
 
 
 def pack(stories: list[str], tok: PreTrainedTokenizerFast) -> torch.Tensor:

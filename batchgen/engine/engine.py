@@ -155,6 +155,7 @@ class Engine:
             self._take_prompt_logprobs(batch, logits[len(sampled) :])
         seqs, kept = self._expand(sampled, logits[: len(sampled)], finished)
         if seqs:
+            assert nan is not None  # sampled rows mean this step has logits
             self._sample(seqs, kept, nan, finished)
         elif nan is not None:  # prompt-logprob rows only: their own read
             self._check_nan(self.runner.transfers.read("nan_flag", nan)[0][0], sampled)
@@ -162,15 +163,16 @@ class Engine:
         return finished
 
     def _sample(
-        self, seqs: list[Sequence], logits: torch.Tensor, nan: torch.Tensor | None, finished: list[RequestOutput]
+        self, seqs: list[Sequence], logits: torch.Tensor, nan: torch.Tensor, finished: list[RequestOutput]
     ) -> None:
         """Draw one token per row, with its raw logprobs when asked, and run the stop checks."""
         # why before the sampler: logprobs are of the raw distribution, whatever the sampler does
         pending = take_logprobs(logits, [s.params.logprobs for s in seqs])
         ids = self.sampler.sample_ids(logits, seqs)
         # why one read: the NaN flag comes back with the sampled ids, one host sync per step
-        tokens, flag = self.runner.transfers.read("sampled_ids", ids, nan if nan is not None else ids.new_zeros(1))
+        tokens, flag = self.runner.transfers.read("sampled_ids", ids, nan)
         self._check_nan(flag[0], seqs)
+        self.sampler.accept(seqs, tokens)  # penalty counts and grammar matchers advance on the same read
         self.stats.output_tokens += len(tokens)
         taken = {}
         if pending is not None:
@@ -236,7 +238,7 @@ class Engine:
     def _grammar_done(self, sample: SampleState) -> bool:
         """A structured request whose grammar accepted a complete output ends with "stop"."""
         features = self.sampler.features
-        if features is None or not features.terminated(sample.seq.seq_id):
+        if features is None or not features.num_active or not features.terminated(sample.seq.seq_id):
             return False
         return sample.stop.finish_now()
 

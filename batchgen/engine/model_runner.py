@@ -303,11 +303,10 @@ class ModelRunner:
         """Copy-on-write: each (source, destination) block's K/V, in every layer."""
         if not copies:
             return
-        src = self.transfers.to_device(torch.tensor([c[0] for c in copies]))  # counted: an extra upload
-        dst = self.transfers.to_device(torch.tensor([c[1] for c in copies]))
+        pairs = self.transfers.to_device(torch.tensor(copies).T)  # [2, n] (source, destination); counted: one upload
         for k, v in self.kv_caches:  # each [num_blocks, block_size, kv_heads, head_dim]
-            k[dst] = k[src]
-            v[dst] = v[src]
+            k[pairs[1]] = k[pairs[0]]
+            v[pairs[1]] = v[pairs[0]]
 
     def reset(self) -> None:
         """After an aborted generate: zero the pool and forget the decode source's sequences.

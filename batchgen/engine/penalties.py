@@ -98,7 +98,7 @@ class LogitsFeatures:
         constrained = [j for j, row in enumerate(rows) if row.matcher is not None and not row.terminated]
         if constrained:
             mask_rows(sub, constrained, [rows[j].matcher for j in constrained])
-        out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
+        out = logits.float() if logits.dtype != torch.float32 else logits.clone()  # .float() copies already
         out[index] = sub
         return out
 

@@ -44,7 +44,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` (row i belongs to seqs[i]). `logits` is not modified."""
-        return self.sample_ids(logits, seqs).tolist()
+        tokens: list[int] = self.sample_ids(logits, seqs).tolist()
+        self.accept(seqs, tokens)
+        return tokens
 
     def sample_ids(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """As __call__, but the ids stay on the device ([num_seqs] int64), for the engine's one read per step."""
@@ -54,12 +56,13 @@ class Sampler:
         features = self.features if self.features is not None and self.features.num_active else None
         if features is not None:
             logits = features.apply(logits, seqs)
-        tokens = self._draw(logits, seqs)
-        if features is not None:
-            # why a read here: grammar matchers and penalty counts advance on host ids (one more read a step)
-            host = self.transfers.read("logits_features", tokens)[0] if self.transfers else tokens.tolist()
-            features.accept(seqs, host)
-        return tokens
+        return self._draw(logits, seqs)
+
+    def accept(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """After the ids are read back: penalty counts and grammar matchers take each row's token.
+        Why not in sample_ids: the ids reach the host once per step, in the caller's one read."""
+        if self.features is not None and self.features.num_active:
+            self.features.accept(seqs, tokens)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]

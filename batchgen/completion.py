@@ -61,11 +61,6 @@ def build_manifest(totals: Totals, record: dict[str, Any], started: float, wall:
     }
 
 
-def missing_parts(state: OutputState, num_parts: int) -> list[int]:
-    committed = state.committed_parts()
-    return [i for i in range(num_parts) if i not in committed]
-
-
 def complete_from_parts(state: OutputState, record: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:
     """Write `_SUCCESS` when every planned part is committed: (manifest, []); else (None, missing).
 
@@ -73,11 +68,12 @@ def complete_from_parts(state: OutputState, record: dict[str, Any]) -> tuple[dic
     (or finalize) writes it, and however many at once, the figures are the same. Timings span from
     the record's start (the first run of this output) to now.
     """
-    missing = missing_parts(state, record["run"]["parts"])
+    committed = state.committed_parts()  # why once: on an object store each listing is a request
+    missing = [i for i in range(record["run"]["parts"]) if i not in committed]
     if missing:
         return None, missing
     totals = Totals()
-    for index, name in state.committed_parts().items():
+    for index, name in committed.items():
         if index < record["run"]["parts"]:
             totals.merge(state.totals_of(name))
     started = float(record["run"]["started"])

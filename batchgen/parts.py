@@ -49,7 +49,6 @@ class PartWriter:
         self, out_dir: Path | str | Storage, schema: pa.Schema, storage_options: Mapping[str, Any] | None = None
     ) -> None:
         self.storage = open_storage(out_dir, storage_options)
-        self.out_dir = self.storage.local_dir if self.storage.local_dir is not None else self.storage.where
         self.schema = schema
 
     def prepare(self) -> None:

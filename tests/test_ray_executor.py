@@ -68,7 +68,8 @@ def _run(job: Path) -> tuple[JobRunner, Summary]:
 @pytest.fixture(scope="module")
 def ray_instance() -> Iterator[Any]:
     """One local Ray instance for the module (the runner uses a Ray already initialised in its process)."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield ray
     ray.shutdown()

@@ -164,10 +164,11 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> Non
             _BATCH = xgr.BatchGrammarMatcher()
         _BATCH.batch_fill_next_token_bitmask(matchers, bitmask)
     sub = logits[rows]  # [k, V] a copy
-    xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device), vocab_size=vocab)
+    mask = bitmask.to(logits.device)  # once: both applies below read it
+    xgr.apply_token_bitmask_inplace(sub, mask, vocab_size=vocab)
     dead = torch.isneginf(sub).all(dim=-1)  # [k]
     if bool(dead.any()):
         allowed = torch.zeros_like(sub)
-        xgr.apply_token_bitmask_inplace(allowed, bitmask.to(logits.device), vocab_size=vocab)
+        xgr.apply_token_bitmask_inplace(allowed, mask, vocab_size=vocab)
         sub = torch.where(dead[:, None], allowed, sub)
     logits[rows] = sub

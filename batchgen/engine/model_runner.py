@@ -35,40 +35,6 @@ from batchgen.engine.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 
-CPU_CAPACITY_FACTOR = 2  # CPU pool: at most 2x what max_num_seqs full-length sequences need
-
-
-def kv_block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block, every layer."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
-
-
-def num_kv_blocks_for(
-    spec: KVSpec,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    num_kv_blocks: int | None,
-    budget_bytes: int | None,
-    max_num_seqs: int,
-    max_model_len: int,
-) -> int:
-    """Pool size: explicit blocks, else a byte budget (on CUDA, by default, memory.py's), else a CPU default."""
-    if num_kv_blocks is not None:
-        return num_kv_blocks
-    bytes_per_block = kv_block_bytes(spec, block_size, dtype)
-    if budget_bytes is None:
-        budget_bytes = 1 << 30
-        # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks
-        cap = CPU_CAPACITY_FACTOR * max_num_seqs * math.ceil(max_model_len / block_size)
-        return max(1, min(budget_bytes // bytes_per_block, cap))
-    blocks = budget_bytes // bytes_per_block
-    if blocks < 1:
-        raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({bytes_per_block} bytes)")
-    return blocks
-
 
 def _packed_order(
     chunks: Sequence[ScheduledChunk],

@@ -2,11 +2,13 @@
 
 Explicit `num_kv_blocks` or `kv_cache_memory_bytes` win. Otherwise on CUDA the pool gets what
 `gpu_memory_utilization` leaves after a profiling forward (memory.py); elsewhere today's CPU
-default (model_runner.num_kv_blocks_for). `probe` is how the profile reads device memory: a
+default (num_kv_blocks_for below). `probe` is how the profile reads device memory: a
 CudaMemory on a GPU, a fake in the CPU tests (which makes the CUDA branch testable on CPU).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from transformers import PreTrainedModel
@@ -15,8 +17,42 @@ from batchgen.engine.attention_path import VARLEN, choose_attention_path, detect
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.device_defaults import require_int
 from batchgen.engine.memory import MemoryProbe, MemoryProfile, pool_budget, profile_batch, profile_kv_budget
-from batchgen.engine.model_runner import ModelRunner, kv_block_bytes, num_kv_blocks_for
+from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.models import KVSpec
+
+CPU_CAPACITY_FACTOR = 2  # CPU pool: at most 2x what max_num_seqs full-length sequences need
+
+
+def kv_block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block, every layer."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+
+
+def num_kv_blocks_for(
+    spec: KVSpec,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    num_kv_blocks: int | None,
+    budget_bytes: int | None,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> int:
+    """Pool size: explicit blocks, else a byte budget (on CUDA, by default, memory.py's), else a CPU default."""
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    bytes_per_block = kv_block_bytes(spec, block_size, dtype)
+    if budget_bytes is None:
+        budget_bytes = 1 << 30
+        # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks
+        cap = CPU_CAPACITY_FACTOR * max_num_seqs * math.ceil(max_model_len / block_size)
+        return max(1, min(budget_bytes // bytes_per_block, cap))
+    blocks = budget_bytes // bytes_per_block
+    if blocks < 1:
+        raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({bytes_per_block} bytes)")
+    return blocks
 
 
 def _probe(device: torch.device) -> MemoryProbe:

@@ -21,8 +21,7 @@ from batchgen.engine.memory import (
     pool_budget,
     profile_batch,
 )
-from batchgen.engine.model_runner import kv_block_bytes
-from batchgen.engine.pool_sizing import kv_pool_blocks
+from batchgen.engine.pool_sizing import kv_block_bytes, kv_pool_blocks
 
 GIB = 1 << 30
 

@@ -83,21 +83,25 @@ class JobRunner:
         schema = output_schema([files[0].schema.field(c) for c in carried], add_row_id, self.result_fields)
         writer = PartWriter(self.spec.output.path, schema, self.spec.output.storage_options)
         writer.prepare()
-        self.executor = open_executor(self.spec, self.quiet)  # kind ray: Ray imported and reached before any work
+        fingerprint = job_fingerprint(self.spec, files)
+        if self.overwrite or not OutputState(writer.storage).is_finished(fingerprint):
+            # why not when finished: a rerun of a done job should not start (or reach) a Ray cluster
+            self.executor = open_executor(self.spec, self.quiet)  # kind ray: Ray reached before any work
         lock = OutputLock(writer.storage, self.shard)
         try:
             lock.acquire()
-            return self._run_locked(files, carried, writer, start)
+            return self._run_locked(files, carried, writer, fingerprint, start)
         finally:
             lock.release()
             if self.executor is not None:
                 self.executor.close()
 
-    def _run_locked(self, files: list[InputFile], carried: list[str], writer: PartWriter, start: float) -> Summary:
+    def _run_locked(
+        self, files: list[InputFile], carried: list[str], writer: PartWriter, fingerprint: dict[str, Any], start: float
+    ) -> Summary:
         state = OutputState(writer.storage)
         if self.overwrite:
             state.overwrite()
-        fingerprint = job_fingerprint(self.spec, files)
         if state.check_record(fingerprint):
             manifest = state.read_success()
             return Summary(Totals(), 0.0, manifest, already_done=True)

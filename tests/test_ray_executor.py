@@ -110,6 +110,19 @@ def test_kind_ray_without_ray_installed_names_the_install_command(
     assert not (out / RECORD_NAME).exists() and not committed_parts(out)
 
 
+def test_a_finished_job_rerun_on_ray_does_not_reach_ray(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _run(_job(tmp_path, tiny_model_dir, "out"))
+    success = (tmp_path / "out" / SUCCESS_NAME).read_bytes()
+    job = _job(tmp_path, tiny_model_dir, "out", {"kind": "ray", "address": "auto"})
+    monkeypatch.setitem(sys.modules, "ray", None)  # reaching for Ray at all would fail with exit 9
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "already finished" in result.output
+    assert (tmp_path / "out" / SUCCESS_NAME).read_bytes() == success
+
+
 def test_two_ray_workers_give_the_rows_of_a_local_run(
     ray_instance: Any, tmp_path: Path, tiny_model_dir: Path, reference: list[tuple[Any, ...]]
 ) -> None:

@@ -180,15 +180,29 @@ def read_shards(files: list[InputFile], shards: list[Shard], columns: list[str])
         yield from _read_file_shards(files[file_index], by_file[file_index], columns)
 
 
+def _row_group_of(meta: pq.FileMetaData, row: int) -> tuple[int, int]:
+    """(index of the row group holding file row `row`, that group's first row); (0, 0) for none."""
+    first = 0
+    for i in range(meta.num_row_groups):
+        rows = meta.row_group(i).num_rows
+        if row < first + rows:
+            return i, first
+        first += rows
+    return 0, 0
+
+
 def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
     pending = sorted(shards, key=lambda s: s.start)
     buffered: list[pa.RecordBatch] = []
-    offset = 0  # file row index of buffered[0]'s first row
     try:
         # Why buffered, not pre-buffered: a huge row group is then read page by page, not whole.
         reader = pq.ParquetFile(f.source(), buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
-        batches = reader.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns)
-        end = 0  # file row index just past the buffered rows
+        # why from the row group of the first wanted row: a worker given a late part of a big
+        # file (Ray, a resumed run) does not decode every row before it
+        first_group, offset = _row_group_of(reader.metadata, pending[0].start)
+        groups = range(first_group, reader.metadata.num_row_groups)
+        batches = reader.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns, row_groups=groups)
+        end = offset  # file row index just past the buffered rows; offset: of buffered[0]'s first row
         for batch in batches:
             buffered.append(batch)
             end += batch.num_rows

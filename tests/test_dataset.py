@@ -23,6 +23,27 @@ def test_reading_a_subset_of_shards_yields_exactly_their_rows(tmp_path: Path, mo
     assert got == [(s.index, list(range(s.start, s.stop))) for s in wanted]
 
 
+@pytest.mark.parametrize(("wanted", "first_group"), [((8,), 2), ((6, 9), 2), ((5,), 1), ((2, 9), 0)])
+def test_a_late_part_is_read_from_its_own_row_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wanted: tuple[int, ...], first_group: int
+) -> None:
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"x": list(range(100))}), path, row_group_size=30)  # groups start 0, 30, 60, 90
+    files = dataset.open_inputs(str(path), ["x"])
+    shards = [dataset.plan_shards(files, 10)[i] for i in wanted]
+    read_groups: list[list[int]] = []
+    real = pq.ParquetFile.iter_batches
+
+    def spy(self: pq.ParquetFile, *args: object, row_groups: range, **kwargs: object) -> object:
+        read_groups.append(list(row_groups))
+        return real(self, *args, row_groups=row_groups, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    got = [t.column("x").to_pylist() for _, t in dataset.read_shards(files, shards, ["x"])]
+    assert got == [list(range(s.start, s.stop)) for s in shards]
+    assert read_groups == [list(range(first_group, 4))]
+
+
 def test_discovery_keys_are_relative_to_the_input_root_and_paths_normalised(tmp_path: Path) -> None:
     for name in ("x/part-0.parquet", "y/part-0.parquet", "out/part-000000.parquet"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

@@ -167,8 +167,7 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> Non
     mask = bitmask.to(logits.device)  # once: both applies below read it
     xgr.apply_token_bitmask_inplace(sub, mask, vocab_size=vocab)
     dead = torch.isneginf(sub).all(dim=-1)  # [k]
-    if bool(dead.any()):
-        allowed = torch.zeros_like(sub)
-        xgr.apply_token_bitmask_inplace(allowed, mask, vocab_size=vocab)
-        sub = torch.where(dead[:, None], allowed, sub)
-    logits[rows] = sub
+    # why unconditionally, not behind `dead.any()`: that test would be a host sync per step on CUDA
+    allowed = torch.zeros_like(sub)
+    xgr.apply_token_bitmask_inplace(allowed, mask, vocab_size=vocab)
+    logits[rows] = torch.where(dead[:, None], allowed, sub)

@@ -102,10 +102,11 @@ class ObjectStorage(Storage):
         return self._info(self.key(name)).type == pafs.FileType.File
 
     def read_text(self, name: str) -> str | None:
-        if not self.exists(name):
+        try:  # why no exists() first: one request instead of two
+            with self.fs.open_input_stream(self.key(name)) as stream:
+                return bytes(stream.read()).decode("utf-8")
+        except FileNotFoundError:
             return None
-        with self.fs.open_input_stream(self.key(name)) as stream:
-            return bytes(stream.read()).decode("utf-8")
 
     def write_text(self, name: str, text: str, fault: str, replace: bool = True) -> bool:
         data = text.encode("utf-8")

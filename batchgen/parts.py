@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,10 +16,9 @@ import pyarrow as pa
 
 from batchgen.errors import OutputError
 from batchgen.faults import fault_point
-from batchgen.storage import Storage, open_storage
+from batchgen.storage import PART_NAME, Storage, open_storage
 
 PART_GLOB = "part-*.parquet"
-_PART_NAME = re.compile(r"part-(\d{6})\.parquet")  # only these are ours; a stray part-old.parquet is not
 
 
 def part_name(index: int) -> str:
@@ -31,7 +29,7 @@ def committed_parts(out_dir: Path) -> dict[int, Path]:
     """The committed parts in `out_dir` by index (a part in flight has a hidden temp name)."""
     parts = {}
     for path in out_dir.glob(PART_GLOB):
-        match = _PART_NAME.fullmatch(path.name)
+        match = PART_NAME.fullmatch(path.name)
         if match and path.is_file():
             parts[int(match.group(1))] = path
     return dict(sorted(parts.items()))

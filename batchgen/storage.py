@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import OutputError
 
 REMOTE_SCHEMES = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}  # URI scheme -> store
+PART_NAME = re.compile(r"part-(\d{6})\.parquet")  # only these are ours; a stray part-old.parquet is not
 _TEXT, _FLAG, _SECONDS = (str,), (bool,), (int, float)
 STORE_OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
     # pyarrow.fs.S3FileSystem / GcsFileSystem keyword arguments a job may set (the rest stay defaults).
@@ -170,9 +171,7 @@ class Storage(ABC):
 
     def committed_parts(self) -> dict[int, str]:
         """Committed parts by index, as names (only `part-NNNNNN.parquet` files are ours)."""
-        from batchgen.parts import _PART_NAME  # why lazy: parts builds on this module
-
-        found = {int(m.group(1)): n for n in self.names() if (m := _PART_NAME.fullmatch(n))}
+        found = {int(m.group(1)): n for n in self.names() if (m := PART_NAME.fullmatch(n))}
         return dict(sorted(found.items()))
 
     def describe(self, name: str) -> str:

@@ -22,10 +22,12 @@ from datetime import datetime, timedelta
 JOB = os.environ.get("BATCHGEN_JOB", "jobs/nightly.yaml")
 OUTPUT = os.environ.get("BATCHGEN_OUTPUT", "out/nightly")  # the job's output.path
 NUM_SHARDS = int(os.environ.get("BATCHGEN_SHARDS", "4"))
-# 6 engine failure, 7 output locked (e.g. the previous try is still exiting), 130/143 SIGINT/SIGTERM,
-# 137 SIGKILL as a shell reports it. Everything else (2 bad job, 3 bad input, 4 model, 5 output,
-# 8 finalize before every part is committed) needs a person, not a retry.
-RETRYABLE_EXIT_CODES = frozenset({6, 7, 130, 137, 143})
+# 6 engine failure, 7 output locked (e.g. the previous try is still exiting), 9 executor (a job with
+# `executor: {kind: ray}` whose cluster did not answer; a retry also meets a missing Ray install, but
+# a cluster restarting is the common case), 130/143 SIGINT/SIGTERM, 137 SIGKILL as a shell reports
+# it. Everything else (2 bad job, 3 bad input, 4 model, 5 output, 8 finalize before every part is
+# committed) needs a person, not a retry.
+RETRYABLE_EXIT_CODES = frozenset({6, 7, 9, 130, 137, 143})
 
 
 def shard_commands(job: str, output: str, num_shards: int, batchgen: Sequence[str] = ("batchgen",)) -> dict:

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from batchgen import LLM, RequestOutput, SamplingParams
 from batchgen.engine.tiny_models import EOS_ID
@@ -105,13 +104,14 @@ def test_nan_logits_raise_instead_of_sampling_garbage(llm: LLM, monkeypatch: pyt
     real = runner.execute
 
     def poisoned(batch):  # type: ignore[no-untyped-def]
-        logits = real(batch)
-        return torch.full_like(logits, float("nan"))
+        logits = real(batch).clone()
+        logits[-1, 7] = float("nan")  # one entry of the last row: the check must see any single NaN
+        return logits
 
     with monkeypatch.context() as patch:
         patch.setattr(runner, "execute", poisoned)
         with pytest.raises(RuntimeError, match="NaN logits"):
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+            llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=2))
     # the same engine serves the next call, with nothing of the failed one left over
     assert not llm.engine.has_unfinished()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0]

@@ -102,7 +102,7 @@ class ObjectStorage(Storage):
         return self._info(self.key(name)).type == pafs.FileType.File
 
     def read_text(self, name: str) -> str | None:
-        try:  # why no exists() first: one request instead of two
+        try:  # why no exists() first: pyarrow opens with a HEAD + GET already; exists() was a third request
             with self.fs.open_input_stream(self.key(name)) as stream:
                 return bytes(stream.read()).decode("utf-8")
         except FileNotFoundError:

@@ -38,9 +38,11 @@ def bucket(n: int, cap: int | None = None) -> int:
 
 
 def resolve_compile(setting: str | bool, device: torch.device) -> bool:
-    """ "auto" -> off everywhere for now: measured on CPU (benchmarks/RESULTS.md), compiling gained
-    about 2% of a run's CPU time on the demo and the 57M model, against 20-140 s of compiling per
-    process; on CUDA it is unmeasured. `true` turns it (and CUDA-graph decode) on."""
+    """ "auto" -> off everywhere for now: measured on CPU (benchmarks/RESULTS.md), compiling changed
+    a run by 0-7% on the demo and the 57M model (within run-to-run noise; attention and matrix
+    products, three quarters of a decode step, are the same kernels either way), against ~5 s of
+    compiling per process on a quiet machine (up to 140 s under load); on CUDA it is unmeasured.
+    `true` turns it (and CUDA-graph decode) on."""
     if setting != "auto":
         return bool(setting)
     return False

@@ -39,16 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from batchgen.engine import attention_path
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.scheduler import ScheduledBatch
+from batchgen.engine.tiny_models import EOS_ID, save_random_model
 
 log = logging.getLogger("gpu_check")
-EOS = 0
+EOS = EOS_ID  # id 0 of the tiny word tokenizer
 ATTENTION_OPS = ("attention", "flash", "fmha", "varlen", "softmax", "index_select", "bmm", "cutlass")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
@@ -152,24 +151,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
-    """ids <-> words "w{i}" (id 0 is EOS), so any id the model emits detokenizes."""
-    words = {"<eos>": EOS, **{f"w{i}": i for i in range(1, vocab)}}
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<eos>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
-
-
 def save_model(config: Any, path: Path, device: str, seed: int = 0) -> Path:
-    """A random-weight model of `config` (built on `device`, which is fast on a GPU) saved with its tokenizer."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
-    model.generation_config.eos_token_id = EOS
-    model.generation_config.pad_token_id = EOS
-    model.save_pretrained(path)
-    word_tokenizer(config.vocab_size).save_pretrained(path)
-    del model
+    """A random-weight model of `config` saved with its word tokenizer; device memory freed after."""
+    save_random_model(config, path, seed, device)
     free_memory()
     return path
 

@@ -23,13 +23,6 @@ from benchmarks.gpu_check import (
     save_model,
 )
 
-GIB = 2**30
-MEMORY_NOTES: dict[str, Any] = {}  # what section 3's engine saw of memory, reported by section 4
-
-
-def _gib(n: int | float) -> float:
-    return round(n / GIB, 3)
-
 
 def big_model(sizes: Sizes, work: Path) -> Path:
     path = work / "big"

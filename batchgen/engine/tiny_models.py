@@ -1,4 +1,5 @@
-"""Tiny random-weight configs of every architecture the parity tests cover (no downloads).
+"""Tiny random-weight configs of every architecture the parity tests cover (no downloads), the
+word-level tokenizer they are saved with, and the function that saves a random-weight model.
 
 Why in the package: the tests build their models from these, and so does the prepared GPU check
 (benchmarks/gpu_check.py), which runs where pytest and the tests' conftest are not importable.
@@ -8,6 +9,7 @@ logits are not near-tied; sliding windows <= 48, so 300-token prompts really exe
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 VOCAB = 256
@@ -69,3 +71,31 @@ def tiny_configs() -> dict[str, Any]:
             **common, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
         ),
     }
+
+
+def word_tokenizer(vocab: int = VOCAB) -> Any:
+    """A fast tokenizer over words "<eos>" (id 0), "<unk>" (1), "w2" .. "w{vocab-1}" (id i <-> "w{i}"),
+    so any id a model emits detokenizes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<eos>": EOS_ID, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
+
+
+def save_random_model(config: Any, path: Path, seed: int = 0, device: str = "cpu") -> Path:
+    """A random-weight model of `config` (built on `device`: fast on a GPU), saved to `path` with
+    word_tokenizer(config.vocab_size) and EOS = id 0 in its generation config."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = EOS_ID
+    model.save_pretrained(path)
+    word_tokenizer(config.vocab_size).save_pretrained(path)
+    return path

@@ -20,9 +20,9 @@ import torch
 from batchgen.engine.llm import LLM
 from batchgen.engine.models import UnsupportedModelError, resolve_max_model_len
 from batchgen.engine.params import SamplingParams
-from batchgen.engine.tiny_models import EOS_ID, MAX_POS, VOCAB
+from batchgen.engine.tiny_models import EOS_ID, MAX_POS, VOCAB, save_random_model
 
-from .conftest import ARCHITECTURES, save_tiny_model
+from .conftest import ARCHITECTURES
 
 PRESSURE = dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=16, num_kv_blocks=24, enable_prefix_caching=True)
 RELAXED = dict(block_size=8, max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False)
@@ -123,7 +123,7 @@ def _check_parity(arch: str, setting: str, decode_kv: str, compile: bool, tiny_m
 
 def _refused(tmp_path: Path, config: object) -> str:
     with pytest.raises(UnsupportedModelError) as info:
-        LLM(str(save_tiny_model(config, tmp_path)), device="cpu")
+        LLM(str(save_random_model(config, tmp_path)), device="cpu")
     return str(info.value)
 
 

@@ -96,7 +96,8 @@ def test_pool_is_sized_after_a_real_profiling_forward(tiny_model: Callable[[str]
     headroom = SAMPLER_COPIES * 64 * 256 * 4  # 64 sampled rows, vocab 256, float32
     assert (profile.activation_peak, profile.sampler_headroom) == (500, headroom)
     assert profile.kv_budget == 4 * GIB - 2 * GIB - 500 - headroom
-    per_block = kv_block_bytes(spec, 16, torch.float32)
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V x 2 layers x 16 tokens x 2 KV heads x head dim 16 x float32
+    assert kv_block_bytes(spec, 16, torch.float32) == per_block == 8192
     assert blocks == profile.kv_budget * 2 // (2 + GATHER_LAYERS_HEADROOM) // per_block  # 2 layers, gather path
 
 
@@ -107,7 +108,7 @@ def test_explicit_sizes_skip_the_profile(tiny_model: Callable[[str], Path]) -> N
     probe = FakeProbe([], 0, 0, 0)
     blocks, profile = kv_pool_blocks(model, spec, config, torch.device("cpu"), torch.float32, probe=probe)
     assert profile is None and probe.clears == 0
-    assert blocks == (1 << 20) // kv_block_bytes(spec, 16, torch.float32)
+    assert blocks == (1 << 20) // 8192  # 8 KiB a block (see the test above)
 
 
 @pytest.mark.parametrize("accelerate", [True, False])

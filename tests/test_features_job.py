@@ -163,8 +163,7 @@ def test_the_new_settings_at_their_defaults_leave_an_older_fingerprint_unchanged
     # the sampling keys an output written before these features existed was fingerprinted with
     older = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids"}
     older |= {"include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens"}
-    # (n, logprobs, prompt_logprobs: issue 12 settings of a parallel branch, not this test's concern)
-    assert set(plain["settings"]["sampling"]) <= older | {"n", "logprobs", "prompt_logprobs"}
+    assert set(plain["settings"]["sampling"]) <= older  # n, logprobs, penalties, ... absent at their defaults
     penalized = job_fingerprint(load_job(job, ["sampling.repetition_penalty=1.2"]), [])
     assert penalized["id"] != plain["id"]
     assert penalized["settings"]["sampling"]["repetition_penalty"] == 1.2

@@ -46,8 +46,12 @@ _CONTEXT: ForwardContext | None = None
 
 @contextlib.contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[None]:
-    """Make `ctx` visible to the attention function for the duration of one forward."""
+    """Make `ctx` visible to the attention function for the duration of one forward.
+
+    Why the count restarts here: the op finds a layer by its call number, and a context can serve
+    more than one forward (a CUDA graph's warm-up, then its capture)."""
     global _CONTEXT
+    ctx.num_attention_calls = 0
     _CONTEXT = ctx
     try:
         yield

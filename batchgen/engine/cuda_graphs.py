@@ -8,11 +8,17 @@ static buffers sized for B, and the graph captured for B is replayed. Padded row
 pool's trash block (slot -1, see kv_store) and attend one zero key, so they stay finite.
 
 During capture and replay the attention reads `StaticDecode` (block tables and context lengths
-in the static buffers, padded to the longest sequence the engine allows) instead of the step's
-decode groups: one fixed-shape gather + SDPA. Mixed prefill steps run without graphs.
+in the static buffers) instead of the step's decode groups: one fixed-shape gather + SDPA over
+W blocks per row. Why W is bucketed too (powers of two from MIN_GRAPH_BLOCKS up to the longest
+sequence the engine allows) and the graphs are keyed by (B, W): one width for every step would
+gather max_model_len tokens per row each step (for a 32k-token model at 256 rows, gigabytes a
+layer), while the steps' real contexts are usually far shorter. Graphs are captured lazily, on
+the first step of each (B, W). Mixed prefill steps run without graphs.
 
-What no CPU test covers is only `DecodeGraphs.capture` / `replay` (marked below); bucket choice,
-padding, the static attention and the KV store's skipping of slot -1 are plain torch, tested on CPU.
+What no CPU test covers is only `DecodeGraphs.capture` / `replay` (marked below); bucket and width
+choice, padding, the static attention and the KV store's skipping of slot -1 are plain torch, tested
+on CPU, and so is the whole graph path of the model runner with replay stood in for by running the
+forward again on the static buffers (tests/engine/test_cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 from batchgen.engine.kv_store import PAD_SLOT
 
 MAX_GRAPH_BATCH = 512
+MIN_GRAPH_BLOCKS = 16  # the narrowest static gather: 16 blocks (256 tokens at the 16-token blocks of this path)
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -39,6 +46,15 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 def pick_bucket(n: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket holding n decodes; None when none does (the step runs without a graph)."""
     return next((b for b in buckets if b >= n), None)
+
+
+def pick_width(blocks: int, max_blocks: int) -> int:
+    """Blocks per row of the static gather for a step whose longest row needs `blocks` (<= max_blocks):
+    the next power of two from MIN_GRAPH_BLOCKS, at most max_blocks."""
+    width = MIN_GRAPH_BLOCKS
+    while width < blocks:
+        width *= 2
+    return min(width, max_blocks)
 
 
 @dataclass
@@ -78,8 +94,9 @@ class DecodeBuffers:
         pos = self.positions[:n]
         self.slots[:n] = self.block_tables[rows, pos // block_size] * block_size + pos % block_size
 
-    def view(self, bucket: int) -> StaticDecode:
-        return StaticDecode(self.block_tables[:bucket], self.context_lens[:bucket])
+    def view(self, bucket: int, width: int | None = None) -> StaticDecode:
+        """The first `bucket` rows and `width` blocks of each (all blocks when None)."""
+        return StaticDecode(self.block_tables[:bucket, :width], self.context_lens[:bucket])
 
 
 def static_decode_attention(
@@ -113,17 +130,21 @@ def static_decode_attention(
     return out.reshape(b, h, d)
 
 
+GraphKey = tuple[int, int]  # (rows B, blocks per row W)
+
+
 class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this module no CPU test runs
-    """One CUDA graph per bucket over `forward(input_ids, positions, keep) -> logits [B, V]`."""
+    """One CUDA graph per (bucket, width) over `forward(input_ids, positions, keep) -> logits [B, V]`."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], buffers: DecodeBuffers, buckets: list[int]) -> None:
         self.forward, self.buffers, self.buckets = forward, buffers, buckets
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[GraphKey, torch.Tensor] = {}
         self.pool: Any = None  # the graphs share one memory pool
 
-    def capture(self, bucket: int, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
-        """Capture the forward for `bucket` rows; `run` sets the step's context around the call."""
+    def capture(self, key: GraphKey, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
+        """Capture the forward for key's rows; `run` sets the step's context (with its width) around the call."""
+        bucket = key[0]
         buf = self.buffers
         keep = torch.arange(bucket, device=buf.input_ids.device)
 
@@ -133,13 +154,13 @@ class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this modu
         run(call)  # warm-up outside the graph (allocator, lazy inits)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[bucket] = run(call)
+            self.logits[key] = run(call)
         self.pool = graph.pool()
-        self.graphs[bucket] = graph
+        self.graphs[key] = graph
 
-    def replay(self, bucket: int, n: int) -> torch.Tensor:
-        self.graphs[bucket].replay()
-        return self.logits[bucket][:n]
+    def replay(self, key: GraphKey, n: int) -> torch.Tensor:
+        self.graphs[key].replay()
+        return self.logits[key][:n]
 
 
 class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are above)
@@ -174,7 +195,12 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
             return None
         self.buffers.fill(n, bucket, input_ids, positions, tables)
         self.buffers.set_slots(n, self.block_size)
-        if bucket not in self.graphs.graphs:
-            ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(bucket), bucket)
-            self.graphs.capture(bucket, lambda call: run(ctx, call))
-        return self.graphs.replay(bucket, n)
+        key = (bucket, pick_width(tables.shape[1], self.buffers.block_tables.shape[1]))
+        if key not in self.graphs.graphs:
+            ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(*key), bucket)
+            self.graphs.capture(key, lambda call: run(ctx, call))
+        return self.graphs.replay(key, n)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs.graphs)

@@ -3,12 +3,27 @@ decode attention, and the KV store's skipping of padded slots (-1). Capture and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 
 from batchgen.engine.compiled_forward import bucket
-from batchgen.engine.cuda_graphs import DecodeBuffers, decode_buckets, pick_bucket, static_decode_attention
+from batchgen.engine.cuda_graphs import (
+    MIN_GRAPH_BLOCKS,
+    DecodeBuffers,
+    DecodeGraphs,
+    GraphDecode,
+    GraphKey,
+    decode_buckets,
+    pick_bucket,
+    pick_width,
+    static_decode_attention,
+)
 from batchgen.engine.kv_store import PAD_SLOT, pool_blocks, store_kv
+from batchgen.engine.llm import LLM
+from batchgen.engine.params import SamplingParams
 
 
 def test_decode_buckets_and_choice() -> None:
@@ -18,6 +33,15 @@ def test_decode_buckets_and_choice() -> None:
     buckets = decode_buckets(64)
     assert [pick_bucket(n, buckets) for n in (1, 3, 5, 17, 64)] == [1, 4, 8, 32, 64]
     assert pick_bucket(65, buckets) is None  # runs without a graph
+
+
+def test_static_gather_width_follows_the_longest_row_not_the_model_length() -> None:
+    max_blocks = 2048  # a 32k-token model at 16-token blocks
+    assert MIN_GRAPH_BLOCKS == 16
+    assert [pick_width(n, max_blocks) for n in (1, 16, 17, 40, 64, 65, 2000)] == [16, 16, 32, 64, 64, 128, 2048]
+    assert pick_width(5, 8) == 8  # never wider than the longest sequence the engine allows
+    buf = DecodeBuffers(max_batch=8, max_blocks=64, device=torch.device("cpu"))
+    assert buf.view(4, 16).block_tables.shape == (4, 16) and buf.view(4).block_tables.shape == (4, 64)
 
 
 def test_token_buckets_for_compile() -> None:
@@ -74,3 +98,35 @@ def test_static_decode_attention_matches_per_sequence_reference(window: int | No
             scores[:, : max(0, n - window)] = float("-inf")
         want = torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)
         torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-5)
+
+
+class _ReplayByRerun(DecodeGraphs):
+    """DecodeGraphs without CUDA: "capture" keeps the step's context and call, "replay" runs the
+    forward again on the static buffers, which is what replaying a captured graph computes."""
+
+    def capture(self, key: GraphKey, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
+        rows, buf = key[0], self.buffers
+        keep = torch.arange(rows)
+        self.graphs[key] = lambda: run(lambda: self.forward(buf.input_ids[:rows], buf.positions[:rows], keep))  # type: ignore[assignment]
+
+    def replay(self, key: GraphKey, n: int) -> torch.Tensor:
+        return self.graphs[key]()[:n]  # type: ignore[operator]
+
+
+def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Path]) -> None:
+    """The model runner's CUDA-graph decode path (static buffers, buckets, widths, the static
+    attention, one context reused across replays) on CPU, with only the capture itself stood in for."""
+    path = str(tiny_model("llama"))
+    lengths, max_tokens = [5, 40, 200, 300], [12, 9, 6, 3]  # the batch shrinks; the longest row ends first: 2 widths
+    prompts = [[2 + (i * 7 + j) % 250 for j in range(n)] for i, n in enumerate(lengths)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    eager = LLM(path, device="cpu", decode_kv="gather").generate(prompts, params)
+    llm = LLM(path, device="cpu", decode_kv="gather")
+    runner = llm.engine.runner
+    max_blocks = -(-llm.config.max_model_len // runner.block_size)
+    graphs = GraphDecode(runner.forward, runner.kv_caches, 4, max_blocks, runner.block_size, runner.device)
+    graphs.graphs = _ReplayByRerun(runner.forward, graphs.buffers, graphs.buckets)
+    runner.graphs = graphs
+    out = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
+    assert {w for _, w in graphs.graphs.graphs} == {16, 32} and {b for b, _ in graphs.graphs.graphs} >= {1, 2, 4}

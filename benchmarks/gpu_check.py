@@ -9,7 +9,8 @@ Sections (each records its own error and the next one still runs):
   1 fp32 greedy parity vs transformers `generate` for the parity tests' architectures
   2 a ~1B Llama-shaped random model in bf16: logits after prefill and greedy agreement length
   3 throughput: 256 prompts of 256-768 tokens, 128 output tokens, ignore_eos, vs transformers
-    `generate` in bf16 at its best batch size; a shared-prefix variant; per-step breakdown; syncs
+    `generate` in bf16 at its best batch size; the same with `compile=True` (CUDA graphs for
+    decode); a shared-prefix variant; per-step breakdown; syncs
   4 memory: KV pool vs free memory, peak allocated, one worst-case long chunk
 Every model is built from a config with random weights and saved to a temp dir. Imports only
 torch, transformers (and its tokenizers) and batchgen.engine: what the GPU image has. Sections 1-2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from benchmarks.gpu_check import (
     capture_batches,
     free_memory,
     greedy,
+    log,
     profiled_step,
     random_prompts,
     sync,
@@ -138,6 +140,25 @@ def breakdown(llm: LLM, sizes: Sizes) -> dict[str, Any]:
     }
 
 
+def compiled_run(path: Path, prompts: list[list[int]], sizes: Sizes) -> dict[str, Any]:
+    """The same run with `compile=True` (and, on CUDA, decode-only steps replayed as CUDA graphs); its
+    compiling and first graph captures fall in the timed run and are reported beside it."""
+    llm = LLM(str(path), device=sizes.device, dtype="bfloat16", compile=True, **sizes.engine)
+    try:
+        result = engine_run(llm, prompts, sizes)
+        graphs = llm.engine.runner.graphs
+        result |= llm.engine.runner.forward.stats.as_dict()
+        result["cuda_graphs_captured"] = None if graphs is None else graphs.num_graphs
+        result["attention"] = llm.engine.runner.attention.path
+        return result
+    except Exception as exc:  # why: a failing compiled path must not cost the eager rows of the section
+        log.exception("compiled run failed")
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    finally:
+        del llm
+        free_memory()
+
+
 def section3(sizes: Sizes, work: Path) -> dict[str, Any]:
     path = big_model(sizes, work)
     vocab = sizes.big["vocab_size"]
@@ -168,6 +189,7 @@ def section3(sizes: Sizes, work: Path) -> dict[str, Any]:
     attention = runner.attention.path
     del llm, runner
     free_memory()
+    compiled = compiled_run(path, prompts, sizes)
     llm = LLM(str(path), device=sizes.device, dtype="bfloat16", enable_prefix_caching=False, **sizes.engine)
     native_shared_off = engine_run(llm, shared, sizes)
     del llm
@@ -185,6 +207,10 @@ def section3(sizes: Sizes, work: Path) -> dict[str, Any]:
         "hf_generate_bf16": hf,
         "native_bf16": native,
         "native_over_hf_best": round(native["output_tok_s"] / hf["output_tok_s"], 2),
+        "native_bf16_compiled": compiled,
+        "compiled_over_hf_best": round(compiled["output_tok_s"] / hf["output_tok_s"], 2)
+        if "error" not in compiled
+        else None,
         "shared_prefix": {
             "workload": f"{sizes.shared_prefix}-token shared preamble + own tokens",
             "hf_generate_bf16": hf_shared,

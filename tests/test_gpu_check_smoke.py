@@ -61,6 +61,10 @@ def test_gpu_check_smoke_runs_every_section_without_the_packages_the_gpu_image_l
 
     tp = report["3_throughput"]
     assert tp["native_bf16"]["stats"]["output_tokens"] == 6 * 5
+    compiled = tp["native_bf16_compiled"]
+    assert "error" not in compiled, compiled
+    assert compiled["stats"]["output_tokens"] == 6 * 5 and compiled["compiled_graphs"] >= 1
+    assert compiled["cuda_graphs_captured"] is None  # CPU: compiled, no CUDA graphs
     assert tp["shared_prefix"]["native_caching_on"]["stats"]["cached_tokens"] > 0
     assert tp["shared_prefix"]["native_caching_off"]["stats"]["cached_tokens"] == 0
     steps = tp["per_step"]

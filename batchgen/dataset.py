@@ -129,7 +129,7 @@ def _open_objects(uri: str, options: dict[str, Any], exclude: Path | str | None)
 
     try:
         uri, checked = options_from_uri(uri, options, "input")
-        fs, pattern = make_filesystem(uri, checked)
+        fs, pattern = make_filesystem(uri, checked, "input.path")
         skip = fs_path(exclude) if isinstance(exclude, str) and is_remote(exclude) else None
         found = discover_objects(fs, pattern, uri, skip)
     except OutputError as exc:

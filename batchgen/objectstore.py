@@ -37,15 +37,16 @@ def fs_path(uri: str) -> str:
     return f"{parts.netloc}{parts.path}".rstrip("/")
 
 
-def make_filesystem(uri: str, options: dict[str, Any]) -> tuple[pafs.FileSystem, str]:
-    """(file system, path inside it as "bucket/prefix") for an `s3://` or `gs://` URI."""
+def make_filesystem(uri: str, options: dict[str, Any], where: str = "output.path") -> tuple[pafs.FileSystem, str]:
+    """(file system, path inside it as "bucket/prefix") for an `s3://` or `gs://` URI; `where` names
+    the job key the URI came from, for the message."""
     base = fs_path(uri)
     try:
         if REMOTE_SCHEMES[uri_scheme(uri) or ""] == "s3":
             return pafs.S3FileSystem(**_with_env_endpoint(options)), base
         return pafs.GcsFileSystem(**options), base
     except (pa.ArrowException, OSError, TypeError, ValueError) as exc:
-        raise OutputError(f"{uri}: cannot open the object store: {exc}") from exc
+        raise OutputError(f"{where} {uri}: cannot open the object store: {exc}") from exc
 
 
 def _with_env_endpoint(options: dict[str, Any]) -> dict[str, Any]:

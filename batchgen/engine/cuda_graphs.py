@@ -23,6 +23,7 @@ forward again on the static buffers (tests/engine/test_cuda_graphs.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.kv_store import PAD_SLOT
+
+logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512
 MIN_GRAPH_BLOCKS = 16  # the narrowest static gather: 16 blocks (256 tokens at the 16-token blocks of this path)
@@ -74,6 +77,9 @@ class DecodeBuffers:
         self.slots = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(max_batch, dtype=torch.int64, device=device)
+        # why a buffer: a graph reads the logit rows to keep at every replay, so they must live as
+        # long as the graphs (a tensor made for one capture would be freed and its memory reused)
+        self.keep = torch.arange(max_batch, device=device)
 
     def fill(self, n: int, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> None:
         """Rows 0..n-1 from this step (device tensors: ids [n], positions [n], tables [n, w]); n..bucket-1 padding."""
@@ -139,28 +145,32 @@ class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this modu
     def __init__(self, forward: Callable[..., torch.Tensor], buffers: DecodeBuffers, buckets: list[int]) -> None:
         self.forward, self.buffers, self.buckets = forward, buffers, buckets
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[GraphKey, torch.Tensor] = {}
+        self.out: torch.Tensor | None = None  # [max batch, V] logits every graph writes its rows into
         self.pool: Any = None  # the graphs share one memory pool
 
-    def capture(self, key: GraphKey, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
-        """Capture the forward for key's rows; `run` sets the step's context (with its width) around the call."""
-        bucket = key[0]
+    def step_call(self, bucket: int) -> Callable[[], torch.Tensor]:
+        """The forward of `bucket` rows, reading nothing but the static buffers."""
         buf = self.buffers
-        keep = torch.arange(bucket, device=buf.input_ids.device)
+        return lambda: self.forward(buf.input_ids[:bucket], buf.positions[:bucket], buf.keep[:bucket])
 
-        def call() -> torch.Tensor:
-            return self.forward(buf.input_ids[:bucket], buf.positions[:bucket], keep)
+    def capture(self, key: GraphKey, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
+        """Capture the forward for key's rows; `run` sets the step's context (with its width) around the call.
 
-        run(call)  # warm-up outside the graph (allocator, lazy inits)
+        Why one output buffer: each graph's own logits [B, V] would stay allocated in the shared
+        pool for the graph's life (up to ~8 widths a bucket); copied into `out`, they are freed."""
+        bucket, call = key[0], self.step_call(key[0])
+        warm = run(call)  # warm-up outside the graph (allocator, lazy inits, compiling)
+        if self.out is None:  # one model: the same vocabulary and dtype for every key
+            self.out = warm.new_empty(self.buffers.keep.shape[0], *warm.shape[1:])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[key] = run(call)
+            self.out[:bucket].copy_(run(call))
         self.pool = graph.pool()
         self.graphs[key] = graph
 
     def replay(self, key: GraphKey, n: int) -> torch.Tensor:
         self.graphs[key].replay()
-        return self.logits[key][:n]
+        return self.out[:n]  # type: ignore[index]  # set by the first capture
 
 
 class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are above)
@@ -179,6 +189,11 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         self.buckets = decode_buckets(max_num_seqs)
         self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device)
         self.graphs = DecodeGraphs(forward, self.buffers, self.buckets)
+        # why: a graph's static gather holds rows x width blocks of one layer; up to the pool's own
+        # size it fits the gather headroom the KV budget keeps (memory.GATHER_LAYERS_HEADROOM), beyond
+        # it (one long row among many short ones) the step runs eagerly, gathering by length groups
+        self.max_gather_blocks = kv_caches[0][0].shape[0] - 1  # the pool's blocks, less the trash block
+        self.disabled = False  # a capture failed (e.g. a model with data-dependent Python): eager from then on
 
     def execute(
         self,
@@ -196,10 +211,27 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         self.buffers.fill(n, bucket, input_ids, positions, tables)
         self.buffers.set_slots(n, self.block_size)
         key = (bucket, pick_width(tables.shape[1], self.buffers.block_tables.shape[1]))
-        if key not in self.graphs.graphs:
-            ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(*key), bucket)
-            self.graphs.capture(key, lambda call: run(ctx, call))
+        if self.disabled or key[0] * key[1] > self.max_gather_blocks:
+            return None
+        if key not in self.graphs.graphs and not self._capture(key, run, make_context):
+            return None
         return self.graphs.replay(key, n)
+
+    def _capture(
+        self,
+        key: GraphKey,
+        run: Callable[[object, Callable[[], torch.Tensor]], torch.Tensor],
+        make_context: Callable[[torch.Tensor, StaticDecode, int], object],
+    ) -> bool:
+        bucket = key[0]
+        ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(*key), bucket)
+        try:
+            self.graphs.capture(key, lambda call: run(ctx, call))
+        except RuntimeError as exc:
+            logger.warning("CUDA graph capture failed for %s; decode steps run without graphs: %s", key, exc)
+            self.disabled = True
+            return False
+        return True
 
     @property
     def num_graphs(self) -> int:

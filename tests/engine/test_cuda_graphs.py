@@ -102,31 +102,45 @@ def test_static_decode_attention_matches_per_sequence_reference(window: int | No
 
 class _ReplayByRerun(DecodeGraphs):
     """DecodeGraphs without CUDA: "capture" keeps the step's context and call, "replay" runs the
-    forward again on the static buffers, which is what replaying a captured graph computes."""
+    same call again, which is what replaying a captured graph computes."""
 
     def capture(self, key: GraphKey, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
-        rows, buf = key[0], self.buffers
-        keep = torch.arange(rows)
-        self.graphs[key] = lambda: run(lambda: self.forward(buf.input_ids[:rows], buf.positions[:rows], keep))  # type: ignore[assignment]
+        call = self.step_call(key[0])
+        self.graphs[key] = lambda: run(call)  # type: ignore[assignment]
 
     def replay(self, key: GraphKey, n: int) -> torch.Tensor:
         return self.graphs[key]()[:n]  # type: ignore[operator]
 
 
-def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("pool_blocks", [None, 48])
+def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Path], pool_blocks: int | None) -> None:
     """The model runner's CUDA-graph decode path (static buffers, buckets, widths, the static
-    attention, one context reused across replays) on CPU, with only the capture itself stood in for."""
+    attention, one context reused across replays) on CPU, with only the capture itself stood in for.
+    With a 48-block pool, steps whose gather (rows x width) would exceed the pool run eagerly."""
     path = str(tiny_model("llama"))
     lengths, max_tokens = [5, 40, 200, 300], [12, 9, 6, 3]  # the batch shrinks; the longest row ends first: 2 widths
     prompts = [[2 + (i * 7 + j) % 250 for j in range(n)] for i, n in enumerate(lengths)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    eager = LLM(path, device="cpu", decode_kv="gather").generate(prompts, params)
-    llm = LLM(path, device="cpu", decode_kv="gather")
+    eager = LLM(path, device="cpu", decode_kv="gather", num_kv_blocks=pool_blocks).generate(prompts, params)
+    llm = LLM(path, device="cpu", decode_kv="gather", num_kv_blocks=pool_blocks)
     runner = llm.engine.runner
+    inputs: list[set[int]] = []
+
+    def forward(*tensors: torch.Tensor) -> torch.Tensor:
+        inputs.append({t.untyped_storage().data_ptr() for t in tensors})
+        return runner.forward(*tensors)
+
     max_blocks = -(-llm.config.max_model_len // runner.block_size)
-    graphs = GraphDecode(runner.forward, runner.kv_caches, 4, max_blocks, runner.block_size, runner.device)
-    graphs.graphs = _ReplayByRerun(runner.forward, graphs.buffers, graphs.buckets)
+    graphs = GraphDecode(forward, runner.kv_caches, 4, max_blocks, runner.block_size, runner.device)
+    graphs.graphs = _ReplayByRerun(forward, graphs.buffers, graphs.buckets)
     runner.graphs = graphs
     out = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
-    assert {w for _, w in graphs.graphs.graphs} == {16, 32} and {b for b, _ in graphs.graphs.graphs} >= {1, 2, 4}
+    keys = set(graphs.graphs.graphs)
+    static = {t.untyped_storage().data_ptr() for t in (graphs.buffers.input_ids, graphs.buffers.positions)}
+    static.add(graphs.buffers.keep.untyped_storage().data_ptr())
+    assert inputs and all(seen <= static for seen in inputs)  # a graph may read nothing a step frees
+    if pool_blocks is None:
+        assert {w for _, w in keys} == {16, 32} and {b for b, _ in keys} >= {1, 2, 4}
+    else:
+        assert keys and all(b * w <= pool_blocks for b, w in keys) and (4, 16) not in keys

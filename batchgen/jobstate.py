@@ -147,12 +147,6 @@ class OutputState:
             )
         return self.storage.exists(SUCCESS_NAME)
 
-    def is_finished(self, fingerprint: dict[str, Any]) -> bool:
-        """True when this very job already finished here (read only; check_record decides the rest)."""
-        if not self.storage.exists(SUCCESS_NAME):
-            return False
-        return (self.read_record() or {}).get("id") == fingerprint["id"]
-
     def read_success(self) -> dict[str, Any]:
         """The `_SUCCESS` manifest of a finished run."""
         manifest: dict[str, Any] = json.loads(self.storage.read_text(SUCCESS_NAME) or "{}")

@@ -83,28 +83,25 @@ class JobRunner:
         schema = output_schema([files[0].schema.field(c) for c in carried], add_row_id, self.result_fields)
         writer = PartWriter(self.spec.output.path, schema, self.spec.output.storage_options)
         writer.prepare()
-        fingerprint = job_fingerprint(self.spec, files)
-        if self.overwrite or not OutputState(writer.storage).is_finished(fingerprint):
-            # why not when finished: a rerun of a done job should not start (or reach) a Ray cluster
-            self.executor = open_executor(self.spec, self.quiet)  # kind ray: Ray reached before any work
         lock = OutputLock(writer.storage, self.shard)
         try:
             lock.acquire()
-            return self._run_locked(files, carried, writer, fingerprint, start)
+            return self._run_locked(files, carried, writer, start)
         finally:
             lock.release()
             if self.executor is not None:
                 self.executor.close()
 
-    def _run_locked(
-        self, files: list[InputFile], carried: list[str], writer: PartWriter, fingerprint: dict[str, Any], start: float
-    ) -> Summary:
+    def _run_locked(self, files: list[InputFile], carried: list[str], writer: PartWriter, start: float) -> Summary:
         state = OutputState(writer.storage)
         if self.overwrite:
+            self._open_executor()  # why first: an unreachable cluster must not cost the old output
             state.overwrite()
+        fingerprint = job_fingerprint(self.spec, files)
         if state.check_record(fingerprint):
             manifest = state.read_success()
             return Summary(Totals(), 0.0, manifest, already_done=True)
+        self._open_executor()  # kind ray: Ray reached before any work; never for a finished job
         owns = self.shard.owns if self.shard is not None else None
         shards = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
         record = self._claim_output(
@@ -137,6 +134,10 @@ class JobRunner:
             interrupt.check()
             writer.write_success(manifest)
         return Summary(totals, wall, manifest, skipped_parts=kept, run_output_tokens=run_tokens)
+
+    def _open_executor(self) -> None:
+        if self.executor is None:
+            self.executor = open_executor(self.spec, self.quiet)
 
     def _claim_output(self, state: OutputState, record: dict[str, Any]) -> dict[str, Any]:
         """Remove a killed run's temp files (a shard: its own parts' only) and write the job record."""

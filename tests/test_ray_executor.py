@@ -123,6 +123,18 @@ def test_a_finished_job_rerun_on_ray_does_not_reach_ray(
     assert (tmp_path / "out" / SUCCESS_NAME).read_bytes() == success
 
 
+def test_overwrite_with_ray_unreachable_keeps_the_old_output(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _run(_job(tmp_path, tiny_model_dir, "out"))
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
+    job = _job(tmp_path, tiny_model_dir, "out", {"kind": "ray"})
+    monkeypatch.setitem(sys.modules, "ray", None)
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet", "--overwrite"])
+    assert result.exit_code == 9, result.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before  # Ray is reached before anything is deleted
+
+
 def test_two_ray_workers_give_the_rows_of_a_local_run(
     ray_instance: Any, tmp_path: Path, tiny_model_dir: Path, reference: list[tuple[Any, ...]]
 ) -> None:

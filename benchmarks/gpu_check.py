@@ -9,9 +9,10 @@ Sections (each records its own error and the next one still runs):
   1 fp32 greedy parity vs transformers `generate` for the parity tests' architectures
   2 a ~1B Llama-shaped random model in bf16: logits after prefill and greedy agreement length
   3 throughput: 256 prompts of 256-768 tokens, 128 output tokens, ignore_eos, vs transformers
-    `generate` in bf16 at its best batch size; the same with `compile=True` (CUDA graphs for
-    decode); a shared-prefix variant; per-step breakdown; syncs
+    `generate` in bf16 at its best batch size; a shared-prefix variant; per-step breakdown; syncs
   4 memory: KV pool vs free memory, peak allocated, one worst-case long chunk
+  5 section 3's workload with `compile=True` and 16-token blocks (on CUDA: decode steps replayed as
+    CUDA graphs), last because a CUDA error there can poison the process's CUDA context
 Every model is built from a config with random weights and saved to a temp dir. Imports only
 torch, transformers (and its tokenizers) and batchgen.engine: what the GPU image has. Sections 1-2
 live in gpu_check_parts.py, 3-4 in gpu_check_perf.py; this file is the one to run.
@@ -284,11 +285,17 @@ def section0(sizes: Sizes, work: Path) -> dict[str, Any]:
     }
 
 
+def _hf_tok_s(report: Report) -> float | None:
+    """Section 3's best `generate` output tok/s, for section 5's ratio (None when section 3 did not run)."""
+    hf = report.data.get("3_throughput", {}).get("hf_generate_bf16")
+    return None if not isinstance(hf, dict) else hf.get("output_tok_s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, for the test that keeps this alive")
-    parser.add_argument("--sections", default="01234", help="which sections to run (default all)")
+    parser.add_argument("--sections", default="012345", help="which sections to run (default all)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sizes = SMOKE if args.smoke else FULL
@@ -308,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             ("2_bf16_agreement", lambda: parts.section2(sizes, work)),
             ("3_throughput", lambda: perf.section3(sizes, work)),
             ("4_memory", lambda: perf.section4(sizes, work)),
+            ("5_compiled", lambda: perf.section5(sizes, work, _hf_tok_s(report))),
         ]
         for name, fn in runs:
             if name[0] in args.sections:

@@ -164,7 +164,8 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> Non
             _BATCH = xgr.BatchGrammarMatcher()
         _BATCH.batch_fill_next_token_bitmask(matchers, bitmask)
     sub = logits[rows]  # [k, V] a copy
-    mask = bitmask.to(logits.device)  # once: both applies below read it
+    # once: both applies below read it; why pinned: a copy from pageable memory is a host sync on CUDA
+    mask = bitmask.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
     xgr.apply_token_bitmask_inplace(sub, mask, vocab_size=vocab)
     dead = torch.isneginf(sub).all(dim=-1)  # [k]
     # why unconditionally, not behind `dead.any()`: that test would be a host sync per step on CUDA

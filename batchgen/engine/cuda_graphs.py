@@ -206,13 +206,13 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         """Device ids/positions [n], tables [n, w] (uploaded) -> logits [n, V], or None: no bucket fits."""
         n = input_ids.shape[0]
         bucket = pick_bucket(n, self.buckets)
-        if bucket is None or tables.shape[1] > self.buffers.block_tables.shape[1]:
+        if self.disabled or bucket is None or tables.shape[1] > self.buffers.block_tables.shape[1]:
+            return None
+        key = (bucket, pick_width(tables.shape[1], self.buffers.block_tables.shape[1]))
+        if key[0] * key[1] > self.max_gather_blocks:
             return None
         self.buffers.fill(n, bucket, input_ids, positions, tables)
         self.buffers.set_slots(n, self.block_size)
-        key = (bucket, pick_width(tables.shape[1], self.buffers.block_tables.shape[1]))
-        if self.disabled or key[0] * key[1] > self.max_gather_blocks:
-            return None
         if key not in self.graphs.graphs and not self._capture(key, run, make_context):
             return None
         return self.graphs.replay(key, n)

@@ -185,7 +185,7 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         block_size: int,
         device: torch.device,
     ) -> None:
-        self.kv_caches, self.block_size = kv_caches, block_size
+        self.block_size = block_size
         self.buckets = decode_buckets(max_num_seqs)
         self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device)
         self.graphs = DecodeGraphs(forward, self.buffers, self.buckets)

@@ -64,27 +64,28 @@ def _part(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def cascade_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shared: int, own_mask: torch.Tensor, scaling: float
+    q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, shared: int, own_mask: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """q [B, H, D]; k/v [B, KVH, L, D] whose first `shared` positions are the same K/V in every row;
+    """q [B, H, D]; keys k_t [B, KVH, D, L], values v [B, KVH, L, D], whose first `shared` positions are
+    the same K/V in every row;
     own_mask [B, 1, 1, L - shared] (True: attend) -> [B, H, D].
 
     Every row attends to at least its own newest token, so no part is empty for a row. Computed
     in float32 (a no-op for float32 models): half-precision exp-sums would lose what SDPA keeps.
     """
     b, h, d = q.shape
-    kvh = k.shape[1]
+    kvh = k_t.shape[1]
     g = h // kvh
     qg = q.float().reshape(b, kvh, g, d)  # [B, KVH, G, D]
     # shared part: all B*G queries of a KV head against one copy of the prefix
     q_all = qg.transpose(0, 1).reshape(kvh, b * g, d)  # [KVH, B*G, D]
-    scores = torch.matmul(q_all, k[0, :, :shared].float().transpose(-1, -2)) * scaling  # [KVH, B*G, P]
+    scores = torch.matmul(q_all, k_t[0, ..., :shared].float()) * scaling  # [KVH, B*G, P]
     parts = [
         t.reshape(kvh, b, g, -1).transpose(0, 1)  # [B, KVH, G, .]
         for t in _part(scores, v[0, :, :shared].float())
     ]
     # own part: each row's keys after the prefix
-    scores = torch.matmul(qg, k[:, :, shared:].float().transpose(-1, -2)) * scaling  # [B, KVH, G, L - P]
+    scores = torch.matmul(qg, k_t[..., shared:].float()) * scaling  # [B, KVH, G, L - P]
     own = _part(scores.masked_fill(~own_mask, float("-inf")), v[:, :, shared:].float())
     top = torch.maximum(parts[1], own[1])  # [B, KVH, G, 1]
     scale_shared, scale_own = torch.exp(parts[1] - top), torch.exp(own[1] - top)

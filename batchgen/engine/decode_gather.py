@@ -56,7 +56,8 @@ class GatherStep:
 
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         n, index = self.groups[group].num_seqs, self._indices[group]
-        return gather_blocks(pool[0], index, n), gather_blocks(pool[1], index, n)  # [B, KVH, L, D] each
+        # keys as the transposed view [B, KVH, D, L] the protocol asks for (attention reads them with SDPA)
+        return gather_blocks(pool[0], index, n).transpose(-1, -2), gather_blocks(pool[1], index, n)
 
 
 class GatheredBlocks:

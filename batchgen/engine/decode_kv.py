@@ -8,7 +8,9 @@ memory-bound, saves most of that copy at the price of extra memory. The engine s
 `decode_kv` picks one ("auto": rows on CPU, gather elsewhere).
 
 A source plans each step's decodes into groups of similar length (one padded attention call
-each), is told each layer's new K/V, and hands each group's K/V as [B, KVH, L, D]. Whether a
+each), is told each layer's new K/V, and hands each group's keys as [B, KVH, D, L] and its
+values as [B, KVH, L, D] (keys transposed, as the scores' product reads them: a source that
+stores them so, contiguous along L, gets the batched-product path; see attention). Whether a
 group may use cascade attention over a shared prefix is decided here, from block tables, the
 same way for both sources.
 """
@@ -57,6 +59,7 @@ class DecodeGroup:
     kv_len: int  # L: the padded key length of the group's K/V
     shared_len: int = 0  # > 0: the first shared_len keys are the same blocks in every row (cascade)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
+    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B * KVH, 1, L] (0 / -inf)
 
 
 class DecodeStep(Protocol):
@@ -68,7 +71,7 @@ class DecodeStep(Protocol):
         """Called per layer after its new K/V went to the pool; key/value [KVH, T, D], decodes first."""
 
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [B, KVH, L, D] of groups[group] (row b: positions 0..L-1 of its b-th decode)."""
+        """Keys [B, KVH, D, L], values [B, KVH, L, D] of groups[group] (row b: positions 0..L-1 of its b-th decode)."""
 
 
 class DecodeKVSource(Protocol):

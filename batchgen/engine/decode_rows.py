@@ -8,7 +8,8 @@ source of truth (prefix caching, preemption): it is written exactly as before, a
 copy of it, and a row that is out of step with its sequence is dropped and refilled.
 
 Rows come in length classes (class c holds contexts up to MIN_CLASS_LEN * 2**c tokens), one
-pack of tensors `[rows, kv_heads, class length, head_dim]` per class, so a short sequence is
+pack of tensors per class (keys `[rows, kv_heads, head_dim, class length]`, values `[rows,
+kv_heads, class length, head_dim]`: each the layout its attention product reads contiguously), so a short sequence is
 padded only to its class, never to the longest sequence. A sequence that outgrows its class is
 refilled into the next one (a copy of its context, about twice over its whole life, instead of
 once per step). Within a class rows are packed 0..n-1; a freed row is taken by the last one.
@@ -39,8 +40,8 @@ def length_class(length: int) -> int:
 class ClassStep:
     """One class's part of a step: its decodes are rows 0..n-1, in packed order."""
 
-    k: list[torch.Tensor]  # per layer [rows, KVH, class length, D]
-    v: list[torch.Tensor]
+    k: list[torch.Tensor]  # per layer [rows, KVH, D, class length] (keys transposed)
+    v: list[torch.Tensor]  # per layer [rows, KVH, class length, D]
     positions: torch.Tensor  # [n] where this step's token goes in each row
     fills: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, length, blocks)
 
@@ -53,9 +54,9 @@ class RowsView:
     groups: list[DecodeGroup] = field(default_factory=list)
 
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the group's rows, [B, KVH, L, D] each, L the group's longest context."""
+        """Views of the group's rows: keys [B, KVH, D, L], values [B, KVH, L, D], L its longest context."""
         step, g = self.classes[group], self.groups[group]
-        return step.k[layer][: g.num_seqs, :, : g.kv_len], step.v[layer][: g.num_seqs, :, : g.kv_len]
+        return step.k[layer][: g.num_seqs, ..., : g.kv_len], step.v[layer][: g.num_seqs, :, : g.kv_len]
 
     def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
         """Fill new rows from the pool, then append this step's K/V ([KVH, T, D], decodes first).
@@ -67,12 +68,12 @@ class RowsView:
         for step in self.classes:
             k, v = step.k[layer], step.v[layer]
             for row, length, blocks in step.fills:
-                # [blocks, block_size, KVH, D] -> [length, KVH, D] -> [KVH, length, D]
-                k[row, :, :length] = pool[0].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)
+                # [blocks, block_size, KVH, D] -> [length, KVH, D] -> keys [KVH, D, length], values [KVH, length, D]
+                k[row, ..., :length] = pool[0].index_select(0, blocks).flatten(0, 1)[:length].permute(1, 2, 0)
                 v[row, :, :length] = pool[1].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)
             n = step.positions.numel()
             rows = torch.arange(n, device=k.device)
-            k[rows, :, step.positions] = key[:, first : first + n].transpose(0, 1)  # [n, KVH, D]
+            k[rows, ..., step.positions] = key[:, first : first + n].transpose(0, 1)  # [n, KVH, D]
             v[rows, :, step.positions] = value[:, first : first + n].transpose(0, 1)
             first += n
 
@@ -83,7 +84,7 @@ class _Pack:
     def __init__(
         self,
         num_layers: int,
-        shape_tail: tuple[int, int, int],
+        shape_tail: tuple[int, int, int],  # (KVH, class length, D): a value row's shape
         dtype: torch.dtype,
         device: torch.device,
         max_rows: int | None,
@@ -108,8 +109,9 @@ class _Pack:
             # memory may not be. Only the part the fill will not write is zeroed, on first use
             # (a step that fails mid-fill can leave garbage behind: a NaN there reaches the
             # logits and fails the engine's NaN check, it cannot pass silently).
-            for t in self.k + self.v:
-                t[row, :, filled:].zero_()
+            for k, v in zip(self.k, self.v):
+                k[row, ..., filled:].zero_()
+                v[row, :, filled:].zero_()
             self.zeroed = row + 1
         self.seqs.append(seq_id)
         return row
@@ -119,16 +121,20 @@ class _Pack:
         last = self.seqs.pop()
         if row == len(self.seqs):
             return None
-        for t in self.k + self.v:
-            t[row, :, :moved_len] = t[len(self.seqs), :, :moved_len]
+        for k, v in zip(self.k, self.v):
+            k[row, ..., :moved_len] = k[len(self.seqs), ..., :moved_len]
+            v[row, :, :moved_len] = v[len(self.seqs), :, :moved_len]
         self.seqs[row] = last
         return last
 
+    def _empty(self, *shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
     def _grow(self, rows: int) -> None:
-        shape = (rows, *self.shape_tail)
+        kvh, length, d = self.shape_tail
         have = self.k[0].shape[0] if self.k else 0
-        new_k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        new_v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_k = [self._empty(rows, kvh, d, length) for _ in range(self.num_layers)]
+        new_v = [self._empty(rows, kvh, length, d) for _ in range(self.num_layers)]
         for old, new in zip(self.k + self.v, new_k + new_v):
             new[:have] = old
         self.k, self.v = new_k, new_v

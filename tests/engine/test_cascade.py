@@ -25,7 +25,7 @@ def test_cascade_equals_plain_attention() -> None:
     mask = (torch.arange(length) < context[:, None])[:, None, None, :]  # [B, 1, 1, L]
     q = torch.randn(b, kvh * g, d, generator=gen)
     expected = F.scaled_dot_product_attention(q.reshape(b, kvh, g, d), k, v, attn_mask=mask, scale=0.2)
-    got = cascade_decode_attention(q, k, v, shared, mask[..., shared:], 0.2)
+    got = cascade_decode_attention(q, k.transpose(-1, -2), v, shared, mask[..., shared:], 0.2)
     torch.testing.assert_close(got, expected.reshape(b, kvh * g, d), atol=1e-5, rtol=1e-5)
 
 

@@ -10,7 +10,7 @@ import torch
 from batchgen.engine.attention import forward_context, paged_attention_forward
 from batchgen.engine.decode_gather import GatheredBlocks
 from batchgen.engine.decode_kv import DecodeKVSource
-from batchgen.engine.decode_rows import DecodeRows
+from batchgen.engine.decode_rows import DecodeRows, RowsView
 from batchgen.engine.model_runner import build_forward_context
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.scheduler import ScheduledChunk
@@ -46,7 +46,7 @@ def _reference(
     return (torch.softmax(scores, -1) @ v).transpose(0, 1)
 
 
-def _source(kind: str) -> DecodeKVSource:
+def _source(kind: str, dtype: torch.dtype = torch.float32) -> DecodeKVSource:
     if kind == "rows":
         return DecodeRows(
             num_layers=1,
@@ -54,7 +54,7 @@ def _source(kind: str) -> DecodeKVSource:
             head_dim=DIM,
             block_size=BLOCK,
             max_len=256,
-            dtype=torch.float32,
+            dtype=dtype,
             device=torch.device("cpu"),
         )
     return GatheredBlocks(BLOCK, torch.device("cpu"))
@@ -68,10 +68,16 @@ def _chunk(seq_id: int, start: int, n: int, table: list[int], decode: bool) -> S
 
 
 def _run_case(
-    specs: list[tuple[int, int]], window: int | None, softcap: float | None, decode_kv: str, shared: int = 0
+    specs: list[tuple[int, int]],
+    window: int | None,
+    softcap: float | None,
+    decode_kv: str,
+    shared: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> ForwardContext:
     """specs: (cached context, new tokens) per sequence; a one-token chunk is a decode unless its
-    context is odd. The first `shared` tokens (whole blocks) are the same blocks in every sequence."""
+    context is odd. The first `shared` tokens (whole blocks) are the same blocks in every sequence.
+    The reference runs in float32 on the same (rounded) values."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(math.ceil((c + n) / BLOCK) for c, n in specs) + 3
     k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)  # garbage outside the written slots
@@ -93,18 +99,22 @@ def _run_case(
         full_k.append(k)
         full_v.append(v)
         queries.append(torch.randn(HEADS, n, DIM, generator=gen))
+    rounded = [[t.to(dtype) for t in ts] for ts in (full_k, full_v, queries)]
+    full_k, full_v, queries = ([t.float() for t in ts] for ts in rounded)
     ctx, positions, order = build_forward_context(
-        chunks, _source(decode_kv), [(k_cache, v_cache)], BLOCK, torch.device("cpu")
+        chunks, _source(decode_kv, dtype), [(k_cache.to(dtype), v_cache.to(dtype))], BLOCK, torch.device("cpu")
     )
-    query = torch.cat([queries[i] for i in order], dim=1)[None]  # [1, H, T, D], packed order
-    key = torch.cat([full_k[i][:, specs[i][0] :] for i in order], dim=1)[None]  # [1, KVH, T, D]
-    value = torch.cat([full_v[i][:, specs[i][0] :] for i in order], dim=1)[None]
+    query = torch.cat([rounded[2][i] for i in order], dim=1)[None]  # [1, H, T, D], packed order
+    key = torch.cat([rounded[0][i][:, specs[i][0] :] for i in order], dim=1)[None]  # [1, KVH, T, D]
+    value = torch.cat([rounded[1][i][:, specs[i][0] :] for i in order], dim=1)[None]
     with forward_context(ctx):
         out, _ = paged_attention_forward(
             _Layer(), query, key, value, None, scaling=0.3, sliding_window=window, softcap=softcap
         )
     expected = torch.cat([_reference(queries[i], full_k[i], full_v[i], 0.3, window, softcap) for i in order])
-    torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out[0].float(), expected, atol=tol, rtol=tol)
     assert positions.tolist() == [p for i in order for p in range(specs[i][0], sum(specs[i]))]
     decodes = {i for i, c in enumerate(chunks) if c.is_decode}
     assert set(order[: len(decodes)]) == decodes  # decodes are packed first
@@ -127,6 +137,18 @@ def test_mixed_decode_and_prefill_with_context(window: int | None, softcap: floa
         (2, 13),
     ]  # prefill chunks: fresh and over cached context
     _run_case(specs, window, softcap, decode_kv)
+
+
+@pytest.mark.parametrize("decode_kv", ["gather", "rows"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_bfloat16_keeps_its_own_row_layout_and_attends_the_same(window: int | None, decode_kv: str) -> None:
+    # why a test: float32 rows store keys transposed (batched products), bfloat16 rows do not (SDPA)
+    specs = [(16, 1), (0, 1), (30, 1), (9, 1), (5, 6)]
+    for dtype, stored_along_positions in ((torch.bfloat16, False), (torch.float32, True)):
+        ctx = _run_case(specs, window, None, decode_kv, dtype=dtype)
+        if isinstance(ctx.decodes, RowsView):
+            keys = ctx.decodes.classes[0].k[0]  # indexed [rows, KVH, D, length]
+            assert (keys.stride(-1) == 1) == stored_along_positions
 
 
 @pytest.mark.parametrize("decode_kv", ["gather", "rows"])

@@ -15,11 +15,11 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from batchgen.engine.generate_loop import run_to_completion
 from batchgen.engine.logprobs import TokenTexts, take_logprobs
 from batchgen.engine.model_runner import ModelRunner
 from batchgen.engine.outputs import RequestOutput
@@ -29,26 +29,10 @@ from batchgen.engine.requests import RequestState, SampleState, fork_params
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.scheduler import ScheduledBatch, Scheduler
 from batchgen.engine.sequence import Sequence
+from batchgen.engine.stats import EngineStats
 from batchgen.engine.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """Counters a benchmark can read. Token counts are tokens run through the model."""
-
-    steps: int = 0
-    requests: int = 0
-    errors: int = 0
-    prefill_tokens: int = 0  # prompt chunks, and recomputation after preemption
-    decode_tokens: int = 0  # decode chunks (scheduler.is_decode): one new token each
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache, over finished requests
-    output_tokens: int = 0  # sampled tokens
-    preemptions: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class Engine:
@@ -147,7 +131,7 @@ class Engine:
                 f"{self.scheduler.num_running} running sequences"
             )
         sampled = batch.sampled
-        self._count(batch)
+        self.stats.count(batch)
         logits = self.runner.execute(batch)  # [len(sampled) + prompt-logprob rows, vocab]
         # read with the sampled ids; why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
         nan = logits.amax().isnan() if logits.shape[0] else None
@@ -243,14 +227,6 @@ class Engine:
             return False
         return sample.stop.finish_now()
 
-    def _count(self, batch: ScheduledBatch) -> None:
-        self.stats.steps += 1
-        for chunk in batch.chunks:
-            if chunk.is_decode:
-                self.stats.decode_tokens += 1
-            else:
-                self.stats.prefill_tokens += chunk.num_tokens
-
     def abort_all(self) -> None:
         """Drop every unfinished request (queued or running) and what it holds, reporting none of them.
 
@@ -299,33 +275,8 @@ class Engine:
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         try:
-            return self._run(prompts, params, on_output, texts or [None] * len(prompts))
+            return run_to_completion(self, prompts, params, on_output, texts or [None] * len(prompts))
         except BaseException:
             # why BaseException: a KeyboardInterrupt mid-step orphans requests just the same
             self.abort_all()
             raise
-
-    def _run(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        on_output: Callable[[RequestOutput], None] | None,
-        texts: list[str | None],
-    ) -> list[RequestOutput]:
-        position = {
-            str(self.add_request(p, sp, text)): i for i, (p, sp, text) in enumerate(zip(prompts, params, texts))
-        }
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        while self.has_unfinished():
-            for output in self.step():
-                index = position.get(output.request_id)
-                if index is None:
-                    continue  # a request added outside this call
-                output.request_id = str(index)
-                results[index] = output
-                if on_output is not None:
-                    on_output(output)
-        missing = [i for i, r in enumerate(results) if r is None]
-        if missing:
-            raise RuntimeError(f"the engine stopped with requests {missing[:10]} unanswered")
-        return results  # type: ignore[return-value]

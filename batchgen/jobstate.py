@@ -118,6 +118,8 @@ class OutputState:
     def __init__(self, out_dir: Path | Storage) -> None:
         self.storage = open_storage(out_dir)
         self.out_dir = self.storage.local_dir if self.storage.local_dir is not None else self.storage.where
+        self._checked = False
+        self._seen: str | None = None  # the record's text when check_record read it (None: none)
 
     def overwrite(self) -> None:
         """Remove what batchgen wrote here (parts, record, manifest, temp files); nothing else."""
@@ -125,15 +127,17 @@ class OutputState:
             self.storage.delete(name)
 
     def check_record(self, fingerprint: dict[str, Any]) -> bool:
-        """True when this job already finished here. Refuses a folder made by a different job."""
-        if not self.storage.exists(RECORD_NAME):
+        """True when this job already finished here. Refuses a folder made by a different job.
+        Remembers the record it read, the only one claim_record will write over."""
+        self._seen, self._checked = self._read_record_text(), True
+        if self._seen is None:
             if self.committed_parts():
                 raise FingerprintMismatch(
                     f"{self.out_dir}: holds parts but no {RECORD_NAME}; not a batchgen output of this job "
                     "(use --overwrite to replace it)"
                 )
             return False
-        old = self.read_record() or {}
+        old = _parse_record(self._seen, self.storage.describe(RECORD_NAME)) or {}
         if old.get("id") != fingerprint["id"] and not self.committed_parts():
             # Why: a run that failed before its first commit (bad override, model not loadable)
             # produced nothing; the folder belongs to no job yet and the corrected rerun starts.
@@ -152,36 +156,35 @@ class OutputState:
         manifest: dict[str, Any] = json.loads(self.storage.read_text(SUCCESS_NAME) or "{}")
         return manifest
 
-    def write_record(self, record: dict[str, Any], replace: bool = True) -> bool:
-        """Write the job record (the fingerprint and the facts `finalize` needs); with
-        `replace=False` only when there is none yet (False: another run wrote one first)."""
-        text = json.dumps(record, indent=2, sort_keys=True)
-        try:
-            return self.storage.write_text(RECORD_NAME, text, "record_temp_write", replace=replace)
-        except OSError as exc:
-            raise OutputError(f"{self.storage.describe(RECORD_NAME)}: cannot write: {exc.strerror or exc}") from exc
-
-    def claim_record(self, record: dict[str, Any]) -> None:
-        """The shard runs' write_record: N of them may start at once. The first creates the record
-        (never replacing one a concurrent run just wrote); the others keep it when it is this job's.
-        Read back after: a different job that won the race is refused, as at any start."""
-        old = self.read_record()
-        if old is None:
-            self.write_record(record, replace=False)
-        elif old.get("id") != record["id"] or "run" not in old:
-            self.write_record(record)  # a job that committed nothing (check_record), or an older record
+    def claim_record(self, record: dict[str, Any], refresh: bool) -> None:
+        """Write the job record as a run starts, over the very record check_record read: of runs
+        starting at once only one write lands, and the others go by the record they then read
+        (this job's: go on, as N shard runs do; another job's: refused). `refresh` (a plain run):
+        write even over this job's own record, with this run's facts; else (a shard run) keep a
+        record this job already wrote with its run facts."""
+        if not self._checked:
+            raise RuntimeError("claim_record needs check_record first (it writes over what that read)")
+        old = _parse_record(self._seen, self.storage.describe(RECORD_NAME))
+        if refresh or old is None or old.get("id") != record["id"] or "run" not in old:
+            text = json.dumps(record, indent=2, sort_keys=True)
+            try:
+                self.storage.swap_text(RECORD_NAME, text, self._seen, "record_temp_write")
+            except OSError as exc:
+                where = self.storage.describe(RECORD_NAME)
+                raise OutputError(f"{where}: cannot write: {exc.strerror or exc}") from exc
         now = self.read_record() or {}
         if now.get("id") != record["id"]:
             lines = "\n  ".join(describe_difference(now, record))
             raise FingerprintMismatch(f"{self.out_dir}: another job claimed this output at the same time:\n  {lines}")
 
     def read_record(self) -> dict[str, Any] | None:
+        return _parse_record(self._read_record_text(), self.storage.describe(RECORD_NAME))
+
+    def _read_record_text(self) -> str | None:
         try:
-            text = self.storage.read_text(RECORD_NAME)
-            record: dict[str, Any] | None = None if text is None else json.loads(text)
-        except (OSError, ValueError) as exc:
+            return self.storage.read_text(RECORD_NAME)
+        except OSError as exc:
             raise OutputError(f"{self.storage.describe(RECORD_NAME)}: cannot read the job record: {exc}") from exc
-        return record
 
     def remove_leftovers(self, owns: Callable[[int], bool] | None = None) -> int:
         """Delete temp files of a killed run: they were never committed. With `owns` (a shard
@@ -206,6 +209,13 @@ class OutputState:
     def _ours(self) -> list[str]:
         names = [RECORD_NAME, SUCCESS_NAME, *self.committed_parts().values()]
         return names + self.storage.temp_names()
+
+
+def _parse_record(text: str | None, where: str) -> dict[str, Any] | None:
+    try:
+        return None if text is None else json.loads(text)
+    except ValueError as exc:
+        raise OutputError(f"{where}: cannot read the job record: {exc}") from exc
 
 
 def _temp_part_index(name: str) -> int | None:

@@ -114,6 +114,21 @@ class ObjectStorage(Storage):
         fault_point(fault)
         return self._put(name, data, replace)
 
+    def swap_text(self, name: str, text: str, expected: str | None, fault: str) -> bool:
+        """On S3 with boto3: a put conditional on the ETag of the very object whose text was compared
+        (If-None-Match for a new one). Elsewhere (GCS, no boto3): compare, then put (a window
+        remains: README, "Object storage")."""
+        data = text.encode("utf-8")
+        fault_point(fault)
+        if expected is None:
+            return self._put(name, data, replace=False)
+        client = self._s3_client()
+        if client is None:
+            if self.read_text(name) != expected:
+                return False
+            return self._put(name, data, replace=True)
+        return self._put_if_unchanged(client, name, data, expected)
+
     def write_parquet(self, name: str, table: pa.Table, fault: str) -> bool:
         sink = pa.BufferOutputStream()  # why in memory: a failed write must never reach the store half
         pq.write_table(table, sink)
@@ -158,17 +173,40 @@ class ObjectStorage(Storage):
         return True
 
     def _conditional_put(self) -> Callable[[str, bytes], bool] | None:
+        return None if self._s3_client() is None else self._put_if_absent
+
+    def _s3_client(self) -> Any:
+        """The boto3 client for conditional writes; None off S3 or without boto3."""
         if not self.s3:
             return None
         if self._client is None:
             self._client = s3_client(self.options, getattr(self.fs, "region", None))
-        return None if self._client is False else self._put_if_absent
+        return None if self._client is False else self._client
+
+    def _bucket_key(self, name: str) -> tuple[str, str]:
+        bucket, _, prefix = self.base.partition("/")
+        return bucket, f"{prefix}/{name}" if prefix else name
+
+    def _put_if_unchanged(self, client: Any, name: str, data: bytes, expected: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        bucket, key = self._bucket_key(name)
+        try:
+            got = client.get_object(Bucket=bucket, Key=key)
+            if got["Body"].read().decode("utf-8") != expected:
+                return False
+            client.put_object(Bucket=bucket, Key=key, Body=data, IfMatch=got["ETag"])
+            return True
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code in ("NoSuchKey", "PreconditionFailed", "ConditionalRequestConflict"):
+                return False  # gone, or another writer changed it in between: the caller reads again
+            raise OSError(f"{self.where}/{name}: {exc}") from exc
 
     def _put_if_absent(self, name: str, data: bytes) -> bool:
         from botocore.exceptions import ClientError
 
-        bucket, _, prefix = self.base.partition("/")
-        key = f"{prefix}/{name}" if prefix else name
+        bucket, key = self._bucket_key(name)
         for _ in range(_CONFLICT_RETRIES):
             try:
                 self._client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")

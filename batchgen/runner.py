@@ -144,10 +144,7 @@ class JobRunner:
         if state.remove_leftovers(self.shard.owns if self.shard is not None else None):
             log.info("removed temporary files of an interrupted run")
         with interrupt.cooperative():
-            if self.shard is not None:
-                state.claim_record(record)  # N shards may start at once
-            else:
-                state.write_record(record)
+            state.claim_record(record, refresh=self.shard is None)  # N shards may start at once
         interrupt.check()
         return record
 

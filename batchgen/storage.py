@@ -2,14 +2,17 @@
 
 Everything that reads or writes the output folder goes through a `Storage`: list the committed
 parts, read and write the small JSON files, read parts back, commit a part whole without ever
-replacing one. `LocalStorage` is the local protocol (temp file, fsync, rename or hard link, flocks
-held by `jobstate.OutputLock`); `objectstore.ObjectStorage` is the object-store one (each object
+replacing one, swap the job record only over the one a run read. `LocalStorage` is the local
+protocol (temp file, fsync, rename or hard link, flocks: the run's in `jobstate.OutputLock`, the
+record swap's own); `objectstore.ObjectStorage` is the object-store one (each object
 written by one request, visible whole or not at all; no rename, no lock). Paths and their
 `storage_options` are checked here too, so a typo fails at load, before any work.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -149,6 +152,11 @@ class Storage(ABC):
         return False. `fault` names the crash-test point between preparing and committing."""
 
     @abstractmethod
+    def swap_text(self, name: str, text: str, expected: str | None, fault: str) -> bool:
+        """Write `name` whole only if its text is still `expected` (None: there is no such file);
+        False, and nothing written, when it is not. Atomic against any other swap of `name`."""
+
+    @abstractmethod
     def write_parquet(self, name: str, table: pa.Table, fault: str) -> bool:
         """Commit `table` as `name` whole; False (and the existing file kept) when it exists."""
 
@@ -211,6 +219,17 @@ class LocalStorage(Storage):
         from batchgen.parts import atomic_write
 
         return atomic_write(self.folder / name, lambda tmp: tmp.write_text(text, encoding="utf-8"), fault, replace)
+
+    def swap_text(self, name: str, text: str, expected: str | None, fault: str) -> bool:
+        """Compare and write under an exclusive flock of `.NAME.lock` (the kernel drops it if we die)."""
+        fd = os.open(self.folder / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self.read_text(name) != expected:
+                return False
+            return self.write_text(name, text, fault, replace=expected is not None)
+        finally:
+            os.close(fd)  # drops the flock
 
     def write_parquet(self, name: str, table: pa.Table, fault: str) -> bool:
         from batchgen.parts import atomic_write

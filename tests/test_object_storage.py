@@ -23,10 +23,12 @@ from click.testing import CliRunner
 
 from batchgen import objectstore
 from batchgen.cli import main
+from batchgen.errors import FingerprintMismatch
 from batchgen.job import load_job
+from batchgen.jobstate import OutputState
 from batchgen.objectstore import ObjectStorage, discover_objects
 from batchgen.runner import JobRunner
-from batchgen.storage import check_storage_options, options_from_uri
+from batchgen.storage import check_storage_options, open_storage, options_from_uri
 from tests.conftest import make_job, write_job, write_parquet
 
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
@@ -259,6 +261,49 @@ def test_a_committed_object_is_never_replaced(
     assert not store.write_parquet("part-000000.parquet", pa.table({"x": [2]}), "after_temp_write")
     assert store.read_table("part-000000.parquet", ["x"]).column("x").to_pylist() == [1]
     assert store.committed_parts() == {0: "part-000000.parquet"}
+
+
+def _record(job: str) -> dict[str, Any]:
+    return {"id": job, "settings": {}, "model": "m", "inputs": {}, "run": {"parts": 1, "started": 1.0}}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("refresh", [False, True])  # a shard run, a plain run
+def test_two_jobs_starting_at_once_cannot_both_claim_an_output(
+    tmp_path: Path, s3: dict[str, Any], where: str, refresh: bool
+) -> None:
+    # the old record is of a job that committed nothing, so either job may take the output: not both
+    out = str(tmp_path) if where == "local" else f"s3://outputs/claim-{refresh}"
+    store = open_storage(out, None if where == "local" else _options(s3))
+    old = OutputState(store)
+    old.check_record(_record("old"))
+    old.claim_record(_record("old"), refresh=True)
+    first, second = OutputState(store), OutputState(store)
+    assert not first.check_record(_record("a")) and not second.check_record(_record("b"))
+    first.claim_record(_record("a"), refresh=refresh)
+    with pytest.raises(FingerprintMismatch, match="another job claimed this output at the same time"):
+        second.claim_record(_record("b"), refresh=refresh)
+    assert (first.read_record() or {})["id"] == "a"
+
+
+def test_a_record_write_landing_between_read_and_put_wins_on_s3(
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = "s3://outputs/swap"
+    store = ObjectStorage(uri, check_storage_options(uri, _options(s3), "output"))
+    assert store.swap_text("_JOB.json", "old", None, "record_temp_write")
+    assert not store.swap_text("_JOB.json", "new", None, "record_temp_write")  # there is one
+    client = store._s3_client()
+    real_get = client.get_object
+
+    def get_then_another_write_lands(**kwargs: Any) -> Any:
+        got = real_get(**kwargs)
+        client.put_object(Bucket=kwargs["Bucket"], Key=kwargs["Key"], Body=b"theirs")
+        return got
+
+    monkeypatch.setattr(client, "get_object", get_then_another_write_lands)
+    assert not store.swap_text("_JOB.json", "mine", "old", "record_temp_write")  # If-Match: its ETag is gone
+    assert store.read_text("_JOB.json") == "theirs"
 
 
 def test_input_globs_and_prefixes_on_a_bucket(s3: dict[str, Any], local_inputs: Path) -> None:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -21,6 +24,7 @@ from batchgen.errors import OutputError
 from batchgen.jobstate import OutputState
 from batchgen.output_table import RESULT_NAMES, output_schema
 from batchgen.parts import PartWriter
+from batchgen.storage import LocalStorage
 from tests.conftest import make_job, write_job, write_parquet
 
 
@@ -41,6 +45,11 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
+def _claim(state: OutputState, record: dict[str, Any]) -> None:
+    state.check_record(record)
+    state.claim_record(record, refresh=True)
+
+
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError, OSError])
 def test_every_temp_write_removes_its_file_on_any_exception(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: type[BaseException]
@@ -53,11 +62,11 @@ def test_every_temp_write_removes_its_file_on_any_exception(
     for write in (
         lambda: writer.write_part(0, writer.schema.empty_table()),
         lambda: writer.write_success({"rows": {}}),
-        lambda: OutputState(tmp_path).write_record({"id": "x"}),
+        lambda: _claim(OutputState(tmp_path), {"id": "x"}),
     ):
         with pytest.raises((failure, OutputError)):  # an OSError is reported as OutputError
             write()
-        assert list(tmp_path.iterdir()) == []  # no temp file and nothing committed
+        assert [p.name for p in tmp_path.iterdir() if p.suffix != ".lock"] == []  # no temp file, nothing committed
 
 
 def test_stray_part_files_are_not_ours(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -136,3 +145,18 @@ def test_report_on_a_run_still_validating_is_in_progress(tmp_path: Path) -> None
     code, text, err = _cli("report", str(tmp_path), "--by", "category")
     assert code == 0, err
     assert "in progress: 0 parts committed, no _SUCCESS" in text
+
+
+def test_concurrent_record_swaps_on_a_folder_let_exactly_one_land(tmp_path: Path) -> None:
+    store = LocalStorage(tmp_path)
+    assert store.swap_text("_JOB.json", "old", None, "record_temp_write")
+    start = threading.Barrier(8)
+
+    def swap(i: int) -> bool:
+        start.wait()
+        return store.swap_text("_JOB.json", f"run {i}", "old", "record_temp_write")
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(swap, range(8)))
+    assert won.count(True) == 1
+    assert store.read_text("_JOB.json") == f"run {won.index(True)}"

@@ -238,8 +238,9 @@ def test_a_shard_removes_only_its_own_parts_temp_files(tmp_path: Path) -> None:
 
 
 def test_shards_claiming_the_record_keep_the_first(tmp_path: Path) -> None:
-    state = OutputState(tmp_path)
     first = {"id": "a", "settings": {}, "model": "m", "inputs": {}, "run": {"parts": 1, "started": time.time()}}
-    state.claim_record(first)
-    state.claim_record({**first, "run": {"parts": 1, "started": 0.0}})
-    assert state.read_record() == first
+    runs = [OutputState(tmp_path), OutputState(tmp_path)]  # two shard runs of one job, starting at once
+    assert not any(run.check_record(first) for run in runs)
+    runs[0].claim_record(first, refresh=False)
+    runs[1].claim_record({**first, "run": {"parts": 1, "started": 0.0}}, refresh=False)
+    assert runs[1].read_record() == first

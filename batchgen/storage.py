@@ -221,8 +221,8 @@ class LocalStorage(Storage):
         return atomic_write(self.folder / name, lambda tmp: tmp.write_text(text, encoding="utf-8"), fault, replace)
 
     def swap_text(self, name: str, text: str, expected: str | None, fault: str) -> bool:
-        """Compare and write under an exclusive flock of `.NAME.lock` (the kernel drops it if we die)."""
-        fd = os.open(self.folder / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        """Compare and write under an exclusive flock of `.batchgen.NAME.lock` (dropped if we die)."""
+        fd = os.open(self.folder / f".batchgen.{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if self.read_text(name) != expected:

@@ -51,7 +51,11 @@ def test_gpu_check_smoke_runs_every_section_without_the_packages_the_gpu_image_l
     assert env0["path_choice"]["bfloat16/block256"]["path"] == "sdpa"  # CPU: never the varlen kernel
     shapes = env0["observed"]["float32/block16"]["shapes"]
     assert set(shapes) == {"prefill", "continuation", "decode", "mixed"}
-    assert all(any("scaled_dot_product" in op for op in s["ops"]) for s in shapes.values())
+    sdpa, batched = (
+        {n for n, s in shapes.items() if any(k in op for op in s["ops"])} for k in ("scaled_dot", "baddbmm")
+    )
+    # CPU float32: prompts through SDPA, decodes over the transposed decode rows through batched products
+    assert sdpa == {"prefill", "continuation", "mixed"} and batched == {"decode", "mixed"}
 
     parity = report["1_fp32_parity"]
     assert parity["all_matched"] and set(parity) >= {"llama", "gemma2"}

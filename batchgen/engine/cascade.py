@@ -66,9 +66,8 @@ def _part(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def cascade_decode_attention(
     q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, shared: int, own_mask: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """q [B, H, D]; keys k_t [B, KVH, D, L], values v [B, KVH, L, D], whose first `shared` positions are
-    the same K/V in every row;
-    own_mask [B, 1, 1, L - shared] (True: attend) -> [B, H, D].
+    """q [B, H, D]; keys k_t [B, KVH, D, L] and values v [B, KVH, L, D] whose first `shared`
+    positions are the same K/V in every row; own_mask [B, 1, 1, L - shared] (True: attend) -> [B, H, D].
 
     Every row attends to at least its own newest token, so no part is empty for a row. Computed
     in float32 (a no-op for float32 models): half-precision exp-sums would lose what SDPA keeps.

@@ -40,7 +40,7 @@ def length_class(length: int) -> int:
 class ClassStep:
     """One class's part of a step: its decodes are rows 0..n-1, in packed order."""
 
-    k: list[torch.Tensor]  # per layer [rows, KVH, D, class length] (keys transposed)
+    k: list[torch.Tensor]  # per layer, indexed [rows, KVH, D, class length] (see _Pack._keys)
     v: list[torch.Tensor]  # per layer [rows, KVH, class length, D]
     positions: torch.Tensor  # [n] where this step's token goes in each row
     fills: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, length, blocks)

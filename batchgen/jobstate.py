@@ -183,7 +183,7 @@ class OutputState:
     def _read_record_text(self) -> str | None:
         try:
             return self.storage.read_text(RECORD_NAME)
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise OutputError(f"{self.storage.describe(RECORD_NAME)}: cannot read the job record: {exc}") from exc
 
     def remove_leftovers(self, owns: Callable[[int], bool] | None = None) -> int:

@@ -191,17 +191,23 @@ class ObjectStorage(Storage):
         from botocore.exceptions import ClientError
 
         bucket, key = self._bucket_key(name)
-        try:
-            got = client.get_object(Bucket=bucket, Key=key)
-            if got["Body"].read().decode("utf-8") != expected:
-                return False
-            client.put_object(Bucket=bucket, Key=key, Body=data, IfMatch=got["ETag"])
-            return True
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code in ("NoSuchKey", "PreconditionFailed", "ConditionalRequestConflict"):
-                return False  # gone, or another writer changed it in between: the caller reads again
-            raise OSError(f"{self.where}/{name}: {exc}") from exc
+        for _ in range(_CONFLICT_RETRIES):
+            try:
+                got = client.get_object(Bucket=bucket, Key=key)
+                if got["Body"].read().decode("utf-8", errors="replace") != expected:
+                    return False
+                client.put_object(Bucket=bucket, Key=key, Body=data, IfMatch=got["ETag"])
+                return True
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code")
+                if code in ("NoSuchKey", "PreconditionFailed"):
+                    return False  # gone, or another writer changed it in between: the caller reads again
+                if code == "NotImplemented":  # a store without If-Match on PUT: compare, then put
+                    log.warning("%s: the store refuses If-Match; the job record is written unconditionally", self.where)
+                    return self._put(name, data, replace=True)
+                if code != "ConditionalRequestConflict":  # 409: another conditional write still in flight
+                    raise OSError(f"{self.where}/{name}: {exc}") from exc
+        raise OSError(f"{self.where}/{name}: other writers of this key kept conflicting; try again")
 
     def _put_if_absent(self, name: str, data: bytes) -> bool:
         from botocore.exceptions import ClientError

@@ -306,6 +306,29 @@ def test_a_record_write_landing_between_read_and_put_wins_on_s3(
     assert store.read_text("_JOB.json") == "theirs"
 
 
+@pytest.mark.parametrize("answer", ["ConditionalRequestConflict", "NotImplemented"])
+def test_a_record_swap_retries_a_conflict_and_falls_back_where_if_match_is_unknown(
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    from botocore.exceptions import ClientError
+
+    uri = f"s3://outputs/swap-{answer}"
+    store = ObjectStorage(uri, check_storage_options(uri, _options(s3), "output"))
+    assert store.swap_text("_JOB.json", "old", None, "record_temp_write")
+    client = store._s3_client()
+    real_put, refused = client.put_object, []
+
+    def put(**kwargs: Any) -> Any:
+        if "IfMatch" in kwargs and not refused:  # 409: another conditional write in flight; 501: no If-Match
+            refused.append(kwargs)
+            raise ClientError({"Error": {"Code": answer, "Message": answer}}, "PutObject")
+        return real_put(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", put)
+    assert store.swap_text("_JOB.json", "mine", "old", "record_temp_write")
+    assert refused and store.read_text("_JOB.json") == "mine"
+
+
 def test_input_globs_and_prefixes_on_a_bucket(s3: dict[str, Any], local_inputs: Path) -> None:
     _upload(s3, local_inputs, "inputs/glob")
     pq.write_table(pa.table({"x": [1]}), "inputs/glob/.hidden.parquet", filesystem=s3["fs"])

@@ -16,23 +16,11 @@ import pyarrow as pa
 
 from batchgen.errors import OutputError
 from batchgen.faults import fault_point
-from batchgen.storage import PART_NAME, Storage, open_storage
-
-PART_GLOB = "part-*.parquet"
+from batchgen.storage import Storage, open_storage
 
 
 def part_name(index: int) -> str:
     return f"part-{index:06d}.parquet"
-
-
-def committed_parts(out_dir: Path) -> dict[int, Path]:
-    """The committed parts in `out_dir` by index (a part in flight has a hidden temp name)."""
-    parts = {}
-    for path in out_dir.glob(PART_GLOB):
-        match = PART_NAME.fullmatch(path.name)
-        if match and path.is_file():
-            parts[int(match.group(1))] = path
-    return dict(sorted(parts.items()))
 
 
 class PartWriter:

@@ -137,7 +137,7 @@ def test_nothing_but_part_files_is_read_as_parts(tmp_path: Path) -> None:
     for name in ("part-000000.parquet", "part-000001.parquet", "part-old.parquet", "part-12.parquet"):
         pq.write_table(pa.table({"x": [1]}), tmp_path / name)
     (tmp_path / "part-000002.parquet").mkdir()
-    assert [p.name for p in parts.committed_parts(tmp_path).values()] == ["part-000000.parquet", "part-000001.parquet"]
+    assert list(LocalStorage(tmp_path).committed_parts().values()) == ["part-000000.parquet", "part-000001.parquet"]
 
 
 def test_report_on_a_run_still_validating_is_in_progress(tmp_path: Path) -> None:

@@ -28,8 +28,8 @@ from batchgen.executors.ray_executor import plan_workers
 from batchgen.fingerprint import job_fingerprint
 from batchgen.job import ExecutorSection, load_job
 from batchgen.jobstate import RECORD_NAME, SUCCESS_NAME
-from batchgen.parts import committed_parts
 from batchgen.runner import JobRunner, Summary
+from batchgen.storage import LocalStorage
 from batchgen.validate import validate_job
 from tests.conftest import make_job, write_job, write_parquet
 
@@ -95,7 +95,7 @@ def test_address_auto_without_a_cluster_fails_before_any_work(
     assert "executor.address 'auto': no Ray cluster answers there" in result.output
     assert "ray start --head" in result.output
     out = tmp_path / "out"
-    assert not (out / RECORD_NAME).exists() and not committed_parts(out)
+    assert not (out / RECORD_NAME).exists() and not LocalStorage(out).committed_parts()
 
 
 def test_kind_ray_without_ray_installed_names_the_install_command(
@@ -107,7 +107,7 @@ def test_kind_ray_without_ray_installed_names_the_install_command(
     assert result.exit_code == 9, result.output
     assert "pip install 'batchgen[ray]'" in result.output
     out = tmp_path / "out"
-    assert not (out / RECORD_NAME).exists() and not committed_parts(out)
+    assert not (out / RECORD_NAME).exists() and not LocalStorage(out).committed_parts()
 
 
 def test_a_finished_job_rerun_on_ray_does_not_reach_ray(
@@ -184,7 +184,7 @@ def test_a_worker_killed_mid_part_is_replaced_and_every_row_lands_once(
     killed = None
     deadline = time.monotonic() + 120
     while killed is None and driver.is_alive() and time.monotonic() < deadline:
-        busy = _workers_running_a_part() if out.exists() and committed_parts(out) else []
+        busy = _workers_running_a_part() if out.exists() and LocalStorage(out).committed_parts() else []
         if busy:  # a part is committed and another is under way: kill that worker as the OOM killer would
             killed = busy[0]
             os.kill(killed, signal.SIGKILL)
@@ -211,7 +211,7 @@ def test_a_job_started_locally_resumes_on_ray(
         _run(local)
     monkeypatch.delenv("BATCHGEN_FAULT")
     fingerprint = json.loads((out / RECORD_NAME).read_text())["id"]
-    assert sorted(committed_parts(out)) == [0, 1]
+    assert sorted(LocalStorage(out).committed_parts()) == [0, 1]
     runner, summary = _run(_job(tmp_path, tiny_model_dir, "out", RAY))  # only the executor changed: the same job
     assert summary.skipped_parts == 2
     assert json.loads((out / RECORD_NAME).read_text())["id"] == fingerprint

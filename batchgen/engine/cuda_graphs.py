@@ -142,8 +142,8 @@ GraphKey = tuple[int, int]  # (rows B, blocks per row W)
 class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this module no CPU test runs
     """One CUDA graph per (bucket, width) over `forward(input_ids, positions, keep) -> logits [B, V]`."""
 
-    def __init__(self, forward: Callable[..., torch.Tensor], buffers: DecodeBuffers, buckets: list[int]) -> None:
-        self.forward, self.buffers, self.buckets = forward, buffers, buckets
+    def __init__(self, forward: Callable[..., torch.Tensor], buffers: DecodeBuffers) -> None:
+        self.forward, self.buffers = forward, buffers
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.out: torch.Tensor | None = None  # [max batch, V] logits every graph writes its rows into
         self.pool: Any = None  # the graphs share one memory pool
@@ -188,7 +188,7 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         self.block_size = block_size
         self.buckets = decode_buckets(max_num_seqs)
         self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device)
-        self.graphs = DecodeGraphs(forward, self.buffers, self.buckets)
+        self.graphs = DecodeGraphs(forward, self.buffers)
         # why: a graph's static gather holds rows x width blocks of one layer; up to the pool's own
         # size it fits the gather headroom the KV budget keeps (memory.GATHER_LAYERS_HEADROOM), beyond
         # it (one long row among many short ones) the step runs eagerly, gathering by length groups

@@ -132,7 +132,7 @@ def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Pa
 
     max_blocks = -(-llm.config.max_model_len // runner.block_size)
     graphs = GraphDecode(forward, runner.kv_caches, 4, max_blocks, runner.block_size, runner.device)
-    graphs.graphs = _ReplayByRerun(forward, graphs.buffers, graphs.buckets)
+    graphs.graphs = _ReplayByRerun(forward, graphs.buffers)
     runner.graphs = graphs
     out = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]

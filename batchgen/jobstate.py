@@ -137,7 +137,7 @@ class OutputState:
                     "(use --overwrite to replace it)"
                 )
             return False
-        old = _parse_record(self._seen, self.storage.describe(RECORD_NAME)) or {}
+        old = self._parse_record(self._seen) or {}
         if old.get("id") != fingerprint["id"] and not self.committed_parts():
             # Why: a run that failed before its first commit (bad override, model not loadable)
             # produced nothing; the folder belongs to no job yet and the corrected rerun starts.
@@ -164,7 +164,7 @@ class OutputState:
         record this job already wrote with its run facts."""
         if not self._checked:
             raise RuntimeError("claim_record needs check_record first (it writes over what that read)")
-        old = _parse_record(self._seen, self.storage.describe(RECORD_NAME))
+        old = self._parse_record(self._seen)
         if refresh or old is None or old.get("id") != record["id"] or "run" not in old:
             text = json.dumps(record, indent=2, sort_keys=True)
             try:
@@ -178,12 +178,18 @@ class OutputState:
             raise FingerprintMismatch(f"{self.out_dir}: another job claimed this output at the same time:\n  {lines}")
 
     def read_record(self) -> dict[str, Any] | None:
-        return _parse_record(self._read_record_text(), self.storage.describe(RECORD_NAME))
+        return self._parse_record(self._read_record_text())
 
     def _read_record_text(self) -> str | None:
         try:
             return self.storage.read_text(RECORD_NAME)
         except (OSError, UnicodeDecodeError) as exc:
+            raise OutputError(f"{self.storage.describe(RECORD_NAME)}: cannot read the job record: {exc}") from exc
+
+    def _parse_record(self, text: str | None) -> dict[str, Any] | None:
+        try:
+            return None if text is None else json.loads(text)
+        except ValueError as exc:
             raise OutputError(f"{self.storage.describe(RECORD_NAME)}: cannot read the job record: {exc}") from exc
 
     def remove_leftovers(self, owns: Callable[[int], bool] | None = None) -> int:
@@ -209,13 +215,6 @@ class OutputState:
     def _ours(self) -> list[str]:
         names = [RECORD_NAME, SUCCESS_NAME, *self.committed_parts().values()]
         return names + self.storage.temp_names()
-
-
-def _parse_record(text: str | None, where: str) -> dict[str, Any] | None:
-    try:
-        return None if text is None else json.loads(text)
-    except ValueError as exc:
-        raise OutputError(f"{where}: cannot read the job record: {exc}") from exc
 
 
 def _temp_part_index(name: str) -> int | None:

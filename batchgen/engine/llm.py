@@ -13,6 +13,7 @@ from batchgen.engine.attention_path import default_block_size, detect_support, h
 from batchgen.engine.block_manager import BlockManager
 from batchgen.engine.compiled_forward import resolve_compile
 from batchgen.engine.config import engine_config
+from batchgen.engine.cpu_heap import keep_freed_memory
 from batchgen.engine.device_defaults import require_int, resolve_engine_defaults
 from batchgen.engine.engine import Engine
 from batchgen.engine.model_runner import ModelRunner
@@ -65,6 +66,8 @@ class LLM:
         config = engine_config(**settings)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
+        if torch_device.type == "cpu":
+            keep_freed_memory()  # why: activations freed each step are reused without page faults (cpu_heap)
         hf_model = load_model(model, torch_device, torch_dtype)
         self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
         config.max_model_len = self.max_model_len

@@ -1,0 +1,71 @@
+"""glibc heap settings for CPU inference: freed activation memory stays in the process.
+
+Why: every prefill step allocates and frees activations of several MB per layer (a 2,048-token
+step of the 57M Llama makes 16 MB MLP activations). By default glibc serves blocks that large
+from fresh mmap()s and trims the top of its heap when they are freed, so each step faults every
+page in again: 100-180 thousand minor page faults per 2,048-token step of that model, and an
+elementwise op that writes a fresh 16 MB tensor took 3-18 ms instead of ~1 ms (measured in the
+engine; benchmarks/RESULTS.md, issue 11 fourth pass). With the mmap threshold at glibc's maximum
+and trimming only past a large slack, freed blocks are reused without new faults (9-40 thousand
+per step, most of them first touches of the KV pool and decode rows).
+
+The cost: the process keeps up to TRIM_THRESHOLD of freed heap instead of returning it, which a
+batch job that reaches the same peak every step would hold anyway. The settings apply to the
+whole process (glibc has no per-library heap), once, only where glibc is the C library; with
+another allocator (jemalloc, tcmalloc preloaded) or another libc nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+# mallopt parameter numbers (glibc malloc.h)
+M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
+M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit: blocks up to 32 MiB come from the heap
+TRIM_THRESHOLD = 1 << 30  # return the heap top to the OS only past 1 GiB of free space
+TOP_PAD = 64 << 20  # grow the heap in 64 MiB steps, not one block at a time
+
+DISABLE_ENV = "BATCHGEN_MALLOC_DEFAULTS"  # set to 1: leave glibc's own settings alone
+
+_applied: list[bool] = []  # once per process, whatever the outcome
+
+
+def keep_freed_memory() -> bool:
+    """Apply the settings above once per process; True if glibc took all three."""
+    if _applied:
+        return _applied[0]
+    _applied.append(False)
+    if os.environ.get(DISABLE_ENV) == "1":
+        logger.info("heap settings left alone (%s=1)", DISABLE_ENV)
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
+    ok = all(libc.mallopt(param, value) == 1 for param, value in settings)
+    _applied[0] = ok
+    logger.info(
+        "glibc heap: blocks up to %d MiB from the heap, trimmed past %d MiB (%s)",
+        MMAP_THRESHOLD >> 20,
+        TRIM_THRESHOLD >> 20,
+        "applied" if ok else "refused",
+    )
+    return ok
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The process's C library if it is glibc (only glibc has gnu_get_libc_version), else None."""
+    try:
+        libc = ctypes.CDLL(None)  # the symbols already loaded into the process, libc's among them
+        libc.gnu_get_libc_version  # noqa: B018 - a lookup, raises AttributeError elsewhere
+        libc.mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc

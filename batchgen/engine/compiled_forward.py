@@ -4,12 +4,12 @@ Why: on a small model the unchanged transformers modules run one small op at a t
 RoPE, SwiGLU, residuals), and Python dispatch dominates. Compiled, inductor fuses them; the
 paged attention stays one opaque custom op (attention_op), so the graph does not break.
 
-Why so few compiled shapes: every decoder layer is compiled with dynamic shapes, so one graph
-serves every layer and every token count (a second one only where layers differ, e.g. sliding
-and full attention, or when the first call's token count equals a model dimension and gets
-specialised). Token counts are padded to a multiple of TOKEN_MULTIPLE (a count of 1 would be
-specialised; padded tokens write the KV pool's trash slot and are never read). The compile
-time and the graphs compiled are counted here, for the benchmark and the logs.
+Why so few compiled shapes: the whole forward is compiled with dynamic shapes, so one graph
+serves every token count and every number of logit rows (a second one only when a first call's
+sizes happen to coincide and get specialised together). Token counts are padded to a multiple of
+TOKEN_MULTIPLE (a count of 1 would be specialised; padded tokens write the KV pool's trash slot
+and are never read), logit rows to at least MIN_KEEP. The compile time and the graphs compiled
+are counted here, for the benchmark and the logs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 # graph, but a count of 1 would be specialised (a second graph), and aligned sizes vectorise.
 TOKEN_MULTIPLE = 8
 RECOMPILE_LIMIT = 64
+MIN_KEEP = 2  # logit rows of a compiled call: fewer are padded (see StepForward.padded_rows)
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -89,11 +90,16 @@ def _unique_graphs() -> int:
 class StepForward:
     """Runs the model on one packed step; compiled or eager, the same arguments and results.
 
-    Why each decoder layer, with dynamic shapes, and not the whole model per bucket: measured on
-    the shared 2-core machine, one static-shape graph of the whole demo model took ~110 s to
-    compile under load, and a run meets dozens of (tokens, logits) shapes. Layers share their code,
-    so one dynamic-shape graph serves every layer and every token count (two when layers differ,
-    e.g. sliding and full attention); embeddings, final norm and lm_head stay eager.
+    Why the whole model as one graph, with dynamic shapes: measured on CPU (benchmarks/RESULTS.md,
+    fourth pass), compiling each decoder layer on its own lost to eager at every batch size
+    (every layer call paid dynamo's guard checks and a Python round trip: 2.1 -> 2.7 ms for a
+    one-sequence decode step of the demo model), while the whole forward as one graph is checked
+    once per step, runs embeddings, norms, RoPE, SwiGLU, residuals and the LM head fused around
+    the attention op, and on CPU calls its kernels from a C++ wrapper instead of Python
+    (decode steps of the demo model 5-20% faster; (a) 2.50 -> 2.26 s). One dynamic-shape graph
+    serves every token count and every count of logit rows (see padded_tokens, padded_rows). The
+    price is a compile of every layer, once per process and model (5 s for the demo model, 8-20 s
+    for the 57M one, the shorter with inductor's on-disk cache warm), counted in `stats`.
     """
 
     def __init__(self, model: PreTrainedModel, compile: bool, max_tokens: int | None = None) -> None:
@@ -102,23 +108,30 @@ class StepForward:
         self.max_tokens = max_tokens
         self.stats = CompileStats()
         check_layer_order(model)
+        self._run = self._logits
         if compile:
-            # why: every architecture's layers enter through transformers' one GradientCheckpointingLayer
-            # __call__, so each model (and dtype) in a process adds its graphs to that one code object's
-            # cache; the default limit of 8 would fail the fourth model of a test run or benchmark
+            # why: every model of a process shares _logits' code object, whose dynamo cache holds one
+            # entry per model (guarded on it); the default limit of 8 would fail the ninth model of a
+            # test run or benchmark
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-            for layer in decoder_layers(model):
-                layer.compile(dynamic=True, fullgraph=True)
+            device = next(model.parameters()).device
+            options: dict[str, Any] = {"cpp_wrapper": True} if device.type == "cpu" else {}
+            self._run = torch.compile(self._logits, dynamic=True, fullgraph=True, options=options)
 
     def padded_tokens(self, n: int) -> int:
         return bucket(n, self.max_tokens) if self.compile else n
 
+    def padded_rows(self, n: int) -> int:
+        """Logit rows to ask for when `n` are wanted: at least MIN_KEEP when compiled, since a
+        size-1 dimension is specialised (a second graph). The extra rows are the caller's to drop."""
+        return max(n, MIN_KEEP) if self.compile else max(n, 1)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T], keep [K] -> logits [K, vocab] (model dtype)."""
         if not self.compile:
-            return self._eager(input_ids, positions, keep)
+            return self._logits(input_ids, positions, keep)
         graphs, began = _unique_graphs(), time.perf_counter()
-        out = self._eager(input_ids, positions, keep)
+        out = self._run(input_ids, positions, keep)
         if _unique_graphs() != graphs:  # why: this call compiled; its time is (mostly) compile time
             self.stats.seconds += time.perf_counter() - began
             self.stats.shapes.add((input_ids.shape[0], keep.shape[0]))
@@ -131,6 +144,6 @@ class StepForward:
             )
         return out
 
-    def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=keep, use_cache=False)
         return out.logits[0]

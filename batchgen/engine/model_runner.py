@@ -232,8 +232,9 @@ class ModelRunner:
                 keep.extend(range(first, first + c.prompt_logits))
         num_keep = len(keep)
         token_ids.extend([0] * (padded - len(token_ids)))
+        keep.extend([0] * (self.forward.padded_rows(num_keep) - num_keep))
         input_ids = self.transfers.stage(torch.tensor(token_ids))  # [T]
-        keep_idx = self.transfers.stage(torch.tensor(keep or [0]))  # [num sampled + prompt-logit rows], or [1]
+        keep_idx = self.transfers.stage(torch.tensor(keep))  # [num sampled + prompt-logit rows (+ padding)]
         self.transfers.upload()
         with torch.inference_mode(), forward_context(ctx):
             logits = self.forward(input_ids, positions, keep_idx)

@@ -155,7 +155,7 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         # metadata: packing the step, the decode K/V source's plan() included (it runs inside)
         (model_runner, "build_forward_context", "metadata"),
         (engine.runner, "execute", "execute_total"),
-        (engine.runner.forward, "_eager", "model_forward_total"),  # StepForward: eager or compiled, both through _eager
+        (engine.runner.forward, "_run", "model_forward_total"),  # StepForward: eager or compiled, both through _run
         (attention, "_store_kv", "attn_kv_write"),
         (RowsView, "update", "attn_rows_update"),
         (attention, "gather_blocks", "attn_gather"),

@@ -51,11 +51,12 @@ def test_gpu_check_smoke_runs_every_section_without_the_packages_the_gpu_image_l
     assert env0["path_choice"]["bfloat16/block256"]["path"] == "sdpa"  # CPU: never the varlen kernel
     shapes = env0["observed"]["float32/block16"]["shapes"]
     assert set(shapes) == {"prefill", "continuation", "decode", "mixed"}
-    sdpa, batched = (
-        {n for n, s in shapes.items() if any(k in op for op in s["ops"])} for k in ("scaled_dot", "baddbmm")
+    sdpa, batched, kernel = (
+        {n for n, s in shapes.items() if any(k in op for op in s["ops"])}
+        for k in ("scaled_dot", "baddbmm", "native_decode_attention")
     )
-    # CPU float32: prompts through SDPA, decodes over the transposed decode rows through batched products
-    assert sdpa == {"prefill", "continuation", "mixed"} and batched == {"decode", "mixed"}
+    # CPU float32: prompts through SDPA, decodes over the decode rows in the native kernel
+    assert sdpa == {"prefill", "continuation", "mixed"} and kernel == {"decode", "mixed"} and not batched
 
     parity = report["1_fp32_parity"]
     assert parity["all_matched"] and set(parity) >= {"llama", "gemma2"}

@@ -111,20 +111,24 @@ def _decode_bias(group: DecodeGroup, window: int | None, kv_heads: int, dtype: t
 
 
 def _batched_decode_attention(
-    qg: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """qg [B, KVH, G, D], keys k_t [B, KVH, D, L] contiguous along L, v [B, KVH, L, D] -> [B, KVH, G, D].
+    qg: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scaling: float, out: torch.Tensor
+) -> None:
+    """qg [B * KVH, G, D], keys k_t [B, KVH, D, L] contiguous along L, v [B, KVH, L, D] -> out [B * KVH, G, D].
 
     Why not SDPA: with keys stored transposed, the scores are one batched product that reads each
     key row contiguously, and the output another. On CPU a decode step's attention went from 5.6
     to 3.5 ms (demo model) and from 26.4 to 21.3 ms (57M) against SDPA over [L, D] rows, reading
     K/V about as fast as a plain sum over the same bytes (benchmarks/RESULTS.md, third pass). The
-    softmax runs in float32, as transformers' eager one does.
+    softmax runs in float32, as transformers' eager one does. Why `out`: the product writes the
+    group's rows of the layer's output in place (a view), instead of a copy per group.
     """
-    b, kvh, g, d = qg.shape
-    scores = torch.baddbmm(bias, qg.reshape(b * kvh, g, d), k_t.reshape(b * kvh, d, -1), alpha=scaling)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # [B * KVH, G, L]
-    return torch.bmm(probs, v.reshape(b * kvh, -1, d)).view(b, kvh, g, d)
+    rows, d = qg.shape[0], qg.shape[2]
+    scores = torch.baddbmm(bias, qg, k_t.reshape(rows, d, -1), alpha=scaling)  # [B * KVH, G, L]
+    if scores.dtype == torch.float32:
+        probs = scores.softmax(-1)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    torch.bmm(probs, v.reshape(rows, -1, d), out=out)
 
 
 def _grouped_attention(
@@ -155,19 +159,20 @@ def _attend_decodes(
     window: int | None,
     scaling: float,
     softcap: float | None,
-) -> torch.Tensor:
-    """q [B, H, D], keys k_t [B, KVH, D, L], values [B, KVH, L, D] -> [B, H, D]."""
+    out: torch.Tensor,
+) -> None:
+    """q [B, H, D], keys k_t [B, KVH, D, L], values [B, KVH, L, D] -> out [B, H, D] (written in place)."""
     b, h, d = q.shape
     kvh = k_t.shape[1]
     # why: a decode's G query heads per KV head share one position, so they can stand in as the
     # query length of a plain attention; K/V are read once per KV head, never repeated (this is
     # ~3x faster on CPU than SDPA's enable_gqa on a padded decode batch)
+    if softcap is None and k_t.stride(-1) == 1 and out.is_contiguous():  # keys stored transposed (decode rows)
+        bias = _decode_bias(group, window, kvh, q.dtype)
+        _batched_decode_attention(q.reshape(b * kvh, h // kvh, d), k_t, v, bias, scaling, out.view(b * kvh, -1, d))
+        return
     qg = q.reshape(b, kvh, h // kvh, d)  # [B, KVH, G, D]
-    if softcap is None and k_t.stride(-1) == 1:  # keys stored transposed (decode rows)
-        out = _batched_decode_attention(qg, k_t, v, _decode_bias(group, window, kvh, q.dtype), scaling)
-    else:
-        out = _grouped_attention(qg, k_t, v, _decode_mask(group, window), scaling, softcap)
-    return out.reshape(b, h, d)
+    out.copy_(_grouped_attention(qg, k_t, v, _decode_mask(group, window), scaling, softcap).reshape(b, h, d))
 
 
 def _attend_chunk(
@@ -205,17 +210,19 @@ def _decode_attention(
     softcap: float | None,
 ) -> None:
     """The decodes' rows of `out` [T, H, D]; q [H, T, D], key/value [KVH, T, D] (this step's, decodes first)."""
+    if softcap is None and step.attend(layer, pool, q, key, value, out, scaling, window):
+        return
     step.update(layer, pool, key, value)
     for i, group in enumerate(step.groups):
         first, n = group.start, group.num_seqs
         k_t, v = step.kv(layer, pool, i)  # keys [B, KVH, D, L], values [B, KVH, L, D]
-        qd = q[:, first : first + n].transpose(0, 1)  # [B, H, D]
+        qd = q[:, first : first + n].transpose(0, 1)  # [B, H, D] (a contiguous view, as the model lays q out)
         if group.shared_len and window is None and softcap is None:
             out[first : first + n] = cascade_decode_attention(
                 qd, k_t, v, group.shared_len, _decode_mask(group, window)[..., group.shared_len :], scaling
             )
         else:
-            out[first : first + n] = _attend_decodes(qd, k_t, v, group, window, scaling, softcap)
+            _attend_decodes(qd, k_t, v, group, window, scaling, softcap, out[first : first + n])
 
 
 def _torch_paged_attention(

@@ -54,6 +54,10 @@ class GatherStep:
     def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
         """Nothing to do: the pool already holds this step's K/V."""
 
+    def attend(self, *args: object) -> bool:
+        """Gathered blocks attend group by group in torch (attention.py)."""
+        return False
+
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         n, index = self.groups[group].num_seqs, self._indices[group]
         # keys as the transposed view [B, KVH, D, L] the protocol asks for (attention reads them with SDPA)

@@ -73,6 +73,20 @@ class DecodeStep(Protocol):
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [B, KVH, D, L], values [B, KVH, L, D] of groups[group] (row b: positions 0..L-1 of its b-th decode)."""
 
+    def attend(
+        self,
+        layer: int,
+        pool: Pool,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> bool:
+        """Attend every decode of this layer itself (q [H, T, D], key/value [KVH, T, D], out [T, H, D]),
+        its K/V updated too; False: the caller runs update() and attends group by group over kv()."""
+
 
 class DecodeKVSource(Protocol):
     """Plans every step's decodes; one per model runner, for its lifetime."""

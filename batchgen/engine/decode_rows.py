@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.engine import decode_native, native
 from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, Stage, make_group
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
@@ -43,6 +44,7 @@ class ClassStep:
     k: list[torch.Tensor]  # per layer, indexed [rows, KVH, D, class length] (see _Pack._keys)
     v: list[torch.Tensor]  # per layer [rows, KVH, class length, D]
     positions: torch.Tensor  # [n] where this step's token goes in each row
+    rows: torch.Tensor  # [n] 0..n-1: the rows of this step's decodes (built once, read by every layer)
     fills: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, length, blocks)
 
 
@@ -52,6 +54,7 @@ class RowsView:
 
     classes: list[ClassStep]
     groups: list[DecodeGroup] = field(default_factory=list)
+    native: decode_native.NativeStep | None = None  # set: the native kernel attends (see attend)
 
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the group's rows: keys [B, KVH, D, L], values [B, KVH, L, D], L its longest context."""
@@ -64,18 +67,46 @@ class RowsView:
         Why per layer, after the layer's K/V went to the pool: a new row's blocks may be matched
         prefix blocks that another sequence computes in this very step.
         """
+        self._fill(layer, pool)
         first = 0
+        for step in self.classes:
+            k, v = step.k[layer], step.v[layer]
+            n = step.rows.shape[0]
+            k[step.rows, ..., step.positions] = key[:, first : first + n].transpose(0, 1)  # [n, KVH, D]
+            v[step.rows, :, step.positions] = value[:, first : first + n].transpose(0, 1)
+            first += n
+
+    def attend(
+        self,
+        layer: int,
+        pool: Pool,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> bool:
+        """With the native kernel: fill new rows, then append and attend every decode in one call.
+
+        q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D]; False: no kernel (or it
+        does not take these shapes), so the caller runs update() and attends group by group.
+        """
+        if self.native is None or not decode_native.usable(self.native.kernels, q, key.shape[0]):
+            return False
+        self._fill(layer, pool)
+        n = self.native.lengths.shape[0]
+        qd, kd, vd = (t.transpose(0, 1)[:n] for t in (q, key, value))  # [n, H | KVH, D]
+        self.native.attend(layer, qd, kd, vd, out[:n], scale, window)
+        return True
+
+    def _fill(self, layer: int, pool: Pool) -> None:
         for step in self.classes:
             k, v = step.k[layer], step.v[layer]
             for row, length, blocks in step.fills:
                 # [blocks, block_size, KVH, D] -> [length, KVH, D] -> keys [KVH, D, length], values [KVH, length, D]
                 k[row, ..., :length] = pool[0].index_select(0, blocks).flatten(0, 1)[:length].permute(1, 2, 0)
                 v[row, :, :length] = pool[1].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)
-            n = step.positions.numel()
-            rows = torch.arange(n, device=k.device)
-            k[rows, ..., step.positions] = key[:, first : first + n].transpose(0, 1)  # [n, KVH, D]
-            v[rows, :, step.positions] = value[:, first : first + n].transpose(0, 1)
-            first += n
 
 
 class _Pack:
@@ -177,6 +208,10 @@ class DecodeRows:
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
         self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
         self.num_fills = 0  # rows filled from the pool (for tests and the benchmark)
+        # why float32 on CPU only: the kernel's arithmetic, and the rows it reads are stored transposed in float32
+        self.native = native.load() if device.type == "cpu" and dtype == torch.float32 else None
+        self._scratch = decode_native.Scratch()
+        self._arange = torch.arange(0, device=device)
 
     @property
     def num_rows(self) -> int:
@@ -204,12 +239,40 @@ class DecodeRows:
             steps.setdefault(self._where[decodes[i].seq_id][0], []).append(decodes[i].position)
         view = RowsView(
             [
-                ClassStep(self._packs[c].k, self._packs[c].v, self.stage(torch.tensor(pos)), fills.get(c, []))
+                ClassStep(
+                    self._packs[c].k,
+                    self._packs[c].v,
+                    self.stage(torch.tensor(pos)),
+                    self._rows(len(pos)),
+                    fills.get(c, []),
+                )
                 for c, pos in steps.items()
             ]
         )
         view.groups = self._groups([decodes[i] for i in order], [len(p) for p in steps.values()])
+        if self.native is not None:
+            view.native = self._native_step(self.native, view, list(steps.values()))
         return order, view
+
+    def _native_step(
+        self, kernels: native.NativeKernels, view: RowsView, positions: list[list[int]]
+    ) -> decode_native.NativeStep:
+        """The kernel's view of the step: each class's rows, and what every decode attends to.
+
+        Why the host positions, not the staged ones: the kernel runs on the host, and staged
+        tensors hold their values only after the step's upload."""
+        parts = [
+            decode_native.NativeClass(c.k, c.v, c.rows.shape[0], g.shared_len)
+            for c, g in zip(view.classes, view.groups)
+        ]
+        lengths = torch.tensor([p + 1 for pos in positions for p in pos], dtype=torch.int64)
+        return decode_native.NativeStep(kernels, parts, lengths, self._scratch)
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """0..n-1 on the device, made once per n (a slice of one arange, grown as needed)."""
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
+        return self._arange[:n]
 
     def reset(self) -> None:
         """Release every row; the tensors stay allocated, and are zeroed again on first use.

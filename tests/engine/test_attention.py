@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from batchgen.engine import native
 from batchgen.engine.attention import forward_context, paged_attention_forward
 from batchgen.engine.decode_gather import GatheredBlocks
 from batchgen.engine.decode_kv import DecodeKVSource
@@ -46,9 +47,13 @@ def _reference(
     return (torch.softmax(scores, -1) @ v).transpose(0, 1)
 
 
+# rows: the native kernel attends float32 decodes (decode_native); rows_torch: the same rows, torch ops
+SOURCES = ["gather", "rows", "rows_torch"]
+
+
 def _source(kind: str, dtype: torch.dtype = torch.float32) -> DecodeKVSource:
-    if kind == "rows":
-        return DecodeRows(
+    if kind.startswith("rows"):
+        rows = DecodeRows(
             num_layers=1,
             num_kv_heads=KV_HEADS,
             head_dim=DIM,
@@ -57,6 +62,10 @@ def _source(kind: str, dtype: torch.dtype = torch.float32) -> DecodeKVSource:
             dtype=dtype,
             device=torch.device("cpu"),
         )
+        assert (rows.native is not None) == (dtype == torch.float32 and native.load() is not None)
+        if kind == "rows_torch":
+            rows.native = None
+        return rows
     return GatheredBlocks(BLOCK, torch.device("cpu"))
 
 
@@ -118,10 +127,14 @@ def _run_case(
     assert positions.tolist() == [p for i in order for p in range(specs[i][0], sum(specs[i]))]
     decodes = {i for i, c in enumerate(chunks) if c.is_decode}
     assert set(order[: len(decodes)]) == decodes  # decodes are packed first
+    if decodes and decode_kv == "rows" and dtype == torch.float32:
+        assert isinstance(ctx.decodes, RowsView) and ctx.decodes.native is not None
+        # the kernel attended this layer's decodes; soft-capped logits stay with torch (attention.py)
+        assert ctx.decodes.native.calls == (softcap is None)
     return ctx
 
 
-@pytest.mark.parametrize("decode_kv", ["gather", "rows"])
+@pytest.mark.parametrize("decode_kv", SOURCES)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_mixed_decode_and_prefill_with_context(window: int | None, softcap: float | None, decode_kv: str) -> None:
@@ -139,7 +152,7 @@ def test_mixed_decode_and_prefill_with_context(window: int | None, softcap: floa
     _run_case(specs, window, softcap, decode_kv)
 
 
-@pytest.mark.parametrize("decode_kv", ["gather", "rows"])
+@pytest.mark.parametrize("decode_kv", SOURCES)
 @pytest.mark.parametrize("window", [None, 5])
 def test_bfloat16_keeps_its_own_row_layout_and_attends_the_same(window: int | None, decode_kv: str) -> None:
     # why a test: float32 rows store keys transposed (batched products), bfloat16 rows do not (SDPA)
@@ -151,13 +164,13 @@ def test_bfloat16_keeps_its_own_row_layout_and_attends_the_same(window: int | No
             assert (keys.stride(-1) == 1) == stored_along_positions
 
 
-@pytest.mark.parametrize("decode_kv", ["gather", "rows"])
+@pytest.mark.parametrize("decode_kv", SOURCES)
 def test_prefill_only_and_decode_only(decode_kv: str) -> None:
     _run_case([(0, 11)], None, None, decode_kv)
     _run_case([(16, 1), (0, 1), (30, 1)], None, None, decode_kv)
 
 
-@pytest.mark.parametrize("decode_kv", ["gather", "rows"])
+@pytest.mark.parametrize("decode_kv", SOURCES)
 def test_decodes_sharing_cached_blocks_use_cascade_with_either_source(decode_kv: str) -> None:
     ctx = _run_case([(20, 1), (22, 1), (24, 1), (26, 1)], None, None, decode_kv, shared=16)
     assert ctx.decodes is not None and [g.shared_len for g in ctx.decodes.groups] == [16]

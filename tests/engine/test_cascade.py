@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen.engine import attention
+from batchgen.engine import attention, decode_native
 from batchgen.engine.cascade import cascade_decode_attention, cascade_len, shared_prefix_len, worth_splitting
+from batchgen.engine.decode_rows import DecodeRows
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
 
@@ -48,6 +50,8 @@ def test_shared_prefix_counts_only_identical_fully_cached_blocks() -> None:
 def test_engine_with_a_shared_preamble_uses_cascade_with_either_decode_source(
     tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The split is decided from block tables, whichever source; the native kernel reads a shared
+    prefix from the group's first row instead of splitting the softmax (decode_native)."""
     calls = []
     real = attention.cascade_decode_attention
 
@@ -55,14 +59,26 @@ def test_engine_with_a_shared_preamble_uses_cascade_with_either_decode_source(
         calls.append(1)
         return real(*args)  # type: ignore[arg-type]
 
+    real_attend = decode_native.NativeStep.attend
+
+    def native_counting(self: decode_native.NativeStep, *args: Any) -> None:
+        calls.extend([1] if int(self.shared.max()) > 0 else [])
+        real_attend(self, *args)
+
     monkeypatch.setattr(attention, "cascade_decode_attention", counting)
+    monkeypatch.setattr(decode_native.NativeStep, "attend", native_counting)
     preamble = [(7 * j) % 250 + 2 for j in range(64)]
     prompts = [preamble + [(i * 11 + j) % 250 + 2 for j in range(3 + i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = []
-    for decode_kv in ("rows", "gather"):
+    for decode_kv, use_native in (("rows", True), ("rows", False), ("gather", False)):
         llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200, decode_kv=decode_kv)
+        source = llm.engine.runner.decode_kv
+        if isinstance(source, DecodeRows):
+            assert source.native is not None  # float32 on CPU: the kernel, unless switched off here
+            if not use_native:
+                source.native = None
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        assert calls, decode_kv  # the split is decided from block tables, whichever source
+        assert calls, (decode_kv, use_native)
         calls.clear()
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]

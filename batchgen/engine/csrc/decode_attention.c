@@ -1,0 +1,137 @@
+/* batchgen: one layer's decode attention over contiguous per-sequence rows, on the CPU.
+ *
+ * Why in C: a decode step's attention in torch is a handful of ops per group of similar
+ * lengths per layer (append, scores, softmax, output), each padded to the group's longest row.
+ * Here one call per layer appends the step's K/V to every row and attends every (sequence,
+ * KV head) pair over exactly its own keys, with OpenMP across pairs: no padding, no Python
+ * per group, and the query heads that share a KV head read each key and value once.
+ * See batchgen/engine/native.py (build, load, call) and decode_rows.py (the row layout).
+ *
+ * Layout (float32, all contiguous unless said):
+ *   q            [n, kvh * g, d]    the decodes' queries; query head h * g + j reads KV head h
+ *   knew, vnew   [n, kvh, d]        this step's keys and values, stored at position len[i] - 1
+ *   krow[i]      [kvh, d, cap[i]]   row i's keys, transposed (each (head, dim) contiguous in position)
+ *   vrow[i]      [kvh, cap[i], d]   row i's values
+ *   kpre/vpre[i] rows laid out like row i whose first shared[i] positions hold the same K/V
+ *                (the first row of a group that shares a cached prefix: read by every row of
+ *                the group, so it stays in cache); equal to krow/vrow[i] when nothing is shared
+ *   out          [n, kvh * g, d]
+ * Row i attends to positions [max(0, len[i] - window), len[i]) (window 0: all of them).
+ * scratch holds threads * scratch_stride floats; scratch_stride >= g * round_up(max len, TILE).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+#define TILE 16
+#define MAX_G 8
+#define MAX_D 256
+
+/* scores s[j * stride + l] = scale * q_j . K[:, l] for l in [l0, l0 + width), j < g */
+static inline __attribute__((always_inline)) void score_tile(const int64_t g, const int64_t d, const int64_t cap,
+                                                             const float *k, int64_t l0, int64_t width,
+                                                             float qs[MAX_G][MAX_D], float *s, int64_t stride) {
+  float acc[MAX_G][TILE];
+  for (int64_t j = 0; j < g; j++)
+    for (int64_t t = 0; t < TILE; t++) acc[j][t] = 0.f;
+  for (int64_t x = 0; x < d; x++) {
+    const float *kr = k + x * cap + l0;
+    for (int64_t j = 0; j < g; j++) {
+      const float qx = qs[j][x];
+#pragma omp simd
+      for (int64_t t = 0; t < width; t++) acc[j][t] += qx * kr[t];
+    }
+  }
+  for (int64_t j = 0; j < g; j++)
+    for (int64_t t = 0; t < width; t++) s[j * stride + l0 + t] = acc[j][t];
+}
+
+static inline __attribute__((always_inline)) void attend(const int64_t g, const int64_t d, const int64_t cap,
+                                                         const int64_t start, const int64_t len, const int64_t shared,
+                                                         const float *q, const float *k, const float *v,
+                                                         const float *kp, const float *vp, float scale, float *out,
+                                                         float *s) {
+  const int64_t stride = (len + TILE - 1) / TILE * TILE;
+  float qs[MAX_G][MAX_D];
+  for (int64_t j = 0; j < g; j++)
+    for (int64_t x = 0; x < d; x++) qs[j][x] = q[j * d + x] * scale;
+  int64_t l0 = start / TILE * TILE;
+  for (; l0 + TILE <= len; l0 += TILE) /* full tiles: a constant width, so the accumulators stay in registers */
+    score_tile(g, d, cap, l0 + TILE <= shared ? kp : k, l0, TILE, qs, s, stride);
+  if (l0 < len) score_tile(g, d, cap, k, l0, len - l0, qs, s, stride);
+  float inv[MAX_G];
+  for (int64_t j = 0; j < g; j++) {
+    float *sj = s + j * stride;
+    float top = -FLT_MAX;
+#pragma omp simd reduction(max : top)
+    for (int64_t l = start; l < len; l++) top = sj[l] > top ? sj[l] : top;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = start; l < len; l++) {
+      const float e = expf(sj[l] - top);
+      sj[l] = e;
+      sum += e;
+    }
+    inv[j] = 1.f / sum;
+  }
+  float acc[MAX_G][MAX_D];
+  for (int64_t j = 0; j < g; j++)
+    for (int64_t x = 0; x < d; x++) acc[j][x] = 0.f;
+  int64_t l = start;
+  for (; l + 1 < len; l += 2) { /* two positions a pass: independent chains for the adds */
+    const float *v0 = (l + 1 < shared ? vp : v) + l * d, *v1 = v0 + d;
+    for (int64_t j = 0; j < g; j++) {
+      const float p0 = s[j * stride + l], p1 = s[j * stride + l + 1];
+#pragma omp simd
+      for (int64_t x = 0; x < d; x++) acc[j][x] += p0 * v0[x] + p1 * v1[x];
+    }
+  }
+  for (; l < len; l++) {
+    const float *v0 = (l < shared ? vp : v) + l * d;
+    for (int64_t j = 0; j < g; j++) {
+      const float p0 = s[j * stride + l];
+#pragma omp simd
+      for (int64_t x = 0; x < d; x++) acc[j][x] += p0 * v0[x];
+    }
+  }
+  for (int64_t j = 0; j < g; j++)
+    for (int64_t x = 0; x < d; x++) out[j * d + x] = acc[j][x] * inv[j];
+}
+
+/* Specialised for common (g, d), so the accumulators live in registers; any other shape runs generic. */
+#define SHAPE(G, D)                                                                    \
+  if (g == G && d == D) {                                                              \
+    attend(G, D, cap[i], start, len[i], shared[i], qi, k, v, kp, vp, scale, oi, s); \
+    continue;                                                                          \
+  }
+
+int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, int64_t threads, const float *q,
+                                  const float *knew, const float *vnew, const int64_t *krow, const int64_t *vrow,
+                                  const int64_t *kpre, const int64_t *vpre, const int64_t *cap, const int64_t *len,
+                                  const int64_t *shared, int64_t window, float scale, float *out, float *scratch,
+                                  int64_t scratch_stride) {
+  if (g < 1 || g > MAX_G || d < 1 || d > MAX_D) return -1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
+  for (int64_t item = 0; item < n * kvh; item++) {
+    const int64_t i = item / kvh, h = item % kvh;
+    const int64_t c = cap[i];
+    float *k = (float *)krow[i] + h * d * c;
+    float *v = (float *)vrow[i] + h * c * d;
+    const float *kp = (const float *)kpre[i] + h * d * c;
+    const float *vp = (const float *)vpre[i] + h * c * d;
+    const int64_t last = len[i] - 1;
+    const float *kn = knew + (i * kvh + h) * d, *vn = vnew + (i * kvh + h) * d;
+    for (int64_t x = 0; x < d; x++) k[x * c + last] = kn[x];
+    memcpy(v + last * d, vn, d * sizeof(float));
+    const int64_t start = window > 0 && len[i] > window ? len[i] - window : 0;
+    const float *qi = q + (i * kvh + h) * g * d;
+    float *oi = out + (i * kvh + h) * g * d;
+    float *s = scratch + omp_get_thread_num() * scratch_stride;
+    SHAPE(1, 64) SHAPE(1, 128) SHAPE(2, 32) SHAPE(2, 64) SHAPE(2, 128) SHAPE(3, 64) SHAPE(3, 128)
+    SHAPE(4, 32) SHAPE(4, 64) SHAPE(4, 128) SHAPE(6, 64) SHAPE(6, 128) SHAPE(8, 64) SHAPE(8, 128)
+    attend(g, d, c, start, len[i], shared[i], qi, k, v, kp, vp, scale, oi, s);
+  }
+  return 0;
+}

@@ -1,0 +1,146 @@
+"""Native CPU kernels: built from csrc/ with the system C compiler on first use, cached, loaded with ctypes.
+
+Why built here and not at install: the kernel is compiled for the machine it runs on
+(-march=native: AVX-512 here, NEON on an ARM server) and against the OpenMP runtime torch has
+already loaded (the same libgomp, so one thread pool). torch.compile on CPU needs the same
+compiler, so a machine that compiles can also build this; one that cannot (or BATCHGEN_NATIVE=0)
+runs the torch path instead, with one log line saying why.
+
+The shared object is cached under $BATCHGEN_CACHE_DIR (default ~/.cache/batchgen), named by a
+hash of the source, the flags, the compiler's version and this CPU's model and feature flags, so
+a home directory shared by machines of different CPUs never loads a kernel built for another.
+It is written to a temporary name and renamed, so processes building at once do not collide.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+DISABLE_ENV = "BATCHGEN_NATIVE"  # "0": never build or load native kernels
+CACHE_ENV = "BATCHGEN_CACHE_DIR"
+BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+# tried in order: the CPU's own vector units first; vectorised expf needs glibc's libmvec
+ARCH_FLAGS = [["-march=native"], ["-mcpu=native"], []]
+LINK_FLAGS = [["-lmvec", "-lm"], ["-lm"]]
+TILE = 16  # positions per score tile (TILE in the source): the scratch rows are padded to it
+MAX_G, MAX_D = 8, 256  # query heads per KV head, head dim: the source's limits
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+@dataclass
+class NativeKernels:
+    """The loaded library; `decode_attention` is batchgen_decode_attention (see the source)."""
+
+    path: Path
+    lib: ctypes.CDLL
+
+    def __post_init__(self) -> None:
+        fn = self.lib.batchgen_decode_attention
+        fn.restype = _I64
+        fn.argtypes = [_I64] * 5 + [_PTR] * 3 + [_PTR] * 7 + [_I64, ctypes.c_float, _PTR, _PTR, _I64]
+        self.decode_attention = fn
+
+
+_LOADED: list[NativeKernels | None] = []  # once per process
+
+
+def load() -> NativeKernels | None:
+    """The native kernels, built if needed; None (logged once) where they cannot be."""
+    if not _LOADED:
+        _LOADED.append(_load())
+    return _LOADED[0]
+
+
+def _load() -> NativeKernels | None:
+    if os.environ.get(DISABLE_ENV) == "0":
+        logger.info("native CPU kernels off (%s=0): decode attention runs on torch ops", DISABLE_ENV)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found (cc, gcc or $CC): decode attention runs on torch ops")
+        return None
+    try:
+        path = _build(compiler)
+        return NativeKernels(path, ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        logger.warning("native CPU kernels unavailable (%s): decode attention runs on torch ops", exc)
+        return None
+
+
+def _build(compiler: str) -> Path:
+    """Compile SOURCE into the cache (or find it there); the first flag set that builds wins."""
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    errors = []
+    for arch in ARCH_FLAGS:
+        for link in LINK_FLAGS:
+            flags = BASE_FLAGS + arch
+            key = hashlib.sha256(b"\0".join([source, " ".join(flags + link).encode(), version.encode(), _cpu_id()]))
+            target = _cache_dir() / f"decode_attention-{key.hexdigest()[:20]}.so"
+            if target.is_file():
+                return target
+            error = _compile(compiler, flags, link, target)
+            if error is None:
+                logger.info("built native CPU kernels: %s", target)
+                return target
+            errors.append(error)
+    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+
+
+def _compile(compiler: str, flags: list[str], link: list[str], target: Path) -> str | None:
+    """Build into a temporary file beside `target`, then rename it there; the error text on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", tmp, *link], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        os.replace(tmp, target)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    return (Path(root) if root else Path.home() / ".cache" / "batchgen") / "kernels"
+
+
+def _cpu_id() -> bytes:
+    """What -march=native depends on: the machine, and on Linux the CPU's model and feature flags."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    lines.append(line)
+                if line == "\n" and lines:
+                    break  # the first CPU describes them all
+    except OSError:
+        pass
+    return (platform.machine() + "".join(lines)).encode()
+
+
+def threads() -> int:
+    """OpenMP threads a kernel call may use: torch's intra-op setting, as every torch op does."""
+    return torch.get_num_threads()

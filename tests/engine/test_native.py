@@ -1,0 +1,123 @@
+"""The native decode-attention kernel (csrc/decode_attention.c via native.py and decode_native.py).
+
+Against float64 attention over exactly each row's positions, through the same NativeStep the
+engine builds (row addresses per class and layer, shared prefixes read from a group's first row,
+sliding windows), for specialised and generic (query heads per KV head, head dim) shapes; plus
+its build: cached by content, refused cleanly without a compiler or when switched off.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.engine import native
+from batchgen.engine.decode_native import NativeClass, NativeStep, Scratch
+
+KVH = 2
+
+
+def _kernels() -> native.NativeKernels:
+    kernels = native.load()
+    assert kernels is not None, "the native kernel did not build (see the log)"
+    return kernels
+
+
+def test_the_kernel_builds_where_there_is_a_compiler() -> None:
+    assert shutil.which("cc") or shutil.which("gcc"), "no C compiler on this machine: CI must have one"
+    assert _kernels().path.is_file()
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """q [H, D], k/v [KVH, L, D] -> [H, D]: float64 softmax attention over positions start..L-1."""
+    g = q.shape[0] // k.shape[0]
+    k, v = k[:, start:].double().repeat_interleave(g, 0), v[:, start:].double().repeat_interleave(g, 0)
+    scores = torch.einsum("hd,hld->hl", q.double() * q.shape[-1] ** -0.5, k)
+    return torch.einsum("hl,hld->hd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("g, d", [(1, 64), (2, 32), (3, 64), (4, 128), (5, 16), (2, 8)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(g * 1000 + d)
+    layers = 2
+    # (rows' lengths after this step, class capacity, shared prefix): full tiles, partial tiles,
+    # a row at capacity, one-token rows, and a class whose rows share their first 32 positions
+    classes = [([1, 15, 16, 17, 64], 64, 0), ([100, 37, 128], 128, 32)]
+    parts, full_k, full_v = [], [], []
+    for lengths, cap, shared in classes:
+        k = [torch.randn(len(lengths), KVH, d, cap, generator=gen) for _ in range(layers)]
+        v = [torch.randn(len(lengths), KVH, cap, d, generator=gen) for _ in range(layers)]
+        for layer in range(layers):  # the shared prefix: the same K/V in every row of the class
+            k[layer][:, ..., :shared] = k[layer][:1, ..., :shared]
+            v[layer][:, :, :shared] = v[layer][:1, :, :shared]
+        parts.append(NativeClass(k, v, len(lengths), shared))
+        full_k += [[t[r].clone() for t in k] for r in range(len(lengths))]  # [row][layer] [KVH, D, cap]
+        full_v += [[t[r].clone() for t in v] for r in range(len(lengths))]
+    lengths = torch.tensor([n for ls, _, _ in classes for n in ls])
+    n = lengths.shape[0]
+    step = NativeStep(_kernels(), parts, lengths, Scratch())
+    for layer in range(layers):
+        q = torch.randn(n, KVH * g, d, generator=gen)
+        new_k, new_v = torch.randn(2, n, KVH, d, generator=gen)
+        out = torch.full((n, KVH * g, d), float("nan"))
+        step.attend(layer, q, new_k, new_v, out, d**-0.5, window)
+        for i, length in enumerate(lengths.tolist()):
+            full_k[i][layer][..., length - 1] = new_k[i]
+            full_v[i][layer][:, length - 1] = new_v[i]
+            start = max(0, length - window) if window else 0
+            keys = full_k[i][layer][..., :length].transpose(-1, -2)  # [KVH, L, D]
+            expected = _reference(q[i], keys, full_v[i][layer][:, :length], start)
+            torch.testing.assert_close(out[i].double(), expected, atol=2e-5, rtol=2e-5)
+    # the appended K/V are in the rows, at each row's last position, for the next steps to read
+    rows = [(part, r) for part in parts for r in range(part.num_rows)]
+    for i, (part, r) in enumerate(rows):
+        for layer in range(layers):
+            assert torch.equal(part.k[layer][r], full_k[i][layer]) and torch.equal(part.v[layer][r], full_v[i][layer])
+    assert step.calls == layers
+    # rows of a sharing class read the prefix from the class's first row (same values, one copy in cache)
+    for layer in range(layers):
+        own = [part.k[layer][r].data_ptr() for part in parts for r in range(part.num_rows)]
+        first = [part.k[layer][0].data_ptr() if part.shared else None for part in parts for _ in range(part.num_rows)]
+        assert step.rows[layer][0].tolist() == own
+        assert step.prefix[layer][0].tolist() == [f if f is not None else o for f, o in zip(first, own)]
+
+
+def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
+    k, v = [torch.zeros(1, 1, 300, 64)], [torch.zeros(1, 1, 64, 300)]
+    step = NativeStep(_kernels(), [NativeClass(k, v, 1, 0)], torch.tensor([3]), Scratch())
+    q = torch.zeros(1, 1, 300)
+    with pytest.raises(RuntimeError, match="head dim 300"):
+        step.attend(0, q, torch.zeros(1, 1, 300), torch.zeros(1, 1, 300), torch.zeros(1, 1, 300), 1.0, None)
+
+
+def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    first = native._load()
+    assert first is not None and first.path.parent == tmp_path / "kernels"
+    built = first.path.stat().st_mtime_ns
+    again = native._load()
+    assert again is not None and again.path == first.path and again.path.stat().st_mtime_ns == built
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.path.name]  # no temporary left
+
+
+def test_no_compiler_or_switched_off_means_torch_ops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=native.__name__)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    fake = tmp_path / "cc"  # answers --version, fails every build
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake 1.0; exit 0; }\necho "fake: no luck" >&2; exit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    assert native._load() is None
+    assert f"{fake} could not build decode_attention.c: fake: no luck" in caplog.text
+    assert not list((tmp_path / "kernels").iterdir())  # no half-built file left behind
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native._load() is None
+    assert f"{native.DISABLE_ENV}=0" in caplog.text

@@ -24,9 +24,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from batchgen.engine import attention, decode_gather, model_runner
-from batchgen.engine.decode_rows import RowsView
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
+from batchgen.engine.rows_view import RowsView
 from batchgen.engine.sampler import Sampler
 from batchgen.engine.stopping import StopChecker
 

@@ -15,8 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 from batchgen.engine import native
+from batchgen.engine.attention_path import has_softcap
+from batchgen.engine.models import kv_spec
 from batchgen.engine.native import NativeKernels
 
 PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler shows for a kernel call
@@ -115,9 +118,15 @@ class NativeStep:
             raise RuntimeError(f"native decode attention refused {g} query heads per KV head, head dim {d}")
 
 
-def usable(kernels: NativeKernels | None, q: torch.Tensor, kvh: int) -> bool:
-    """Whether the kernel takes these queries q [H, T, D]: float32 on the CPU, shapes within its limits."""
-    if kernels is None or q.dtype != torch.float32 or q.device.type != "cpu":
-        return False
-    h, d = q.shape[0], q.shape[-1]
-    return h % kvh == 0 and h // kvh <= native.MAX_G and d <= native.MAX_D
+def kernels_for(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
+    """The kernel, where it can attend this model's decodes: float32 rows on the CPU, no logit
+    soft-capping (Gemma 2 keeps the torch path), query heads per KV head and head dim within the
+    kernel's limits. None elsewhere, or where it cannot be built (native.load logs why)."""
+    if device.type != "cpu" or dtype != torch.float32 or has_softcap(config):
+        return None
+    text = config.get_text_config()
+    spec = kv_spec(config)
+    heads = text.num_attention_heads
+    if heads % spec.num_kv_heads or heads // spec.num_kv_heads > native.MAX_G or spec.head_dim > native.MAX_D:
+        return None
+    return native.load()

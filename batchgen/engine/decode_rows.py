@@ -20,12 +20,14 @@ class c is row j, and each class is one decode group (see decode_kv).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine import decode_native, native
-from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Pool, Stage, make_group
+from batchgen.engine.cascade import shared_prefix_len
+from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Stage, make_group
+from batchgen.engine.decode_native import NativeClass, NativeStep, Scratch
+from batchgen.engine.native import NativeKernels
+from batchgen.engine.rows_view import ClassStep, RowsView
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
 MIN_ROWS = 8  # a class's first allocation when the number of rows is not bounded
@@ -35,78 +37,6 @@ ROW_GROWTH = 2  # then its row count doubles, so reallocation copies are amortiz
 def length_class(length: int) -> int:
     """The smallest class whose rows hold `length` tokens."""
     return 0 if length <= MIN_CLASS_LEN else math.ceil(math.log2(length / MIN_CLASS_LEN))
-
-
-@dataclass
-class ClassStep:
-    """One class's part of a step: its decodes are rows 0..n-1, in packed order."""
-
-    k: list[torch.Tensor]  # per layer, indexed [rows, KVH, D, class length] (see _Pack._keys)
-    v: list[torch.Tensor]  # per layer [rows, KVH, class length, D]
-    positions: torch.Tensor  # [n] where this step's token goes in each row
-    rows: torch.Tensor  # [n] 0..n-1: the rows of this step's decodes (built once, read by every layer)
-    fills: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, length, blocks)
-
-
-@dataclass
-class RowsView:
-    """One step's rows: a class per decode group, in packed order."""
-
-    classes: list[ClassStep]
-    groups: list[DecodeGroup] = field(default_factory=list)
-    native: decode_native.NativeStep | None = None  # set: the native kernel attends (see attend)
-
-    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the group's rows: keys [B, KVH, D, L], values [B, KVH, L, D], L its longest context."""
-        step, g = self.classes[group], self.groups[group]
-        return step.k[layer][: g.num_seqs, ..., : g.kv_len], step.v[layer][: g.num_seqs, :, : g.kv_len]
-
-    def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Fill new rows from the pool, then append this step's K/V ([KVH, T, D], decodes first).
-
-        Why per layer, after the layer's K/V went to the pool: a new row's blocks may be matched
-        prefix blocks that another sequence computes in this very step.
-        """
-        self._fill(layer, pool)
-        first = 0
-        for step in self.classes:
-            k, v = step.k[layer], step.v[layer]
-            n = step.rows.shape[0]
-            k[step.rows, ..., step.positions] = key[:, first : first + n].transpose(0, 1)  # [n, KVH, D]
-            v[step.rows, :, step.positions] = value[:, first : first + n].transpose(0, 1)
-            first += n
-
-    def attend(
-        self,
-        layer: int,
-        pool: Pool,
-        q: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        out: torch.Tensor,
-        scale: float,
-        window: int | None,
-    ) -> bool:
-        """With the native kernel: fill new rows, then append and attend every decode in one call.
-
-        q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D]; False: no kernel (or it
-        does not take these shapes), so the caller runs update() and attends group by group.
-        """
-        if self.native is None or not decode_native.usable(self.native.kernels, q, key.shape[0]):
-            return False
-        self._fill(layer, pool)
-        n = self.native.lengths.shape[0]
-        qd, kd, vd = (t.transpose(0, 1)[:n] for t in (q, key, value))  # [n, H | KVH, D]
-        self.native.attend(layer, qd, kd, vd, out[:n], scale, window)
-        return True
-
-    def _fill(self, layer: int, pool: Pool) -> None:
-        for step in self.classes:
-            k, v = step.k[layer], step.v[layer]
-            for row, length, blocks in step.fills:
-                # [blocks, block_size, KVH, D] -> [length, KVH, D] -> keys [KVH, D, length], values [KVH, length, D]
-                k[row, ..., :length] = pool[0].index_select(0, blocks).flatten(0, 1)[:length].permute(1, 2, 0)
-                v[row, :, :length] = pool[1].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)
 
 
 class _Pack:
@@ -196,6 +126,7 @@ class DecodeRows:
         device: torch.device,
         max_rows: int | None = None,
         pool_tokens: int | None = None,
+        native: NativeKernels | None = None,
     ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
@@ -208,9 +139,8 @@ class DecodeRows:
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
         self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
         self.num_fills = 0  # rows filled from the pool (for tests and the benchmark)
-        # why float32 on CPU only: the kernel's arithmetic, and the rows it reads are stored transposed in float32
-        self.native = native.load() if device.type == "cpu" and dtype == torch.float32 else None
-        self._scratch = decode_native.Scratch()
+        self.native = native  # set: the native kernel attends the decodes (decode_native.kernels_for)
+        self._scratch = Scratch()
         self._arange = torch.arange(0, device=device)
 
     @property
@@ -234,39 +164,37 @@ class DecodeRows:
             # length check next time (the position will not have advanced), and refilled
             self._len_of[d.seq_id] = d.position + 1
         order = sorted(range(len(decodes)), key=lambda i: self._where[decodes[i].seq_id])
-        steps: dict[int, list[int]] = {}
+        by_class: dict[int, list[DecodeRequest]] = {}
         for i in order:
-            steps.setdefault(self._where[decodes[i].seq_id][0], []).append(decodes[i].position)
+            by_class.setdefault(self._where[decodes[i].seq_id][0], []).append(decodes[i])
         view = RowsView(
-            [
-                ClassStep(
-                    self._packs[c].k,
-                    self._packs[c].v,
-                    self.stage(torch.tensor(pos)),
-                    self._rows(len(pos)),
-                    fills.get(c, []),
-                )
-                for c, pos in steps.items()
-            ]
+            [ClassStep(self._packs[c].k, self._packs[c].v, len(ds), fills.get(c, [])) for c, ds in by_class.items()]
         )
-        view.groups = self._groups([decodes[i] for i in order], [len(p) for p in steps.values()])
         if self.native is not None:
-            view.native = self._native_step(self.native, view, list(steps.values()))
+            view.native = self._native_step(self.native, view.classes, list(by_class.values()))
+            return order, view
+        for step, ds in zip(view.classes, by_class.values()):
+            step.positions = self.stage(torch.tensor([d.position for d in ds]))
+            step.rows = self._rows(len(ds))
+        view.groups = self._groups([decodes[i] for i in order], [len(ds) for ds in by_class.values()])
         return order, view
 
     def _native_step(
-        self, kernels: native.NativeKernels, view: RowsView, positions: list[list[int]]
-    ) -> decode_native.NativeStep:
+        self, kernels: NativeKernels, classes: list[ClassStep], decodes: list[list[DecodeRequest]]
+    ) -> NativeStep:
         """The kernel's view of the step: each class's rows, and what every decode attends to.
 
-        Why the host positions, not the staged ones: the kernel runs on the host, and staged
-        tensors hold their values only after the step's upload."""
-        parts = [
-            decode_native.NativeClass(c.k, c.v, c.rows.shape[0], g.shared_len)
-            for c, g in zip(view.classes, view.groups)
-        ]
-        lengths = torch.tensor([p + 1 for pos in positions for p in pos], dtype=torch.int64)
-        return decode_native.NativeStep(kernels, parts, lengths, self._scratch)
+        Why every shared prefix, not only cascade's (decode_kv.make_group): the kernel reads a shared
+        prefix from the class's first row at no extra cost, so any length of it saves reads."""
+        parts = [NativeClass(step.k, step.v, step.num_rows, self._shared(ds)) for step, ds in zip(classes, decodes)]
+        lengths = torch.tensor([d.position + 1 for ds in decodes for d in ds], dtype=torch.int64)
+        return NativeStep(kernels, parts, lengths, self._scratch)
+
+    def _shared(self, decodes: list[DecodeRequest]) -> int:
+        """Positions that every decode of a class holds in the very same, fully cached blocks."""
+        if len(decodes) < 2:
+            return 0
+        return shared_prefix_len([d.block_table for d in decodes], [d.position for d in decodes], self.block_size)
 
     def _rows(self, n: int) -> torch.Tensor:
         """0..n-1 on the device, made once per n (a slice of one arange, grown as needed)."""

@@ -26,6 +26,7 @@ from batchgen.engine.compiled_forward import StepForward
 from batchgen.engine.cuda_graphs import GraphDecode, StaticDecode
 from batchgen.engine.decode_gather import GatheredBlocks
 from batchgen.engine.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables, resolve_decode_kv
+from batchgen.engine.decode_native import kernels_for
 from batchgen.engine.decode_rows import DecodeRows
 from batchgen.engine.kv_store import PAD_SLOT, pool_blocks
 from batchgen.engine.models import KVSpec
@@ -40,16 +41,18 @@ def _packed_order(
     chunks: Sequence[ScheduledChunk],
     decode_kv: DecodeKVSource,
     flash: bool,
-) -> tuple[list[int], DecodeStep | None]:
+) -> tuple[list[int], DecodeStep | None, int]:
     """Chunk indices in packed order (decodes as their source plans them, then the rest in batch
-    order) and the decodes' step. With the varlen kernel every chunk reads the pool: nothing is planned."""
+    order), the decodes' step and their number. With the varlen kernel every chunk reads the pool:
+    nothing is planned."""
     decodes = [] if flash else [i for i, c in enumerate(chunks) if c.is_decode]
     if not decodes:
-        return list(range(len(chunks))), None
+        return list(range(len(chunks))), None, 0
     packed, step = decode_kv.plan(
         [DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table) for i in decodes]
     )
-    return [decodes[j] for j in packed] + [i for i, c in enumerate(chunks) if not c.is_decode], step
+    rest = [i for i, c in enumerate(chunks) if not c.is_decode]
+    return [decodes[j] for j in packed] + rest, step, len(decodes)
 
 
 def build_forward_context(
@@ -69,8 +72,7 @@ def build_forward_context(
     `padded_len` >= the step's tokens pads positions (0) and the slot mapping (-1, not stored).
     """
     transfers = transfers or Transfers(device)
-    order, step = _packed_order(chunks, decode_kv, flash)
-    num_dec = 0 if step is None else sum(g.num_seqs for g in step.groups)
+    order, step, num_dec = _packed_order(chunks, decode_kv, flash)
     packed = [chunks[i] for i in order]
     needed = [math.ceil((c.start + c.num_tokens) / block_size) for c in packed]
     short = [order[j] for j, (c, n) in enumerate(zip(packed, needed)) if len(c.block_table) < n]
@@ -175,6 +177,7 @@ class ModelRunner:
                 device,
                 max_num_seqs,
                 num_kv_blocks * block_size,
+                kernels_for(model.config, device, dtype),
             )
             if self.decode_kv_kind == "rows"
             else GatheredBlocks(block_size, device)

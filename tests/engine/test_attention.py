@@ -11,9 +11,10 @@ from batchgen.engine import native
 from batchgen.engine.attention import forward_context, paged_attention_forward
 from batchgen.engine.decode_gather import GatheredBlocks
 from batchgen.engine.decode_kv import DecodeKVSource
-from batchgen.engine.decode_rows import DecodeRows, RowsView
+from batchgen.engine.decode_rows import DecodeRows
 from batchgen.engine.model_runner import build_forward_context
 from batchgen.engine.params import SamplingParams
+from batchgen.engine.rows_view import RowsView
 from batchgen.engine.scheduler import ScheduledChunk
 from batchgen.engine.sequence import Sequence
 from batchgen.engine.step_metadata import ForwardContext
@@ -51,9 +52,13 @@ def _reference(
 SOURCES = ["gather", "rows", "rows_torch"]
 
 
-def _source(kind: str, dtype: torch.dtype = torch.float32) -> DecodeKVSource:
+def _source(kind: str, dtype: torch.dtype = torch.float32, softcap: float | None = None) -> DecodeKVSource:
+    """As the model runner builds them (decode_native.kernels_for: the kernel for float32 without soft-capping)."""
     if kind.startswith("rows"):
-        rows = DecodeRows(
+        wants_kernel = kind == "rows" and dtype == torch.float32 and softcap is None
+        kernels = native.load() if wants_kernel else None
+        assert kernels is not None or not wants_kernel, "the native kernel did not build"
+        return DecodeRows(
             num_layers=1,
             num_kv_heads=KV_HEADS,
             head_dim=DIM,
@@ -61,11 +66,8 @@ def _source(kind: str, dtype: torch.dtype = torch.float32) -> DecodeKVSource:
             max_len=256,
             dtype=dtype,
             device=torch.device("cpu"),
+            native=kernels,
         )
-        assert (rows.native is not None) == (dtype == torch.float32 and native.load() is not None)
-        if kind == "rows_torch":
-            rows.native = None
-        return rows
     return GatheredBlocks(BLOCK, torch.device("cpu"))
 
 
@@ -111,7 +113,7 @@ def _run_case(
     rounded = [[t.to(dtype) for t in ts] for ts in (full_k, full_v, queries)]
     full_k, full_v, queries = ([t.float() for t in ts] for ts in rounded)
     ctx, positions, order = build_forward_context(
-        chunks, _source(decode_kv, dtype), [(k_cache.to(dtype), v_cache.to(dtype))], BLOCK, torch.device("cpu")
+        chunks, _source(decode_kv, dtype, softcap), [(k_cache.to(dtype), v_cache.to(dtype))], BLOCK, torch.device("cpu")
     )
     query = torch.cat([rounded[2][i] for i in order], dim=1)[None]  # [1, H, T, D], packed order
     key = torch.cat([rounded[0][i][:, specs[i][0] :] for i in order], dim=1)[None]  # [1, KVH, T, D]
@@ -127,10 +129,9 @@ def _run_case(
     assert positions.tolist() == [p for i in order for p in range(specs[i][0], sum(specs[i]))]
     decodes = {i for i, c in enumerate(chunks) if c.is_decode}
     assert set(order[: len(decodes)]) == decodes  # decodes are packed first
-    if decodes and decode_kv == "rows" and dtype == torch.float32:
+    if decodes and decode_kv == "rows" and dtype == torch.float32 and softcap is None:
         assert isinstance(ctx.decodes, RowsView) and ctx.decodes.native is not None
-        # the kernel attended this layer's decodes; soft-capped logits stay with torch (attention.py)
-        assert ctx.decodes.native.calls == (softcap is None)
+        assert ctx.decodes.native.calls == 1  # the kernel attended this layer's decodes
     return ctx
 
 
@@ -173,7 +174,11 @@ def test_prefill_only_and_decode_only(decode_kv: str) -> None:
 @pytest.mark.parametrize("decode_kv", SOURCES)
 def test_decodes_sharing_cached_blocks_use_cascade_with_either_source(decode_kv: str) -> None:
     ctx = _run_case([(20, 1), (22, 1), (24, 1), (26, 1)], None, None, decode_kv, shared=16)
-    assert ctx.decodes is not None and [g.shared_len for g in ctx.decodes.groups] == [16]
+    assert ctx.decodes is not None
+    if isinstance(ctx.decodes, RowsView) and ctx.decodes.native is not None:  # read from the first row
+        assert ctx.decodes.native.shared.tolist() == [16] * 4
+    else:
+        assert [g.shared_len for g in ctx.decodes.groups] == [16]
 
 
 def test_new_kv_lands_in_the_slot_mapping() -> None:

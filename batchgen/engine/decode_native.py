@@ -1,16 +1,18 @@
-"""The native decode kernel's view of one step's decode rows: addresses, lengths, shared prefixes.
+"""The native decode kernel's view of one step's decode rows: where they are, how long, what they share.
 
 Why a module: the kernel (csrc/decode_attention.c, loaded by native.py) reads each decode's row
-through a raw address, so a step must hand it, per layer, where every row's keys and values
-start, how long each row is (its class length, the stride between positions) and how many
-positions it attends to, plus, for a group that shares a cached prefix, the row that every
-member reads that prefix from. This is built once per step from the rows' classes (decode_rows)
-and read by every layer; the kernel then appends the step's K/V and attends all decodes in one
-call per layer, with no padding to a group's longest row and no Python per group.
+through raw addresses, so a step hands it each decode's length class and row, per layer where
+each class's key and value tensors start and how far apart their rows are, each row's class
+length (the stride between positions) and how many positions it attends to, and how many of
+them its class holds in shared cached blocks (read from the class's first row). This is built
+once per step from the rows' classes (decode_rows) and read by every layer; the kernel then
+appends the step's K/V and attends all decodes in one call per layer, with no padding to a
+group's longest row and no Python per group.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,23 +61,18 @@ class NativeStep:
         self.longest = int(lengths.max())
         self.scratch = scratch
         self.calls = 0  # layers attended (for tests and the benchmark)
-        cls = torch.tensor([c for c, part in enumerate(classes) for _ in range(part.num_rows)], dtype=torch.int64)
-        rows = torch.cat([torch.arange(part.num_rows, dtype=torch.int64) for part in classes])  # [n]
-        self.cap = torch.tensor([part.k[0].shape[-1] for part in classes], dtype=torch.int64)[cls]  # [n]
-        shared = torch.tensor([part.shared for part in classes], dtype=torch.int64)[cls]
-        self.shared = shared
-        # byte offsets of each row (and of the row it reads a shared prefix from) in its class tensor
-        row_bytes = [torch.tensor([t.stride(0) * t.element_size() for t in (p.k[0], p.v[0])]) for p in classes]
-        stride = torch.stack(row_bytes)[cls]  # [n, 2]: key row, value row
-        own = rows[:, None] * stride
-        pre = torch.where(shared[:, None] > 0, torch.zeros_like(own), own)
-        layers = len(classes[0].k)
-        base = torch.tensor(
-            [[[p.k[layer].data_ptr(), p.v[layer].data_ptr()] for p in classes] for layer in range(layers)],
-            dtype=torch.int64,
-        )[:, cls]  # [layers, n, 2]
-        self.rows = (base + own).transpose(1, 2).contiguous()  # [layers, 2, n]
-        self.prefix = (base + pre).transpose(1, 2).contiguous()  # [layers, 2, n]
+        # why arrays: torch.tensor() over Python lists costs ~0.3 us an element, an array copies at C speed
+        counts = [part.num_rows for part in classes]
+        self.cls = _int64([c for c, m in enumerate(counts) for _ in range(m)])  # [n] each decode's class
+        self.row = _int64([r for m in counts for r in range(m)])  # [n] its row in the class
+        self.cap = _int64([part.k[0].shape[-1] for part in classes for _ in range(part.num_rows)])  # [n]
+        self.shared = _int64([part.shared for part in classes for _ in range(part.num_rows)])  # [n]
+        # floats between rows, and per layer where each class's key and value tensors start
+        self.strides = _int64([t.stride(0) for t in [p.k[0] for p in classes] + [p.v[0] for p in classes]])
+        layers = range(len(classes[0].k))
+        bases = [p.k[layer].data_ptr() for layer in layers for p in classes]
+        bases += [p.v[layer].data_ptr() for layer in layers for p in classes]
+        self.bases = _int64(bases).view(2, len(layers), len(classes))  # [key | value, layers, classes]
 
     def attend(
         self,
@@ -95,9 +92,10 @@ class NativeStep:
         threads = native.threads()
         stride = g * -(-self.longest // native.TILE) * native.TILE  # scratch floats per thread
         scratch = self.scratch.get(threads * stride)
-        rows, prefix = self.rows[layer], self.prefix[layer]  # [2, n]: key rows, value rows
-        pointers = [t.data_ptr() for t in (q, key, value, rows[0], rows[1], prefix[0], prefix[1])]
-        lengths = [t.data_ptr() for t in (self.cap, self.lengths, self.shared)]
+        classes = self.strides.shape[0] // 2
+        tables = (self.bases[0, layer], self.bases[1, layer], self.strides[:classes], self.strides[classes:])
+        pointers = [t.data_ptr() for t in (q, key, value, *tables)]
+        lengths = [t.data_ptr() for t in (self.cls, self.row, self.cap, self.lengths, self.shared)]
         with torch.profiler.record_function(PROFILE_NAME):  # why: a ctypes call is invisible to profiles otherwise
             status = self.kernels.decode_attention(
                 n,
@@ -116,6 +114,10 @@ class NativeStep:
         self.calls += 1
         if status != 0:
             raise RuntimeError(f"native decode attention refused {g} query heads per KV head, head dim {d}")
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
 def kernels_for(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:

@@ -10,11 +10,11 @@
  * Layout (float32, all contiguous unless said):
  *   q            [n, kvh * g, d]    the decodes' queries; query head h * g + j reads KV head h
  *   knew, vnew   [n, kvh, d]        this step's keys and values, stored at position len[i] - 1
- *   krow[i]      [kvh, d, cap[i]]   row i's keys, transposed (each (head, dim) contiguous in position)
- *   vrow[i]      [kvh, cap[i], d]   row i's values
- *   kpre/vpre[i] rows laid out like row i whose first shared[i] positions hold the same K/V
- *                (the first row of a group that shares a cached prefix: read by every row of
- *                the group, so it stays in cache); equal to krow/vrow[i] when nothing is shared
+ *   decode i's row is row[i] of length class cls[i], whose tensors for this layer start at
+ *   kbase[c] (keys [rows, kvh, d, cap], transposed: each (head, dim) contiguous in position) and
+ *   vbase[c] (values [rows, kvh, cap, d]), rows kstride[c] / vstride[c] floats apart
+ *   shared[i]    positions that every row of decode i's class holds in the same cached blocks:
+ *                read from the class's row 0, which every member reads, so it stays in cache
  *   out          [n, kvh * g, d]
  * Row i attends to positions [max(0, len[i] - window), len[i]) (window 0: all of them).
  * scratch holds threads * scratch_stride floats; scratch_stride >= g * round_up(max len, TILE).
@@ -108,19 +108,19 @@ static inline __attribute__((always_inline)) void attend(const int64_t g, const 
   }
 
 int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, int64_t threads, const float *q,
-                                  const float *knew, const float *vnew, const int64_t *krow, const int64_t *vrow,
-                                  const int64_t *kpre, const int64_t *vpre, const int64_t *cap, const int64_t *len,
-                                  const int64_t *shared, int64_t window, float scale, float *out, float *scratch,
-                                  int64_t scratch_stride) {
+                                  const float *knew, const float *vnew, const int64_t *kbase, const int64_t *vbase,
+                                  const int64_t *kstride, const int64_t *vstride, const int64_t *cls,
+                                  const int64_t *row, const int64_t *cap, const int64_t *len, const int64_t *shared,
+                                  int64_t window, float scale, float *out, float *scratch, int64_t scratch_stride) {
   if (g < 1 || g > MAX_G || d < 1 || d > MAX_D) return -1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
   for (int64_t item = 0; item < n * kvh; item++) {
-    const int64_t i = item / kvh, h = item % kvh;
-    const int64_t c = cap[i];
-    float *k = (float *)krow[i] + h * d * c;
-    float *v = (float *)vrow[i] + h * c * d;
-    const float *kp = (const float *)kpre[i] + h * d * c;
-    const float *vp = (const float *)vpre[i] + h * c * d;
+    const int64_t i = item / kvh, h = item % kvh, c = cap[i], k0 = cls[i];
+    float *kr = (float *)kbase[k0], *vr = (float *)vbase[k0]; /* the class's row 0 */
+    float *k = kr + row[i] * kstride[k0] + h * d * c;
+    float *v = vr + row[i] * vstride[k0] + h * c * d;
+    const float *kp = shared[i] ? kr + h * d * c : k;
+    const float *vp = shared[i] ? vr + h * c * d : v;
     const int64_t last = len[i] - 1;
     const float *kn = knew + (i * kvh + h) * d, *vn = vnew + (i * kvh + h) * d;
     for (int64_t x = 0; x < d; x++) k[x * c + last] = kn[x];

@@ -78,6 +78,10 @@ def build_forward_context(
     short = [order[j] for j, (c, n) in enumerate(zip(packed, needed)) if len(c.block_table) < n]
     if short:  # why: a missing block would silently alias block 0 (another sequence's K/V)
         raise RuntimeError(f"chunks {short[:5]} have fewer KV blocks than their tokens need")
+    if num_dec == len(packed):  # decodes only (never with the varlen kernel, which plans none)
+        positions, slots = decode_slots(packed, block_size, padded_len)
+        ctx = ForwardContext(kv_caches, transfers.stage(slots), step, [], num_tokens=len(packed))
+        return ctx, transfers.stage(positions), order
     max_blocks = max(needed)
     tables = padded_tables([c.block_table for c in packed], needed, max_blocks)  # [N, max_blocks]
     lens = torch.tensor([c.num_tokens for c in packed])  # [N]
@@ -116,6 +120,19 @@ def build_forward_context(
         num_tokens=num_tokens,
     )
     return ctx, transfers.stage(positions), order
+
+
+def decode_slots(
+    decodes: Sequence[ScheduledChunk], block_size: int, padded_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-token chunks -> (positions [T], slot mapping [T]), padded as build_forward_context pads.
+
+    Why in Python: a decode step's metadata is one position and one slot per sequence, cheaper as
+    list arithmetic than as the general path's tensor ops (~0.3 ms of a 64-row CPU step)."""
+    positions = [c.start for c in decodes]
+    slots = [c.block_table[p // block_size] * block_size + p % block_size for c, p in zip(decodes, positions)]
+    pad = (padded_len or len(positions)) - len(positions)
+    return torch.tensor(positions + [0] * pad), torch.tensor(slots + [PAD_SLOT] * pad)
 
 
 def _flash_metadata(

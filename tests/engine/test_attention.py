@@ -195,6 +195,27 @@ def test_new_kv_lands_in_the_slot_mapping() -> None:
     torch.testing.assert_close(k_cache[3, 2], key[0, :, 0])
 
 
+@pytest.mark.parametrize("decode_kv", SOURCES)
+def test_a_decode_only_step_gets_the_slots_the_general_path_gives(decode_kv: str) -> None:
+    """Decode-only steps build their metadata in Python (decode_slots); a step with one prefill
+    chunk more runs the general tensor path: the decodes' positions and slots must agree."""
+    caches = [(torch.zeros(24, BLOCK, KV_HEADS, DIM),) * 2]
+    decodes = [
+        _chunk(i, start, 1, table, True) for i, (start, table) in enumerate([(0, [5]), (4, [2, 9]), (7, [1, 3])])
+    ]
+    mixed = [*decodes, _chunk(9, 2, 5, [7, 8], False)]
+    ctx, positions, order = build_forward_context(
+        decodes, _source(decode_kv), caches, BLOCK, torch.device("cpu"), padded_len=8
+    )
+    ctx_mixed, positions_mixed, order_mixed = build_forward_context(
+        mixed, _source(decode_kv), caches, BLOCK, torch.device("cpu")
+    )
+    assert order == order_mixed[:3] and ctx.num_tokens == 3 and ctx.prefills == []
+    assert positions.tolist()[:3] == positions_mixed.tolist()[:3] and positions.tolist()[3:] == [0] * 5
+    assert ctx.slot_mapping.tolist()[:3] == ctx_mixed.slot_mapping.tolist()[:3]
+    assert ctx.slot_mapping.tolist()[3:] == [-1] * 5  # padding goes to the trash block
+
+
 def test_attention_sinks_are_refused() -> None:
     ctx, _, _ = build_forward_context(
         [_chunk(0, 0, 2, [0], False)],

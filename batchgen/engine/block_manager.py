@@ -126,6 +126,12 @@ class BlockManager:
         that becomes full with known tokens is registered in the hash table. Returns False and
         changes nothing when the pool is short.
         """
+        if num_new_tokens == 1 and not computed_blocks and self._slot_in_place(seq):
+            # why a fast path: a decode is one token, usually into a block the sequence already owns
+            # alone, and every running sequence takes this call every step
+            if self.enable_prefix_caching:
+                self._register_full_blocks(seq, seq.num_computed_tokens + 1)
+            return True
         computed = computed_blocks or []
         self._check_args(seq, num_new_tokens, computed)
         num_new_blocks = self._num_new_blocks(seq, num_new_tokens, computed)
@@ -206,6 +212,14 @@ class BlockManager:
                 f"{len(seq.block_table)} blocks and {seq.num_computed_tokens} computed tokens"
             )
 
+    def _slot_in_place(self, seq: Sequence) -> bool:
+        """The next token's slot is in a block of seq's table that no other sequence holds (or that
+        it starts): no block to allocate and none to copy, as the general path would find."""
+        pos = seq.num_computed_tokens
+        index = pos // self.block_size
+        table = seq.block_table
+        return index < len(table) and (pos % self.block_size == 0 or self.ref_counts[table[index]] == 1)
+
     def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> int:
         covered = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         return max(0, self.blocks_needed(covered) - len(seq.block_table) - len(computed))
@@ -258,7 +272,7 @@ class BlockManager:
 
     def _register_full_blocks(self, seq: Sequence, num_covered_tokens: int) -> None:
         """Hash every block of the table that is full of known tokens and not yet registered."""
-        state = self._seq_hashes[seq]
+        state = self._seq_hashes.setdefault(seq, _SeqHashes())
         num_full = min(num_covered_tokens, seq.num_tokens) // self.block_size
         if num_full <= state.num_registered:
             return

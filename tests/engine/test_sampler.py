@@ -62,6 +62,14 @@ def test_greedy_is_exact_argmax_of_raw_logits_in_a_mixed_batch() -> None:
     assert tokens[::2] == logits.argmax(dim=-1)[::2].tolist()
 
 
+def test_greedy_ties_take_the_first_maximum() -> None:
+    """As transformers' argmax does: of equal best logits, the lowest token id (rows of few values)."""
+    logits = torch.randint(0, 3, (64, VOCAB), generator=torch.Generator().manual_seed(2)).float()
+    tokens = Sampler([EOS], seed=0)(logits, [seq(i, temperature=0.0) for i in range(64)])
+    rows = logits.tolist()
+    assert tokens == [row.index(max(row)) for row in rows]
+
+
 def test_top_k_1_equals_greedy() -> None:
     logits = torch.randn(200, VOCAB, generator=torch.Generator().manual_seed(1)) * 0.3
     seqs = [seq(i, temperature=2.0, top_k=1, seed=i if i % 3 == 0 else None) for i in range(200)]

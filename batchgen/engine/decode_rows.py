@@ -235,10 +235,14 @@ class DecodeRows:
         return min(self.max_rows, self.pool_tokens // shortest + 1)
 
     def _in_step(self, seq_id: int, d: DecodeRequest | None) -> bool:
+        """Its row holds positions 0..d.position-1 and still fits the next one.
+
+        Why `position < class length` stands for `length_class(position + 1) == class`: a row only
+        ever grows from a position its class was chosen for, so it cannot have fallen below it."""
         return (
             d is not None
             and self._len_of[seq_id] == d.position
-            and self._where[seq_id][0] == length_class(d.position + 1)
+            and d.position < MIN_CLASS_LEN << self._where[seq_id][0]
         )
 
     def _assign(self, d: DecodeRequest, fills: dict[int, list[tuple[int, int, torch.Tensor]]]) -> None:

@@ -208,9 +208,11 @@ def _decode_attention(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    slots: torch.Tensor | None = None,
 ) -> None:
-    """The decodes' rows of `out` [T, H, D]; q [H, T, D], key/value [KVH, T, D] (this step's, decodes first)."""
-    if softcap is None and step.attend(layer, pool, q, key, value, out, scaling, window):
+    """The decodes' rows of `out` [T, H, D]; q [H, T, D], key/value [KVH, T, D] (this step's, decodes first).
+    `slots`: the step's slot mapping when the source stores the decodes' K/V in the pool itself."""
+    if softcap is None and step.attend(layer, pool, q, key, value, out, scaling, window, slots):
         return
     step.update(layer, pool, key, value)
     for i, group in enumerate(step.groups):
@@ -234,12 +236,14 @@ def _torch_paged_attention(
     scaling: float,
     window: int | None,
     softcap: float | None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [H, T, D], key/value [KVH, T, D] -> [T, H, D]."""
     k_cache, v_cache = ctx.kv_caches[layer]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
     if ctx.decodes is not None:
-        _decode_attention(ctx.decodes, layer, ctx.kv_caches[layer], q, key, value, out, scaling, window, softcap)
+        pool = ctx.kv_caches[layer]
+        _decode_attention(ctx.decodes, layer, pool, q, key, value, out, scaling, window, softcap, slots)
     for chunk in ctx.prefills:
         if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
             k, v = key[None, :, chunk.start : chunk.end], value[None, :, chunk.start : chunk.end]
@@ -253,14 +257,24 @@ def _torch_paged_attention(
     return out
 
 
-def _store_kv(ctx: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-    """key/value [KVH, T, D] -> pool slots of this step (padded tokens, slot -1, go to the trash block)."""
-    k_cache, v_cache = ctx.kv_caches[layer]
+def _check_kv_shape(ctx: ForwardContext, layer: int, key: torch.Tensor) -> None:
+    k_cache = ctx.kv_caches[layer][0]
     if k_cache.shape[2:] != key.shape[0:1] + key.shape[2:]:
         raise RuntimeError(
             f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
             f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
         )
+
+
+def _decodes_store_kv(ctx: ForwardContext, softcap: float | None) -> bool:
+    """A decode-only step whose decode source stores the K/V itself (the native kernel, with its attention)."""
+    plain = ctx.static_decode is None and ctx.flash is None and not ctx.prefills and softcap is None
+    return plain and ctx.decodes is not None and ctx.decodes.writes_pool
+
+
+def _store_kv(ctx: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """key/value [KVH, T, D] -> pool slots of this step (padded tokens, slot -1, go to the trash block)."""
+    k_cache, v_cache = ctx.kv_caches[layer]
     padded = ctx.static_decode is not None or ctx.num_tokens != ctx.slot_mapping.shape[0]
     store_kv(k_cache, v_cache, ctx.slot_mapping, key.transpose(0, 1), value.transpose(0, 1), padded)
 
@@ -282,7 +296,10 @@ def _paged_attention_impl(
     ctx.num_attention_calls += 1
     if layer >= len(ctx.kv_caches):
         raise RuntimeError(f"attention called more than once per layer ({len(ctx.kv_caches)} layers)")
-    _store_kv(ctx, layer, key, value)
+    _check_kv_shape(ctx, layer, key)
+    decodes_store = _decodes_store_kv(ctx, softcap)
+    if not decodes_store:
+        _store_kv(ctx, layer, key, value)
     if ctx.static_decode is not None:  # a CUDA-graph decode step: fixed shapes, no per-step Python state
         k_cache, v_cache = ctx.kv_caches[layer]
         return static_decode_attention(query, k_cache, v_cache, ctx.static_decode, scale, window, softcap)
@@ -292,7 +309,8 @@ def _paged_attention_impl(
         k_cache, v_cache = ctx.kv_caches[layer]
         out = varlen_paged_attention(ctx.flash, k_cache, v_cache, query, scale, window)
     else:
-        out = _torch_paged_attention(ctx, layer, query, key, value, scale, window, softcap)
+        slots = ctx.slot_mapping if decodes_store else None
+        out = _torch_paged_attention(ctx, layer, query, key, value, scale, window, softcap, slots)
     if ctx.num_tokens < out.shape[0]:  # why: padding rows stay finite (they are never read, but are computed on)
         out[ctx.num_tokens :] = 0
     return out

@@ -58,6 +58,8 @@ class GatherStep:
         """Gathered blocks attend group by group in torch (attention.py)."""
         return False
 
+    writes_pool = False
+
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         n, index = self.groups[group].num_seqs, self._indices[group]
         # keys as the transposed view [B, KVH, D, L] the protocol asks for (attention reads them with SDPA)

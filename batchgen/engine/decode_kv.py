@@ -83,9 +83,15 @@ class DecodeStep(Protocol):
         out: torch.Tensor,
         scale: float,
         window: int | None,
+        slots: torch.Tensor | None = None,
     ) -> bool:
         """Attend every decode of this layer itself (q [H, T, D], key/value [KVH, T, D], out [T, H, D]),
-        its K/V updated too; False: the caller runs update() and attends group by group over kv()."""
+        its K/V updated too, and stored in the pool at `slots` when given (see writes_pool); False:
+        the caller runs update() and attends group by group over kv()."""
+
+    @property
+    def writes_pool(self) -> bool:
+        """Whether attend() can store a decode-only step's K/V in the pool itself (the caller then does not)."""
 
 
 class DecodeKVSource(Protocol):

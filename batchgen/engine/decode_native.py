@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -83,8 +84,11 @@ class NativeStep:
         out: torch.Tensor,
         scale: float,
         window: int | None,
+        pool: tuple[torch.Tensor, torch.Tensor] | None = None,
+        slots: torch.Tensor | None = None,
     ) -> None:
-        """Append key/value [n, KVH, D] to the rows, attend q [n, H, D] -> out [n, H, D] (all float32)."""
+        """Append key/value [n, KVH, D] to the rows, attend q [n, H, D] -> out [n, H, D] (all float32);
+        with `pool` (K, V [blocks, block_size, KVH, D], contiguous) and `slots` [n], store them there too."""
         n, h, d = q.shape
         kvh = key.shape[1]
         g = h // kvh
@@ -96,21 +100,15 @@ class NativeStep:
         tables = (self.bases[0, layer], self.bases[1, layer], self.strides[:classes], self.strides[classes:])
         pointers = [t.data_ptr() for t in (q, key, value, *tables)]
         lengths = [t.data_ptr() for t in (self.cls, self.row, self.cap, self.lengths, self.shared)]
-        with torch.profiler.record_function(PROFILE_NAME):  # why: a ctypes call is invisible to profiles otherwise
+        stores = [0, 0, 0] if pool is None or slots is None else [t.data_ptr() for t in (*pool, slots)]
+        # why named for the profiler: a ctypes call is invisible to profiles otherwise (only while one
+        # runs: a record_function costs ~5 us even when none does)
+        named = torch._C._autograd._profiler_enabled()
+        with torch.profiler.record_function(PROFILE_NAME) if named else nullcontext():
             status = self.kernels.decode_attention(
-                n,
-                kvh,
-                g,
-                d,
-                threads,
-                *pointers,
-                *lengths,
-                window or 0,
-                scale,
-                out.data_ptr(),
-                scratch.data_ptr(),
-                stride,
-            )
+                n, kvh, g, d, threads, *pointers, *lengths, *stores, window or 0, scale, out.data_ptr(),
+                scratch.data_ptr(), stride,
+            )  # fmt: skip
         self.calls += 1
         if status != 0:
             raise RuntimeError(f"native decode attention refused {g} query heads per KV head, head dim {d}")

@@ -66,8 +66,10 @@ class RowsView:
         out: torch.Tensor,
         scale: float,
         window: int | None,
+        slots: torch.Tensor | None = None,
     ) -> bool:
-        """With the native kernel: fill new rows, then append and attend every decode in one call.
+        """With the native kernel: fill new rows, then append and attend every decode in one call,
+        storing the step's K/V in the pool too when given their `slots` (a decode-only step).
 
         q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D]; False: planned for the
         torch path, so the caller runs update() and attends group by group.
@@ -77,8 +79,13 @@ class RowsView:
         self._fill(layer, pool)
         n = self.native.lengths.shape[0]
         qd, kd, vd = (t.transpose(0, 1)[:n] for t in (q, key, value))  # [n, H | KVH, D]
-        self.native.attend(layer, qd, kd, vd, out[:n], scale, window)
+        stores = None if slots is None else slots[:n]
+        self.native.attend(layer, qd, kd, vd, out[:n], scale, window, pool if stores is not None else None, stores)
         return True
+
+    @property
+    def writes_pool(self) -> bool:
+        return self.native is not None
 
     def _fill(self, layer: int, pool: Pool) -> None:
         """Copy new rows' context out of the pool.
@@ -87,6 +94,8 @@ class RowsView:
         prefix blocks that another sequence computes in this very step.
         """
         for step in self.classes:
+            if not step.fills:
+                continue
             k, v = step.k[layer], step.v[layer]
             for row, length, blocks in step.fills:
                 # [blocks, block_size, KVH, D] -> [length, KVH, D] -> keys [KVH, D, length], values [KVH, length, D]

@@ -112,8 +112,9 @@ def _run_case(
         queries.append(torch.randn(HEADS, n, DIM, generator=gen))
     rounded = [[t.to(dtype) for t in ts] for ts in (full_k, full_v, queries)]
     full_k, full_v, queries = ([t.float() for t in ts] for ts in rounded)
+    pool = (k_cache.to(dtype), v_cache.to(dtype))
     ctx, positions, order = build_forward_context(
-        chunks, _source(decode_kv, dtype, softcap), [(k_cache.to(dtype), v_cache.to(dtype))], BLOCK, torch.device("cpu")
+        chunks, _source(decode_kv, dtype, softcap), [pool], BLOCK, torch.device("cpu")
     )
     query = torch.cat([rounded[2][i] for i in order], dim=1)[None]  # [1, H, T, D], packed order
     key = torch.cat([rounded[0][i][:, specs[i][0] :] for i in order], dim=1)[None]  # [1, KVH, T, D]
@@ -123,6 +124,10 @@ def _run_case(
             _Layer(), query, key, value, None, scaling=0.3, sliding_window=window, softcap=softcap
         )
     expected = torch.cat([_reference(queries[i], full_k[i], full_v[i], 0.3, window, softcap) for i in order])
+    # every new token's K/V is in the pool at its slot, whoever stored it (the native kernel, on decode-only steps)
+    slots = ctx.slot_mapping.tolist()
+    torch.testing.assert_close(pool[0].flatten(0, 1)[slots], key[0].transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(pool[1].flatten(0, 1)[slots], value[0].transpose(0, 1), atol=0, rtol=0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.dtype == dtype
     torch.testing.assert_close(out[0].float(), expected, atol=tol, rtol=tol)

@@ -16,6 +16,8 @@
  *   shared[i]    positions that every row of decode i's class holds in the same cached blocks:
  *                read from the class's row 0, which every member reads, so it stays in cache
  *   out          [n, kvh * g, d]
+ *   kpool, vpool [slots, kvh, d]    the paged pool, flat (NULL: the caller stores this step's K/V there
+ *                itself); slot[i] is where decode i's new K/V go
  * Row i attends to positions [max(0, len[i] - window), len[i]) (window 0: all of them).
  * scratch holds threads * scratch_stride floats; scratch_stride >= g * round_up(max len, TILE).
  */
@@ -111,7 +113,8 @@ int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, 
                                   const float *knew, const float *vnew, const int64_t *kbase, const int64_t *vbase,
                                   const int64_t *kstride, const int64_t *vstride, const int64_t *cls,
                                   const int64_t *row, const int64_t *cap, const int64_t *len, const int64_t *shared,
-                                  int64_t window, float scale, float *out, float *scratch, int64_t scratch_stride) {
+                                  float *kpool, float *vpool, const int64_t *slot, int64_t window, float scale,
+                                  float *out, float *scratch, int64_t scratch_stride) {
   if (g < 1 || g > MAX_G || d < 1 || d > MAX_D) return -1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
   for (int64_t item = 0; item < n * kvh; item++) {
@@ -125,6 +128,10 @@ int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, 
     const float *kn = knew + (i * kvh + h) * d, *vn = vnew + (i * kvh + h) * d;
     for (int64_t x = 0; x < d; x++) k[x * c + last] = kn[x];
     memcpy(v + last * d, vn, d * sizeof(float));
+    if (kpool) {
+      memcpy(kpool + (slot[i] * kvh + h) * d, kn, d * sizeof(float));
+      memcpy(vpool + (slot[i] * kvh + h) * d, vn, d * sizeof(float));
+    }
     const int64_t start = window > 0 && len[i] > window ? len[i] - window : 0;
     const float *qi = q + (i * kvh + h) * g * d;
     float *oi = out + (i * kvh + h) * g * d;

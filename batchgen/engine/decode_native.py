@@ -51,29 +51,39 @@ class Scratch:
 
 
 class NativeStep:
-    """Every decode's row address per layer, and what each attends to, for one step."""
+    """Every decode's row, length and shared prefix, and each layer's class tensors, for one step."""
 
     def __init__(
         self, kernels: NativeKernels, classes: Sequence[NativeClass], lengths: torch.Tensor, scratch: Scratch
     ) -> None:
         """lengths [n]: positions each decode attends to after this step's token (packed order)."""
         self.kernels = kernels
-        self.lengths = lengths
         self.longest = int(lengths.max())
         self.scratch = scratch
         self.calls = 0  # layers attended (for tests and the benchmark)
-        # why arrays: torch.tensor() over Python lists costs ~0.3 us an element, an array copies at C speed
-        counts = [part.num_rows for part in classes]
-        self.cls = _int64([c for c, m in enumerate(counts) for _ in range(m)])  # [n] each decode's class
-        self.row = _int64([r for m in counts for r in range(m)])  # [n] its row in the class
-        self.cap = _int64([part.k[0].shape[-1] for part in classes for _ in range(part.num_rows)])  # [n]
-        self.shared = _int64([part.shared for part in classes for _ in range(part.num_rows)])  # [n]
-        # floats between rows, and per layer where each class's key and value tensors start
-        self.strides = _int64([t.stride(0) for t in [p.k[0] for p in classes] + [p.v[0] for p in classes]])
-        layers = range(len(classes[0].k))
-        bases = [p.k[layer].data_ptr() for layer in layers for p in classes]
-        bases += [p.v[layer].data_ptr() for layer in layers for p in classes]
-        self.bases = _int64(bases).view(2, len(layers), len(classes))  # [key | value, layers, classes]
+        n, num_classes, num_layers = lengths.shape[0], len(classes), len(classes[0].k)
+        # One int64 table for the whole step, which the kernel reads through addresses into it:
+        # per decode its class, row, class length, length and shared prefix; per class the floats
+        # between key rows and between value rows; per layer and class where the key and value
+        # tensors start. Why one array: torch.tensor() over Python lists costs ~0.3 us an element,
+        # and each layer then only adds offsets to one address (no tensor ops per layer).
+        table = array("q", [c for c, part in enumerate(classes) for _ in range(part.num_rows)])
+        table.extend([r for part in classes for r in range(part.num_rows)])
+        table.extend([part.k[0].shape[-1] for part in classes for _ in range(part.num_rows)])
+        table.extend(lengths.tolist())
+        table.extend([part.shared for part in classes for _ in range(part.num_rows)])
+        table.extend([t.stride(0) for t in [p.k[0] for p in classes] + [p.v[0] for p in classes]])
+        table.extend([p.k[layer].data_ptr() for layer in range(num_layers) for p in classes])
+        table.extend([p.v[layer].data_ptr() for layer in range(num_layers) for p in classes])
+        self.table = torch.frombuffer(table, dtype=torch.int64)
+        self.lengths = self.table[3 * n : 4 * n]  # [n]
+        self.shared = self.table[4 * n : 5 * n]  # [n]
+        start, size = self.table.data_ptr(), self.table.element_size()
+        self._per_decode = [start + i * n * size for i in range(5)]  # class, row, cap, length, shared (the C order)
+        strides = start + 5 * n * size
+        self._strides = (strides, strides + num_classes * size)  # key rows, value rows
+        self._bases = strides + 2 * num_classes * size  # [key | value, layers, classes]
+        self._layer_bytes, self._num_layers = num_classes * size, num_layers
 
     def attend(
         self,
@@ -92,30 +102,42 @@ class NativeStep:
         n, h, d = q.shape
         kvh = key.shape[1]
         g = h // kvh
+        # why checked here: the kernel reads and writes through raw addresses, so a wrong shape or
+        # dtype would corrupt memory instead of raising
+        if key.shape != (n, kvh, d) or value.shape != key.shape or out.shape != q.shape or n != self.lengths.shape[0]:
+            raise RuntimeError(
+                f"native decode attention: q {tuple(q.shape)}, key {tuple(key.shape)}, "
+                f"value {tuple(value.shape)}, out {tuple(out.shape)} for {self.lengths.shape[0]} decodes"
+            )
+        if {t.dtype for t in (q, key, value, out)} != {torch.float32} or not out.is_contiguous():
+            raise RuntimeError("native decode attention needs float32 tensors and a contiguous output")
         q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
         threads = native.threads()
         stride = g * -(-self.longest // native.TILE) * native.TILE  # scratch floats per thread
         scratch = self.scratch.get(threads * stride)
-        classes = self.strides.shape[0] // 2
-        tables = (self.bases[0, layer], self.bases[1, layer], self.strides[:classes], self.strides[classes:])
-        pointers = [t.data_ptr() for t in (q, key, value, *tables)]
-        lengths = [t.data_ptr() for t in (self.cls, self.row, self.cap, self.lengths, self.shared)]
-        stores = [0, 0, 0] if pool is None or slots is None else [t.data_ptr() for t in (*pool, slots)]
+        k_bases = self._bases + layer * self._layer_bytes
+        v_bases = k_bases + self._num_layers * self._layer_bytes
+        stores = [0, 0, 0, 0]
+        if pool is not None and slots is not None:
+            if not (pool[0].is_contiguous() and pool[1].is_contiguous() and pool[0].shape[2:] == (kvh, d)):
+                raise RuntimeError(f"native decode attention: a pool of {tuple(pool[0].shape)} for {kvh} x {d} K/V")
+            stores = [pool[0].data_ptr(), pool[1].data_ptr(), slots.data_ptr(), pool[0].shape[0] * pool[0].shape[1]]
         # why named for the profiler: a ctypes call is invisible to profiles otherwise (only while one
         # runs: a record_function costs ~5 us even when none does)
         named = torch._C._autograd._profiler_enabled()
         with torch.profiler.record_function(PROFILE_NAME) if named else nullcontext():
             status = self.kernels.decode_attention(
-                n, kvh, g, d, threads, *pointers, *lengths, *stores, window or 0, scale, out.data_ptr(),
-                scratch.data_ptr(), stride,
+                n, kvh, g, d, threads, q.data_ptr(), key.data_ptr(), value.data_ptr(), k_bases, v_bases,
+                *self._strides, *self._per_decode, *stores, window or 0, scale, out.data_ptr(), scratch.data_ptr(),
+                stride,
             )  # fmt: skip
         self.calls += 1
-        if status != 0:
+        if status == -1:
             raise RuntimeError(f"native decode attention refused {g} query heads per KV head, head dim {d}")
-
-
-def _int64(values: list[int]) -> torch.Tensor:
-    return torch.frombuffer(array("q", values), dtype=torch.int64)
+        if status != 0:
+            raise RuntimeError(
+                "native decode attention refused a decode longer than its row, or a slot outside the pool"
+            )
 
 
 def kernels_for(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:

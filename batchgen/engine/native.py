@@ -53,7 +53,9 @@ class NativeKernels:
     def __post_init__(self) -> None:
         fn = self.lib.batchgen_decode_attention
         fn.restype = _I64
-        fn.argtypes = [_I64] * 5 + [_PTR] * 3 + [_PTR] * 9 + [_PTR] * 3 + [_I64, ctypes.c_float, _PTR, _PTR, _I64]
+        fn.argtypes = (
+            [_I64] * 5 + [_PTR] * 3 + [_PTR] * 9 + [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float, _PTR, _PTR, _I64]
+        )
         self.decode_attention = fn
 
 

@@ -97,6 +97,21 @@ def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
         step.attend(0, q, torch.zeros(1, 1, 300), torch.zeros(1, 1, 300), torch.zeros(1, 1, 300), 1.0, None)
 
 
+def test_a_decode_past_its_row_or_the_pool_is_refused_before_anything_is_written() -> None:
+    k, v = [torch.zeros(2, 1, 8, 64)], [torch.zeros(2, 1, 64, 8)]
+    args = (torch.zeros(2, 1, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.zeros(2, 1, 8), 1.0, None)
+    too_long = NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], torch.tensor([3, 65]), Scratch())
+    with pytest.raises(RuntimeError, match="longer than its row"):
+        too_long.attend(0, *args)
+    pool = (torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8))  # 16 slots
+    fits = NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], torch.tensor([3, 64]), Scratch())
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        fits.attend(0, *args, pool, torch.tensor([5, 16]))
+    assert not k[0].any() and not v[0].any() and not pool[0].any()  # nothing was written
+    fits.attend(0, *args, pool, torch.tensor([5, 15]))
+    assert pool[0].flatten(0, 1)[[5, 15]].eq(1).all() and k[0][1, 0, :, 63].eq(1).all()
+
+
 def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     first = native._load()

@@ -16,8 +16,8 @@
  *   shared[i]    positions that every row of decode i's class holds in the same cached blocks:
  *                read from the class's row 0, which every member reads, so it stays in cache
  *   out          [n, kvh * g, d]
- *   kpool, vpool [slots, kvh, d]    the paged pool, flat (NULL: the caller stores this step's K/V there
- *                itself); slot[i] is where decode i's new K/V go
+ *   kpool, vpool [pool_slots, kvh, d]  the paged pool, flat (NULL: the caller stores this step's K/V
+ *                there itself); slot[i] is where decode i's new K/V go
  * Row i attends to positions [max(0, len[i] - window), len[i]) (window 0: all of them).
  * scratch holds threads * scratch_stride floats; scratch_stride >= g * round_up(max len, TILE).
  */
@@ -113,9 +113,14 @@ int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, 
                                   const float *knew, const float *vnew, const int64_t *kbase, const int64_t *vbase,
                                   const int64_t *kstride, const int64_t *vstride, const int64_t *cls,
                                   const int64_t *row, const int64_t *cap, const int64_t *len, const int64_t *shared,
-                                  float *kpool, float *vpool, const int64_t *slot, int64_t window, float scale,
+                                  float *kpool, float *vpool, const int64_t *slot, int64_t pool_slots,
+                                  int64_t window, float scale,
                                   float *out, float *scratch, int64_t scratch_stride) {
   if (g < 1 || g > MAX_G || d < 1 || d > MAX_D) return -1;
+  for (int64_t i = 0; i < n; i++) /* why: a length past its row would write outside it */
+    if (len[i] < 1 || len[i] > cap[i] || shared[i] < 0 || shared[i] > len[i] ||
+        (kpool && (slot[i] < 0 || slot[i] >= pool_slots)))
+      return -2;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
   for (int64_t item = 0; item < n * kvh; item++) {
     const int64_t i = item / kvh, h = item % kvh, c = cap[i], k0 = cls[i];

@@ -12,7 +12,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from batchgen import interrupt
-from batchgen.backends import load_backend
+from batchgen.backends import for_rows, load_backend
 from batchgen.backends.base import Backend
 from batchgen.completion import build_manifest, complete_from_parts, run_facts
 from batchgen.dataset import InputFile, Shard, plan_shards, read_shards
@@ -183,7 +183,7 @@ class JobRunner:
         if self.executor is not None:  # the parts run elsewhere; each worker calls process_part
             self.executor.process(self, files, carried, writer, todo, totals)
             return
-        backend, preparer = load_engine(self.spec)
+        backend, preparer = load_engine(for_rows(self.spec, sum(s.num_rows for s in todo)))
         kept = totals.output_tokens
         bar = tqdm(total=sum(s.num_rows for s in todo), unit="row", disable=self.quiet, dynamic_ncols=True)
         # Why cooperative: a signal only sets a flag here; the loop and on_output stop at clean points.

@@ -259,6 +259,7 @@ def section5(sizes: Sizes, work: Path, hf_tok_s: float | None) -> dict[str, Any]
     result = engine_run(llm, prompts, sizes)
     runner = llm.engine.runner
     result |= runner.forward.stats.as_dict()
+    result["compiled"] = runner.forward.compile  # still on after the run (no fallback to eager)
     result["cuda_graphs_captured"] = None if runner.graphs is None else runner.graphs.num_graphs
     result["attention"] = runner.attention.path
     result["compiled_over_hf_best"] = None if not hf_tok_s else round(result["output_tok_s"] / hf_tok_s, 2)

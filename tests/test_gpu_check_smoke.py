@@ -78,6 +78,7 @@ def test_gpu_check_smoke_runs_every_section_without_the_packages_the_gpu_image_l
     assert memory["section3_engine"]["pool_blocks"] > 0
 
     compiled = report["5_compiled"]
-    assert compiled["stats"]["output_tokens"] == 6 * 5 and compiled["compiled_graphs"] >= 1
+    # compiled (on the CPU earlier sections may have compiled this model already: engine.compile "auto")
+    assert compiled["stats"]["output_tokens"] == 6 * 5 and compiled["compiled"]
     assert compiled["cuda_graphs_captured"] is None  # CPU: compiled, no CUDA graphs
     assert compiled["compiled_over_hf_best"] is not None  # section 3's generate figure reached it

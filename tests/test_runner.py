@@ -260,3 +260,18 @@ def test_validate_checks_model_folder_without_running(tmp_path: Path, tiny_model
     assert result.exit_code == 4 and "cannot load config.json" in result.output
     result = CliRunner().invoke(main, ["validate", str(job_path), "--set", "sampling.max_tokens=-1"])
     assert result.exit_code == 2 and "sampling.max_tokens" in result.output
+
+
+def test_compile_auto_runs_a_small_job_eager_and_a_large_one_compiled(tmp_path: Path) -> None:
+    """engine.compile "auto" in a job: compiling is worth it only over a long run (backends.for_rows)."""
+    from batchgen.backends import COMPILE_MIN_ROWS, for_rows
+    from batchgen.job import load_job
+
+    job = make_job(tmp_path, str(tmp_path / "in.parquet"), tmp_path / "out", engine={"backend": "native"})
+    spec = load_job(write_job(tmp_path / "job.yaml", job))
+    assert spec.engine.compile == "auto"
+    assert for_rows(spec, COMPILE_MIN_ROWS - 1).engine.compile is False
+    assert for_rows(spec, COMPILE_MIN_ROWS) is spec  # "auto": the engine compiles where it wins (the CPU)
+    chosen = load_job(write_job(tmp_path / "true.yaml", {**job, "engine": {"backend": "native", "compile": True}}))
+    assert for_rows(chosen, 10).engine.compile is True
+    assert spec.engine.compile == "auto"  # the job itself (and its fingerprint) is unchanged

@@ -32,7 +32,7 @@ class EngineConfig:
     # where decodes read K/V (see decode_kv): "auto" = contiguous rows on CPU, gathered blocks elsewhere
     decode_kv: Literal["auto", "gather", "rows"] = "auto"
     # torch.compile of the model around the paged attention op (compiled_forward), and CUDA graphs
-    # for decode on CUDA: "auto" = where it was measured to win (see resolve_compile: nowhere yet)
+    # for decode on CUDA: "auto" = where it was measured to win (see resolve_compile: the CPU)
     compile: Literal["auto"] | bool = "auto"
 
     def __post_init__(self) -> None:

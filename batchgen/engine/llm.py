@@ -90,6 +90,7 @@ class LLM:
             config.decode_kv,
             compile=resolve_compile(config.compile, torch_device),
             max_num_batched_tokens=config.max_num_batched_tokens,
+            compile_fallback=config.compile == "auto",
         )
         block_manager = BlockManager(blocks, runner.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(config, block_manager, self.max_model_len)

@@ -166,6 +166,7 @@ class ModelRunner:
         decode_kv: str = "auto",
         compile: bool = False,
         max_num_batched_tokens: int | None = None,
+        compile_fallback: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -201,7 +202,7 @@ class ModelRunner:
         )
         self.transfers = Transfers(device)
         self.decode_kv.stage = self.transfers.stage
-        self.forward = StepForward(model, compile, max_num_batched_tokens)
+        self.forward = StepForward(model, compile, max_num_batched_tokens, fallback=compile_fallback)
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead)
         self.graphs: GraphDecode | None = None
         if device.type == "cuda" and compile and not self.flash:  # pragma: no cover - CUDA only

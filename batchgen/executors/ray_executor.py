@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from batchgen import interrupt
+from batchgen.backends import for_rows
 from batchgen.dataset import InputFile, Shard
 from batchgen.duplicate_ids import IdProblem
 from batchgen.errors import BatchgenError, EngineFailure, ExecutorError
@@ -161,11 +162,12 @@ class _Dispatch:
         todo: list[Shard],
     ) -> None:
         self.ray, self.shape, self.quiet = ray, shape, runner.quiet
-        self.args = (runner.spec, files, carried, writer, shape.cpus)
+        self.total_rows = sum(s.num_rows for s in todo)
+        spec = for_rows(runner.spec, -(-self.total_rows // shape.count))  # each worker's share of the rows
+        self.args = (spec, files, carried, writer, shape.cpus)
         self.storage = writer.storage
         self.queue = PartQueue(todo, shape.count)
         self.duplicates = _duplicates_by_part(runner.duplicates, todo)
-        self.total_rows = sum(s.num_rows for s in todo)
         self.board = ray.remote(num_cpus=0)(ProgressBoard).remote()
         self.actor = ray.remote(PartWorker).options(num_cpus=shape.cpus, num_gpus=shape.gpus, max_restarts=0)
         self.workers: dict[int, Any] = {}

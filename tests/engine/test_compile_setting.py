@@ -1,0 +1,55 @@
+"""engine.compile: "auto" compiles on the CPU where a compiler is found, and falls back to eager if
+compiling fails; `true` turns a failure into an error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from batchgen.engine import compiled_forward
+from batchgen.engine.compiled_forward import resolve_compile
+from batchgen.engine.llm import LLM
+from batchgen.engine.params import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def test_auto_compiles_on_the_cpu_with_a_compiler_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_compile("auto", torch.device("cpu"))  # this machine has one (CI too)
+    assert not resolve_compile("auto", torch.device("cuda"))  # unmeasured there
+    assert resolve_compile(True, torch.device("cuda")) and not resolve_compile(False, torch.device("cpu"))
+    monkeypatch.setattr(compiled_forward.shutil, "which", lambda name: None)
+    assert not resolve_compile("auto", torch.device("cpu"))
+
+
+def _failing_compile(*args: Any, **kwargs: Any) -> Callable[..., torch.Tensor]:
+    def run(*a: Any, **k: Any) -> torch.Tensor:
+        raise torch._dynamo.exc.TorchDynamoException("stand-in for a model that does not compile")
+
+    return run
+
+
+def test_auto_runs_eager_when_compiling_fails(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tiny_model("llama"))
+    want = [o.outputs[0].token_ids for o in LLM(path, compile=False).generate(PROMPTS, GREEDY)]
+    monkeypatch.setattr(compiled_forward.torch, "compile", _failing_compile)
+    llm = LLM(path)  # compile: auto
+    assert llm.engine.runner.forward.compile
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert not llm.engine.runner.forward.compile
+    assert "torch.compile failed for LlamaForCausalLM; running eager from now on" in caplog.text
+
+
+def test_compile_true_does_not_hide_a_failure(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compiled_forward.torch, "compile", _failing_compile)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="stand-in"):
+        LLM(str(tiny_model("llama")), compile=True).generate(PROMPTS, GREEDY)

@@ -22,6 +22,17 @@ OP_NAME = "batchgen::paged_attention"
 # Set by attention.py at import: (query [H, T, D], key/value [KVH, T, D], scale, window, softcap) -> [T, H, D].
 # Why a hook: attention.py imports this module, and the op must exist before any model is compiled.
 _IMPL: list[Callable[..., torch.Tensor]] = []
+# The last exception the op's body raised. Why kept: a graph compiled with the C++ wrapper reports
+# an exception from a Python op only as "aoti_torch_call_dispatcher(...) API call failed"; the
+# step's caller (compiled_forward) raises this one instead, so the message says what went wrong.
+_RAISED: list[BaseException] = []
+
+
+def take_raised() -> BaseException | None:
+    """The exception the op raised since the last call (None: none), forgotten once taken."""
+    raised = _RAISED[0] if _RAISED else None
+    _RAISED.clear()
+    return raised
 
 
 def set_impl(impl: Callable[..., torch.Tensor]) -> None:
@@ -45,7 +56,11 @@ def paged_attention(
     order; compiled_forward.check_layer_order checks it at load), so every layer's compiled code
     is the same graph, compiled once, instead of one graph per layer.
     """
-    return _IMPL[0](query, key, value, scale, window, softcap)
+    try:
+        return _IMPL[0](query, key, value, scale, window, softcap)
+    except BaseException as exc:
+        _RAISED[:] = [exc]
+        raise
 
 
 @paged_attention.register_fake

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from batchgen.engine import attention_op
+
 logger = logging.getLogger(__name__)
 
 # Token counts are padded to a multiple of this: with dynamic shapes a new count needs no new
@@ -139,8 +141,9 @@ class StepForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T], keep [K] -> logits [K, vocab] (model dtype)."""
         if not self.compile:
-            return self._logits(input_ids, positions, keep)
+            return self._run(input_ids, positions, keep)  # the eager forward (a benchmark may wrap it)
         graphs, began = _unique_graphs(), time.perf_counter()
+        attention_op.take_raised()
         try:
             out = self._run(input_ids, positions, keep)
         except torch._dynamo.exc.TorchDynamoException as exc:  # raised while tracing or compiling
@@ -150,6 +153,11 @@ class StepForward:
             logger.warning("torch.compile failed for %s; running eager from now on: %s", type(self.model).__name__, exc)
             self.compile, self._run = False, self._logits
             return self._logits(input_ids, positions, keep)
+        except RuntimeError as exc:
+            raised = attention_op.take_raised()  # the attention's own error, not the C++ wrapper's
+            if raised is None:
+                raise
+            raise raised from exc
         if _unique_graphs() != graphs:  # why: this call compiled; its time is (mostly) compile time
             self.stats.seconds += time.perf_counter() - began
             self.stats.shapes.add((input_ids.shape[0], keep.shape[0]))

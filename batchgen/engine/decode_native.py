@@ -54,14 +54,14 @@ class NativeStep:
     """Every decode's row, length and shared prefix, and each layer's class tensors, for one step."""
 
     def __init__(
-        self, kernels: NativeKernels, classes: Sequence[NativeClass], lengths: torch.Tensor, scratch: Scratch
+        self, kernels: NativeKernels, classes: Sequence[NativeClass], lengths: Sequence[int], scratch: Scratch
     ) -> None:
-        """lengths [n]: positions each decode attends to after this step's token (packed order)."""
+        """lengths: positions each decode attends to after this step's token (packed order)."""
         self.kernels = kernels
-        self.longest = int(lengths.max())
+        self.longest = max(lengths)
         self.scratch = scratch
         self.calls = 0  # layers attended (for tests and the benchmark)
-        n, num_classes, num_layers = lengths.shape[0], len(classes), len(classes[0].k)
+        n, num_classes, num_layers = len(lengths), len(classes), len(classes[0].k)
         # One int64 table for the whole step, which the kernel reads through addresses into it:
         # per decode its class, row, class length, length and shared prefix; per class the floats
         # between key rows and between value rows; per layer and class where the key and value
@@ -70,7 +70,7 @@ class NativeStep:
         table = array("q", [c for c, part in enumerate(classes) for _ in range(part.num_rows)])
         table.extend([r for part in classes for r in range(part.num_rows)])
         table.extend([part.k[0].shape[-1] for part in classes for _ in range(part.num_rows)])
-        table.extend(lengths.tolist())
+        table.extend(lengths)
         table.extend([part.shared for part in classes for _ in range(part.num_rows)])
         table.extend([t.stride(0) for t in [p.k[0] for p in classes] + [p.v[0] for p in classes]])
         table.extend([p.k[layer].data_ptr() for layer in range(num_layers) for p in classes])

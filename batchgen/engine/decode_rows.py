@@ -187,8 +187,7 @@ class DecodeRows:
         Why every shared prefix, not only cascade's (decode_kv.make_group): the kernel reads a shared
         prefix from the class's first row at no extra cost, so any length of it saves reads."""
         parts = [NativeClass(step.k, step.v, step.num_rows, self._shared(ds)) for step, ds in zip(classes, decodes)]
-        lengths = torch.tensor([d.position + 1 for ds in decodes for d in ds], dtype=torch.int64)
-        return NativeStep(kernels, parts, lengths, self._scratch)
+        return NativeStep(kernels, parts, [d.position + 1 for ds in decodes for d in ds], self._scratch)
 
     def _shared(self, decodes: list[DecodeRequest]) -> int:
         """Positions that every decode of a class holds in the very same, fully cached blocks."""

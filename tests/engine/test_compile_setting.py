@@ -53,3 +53,21 @@ def test_compile_true_does_not_hide_a_failure(
     monkeypatch.setattr(compiled_forward.torch, "compile", _failing_compile)
     with pytest.raises(torch._dynamo.exc.TorchDynamoException, match="stand-in"):
         LLM(str(tiny_model("llama")), compile=True).generate(PROMPTS, GREEDY)
+
+
+def test_an_error_inside_the_compiled_attention_keeps_its_own_message(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph with the C++ wrapper turns an exception of the Python attention op into "API call
+    failed"; the engine raises the op's own exception instead (attention_op.take_raised)."""
+    from batchgen.engine import attention_op
+
+    llm = LLM(str(tiny_model("llama")), compile=True)
+    llm.generate(PROMPTS, GREEDY)  # compiled
+
+    def failing(*args: object) -> torch.Tensor:
+        raise ValueError("the attention's own words")
+
+    monkeypatch.setattr(attention_op, "_IMPL", [failing])
+    with pytest.raises(ValueError, match="the attention's own words"):
+        llm.generate(PROMPTS, GREEDY)

@@ -62,15 +62,15 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
         for layer in range(layers if shared else 0):  # why: shows the prefix's first tile is read from row 0
             k[layer][1:, ..., :16] = torch.randn(len(lengths) - 1, KVH, d, 16, generator=gen)
             v[layer][1:, :, :16] = torch.randn(len(lengths) - 1, KVH, 16, d, generator=gen)
-    lengths = torch.tensor([n for ls, _, _ in classes for n in ls])
-    n = lengths.shape[0]
+    lengths = [n for ls, _, _ in classes for n in ls]
+    n = len(lengths)
     step = NativeStep(_kernels(), parts, lengths, Scratch())
     for layer in range(layers):
         q = torch.randn(n, KVH * g, d, generator=gen)
         new_k, new_v = torch.randn(2, n, KVH, d, generator=gen)
         out = torch.full((n, KVH * g, d), float("nan"))
         step.attend(layer, q, new_k, new_v, out, d**-0.5, window)
-        for i, length in enumerate(lengths.tolist()):
+        for i, length in enumerate(lengths):
             full_k[i][layer][..., length - 1] = new_k[i]
             full_v[i][layer][:, length - 1] = new_v[i]
             start = max(0, length - window) if window else 0
@@ -91,7 +91,7 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
 
 def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
     k, v = [torch.zeros(1, 1, 300, 64)], [torch.zeros(1, 1, 64, 300)]
-    step = NativeStep(_kernels(), [NativeClass(k, v, 1, 0)], torch.tensor([3]), Scratch())
+    step = NativeStep(_kernels(), [NativeClass(k, v, 1, 0)], [3], Scratch())
     q = torch.zeros(1, 1, 300)
     with pytest.raises(RuntimeError, match="head dim 300"):
         step.attend(0, q, torch.zeros(1, 1, 300), torch.zeros(1, 1, 300), torch.zeros(1, 1, 300), 1.0, None)
@@ -100,11 +100,11 @@ def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
 def test_a_decode_past_its_row_or_the_pool_is_refused_before_anything_is_written() -> None:
     k, v = [torch.zeros(2, 1, 8, 64)], [torch.zeros(2, 1, 64, 8)]
     args = (torch.zeros(2, 1, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.zeros(2, 1, 8), 1.0, None)
-    too_long = NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], torch.tensor([3, 65]), Scratch())
+    too_long = NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], [3, 65], Scratch())
     with pytest.raises(RuntimeError, match="longer than its row"):
         too_long.attend(0, *args)
     pool = (torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8))  # 16 slots
-    fits = NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], torch.tensor([3, 64]), Scratch())
+    fits = NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], [3, 64], Scratch())
     with pytest.raises(RuntimeError, match="outside the pool"):
         fits.attend(0, *args, pool, torch.tensor([5, 16]))
     assert not k[0].any() and not v[0].any() and not pool[0].any()  # nothing was written

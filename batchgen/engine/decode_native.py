@@ -32,10 +32,15 @@ PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler show
 class NativeClass:
     """One length class's part of a step, as decode_rows plans it: rows 0..n-1, in packed order."""
 
-    k: list[torch.Tensor]  # per layer [rows, KVH, D, cap] (keys transposed)
+    k: list[torch.Tensor]  # per layer [rows, KVH, cap / TILE, D, TILE] (keys in tiles of positions)
     v: list[torch.Tensor]  # per layer [rows, KVH, cap, D]
     num_rows: int
     shared: int  # positions every row holds in the same blocks (0: none), read from row 0
+
+    @property
+    def cap(self) -> int:
+        """Positions a row holds (its class length)."""
+        return self.v[0].shape[2]
 
 
 class Scratch:
@@ -69,7 +74,7 @@ class NativeStep:
         # and each layer then only adds offsets to one address (no tensor ops per layer).
         table = array("q", [c for c, part in enumerate(classes) for _ in range(part.num_rows)])
         table.extend([r for part in classes for r in range(part.num_rows)])
-        table.extend([part.k[0].shape[-1] for part in classes for _ in range(part.num_rows)])
+        table.extend([part.cap for part in classes for _ in range(part.num_rows)])
         table.extend(lengths)
         table.extend([part.shared for part in classes for _ in range(part.num_rows)])
         table.extend([t.stride(0) for t in [p.k[0] for p in classes] + [p.v[0] for p in classes]])

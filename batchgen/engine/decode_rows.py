@@ -26,7 +26,7 @@ import torch
 from batchgen.engine.cascade import shared_prefix_len
 from batchgen.engine.decode_kv import DecodeGroup, DecodeRequest, Stage, make_group
 from batchgen.engine.decode_native import NativeClass, NativeStep, Scratch
-from batchgen.engine.native import NativeKernels
+from batchgen.engine.native import TILE, NativeKernels
 from batchgen.engine.rows_view import ClassStep, RowsView
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
@@ -49,9 +49,11 @@ class _Pack:
         dtype: torch.dtype,
         device: torch.device,
         max_rows: int | None,
+        tiled: bool = False,
     ) -> None:
         self.num_layers, self.shape_tail, self.dtype, self.device = num_layers, shape_tail, dtype, device
         self.max_rows = max_rows
+        self.tiled = tiled  # keys in the native kernel's tiles (see _keys)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.seqs: list[int] = []  # seq id of each row
@@ -71,7 +73,8 @@ class _Pack:
             # (a step that fails mid-fill can leave garbage behind: a NaN there reaches the
             # logits and fails the engine's NaN check, it cannot pass silently).
             for k, v in zip(self.k, self.v):
-                k[row, ..., filled:].zero_()
+                # why from the tile holding `filled`: the fill writes the positions before it later in the step
+                k[row, :, filled // TILE :].zero_() if self.tiled else k[row, ..., filled:].zero_()
                 v[row, :, filled:].zero_()
             self.zeroed = row + 1
         self.seqs.append(seq_id)
@@ -82,8 +85,12 @@ class _Pack:
         last = self.seqs.pop()
         if row == len(self.seqs):
             return None
+        tiles = -(-moved_len // TILE)
         for k, v in zip(self.k, self.v):
-            k[row, ..., :moved_len] = k[len(self.seqs), ..., :moved_len]
+            if self.tiled:
+                k[row, :, :tiles] = k[len(self.seqs), :, :tiles]
+            else:
+                k[row, ..., :moved_len] = k[len(self.seqs), ..., :moved_len]
             v[row, :, :moved_len] = v[len(self.seqs), :, :moved_len]
         self.seqs[row] = last
         return last
@@ -92,12 +99,18 @@ class _Pack:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _keys(self, rows: int, kvh: int, d: int, length: int) -> torch.Tensor:
-        """Key rows, indexed [rows, KVH, D, length] whatever their storage.
+        """Key rows, indexed [rows, KVH, D, length] whatever their storage; tiled, [rows, KVH,
+        length / TILE, D, TILE] for the native kernel (decode_attention.c).
 
         Why float32 alone is stored transposed: its attention is two batched products that read
         keys along positions (attention._batched_decode_attention); in bfloat16 those are slower
         on CPU than SDPA over [length, D] keys (5.8-6.0 vs 4.4-5.0 ms for 4 layers, 64 x 266).
+        Why tiles for the kernel: a tile of TILE positions x D keys is then one contiguous run,
+        one stream to the prefetcher instead of D (decode attention of the 57M model, head dim
+        64: 22.0 -> 19.0 ms for 4 layers of 64 rows, benchmarks/RESULTS.md, fourth pass).
         """
+        if self.tiled:
+            return self._empty(rows, kvh, length // TILE, d, TILE)
         if self.dtype == torch.float32:
             return self._empty(rows, kvh, d, length)
         return self._empty(rows, kvh, length, d).transpose(-1, -2)
@@ -248,12 +261,15 @@ class DecodeRows:
         c = length_class(d.position + 1)
         if c not in self._packs:
             length = min(MIN_CLASS_LEN << c, max(self.max_len, d.position + 1))
+            if self.native is not None:  # why: the kernel's keys come in whole tiles
+                length = -(-length // TILE) * TILE
             self._packs[c] = _Pack(
                 self.num_layers,
                 (self.num_kv_heads, length, self.head_dim),
                 self.dtype,
                 self.device,
                 self._class_rows(c),
+                tiled=self.native is not None,
             )
         row = self._packs[c].add(d.seq_id, d.position)
         self._where[d.seq_id] = (c, row)

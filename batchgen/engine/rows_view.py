@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from batchgen.engine.decode_kv import DecodeGroup, Pool
 from batchgen.engine.decode_native import NativeStep
@@ -98,6 +99,14 @@ class RowsView:
                 continue
             k, v = step.k[layer], step.v[layer]
             for row, length, blocks in step.fills:
-                # [blocks, block_size, KVH, D] -> [length, KVH, D] -> keys [KVH, D, length], values [KVH, length, D]
-                k[row, ..., :length] = pool[0].index_select(0, blocks).flatten(0, 1)[:length].permute(1, 2, 0)
+                keys = pool[0].index_select(0, blocks).flatten(0, 1)  # [blocks * block_size, KVH, D]
+                if k.dim() == 5:  # the kernel's tiles [KVH, tiles, D, TILE] (decode_rows._Pack._keys)
+                    tile = k.shape[-1]
+                    tiles = -(-length // tile)
+                    # why zeros past `length`: whole tiles are written; those positions come later
+                    keys = F.pad(keys[:length], (0, 0, 0, 0, 0, tiles * tile - length))  # [tiles * TILE, KVH, D]
+                    k[row, :, :tiles] = keys.view(tiles, tile, *keys.shape[1:]).permute(2, 0, 3, 1)
+                else:  # [length, KVH, D] -> keys [KVH, D, length]
+                    k[row, ..., :length] = keys[:length].permute(1, 2, 0)
+                # values [KVH, length, D]
                 v[row, :, :length] = pool[1].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)

@@ -19,6 +19,7 @@ from batchgen.engine import native
 from batchgen.engine.decode_native import NativeClass, NativeStep, Scratch
 
 KVH = 2
+TILE = native.TILE
 
 
 def _kernels() -> native.NativeKernels:
@@ -30,6 +31,12 @@ def _kernels() -> native.NativeKernels:
 def test_the_kernel_builds_where_there_is_a_compiler() -> None:
     assert shutil.which("cc") or shutil.which("gcc"), "no C compiler on this machine: CI must have one"
     assert _kernels().path.is_file()
+
+
+def _positions(tiled: torch.Tensor) -> torch.Tensor:
+    """One row's keys [KVH, cap / TILE, D, TILE] -> [KVH, cap, D] (a copy)."""
+    kvh, tiles, d, tile = tiled.shape
+    return tiled.permute(0, 1, 3, 2).reshape(kvh, tiles * tile, d).clone()
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -50,18 +57,19 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
     classes = [([1, 15, 16, 17, 64], 64, 0), ([100, 37, 128], 128, 32)]
     parts, full_k, full_v = [], [], []
     for lengths, cap, shared in classes:
-        k = [torch.randn(len(lengths), KVH, d, cap, generator=gen) for _ in range(layers)]
+        # keys in the kernel's tiles: [rows, KVH, cap / TILE, D, TILE]
+        k = [torch.randn(len(lengths), KVH, cap // TILE, d, TILE, generator=gen) for _ in range(layers)]
         v = [torch.randn(len(lengths), KVH, cap, d, generator=gen) for _ in range(layers)]
-        for layer in range(layers):  # the shared prefix: the same K/V in every row of the class
-            k[layer][:, ..., :shared] = k[layer][:1, ..., :shared]
+        for layer in range(layers):  # the shared prefix (whole tiles here): the same K/V in every row
+            k[layer][:, :, : shared // TILE] = k[layer][:1, :, : shared // TILE]
             v[layer][:, :, :shared] = v[layer][:1, :, :shared]
         parts.append(NativeClass(k, v, len(lengths), shared))
         # what each row attends to: its own row, but a shared prefix as the class's first row holds it
-        full_k += [[t[r].clone() for t in k] for r in range(len(lengths))]  # [row][layer] [KVH, D, cap]
+        full_k += [[_positions(t[r]) for t in k] for r in range(len(lengths))]  # [row][layer] [KVH, cap, D]
         full_v += [[t[r].clone() for t in v] for r in range(len(lengths))]
         for layer in range(layers if shared else 0):  # why: shows the prefix's first tile is read from row 0
-            k[layer][1:, ..., :16] = torch.randn(len(lengths) - 1, KVH, d, 16, generator=gen)
-            v[layer][1:, :, :16] = torch.randn(len(lengths) - 1, KVH, 16, d, generator=gen)
+            k[layer][1:, :, 0] = torch.randn(len(lengths) - 1, KVH, d, TILE, generator=gen)
+            v[layer][1:, :, :TILE] = torch.randn(len(lengths) - 1, KVH, TILE, d, generator=gen)
     lengths = [n for ls, _, _ in classes for n in ls]
     n = len(lengths)
     step = NativeStep(_kernels(), parts, lengths, Scratch())
@@ -71,26 +79,25 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
         out = torch.full((n, KVH * g, d), float("nan"))
         step.attend(layer, q, new_k, new_v, out, d**-0.5, window)
         for i, length in enumerate(lengths):
-            full_k[i][layer][..., length - 1] = new_k[i]
+            full_k[i][layer][:, length - 1] = new_k[i]
             full_v[i][layer][:, length - 1] = new_v[i]
             start = max(0, length - window) if window else 0
-            keys = full_k[i][layer][..., :length].transpose(-1, -2)  # [KVH, L, D]
-            expected = _reference(q[i], keys, full_v[i][layer][:, :length], start)
+            expected = _reference(q[i], full_k[i][layer][:, :length], full_v[i][layer][:, :length], start)
             torch.testing.assert_close(out[i].double(), expected, atol=2e-5, rtol=2e-5)
     # the appended K/V are in the rows, at each row's last position, for the next steps to read
     rows = [(part, r) for part in parts for r in range(part.num_rows)]
     for i, (part, r) in enumerate(rows):
         for layer in range(layers):
-            k, v = part.k[layer][r], part.v[layer][r]
+            k, v = _positions(part.k[layer][r]), part.v[layer][r]
             if part.shared and r > 0:  # the stand-in values the kernel was never to read stay as they were
-                k, v = k[..., 16:], v[:, 16:]
-                full_k[i][layer], full_v[i][layer] = full_k[i][layer][..., 16:], full_v[i][layer][:, 16:]
+                k, v = k[:, TILE:], v[:, TILE:]
+                full_k[i][layer], full_v[i][layer] = full_k[i][layer][:, TILE:], full_v[i][layer][:, TILE:]
             assert torch.equal(k, full_k[i][layer]) and torch.equal(v, full_v[i][layer])
     assert step.calls == layers
 
 
 def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
-    k, v = [torch.zeros(1, 1, 300, 64)], [torch.zeros(1, 1, 64, 300)]
+    k, v = [torch.zeros(1, 1, 4, 300, TILE)], [torch.zeros(1, 1, 64, 300)]
     step = NativeStep(_kernels(), [NativeClass(k, v, 1, 0)], [3], Scratch())
     q = torch.zeros(1, 1, 300)
     with pytest.raises(RuntimeError, match="head dim 300"):
@@ -98,7 +105,7 @@ def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
 
 
 def test_a_decode_past_its_row_or_the_pool_is_refused_before_anything_is_written() -> None:
-    k, v = [torch.zeros(2, 1, 8, 64)], [torch.zeros(2, 1, 64, 8)]
+    k, v = [torch.zeros(2, 1, 64 // TILE, 8, TILE)], [torch.zeros(2, 1, 64, 8)]
     args = (torch.zeros(2, 1, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.zeros(2, 1, 8), 1.0, None)
     too_long = NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], [3, 65], Scratch())
     with pytest.raises(RuntimeError, match="longer than its row"):
@@ -109,7 +116,7 @@ def test_a_decode_past_its_row_or_the_pool_is_refused_before_anything_is_written
         fits.attend(0, *args, pool, torch.tensor([5, 16]))
     assert not k[0].any() and not v[0].any() and not pool[0].any()  # nothing was written
     fits.attend(0, *args, pool, torch.tensor([5, 15]))
-    assert pool[0].flatten(0, 1)[[5, 15]].eq(1).all() and k[0][1, 0, :, 63].eq(1).all()
+    assert pool[0].flatten(0, 1)[[5, 15]].eq(1).all() and _positions(k[0][1])[0, 63].eq(1).all()
 
 
 def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

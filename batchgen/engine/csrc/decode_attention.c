@@ -11,8 +11,9 @@
  *   q            [n, kvh * g, d]    the decodes' queries; query head h * g + j reads KV head h
  *   knew, vnew   [n, kvh, d]        this step's keys and values, stored at position len[i] - 1
  *   decode i's row is row[i] of length class cls[i], whose tensors for this layer start at
- *   kbase[c] (keys [rows, kvh, d, cap], transposed: each (head, dim) contiguous in position) and
- *   vbase[c] (values [rows, kvh, cap, d]), rows kstride[c] / vstride[c] floats apart
+ *   kbase[c] (keys [rows, kvh, cap / TILE, d, TILE]: tiles of TILE positions, each one (head, dim)
+ *   after another, so the TILE x d keys a score tile reads are one contiguous run) and vbase[c]
+ *   (values [rows, kvh, cap, d]), rows kstride[c] / vstride[c] floats apart; cap % TILE == 0
  *   shared[i]    positions that every row of decode i's class holds in the same cached blocks:
  *                read from the class's row 0, which every member reads, so it stays in cache
  *   out          [n, kvh * g, d]
@@ -31,15 +32,16 @@
 #define MAX_G 8
 #define MAX_D 256
 
-/* scores s[j * stride + l] = scale * q_j . K[:, l] for l in [l0, l0 + width), j < g */
-static inline __attribute__((always_inline)) void score_tile(const int64_t g, const int64_t d, const int64_t cap,
-                                                             const float *k, int64_t l0, int64_t width,
-                                                             float qs[MAX_G][MAX_D], float *s, int64_t stride) {
+/* scores s[j * stride + l] = scale * q_j . K[:, l] for l in [l0, l0 + width), j < g; l0 % TILE == 0 */
+static inline __attribute__((always_inline)) void score_tile(const int64_t g, const int64_t d, const float *k,
+                                                             int64_t l0, int64_t width, float qs[MAX_G][MAX_D],
+                                                             float *s, int64_t stride) {
   float acc[MAX_G][TILE];
   for (int64_t j = 0; j < g; j++)
     for (int64_t t = 0; t < TILE; t++) acc[j][t] = 0.f;
+  const float *tile = k + l0 * d; /* tile l0 / TILE starts l0 / TILE * d * TILE floats in */
   for (int64_t x = 0; x < d; x++) {
-    const float *kr = k + x * cap + l0;
+    const float *kr = tile + x * TILE;
     for (int64_t j = 0; j < g; j++) {
       const float qx = qs[j][x];
 #pragma omp simd
@@ -50,19 +52,18 @@ static inline __attribute__((always_inline)) void score_tile(const int64_t g, co
     for (int64_t t = 0; t < width; t++) s[j * stride + l0 + t] = acc[j][t];
 }
 
-static inline __attribute__((always_inline)) void attend(const int64_t g, const int64_t d, const int64_t cap,
-                                                         const int64_t start, const int64_t len, const int64_t shared,
-                                                         const float *q, const float *k, const float *v,
-                                                         const float *kp, const float *vp, float scale, float *out,
-                                                         float *s) {
+static inline __attribute__((always_inline)) void attend(const int64_t g, const int64_t d, const int64_t start,
+                                                         const int64_t len, const int64_t shared, const float *q,
+                                                         const float *k, const float *v, const float *kp,
+                                                         const float *vp, float scale, float *out, float *s) {
   const int64_t stride = (len + TILE - 1) / TILE * TILE;
   float qs[MAX_G][MAX_D];
   for (int64_t j = 0; j < g; j++)
     for (int64_t x = 0; x < d; x++) qs[j][x] = q[j * d + x] * scale;
   int64_t l0 = start / TILE * TILE;
   for (; l0 + TILE <= len; l0 += TILE) /* full tiles: a constant width, so the accumulators stay in registers */
-    score_tile(g, d, cap, l0 + TILE <= shared ? kp : k, l0, TILE, qs, s, stride);
-  if (l0 < len) score_tile(g, d, cap, k, l0, len - l0, qs, s, stride);
+    score_tile(g, d, l0 + TILE <= shared ? kp : k, l0, TILE, qs, s, stride);
+  if (l0 < len) score_tile(g, d, k, l0, len - l0, qs, s, stride);
   float inv[MAX_G];
   for (int64_t j = 0; j < g; j++) {
     float *sj = s + j * stride;
@@ -105,7 +106,7 @@ static inline __attribute__((always_inline)) void attend(const int64_t g, const 
 /* Specialised for common (g, d), so the accumulators live in registers; any other shape runs generic. */
 #define SHAPE(G, D)                                                                    \
   if (g == G && d == D) {                                                              \
-    attend(G, D, cap[i], start, len[i], shared[i], qi, k, v, kp, vp, scale, oi, s); \
+    attend(G, D, start, len[i], shared[i], qi, k, v, kp, vp, scale, oi, s); \
     continue;                                                                          \
   }
 
@@ -118,7 +119,7 @@ int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, 
                                   float *out, float *scratch, int64_t scratch_stride) {
   if (g < 1 || g > MAX_G || d < 1 || d > MAX_D) return -1;
   for (int64_t i = 0; i < n; i++) /* why: a length past its row would write outside it */
-    if (len[i] < 1 || len[i] > cap[i] || shared[i] < 0 || shared[i] > len[i] ||
+    if (len[i] < 1 || len[i] > cap[i] || cap[i] % TILE || shared[i] < 0 || shared[i] > len[i] ||
         (kpool && (slot[i] < 0 || slot[i] >= pool_slots)))
       return -2;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
@@ -131,7 +132,7 @@ int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, 
     const float *vp = shared[i] ? vr + h * c * d : v;
     const int64_t last = len[i] - 1;
     const float *kn = knew + (i * kvh + h) * d, *vn = vnew + (i * kvh + h) * d;
-    for (int64_t x = 0; x < d; x++) k[x * c + last] = kn[x];
+    for (int64_t x = 0; x < d; x++) k[(last - last % TILE) * d + x * TILE + last % TILE] = kn[x];
     memcpy(v + last * d, vn, d * sizeof(float));
     if (kpool) {
       memcpy(kpool + (slot[i] * kvh + h) * d, kn, d * sizeof(float));
@@ -143,7 +144,7 @@ int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, 
     float *s = scratch + omp_get_thread_num() * scratch_stride;
     SHAPE(1, 64) SHAPE(1, 128) SHAPE(2, 32) SHAPE(2, 64) SHAPE(2, 128) SHAPE(3, 64) SHAPE(3, 128)
     SHAPE(4, 32) SHAPE(4, 64) SHAPE(4, 128) SHAPE(6, 64) SHAPE(6, 128) SHAPE(8, 64) SHAPE(8, 128)
-    attend(g, d, c, start, len[i], shared[i], qi, k, v, kp, vp, scale, oi, s);
+    attend(g, d, start, len[i], shared[i], qi, k, v, kp, vp, scale, oi, s);
   }
   return 0;
 }

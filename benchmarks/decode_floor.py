@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from batchgen.engine import attention, decode_gather, model_runner
+from batchgen.engine.decode_native import NativeStep
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
 from batchgen.engine.rows_view import RowsView
@@ -161,6 +162,8 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         (attention, "gather_blocks", "attn_gather"),
         (decode_gather, "gather_blocks", "attn_gather"),
         (attention, "_attend_decodes", "attn_compute"),
+        (NativeStep, "attend", "attn_compute"),  # the native kernel: K/V stores, row appends and attention
+        (RowsView, "_fill", "attn_rows_update"),
         (attention, "cascade_decode_attention", "attn_compute"),
         (attention, "_attend_chunk", "attn_compute"),
         (Sampler, "sample_ids", "sampling"),

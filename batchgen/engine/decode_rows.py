@@ -9,8 +9,9 @@ copy of it, and a row that is out of step with its sequence is dropped and refil
 
 Rows come in length classes (class c holds contexts up to MIN_CLASS_LEN * 2**c tokens), one
 pack of tensors per class (keys indexed `[rows, kv_heads, head_dim, class length]`, stored so in
-float32, where attention reads them along positions; values `[rows, kv_heads, class length,
-head_dim]`), so a short sequence is padded only to its class, never to the longest sequence. A
+float32, where attention reads them along positions, or in tiles of positions where the native
+kernel attends; values `[rows, kv_heads, class length, head_dim]`), so a short sequence is padded
+only to its class, never to the longest sequence. A
 sequence that outgrows its class is refilled into the next one (a copy of its context, about
 twice over its whole life, instead of once per step). Within a class rows are packed 0..n-1; a
 freed row is taken by the last one. A step's decodes are packed by (class, row): decode j of

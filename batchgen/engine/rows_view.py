@@ -22,7 +22,8 @@ from batchgen.engine.decode_native import NativeStep
 class ClassStep:
     """One class's part of a step: its decodes are rows 0..n-1, in packed order."""
 
-    k: list[torch.Tensor]  # per layer, indexed [rows, KVH, D, class length] (see decode_rows._Pack._keys)
+    # per layer, indexed [rows, KVH, D, class length]; with the kernel, in its tiles (decode_rows._Pack._keys)
+    k: list[torch.Tensor]
     v: list[torch.Tensor]  # per layer [rows, KVH, class length, D]
     num_rows: int
     fills: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, length, blocks)

@@ -96,6 +96,28 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
     assert step.calls == layers
 
 
+def test_scores_far_below_the_maximum_and_nan_queries() -> None:
+    """The kernel's own exp: scores hundreds below their row's maximum weigh (almost) nothing, as in
+    float64, and a NaN query gives a NaN output (the engine's NaN check must still see it)."""
+    gen = torch.Generator().manual_seed(7)
+    d, length, cap = 32, 40, 48
+    k = [torch.randn(2, KVH, cap // TILE, d, TILE, generator=gen)]
+    v = [torch.randn(2, KVH, cap, d, generator=gen)]
+    full_k = [_positions(k[0][r]) for r in range(2)]
+    step = NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], [length, length], Scratch())
+    q = torch.randn(2, KVH * 2, d, generator=gen) * 60  # scores spread over thousands
+    q[1, 0, 0] = float("nan")
+    new_k, new_v = torch.randn(2, 2, KVH, d, generator=gen)
+    out = torch.zeros(2, KVH * 2, d)
+    step.attend(0, q, new_k, new_v, out, d**-0.5, None)
+    full_k[0][:, length - 1] = new_k[0]
+    reference_v = v[0][0, :, :length].clone()
+    reference_v[:, length - 1] = new_v[0]
+    expected = _reference(q[0], full_k[0][:, :length], reference_v, 0)
+    torch.testing.assert_close(out[0].double(), expected, atol=2e-5, rtol=2e-5)
+    assert out[1, 0].isnan().all() and not out[1, 2:].isnan().any()  # heads 2-3 read the other KV head
+
+
 def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
     k, v = [torch.zeros(1, 1, 4, 300, TILE)], [torch.zeros(1, 1, 64, 300)]
     step = NativeStep(_kernels(), [NativeClass(k, v, 1, 0)], [3], Scratch())

@@ -63,10 +63,9 @@ class NativeStep:
     ) -> None:
         """lengths: positions each decode attends to after this step's token (packed order)."""
         self.kernels = kernels
-        self.longest = max(lengths)
-        self.scratch = scratch
         self.calls = 0  # layers attended (for tests and the benchmark)
         n, num_classes, num_layers = len(lengths), len(classes), len(classes[0].k)
+        self.num_decodes = n
         # One int64 table for the whole step, which the kernel reads through addresses into it:
         # per decode its class, row, class length, length and shared prefix; per class the floats
         # between key rows and between value rows; per layer and class where the key and value
@@ -83,12 +82,22 @@ class NativeStep:
         self.table = torch.frombuffer(table, dtype=torch.int64)
         self.lengths = self.table[3 * n : 4 * n]  # [n]
         self.shared = self.table[4 * n : 5 * n]  # [n]
-        start, size = self.table.data_ptr(), self.table.element_size()
-        self._per_decode = [start + i * n * size for i in range(5)]  # class, row, cap, length, shared (the C order)
-        strides = start + 5 * n * size
-        self._strides = (strides, strides + num_classes * size)  # key rows, value rows
+        at, size = self.table.data_ptr(), self.table.element_size()
+        strides = at + 5 * n * size
         self._bases = strides + 2 * num_classes * size  # [key | value, layers, classes]
         self._layer_bytes, self._num_layers = num_classes * size, num_layers
+        # The kernel's arguments (native.DECODE_ARGS): what holds for the whole step is set here,
+        # each layer's call sets only its tensors' addresses and strides (see attend)
+        threads = native.threads()
+        longest = -(-max(lengths) // native.TILE) * native.TILE
+        self._args = array("q", bytes(8 * len(native.DECODE_ARGS)))
+        self._scratch, self._longest = scratch, longest
+        for name, value in (
+            ("n", n), ("threads", threads), ("kstride", strides), ("vstride", strides + num_classes * size),
+            *((name, at + i * n * size) for i, name in enumerate(("cls", "row", "cap", "len", "shared"))),
+        ):  # fmt: skip
+            self._args[native.ARG[name]] = value
+        self._args_at = self._args.buffer_info()[0]
 
     def attend(
         self,
@@ -102,40 +111,55 @@ class NativeStep:
         pool: tuple[torch.Tensor, torch.Tensor] | None = None,
         slots: torch.Tensor | None = None,
     ) -> None:
-        """Append key/value [n, KVH, D] to the rows, attend q [n, H, D] -> out [n, H, D] (all float32);
-        with `pool` (K, V [blocks, block_size, KVH, D], contiguous) and `slots` [n], store them there too."""
-        n, h, d = q.shape
-        kvh = key.shape[1]
+        """Append the decodes' key/value to the rows and attend their queries into out [n, H, D].
+
+        q [H, T, D], key/value [KVH, T, D] (any strides with D contiguous; the decodes are tokens
+        0..n-1 of the T), all float32, out contiguous; with `pool` (K, V [blocks, block_size, KVH,
+        D], contiguous) and `slots` [>= n] int64, the K/V are stored in those pool slots too.
+        """
+        n, args, arg = self.num_decodes, self._args, native.ARG
+        h, tokens, d = q.shape
+        kvh = key.shape[0]
         g = h // kvh
-        # why checked here: the kernel reads and writes through raw addresses, so a wrong shape or
-        # dtype would corrupt memory instead of raising
-        if key.shape != (n, kvh, d) or value.shape != key.shape or out.shape != q.shape or n != self.lengths.shape[0]:
+        # why checked here: the kernel reads and writes through raw addresses, so a wrong shape,
+        # stride or dtype would corrupt memory instead of raising
+        if (
+            key.shape != (kvh, tokens, d) or value.shape != key.shape or tokens < n
+            or out.shape[0] < n or out.shape[1:] != (h, d) or h % kvh
+        ):  # fmt: skip
             raise RuntimeError(
                 f"native decode attention: q {tuple(q.shape)}, key {tuple(key.shape)}, "
-                f"value {tuple(value.shape)}, out {tuple(out.shape)} for {self.lengths.shape[0]} decodes"
+                f"value {tuple(value.shape)}, out {tuple(out.shape)} for {n} decodes"
             )
-        if {t.dtype for t in (q, key, value, out)} != {torch.float32} or not out.is_contiguous():
+        if not (q.dtype == key.dtype == value.dtype == out.dtype == torch.float32) or not out.is_contiguous():
             raise RuntimeError("native decode attention needs float32 tensors and a contiguous output")
-        q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
-        threads = native.threads()
-        stride = g * -(-self.longest // native.TILE) * native.TILE  # scratch floats per thread
-        scratch = self.scratch.get(threads * stride)
+        if q.stride(2) != 1 or key.stride(2) != 1 or value.stride(2) != 1:
+            q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
+        scratch = self._scratch.get(args[arg["threads"]] * g * self._longest)
         k_bases = self._bases + layer * self._layer_bytes
-        v_bases = k_bases + self._num_layers * self._layer_bytes
-        stores = [0, 0, 0, 0]
+        for name, val in (
+            ("kvh", kvh), ("g", g), ("d", d), ("q", q.data_ptr()), ("q_head", q.stride(0)),
+            ("q_token", q.stride(1)), ("knew", key.data_ptr()), ("k_head", key.stride(0)),
+            ("k_token", key.stride(1)), ("vnew", value.data_ptr()), ("v_head", value.stride(0)),
+            ("v_token", value.stride(1)), ("kbase", k_bases),
+            ("vbase", k_bases + self._num_layers * self._layer_bytes), ("window", window or 0),
+            ("out", out.data_ptr()), ("scratch", scratch.data_ptr()), ("scratch_stride", g * self._longest),
+        ):  # fmt: skip
+            args[arg[name]] = val
         if pool is not None and slots is not None:
             if not (pool[0].is_contiguous() and pool[1].is_contiguous() and pool[0].shape[2:] == (kvh, d)):
                 raise RuntimeError(f"native decode attention: a pool of {tuple(pool[0].shape)} for {kvh} x {d} K/V")
-            stores = [pool[0].data_ptr(), pool[1].data_ptr(), slots.data_ptr(), pool[0].shape[0] * pool[0].shape[1]]
+            if slots.dtype != torch.int64 or slots.shape[0] < n or not slots.is_contiguous():
+                raise RuntimeError(f"native decode attention: slots {slots.dtype} {tuple(slots.shape)} for {n} decodes")
+            args[arg["kpool"]], args[arg["vpool"]] = pool[0].data_ptr(), pool[1].data_ptr()
+            args[arg["slot"]], args[arg["pool_slots"]] = slots.data_ptr(), pool[0].shape[0] * pool[0].shape[1]
+        else:
+            args[arg["kpool"]] = args[arg["vpool"]] = args[arg["slot"]] = args[arg["pool_slots"]] = 0
         # why named for the profiler: a ctypes call is invisible to profiles otherwise (only while one
         # runs: a record_function costs ~5 us even when none does)
         named = torch._C._autograd._profiler_enabled()
         with torch.profiler.record_function(PROFILE_NAME) if named else nullcontext():
-            status = self.kernels.decode_attention(
-                n, kvh, g, d, threads, q.data_ptr(), key.data_ptr(), value.data_ptr(), k_bases, v_bases,
-                *self._strides, *self._per_decode, *stores, window or 0, scale, out.data_ptr(), scratch.data_ptr(),
-                stride,
-            )  # fmt: skip
+            status = self.kernels.decode_attention(self._args_at, scale)
         self.calls += 1
         if status == -1:
             raise RuntimeError(f"native decode attention refused {g} query heads per KV head, head dim {d}")

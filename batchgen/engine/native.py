@@ -41,6 +41,15 @@ LINK_FLAGS = ["-lm"]
 TILE = 16  # positions per score tile (TILE in the source): the scratch rows are padded to it
 MAX_G, MAX_D = 8, 256  # query heads per KV head, head dim: the source's limits
 
+# batchgen_decode_attention's arguments, in the order of the source's A_* indices (one int64 array)
+DECODE_ARGS = (
+    "n", "kvh", "g", "d", "threads", "q", "q_head", "q_token",
+    "knew", "k_head", "k_token", "vnew", "v_head", "v_token",
+    "kbase", "vbase", "kstride", "vstride", "cls", "row", "cap", "len", "shared",
+    "kpool", "vpool", "slot", "pool_slots", "window", "out", "scratch", "scratch_stride",
+)  # fmt: skip
+ARG = {name: i for i, name in enumerate(DECODE_ARGS)}
+
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -53,11 +62,13 @@ class NativeKernels:
     lib: ctypes.CDLL
 
     def __post_init__(self) -> None:
+        count = self.lib.batchgen_decode_attention_args
+        count.restype = _I64
+        if count() != len(DECODE_ARGS):  # why: a source and this module out of step would misread memory
+            raise RuntimeError(f"{self.path} takes {count()} arguments, this module names {len(DECODE_ARGS)}")
         fn = self.lib.batchgen_decode_attention
         fn.restype = _I64
-        fn.argtypes = (
-            [_I64] * 5 + [_PTR] * 3 + [_PTR] * 9 + [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float, _PTR, _PTR, _I64]
-        )
+        fn.argtypes = [_PTR, ctypes.c_float]
         self.decode_attention = fn
 
 

@@ -79,10 +79,7 @@ class RowsView:
         if self.native is None:
             return False
         self._fill(layer, pool)
-        n = self.native.lengths.shape[0]
-        qd, kd, vd = (t.transpose(0, 1)[:n] for t in (q, key, value))  # [n, H | KVH, D]
-        stores = None if slots is None else slots[:n]
-        self.native.attend(layer, qd, kd, vd, out[:n], scale, window, pool if stores is not None else None, stores)
+        self.native.attend(layer, q, key, value, out, scale, window, pool if slots is not None else None, slots)
         return True
 
     @property

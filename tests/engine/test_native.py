@@ -77,7 +77,8 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
         q = torch.randn(n, KVH * g, d, generator=gen)
         new_k, new_v = torch.randn(2, n, KVH, d, generator=gen)
         out = torch.full((n, KVH * g, d), float("nan"))
-        step.attend(layer, q, new_k, new_v, out, d**-0.5, window)
+        # as the attention op hands them over: [heads, tokens, D] views, here of [tokens, heads, D]
+        step.attend(layer, q.transpose(0, 1), new_k.transpose(0, 1), new_v.transpose(0, 1), out, d**-0.5, window)
         for i, length in enumerate(lengths):
             full_k[i][layer][:, length - 1] = new_k[i]
             full_v[i][layer][:, length - 1] = new_v[i]
@@ -109,7 +110,7 @@ def test_scores_far_below_the_maximum_and_nan_queries() -> None:
     q[1, 0, 0] = float("nan")
     new_k, new_v = torch.randn(2, 2, KVH, d, generator=gen)
     out = torch.zeros(2, KVH * 2, d)
-    step.attend(0, q, new_k, new_v, out, d**-0.5, None)
+    step.attend(0, q.transpose(0, 1), new_k.transpose(0, 1), new_v.transpose(0, 1), out, d**-0.5, None)
     full_k[0][:, length - 1] = new_k[0]
     reference_v = v[0][0, :, :length].clone()
     reference_v[:, length - 1] = new_v[0]
@@ -128,7 +129,7 @@ def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
 
 def test_a_decode_past_its_row_or_the_pool_is_refused_before_anything_is_written() -> None:
     k, v = [torch.zeros(2, 1, 64 // TILE, 8, TILE)], [torch.zeros(2, 1, 64, 8)]
-    args = (torch.zeros(2, 1, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.zeros(2, 1, 8), 1.0, None)
+    args = (torch.zeros(1, 2, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8), torch.zeros(2, 1, 8), 1.0, None)
     too_long = NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], [3, 65], Scratch())
     with pytest.raises(RuntimeError, match="longer than its row"):
         too_long.attend(0, *args)
@@ -167,3 +168,13 @@ def test_no_compiler_or_switched_off_means_torch_ops(
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native._load() is None
     assert f"{native.DISABLE_ENV}=0" in caplog.text
+
+
+def test_a_library_out_of_step_with_the_argument_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel reads its arguments from one array by index: a build whose count differs from
+    native.DECODE_ARGS (a stale source, an edited list) must not load."""
+    loaded = _kernels()
+    monkeypatch.setattr(native, "DECODE_ARGS", native.DECODE_ARGS[:-1])
+    names = len(native.ARG)
+    with pytest.raises(RuntimeError, match=f"takes {names} arguments, this module names {names - 1}"):
+        native.NativeKernels(loaded.path, loaded.lib)

@@ -8,8 +8,10 @@
  * See batchgen/engine/native.py (build, load, call) and decode_rows.py (the row layout).
  *
  * Layout (float32, all contiguous unless said):
- *   q            [n, kvh * g, d]    the decodes' queries; query head h * g + j reads KV head h
- *   knew, vnew   [n, kvh, d]        this step's keys and values, stored at position len[i] - 1
+ *   q            [kvh * g, tokens, d] the decodes' queries (strided, d contiguous; the decodes are
+ *                                   tokens 0..n-1); query head h * g + j reads KV head h
+ *   knew, vnew   [kvh, tokens, d]   this step's keys and values (strided the same way), stored at
+ *                                   position len[i] - 1
  *   decode i's row is row[i] of length class cls[i], whose tensors for this layer start at
  *   kbase[c] (keys [rows, kvh, cap / TILE, d, TILE]: tiles of TILE positions, each one (head, dim)
  *   after another, so the TILE x d keys a score tile reads are one contiguous run) and vbase[c]
@@ -93,12 +95,12 @@ static inline float exp_nonpositive(float x) {
 
 static inline __attribute__((always_inline)) void attend(const int64_t g, const int64_t d, const int64_t start,
                                                          const int64_t len, const int64_t shared, const float *q,
-                                                         const float *k, const float *v, const float *kp,
+                                                         const int64_t qh, const float *k, const float *v, const float *kp,
                                                          const float *vp, float scale, float *out, float *s) {
   const int64_t stride = (len + TILE - 1) / TILE * TILE;
   float qs[MAX_G][MAX_D];
   for (int64_t j = 0; j < g; j++)
-    for (int64_t x = 0; x < d; x++) qs[j][x] = q[j * d + x] * scale;
+    for (int64_t x = 0; x < d; x++) qs[j][x] = q[j * qh + x] * scale;
   const int64_t nt = SCORE_TILES(g);
   const float *kt[MAX_NT];
   int64_t l0 = start / TILE * TILE;
@@ -155,19 +157,42 @@ static inline __attribute__((always_inline)) void attend(const int64_t g, const 
 }
 
 /* Specialised for common (g, d), so the accumulators live in registers; any other shape runs generic. */
-#define SHAPE(G, D)                                                                    \
-  if (g == G && d == D) {                                                              \
-    attend(G, D, start, len[i], shared[i], qi, k, v, kp, vp, scale, oi, s); \
-    continue;                                                                          \
+#define SHAPE(G, D)                                                                   \
+  if (g == G && d == D) {                                                             \
+    attend(G, D, start, len[i], shared[i], qi, qh, k, v, kp, vp, scale, oi, s);      \
+    continue;                                                                         \
   }
 
-int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, int64_t threads, const float *q,
-                                  const float *knew, const float *vnew, const int64_t *kbase, const int64_t *vbase,
-                                  const int64_t *kstride, const int64_t *vstride, const int64_t *cls,
-                                  const int64_t *row, const int64_t *cap, const int64_t *len, const int64_t *shared,
-                                  float *kpool, float *vpool, const int64_t *slot, int64_t pool_slots,
-                                  int64_t window, float scale,
-                                  float *out, float *scratch, int64_t scratch_stride) {
+/* The call's arguments, all int64 (counts, strides in floats, and addresses), at these indices of
+ * one array. Why one array: the caller fills it once per step and changes only a layer's tensor
+ * addresses between layers; a ctypes call converting 27 arguments cost more than the rest of
+ * the Python around it. q, knew and vnew are read through their strides (the model's [heads,
+ * tokens, d] views, d contiguous), so no copy is made; the first n tokens are the decodes. */
+enum {
+  A_N, A_KVH, A_G, A_D, A_THREADS,
+  A_Q, A_Q_HEAD, A_Q_TOKEN,              /* q: decode i's query head j at q + i * q_token + j * q_head */
+  A_KNEW, A_K_HEAD, A_K_TOKEN, A_VNEW, A_V_HEAD, A_V_TOKEN, /* this step's K/V, strided like q */
+  A_KBASE, A_VBASE, A_KSTRIDE, A_VSTRIDE, A_CLS, A_ROW, A_CAP, A_LEN, A_SHARED, /* int64 arrays */
+  A_KPOOL, A_VPOOL, A_SLOT, A_POOL_SLOTS,
+  A_WINDOW, A_OUT, A_SCRATCH, A_SCRATCH_STRIDE,
+  A_COUNT
+};
+
+int64_t batchgen_decode_attention_args(void) { return A_COUNT; } /* the caller checks its array's length */
+
+int64_t batchgen_decode_attention(const int64_t *a, float scale) {
+  const int64_t n = a[A_N], kvh = a[A_KVH], g = a[A_G], d = a[A_D], threads = a[A_THREADS];
+  const float *q = (const float *)a[A_Q], *knew = (const float *)a[A_KNEW], *vnew = (const float *)a[A_VNEW];
+  const int64_t qh = a[A_Q_HEAD], qt = a[A_Q_TOKEN];
+  const int64_t khs = a[A_K_HEAD], kts = a[A_K_TOKEN], vhs = a[A_V_HEAD], vts = a[A_V_TOKEN];
+  const int64_t *kbase = (const int64_t *)a[A_KBASE], *vbase = (const int64_t *)a[A_VBASE];
+  const int64_t *kstride = (const int64_t *)a[A_KSTRIDE], *vstride = (const int64_t *)a[A_VSTRIDE];
+  const int64_t *cls = (const int64_t *)a[A_CLS], *row = (const int64_t *)a[A_ROW], *cap = (const int64_t *)a[A_CAP];
+  const int64_t *len = (const int64_t *)a[A_LEN], *shared = (const int64_t *)a[A_SHARED];
+  float *kpool = (float *)a[A_KPOOL], *vpool = (float *)a[A_VPOOL];
+  const int64_t *slot = (const int64_t *)a[A_SLOT];
+  const int64_t pool_slots = a[A_POOL_SLOTS], window = a[A_WINDOW], scratch_stride = a[A_SCRATCH_STRIDE];
+  float *out = (float *)a[A_OUT], *scratch = (float *)a[A_SCRATCH];
   if (g < 1 || g > MAX_G || d < 1 || d > MAX_D) return -1;
   for (int64_t i = 0; i < n; i++) /* why: a length past its row would write outside it */
     if (len[i] < 1 || len[i] > cap[i] || cap[i] % TILE || shared[i] < 0 || shared[i] > len[i] ||
@@ -182,7 +207,7 @@ int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, 
     const float *kp = shared[i] ? kr + h * d * c : k;
     const float *vp = shared[i] ? vr + h * c * d : v;
     const int64_t last = len[i] - 1;
-    const float *kn = knew + (i * kvh + h) * d, *vn = vnew + (i * kvh + h) * d;
+    const float *kn = knew + i * kts + h * khs, *vn = vnew + i * vts + h * vhs;
     for (int64_t x = 0; x < d; x++) k[(last - last % TILE) * d + x * TILE + last % TILE] = kn[x];
     memcpy(v + last * d, vn, d * sizeof(float));
     if (kpool) {
@@ -190,12 +215,12 @@ int64_t batchgen_decode_attention(int64_t n, int64_t kvh, int64_t g, int64_t d, 
       memcpy(vpool + (slot[i] * kvh + h) * d, vn, d * sizeof(float));
     }
     const int64_t start = window > 0 && len[i] > window ? len[i] - window : 0;
-    const float *qi = q + (i * kvh + h) * g * d;
+    const float *qi = q + i * qt + h * g * qh;
     float *oi = out + (i * kvh + h) * g * d;
     float *s = scratch + omp_get_thread_num() * scratch_stride;
     SHAPE(1, 64) SHAPE(1, 128) SHAPE(2, 32) SHAPE(2, 64) SHAPE(2, 128) SHAPE(3, 64) SHAPE(3, 128)
     SHAPE(4, 32) SHAPE(4, 64) SHAPE(4, 128) SHAPE(6, 64) SHAPE(6, 128) SHAPE(8, 64) SHAPE(8, 128)
-    attend(g, d, start, len[i], shared[i], qi, k, v, kp, vp, scale, oi, s);
+    attend(g, d, start, len[i], shared[i], qi, qh, k, v, kp, vp, scale, oi, s);
   }
   return 0;
 }

@@ -55,6 +55,10 @@ class Scratch:
         return self.buffer
 
 
+_MODEL_AT, _LAYER_AT = native.ARG["kvh"], native.ARG["q"]  # where the kernel's shape and per-layer arguments start
+_LAYER_ARGS = len(native.DECODE_ARGS) - _LAYER_AT
+
+
 class NativeStep:
     """Every decode's row, length and shared prefix, and each layer's class tensors, for one step."""
 
@@ -64,7 +68,11 @@ class NativeStep:
         """lengths: positions each decode attends to after this step's token (packed order)."""
         self.kernels = kernels
         self.calls = 0  # layers attended (for tests and the benchmark)
+        self._kvh, self._d = _row_shape(classes)
         n, num_classes, num_layers = len(lengths), len(classes), len(classes[0].k)
+        rows = sum(part.num_rows for part in classes)
+        if len(lengths) != rows:
+            raise RuntimeError(f"native decode attention: {len(lengths)} lengths for {rows} rows")
         self.num_decodes = n
         # One int64 table for the whole step, which the kernel reads through addresses into it:
         # per decode its class, row, class length, length and shared prefix; per class the floats
@@ -80,24 +88,20 @@ class NativeStep:
         table.extend([p.k[layer].data_ptr() for layer in range(num_layers) for p in classes])
         table.extend([p.v[layer].data_ptr() for layer in range(num_layers) for p in classes])
         self.table = torch.frombuffer(table, dtype=torch.int64)
-        self.lengths = self.table[3 * n : 4 * n]  # [n]
         self.shared = self.table[4 * n : 5 * n]  # [n]
         at, size = self.table.data_ptr(), self.table.element_size()
         strides = at + 5 * n * size
         self._bases = strides + 2 * num_classes * size  # [key | value, layers, classes]
         self._layer_bytes, self._num_layers = num_classes * size, num_layers
-        # The kernel's arguments (native.DECODE_ARGS): what holds for the whole step is set here,
-        # each layer's call sets only its tensors' addresses and strides (see attend)
-        threads = native.threads()
-        longest = -(-max(lengths) // native.TILE) * native.TILE
+        # The kernel's arguments (native.DECODE_ARGS), in three parts: what holds for the step is
+        # set here, the model's shapes on the first call, each layer's tensors on every call
         self._args = array("q", bytes(8 * len(native.DECODE_ARGS)))
-        self._scratch, self._longest = scratch, longest
-        for name, value in (
-            ("n", n), ("threads", threads), ("kstride", strides), ("vstride", strides + num_classes * size),
-            *((name, at + i * n * size) for i, name in enumerate(("cls", "row", "cap", "len", "shared"))),
-        ):  # fmt: skip
-            self._args[native.ARG[name]] = value
+        self._args[:_MODEL_AT] = array(
+            "q", [n, native.threads(), strides, strides + num_classes * size, *(at + i * n * size for i in range(5))]
+        )
         self._args_at = self._args.buffer_info()[0]
+        self._longest = -(-max(lengths) // native.TILE) * native.TILE
+        self._scratch, self._heads = scratch, 0
 
     def attend(
         self,
@@ -111,50 +115,49 @@ class NativeStep:
         pool: tuple[torch.Tensor, torch.Tensor] | None = None,
         slots: torch.Tensor | None = None,
     ) -> None:
-        """Append the decodes' key/value to the rows and attend their queries into out [n, H, D].
+        """Append the decodes' key/value to the rows and attend their queries into out's first n rows.
 
         q [H, T, D], key/value [KVH, T, D] (any strides with D contiguous; the decodes are tokens
-        0..n-1 of the T), all float32, out contiguous; with `pool` (K, V [blocks, block_size, KVH,
-        D], contiguous) and `slots` [>= n] int64, the K/V are stored in those pool slots too.
+        0..n-1 of the T), out [>= n, H, D] contiguous, all float32 on the CPU; with `pool` (K, V
+        [blocks, block_size, KVH, D], contiguous) and `slots` [>= n] int64, the K/V are stored in
+        those pool slots too.
         """
-        n, args, arg = self.num_decodes, self._args, native.ARG
-        h, tokens, d = q.shape
-        kvh = key.shape[0]
-        g = h // kvh
+        n, kvh, d = self.num_decodes, self._kvh, self._d
+        h, tokens = q.shape[0], q.shape[1]
         # why checked here: the kernel reads and writes through raw addresses, so a wrong shape,
-        # stride or dtype would corrupt memory instead of raising
+        # stride, dtype or device would corrupt memory instead of raising
         if (
-            key.shape != (kvh, tokens, d) or value.shape != key.shape or tokens < n
-            or out.shape[0] < n or out.shape[1:] != (h, d) or h % kvh
+            q.dim() != 3 or q.shape[2] != d or h % kvh or key.shape != (kvh, tokens, d) or value.shape != key.shape
+            or tokens < n or out.shape[0] < n or out.shape[1:] != (h, d)
         ):  # fmt: skip
             raise RuntimeError(
-                f"native decode attention: q {tuple(q.shape)}, key {tuple(key.shape)}, "
-                f"value {tuple(value.shape)}, out {tuple(out.shape)} for {n} decodes"
+                f"native decode attention: q {tuple(q.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}, "
+                f"out {tuple(out.shape)} for {n} decodes over rows of {kvh} KV heads x {d}"
             )
         if not (q.dtype == key.dtype == value.dtype == out.dtype == torch.float32) or not out.is_contiguous():
             raise RuntimeError("native decode attention needs float32 tensors and a contiguous output")
+        if not (q.is_cpu and key.is_cpu and value.is_cpu and out.is_cpu):
+            raise RuntimeError(f"native decode attention runs on the CPU, got q on {q.device}")
         if q.stride(2) != 1 or key.stride(2) != 1 or value.stride(2) != 1:
             q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
-        scratch = self._scratch.get(args[arg["threads"]] * g * self._longest)
+        if h != self._heads:  # the step's first call: the model's shapes and the scratch they need
+            g = h // kvh
+            scratch = self._scratch.get(self._args[native.ARG["threads"]] * g * self._longest)
+            self._args[_MODEL_AT:_LAYER_AT] = array("q", [kvh, g, d, scratch.data_ptr(), g * self._longest])
+            self._heads = h
         k_bases = self._bases + layer * self._layer_bytes
-        for name, val in (
-            ("kvh", kvh), ("g", g), ("d", d), ("q", q.data_ptr()), ("q_head", q.stride(0)),
-            ("q_token", q.stride(1)), ("knew", key.data_ptr()), ("k_head", key.stride(0)),
-            ("k_token", key.stride(1)), ("vnew", value.data_ptr()), ("v_head", value.stride(0)),
-            ("v_token", value.stride(1)), ("kbase", k_bases),
-            ("vbase", k_bases + self._num_layers * self._layer_bytes), ("window", window or 0),
-            ("out", out.data_ptr()), ("scratch", scratch.data_ptr()), ("scratch_stride", g * self._longest),
-        ):  # fmt: skip
-            args[arg[name]] = val
-        if pool is not None and slots is not None:
-            if not (pool[0].is_contiguous() and pool[1].is_contiguous() and pool[0].shape[2:] == (kvh, d)):
-                raise RuntimeError(f"native decode attention: a pool of {tuple(pool[0].shape)} for {kvh} x {d} K/V")
-            if slots.dtype != torch.int64 or slots.shape[0] < n or not slots.is_contiguous():
-                raise RuntimeError(f"native decode attention: slots {slots.dtype} {tuple(slots.shape)} for {n} decodes")
-            args[arg["kpool"]], args[arg["vpool"]] = pool[0].data_ptr(), pool[1].data_ptr()
-            args[arg["slot"]], args[arg["pool_slots"]] = slots.data_ptr(), pool[0].shape[0] * pool[0].shape[1]
-        else:
-            args[arg["kpool"]] = args[arg["vpool"]] = args[arg["slot"]] = args[arg["pool_slots"]] = 0
+        stores = _pool_stores(pool, slots, n, kvh, d)
+        per_layer = array(
+            "q",
+            [
+                q.data_ptr(), *q.stride()[:2], key.data_ptr(), *key.stride()[:2], value.data_ptr(),
+                *value.stride()[:2], k_bases, k_bases + self._num_layers * self._layer_bytes, window or 0,
+                out.data_ptr(), *stores,
+            ],
+        )  # fmt: skip
+        if len(per_layer) != _LAYER_ARGS:  # why: a slice assignment of another length would move the array
+            raise RuntimeError(f"native decode attention: {len(per_layer)} per-layer arguments, not {_LAYER_ARGS}")
+        self._args[_LAYER_AT:] = per_layer
         # why named for the profiler: a ctypes call is invisible to profiles otherwise (only while one
         # runs: a record_function costs ~5 us even when none does)
         named = torch._C._autograd._profiler_enabled()
@@ -162,11 +165,62 @@ class NativeStep:
             status = self.kernels.decode_attention(self._args_at, scale)
         self.calls += 1
         if status == -1:
-            raise RuntimeError(f"native decode attention refused {g} query heads per KV head, head dim {d}")
+            raise RuntimeError(f"native decode attention refused {h // kvh} query heads per KV head, head dim {d}")
         if status != 0:
             raise RuntimeError(
                 "native decode attention refused a decode longer than its row, or a slot outside the pool"
             )
+
+
+def _row_shape(classes: Sequence[NativeClass]) -> tuple[int, int]:
+    """(KVH, D) of the classes' rows, once every layer's tensors are what the kernel addresses:
+    float32 on the CPU, keys [rows, KVH, cap / TILE, D, TILE] and values [rows, KVH, cap, D], each
+    row contiguous, the same shape and strides in every layer, at least num_rows rows."""
+    shapes = set()
+    for part in classes:
+        k0, v0 = part.k[0], part.v[0]
+        if k0.dim() != 5 or v0.dim() != 4:
+            raise RuntimeError(f"native decode attention: rows of {tuple(k0.shape)} and {tuple(v0.shape)}")
+        rows, kvh, tiles, d, tile = k0.shape
+        cap = tiles * tile
+        row_k, row_v = (tiles * d * tile, d * tile, tile, 1), (cap * d, d, 1)
+        if not (
+            tile == native.TILE and v0.shape == (rows, kvh, cap, d) and part.num_rows <= rows
+            and k0.stride()[1:] == row_k and v0.stride()[1:] == row_v
+            and all(t.shape == k0.shape and t.stride() == k0.stride() and t.dtype == torch.float32 and t.is_cpu
+                    for t in part.k)
+            and all(t.shape == v0.shape and t.stride() == v0.stride() and t.dtype == torch.float32 and t.is_cpu
+                    for t in part.v)
+        ):  # fmt: skip
+            raise RuntimeError(
+                f"native decode attention: a class of {part.num_rows} rows, keys {tuple(k0.shape)} "
+                f"{k0.stride()}, values {tuple(v0.shape)} {v0.stride()}"
+            )
+        shapes.add((kvh, d))
+    if len(shapes) != 1:
+        raise RuntimeError(f"native decode attention: classes of different row shapes {sorted(shapes)}")
+    return shapes.pop()
+
+
+def _pool_stores(
+    pool: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor | None, n: int, kvh: int, d: int
+) -> tuple[int, int, int, int]:
+    """The kernel's pool arguments (key pool, value pool, slots, pool slots); zeros: no store."""
+    if pool is None or slots is None:
+        return (0, 0, 0, 0)
+    k, v = pool
+    if not (
+        k.dim() == 4 and k.shape[2:] == (kvh, d) and v.shape == k.shape and k.dtype == v.dtype == torch.float32
+        and k.is_contiguous() and v.is_contiguous() and k.is_cpu and v.is_cpu
+    ):  # fmt: skip
+        raise RuntimeError(
+            f"native decode attention: a pool of {tuple(k.shape)} / {tuple(v.shape)} for {kvh} x {d} K/V"
+        )
+    if not (slots.dim() == 1 and slots.shape[0] >= n and slots.dtype == torch.int64 and slots.is_contiguous()):
+        raise RuntimeError(f"native decode attention: slots {slots.dtype} {tuple(slots.shape)} for {n} decodes")
+    if not slots.is_cpu:
+        raise RuntimeError(f"native decode attention: slots on {slots.device}")
+    return (k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0] * k.shape[1])
 
 
 def kernels_for(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:

@@ -35,18 +35,21 @@ CACHE_ENV = "BATCHGEN_CACHE_DIR"
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 # tried in order: the CPU's own vector units first. Why the vector width: gcc's default on
 # AVX-512 CPUs is 256-bit vectors; 512 made the kernel 12-30% faster where it is compute-bound
-# (a shared prefix read from cache), and a compiler or CPU without it takes the next set
+# (a shared prefix read from cache). x86 compilers take the flag for any CPU (without AVX-512 it
+# changes nothing); others reject it and take the next set (a failed build is not cached, so
+# such a machine retries that fast-failing compile once per process)
 ARCH_FLAGS = [["-march=native", "-mprefer-vector-width=512"], ["-march=native"], ["-mcpu=native"], []]
 LINK_FLAGS = ["-lm"]
 TILE = 16  # positions per score tile (TILE in the source): the scratch rows are padded to it
 MAX_G, MAX_D = 8, 256  # query heads per KV head, head dim: the source's limits
 
-# batchgen_decode_attention's arguments, in the order of the source's A_* indices (one int64 array)
+# batchgen_decode_attention's arguments, in the order of the source's A_* indices (one int64 array):
+# those that hold for a step, those of the model's shapes (its first call), those of each layer
 DECODE_ARGS = (
-    "n", "kvh", "g", "d", "threads", "q", "q_head", "q_token",
-    "knew", "k_head", "k_token", "vnew", "v_head", "v_token",
-    "kbase", "vbase", "kstride", "vstride", "cls", "row", "cap", "len", "shared",
-    "kpool", "vpool", "slot", "pool_slots", "window", "out", "scratch", "scratch_stride",
+    "n", "threads", "kstride", "vstride", "cls", "row", "cap", "len", "shared",
+    "kvh", "g", "d", "scratch", "scratch_stride",
+    "q", "q_head", "q_token", "knew", "k_head", "k_token", "vnew", "v_head", "v_token",
+    "kbase", "vbase", "window", "out", "kpool", "vpool", "slot", "pool_slots",
 )  # fmt: skip
 ARG = {name: i for i, name in enumerate(DECODE_ARGS)}
 
@@ -70,6 +73,10 @@ class NativeKernels:
         fn.restype = _I64
         fn.argtypes = [_PTR, ctypes.c_float]
         self.decode_attention = fn
+        exp = self.lib.batchgen_exp_nonpositive  # the kernel's softmax exp, for the tests
+        exp.restype = None
+        exp.argtypes = [_I64, _PTR, _PTR]
+        self.exp_nonpositive = exp
 
 
 _LOADED: list[NativeKernels | None] = []  # once per process
@@ -93,7 +100,8 @@ def _load() -> NativeKernels | None:
     try:
         path = _build(compiler)
         return NativeKernels(path, ctypes.CDLL(str(path)))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+    # AttributeError: a library without one of the symbols native kernels need
+    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError) as exc:
         logger.warning("native CPU kernels unavailable (%s): decode attention runs on torch ops", exc)
         return None
 

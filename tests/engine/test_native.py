@@ -9,6 +9,7 @@ its build: cached by content, refused cleanly without a compiler or when switche
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -117,6 +118,71 @@ def test_scores_far_below_the_maximum_and_nan_queries() -> None:
     expected = _reference(q[0], full_k[0][:, :length], reference_v, 0)
     torch.testing.assert_close(out[0].double(), expected, atol=2e-5, rtol=2e-5)
     assert out[1, 0].isnan().all() and not out[1, 2:].isnan().any()  # heads 2-3 read the other KV head
+
+
+def test_the_kernels_exp_is_within_an_ulp_of_e_to_the_x() -> None:
+    """Every 97th float32 in [-87, 0] against float64 exp, rounded; 0 below -87 and for -inf, NaN kept."""
+    x = torch.arange(0, 2**31, 97, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = x[(x <= 0) & (x >= -87)]  # the non-positive floats in range (sign bit set: int32 < 0)
+    x = torch.cat([-x.abs(), torch.tensor([0.0, -1e-30, -87.0])])
+    y = torch.empty_like(x)
+    _kernels().exp_nonpositive(x.numel(), x.data_ptr(), y.data_ptr())
+    exact = x.double().exp()
+    ulp = (exact.float().nextafter(torch.tensor(float("inf"))) - exact.float()).double()
+    assert ((y.double() - exact).abs() / ulp).max() <= 1.0
+    edge = torch.tensor([-87.5, -100.0, -1e30, float("-inf"), float("nan")])
+    out = torch.empty_like(edge)
+    _kernels().exp_nonpositive(edge.numel(), edge.data_ptr(), out.data_ptr())
+    assert out[:4].eq(0).all() and out[4].isnan()
+
+
+def test_a_row_whose_scores_are_all_minus_infinity_gives_nan() -> None:
+    """As torch's softmax does (0 / 0): a diverged query must reach the engine's NaN check."""
+    d = 16
+    k = [torch.full((1, 1, 1, d, TILE), -1e30)]
+    v = [torch.randn(1, 1, TILE, d)]
+    step = NativeStep(_kernels(), [NativeClass(k, v, 1, 0)], [5], Scratch())
+    q = torch.full((1, 1, d), 1e30)  # every score -inf
+    new = torch.full((1, 1, d), -1e30)
+    out = torch.zeros(1, 1, d)
+    step.attend(0, q, new, torch.randn(1, 1, d), out, 1.0, None)
+    assert out.isnan().all()
+
+
+def test_the_argument_names_are_the_sources_indices() -> None:
+    """native.DECODE_ARGS must name the source's A_* indices in their order (the load-time check
+    compares only their count)."""
+    source = native.SOURCE.read_text()
+    body = source[source.index("enum {") : source.index("A_COUNT")]
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    assert tuple(name.lower() for name in re.findall(r"\bA_(\w+)", body)) == native.DECODE_ARGS
+
+
+def _one_row_step(kvh: int = 1, d: int = 8) -> NativeStep:
+    k, v = [torch.zeros(2, kvh, 64 // TILE, d, TILE)], [torch.zeros(2, kvh, 64, d)]
+    return NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], [3, 4], Scratch())
+
+
+def test_inputs_the_kernel_could_not_address_are_refused() -> None:
+    """Each of these passed the earlier checks and made the kernel write past a tensor (or crash)."""
+    qkv = (torch.zeros(1, 2, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8), torch.zeros(2, 1, 8), 1.0, None)
+    pool = (torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8))
+    with pytest.raises(RuntimeError, match="slots"):
+        _one_row_step().attend(0, *qkv, pool, torch.zeros(2, 0, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="a pool of"):
+        _one_row_step().attend(0, *qkv, (pool[0], torch.zeros(1, 4, 1, 8)), torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="a pool of"):
+        _one_row_step().attend(0, *qkv, (pool[0].half(), pool[1].half()), torch.tensor([1, 2]))
+    with pytest.raises(RuntimeError, match="over rows of 1 KV heads x 4"):
+        _one_row_step(d=4).attend(0, *qkv)
+    with pytest.raises(RuntimeError, match="runs on the CPU"):
+        meta = tuple(t.to("meta") for t in qkv[:4])
+        _one_row_step().attend(0, *meta, 1.0, None)
+    k, v = [torch.zeros(2, 1, 4, 8, TILE), torch.zeros(2, 1, 2, 8, TILE)], [torch.zeros(2, 1, 64, 8)] * 2
+    with pytest.raises(RuntimeError, match="a class of 2 rows"):
+        NativeStep(_kernels(), [NativeClass(k, v, 2, 0)], [3, 4], Scratch())  # layer 1 is shorter
+    with pytest.raises(RuntimeError, match="a class of 3 rows"):
+        NativeStep(_kernels(), [NativeClass(k[:1], v[:1], 3, 0)], [3, 4, 5], Scratch())  # 3 rows of 2
 
 
 def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:

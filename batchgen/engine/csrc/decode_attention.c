@@ -33,8 +33,15 @@
 #define MAX_G 8
 #define MAX_D 256
 #define MAX_NT 8
-/* tiles scored at once for g queries per KV head: about eight accumulator chains in all */
+/* tiles scored at once for g queries per KV head: about eight accumulator chains in all, each a
+ * tile's 16 floats (one 512-bit register); with 256-bit vectors a chain takes two registers of 16,
+ * so half as many tiles (an AVX2 build with the counts above ran slower than one tile at a time,
+ * one with half of them faster) */
+#ifdef __AVX512F__
 #define SCORE_TILES(g) ((g) >= 8 ? 1 : (g) >= 4 ? 2 : (g) == 3 ? 3 : (g) == 2 ? 4 : 8)
+#else
+#define SCORE_TILES(g) ((g) >= 4 ? 1 : (g) >= 2 ? 2 : 4)
+#endif
 
 /* scores s[j * stride + l] = scale * q_j . K[:, l] for the nt tiles from l0 (l0 % TILE == 0), j < g, each
  * tile t read from kt[t]; the last tile may be `width` < TILE positions wide (then nt == 1).
@@ -70,14 +77,16 @@ static inline const float *tile_at(int64_t l0, int64_t d, int64_t shared, const 
 
 /* e^x for the softmax's x = score - row maximum <= 0, in plain arithmetic so that the loop vectorises.
  * Why not expf: without -ffast-math glibc declares no vector variant, and a scalar call per score
- * took a quarter of the kernel's time. x = n ln 2 + r with |r| <= ln 2 / 2, e^r by its Taylor
- * series to r^7 / 7! (truncation ~5e-9 relative, under float's half ulp of 6e-8), times 2^n built in
- * the exponent bits. Below -87 (e^x < 2e-38, nothing beside the row maximum's e^0 = 1) it returns
- * e^-87; a NaN stays NaN (the comparison is false for it). */
+ * took a quarter of the kernel's time. x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts,
+ * the exact product with the high part subtracted first), e^r by its Taylor series to r^7 / 7!
+ * (truncation ~5e-9 relative), times 2^n built in the exponent bits: within 1 ulp of e^x over
+ * [-87, 0] (tests/engine/test_native.py checks every 97th float there). Below -87 it returns 0, as
+ * expf underflows there (to denormals, then 0), so a row whose scores are all -inf gives 0 / 0 =
+ * NaN as torch's softmax does; a NaN stays NaN (both comparisons are false for it). */
 static inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_rintf(x * 1.44269504088896341f);
-  const float r = __builtin_fmaf(n, -6.93145751953125e-1f, __builtin_fmaf(n, -1.42860682030941723e-6f, x));
+  const float xc = x < -87.f ? -87.f : x;
+  const float n = __builtin_rintf(xc * 1.44269504088896341f);
+  const float r = __builtin_fmaf(n, -1.42860682030941723e-6f, __builtin_fmaf(n, -6.93145751953125e-1f, xc));
   float p = 1.f / 5040.f;
   p = __builtin_fmaf(p, r, 1.f / 720.f);
   p = __builtin_fmaf(p, r, 1.f / 120.f);
@@ -87,10 +96,15 @@ static inline float exp_nonpositive(float x) {
   p = __builtin_fmaf(p, r, 1.f);
   p = __builtin_fmaf(p, r, 1.f);
   union {
-    int32_t i;
+    uint32_t i;
     float f;
-  } scale = {.i = ((int32_t)n + 127) << 23};
-  return p * scale.f;
+  } scale = {.i = (uint32_t)((int32_t)n + 127) << 23}; /* n in [-126, 0]: a normal power of two */
+  return x < -87.f ? 0.f : p * scale.f;
+}
+
+/* Exported for the tests only: y[i] = exp_nonpositive(x[i]). */
+void batchgen_exp_nonpositive(int64_t count, const float *x, float *y) {
+  for (int64_t i = 0; i < count; i++) y[i] = exp_nonpositive(x[i]);
 }
 
 static inline __attribute__((always_inline)) void attend(const int64_t g, const int64_t d, const int64_t start,
@@ -164,17 +178,19 @@ static inline __attribute__((always_inline)) void attend(const int64_t g, const 
   }
 
 /* The call's arguments, all int64 (counts, strides in floats, and addresses), at these indices of
- * one array. Why one array: the caller fills it once per step and changes only a layer's tensor
- * addresses between layers, and a ctypes call converting 26 arguments took ~2.1 us against ~0.5
- * for two. q, knew and vnew are read through their strides (the model's [heads, tokens, d]
+ * one array. Why one array: the caller fills what holds for the step once and per layer only what
+ * changes (the tensors' addresses and strides, the window, the pool), and a ctypes call converting
+ * 26 arguments took ~2.1 us against ~0.5 for two. q, knew and vnew are read through their strides (the model's [heads, tokens, d]
  * views, d contiguous), so no per-layer transposed copies; the first n tokens are the decodes. */
 enum {
-  A_N, A_KVH, A_G, A_D, A_THREADS,
+  /* set once per step */
+  A_N, A_THREADS, A_KSTRIDE, A_VSTRIDE, A_CLS, A_ROW, A_CAP, A_LEN, A_SHARED, /* int64 arrays but n, threads */
+  /* set on the step's first call (the model's shapes) */
+  A_KVH, A_G, A_D, A_SCRATCH, A_SCRATCH_STRIDE,
+  /* set per layer */
   A_Q, A_Q_HEAD, A_Q_TOKEN,              /* q: decode i's query head j at q + i * q_token + j * q_head */
   A_KNEW, A_K_HEAD, A_K_TOKEN, A_VNEW, A_V_HEAD, A_V_TOKEN, /* this step's K/V, strided like q */
-  A_KBASE, A_VBASE, A_KSTRIDE, A_VSTRIDE, A_CLS, A_ROW, A_CAP, A_LEN, A_SHARED, /* int64 arrays */
-  A_KPOOL, A_VPOOL, A_SLOT, A_POOL_SLOTS,
-  A_WINDOW, A_OUT, A_SCRATCH, A_SCRATCH_STRIDE,
+  A_KBASE, A_VBASE, A_WINDOW, A_OUT, A_KPOOL, A_VPOOL, A_SLOT, A_POOL_SLOTS,
   A_COUNT
 };
 

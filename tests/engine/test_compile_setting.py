@@ -71,3 +71,26 @@ def test_an_error_inside_the_compiled_attention_keeps_its_own_message(
     monkeypatch.setattr(attention_op, "_IMPL", [failing])
     with pytest.raises(ValueError, match="the attention's own words"):
         llm.generate(PROMPTS, GREEDY)
+
+
+def test_each_compiled_model_runs_its_own_graph(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
+    """Compiled forwards skip the guards on their model (compiled_forward._ambient_and_argument_guards),
+    which is sound only because each StepForward compiles a code object of its own, whose dynamo
+    cache holds that one model's graph: a second model of another depth in the same process gets
+    a graph of its own and the same tokens as eager."""
+    import copy
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from batchgen.engine.tiny_models import save_random_model, tiny_configs
+
+    config = copy.deepcopy(tiny_configs()["llama"])
+    config.num_hidden_layers = 3
+    paths = [str(tiny_model("llama")), str(save_random_model(config, tmp_path / "deeper", seed=1))]
+    compiled = [LLM(path, compile=True) for path in paths]
+    got = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] for llm in compiled]
+    want = [[o.outputs[0].token_ids for o in LLM(path, compile=False).generate(PROMPTS, GREEDY)] for path in paths]
+    assert got == want and want[0] != want[1]
+    codes = [llm.engine.runner.forward._run._torchdynamo_orig_callable.__func__.__code__ for llm in compiled]
+    assert codes[0] is not codes[1]
+    assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [1, 1]

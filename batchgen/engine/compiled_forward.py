@@ -123,9 +123,9 @@ class StepForward:
         self._run = self._logits
         if compile:
             device = next(model.parameters()).device
-            options: dict[str, Any] = {"guard_filter_fn": _ambient_and_argument_guards}
-            if device.type == "cpu":
-                options["cpp_wrapper"] = True
+            options: dict[str, Any] = {"cpp_wrapper": True} if device.type == "cpu" else {}
+            if hasattr(torch._dynamo.types, "GuardFilterEntry"):  # why: guard filters are new in torch 2.7
+                options["guard_filter_fn"] = _ambient_and_argument_guards
             self._run = torch.compile(_own_code(self._logits), dynamic=True, fullgraph=True, options=options)
 
     def padded_tokens(self, n: int) -> int:

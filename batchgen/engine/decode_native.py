@@ -223,6 +223,39 @@ def _pool_stores(
     return (k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0] * k.shape[1])
 
 
+def fill_row(
+    kernels: NativeKernels,
+    pool: tuple[torch.Tensor, torch.Tensor],
+    blocks: torch.Tensor,
+    length: int,
+    k_row: torch.Tensor,
+    v_row: torch.Tensor,
+) -> None:
+    """Copy positions 0..length-1 of one layer out of its pool (K, V [blocks, block_size, KVH, D])
+    into a decode row: keys k_row [KVH, cap / TILE, D, TILE] (the kernel's tiles; the rest of the
+    last tile zeroed), values v_row [KVH, cap, D]; `blocks` [>= ceil(length / block_size)] int64
+    holds the sequence's blocks in order."""
+    k, v = pool
+    kvh, cap, d = v_row.shape
+    # why checked here: the kernel reads and writes through raw addresses
+    if not (
+        k.dim() == 4 and k.shape[2:] == (kvh, d) and v.shape == k.shape
+        and k_row.shape == (kvh, cap // native.TILE, d, native.TILE)
+        and all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in (k, v, k_row, v_row))
+        and blocks.dim() == 1 and blocks.dtype == torch.int64 and blocks.is_contiguous() and blocks.is_cpu
+    ):  # fmt: skip
+        raise RuntimeError(
+            f"native row fill: pool {tuple(k.shape)} / {tuple(v.shape)}, row keys {tuple(k_row.shape)}, "
+            f"values {tuple(v_row.shape)}, blocks {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    ptrs = (k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[1], kvh, d, blocks.data_ptr(), blocks.shape[0], length)
+    if kernels.fill_row(*ptrs, k_row.data_ptr(), v_row.data_ptr(), cap, native.threads()) != 0:
+        raise RuntimeError(
+            f"native row fill refused {length} positions from {blocks.shape[0]} blocks of {k.shape[1]} "
+            f"(a pool of {k.shape[0]}) into a row of {cap}"
+        )
+
+
 def kernels_for(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
     """The kernel, where it can attend this model's decodes: float32 rows on the CPU, no logit
     soft-capping (Gemma 2 keeps the torch path), query heads per KV head and head dim within the

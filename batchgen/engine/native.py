@@ -59,7 +59,8 @@ _PTR = ctypes.c_void_p
 
 @dataclass
 class NativeKernels:
-    """The loaded library; `decode_attention` is batchgen_decode_attention (see the source)."""
+    """The loaded library; `decode_attention` is batchgen_decode_attention, `fill_row`
+    batchgen_fill_row (see the source)."""
 
     path: Path
     lib: ctypes.CDLL
@@ -73,6 +74,10 @@ class NativeKernels:
         fn.restype = _I64
         fn.argtypes = [_PTR, ctypes.c_float]
         self.decode_attention = fn
+        fill = self.lib.batchgen_fill_row  # a decode row's context out of the pool (decode_native.fill_row)
+        fill.restype = _I64
+        fill.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]
+        self.fill_row = fill
         exp = self.lib.batchgen_exp_nonpositive  # the kernel's softmax exp, for the tests
         exp.restype = None
         exp.argtypes = [_I64, _PTR, _PTR]

@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from batchgen.engine.decode_kv import DecodeGroup, Pool
-from batchgen.engine.decode_native import NativeStep
+from batchgen.engine.decode_native import NativeStep, fill_row
 
 
 @dataclass
@@ -97,14 +96,12 @@ class RowsView:
                 continue
             k, v = step.k[layer], step.v[layer]
             for row, length, blocks in step.fills:
+                if k.dim() == 5:  # the kernel's tiles (decode_rows._Pack._keys), only ever made for the kernel
+                    if self.native is None:
+                        raise RuntimeError("decode rows in the native kernel's tiles, but no native step to fill them")
+                    fill_row(self.native.kernels, pool, blocks, length, k[row], v[row])
+                    continue
                 keys = pool[0].index_select(0, blocks).flatten(0, 1)  # [blocks * block_size, KVH, D]
-                if k.dim() == 5:  # the kernel's tiles [KVH, tiles, D, TILE] (decode_rows._Pack._keys)
-                    tile = k.shape[-1]
-                    tiles = -(-length // tile)
-                    # why zeros past `length`: whole tiles are written; those positions come later
-                    keys = F.pad(keys[:length], (0, 0, 0, 0, 0, tiles * tile - length))  # [tiles * TILE, KVH, D]
-                    k[row, :, :tiles] = keys.view(tiles, tile, *keys.shape[1:]).permute(2, 0, 3, 1)
-                else:  # [length, KVH, D] -> keys [KVH, D, length]
-                    k[row, ..., :length] = keys[:length].permute(1, 2, 0)
+                k[row, ..., :length] = keys[:length].permute(1, 2, 0)  # [length, KVH, D] -> keys [KVH, D, length]
                 # values [KVH, length, D]
                 v[row, :, :length] = pool[1].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)

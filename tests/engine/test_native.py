@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from batchgen.engine import native
-from batchgen.engine.decode_native import NativeClass, NativeStep, Scratch
+from batchgen.engine.decode_native import NativeClass, NativeStep, Scratch, fill_row
 
 KVH = 2
 TILE = native.TILE
@@ -38,6 +38,14 @@ def _positions(tiled: torch.Tensor) -> torch.Tensor:
     """One row's keys [KVH, cap / TILE, D, TILE] -> [KVH, cap, D] (a copy)."""
     kvh, tiles, d, tile = tiled.shape
     return tiled.permute(0, 1, 3, 2).reshape(kvh, tiles * tile, d).clone()
+
+
+def _set_positions(tiled: torch.Tensor, start: int, value: float) -> None:
+    """One row's keys [KVH, cap / TILE, D, TILE]: positions start.. set to value, in place."""
+    kvh, tiles, d, tile = tiled.shape
+    positions = _positions(tiled)
+    positions[:, start:] = value
+    tiled.copy_(positions.view(kvh, tiles, tile, d).permute(0, 1, 3, 2))
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -64,6 +72,9 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
         for layer in range(layers):  # the shared prefix (whole tiles here): the same K/V in every row
             k[layer][:, :, : shared // TILE] = k[layer][:1, :, : shared // TILE]
             v[layer][:, :, :shared] = v[layer][:1, :, :shared]
+            for r, length in enumerate(lengths):  # NaN past each row's length: the kernel must never read there
+                _set_positions(k[layer][r], length, float("nan"))
+                v[layer][r, :, length:] = float("nan")
         parts.append(NativeClass(k, v, len(lengths), shared))
         # what each row attends to: its own row, but a shared prefix as the class's first row holds it
         full_k += [[_positions(t[r]) for t in k] for r in range(len(lengths))]  # [row][layer] [KVH, cap, D]
@@ -94,7 +105,8 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
             if part.shared and r > 0:  # the stand-in values the kernel was never to read stay as they were
                 k, v = k[:, TILE:], v[:, TILE:]
                 full_k[i][layer], full_v[i][layer] = full_k[i][layer][:, TILE:], full_v[i][layer][:, TILE:]
-            assert torch.equal(k, full_k[i][layer]) and torch.equal(v, full_v[i][layer])
+            torch.testing.assert_close(k, full_k[i][layer], rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(v, full_v[i][layer], rtol=0, atol=0, equal_nan=True)
     assert step.calls == layers
 
 
@@ -206,6 +218,49 @@ def test_a_decode_past_its_row_or_the_pool_is_refused_before_anything_is_written
     assert not k[0].any() and not v[0].any() and not pool[0].any()  # nothing was written
     fits.attend(0, *args, pool, torch.tensor([5, 15]))
     assert pool[0].flatten(0, 1)[[5, 15]].eq(1).all() and _positions(k[0][1])[0, 63].eq(1).all()
+
+
+@pytest.mark.parametrize("d", [32, 64, 8])
+def test_a_rows_fill_is_the_pools_positions_in_order(d: int) -> None:
+    """fill_row copies positions 0..length-1 out of the pool's blocks (in the block table's order,
+    not the pool's) into the row's tiles and values, zeroes the rest of the last tile, and writes
+    nothing else; for lengths within, at and across tile and block boundaries."""
+    gen = torch.Generator().manual_seed(d)
+    pool_blocks, block_size, cap = 12, 8, 64
+    pool = (
+        torch.randn(pool_blocks, block_size, KVH, d, generator=gen),
+        torch.randn(pool_blocks, block_size, KVH, d, generator=gen),
+    )
+    blocks = torch.randperm(pool_blocks, generator=gen)[: cap // block_size]
+    for length in (1, 7, 8, 15, 16, 17, 40, 64):
+        k_row = torch.full((KVH, cap // TILE, d, TILE), 7.0)
+        v_row = torch.full((KVH, cap, d), 7.0)
+        fill_row(_kernels(), pool, blocks, length, k_row, v_row)
+        want_k = pool[0][blocks].flatten(0, 1)[:length].transpose(0, 1)  # [KVH, length, D]
+        want_v = pool[1][blocks].flatten(0, 1)[:length].transpose(0, 1)
+        got_k = _positions(k_row)
+        tail = -(-length // TILE) * TILE
+        assert torch.equal(got_k[:, :length], want_k) and torch.equal(v_row[:, :length], want_v), length
+        assert (got_k[:, length:tail] == 0).all() and (got_k[:, tail:] == 7).all() and (v_row[:, length:] == 7).all()
+
+
+def test_a_fill_the_row_or_pool_could_not_hold_is_refused() -> None:
+    pool = (torch.zeros(4, 8, KVH, 16), torch.zeros(4, 8, KVH, 16))
+    k_row, v_row = torch.zeros(KVH, 32 // TILE, 16, TILE), torch.zeros(KVH, 32, 16)
+    blocks = torch.tensor([0, 1, 2, 3])
+    with pytest.raises(RuntimeError, match="refused 33 positions"):
+        fill_row(_kernels(), pool, blocks, 33, k_row, v_row)  # longer than the row
+    with pytest.raises(RuntimeError, match="refused 17 positions"):
+        fill_row(_kernels(), pool, blocks[:2], 17, k_row, v_row)  # longer than its blocks
+    with pytest.raises(RuntimeError, match="refused 9 positions"):
+        fill_row(_kernels(), pool, torch.tensor([0, 4]), 9, k_row, v_row)  # a block past the pool
+    with pytest.raises(RuntimeError, match="native row fill: pool"):
+        fill_row(_kernels(), pool, blocks.int(), 8, k_row, v_row)  # int32 blocks
+    with pytest.raises(RuntimeError, match="native row fill: pool"):
+        fill_row(_kernels(), pool, blocks, 8, k_row, torch.zeros(KVH, 32, 8))  # another head dim
+    with pytest.raises(RuntimeError, match="native row fill: pool"):
+        fill_row(_kernels(), (pool[0], pool[1].double()), blocks, 8, k_row, v_row)
+    assert (k_row == 0).all() and (v_row == 0).all()  # nothing written by any refused call
 
 
 def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

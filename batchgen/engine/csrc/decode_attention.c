@@ -240,3 +240,41 @@ int64_t batchgen_decode_attention(const int64_t *a, float scale) {
   }
   return 0;
 }
+
+/* One decode row's first `length` positions of one layer, copied out of the paged pool:
+ *   kpool, vpool [pool_blocks, block_size, kvh, d]   the layer's pool (float32, contiguous)
+ *   blocks       [nblocks]                           the sequence's blocks, in position order
+ *   row_k        [kvh, cap / TILE, d, TILE]          the row's keys in the kernel's tiles; the
+ *                                                   last tile's positions from `length` on are zeroed
+ *   row_v        [kvh, cap, d]                       the row's values
+ * Why in C: torch did it as a gather of the blocks, a pad, and a transposing copy into the tiles
+ * (three passes, the last strided); a row's fill is one pass here, tile by tile, and the writes to
+ * a tile are contiguous. Returns 0, or -1 (nothing written) for a length or block out of range. */
+int64_t batchgen_fill_row(const float *kpool, const float *vpool, int64_t pool_blocks, int64_t block_size,
+                          int64_t kvh, int64_t d, const int64_t *blocks, int64_t nblocks, int64_t length,
+                          float *row_k, float *row_v, int64_t cap, int64_t threads) {
+  if (length < 0 || length > cap || cap % TILE || block_size < 1 || length > nblocks * block_size || d < 1 ||
+      d > MAX_D)
+    return -1;
+  for (int64_t b = 0; b < (length + block_size - 1) / block_size; b++)
+    if (blocks[b] < 0 || blocks[b] >= pool_blocks) return -1;
+  const int64_t tiles = (length + TILE - 1) / TILE, token = kvh * d;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t item = 0; item < kvh * tiles; item++) {
+    const int64_t h = item / tiles, t = item % tiles, p0 = t * TILE;
+    const int64_t width = length - p0 < TILE ? length - p0 : TILE;
+    const float *src[TILE];
+    for (int64_t j = 0; j < width; j++) {
+      const int64_t p = p0 + j;
+      const int64_t at = (blocks[p / block_size] * block_size + p % block_size) * token + h * d;
+      src[j] = kpool + at;
+      memcpy(row_v + (h * cap + p) * d, vpool + at, d * sizeof(float));
+    }
+    float *dst = row_k + h * cap * d + p0 * d; /* the tile: d runs of TILE positions */
+    for (int64_t x = 0; x < d; x++) {
+      for (int64_t j = 0; j < width; j++) dst[x * TILE + j] = src[j][x];
+      for (int64_t j = width; j < TILE; j++) dst[x * TILE + j] = 0.f;
+    }
+  }
+  return 0;
+}

@@ -209,10 +209,7 @@ def _pool_stores(
     if pool is None or slots is None:
         return (0, 0, 0, 0)
     k, v = pool
-    if not (
-        k.dim() == 4 and k.shape[2:] == (kvh, d) and v.shape == k.shape and k.dtype == v.dtype == torch.float32
-        and k.is_contiguous() and v.is_contiguous() and k.is_cpu and v.is_cpu
-    ):  # fmt: skip
+    if not _is_pool(pool, kvh, d):
         raise RuntimeError(
             f"native decode attention: a pool of {tuple(k.shape)} / {tuple(v.shape)} for {kvh} x {d} K/V"
         )
@@ -221,6 +218,16 @@ def _pool_stores(
     if not slots.is_cpu:
         raise RuntimeError(f"native decode attention: slots on {slots.device}")
     return (k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0] * k.shape[1])
+
+
+def _is_pool(pool: tuple[torch.Tensor, torch.Tensor], kvh: int, d: int) -> bool:
+    """K and V are one layer's pool as the kernels address it: [blocks, block_size, kvh, d] each,
+    float32, contiguous, on the CPU."""
+    k, v = pool
+    return (
+        k.dim() == 4 and k.shape[2:] == (kvh, d) and v.shape == k.shape and k.dtype == v.dtype == torch.float32
+        and k.is_contiguous() and v.is_contiguous() and k.is_cpu and v.is_cpu
+    )  # fmt: skip
 
 
 def fill_row(
@@ -239,9 +246,8 @@ def fill_row(
     kvh, cap, d = v_row.shape
     # why checked here: the kernel reads and writes through raw addresses
     if not (
-        k.dim() == 4 and k.shape[2:] == (kvh, d) and v.shape == k.shape
-        and k_row.shape == (kvh, cap // native.TILE, d, native.TILE)
-        and all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in (k, v, k_row, v_row))
+        _is_pool(pool, kvh, d) and k_row.shape == (kvh, cap // native.TILE, d, native.TILE)
+        and all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in (k_row, v_row))
         and blocks.dim() == 1 and blocks.dtype == torch.int64 and blocks.is_contiguous() and blocks.is_cpu
     ):  # fmt: skip
         raise RuntimeError(

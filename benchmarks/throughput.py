@@ -66,7 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="also run (a) with both sides in bfloat16 (default on)",
     )
-    p.add_argument("--markdown", action="store_true", help="rewrite the results table in benchmarks/RESULTS.md")
+    p.add_argument(
+        "--markdown",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="rewrite the results table in benchmarks/RESULTS.md",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     p.add_argument(
         "--one-process",
@@ -312,16 +317,12 @@ def _model_in_own_process(name: str, argv: list[str]) -> dict[str, Any]:
     17.4-18.1 s after the demo model's section in the same process, 15.6-16.0 s in one of its own,
     while `generate` took the same in both. Within a section both sides still share the process.
     """
-    keep, skip = [], False
-    for arg in argv:  # this model only, no table or file of its own
-        if skip and not arg.startswith("--"):
-            continue
-        skip = arg in ("--models", "--out")
-        if not skip and arg != "--markdown" and not arg.startswith(("--models=", "--out=")):
-            keep.append(arg)
     with tempfile.TemporaryDirectory(prefix="batchgen-bench-") as tmp:
         out = Path(tmp) / "report.json"
-        command = [sys.executable, str(Path(__file__).resolve()), *keep, "--models", name, "--out", str(out)]
+        # why appended: a later occurrence of an option overrides an earlier one (this model only,
+        # its own JSON file, no table of its own)
+        overrides = ["--models", name, "--out", str(out), "--no-markdown"]
+        command = [sys.executable, str(Path(__file__).resolve()), *argv, *overrides]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())["models"][name]
 

@@ -30,6 +30,7 @@ from batchgen.engine.decode_native import kernels_for
 from batchgen.engine.decode_rows import DecodeRows
 from batchgen.engine.kv_store import PAD_SLOT, pool_blocks
 from batchgen.engine.models import KVSpec
+from batchgen.engine.native_linear import install_native_linears
 from batchgen.engine.scheduler import ScheduledBatch, ScheduledChunk
 from batchgen.engine.step_metadata import FlashMetadata, ForwardContext, PrefillChunk
 from batchgen.engine.transfers import Transfers
@@ -202,6 +203,7 @@ class ModelRunner:
         )
         self.transfers = Transfers(device)
         self.decode_kv.stage = self.transfers.stage
+        self.native_linears = install_native_linears(model, device, dtype)
         self.forward = StepForward(model, compile, max_num_batched_tokens, fallback=compile_fallback)
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead)
         self.graphs: GraphDecode | None = None

@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+# every source the library is built from: the decode attention, and linears at decode sizes
+SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "skinny_linear.c")
 DISABLE_ENV = "BATCHGEN_NATIVE"  # "0": never build or load native kernels
 CACHE_ENV = "BATCHGEN_CACHE_DIR"
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
@@ -60,7 +63,7 @@ _PTR = ctypes.c_void_p
 @dataclass
 class NativeKernels:
     """The loaded library; `decode_attention` is batchgen_decode_attention, `fill_row`
-    batchgen_fill_row (see the source)."""
+    batchgen_fill_row, `linear` batchgen_linear (see the sources)."""
 
     path: Path
     lib: ctypes.CDLL
@@ -82,6 +85,10 @@ class NativeKernels:
         exp.restype = None
         exp.argtypes = [_I64, _PTR, _PTR]
         self.exp_nonpositive = exp
+        linear = self.lib.batchgen_linear  # y = x @ w^T (+ bias) at decode sizes (native_linear)
+        linear.restype = _I64
+        linear.argtypes = [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
+        self.linear = linear
 
 
 _LOADED: list[NativeKernels | None] = []  # once per process
@@ -112,32 +119,39 @@ def _load() -> NativeKernels | None:
 
 
 def _build(compiler: str) -> Path:
-    """Compile SOURCE into the cache (or find it there); the first flag set that builds wins."""
-    source = SOURCE.read_bytes()
+    """The kernel library, compiled from SOURCES into the cache (or found there)."""
+    return build("batchgen_kernels", SOURCES, compiler, [BASE_FLAGS + arch for arch in ARCH_FLAGS], LINK_FLAGS)
+
+
+def build(
+    name: str, sources: Sequence[Path], compiler: str, flag_sets: Sequence[list[str]], link: list[str], key: bytes = b""
+) -> Path:
+    """A shared library from `sources`, cached by their content, the flags, the compiler's version,
+    this CPU and `key` (what else the build depends on); the first flag set that builds wins."""
+    source = b"\0".join(path.read_bytes() for path in sources)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     errors = []
-    for arch in ARCH_FLAGS:
-        flags = BASE_FLAGS + arch
-        key = hashlib.sha256(b"\0".join([source, " ".join(flags + LINK_FLAGS).encode(), version.encode(), _cpu_id()]))
-        target = _cache_dir() / f"decode_attention-{key.hexdigest()[:20]}.so"
+    for flags in flag_sets:
+        digest = hashlib.sha256(b"\0".join([source, " ".join(flags + link).encode(), version.encode(), _cpu_id(), key]))
+        target = _cache_dir() / f"{name}-{digest.hexdigest()[:20]}.so"
         if target.is_file():
             return target
-        error = _compile(compiler, flags, LINK_FLAGS, target)
+        error = _compile(compiler, sources, flags, link, target)
         if error is None:
-            logger.info("built native CPU kernels: %s", target)
+            logger.info("built %s: %s", name, target)
             return target
         errors.append(error)
-    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+    raise RuntimeError(f"{compiler} could not build {', '.join(p.name for p in sources)}: {errors[-1]}")
 
 
-def _compile(compiler: str, flags: list[str], link: list[str], target: Path) -> str | None:
+def _compile(compiler: str, sources: Sequence[Path], flags: list[str], link: list[str], target: Path) -> str | None:
     """Build into a temporary file beside `target`, then rename it there; the error text on failure."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", tmp, *link], capture_output=True, text=True, timeout=120
+            [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
             return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"

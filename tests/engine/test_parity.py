@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen.engine import native_linear
 from batchgen.engine.llm import LLM
 from batchgen.engine.models import UnsupportedModelError, resolve_max_model_len
 from batchgen.engine.params import SamplingParams
@@ -92,6 +93,27 @@ def test_greedy_parity_compiled(arch: str, tiny_model: Callable[[str], Path]) ->
     llm = _check_parity(arch, "pressure", "rows", True, tiny_model)
     stats = llm.engine.runner.forward.stats
     assert stats.graphs >= 1 and stats.seconds > 0, stats  # it really compiled
+
+
+# gpt2's projections are transformers' Conv1D, not nn.Linear: nothing to route
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gpt2"])
+def test_greedy_parity_native_linears(
+    arch: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every linear layer through the native kernel (native_linear; by default only weights of
+    1 MiB and up, which no tiny model has): the same tokens, eager under pressure."""
+    monkeypatch.setattr(native_linear, "MIN_WEIGHT_ELEMENTS", 0)
+    llm = _check_parity(arch, "pressure", "rows", False, tiny_model)
+    assert llm.engine.runner.native_linears > 0
+
+
+def test_greedy_parity_native_linears_compiled(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same with the forward compiled (the CPU default), the operator a node of the graph."""
+    monkeypatch.setattr(native_linear, "MIN_WEIGHT_ELEMENTS", 0)
+    llm = _check_parity("llama", "pressure", "rows", True, tiny_model)
+    assert llm.engine.runner.native_linears > 0 and llm.engine.runner.forward.stats.graphs >= 1
 
 
 def _check_parity(arch: str, setting: str, decode_kv: str, compile: bool, tiny_model: Callable[[str], Path]) -> LLM:

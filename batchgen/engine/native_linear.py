@@ -1,0 +1,131 @@
+"""A model's large linear layers at decode sizes through the native kernel (csrc/skinny_linear.c).
+
+Why: a decode step multiplies a few rows (one per decoding sequence) by every weight matrix, so
+its linears are bound by reading the weights once. float32 sgemm on nn.Linear's [out, in] weights
+reaches about half of that at 4-24 rows; the kernel reads each weight row once, in place (no
+packed copy), against all rows (the 57M model's 56 linears at 8 rows: 16.1 -> 11.6 ms;
+benchmarks/RESULTS.md, issue 11's seventh pass). Prefill-sized calls stay on the BLAS, which is
+as fast or faster from ~32 rows on, as it is on weights small enough to stay in cache between
+steps (the demo model's).
+
+How: each eligible nn.Linear's class becomes NativeLinear (same parameters, same module tree),
+whose forward calls the operator `batchgen::linear` (csrc/linear_op.cpp, built against this torch
+on first use): one opaque node to torch.compile, which takes the kernel at up to MAX_ROWS rows
+and at::linear above, so one compiled graph serves every step size. Why a C++ operator: a Python
+custom op's body costs ~12 us a call from a compiled graph (~1 us in C++), 0.65 ms a decode step
+on the 57M model. Where the operator cannot be built (no C++ compiler, BATCHGEN_NATIVE=0) the
+linears stay as they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from batchgen.engine import native
+
+logger = logging.getLogger(__name__)
+
+OP_NAME = "batchgen::linear"  # its CPU implementation: OP_SOURCE
+OP_SOURCE = Path(__file__).parent / "csrc" / "linear_op.cpp"
+MAX_ROWS = 24  # rows up to which the kernel beat sgemm on the 57M model's linears (at 32 they tie)
+MIN_WEIGHT_ELEMENTS = 1 << 18  # 1 MiB of float32: smaller weights stay in cache, where sgemm keeps up
+
+_OP: list[bool] = []  # once per process: whether batchgen::linear is loaded and set up
+
+
+class NativeLinear(nn.Linear):
+    """nn.Linear whose forward is the `batchgen::linear` operator (install_native_linears sets the class)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.ops.batchgen.linear(input, self.weight, self.bias)
+
+
+def install_native_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Route `model`'s eligible linears through the kernel; how many were. Eligible: exactly
+    nn.Linear (not a subclass: quantized or adapter layers keep their own forward), float32 on the
+    CPU, a contiguous weight of at least MIN_WEIGHT_ELEMENTS. None where the kernels or the
+    operator cannot be built (logged once)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return 0
+    eligible = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m)]
+    if not eligible or not load_op():
+        return 0
+    for module in eligible:
+        module.__class__ = NativeLinear
+    logger.info(
+        "native linears: %d layers (weights of %d+ elements) at up to %d rows",
+        len(eligible),
+        MIN_WEIGHT_ELEMENTS,
+        MAX_ROWS,
+    )
+    return len(eligible)
+
+
+def _eligible(module: nn.Linear) -> bool:
+    weight = module.weight
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.is_contiguous()
+        and weight.numel() >= MIN_WEIGHT_ELEMENTS
+    )
+
+
+def load_op() -> bool:
+    """batchgen::linear, built and loaded once per process; False (logged) where it cannot be."""
+    if not _OP:
+        _OP.append(_load_op())
+    return _OP[0]
+
+
+def _load_op() -> bool:
+    kernels = native.load()  # None: switched off or unbuildable, logged there
+    if kernels is None:
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        logger.warning("no C++ compiler found (c++, g++ or $CXX): linear layers run on torch's BLAS")
+        return False
+    try:
+        path = native.build(
+            "batchgen_linear_op", (OP_SOURCE,), compiler, [_flags()], _link(), torch.__version__.encode()
+        )
+        torch.ops.load_library(str(path))
+        setup = ctypes.CDLL(str(path)).batchgen_linear_op_setup
+        setup.restype, setup.argtypes = None, [ctypes.c_void_p, ctypes.c_int64]
+        setup(ctypes.cast(kernels.linear, ctypes.c_void_p), MAX_ROWS)
+    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError) as exc:
+        logger.warning("native linear operator unavailable (%s): linear layers run on torch's BLAS", exc)
+        return False
+    return True
+
+
+def _flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    return ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
+
+
+def _link() -> list[str]:
+    from torch.utils import cpp_extension
+
+    dirs = cpp_extension.library_paths()
+    return [*(f"-L{d}" for d in dirs), *(f"-Wl,-rpath,{d}" for d in dirs), "-lc10", "-ltorch_cpu"]
+
+
+torch.library.define(OP_NAME, "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+@torch.library.register_fake(OP_NAME)
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,153 @@
+"""The native linear: csrc/skinny_linear.c through the batchgen::linear operator.
+
+It must give F.linear's values at decode sizes, be torch's own F.linear everywhere else, and be
+used only for the layers install_native_linears picks. Greedy parity with the layers routed
+through it is in test_parity.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchgen.engine import native, native_linear
+from batchgen.engine.native_linear import MAX_ROWS, MIN_WEIGHT_ELEMENTS, NativeLinear, install_native_linears
+
+CPU, F32 = torch.device("cpu"), torch.float32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _operator() -> None:
+    assert native_linear.load_op(), "the native linear operator did not build (see the log)"
+
+
+def _kernel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The C kernel called directly, on a 2-D x whose rows may be strided."""
+    kernels = native.load()
+    assert kernels is not None
+    out = torch.empty(x.shape[0], w.shape[0])
+    bias = ctypes.c_void_p(b.data_ptr()) if b is not None else None
+    ptrs = (x.data_ptr(), x.stride(0), w.data_ptr(), bias, out.data_ptr())
+    assert kernels.linear(x.shape[0], w.shape[0], w.shape[1], *ptrs, 2) == 0
+    return out
+
+
+def _data(rows: int, n: int, k: int, bias: bool, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(n, generator=g) if bias else None
+    return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), b  # type: ignore[return-value]
+
+
+# rows: the 8-wide tiles (1-3), the 4-wide ones (4-6), several row blocks and a remainder (7, 13);
+# n: whole tiles, a tail of rows; k: whole vectors, a tail shorter than one, several and a tail
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, MAX_ROWS])
+@pytest.mark.parametrize(("n", "k"), [(8, 16), (37, 77), (64, 256), (301, 33), (5, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_is_f_linear_in_float64_within_rounding(rows: int, n: int, k: int, bias: bool) -> None:
+    x, w, b = _data(rows, n, k, bias, seed=rows * 1000 + n + k)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(_kernel(x, w, b).double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_operator_takes_the_kernel_up_to_max_rows_and_torch_above() -> None:
+    x, w, b = _data(MAX_ROWS + 1, 64, 768, True)
+    small = x[:MAX_ROWS]
+    via_kernel = torch.ops.batchgen.linear(small, w, b)
+    assert torch.equal(via_kernel, _kernel(small, w, b))
+    assert not torch.equal(via_kernel, F.linear(small, w, b))  # why: the kernel really ran (its rounding)
+    assert torch.equal(torch.ops.batchgen.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_strided_and_batched_inputs_keep_their_shape() -> None:
+    x, w, _ = _data(6, 40, 96, False)
+    wide = torch.zeros(2, 3, 192)
+    wide[..., ::2] = x.view(2, 3, 96)
+    strided = wide[..., ::2]  # [2, 3, 96], last dimension not contiguous
+    got = torch.ops.batchgen.linear(strided, w, None)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got.reshape(6, 40), _kernel(x, w, None))
+    rows_apart = wide.view(6, 192)[:, :96]  # rows 192 floats apart, each contiguous
+    assert torch.equal(torch.ops.batchgen.linear(rows_apart, w, None), _kernel(rows_apart, w, None))
+
+
+def test_what_the_kernel_cannot_read_is_torchs_own_linear() -> None:
+    x, w, b = _data(4, 32, 48, True)
+    cases = [
+        (x.double(), w.double(), b.double()),  # float64
+        (x, w.t().contiguous().t(), b),  # a transposed weight
+        (x, w, torch.randn(64)[::2]),  # a strided bias
+        (x[:0], w, b),  # no rows
+    ]
+    for args in cases:
+        assert torch.equal(torch.ops.batchgen.linear(*args), F.linear(*args))
+
+
+def test_a_compiled_graph_calls_the_operator() -> None:
+    layer = nn.Linear(96, 40, bias=False)
+    layer.__class__ = NativeLinear
+    x = torch.randn(1, 5, 96)
+    with torch.inference_mode():
+        compiled = torch.compile(layer, dynamic=True, fullgraph=True)
+        got = compiled(x)
+    assert torch.equal(got, torch.ops.batchgen.linear(x, layer.weight, None))
+    assert not torch.equal(got, F.linear(x, layer.weight))
+
+
+class _Adapter(nn.Linear):
+    """A subclass with a forward of its own (as LoRA or quantized layers have)."""
+
+
+def _model() -> nn.Module:
+    side = 512  # 512 x 512 = MIN_WEIGHT_ELEMENTS
+    model = nn.Sequential(
+        nn.Linear(side, side),
+        nn.Linear(side, side // 2),  # too small
+        _Adapter(side, side),
+        nn.Linear(side, side).double(),
+        nn.Linear(side, side, bias=False),
+    )
+    return model
+
+
+def test_only_large_float32_plain_linears_are_routed() -> None:
+    assert MIN_WEIGHT_ELEMENTS == 512 * 512
+    model = _model()
+    assert install_native_linears(model, CPU, F32) == 2
+    assert [type(m) for m in model] == [NativeLinear, nn.Linear, _Adapter, nn.Linear, NativeLinear]
+    x = torch.randn(3, 512)
+    with torch.inference_mode():
+        assert torch.equal(model[0](x), _kernel(x, model[0].weight, model[0].bias))
+    assert install_native_linears(model, CPU, F32) == 0  # already routed: nothing more to do
+
+
+def test_other_devices_and_dtypes_keep_their_linears() -> None:
+    model = _model()
+    assert install_native_linears(model, CPU, torch.bfloat16) == 0
+    assert install_native_linears(model, torch.device("meta"), F32) == 0
+    assert all(type(m) is not NativeLinear for m in model)
+
+
+def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger=native_linear.__name__)
+    monkeypatch.setattr(native, "_LOADED", [None])  # as when BATCHGEN_NATIVE=0 or no C compiler
+    assert native_linear._load_op() is False
+    monkeypatch.undo()
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    fake = tmp_path / "c++"  # answers --version, fails every build
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake 1.0; exit 0; }\necho "fake: no luck" >&2; exit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    assert native_linear._load_op() is False
+    assert "native linear operator unavailable" in caplog.text and "fake: no luck" in caplog.text
+    monkeypatch.setattr(native_linear, "_OP", [False])
+    model = _model()
+    assert install_native_linears(model, CPU, F32) == 0
+    assert all(type(m) is not NativeLinear for m in model)

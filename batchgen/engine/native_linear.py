@@ -35,8 +35,11 @@ logger = logging.getLogger(__name__)
 
 OP_NAME = "batchgen::linear"  # its CPU implementation: OP_SOURCE
 OP_SOURCE = Path(__file__).parent / "csrc" / "linear_op.cpp"
-MAX_ROWS = 24  # rows up to which the kernel beat sgemm on the 57M model's linears (at 32 they tie)
-MIN_WEIGHT_ELEMENTS = 1 << 18  # 1 MiB of float32: smaller weights stay in cache, where sgemm keeps up
+MAX_ROWS = 64  # rows up to which the kernel beat sgemm on the 57M model's linears (at 80 sgemm led)
+# 64 MiB of float32 linear weights in the model. Below it (the demo model's 16 MiB) the weights stay
+# in cache between steps and sgemm keeps up (tied at up to 16 rows, ahead from 24); above it (the
+# 57M model's 220 MiB) they are read from memory every step, where the kernel wins at every size
+MIN_MODEL_WEIGHT_ELEMENTS = 1 << 24
 
 _OP: list[bool] = []  # once per process: whether batchgen::linear is loaded and set up
 
@@ -51,32 +54,23 @@ class NativeLinear(nn.Linear):
 def install_native_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Route `model`'s eligible linears through the kernel; how many were. Eligible: exactly
     nn.Linear (not a subclass: quantized or adapter layers keep their own forward), float32 on the
-    CPU, a contiguous weight of at least MIN_WEIGHT_ELEMENTS. None where the kernels or the
-    operator cannot be built (logged once)."""
+    CPU, a contiguous weight, in a model whose eligible weights hold MIN_MODEL_WEIGHT_ELEMENTS or
+    more. None where the kernels or the operator cannot be built (logged once)."""
     if device.type != "cpu" or dtype != torch.float32:
         return 0
-    eligible = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m)]
-    if not eligible or not load_op():
+    eligible = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m.weight)]
+    elements = sum(m.weight.numel() for m in eligible)
+    if not eligible or elements < MIN_MODEL_WEIGHT_ELEMENTS or not load_op():
         return 0
     for module in eligible:
         module.__class__ = NativeLinear
-    logger.info(
-        "native linears: %d layers (weights of %d+ elements) at up to %d rows",
-        len(eligible),
-        MIN_WEIGHT_ELEMENTS,
-        MAX_ROWS,
-    )
+    mib = elements * 4 / 2**20
+    logger.info("native linears: %d layers (%.0f MiB of weights) at up to %d rows", len(eligible), mib, MAX_ROWS)
     return len(eligible)
 
 
-def _eligible(module: nn.Linear) -> bool:
-    weight = module.weight
-    return (
-        weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and weight.is_contiguous()
-        and weight.numel() >= MIN_WEIGHT_ELEMENTS
-    )
+def _eligible(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
 
 
 def load_op() -> bool:

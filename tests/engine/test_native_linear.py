@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engine import native, native_linear
-from batchgen.engine.native_linear import MAX_ROWS, MIN_WEIGHT_ELEMENTS, NativeLinear, install_native_linears
+from batchgen.engine.native_linear import MAX_ROWS, NativeLinear, install_native_linears
 
 CPU, F32 = torch.device("cpu"), torch.float32
 
@@ -104,33 +104,39 @@ class _Adapter(nn.Linear):
 
 
 def _model() -> nn.Module:
-    side = 512  # 512 x 512 = MIN_WEIGHT_ELEMENTS
-    model = nn.Sequential(
-        nn.Linear(side, side),
-        nn.Linear(side, side // 2),  # too small
-        _Adapter(side, side),
-        nn.Linear(side, side).double(),
-        nn.Linear(side, side, bias=False),
+    return nn.Sequential(
+        nn.Linear(64, 64),
+        _Adapter(64, 64),
+        nn.Linear(64, 64).double(),
+        nn.Linear(64, 32, bias=False),
     )
-    return model
 
 
-def test_only_large_float32_plain_linears_are_routed() -> None:
-    assert MIN_WEIGHT_ELEMENTS == 512 * 512
+def test_plain_float32_linears_of_a_large_enough_model_are_routed(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model()
+    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 64 * 64 + 64 * 32 + 1)
+    assert install_native_linears(model, CPU, F32) == 0  # its two eligible weights are one element short
+    assert all(type(m) is not NativeLinear for m in model)
+    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 64 * 64 + 64 * 32)
     assert install_native_linears(model, CPU, F32) == 2
-    assert [type(m) for m in model] == [NativeLinear, nn.Linear, _Adapter, nn.Linear, NativeLinear]
-    x = torch.randn(3, 512)
+    assert [type(m) for m in model] == [NativeLinear, _Adapter, nn.Linear, NativeLinear]
+    x = torch.randn(3, 64)
     with torch.inference_mode():
         assert torch.equal(model[0](x), _kernel(x, model[0].weight, model[0].bias))
+        assert torch.equal(model[3](x), _kernel(x, model[3].weight, None))
     assert install_native_linears(model, CPU, F32) == 0  # already routed: nothing more to do
 
 
-def test_other_devices_and_dtypes_keep_their_linears() -> None:
+def test_the_demo_model_keeps_its_linears_and_other_devices_and_dtypes_theirs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    demo = AutoModelForCausalLM.from_pretrained(Path(__file__).parents[2] / "sample_data" / "demo-model")
+    assert install_native_linears(demo, CPU, F32) == 0  # 16 MiB of weights: they stay in cache
+    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 0)
     model = _model()
     assert install_native_linears(model, CPU, torch.bfloat16) == 0
     assert install_native_linears(model, torch.device("meta"), F32) == 0
-    assert all(type(m) is not NativeLinear for m in model)
+    assert all(type(m) is not NativeLinear for m in [*model, *demo.modules()])
 
 
 def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
@@ -148,6 +154,7 @@ def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     assert native_linear._load_op() is False
     assert "native linear operator unavailable" in caplog.text and "fake: no luck" in caplog.text
     monkeypatch.setattr(native_linear, "_OP", [False])
+    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 0)
     model = _model()
     assert install_native_linears(model, CPU, F32) == 0
     assert all(type(m) is not NativeLinear for m in model)

@@ -100,9 +100,9 @@ def test_greedy_parity_compiled(arch: str, tiny_model: Callable[[str], Path]) ->
 def test_greedy_parity_native_linears(
     arch: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every linear layer through the native kernel (native_linear; by default only weights of
-    1 MiB and up, which no tiny model has): the same tokens, eager under pressure."""
-    monkeypatch.setattr(native_linear, "MIN_WEIGHT_ELEMENTS", 0)
+    """Every linear layer through the native kernel (native_linear; by default only in models with
+    64 MiB of linear weights or more, which no tiny model is): the same tokens, eager under pressure."""
+    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 0)
     llm = _check_parity(arch, "pressure", "rows", False, tiny_model)
     assert llm.engine.runner.native_linears > 0
 
@@ -111,7 +111,7 @@ def test_greedy_parity_native_linears_compiled(
     tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same with the forward compiled (the CPU default), the operator a node of the graph."""
-    monkeypatch.setattr(native_linear, "MIN_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 0)
     llm = _check_parity("llama", "pressure", "rows", True, tiny_model)
     assert llm.engine.runner.native_linears > 0 and llm.engine.runner.forward.stats.graphs >= 1
 

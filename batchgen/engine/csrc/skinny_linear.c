@@ -1,16 +1,18 @@
 /* batchgen: y = x @ w^T (+ bias) for a few rows of x, on the CPU: a linear layer at decode sizes.
  *
- * Why not the BLAS: at 4-24 rows a float32 sgemm on nn.Linear's [out, in] weights is far from the
- * one read of the weights such a call is bound by (the 57M model's 56 linears: ~7.5 ms a step for
- * one row, 16.1 ms for 8 rows; benchmarks/RESULTS.md, issue 11's seventh pass). Here every weight
- * row is read once per call, in place (no packed copy, no extra memory), against all rows of x:
- * MB rows of x against NB rows of w at a time, one vector accumulator per (x row, w row) pair,
- * summed across its lanes at the end (8 rows: 10.8-11.4 ms). A thread takes PANEL weight rows at
- * a time, which stay in cache while every block of x rows meets them. See
+ * Why not the BLAS: at decode sizes a float32 sgemm on nn.Linear's [out, in] weights is far from
+ * the one read of the weights such a call is bound by (the 57M model's 56 linears: ~7.5 ms a step
+ * for one row, 16.1 ms for 8 rows; benchmarks/RESULTS.md, issue 11's seventh pass). Here every
+ * weight row is read once per call, in place (no packed copy, no extra memory), against all rows of
+ * x: MB rows of x against NB rows of w at a time, one vector accumulator per (x row, w row) pair,
+ * summed across its lanes at the end. Each thread walks its own contiguous range of weight rows,
+ * NB at a time; while the blocks of x rows meet those (in cache after the first block), the next
+ * NB rows are prefetched from memory a share per block, so reading the weights overlaps with the
+ * multiply-adds (8 rows: 8.7-9.0 ms; 64 rows 29 ms against sgemm's 30-32). See
  * batchgen/engine/native_linear.py (when it is used).
  *
  * Layout (float32): x [m, k] with rows ldx floats apart; w [n, k] contiguous; bias [n] or NULL;
- * y [m, n] contiguous. Threads split the rows of w.
+ * y [m, n] contiguous.
  */
 #include <stdint.h>
 #include <omp.h>
@@ -23,9 +25,6 @@ typedef float vec __attribute__((vector_size(64), aligned(4), may_alias));
 #define AHEAD 128
 #define MAX_MB 6
 #define MAX_NB 8
-#ifndef PANEL
-#define PANEL 64 /* weight rows a thread takes at a time */
-#endif
 
 static inline __attribute__((always_inline)) float lane_sum(vec v) {
   typedef float half __attribute__((vector_size(32)));
@@ -37,10 +36,12 @@ static inline __attribute__((always_inline)) float lane_sum(vec v) {
 }
 
 /* y[i][j] = x[i] . w[j] (+ bias[j]) for i < mb, j < nb: mb * nb independent accumulator chains,
- * each weight vector loaded once and used mb times; mb, nb are constants where it is inlined */
+ * each weight vector loaded once and used mb times; mb, nb are constants where it is inlined.
+ * Also fetches pf_lines cache lines (VW floats each) from pf into L2, one per step of the loop. */
 static inline __attribute__((always_inline)) void tile(const int mb, const int nb, const int64_t k,
                                                        const float *x, const int64_t ldx, const float *w,
-                                                       const float *bias, float *y, const int64_t ldy) {
+                                                       const float *bias, float *y, const int64_t ldy,
+                                                       const float *pf, int64_t pf_lines) {
   vec acc[MAX_MB][MAX_NB];
   for (int i = 0; i < mb; i++)
     for (int j = 0; j < nb; j++) acc[i][j] = (vec){0};
@@ -50,6 +51,11 @@ static inline __attribute__((always_inline)) void tile(const int mb, const int n
     for (int j = 0; j < nb; j++) {
       wv[j] = *(const vec *)(w + j * k + c);
       __builtin_prefetch(w + j * k + c + AHEAD);
+    }
+    if (pf_lines > 0) {
+      __builtin_prefetch(pf, 0, 2);
+      pf += VW;
+      pf_lines--;
     }
     for (int i = 0; i < mb; i++) {
       const vec xv = *(const vec *)(x + i * ldx + c);
@@ -64,11 +70,12 @@ static inline __attribute__((always_inline)) void tile(const int mb, const int n
     }
 }
 
-typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, const float *, float *, int64_t);
+typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, const float *, float *, int64_t, const float *,
+                        int64_t);
 #define TILE_FN(MB, NB)                                                                                 \
   static void tile_##MB##_##NB(int64_t k, const float *x, int64_t ldx, const float *w, const float *bias, \
-                               float *y, int64_t ldy) {                                                  \
-    tile(MB, NB, k, x, ldx, w, bias, y, ldy);                                                            \
+                               float *y, int64_t ldy, const float *pf, int64_t pf_lines) {               \
+    tile(MB, NB, k, x, ldx, w, bias, y, ldy, pf, pf_lines);                                              \
   }
 TILE_FN(1, 8) TILE_FN(2, 8) TILE_FN(3, 8)
 TILE_FN(1, 4) TILE_FN(2, 4) TILE_FN(3, 4) TILE_FN(4, 4) TILE_FN(5, 4) TILE_FN(6, 4)
@@ -78,34 +85,50 @@ static const tile_fn WIDE[4] = {0, tile_1_8, tile_2_8, tile_3_8};
 static const tile_fn FOUR[MAX_MB + 1] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4, tile_5_4, tile_6_4};
 static const tile_fn ONE[MAX_MB + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1};
 
-/* all m rows of x against weight rows [n0, n0 + nb): 6 rows of x at a time (in L1) against the
- * panel's rows 4 at a time (the panel stays in L2 across the row blocks); nb <= PANEL */
-static void panel(const int64_t m, const int64_t n, const int64_t k, const float *x, const int64_t ldx,
-                  const float *w, const float *bias, float *y, const int64_t n0, const int64_t nb) {
+/* all m rows of x against weight rows [n0, n0 + nb), nb <= 8 (m <= 3) or 4. Rows [n0 + nb, next_end)
+ * are what this thread reads next: while the blocks of x rows meet these weights (in cache after
+ * the first block), those are fetched from memory into L2, a share per block, so reading the
+ * weights overlaps with the multiply-adds instead of preceding them */
+static void weight_rows(const int64_t m, const int64_t n, const int64_t k, const float *x, const int64_t ldx,
+                        const float *w, const float *bias, float *y, const int64_t n0, const int64_t nb,
+                        const int64_t next_end) {
+  const float *wr = w + n0 * k;
+  const float *br = bias ? bias + n0 : 0;
   if (m <= 3) {
-    int64_t j = 0;
-    for (; j + 8 <= nb; j += 8) WIDE[m](k, x, ldx, w + (n0 + j) * k, bias ? bias + n0 + j : 0, y + n0 + j, n);
-    for (; j < nb; j++) ONE[m](k, x, ldx, w + (n0 + j) * k, bias ? bias + n0 + j : 0, y + n0 + j, n);
+    if (nb == 8) WIDE[m](k, x, ldx, wr, br, y + n0, n, 0, 0);
+    else for (int64_t j = 0; j < nb; j++) ONE[m](k, x, ldx, wr + j * k, br ? br + j : 0, y + n0 + j, n, 0, 0);
     return;
   }
-  for (int64_t i = 0; i < m; i += MAX_MB) {
-    const int64_t mb = m - i < MAX_MB ? m - i : MAX_MB;
-    const float *xi = x + i * ldx;
-    float *yi = y + i * n;
-    int64_t j = 0;
-    for (; j + 4 <= nb; j += 4) FOUR[mb](k, xi, ldx, w + (n0 + j) * k, bias ? bias + n0 + j : 0, yi + n0 + j, n);
-    for (; j < nb; j++) ONE[mb](k, xi, ldx, w + (n0 + j) * k, bias ? bias + n0 + j : 0, yi + n0 + j, n);
+  const int64_t blocks = (m + MAX_MB - 1) / MAX_MB;
+  const int64_t next_rows = next_end - (n0 + nb) < nb ? next_end - (n0 + nb) : nb;
+  const int64_t lines = next_rows > 0 ? next_rows * k / VW : 0, share = (lines + blocks - 1) / blocks;
+  const float *next = w + (n0 + nb) * k;
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t i = b * MAX_MB, mb = m - i < MAX_MB ? m - i : MAX_MB;
+    const int64_t from = b * share < lines ? b * share : lines, count = lines - from < share ? lines - from : share;
+    if (nb == 4) {
+      FOUR[mb](k, x + i * ldx, ldx, wr, br, y + i * n + n0, n, next + from * VW, count);
+    } else {
+      for (int64_t j = 0; j < nb; j++) ONE[mb](k, x + i * ldx, ldx, wr + j * k, br ? br + j : 0, y + i * n + n0 + j, n, 0, 0);
+    }
   }
 }
 
 int64_t batchgen_linear(const int64_t m, const int64_t n, const int64_t k, const float *x, const int64_t ldx,
                         const float *w, const float *bias, float *y, const int64_t threads) {
   if (m < 1 || n < 1 || k < 1 || ldx < k || threads < 1) return -1;
-  const int64_t panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t p = 0; p < panels; p++) {
-    const int64_t n0 = p * PANEL, left = n - n0;
-    panel(m, n, k, x, ldx, w, bias, y, n0, left < PANEL ? left : PANEL);
+  const int64_t width = m <= 3 ? 8 : 4;
+  const int64_t blocks = (n + width - 1) / width;
+  /* each thread takes one contiguous range of weight rows, so the rows it prefetches are its own */
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
+    const int64_t end = last * width < n ? last * width : n;
+    for (int64_t b = first; b < last; b++) {
+      const int64_t n0 = b * width, left = n - n0;
+      weight_rows(m, n, k, x, ldx, w, bias, y, n0, left < width ? left : width, end);
+    }
   }
   return 0;
 }

@@ -105,7 +105,7 @@ def _load() -> NativeKernels | None:
     if os.environ.get(DISABLE_ENV) == "0":
         logger.info("native CPU kernels off (%s=0): decode attention runs on torch ops", DISABLE_ENV)
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler("CC", "cc", "gcc")
     if compiler is None:
         logger.warning("no C compiler found (cc, gcc or $CC): decode attention runs on torch ops")
         return None
@@ -116,6 +116,11 @@ def _load() -> NativeKernels | None:
     except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError) as exc:
         logger.warning("native CPU kernels unavailable (%s): decode attention runs on torch ops", exc)
         return None
+
+
+def find_compiler(env: str, *names: str) -> str | None:
+    """$env when it is set, else the first of `names` found on the PATH (None: none is)."""
+    return os.environ.get(env) or next((found for name in names if (found := shutil.which(name))), None)
 
 
 def _build(compiler: str) -> Path:

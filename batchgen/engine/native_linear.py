@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -84,7 +82,7 @@ def _load_op() -> bool:
     kernels = native.load()  # None: switched off or unbuildable, logged there
     if kernels is None:
         return False
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = native.find_compiler("CXX", "c++", "g++")
     if compiler is None:
         logger.warning("no C++ compiler found (c++, g++ or $CXX): linear layers run on torch's BLAS")
         return False

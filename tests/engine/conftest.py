@@ -14,6 +14,15 @@ import pytest
 
 from batchgen.engine.tiny_models import save_random_model, tiny_configs
 
+
+def failing_compiler(folder: Path, name: str) -> Path:
+    """An executable `folder/name` that answers --version and fails every build with "fake: no luck"."""
+    fake = folder / name
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake 1.0; exit 0; }\necho "fake: no luck" >&2; exit 1\n')
+    fake.chmod(0o755)
+    return fake
+
+
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "gpt_neox"]
 
 

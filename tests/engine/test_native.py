@@ -19,6 +19,8 @@ import torch
 from batchgen.engine import native
 from batchgen.engine.decode_native import NativeClass, NativeStep, Scratch, fill_row
 
+from .conftest import failing_compiler
+
 KVH = 2
 TILE = native.TILE
 
@@ -278,9 +280,7 @@ def test_no_compiler_or_switched_off_means_torch_ops(
 ) -> None:
     caplog.set_level(logging.INFO, logger=native.__name__)
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    fake = tmp_path / "cc"  # answers --version, fails every build
-    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake 1.0; exit 0; }\necho "fake: no luck" >&2; exit 1\n')
-    fake.chmod(0o755)
+    fake = failing_compiler(tmp_path, "cc")
     monkeypatch.setenv("CC", str(fake))
     assert native._load() is None
     assert f"{fake} could not build decode_attention.c, skinny_linear.c: fake: no luck" in caplog.text

@@ -19,6 +19,8 @@ from torch import nn
 from batchgen.engine import native, native_linear
 from batchgen.engine.native_linear import MAX_ROWS, NativeLinear, install_native_linears
 
+from .conftest import failing_compiler
+
 CPU, F32 = torch.device("cpu"), torch.float32
 
 
@@ -147,9 +149,7 @@ def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     assert native_linear._load_op() is False
     monkeypatch.undo()
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    fake = tmp_path / "c++"  # answers --version, fails every build
-    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake 1.0; exit 0; }\necho "fake: no luck" >&2; exit 1\n')
-    fake.chmod(0o755)
+    fake = failing_compiler(tmp_path, "c++")
     monkeypatch.setenv("CXX", str(fake))
     assert native_linear._load_op() is False
     assert "native linear operator unavailable" in caplog.text and "fake: no luck" in caplog.text

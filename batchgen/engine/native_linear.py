@@ -2,19 +2,19 @@
 
 Why: a decode step multiplies a few rows (one per decoding sequence) by every weight matrix, so
 its linears are bound by reading the weights once. float32 sgemm on nn.Linear's [out, in] weights
-reaches about half of that at 4-24 rows; the kernel reads each weight row once, in place (no
-packed copy), against all rows (the 57M model's 56 linears at 8 rows: 16.1 -> 11.6 ms;
-benchmarks/RESULTS.md, issue 11's seventh pass). Prefill-sized calls stay on the BLAS, which is
-as fast or faster from ~32 rows on, as it is on weights small enough to stay in cache between
-steps (the demo model's).
+is far from that at 4-32 rows; the kernel reads each weight row once, in place (no packed copy),
+against all rows, overlapping the reads with the arithmetic (the 57M model's 56 linears at 8 rows:
+16.1 -> 9 ms; at 64 rows 30-32 -> 29 ms; benchmarks/RESULTS.md, issue 11's seventh pass).
+Prefill-sized calls stay on the BLAS, built for them, as do models whose weights are small enough
+to stay in cache between steps (the demo model's), where sgemm keeps up.
 
 How: each eligible nn.Linear's class becomes NativeLinear (same parameters, same module tree),
 whose forward calls the operator `batchgen::linear` (csrc/linear_op.cpp, built against this torch
 on first use): one opaque node to torch.compile, which takes the kernel at up to MAX_ROWS rows
-and at::linear above, so one compiled graph serves every step size. Why a C++ operator: a Python
-custom op's body costs ~12 us a call from a compiled graph (~1 us in C++), 0.65 ms a decode step
-on the 57M model. Where the operator cannot be built (no C++ compiler, BATCHGEN_NATIVE=0) the
-linears stay as they are.
+and at::linear above, so one compiled graph serves every step size. Why a C++ operator: from a
+compiled graph a call costs 12.9 us through a Python custom op, 2.8 us through this one (aten's
+own linear: 1.2 us); the Python op's share was 0.65 ms of a 57M decode step. Where the operator
+cannot be built (no C++ compiler, BATCHGEN_NATIVE=0) the linears stay as they are.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 
 OP_NAME = "batchgen::linear"  # its CPU implementation: OP_SOURCE
 OP_SOURCE = Path(__file__).parent / "csrc" / "linear_op.cpp"
-MAX_ROWS = 64  # rows up to which the kernel beat sgemm on the 57M model's linears (at 80 sgemm led)
+# rows up to which the kernel is used: on the 57M model's linears it tied sgemm at 1-2 rows and beat it
+# at 4-64, the most measured (max_num_seqs on the CPU)
+MAX_ROWS = 64
 # 64 MiB of float32 linear weights in the model. Below it (the demo model's 16 MiB) the weights stay
 # in cache between steps and sgemm keeps up (tied at up to 16 rows, ahead from 24); above it (the
 # 57M model's 220 MiB) they are read from memory every step, where the kernel wins at every size

@@ -142,8 +142,9 @@ class NativeStep:
             q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
         if h != self._heads:  # the step's first call: the model's shapes and the scratch they need
             g = h // kvh
-            scratch = self._scratch.get(self._args[native.ARG["threads"]] * g * self._longest)
-            self._args[_MODEL_AT:_LAYER_AT] = array("q", [kvh, g, d, scratch.data_ptr(), g * self._longest])
+            per_thread = native.MAX_BLOCK * g * self._longest  # score rows for a block of decodes
+            scratch = self._scratch.get(self._args[native.ARG["threads"]] * per_thread)
+            self._args[_MODEL_AT:_LAYER_AT] = array("q", [kvh, g, d, scratch.data_ptr(), per_thread])
             self._heads = h
         k_bases = self._bases + layer * self._layer_bytes
         stores = _pool_stores(pool, slots, n, kvh, d)
@@ -166,9 +167,12 @@ class NativeStep:
         self.calls += 1
         if status == -1:
             raise RuntimeError(f"native decode attention refused {h // kvh} query heads per KV head, head dim {d}")
+        if status == -3:
+            raise MemoryError(f"native decode attention: no memory for the work list of {n} decodes")
         if status != 0:
             raise RuntimeError(
-                "native decode attention refused a decode longer than its row, or a slot outside the pool"
+                "native decode attention refused a decode longer than its row, a shared prefix not shorter "
+                "than its decode, or a slot outside the pool"
             )
 
 

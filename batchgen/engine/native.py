@@ -45,6 +45,7 @@ ARCH_FLAGS = [["-march=native", "-mprefer-vector-width=512"], ["-march=native"],
 LINK_FLAGS = ["-lm"]
 TILE = 16  # positions per score tile (TILE in the source): the scratch rows are padded to it
 MAX_G, MAX_D = 8, 256  # query heads per KV head, head dim: the source's limits
+MAX_BLOCK = 4  # decodes the source attends together over a shared prefix: scratch rows for each
 
 # batchgen_decode_attention's arguments, in the order of the source's A_* indices (one int64 array):
 # those that hold for a step, those of the model's shapes (its first call), those of each layer

@@ -64,8 +64,14 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
     gen = torch.Generator().manual_seed(g * 1000 + d)
     layers = 2
     # (rows' lengths after this step, class capacity, shared prefix): full tiles, partial tiles,
-    # a row at capacity, one-token rows, and a class whose rows share their first 32 positions
-    classes = [([1, 15, 16, 17, 64], 64, 0), ([100, 37, 128], 128, 32)]
+    # a row at capacity, one-token rows, a class whose rows share their first 32 positions, and one
+    # of 9 rows sharing 48, which the kernel attends in blocks of up to 4 over the prefix (no
+    # window), the rows left over one by one
+    classes = [
+        ([1, 15, 16, 17, 64], 64, 0),
+        ([100, 37, 128], 128, 32),
+        ([49, 64, 100, 128, 50, 77, 96, 113, 60], 128, 48),
+    ]
     parts, full_k, full_v = [], [], []
     for lengths, cap, shared in classes:
         # keys in the kernel's tiles: [rows, KVH, cap / TILE, D, TILE]
@@ -161,6 +167,17 @@ def test_a_row_whose_scores_are_all_minus_infinity_gives_nan() -> None:
     out = torch.zeros(1, 1, d)
     step.attend(0, q, new, torch.randn(1, 1, d), out, 1.0, None)
     assert out.isnan().all()
+
+
+def test_the_limits_are_the_sources() -> None:
+    source = native.SOURCE.read_text()
+    defined = {name: int(value) for name, value in re.findall(r"#define (\w+) (\d+)", source)}
+    assert (defined["TILE"], defined["MAX_G"], defined["MAX_D"], defined["MAX_BLOCK"]) == (
+        native.TILE,
+        native.MAX_G,
+        native.MAX_D,
+        native.MAX_BLOCK,
+    )
 
 
 def test_the_argument_names_are_the_sources_indices() -> None:

@@ -12,20 +12,26 @@
  *                                   tokens 0..n-1); query head h * g + j reads KV head h
  *   knew, vnew   [kvh, tokens, d]   this step's keys and values (strided the same way), stored at
  *                                   position len[i] - 1
- *   decode i's row is row[i] of length class cls[i], whose tensors for this layer start at
- *   kbase[c] (keys [rows, kvh, cap / TILE, d, TILE]: tiles of TILE positions, each one (head, dim)
- *   after another, so the TILE x d keys a score tile reads are one contiguous run) and vbase[c]
- *   (values [rows, kvh, cap, d]), rows kstride[c] / vstride[c] floats apart; cap % TILE == 0
+ *   decode i's row is row[i] rows on from kbase[c] / vbase[c], where the tensors of its length class
+ *   cls[i] for this layer hold the class's first row of the step (keys [rows, kvh, cap / TILE, d,
+ *   TILE]: tiles of TILE positions, each one (head, dim) after another, so the TILE x d keys a score
+ *   tile reads are one contiguous run; values [rows, kvh, cap, d]), rows kstride[c] / vstride[c]
+ *   floats apart; cap % TILE == 0
  *   shared[i]    positions that every row of decode i's class holds in the same cached blocks:
- *                read from the class's row 0, which every member reads, so it stays in cache
+ *                read from that first row ("row 0" below), which every member reads, so it stays in cache
+ *                (shared[i] < len[i]: this step's position is never among them)
  *   out          [n, kvh * g, d]
  *   kpool, vpool [pool_slots, kvh, d]  the paged pool, flat (NULL: the caller stores this step's K/V
  *                there itself); slot[i] is where decode i's new K/V go
  * Row i attends to positions [max(0, len[i] - window), len[i]) (window 0: all of them).
- * scratch holds threads * scratch_stride floats; scratch_stride >= g * round_up(max len, TILE).
+ * scratch holds threads * scratch_stride floats; scratch_stride >= MAX_BLOCK * g * round_up(max len, TILE)
+ * (a thread's score rows for a block of decodes, see attend_block).
+ * Returns 0; -1 for a shape beyond the limits, -2 for a length or slot out of range (nothing
+ * written in either case), -3 when memory for the work list ran out.
  */
 #include <float.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -33,6 +39,9 @@
 #define MAX_G 8
 #define MAX_D 256
 #define MAX_NT 8
+#define MAX_BLOCK 4 /* decodes attended together over a shared prefix (attend_block) */
+/* as many as keep their accumulators, m * g * d floats, within 16 512-bit registers */
+#define BLOCK_DECODES(g, d) ((g) * (d) <= 64 ? 4 : (g) * (d) <= 128 ? 2 : 1)
 /* tiles scored at once for g queries per KV head: about eight accumulator chains in all, each a
  * tile's 16 floats (one 512-bit register); with 256-bit vectors a chain takes two registers of 16,
  * so half as many tiles (an AVX2 build with the counts above ran slower than one tile at a time,
@@ -43,13 +52,15 @@
 #define SCORE_TILES(g) ((g) >= 4 ? 1 : (g) >= 2 ? 2 : 4)
 #endif
 
-/* scores s[j * stride + l] = scale * q_j . K[:, l] for the nt tiles from l0 (l0 % TILE == 0), j < g, each
- * tile t read from kt[t]; the last tile may be `width` < TILE positions wide (then nt == 1).
+/* scores s[j * stride + l] = scale * q_j . K[:, l] for the nt tiles from l0 (l0 % TILE == 0), j < g, read
+ * from kt on, one tile after another (one base pointer: the compiler kept an array of per-tile
+ * pointers in memory and reloaded them every multiply-add pass); the last tile may be `width` <
+ * TILE positions wide (then nt == 1).
  * Why nt tiles at once: each (query, tile) pair is one chain of dependent multiply-adds, and with
  * one or two queries per KV head a single tile gave the FPU two chains to overlap where it needs
  * about eight; nt * g independent accumulators keep it busy (see SCORE_TILES). */
 static inline __attribute__((always_inline)) void score_tiles(const int64_t g, const int64_t d, const int64_t nt,
-                                                              const float *const *kt, int64_t l0, int64_t width,
+                                                              const float *kt, int64_t l0, int64_t width,
                                                               float qs[MAX_G][MAX_D], float *s, int64_t stride) {
   float acc[MAX_NT][MAX_G][TILE];
   for (int64_t t = 0; t < nt; t++)
@@ -57,7 +68,7 @@ static inline __attribute__((always_inline)) void score_tiles(const int64_t g, c
       for (int64_t p = 0; p < TILE; p++) acc[t][j][p] = 0.f;
   for (int64_t x = 0; x < d; x++) {
     for (int64_t t = 0; t < nt; t++) {
-      const float *kr = kt[t] + x * TILE;
+      const float *kr = kt + t * TILE * d + x * TILE;
       for (int64_t j = 0; j < g; j++) {
         const float qx = qs[j][x];
 #pragma omp simd
@@ -68,11 +79,6 @@ static inline __attribute__((always_inline)) void score_tiles(const int64_t g, c
   for (int64_t t = 0; t < nt; t++)
     for (int64_t j = 0; j < g; j++)
       for (int64_t p = 0; p < width; p++) s[j * stride + l0 + t * TILE + p] = acc[t][j][p];
-}
-
-/* the full tile from position l0: from the class's row 0 where the tile lies in the shared prefix */
-static inline const float *tile_at(int64_t l0, int64_t d, int64_t shared, const float *k, const float *kp) {
-  return (l0 + TILE <= shared ? kp : k) + l0 * d;
 }
 
 /* e^x for the softmax's x = score - row maximum <= 0, in plain arithmetic so that the loop vectorises.
@@ -107,31 +113,9 @@ void batchgen_exp_nonpositive(int64_t count, const float *x, float *y) {
   for (int64_t i = 0; i < count; i++) y[i] = exp_nonpositive(x[i]);
 }
 
-static inline __attribute__((always_inline)) void attend(const int64_t g, const int64_t d, const int64_t start,
-                                                         const int64_t len, const int64_t shared, const float *q,
-                                                         const int64_t qh, const float *k, const float *v, const float *kp,
-                                                         const float *vp, float scale, float *out, float *s) {
-  const int64_t stride = (len + TILE - 1) / TILE * TILE;
-  float qs[MAX_G][MAX_D];
-  for (int64_t j = 0; j < g; j++)
-    for (int64_t x = 0; x < d; x++) qs[j][x] = q[j * qh + x] * scale;
-  const int64_t nt = SCORE_TILES(g);
-  const float *kt[MAX_NT];
-  int64_t l0 = start / TILE * TILE;
-  /* full tiles, nt at a time, then one at a time: a constant width and count keep the accumulators in registers */
-  for (; l0 + nt * TILE <= len; l0 += nt * TILE) {
-    for (int64_t t = 0; t < nt; t++) kt[t] = tile_at(l0 + t * TILE, d, shared, k, kp);
-    score_tiles(g, d, nt, kt, l0, TILE, qs, s, stride);
-  }
-  for (; l0 + TILE <= len; l0 += TILE) {
-    kt[0] = tile_at(l0, d, shared, k, kp);
-    score_tiles(g, d, 1, kt, l0, TILE, qs, s, stride);
-  }
-  if (l0 < len) {
-    kt[0] = k + l0 * d;
-    score_tiles(g, d, 1, kt, l0, len - l0, qs, s, stride);
-  }
-  float inv[MAX_G];
+/* rows j < g of s (stride apart), positions start..len-1: scores -> e^(score - row max); inv[j] = 1 / their sum */
+static inline __attribute__((always_inline)) void softmax_rows(const int64_t g, const int64_t start, const int64_t len,
+                                                               float *s, const int64_t stride, float *inv) {
   for (int64_t j = 0; j < g; j++) {
     float *sj = s + j * stride;
     float top = -FLT_MAX;
@@ -146,28 +130,155 @@ static inline __attribute__((always_inline)) void attend(const int64_t g, const 
     }
     inv[j] = 1.f / sum;
   }
-  float acc[MAX_G][MAX_D];
+}
+
+static inline __attribute__((always_inline)) void attend(const int64_t g, const int64_t d, const int64_t start,
+                                                         const int64_t len, const int64_t shared, const float *q,
+                                                         const int64_t qh, const float *k, const float *v, const float *kp,
+                                                         const float *vp, float scale, float *out, float *s) {
+  const int64_t stride = (len + TILE - 1) / TILE * TILE;
+  float qs[MAX_G][MAX_D];
   for (int64_t j = 0; j < g; j++)
-    for (int64_t x = 0; x < d; x++) acc[j][x] = 0.f;
+    for (int64_t x = 0; x < d; x++) qs[j][x] = q[j * qh + x] * scale;
+  const int64_t nt = SCORE_TILES(g);
+  /* whole tiles: those of the shared prefix from the class's first row, the rest from the decode's
+   * own; within each run the tiles are contiguous, so one base pointer addresses all nt */
+  const int64_t full = len / TILE * TILE, split = shared / TILE * TILE < full ? shared / TILE * TILE : full;
+  int64_t l0 = start / TILE * TILE;
+  for (int pass = 0; pass < 2; pass++) {
+    const float *base = pass ? k : kp;
+    const int64_t end = pass ? full : split;
+    if (pass && l0 < split) l0 = split;
+    for (; l0 + nt * TILE <= end; l0 += nt * TILE) score_tiles(g, d, nt, base + l0 * d, l0, TILE, qs, s, stride);
+    for (; l0 + TILE <= end; l0 += TILE) score_tiles(g, d, 1, base + l0 * d, l0, TILE, qs, s, stride);
+  }
+  if (l0 < len) score_tiles(g, d, 1, k + l0 * d, l0, len - l0, qs, s, stride);
+  float inv[MAX_G];
+  softmax_rows(g, start, len, s, stride, inv);
+  /* two accumulators per output, for even and odd positions: independent multiply-add chains */
+  float acc[MAX_G][MAX_D], acc2[MAX_G][MAX_D];
+  for (int64_t j = 0; j < g; j++)
+    for (int64_t x = 0; x < d; x++) acc[j][x] = acc2[j][x] = 0.f;
   int64_t l = start;
-  for (; l + 1 < len; l += 2) { /* two positions a pass: independent chains for the adds */
-    const float *v0 = (l + 1 < shared ? vp : v) + l * d, *v1 = v0 + d;
-    for (int64_t j = 0; j < g; j++) {
-      const float p0 = s[j * stride + l], p1 = s[j * stride + l + 1];
+  for (int pass = 0; pass < 2; pass++) { /* the shared prefix from the first row, then the own positions */
+    const float *base = pass ? v : vp;
+    const int64_t end = pass ? len : (shared < len ? shared : len);
+    for (; l + 1 < end; l += 2) {
+      const float *v0 = base + l * d, *v1 = v0 + d;
+      for (int64_t j = 0; j < g; j++) {
+        const float p0 = s[j * stride + l], p1 = s[j * stride + l + 1];
 #pragma omp simd
-      for (int64_t x = 0; x < d; x++) acc[j][x] += p0 * v0[x] + p1 * v1[x];
+        for (int64_t x = 0; x < d; x++) {
+          acc[j][x] += p0 * v0[x];
+          acc2[j][x] += p1 * v1[x];
+        }
+      }
+    }
+    if (l < end) {
+      const float *v0 = base + l * d;
+      for (int64_t j = 0; j < g; j++) {
+        const float p0 = s[j * stride + l];
+#pragma omp simd
+        for (int64_t x = 0; x < d; x++) acc[j][x] += p0 * v0[x];
+      }
+      l++;
     }
   }
-  for (; l < len; l++) {
-    const float *v0 = (l < shared ? vp : v) + l * d;
-    for (int64_t j = 0; j < g; j++) {
-      const float p0 = s[j * stride + l];
-#pragma omp simd
-      for (int64_t x = 0; x < d; x++) acc[j][x] += p0 * v0[x];
-    }
-  }
+  for (int64_t j = 0; j < g; j++)
+    for (int64_t x = 0; x < d; x++) acc[j][x] += acc2[j][x];
   for (int64_t j = 0; j < g; j++)
     for (int64_t x = 0; x < d; x++) out[j * d + x] = acc[j][x] * inv[j];
+}
+
+/* m decodes of one class that hold their first `shared` positions in the same cached blocks,
+ * attended together over that prefix: each key and value of it is read once (from the class's
+ * first row) for the m * g queries, where one decode at a time reads it m times and does g
+ * multiply-adds per float read, too few for the cache to keep the FPU busy. Their own positions
+ * then go one decode at a time, as in attend(). k[u], v[u]: decode u's own row; s: scratch for
+ * m decodes, decode u's g score rows from s + u * rows. No sliding window (the caller's check). */
+static inline __attribute__((always_inline)) void attend_block(
+    const int64_t g, const int64_t d, const int64_t m, const int64_t *len, const int64_t shared, const float *const *q,
+    const int64_t qh, const float *const *k, const float *const *v, const float *kp, const float *vp, float scale,
+    float *const *out, float *s, const int64_t rows) {
+  float qs[MAX_BLOCK][MAX_G][MAX_D];
+  int64_t stride[MAX_BLOCK];
+  for (int64_t u = 0; u < m; u++) {
+    stride[u] = (len[u] + TILE - 1) / TILE * TILE;
+    for (int64_t j = 0; j < g; j++)
+      for (int64_t x = 0; x < d; x++) qs[u][j][x] = q[u][j * qh + x] * scale;
+  }
+  const int64_t split = shared / TILE * TILE; /* whole tiles of the prefix: shared < len, so none is a row's last */
+  for (int64_t l0 = 0; l0 < split; l0 += TILE) {
+    float acc[MAX_BLOCK][MAX_G][TILE];
+    for (int64_t u = 0; u < m; u++)
+      for (int64_t j = 0; j < g; j++)
+        for (int64_t p = 0; p < TILE; p++) acc[u][j][p] = 0.f;
+    const float *kt = kp + l0 * d;
+    for (int64_t x = 0; x < d; x++) {
+      const float *kr = kt + x * TILE;
+      for (int64_t u = 0; u < m; u++)
+        for (int64_t j = 0; j < g; j++) {
+          const float qx = qs[u][j][x];
+#pragma omp simd
+          for (int64_t p = 0; p < TILE; p++) acc[u][j][p] += qx * kr[p];
+        }
+    }
+    for (int64_t u = 0; u < m; u++)
+      for (int64_t j = 0; j < g; j++)
+        for (int64_t p = 0; p < TILE; p++) s[u * rows + j * stride[u] + l0 + p] = acc[u][j][p];
+  }
+  const int64_t nt = SCORE_TILES(g);
+  float inv[MAX_BLOCK][MAX_G];
+  for (int64_t u = 0; u < m; u++) {
+    float *su = s + u * rows;
+    const int64_t full = len[u] / TILE * TILE;
+    int64_t l0 = split;
+    for (; l0 + nt * TILE <= full; l0 += nt * TILE) score_tiles(g, d, nt, k[u] + l0 * d, l0, TILE, qs[u], su, stride[u]);
+    for (; l0 + TILE <= full; l0 += TILE) score_tiles(g, d, 1, k[u] + l0 * d, l0, TILE, qs[u], su, stride[u]);
+    if (l0 < len[u]) score_tiles(g, d, 1, k[u] + l0 * d, l0, len[u] - l0, qs[u], su, stride[u]);
+    softmax_rows(g, 0, len[u], su, stride[u], inv[u]);
+  }
+  float acc[MAX_BLOCK][MAX_G][MAX_D];
+  for (int64_t u = 0; u < m; u++)
+    for (int64_t j = 0; j < g; j++)
+      for (int64_t x = 0; x < d; x++) acc[u][j][x] = 0.f;
+  for (int64_t l = 0; l < shared; l++) {
+    const float *vr = vp + l * d;
+    for (int64_t u = 0; u < m; u++)
+      for (int64_t j = 0; j < g; j++) {
+        const float p = s[u * rows + j * stride[u] + l];
+#pragma omp simd
+        for (int64_t x = 0; x < d; x++) acc[u][j][x] += p * vr[x];
+      }
+  }
+  for (int64_t u = 0; u < m; u++) { /* own positions: locals, so the sums stay in registers */
+    const float *su = s + u * rows, *vu = v[u];
+    float a[MAX_G][MAX_D], a2[MAX_G][MAX_D];
+    for (int64_t j = 0; j < g; j++)
+      for (int64_t x = 0; x < d; x++) a[j][x] = acc[u][j][x], a2[j][x] = 0.f;
+    int64_t l = shared;
+    for (; l + 1 < len[u]; l += 2) {
+      const float *v0 = vu + l * d, *v1 = v0 + d;
+      for (int64_t j = 0; j < g; j++) {
+        const float p0 = su[j * stride[u] + l], p1 = su[j * stride[u] + l + 1];
+#pragma omp simd
+        for (int64_t x = 0; x < d; x++) {
+          a[j][x] += p0 * v0[x];
+          a2[j][x] += p1 * v1[x];
+        }
+      }
+    }
+    if (l < len[u]) {
+      const float *v0 = vu + l * d;
+      for (int64_t j = 0; j < g; j++) {
+        const float p0 = su[j * stride[u] + l];
+#pragma omp simd
+        for (int64_t x = 0; x < d; x++) a[j][x] += p0 * v0[x];
+      }
+    }
+    for (int64_t j = 0; j < g; j++)
+      for (int64_t x = 0; x < d; x++) out[u][j * d + x] = (a[j][x] + a2[j][x]) * inv[u][j];
+  }
 }
 
 /* Specialised for common (g, d), so the accumulators live in registers; any other shape runs generic. */
@@ -175,6 +286,12 @@ static inline __attribute__((always_inline)) void attend(const int64_t g, const 
   if (g == G && d == D) {                                                             \
     attend(G, D, start, len[i], shared[i], qi, qh, k, v, kp, vp, scale, oi, s);      \
     continue;                                                                         \
+  }
+#define BLOCK_SHAPE(G, D)                                                                                    \
+  if (g == G && d == D) {                                                                                    \
+    attend_block(G, D, BLOCK_DECODES(G, D), len + i0, shared[i0], qu, qh, ku, vu, kp, vp, scale, ou, s,       \
+                 scratch_stride / MAX_BLOCK);                                                                \
+    continue;                                                                                                \
   }
 
 /* The call's arguments, all int64 (counts, strides in floats, and addresses), at these indices of
@@ -211,33 +328,58 @@ int64_t batchgen_decode_attention(const int64_t *a, float scale) {
   float *out = (float *)a[A_OUT], *scratch = (float *)a[A_SCRATCH];
   if (g < 1 || g > MAX_G || d < 1 || d > MAX_D) return -1;
   for (int64_t i = 0; i < n; i++) /* why: a length past its row would write outside it */
-    if (len[i] < 1 || len[i] > cap[i] || cap[i] % TILE || shared[i] < 0 || shared[i] > len[i] ||
+    if (len[i] < 1 || len[i] > cap[i] || cap[i] % TILE || shared[i] < 0 || shared[i] >= len[i] ||
         (kpool && (slot[i] < 0 || slot[i] >= pool_slots)))
       return -2;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
-  for (int64_t item = 0; item < n * kvh; item++) {
-    const int64_t i = item / kvh, h = item % kvh, c = cap[i], k0 = cls[i];
+  /* work items: (block, KV head); a block is BLOCK_DECODES consecutive decodes of one class with a
+   * shared prefix of at least a tile (attend_block), or else one decode */
+  const int64_t bm = window > 0 ? 1 : BLOCK_DECODES(g, d);
+  int64_t *first = malloc((n + 1) * sizeof(int64_t));
+  if (!first) return -3;
+  int64_t nb = 0;
+  for (int64_t i = 0; i < n;) {
+    int64_t m = 1;
+    if (bm > 1 && shared[i] >= TILE)
+      while (m < bm && i + m < n && cls[i + m] == cls[i] && shared[i + m] == shared[i]) m++;
+    first[nb++] = i;
+    i += m == bm ? m : 1;
+  }
+  first[nb] = n;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t item = 0; item < nb * kvh; item++) {
+    const int64_t b = item / kvh, h = item % kvh, i0 = first[b], m = first[b + 1] - i0, k0 = cls[i0], c = cap[i0];
     float *kr = (float *)kbase[k0], *vr = (float *)vbase[k0]; /* the class's row 0 */
-    float *k = kr + row[i] * kstride[k0] + h * d * c;
-    float *v = vr + row[i] * vstride[k0] + h * c * d;
-    const float *kp = shared[i] ? kr + h * d * c : k;
-    const float *vp = shared[i] ? vr + h * c * d : v;
-    const int64_t last = len[i] - 1;
-    const float *kn = knew + i * kts + h * khs, *vn = vnew + i * vts + h * vhs;
-    for (int64_t x = 0; x < d; x++) k[(last - last % TILE) * d + x * TILE + last % TILE] = kn[x];
-    memcpy(v + last * d, vn, d * sizeof(float));
-    if (kpool) {
-      memcpy(kpool + (slot[i] * kvh + h) * d, kn, d * sizeof(float));
-      memcpy(vpool + (slot[i] * kvh + h) * d, vn, d * sizeof(float));
+    const float *kp = kr + h * d * c, *vp = vr + h * c * d;
+    const float *qu[MAX_BLOCK], *ku[MAX_BLOCK], *vu[MAX_BLOCK];
+    float *ou[MAX_BLOCK];
+    for (int64_t u = 0; u < m; u++) { /* this step's K/V into the rows (and the pool) */
+      const int64_t i = i0 + u, last = len[i] - 1;
+      float *k = kr + row[i] * kstride[k0] + h * d * c, *v = vr + row[i] * vstride[k0] + h * c * d;
+      const float *kn = knew + i * kts + h * khs, *vn = vnew + i * vts + h * vhs;
+      for (int64_t x = 0; x < d; x++) k[(last - last % TILE) * d + x * TILE + last % TILE] = kn[x];
+      memcpy(v + last * d, vn, d * sizeof(float));
+      if (kpool) {
+        memcpy(kpool + (slot[i] * kvh + h) * d, kn, d * sizeof(float));
+        memcpy(vpool + (slot[i] * kvh + h) * d, vn, d * sizeof(float));
+      }
+      qu[u] = q + i * qt + h * g * qh, ku[u] = k, vu[u] = v, ou[u] = out + (i * kvh + h) * g * d;
     }
-    const int64_t start = window > 0 && len[i] > window ? len[i] - window : 0;
-    const float *qi = q + i * qt + h * g * qh;
-    float *oi = out + (i * kvh + h) * g * d;
     float *s = scratch + omp_get_thread_num() * scratch_stride;
+    if (m > 1) {
+      BLOCK_SHAPE(1, 64) BLOCK_SHAPE(2, 32) BLOCK_SHAPE(2, 64) BLOCK_SHAPE(4, 32) BLOCK_SHAPE(1, 128)
+      attend_block(g, d, m, len + i0, shared[i0], qu, qh, ku, vu, kp, vp, scale, ou, s, scratch_stride / MAX_BLOCK);
+      continue;
+    }
+    const int64_t start = window > 0 && len[i0] > window ? len[i0] - window : 0;
+    const float *k = ku[0], *v = vu[0], *qi = qu[0];
+    float *oi = ou[0];
+    if (!shared[i0]) kp = k, vp = v;
+    const int64_t i = i0;
     SHAPE(1, 64) SHAPE(1, 128) SHAPE(2, 32) SHAPE(2, 64) SHAPE(2, 128) SHAPE(3, 64) SHAPE(3, 128)
     SHAPE(4, 32) SHAPE(4, 64) SHAPE(4, 128) SHAPE(6, 64) SHAPE(6, 128) SHAPE(8, 64) SHAPE(8, 128)
     attend(g, d, start, len[i], shared[i], qi, qh, k, v, kp, vp, scale, oi, s);
   }
+  free(first);
   return 0;
 }
 

@@ -47,6 +47,7 @@ class DecodeRequest(NamedTuple):
     seq_id: int
     position: int
     block_table: Sequence[int]
+    max_len: int = 0  # the most tokens the sequence may ever hold (prompt + max_tokens); 0: unknown
 
 
 @dataclass

@@ -50,7 +50,11 @@ def _packed_order(
     if not decodes:
         return list(range(len(chunks))), None, 0
     packed, step = decode_kv.plan(
-        [DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table) for i in decodes]
+        # why the live seq's max_total_tokens: its prompt and max_tokens never change
+        [
+            DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table, chunks[i].seq.max_total_tokens)
+            for i in decodes
+        ]
     )
     rest = [i for i, c in enumerate(chunks) if not c.is_decode]
     return [decodes[j] for j in packed] + rest, step, len(decodes)

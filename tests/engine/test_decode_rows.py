@@ -10,7 +10,7 @@ import torch
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.decode_kv import DecodeRequest, resolve_decode_kv
-from batchgen.engine.decode_rows import MIN_CLASS_LEN, DecodeRows, length_class
+from batchgen.engine.decode_rows import MIN_CLASS_LEN, DecodeRows, length_class, row_class
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
 
@@ -97,8 +97,24 @@ def test_long_classes_reserve_only_the_rows_the_pool_can_fill() -> None:
     table = list(range(300))
     rows.plan([DecodeRequest(1, 10, table), DecodeRequest(2, 600, table)])
     shapes = {c: pack.k[0].shape[0] for c, pack in rows._packs.items()}
-    # class 0 may seat all 64; a sequence in class 4 holds > 512 tokens, so a 1000-token pool fits 1
-    assert shapes == {0: 64, length_class(601): 1000 // (8 * MIN_CLASS_LEN + 1) + 1}
+    # class 0 may seat all 64; a sequence in class 4 holds > 256 tokens (it may have come one class
+    # early, see row_class), so a 1000-token pool fits 3
+    assert shapes == {0: 64, length_class(601): 1000 // (4 * MIN_CLASS_LEN + 1) + 1}
+
+
+def test_a_row_comes_one_class_early_when_its_sequence_can_only_end_there() -> None:
+    assert row_class(MIN_CLASS_LEN - 4, MIN_CLASS_LEN + 20) == 1  # ends within class 1: placed there now
+    assert row_class(MIN_CLASS_LEN - 4, MIN_CLASS_LEN - 1) == 0  # fits its own class
+    assert row_class(MIN_CLASS_LEN - 4, 4 * MIN_CLASS_LEN) == 0  # may outgrow the next too: no early move
+    assert row_class(MIN_CLASS_LEN - 4, 0) == 0  # its end unknown
+    rows = _rows()
+    table = list(range(64))
+    # a prompt 4 tokens below class 0's end that may grow 20 more: one fill, kept as it crosses
+    near = MIN_CLASS_LEN - 4
+    for step in range(8):
+        _, view = rows.plan([DecodeRequest(3, near + step, table, near + 20), DecodeRequest(4, 10 + step, table)])
+        assert [c.positions.tolist() for c in view.classes] == [[10 + step], [near + step]]
+    assert rows.num_fills == 2
 
 
 def test_auto_means_rows_on_cpu_and_a_bad_setting_is_refused(tiny_model: Callable[[str], Path]) -> None:

@@ -30,12 +30,17 @@ PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler show
 
 @dataclass
 class NativeClass:
-    """One length class's part of a step, as decode_rows plans it: rows 0..n-1, in packed order."""
+    """One length class's part of a step, as decode_rows plans it: its decodes' rows, in packed order."""
 
     k: list[torch.Tensor]  # per layer [rows, KVH, cap / TILE, D, TILE] (keys in tiles of positions)
     v: list[torch.Tensor]  # per layer [rows, KVH, cap, D]
-    num_rows: int
-    shared: int  # positions every row holds in the same blocks (0: none), read from row 0
+    num_rows: int  # decodes of the class in this step
+    # positions every decode's row holds in the same blocks (0: none), read from the lowest of the rows
+    shared: int
+    rows: Sequence[int] | None = None  # each decode's row of the tensors (None: 0..num_rows-1)
+
+    def decode_rows(self) -> Sequence[int]:
+        return range(self.num_rows) if self.rows is None else self.rows
 
     @property
     def cap(self) -> int:
@@ -79,14 +84,23 @@ class NativeStep:
         # between key rows and between value rows; per layer and class where the key and value
         # tensors start. Why one array: torch.tensor() over Python lists costs ~0.3 us an element,
         # and each layer then only adds offsets to one address (no tensor ops per layer).
+        # rows counted from each class's lowest, where its tensors' addresses point: the kernel
+        # reads a shared prefix from there (a row of this step, so its positions are filled)
+        low = [min(part.decode_rows(), default=0) for part in classes]
         table = array("q", [c for c, part in enumerate(classes) for _ in range(part.num_rows)])
-        table.extend([r for part in classes for r in range(part.num_rows)])
+        table.extend([r - low[c] for c, part in enumerate(classes) for r in part.decode_rows()])
         table.extend([part.cap for part in classes for _ in range(part.num_rows)])
         table.extend(lengths)
         table.extend([part.shared for part in classes for _ in range(part.num_rows)])
         table.extend([t.stride(0) for t in [p.k[0] for p in classes] + [p.v[0] for p in classes]])
-        table.extend([p.k[layer].data_ptr() for layer in range(num_layers) for p in classes])
-        table.extend([p.v[layer].data_ptr() for layer in range(num_layers) for p in classes])
+        for tensors in ([p.k for p in classes], [p.v for p in classes]):
+            table.extend(
+                [
+                    t[layer].data_ptr() + low[c] * t[layer].stride(0) * t[layer].element_size()
+                    for layer in range(num_layers)
+                    for c, t in enumerate(tensors)
+                ]
+            )
         self.table = torch.frombuffer(table, dtype=torch.int64)
         self.shared = self.table[4 * n : 5 * n]  # [n]
         at, size = self.table.data_ptr(), self.table.element_size()
@@ -179,17 +193,18 @@ class NativeStep:
 def _row_shape(classes: Sequence[NativeClass]) -> tuple[int, int]:
     """(KVH, D) of the classes' rows, once every layer's tensors are what the kernel addresses:
     float32 on the CPU, keys [rows, KVH, cap / TILE, D, TILE] and values [rows, KVH, cap, D], each
-    row contiguous, the same shape and strides in every layer, at least num_rows rows."""
+    row contiguous, the same shape and strides in every layer, each decode's row among them."""
     shapes = set()
     for part in classes:
         k0, v0 = part.k[0], part.v[0]
         if k0.dim() != 5 or v0.dim() != 4:
             raise RuntimeError(f"native decode attention: rows of {tuple(k0.shape)} and {tuple(v0.shape)}")
         rows, kvh, tiles, d, tile = k0.shape
-        cap = tiles * tile
+        cap, used = tiles * tile, part.decode_rows()
         row_k, row_v = (tiles * d * tile, d * tile, tile, 1), (cap * d, d, 1)
         if not (
-            tile == native.TILE and v0.shape == (rows, kvh, cap, d) and part.num_rows <= rows
+            tile == native.TILE and v0.shape == (rows, kvh, cap, d) and len(used) == part.num_rows
+            and (not used or (min(used) >= 0 and max(used) < rows))
             and k0.stride()[1:] == row_k and v0.stride()[1:] == row_v
             and all(t.shape == k0.shape and t.stride() == k0.stride() and t.dtype == torch.float32 and t.is_cpu
                     for t in part.k)

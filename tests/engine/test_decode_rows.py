@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen.engine import native
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.decode_kv import DecodeRequest, resolve_decode_kv
 from batchgen.engine.decode_rows import MIN_CLASS_LEN, DecodeRows, length_class, row_class
@@ -56,6 +57,21 @@ def test_rows_are_kept_while_decoding_and_refilled_when_out_of_step() -> None:
     # a position that does not follow the row's length means the row is stale: refill
     order, view = rows.plan([DecodeRequest(7, 30, table), DecodeRequest(8, 24, table)])
     assert _fill_seq_ids(view) == [(1, 30)]
+
+
+def test_the_native_kernels_rows_keep_their_place_and_a_new_sequence_takes_a_hole() -> None:
+    kernels = native.load()
+    assert kernels is not None, "the native kernel did not build (see the log)"
+    rows = DecodeRows(1, KVH, DIM, BLOCK, 4096, torch.float32, torch.device("cpu"), native=kernels)
+    table = list(range(64))
+    rows.plan([DecodeRequest(s, 10, table) for s in (1, 2, 3)])
+    # seq 1 finished: the others keep rows 1 and 2 (nothing moved or refilled), row 0 is a hole
+    order, view = rows.plan([DecodeRequest(2, 11, table), DecodeRequest(3, 11, table)])
+    assert view.native is not None and list(view.classes[0].fills) == [] and rows.num_fills == 3
+    assert rows._where == {2: (0, 1), 3: (0, 2)}
+    order, view = rows.plan([DecodeRequest(4, 20, table), DecodeRequest(2, 12, table), DecodeRequest(3, 12, table)])
+    assert rows._where[4] == (0, 0) and _fill_seq_ids(view) == [(0, 20)]
+    assert order == [0, 1, 2]  # packed by row
 
 
 def test_outgrowing_a_class_moves_to_the_next_and_packs_by_class() -> None:

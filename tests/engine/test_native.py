@@ -118,6 +118,35 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
     assert step.calls == layers
 
 
+def test_decodes_in_rows_with_holes_read_their_own_rows_and_the_prefix_from_the_lowest() -> None:
+    """decode_rows leaves a finished sequence's row as a hole: the kernel must read each decode's
+    own row, the shared prefix from the lowest of them, and never touch a hole."""
+    gen = torch.Generator().manual_seed(5)
+    g, d, cap, shared = 2, 32, 64, 32
+    rows, lengths = [1, 2, 4, 5, 6], [40, 64, 33, 50, 47]  # 4 attended as a block, 1 alone
+    k = [torch.randn(8, KVH, cap // TILE, d, TILE, generator=gen)]
+    v = [torch.randn(8, KVH, cap, d, generator=gen)]
+    holes = [0, 3, 7]
+    k[0][holes], v[0][holes] = float("nan"), float("nan")
+    k[0][rows, :, : shared // TILE] = k[0][rows[0], :, : shared // TILE]
+    v[0][rows, :, :shared] = v[0][rows[0], :, :shared]
+    full_k = [_positions(k[0][r]) for r in rows]  # what each decode attends to: the prefix as the lowest row holds it
+    full_v = [v[0][r].clone() for r in rows]
+    k[0][rows[1:], :, 0] = float("nan")  # the prefix's first tile: only the lowest row's may be read
+    v[0][rows[1:], :, :TILE] = float("nan")
+    step = NativeStep(_kernels(), [NativeClass(k, v, len(rows), shared, rows)], lengths, Scratch())
+    q = torch.randn(len(rows), KVH * g, d, generator=gen)
+    new_k, new_v = torch.randn(2, len(rows), KVH, d, generator=gen)
+    out = torch.full((len(rows), KVH * g, d), float("nan"))
+    step.attend(0, q.transpose(0, 1), new_k.transpose(0, 1), new_v.transpose(0, 1), out, d**-0.5, None)
+    for i, (row, length) in enumerate(zip(rows, lengths)):
+        full_k[i][:, length - 1], full_v[i][:, length - 1] = new_k[i], new_v[i]
+        expected = _reference(q[i], full_k[i][:, :length], full_v[i][:, :length], 0)
+        torch.testing.assert_close(out[i].double(), expected, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(_positions(k[0][row])[:, length - 1], new_k[i], rtol=0, atol=0)
+    assert k[0][holes].isnan().all() and v[0][holes].isnan().all()  # no hole was written
+
+
 def test_scores_far_below_the_maximum_and_nan_queries() -> None:
     """The kernel's own exp: scores hundreds below their row's maximum weigh (almost) nothing, as in
     float64, and a NaN query gives a NaN output (the engine's NaN check must still see it)."""

@@ -132,6 +132,64 @@ static inline __attribute__((always_inline)) void softmax_rows(const int64_t g, 
   }
 }
 
+/* one decode's scores over whole tiles [l0, end) of a run of contiguous tiles from `base`: nt at a
+ * time, then one at a time (a constant width and count keep the accumulators in registers);
+ * returns where it stopped */
+static inline __attribute__((always_inline)) int64_t score_run(const int64_t g, const int64_t d, const float *base,
+                                                               int64_t l0, const int64_t end, float qs[MAX_G][MAX_D],
+                                                               float *s, const int64_t stride) {
+  const int64_t nt = SCORE_TILES(g);
+  for (; l0 + nt * TILE <= end; l0 += nt * TILE) score_tiles(g, d, nt, base + l0 * d, l0, TILE, qs, s, stride);
+  for (; l0 + TILE <= end; l0 += TILE) score_tiles(g, d, 1, base + l0 * d, l0, TILE, qs, s, stride);
+  return l0;
+}
+
+/* one decode's scores from the tile holding position `from` to len: whole tiles below `split` (a
+ * multiple of TILE) from the class's first row kp, the rest, and the last partial tile, from its own k */
+static inline __attribute__((always_inline)) void scores(const int64_t g, const int64_t d, const float *kp,
+                                                         const float *k, const int64_t from, const int64_t split,
+                                                         const int64_t len, float qs[MAX_G][MAX_D], float *s,
+                                                         const int64_t stride) {
+  int64_t l0 = score_run(g, d, kp, from / TILE * TILE, split, qs, s, stride);
+  l0 = score_run(g, d, k, l0, len / TILE * TILE, qs, s, stride);
+  if (l0 < len) score_tiles(g, d, 1, k + l0 * d, l0, len - l0, qs, s, stride);
+}
+
+/* acc[j] (even positions) and acc2[j] (odd) += s[j][l] * base[l] for l in [l, end): two
+ * accumulators, so the multiply-adds form independent chains; returns end */
+static inline __attribute__((always_inline)) int64_t value_run(const int64_t g, const int64_t d, const float *base,
+                                                               int64_t l, const int64_t end, const float *s,
+                                                               const int64_t stride, float acc[MAX_G][MAX_D],
+                                                               float acc2[MAX_G][MAX_D]) {
+  for (; l + 1 < end; l += 2) {
+    const float *v0 = base + l * d, *v1 = v0 + d;
+    for (int64_t j = 0; j < g; j++) {
+      const float p0 = s[j * stride + l], p1 = s[j * stride + l + 1];
+#pragma omp simd
+      for (int64_t x = 0; x < d; x++) {
+        acc[j][x] += p0 * v0[x];
+        acc2[j][x] += p1 * v1[x];
+      }
+    }
+  }
+  if (l < end) {
+    const float *v0 = base + l * d;
+    for (int64_t j = 0; j < g; j++) {
+      const float p0 = s[j * stride + l];
+#pragma omp simd
+      for (int64_t x = 0; x < d; x++) acc[j][x] += p0 * v0[x];
+    }
+  }
+  return end > l ? end : l;
+}
+
+/* out[j] = (acc[j] + acc2[j]) * inv[j] */
+static inline __attribute__((always_inline)) void finish(const int64_t g, const int64_t d, float acc[MAX_G][MAX_D],
+                                                         float acc2[MAX_G][MAX_D], const float *inv, float *out) {
+  for (int64_t j = 0; j < g; j++)
+    for (int64_t x = 0; x < d; x++) out[j * d + x] = (acc[j][x] + acc2[j][x]) * inv[j];
+}
+
 static inline __attribute__((always_inline)) void attend(const int64_t g, const int64_t d, const int64_t start,
                                                          const int64_t len, const int64_t shared, const float *q,
                                                          const int64_t qh, const float *k, const float *v, const float *kp,
@@ -140,54 +198,17 @@ static inline __attribute__((always_inline)) void attend(const int64_t g, const 
   float qs[MAX_G][MAX_D];
   for (int64_t j = 0; j < g; j++)
     for (int64_t x = 0; x < d; x++) qs[j][x] = q[j * qh + x] * scale;
-  const int64_t nt = SCORE_TILES(g);
-  /* whole tiles: those of the shared prefix from the class's first row, the rest from the decode's
-   * own; within each run the tiles are contiguous, so one base pointer addresses all nt */
-  const int64_t full = len / TILE * TILE, split = shared / TILE * TILE < full ? shared / TILE * TILE : full;
-  int64_t l0 = start / TILE * TILE;
-  for (int pass = 0; pass < 2; pass++) {
-    const float *base = pass ? k : kp;
-    const int64_t end = pass ? full : split;
-    if (pass && l0 < split) l0 = split;
-    for (; l0 + nt * TILE <= end; l0 += nt * TILE) score_tiles(g, d, nt, base + l0 * d, l0, TILE, qs, s, stride);
-    for (; l0 + TILE <= end; l0 += TILE) score_tiles(g, d, 1, base + l0 * d, l0, TILE, qs, s, stride);
-  }
-  if (l0 < len) score_tiles(g, d, 1, k + l0 * d, l0, len - l0, qs, s, stride);
+  const int64_t split = shared / TILE * TILE; /* whole tiles of the prefix (shared < len) */
+  scores(g, d, kp, k, start, split, len, qs, s, stride);
   float inv[MAX_G];
   softmax_rows(g, start, len, s, stride, inv);
-  /* two accumulators per output, for even and odd positions: independent multiply-add chains */
   float acc[MAX_G][MAX_D], acc2[MAX_G][MAX_D];
   for (int64_t j = 0; j < g; j++)
     for (int64_t x = 0; x < d; x++) acc[j][x] = acc2[j][x] = 0.f;
-  int64_t l = start;
-  for (int pass = 0; pass < 2; pass++) { /* the shared prefix from the first row, then the own positions */
-    const float *base = pass ? v : vp;
-    const int64_t end = pass ? len : (shared < len ? shared : len);
-    for (; l + 1 < end; l += 2) {
-      const float *v0 = base + l * d, *v1 = v0 + d;
-      for (int64_t j = 0; j < g; j++) {
-        const float p0 = s[j * stride + l], p1 = s[j * stride + l + 1];
-#pragma omp simd
-        for (int64_t x = 0; x < d; x++) {
-          acc[j][x] += p0 * v0[x];
-          acc2[j][x] += p1 * v1[x];
-        }
-      }
-    }
-    if (l < end) {
-      const float *v0 = base + l * d;
-      for (int64_t j = 0; j < g; j++) {
-        const float p0 = s[j * stride + l];
-#pragma omp simd
-        for (int64_t x = 0; x < d; x++) acc[j][x] += p0 * v0[x];
-      }
-      l++;
-    }
-  }
-  for (int64_t j = 0; j < g; j++)
-    for (int64_t x = 0; x < d; x++) acc[j][x] += acc2[j][x];
-  for (int64_t j = 0; j < g; j++)
-    for (int64_t x = 0; x < d; x++) out[j * d + x] = acc[j][x] * inv[j];
+  /* the shared prefix from the first row, then the own positions */
+  const int64_t l = value_run(g, d, vp, start, shared > start ? shared : start, s, stride, acc, acc2);
+  value_run(g, d, v, l, len, s, stride, acc, acc2);
+  finish(g, d, acc, acc2, inv, out);
 }
 
 /* m decodes of one class that hold their first `shared` positions in the same cached blocks,
@@ -227,16 +248,10 @@ static inline __attribute__((always_inline)) void attend_block(
       for (int64_t j = 0; j < g; j++)
         for (int64_t p = 0; p < TILE; p++) s[u * rows + j * stride[u] + l0 + p] = acc[u][j][p];
   }
-  const int64_t nt = SCORE_TILES(g);
   float inv[MAX_BLOCK][MAX_G];
-  for (int64_t u = 0; u < m; u++) {
-    float *su = s + u * rows;
-    const int64_t full = len[u] / TILE * TILE;
-    int64_t l0 = split;
-    for (; l0 + nt * TILE <= full; l0 += nt * TILE) score_tiles(g, d, nt, k[u] + l0 * d, l0, TILE, qs[u], su, stride[u]);
-    for (; l0 + TILE <= full; l0 += TILE) score_tiles(g, d, 1, k[u] + l0 * d, l0, TILE, qs[u], su, stride[u]);
-    if (l0 < len[u]) score_tiles(g, d, 1, k[u] + l0 * d, l0, len[u] - l0, qs[u], su, stride[u]);
-    softmax_rows(g, 0, len[u], su, stride[u], inv[u]);
+  for (int64_t u = 0; u < m; u++) { /* the rest of each decode's scores, from its own row */
+    scores(g, d, k[u], k[u], split, split, len[u], qs[u], s + u * rows, stride[u]);
+    softmax_rows(g, 0, len[u], s + u * rows, stride[u], inv[u]);
   }
   float acc[MAX_BLOCK][MAX_G][MAX_D];
   for (int64_t u = 0; u < m; u++)
@@ -252,32 +267,11 @@ static inline __attribute__((always_inline)) void attend_block(
       }
   }
   for (int64_t u = 0; u < m; u++) { /* own positions: locals, so the sums stay in registers */
-    const float *su = s + u * rows, *vu = v[u];
     float a[MAX_G][MAX_D], a2[MAX_G][MAX_D];
     for (int64_t j = 0; j < g; j++)
       for (int64_t x = 0; x < d; x++) a[j][x] = acc[u][j][x], a2[j][x] = 0.f;
-    int64_t l = shared;
-    for (; l + 1 < len[u]; l += 2) {
-      const float *v0 = vu + l * d, *v1 = v0 + d;
-      for (int64_t j = 0; j < g; j++) {
-        const float p0 = su[j * stride[u] + l], p1 = su[j * stride[u] + l + 1];
-#pragma omp simd
-        for (int64_t x = 0; x < d; x++) {
-          a[j][x] += p0 * v0[x];
-          a2[j][x] += p1 * v1[x];
-        }
-      }
-    }
-    if (l < len[u]) {
-      const float *v0 = vu + l * d;
-      for (int64_t j = 0; j < g; j++) {
-        const float p0 = su[j * stride[u] + l];
-#pragma omp simd
-        for (int64_t x = 0; x < d; x++) a[j][x] += p0 * v0[x];
-      }
-    }
-    for (int64_t j = 0; j < g; j++)
-      for (int64_t x = 0; x < d; x++) out[u][j * d + x] = (a[j][x] + a2[j][x]) * inv[u][j];
+    value_run(g, d, v[u], shared, len[u], s + u * rows, stride[u], a, a2);
+    finish(g, d, a, a2, inv[u], out[u]);
   }
 }
 

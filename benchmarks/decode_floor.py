@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from batchgen.engine import attention, decode_gather, model_runner
+from batchgen.engine import attention, attention_front, decode_gather, model_runner
 from batchgen.engine.decode_native import NativeStep
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
@@ -162,17 +162,20 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         (attention, "gather_blocks", "attn_gather"),
         (decode_gather, "gather_blocks", "attn_gather"),
         (attention, "_attend_decodes", "attn_compute"),
-        (NativeStep, "attend", "attn_compute"),  # the native kernel: K/V stores, row appends and attention
+        (NativeStep, "attend", "attn_compute"),  # the native kernel from Python: K/V stores, row appends, attention
         (RowsView, "_fill", "attn_rows_update"),
         (attention, "cascade_decode_attention", "attn_compute"),
         (attention, "_attend_chunk", "attn_compute"),
         (Sampler, "sample_ids", "sampling"),
         (StopChecker, "append", "detokenize_stop"),
     ]
+    front_kernel = attention_front.STATS.kernel_seconds
     with ExitStack() as stack:
         for owner, name, label in targets:
             stack.enter_context(_wrapped(owner, name, label, totals))
         total = sum(_timed(engine.step) for _ in range(steps))
+    # the C++ front's kernel calls (decode-only steps): it times them itself, no Python to wrap
+    totals["attn_compute"] += attention_front.STATS.kernel_seconds - front_kernel
     per = defaultdict(float, {k: v * 1e3 / steps for k, v in totals.items()})
     attn_keys = ("attn_kv_write", "attn_rows_update", "attn_gather", "attn_compute")
     out = {

@@ -347,9 +347,12 @@ def paged_attention_forward(
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: sliding_window {window!r}, softcap {softcap!r} unknown")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     args = (query[0], key[0], value[0], float(scale), window, None if softcap is None else float(softcap))
-    # why the op only while compiling: the compiler needs it opaque; eager runs call its body directly
-    # (the very same code, without the custom-op dispatch on every layer of every step)
-    out = paged_attention(*args) if torch.compiler.is_compiling() else _paged_attention_impl(*args)
+    if query.is_cpu and attention_op.FRONT_READY[0]:  # the C++ front: decode plans, else the Python op
+        out = torch.ops.batchgen.attention(*args)
+    else:
+        # why the op only while compiling: the compiler needs it opaque; eager runs call its body
+        # directly (the very same code, without the custom-op dispatch on every layer of every step)
+        out = paged_attention(*args) if torch.compiler.is_compiling() else _paged_attention_impl(*args)
     return out.unsqueeze(0), None
 
 

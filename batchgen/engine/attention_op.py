@@ -18,6 +18,11 @@ from collections.abc import Callable
 import torch
 
 OP_NAME = "batchgen::paged_attention"
+# The C++ front (csrc/attention_op.cpp, loaded by attention_front): the model's attention calls it
+# instead once FRONT_READY[0] is set; it attends planned decode-only steps itself and hands every
+# other call to OP_NAME. Its schema and fake are here, so a graph can be traced before it loads.
+FRONT_OP_NAME = "batchgen::attention"
+FRONT_READY = [False]  # a plain flag, for the model's traced attention call to read
 
 # Set by attention.py at import: (query [H, T, D], key/value [KVH, T, D], scale, window, softcap) -> [T, H, D].
 # Why a hook: attention.py imports this module, and the op must exist before any model is compiled.
@@ -28,11 +33,16 @@ _IMPL: list[Callable[..., torch.Tensor]] = []
 _RAISED: list[BaseException] = []
 
 
+# The C++ front's own refusals, read the same way (set by attention_front): its message or None
+FRONT_ERRORS: list[Callable[[], str | None]] = []
+
+
 def take_raised() -> BaseException | None:
-    """The exception the op raised since the last call (None: none), forgotten once taken."""
+    """The exception the op (or the C++ front) raised since the last call (None: none), forgotten once taken."""
     raised = _RAISED[0] if _RAISED else None
     _RAISED.clear()
-    return raised
+    message = FRONT_ERRORS[0]() if FRONT_ERRORS else None
+    return RuntimeError(message) if raised is None and message else raised
 
 
 def set_impl(impl: Callable[..., torch.Tensor]) -> None:
@@ -64,7 +74,7 @@ def paged_attention(
 
 
 @paged_attention.register_fake
-def _(
+def _out_shape(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -73,3 +83,9 @@ def _(
     softcap: float | None,
 ) -> torch.Tensor:
     return query.new_empty(query.shape[1], query.shape[0], query.shape[2])
+
+
+torch.library.define(
+    FRONT_OP_NAME, "(Tensor query, Tensor key, Tensor value, float scale, SymInt? window, float? softcap) -> Tensor"
+)
+torch.library.register_fake(FRONT_OP_NAME)(_out_shape)

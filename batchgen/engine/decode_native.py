@@ -73,6 +73,7 @@ class NativeStep:
         """lengths: positions each decode attends to after this step's token (packed order)."""
         self.kernels = kernels
         self.calls = 0  # layers attended (for tests and the benchmark)
+        self._classes = classes  # why kept: the table below holds raw addresses into their tensors
         self._kvh, self._d = _row_shape(classes)
         n, num_classes, num_layers = len(lengths), len(classes), len(classes[0].k)
         rows = sum(part.num_rows for part in classes)
@@ -155,11 +156,7 @@ class NativeStep:
         if q.stride(2) != 1 or key.stride(2) != 1 or value.stride(2) != 1:
             q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
         if h != self._heads:  # the step's first call: the model's shapes and the scratch they need
-            g = h // kvh
-            per_thread = native.MAX_BLOCK * g * self._longest  # score rows for a block of decodes
-            scratch = self._scratch.get(self._args[native.ARG["threads"]] * per_thread)
-            self._args[_MODEL_AT:_LAYER_AT] = array("q", [kvh, g, d, scratch.data_ptr(), per_thread])
-            self._heads = h
+            self._set_heads(h)
         k_bases = self._bases + layer * self._layer_bytes
         stores = _pool_stores(pool, slots, n, kvh, d)
         per_layer = array(
@@ -188,6 +185,64 @@ class NativeStep:
                 "native decode attention refused a decode longer than its row, a shared prefix not shorter "
                 "than its decode, or a slot outside the pool"
             )
+
+    def _set_heads(self, h: int) -> None:
+        """The kernel's model arguments for h query heads, and scratch rows for them."""
+        g = h // self._kvh
+        per_thread = native.MAX_BLOCK * g * self._longest  # score rows for a block of decodes
+        scratch = self._scratch.get(self._args[native.ARG["threads"]] * per_thread)
+        self._args[_MODEL_AT:_LAYER_AT] = array("q", [self._kvh, g, self._d, scratch.data_ptr(), per_thread])
+        self._heads = h
+
+    def front_plan(
+        self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor, heads: int, tokens: int
+    ) -> FrontPlan:
+        """The plan of a decode-only step for the C++ front (csrc/attention_op.cpp): every layer's call
+        then attends there, with the K/V stored in `pools` (per layer K, V [blocks, block_size, KVH,
+        D]) at `slots` [>= n] int64. `tokens`: the step's real tokens (the output rows past them
+        are zeroed)."""
+        n, kvh, d = self.num_decodes, self._kvh, self._d
+        same = all(_is_pool(pool, kvh, d) and pool[0].shape == pools[0][0].shape for pool in pools)
+        if len(pools) != self._num_layers or heads % kvh or not same:
+            raise RuntimeError(f"native decode attention: {len(pools)} pools, {heads} heads for rows of {kvh} x {d}")
+        if not (slots.dim() == 1 and slots.shape[0] >= n and slots.dtype == torch.int64 and slots.is_contiguous()):
+            raise RuntimeError(f"native decode attention: slots {slots.dtype} {tuple(slots.shape)} for {n} decodes")
+        if not slots.is_cpu:
+            raise RuntimeError(f"native decode attention: slots on {slots.device}")
+        self._set_heads(heads)
+        k0 = pools[0][0]  # every layer's pool has its shape
+        fields = {
+            "args": self._args_at, "layer_at": _LAYER_AT, "layers": self._num_layers, "decodes": n, "tokens": tokens,
+            "heads": heads, "kv_heads": kvh, "head_dim": d, "bases": self._bases, "layer_bytes": self._layer_bytes,
+            "slots": slots.data_ptr(), "pool_slots": k0.shape[0] * k0.shape[1], "calls": 0, "nanos": 0,
+        }  # fmt: skip
+        plan = array("q", [fields[name] for name in PLAN_FIELDS])
+        plan.extend([t.data_ptr() for pool in pools for t in pool])
+        return FrontPlan(plan, (self, list(pools), slots))
+
+
+@dataclass
+class FrontPlan:
+    """A decode-only step's plan for the C++ front, and what its addresses point into."""
+
+    fields: array  # PLAN_FIELDS in order, then each layer's key pool and value pool
+    keep: tuple[object, ...]  # the step (its table and arguments), the pools, the slots: alive while it is
+
+    @property
+    def calls(self) -> int:
+        return self.fields[PLAN_CALLS]
+
+    @property
+    def kernel_seconds(self) -> float:
+        return self.fields[PLAN_NANOS] * 1e-9
+
+
+# The C++ front's plan, in the order of its P_* fields (csrc/attention_op.cpp), then the pools
+PLAN_FIELDS = (
+    "args", "layer_at", "layers", "decodes", "tokens", "heads", "kv_heads", "head_dim", "bases", "layer_bytes",
+    "slots", "pool_slots", "calls", "nanos",
+)  # fmt: skip
+PLAN_CALLS, PLAN_NANOS = PLAN_FIELDS.index("calls"), PLAN_FIELDS.index("nanos")
 
 
 def _row_shape(classes: Sequence[NativeClass]) -> tuple[int, int]:

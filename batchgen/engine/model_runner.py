@@ -21,6 +21,8 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.attention import forward_context
+from batchgen.engine.attention_front import decode_plan
+from batchgen.engine.attention_front import load as load_front
 from batchgen.engine.attention_path import VARLEN, AttentionChoice, choose_attention_path, detect_support, has_softcap
 from batchgen.engine.compiled_forward import StepForward
 from batchgen.engine.cuda_graphs import GraphDecode, StaticDecode
@@ -205,6 +207,9 @@ class ModelRunner:
             if self.decode_kv_kind == "rows"
             else GatheredBlocks(block_size, device)
         )
+        # the C++ front attends decode-only steps of the native kernel without Python per layer
+        self.front = isinstance(self.decode_kv, DecodeRows) and self.decode_kv.native is not None and load_front()
+        self._num_heads = model.config.get_text_config().num_attention_heads
         self.transfers = Transfers(device)
         self.decode_kv.stage = self.transfers.stage
         self.native_linears = install_native_linears(model, device, dtype)
@@ -263,7 +268,7 @@ class ModelRunner:
         input_ids = self.transfers.stage(torch.tensor(token_ids))  # [T]
         keep_idx = self.transfers.stage(torch.tensor(keep))  # [num sampled + prompt-logit rows (+ padding)]
         self.transfers.upload()
-        with torch.inference_mode(), forward_context(ctx):
+        with torch.inference_mode(), forward_context(ctx), decode_plan(ctx, self._num_heads):
             logits = self.forward(input_ids, positions, keep_idx)
         if ctx.num_attention_calls != len(self.kv_caches):
             raise RuntimeError(

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import subprocess
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from batchgen.engine import native
+from batchgen.engine import native, native_ops
 
 logger = logging.getLogger(__name__)
 
@@ -81,40 +80,14 @@ def load_op() -> bool:
 
 
 def _load_op() -> bool:
-    kernels = native.load()  # None: switched off or unbuildable, logged there
-    if kernels is None:
+    kernels = native.load()
+    lib = native_ops.load_op("batchgen_linear_op", OP_SOURCE, "linear layers run on torch's BLAS")
+    if kernels is None or lib is None:
         return False
-    compiler = native.find_compiler("CXX", "c++", "g++")
-    if compiler is None:
-        logger.warning("no C++ compiler found (c++, g++ or $CXX): linear layers run on torch's BLAS")
-        return False
-    try:
-        path = native.build(
-            "batchgen_linear_op", (OP_SOURCE,), compiler, [_flags()], _link(), torch.__version__.encode()
-        )
-        torch.ops.load_library(str(path))
-        setup = ctypes.CDLL(str(path)).batchgen_linear_op_setup
-        setup.restype, setup.argtypes = None, [ctypes.c_void_p, ctypes.c_int64]
-        setup(ctypes.cast(kernels.linear, ctypes.c_void_p), MAX_ROWS)
-    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError) as exc:
-        logger.warning("native linear operator unavailable (%s): linear layers run on torch's BLAS", exc)
-        return False
+    setup = lib.batchgen_linear_op_setup
+    setup.restype, setup.argtypes = None, [ctypes.c_void_p, ctypes.c_int64]
+    setup(ctypes.cast(kernels.linear, ctypes.c_void_p), MAX_ROWS)
     return True
-
-
-def _flags() -> list[str]:
-    from torch.utils import cpp_extension
-
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
-
-
-def _link() -> list[str]:
-    from torch.utils import cpp_extension
-
-    dirs = cpp_extension.library_paths()
-    return [*(f"-L{d}" for d in dirs), *(f"-Wl,-rpath,{d}" for d in dirs), "-lc10", "-ltorch_cpu"]
 
 
 torch.library.define(OP_NAME, "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")

@@ -81,6 +81,16 @@ class RowsView:
         self.native.attend(layer, q, key, value, out, scale, window, pool if slots is not None else None, slots)
         return True
 
+    def fill_all(self, pools: list[Pool]) -> None:
+        """Copy every layer's new rows out of the pool now, before the forward (one pool per layer).
+
+        Only for a decode-only step: every position a row is filled with was computed in an earlier
+        step, so nothing this step writes to the pool is missing (see _fill)."""
+        for layer, pool in enumerate(pools):
+            self._fill(layer, pool)
+        for step in self.classes:
+            step.fills = []
+
     @property
     def writes_pool(self) -> bool:
         return self.native is not None

@@ -59,14 +59,19 @@ def test_engine_with_a_shared_preamble_uses_cascade_with_either_decode_source(
         calls.append(1)
         return real(*args)  # type: ignore[arg-type]
 
-    real_attend = decode_native.NativeStep.attend
+    real_attend, real_plan = decode_native.NativeStep.attend, decode_native.NativeStep.front_plan
 
     def native_counting(self: decode_native.NativeStep, *args: Any) -> None:
         calls.extend([1] if int(self.shared.max()) > 0 else [])
         real_attend(self, *args)
 
+    def planned_counting(self: decode_native.NativeStep, *args: Any) -> decode_native.FrontPlan:
+        calls.extend([1] if int(self.shared.max()) > 0 else [])  # a decode-only step: the C++ front attends
+        return real_plan(self, *args)
+
     monkeypatch.setattr(attention, "cascade_decode_attention", counting)
     monkeypatch.setattr(decode_native.NativeStep, "attend", native_counting)
+    monkeypatch.setattr(decode_native.NativeStep, "front_plan", planned_counting)
     preamble = [(7 * j) % 250 + 2 for j in range(64)]
     prompts = [preamble + [(i * 11 + j) % 250 + 2 for j in range(3 + i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

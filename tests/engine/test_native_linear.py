@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine import native, native_linear
+from batchgen.engine import native, native_linear, native_ops
 from batchgen.engine.native_linear import MAX_ROWS, NativeLinear, install_native_linears
 
 from .conftest import failing_compiler
@@ -144,7 +144,7 @@ def test_the_demo_model_keeps_its_linears_and_other_devices_and_dtypes_theirs(mo
 def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger=native_linear.__name__)
+    caplog.set_level(logging.WARNING, logger=native_ops.__name__)
     monkeypatch.setattr(native, "_LOADED", [None])  # as when BATCHGEN_NATIVE=0 or no C compiler
     assert native_linear._load_op() is False
     monkeypatch.undo()
@@ -152,7 +152,7 @@ def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     fake = failing_compiler(tmp_path, "c++")
     monkeypatch.setenv("CXX", str(fake))
     assert native_linear._load_op() is False
-    assert "native linear operator unavailable" in caplog.text and "fake: no luck" in caplog.text
+    assert "batchgen_linear_op unavailable" in caplog.text and "fake: no luck" in caplog.text
     monkeypatch.setattr(native_linear, "_OP", [False])
     monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 0)
     model = _model()

@@ -1,0 +1,135 @@
+// batchgen: the torch operator batchgen::attention, the model's attention call as the compiled graph makes it.
+//
+// Why C++: in a decode-only step on the CPU every layer's attention is one call of the native decode
+// kernel (csrc/decode_attention.c), and the Python around that call (the custom op's dispatch, the
+// step context, the checks, the kernel's per-layer arguments) cost ~0.1 ms a layer, 0.4 ms of the demo
+// model's ~10 ms step. Python sets a plan for such a step (batchgen_attention_plan: the kernel's
+// argument array with everything that holds for the step, each layer's pool, the step's slots); each
+// layer's call here then only writes that layer's tensors into the arguments and calls the kernel.
+// Without a plan (a step with prefills, or one the plan does not cover) it calls the Python op
+// batchgen::paged_attention with the same arguments, so every step still has one entry point.
+// See batchgen/engine/attention_front.py.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace {
+
+using kernel_fn = int64_t (*)(int64_t *, float);
+kernel_fn kernel = nullptr;
+
+// The plan's fields (an int64 array owned by Python; attention_front.PLAN_FIELDS names them in this order)
+enum : int64_t {
+  P_ARGS,         // address of the kernel's argument array (native.DECODE_ARGS), the step's part filled
+  P_LAYER_AT,     // index in it of the first per-layer argument ("q")
+  P_LAYERS,       // layers of the model
+  P_DECODES,      // decodes of the step: tokens 0..n-1
+  P_TOKENS,       // real tokens of the step (rows past them are padding, zeroed)
+  P_HEADS,        // query heads
+  P_KV_HEADS,     // K/V heads
+  P_HEAD_DIM,     // head dim
+  P_BASES,        // address of layer 0's key-class addresses (the value ones follow all layers' keys)
+  P_LAYER_BYTES,  // bytes between one layer's class addresses and the next's
+  P_SLOTS,        // address of the step's slot mapping (int64, one per decode at least)
+  P_POOL_SLOTS,   // slots in one layer's pool
+  P_CALLS,        // layers attended so far (written here)
+  P_NANOS,        // nanoseconds spent in the kernel so far (written here)
+  P_POOLS,        // then per layer: the key pool's address, the value pool's
+};
+constexpr int64_t LAYER_ARGS = 17;  // per-layer arguments, "q" .. "pool_slots" in native.DECODE_ARGS
+
+thread_local int64_t *plan = nullptr;
+
+at::Tensor python_op(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale,
+                     std::optional<int64_t> window, std::optional<double> softcap) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("batchgen::paged_attention", "");
+  torch::jit::Stack stack{query, key, value, scale, window, softcap};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+bool cpu_float(const at::Tensor &t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); }
+
+// D contiguous, as the kernel reads a head's vector
+at::Tensor rows_contiguous(const at::Tensor &t) { return t.stride(2) == 1 ? t : t.contiguous(); }
+
+// the last refusal's message, for Python to read: a compiled graph reports only that the call failed
+thread_local std::string last_error;
+
+at::Tensor planned(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale,
+                   std::optional<int64_t> window, std::optional<double> softcap) {
+  const int64_t layer = plan[P_CALLS]++;  // counted first: the runner checks every layer came through
+  const int64_t n = plan[P_DECODES], heads = plan[P_HEADS], kvh = plan[P_KV_HEADS], d = plan[P_HEAD_DIM];
+  TORCH_CHECK(layer < plan[P_LAYERS], "attention called more than once per layer (", plan[P_LAYERS], " layers)");
+  TORCH_CHECK(!softcap.has_value(), "batchgen::attention: a decode plan for a layer that soft-caps its logits");
+  // why checked here: the kernel reads and writes through raw addresses
+  TORCH_CHECK(cpu_float(query) && cpu_float(key) && cpu_float(value) && query.dim() == 3 && key.dim() == 3,
+              "batchgen::attention: float32 CPU tensors [heads, tokens, dim] expected");
+  const int64_t tokens = query.size(1);
+  TORCH_CHECK(query.size(0) == heads && query.size(2) == d && tokens >= n && key.size(0) == kvh &&
+                  key.size(1) == tokens && key.size(2) == d && value.sizes() == key.sizes(),
+              "batchgen::attention: q ", query.sizes(), ", key ", key.sizes(), ", value ", value.sizes(), " for ", n,
+              " decodes over ", heads, " heads, ", kvh, " K/V heads of ", d);
+  const at::Tensor q = rows_contiguous(query), k = rows_contiguous(key), v = rows_contiguous(value);
+  at::Tensor out = at::empty({tokens, heads, d}, query.options());
+  int64_t *args = reinterpret_cast<int64_t *>(plan[P_ARGS]);
+  const int64_t bases = plan[P_BASES] + layer * plan[P_LAYER_BYTES];
+  const int64_t layer_args[LAYER_ARGS] = {
+      reinterpret_cast<int64_t>(q.data_ptr()), q.stride(0), q.stride(1),
+      reinterpret_cast<int64_t>(k.data_ptr()), k.stride(0), k.stride(1),
+      reinterpret_cast<int64_t>(v.data_ptr()), v.stride(0), v.stride(1),
+      bases, bases + plan[P_LAYERS] * plan[P_LAYER_BYTES], window.value_or(0),
+      reinterpret_cast<int64_t>(out.data_ptr()), plan[P_POOLS + 2 * layer], plan[P_POOLS + 2 * layer + 1],
+      plan[P_SLOTS], plan[P_POOL_SLOTS],
+  };
+  for (int64_t i = 0; i < LAYER_ARGS; i++) args[plan[P_LAYER_AT] + i] = layer_args[i];
+  const auto began = std::chrono::steady_clock::now();
+  const int64_t status = kernel(args, static_cast<float>(scale));
+  plan[P_NANOS] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - began).count();
+  TORCH_CHECK_WITH(OutOfMemoryError, status != -3, "native decode attention: no memory for the work list of ", n,
+                   " decodes");
+  TORCH_CHECK(status != -1, "native decode attention refused ", heads / kvh, " query heads per KV head, head dim ", d);
+  TORCH_CHECK(status == 0, "native decode attention refused layer ", layer, ": a decode longer than its row, a shared ",
+              "prefix not shorter than its decode, or a slot outside the pool");
+  if (tokens > plan[P_TOKENS]) out.narrow(0, plan[P_TOKENS], tokens - plan[P_TOKENS]).zero_();
+  return out;
+}
+
+at::Tensor attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale,
+                     std::optional<int64_t> window, std::optional<double> softcap) {
+  if (plan == nullptr) return python_op(query, key, value, scale, window, softcap);
+  try {
+    return planned(query, key, value, scale, window, softcap);
+  } catch (const c10::Error &e) {
+    last_error = e.what_without_backtrace();
+    throw;
+  }
+}
+
+}  // namespace
+
+// fn: batchgen_decode_attention's address (the kernel library)
+extern "C" void batchgen_attention_op_setup(void *fn) { kernel = reinterpret_cast<kernel_fn>(fn); }
+
+// the step's plan (see P_*), or NULL: every call goes to the Python op
+extern "C" void batchgen_attention_plan(int64_t *p) { plan = p; }
+
+// the last refusal's message since the last call (NULL: none), forgotten once taken
+extern "C" const char *batchgen_attention_op_take_error(void) {
+  static thread_local std::string taken;
+  taken.swap(last_error);
+  last_error.clear();
+  return taken.empty() ? nullptr : taken.c_str();
+}
+
+extern "C" int64_t batchgen_attention_op_plan_fields(void) { return P_POOLS; }
+extern "C" int64_t batchgen_attention_op_layer_args(void) { return LAYER_ARGS; }
+
+// the schema and the fake (shape-only) implementation are defined in attention_front.py
+TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("attention", &attention); }

@@ -220,13 +220,14 @@ class ModelRunner:
             max_blocks = math.ceil((max_model_len or num_kv_blocks * block_size) / block_size)
             self.graphs = GraphDecode(self.forward, self.kv_caches, max_num_seqs or 64, max_blocks, block_size, device)
         logger.info(
-            "KV pool: %d blocks x %d tokens, %d layers (attention: %s, %s; decode K/V: %s)",
+            "KV pool: %d blocks x %d tokens, %d layers (attention: %s, %s; decode K/V: %s%s)",
             num_kv_blocks,
             block_size,
             spec.num_layers,
             self.attention.path,
             self.attention.reason,
             self.decode_kv_kind,
+            ", native kernel through the C++ front" if self.front else "",
         )
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -61,8 +61,9 @@ def test_a_planned_step_attends_exactly_as_the_python_path() -> None:
             q = torch.randn(tokens, KVH * G, D, generator=gen).transpose(0, 1)  # [H, T, D], strided as the model's
             key, value = torch.randn(2, tokens, KVH, D, generator=gen).transpose(1, 2)
             expected = torch.zeros(tokens, KVH * G, D)
-            python_step.attend(layer, q, key, value, expected, D**-0.5, None, pools[layer], slots)
-            out = torch.ops.batchgen.attention(q, key, value, D**-0.5, None, None)
+            window = 7 if layer else None  # a sliding window goes through too
+            python_step.attend(layer, q, key, value, expected, D**-0.5, window, pools[layer], slots)
+            out = torch.ops.batchgen.attention(q, key, value, D**-0.5, window, None)
             torch.testing.assert_close(out[:n], expected[:n], rtol=0, atol=0)
             assert not out[real:].any()  # padding rows are zeroed
     # the same rows and pool slots written, to the bit
@@ -72,6 +73,7 @@ def test_a_planned_step_attends_exactly_as_the_python_path() -> None:
     for a, b in zip(pools, front_pools):
         torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
         torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+        assert b[0].flatten(0, 1)[slots[:n]].abs().amin() > 0  # every decode's key was stored
     assert attention_front.STATS.layers - before == LAYERS == plan.calls and plan.kernel_seconds > 0
 
 

@@ -3,9 +3,10 @@
 // Why C++: in a decode-only step on the CPU every layer's attention is one call of the native decode
 // kernel (csrc/decode_attention.c), and the Python around that call (the custom op's dispatch, the
 // step context, the checks, the kernel's per-layer arguments) cost ~0.1 ms a layer or more (the demo
-// model's decode step of 64 sequences is 9.3 ms with it, 8.3 ms through here). Python sets a plan for such a step (batchgen_attention_plan: the kernel's
-// argument array with everything that holds for the step, each layer's pool, the step's slots); each
-// layer's call here then only writes that layer's tensors into the arguments and calls the kernel.
+// model's decode step of 64 sequences is 9.3 ms with it, 8.3 ms through here). Python sets a plan for
+// such a step (batchgen_attention_plan: the kernel's argument array with everything that holds for the
+// step, each layer's pool, the step's slots); each layer's call here then only writes that layer's
+// tensors into the arguments and calls the kernel.
 // Without a plan (a step with prefills, or one the plan does not cover) it calls the Python op
 // batchgen::paged_attention with the same arguments, so every step still has one entry point.
 // See batchgen/engine/attention_front.py.
@@ -25,7 +26,7 @@ namespace {
 using kernel_fn = int64_t (*)(int64_t *, float);
 kernel_fn kernel = nullptr;
 
-// The plan's fields (an int64 array owned by Python; attention_front.PLAN_FIELDS names them in this order)
+// The plan's fields (an int64 array owned by Python; decode_native.PLAN_FIELDS names them in this order)
 enum : int64_t {
   P_ARGS,         // address of the kernel's argument array (native.DECODE_ARGS), the step's part filled
   P_LAYER_AT,     // index in it of the first per-layer argument ("q")
@@ -137,5 +138,5 @@ extern "C" const char *batchgen_attention_op_take_error(void) {
 extern "C" int64_t batchgen_attention_op_plan_fields(void) { return P_POOLS; }
 extern "C" int64_t batchgen_attention_op_layer_args(void) { return LAYER_ARGS; }
 
-// the schema and the fake (shape-only) implementation are defined in attention_front.py
+// the schema and the fake (shape-only) implementation are defined in attention_op.py
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("attention", &attention); }

@@ -205,10 +205,7 @@ class NativeStep:
         same = all(_is_pool(pool, kvh, d) and pool[0].shape == pools[0][0].shape for pool in pools)
         if len(pools) != self._num_layers or heads % kvh or not same:
             raise RuntimeError(f"native decode attention: {len(pools)} pools, {heads} heads for rows of {kvh} x {d}")
-        if not (slots.dim() == 1 and slots.shape[0] >= n and slots.dtype == torch.int64 and slots.is_contiguous()):
-            raise RuntimeError(f"native decode attention: slots {slots.dtype} {tuple(slots.shape)} for {n} decodes")
-        if not slots.is_cpu:
-            raise RuntimeError(f"native decode attention: slots on {slots.device}")
+        _check_slots(slots, n)
         self._set_heads(heads)
         k0 = pools[0][0]  # every layer's pool has its shape
         fields = {
@@ -287,11 +284,16 @@ def _pool_stores(
         raise RuntimeError(
             f"native decode attention: a pool of {tuple(k.shape)} / {tuple(v.shape)} for {kvh} x {d} K/V"
         )
+    _check_slots(slots, n)
+    return (k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0] * k.shape[1])
+
+
+def _check_slots(slots: torch.Tensor, n: int) -> None:
+    """`slots` is what the kernel reads as n decodes' pool slots: [>= n] int64, contiguous, on the CPU."""
     if not (slots.dim() == 1 and slots.shape[0] >= n and slots.dtype == torch.int64 and slots.is_contiguous()):
         raise RuntimeError(f"native decode attention: slots {slots.dtype} {tuple(slots.shape)} for {n} decodes")
     if not slots.is_cpu:
         raise RuntimeError(f"native decode attention: slots on {slots.device}")
-    return (k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0] * k.shape[1])
 
 
 def _is_pool(pool: tuple[torch.Tensor, torch.Tensor], kvh: int, d: int) -> bool:

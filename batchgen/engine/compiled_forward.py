@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 import types
@@ -126,7 +127,9 @@ class StepForward:
             options: dict[str, Any] = {"cpp_wrapper": True} if device.type == "cpu" else {}
             if hasattr(torch._dynamo.types, "GuardFilterEntry"):  # why: guard filters are new in torch 2.7
                 options["guard_filter_fn"] = _ambient_and_argument_guards
-            self._run = torch.compile(_own_code(self._logits), dynamic=True, fullgraph=True, options=options)
+            # why not dynamic=True: it is this same setting, patched in and out by dynamo on every call
+            self._run = torch.compile(_own_code(self._logits), fullgraph=True, options=options)
+            self._settings = _tracing_settings()
 
     def padded_tokens(self, n: int) -> int:
         return bucket(n, self.max_tokens) if self.compile else n
@@ -142,6 +145,7 @@ class StepForward:
             return self._run(input_ids, positions, keep)  # the eager forward (a benchmark may wrap it)
         graphs, began = _unique_graphs(), time.perf_counter()
         attention_op.take_raised()
+        revert = self._settings()
         try:
             out = self._run(input_ids, positions, keep)
         except torch._dynamo.exc.TorchDynamoException as exc:  # raised while tracing or compiling
@@ -156,6 +160,8 @@ class StepForward:
             if raised is None:
                 raise
             raise raised from exc
+        finally:
+            revert()
         if _unique_graphs() != graphs:  # why: this call compiled; its time is (mostly) compile time
             self.stats.seconds += time.perf_counter() - began
             self.stats.shapes.add((input_ids.shape[0], keep.shape[0]))
@@ -173,6 +179,28 @@ class StepForward:
         return out.logits[0]
 
 
+def _tracing_settings() -> Any:
+    """dynamo's settings for tracing a step (they only matter in a call that compiles), as a
+    change to make around each call that returns its revert.
+
+    - every dimension of the arguments dynamic (what `dynamic=True` sets);
+    - Python floats specialised. Why: the model's floats (RMSNorm's epsilon, the attention's
+      scaling) never change, but unspecialised each became a graph input, converted to a tensor
+      on every call (10 for the demo model, ~40 us a step).
+    """
+    config: Any = torch._dynamo.config
+    changes = {"assume_static_by_default": False, "specialize_float": True}
+    if hasattr(config, "_make_closure_patcher"):  # dynamo's own cheap patcher, what it uses for `dynamic`
+        return config._make_closure_patcher(**changes)
+    patch = config.patch(**changes)
+
+    def change() -> Any:
+        patch.__enter__()
+        return lambda: patch.__exit__(None, None, None)
+
+    return change
+
+
 def _own_code(method: Any) -> Any:
     """`method` bound to its instance through a function with a code object of its own.
 
@@ -186,14 +214,20 @@ def _own_code(method: Any) -> Any:
     return types.MethodType(own, method.__self__)
 
 
+_NAMES_SELF = re.compile(r"\bself\b")
+
+
 def _ambient_and_argument_guards(entries: list[Any]) -> list[bool]:
     """dynamo's guard filter: keep the guards on the call's tensor arguments (dtype, device,
     shapes) and on ambient state (grad mode, default device, the shape environment), drop those
-    on the StepForward and its model (`self...`) and on module globals (torch, transformers).
+    on the StepForward, its model and their classes (`self...`, `type(self.model)...`) and on
+    module globals (torch, transformers).
 
     Why sound here: the code object is this instance's own (_own_code), the engine never
     changes a loaded model or patches the libraries its forward calls, and parameters are read
     afresh on every call (they are graph inputs), so those guards could never fail; checking
-    them (~560 for the demo model, most in Python) cost ~0.1-0.2 ms of every step.
+    them (~560 for the demo model, most in Python) cost ~0.1-0.2 ms of every step. The class
+    guards (71 of the 81 left after those: closures of transformers' decorators, config class
+    attributes) are as unchangeable here.
     """
-    return [not (entry.is_global or entry.name == "self" or entry.name.startswith("self.")) for entry in entries]
+    return [not (entry.is_global or _NAMES_SELF.search(entry.name)) for entry in entries]

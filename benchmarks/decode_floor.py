@@ -166,7 +166,7 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         (RowsView, "_fill", "attn_rows_update"),
         (attention, "cascade_decode_attention", "attn_compute"),
         (attention, "_attend_chunk", "attn_compute"),
-        (Sampler, "sample_ids", "sampling"),
+        (Sampler, "_sample_ids", "sampling"),
         (StopChecker, "append", "detokenize_stop"),
     ]
     front_kernel = attention_front.STATS.kernel_seconds

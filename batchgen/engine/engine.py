@@ -133,14 +133,16 @@ class Engine:
         sampled = batch.sampled
         self.stats.count(batch)
         logits = self.runner.execute(batch)  # [len(sampled) + prompt-logprob rows, vocab]
-        # read with the sampled ids; why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
-        nan = logits.amax().isnan() if logits.shape[0] else None
         self.scheduler.advance(batch)
         if logits.shape[0] > len(sampled):
             self._take_prompt_logprobs(batch, logits[len(sampled) :])
-        seqs, kept = self._expand(sampled, logits[: len(sampled)], finished)
+        rows = logits[: len(sampled)]
+        seqs, kept = self._expand(sampled, rows, finished)
+        # the NaN check covers every row; the sampler's covers those it is given
+        nan = None
+        if logits.shape[0] and not (seqs and kept is rows and rows.shape[0] == logits.shape[0]):
+            nan = logits.amax().isnan()  # why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
         if seqs:
-            assert nan is not None  # sampled rows mean this step has logits
             self._sample(seqs, kept, nan, finished)
         elif nan is not None:  # prompt-logprob rows only: their own read
             self._check_nan(self.runner.transfers.read("nan_flag", nan)[0][0], sampled)
@@ -148,12 +150,16 @@ class Engine:
         return finished
 
     def _sample(
-        self, seqs: list[Sequence], logits: torch.Tensor, nan: torch.Tensor, finished: list[RequestOutput]
+        self, seqs: list[Sequence], logits: torch.Tensor, nan: torch.Tensor | None, finished: list[RequestOutput]
     ) -> None:
-        """Draw one token per row, with its raw logprobs when asked, and run the stop checks."""
+        """Draw one token per row, with its raw logprobs when asked, and run the stop checks.
+        `nan`: the step's NaN flag, None when `logits` are all its rows (the sampler's flag then)."""
         # why before the sampler: logprobs are of the raw distribution, whatever the sampler does
         pending = take_logprobs(logits, [s.params.logprobs for s in seqs])
-        ids = self.sampler.sample_ids(logits, seqs)
+        if nan is None:
+            ids, nan = self.sampler.sample_ids_and_nan(logits, seqs)
+        else:
+            ids = self.sampler.sample_ids(logits, seqs)
         # why one read: the NaN flag comes back with the sampled ids, one host sync per step
         tokens, flag = self.runner.transfers.read("sampled_ids", ids, nan)
         self._check_nan(flag[0], seqs)

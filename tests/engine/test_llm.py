@@ -99,19 +99,33 @@ def test_bad_arguments_raise(llm: LLM) -> None:
         llm.generate("w2 w3", lora_request=object())
 
 
-def test_nan_logits_raise_instead_of_sampling_garbage(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=2),  # sampled rows: the raw logits' own check
+        SamplingParams(temperature=0.0, max_tokens=2),  # greedy: the check rides on the rows' maxima
+        # greedy with EOS masked (min_tokens): the NaN sits in the masked column, where the masked
+        # rows' maxima cannot see it
+        SamplingParams(temperature=0.0, max_tokens=2, min_tokens=2),
+    ],
+    ids=["sampled", "greedy", "greedy-masked"],
+)
+def test_nan_logits_raise_instead_of_sampling_garbage(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, params: SamplingParams
+) -> None:
     runner = llm.engine.runner
     real = runner.execute
+    column = min(llm.engine.eos_token_ids)
 
     def poisoned(batch):  # type: ignore[no-untyped-def]
         logits = real(batch).clone()
-        logits[-1, 7] = float("nan")  # one entry of the last row: the check must see any single NaN
+        logits[-1, column] = float("nan")  # one entry of the last row: the check must see any single NaN
         return logits
 
     with monkeypatch.context() as patch:
         patch.setattr(runner, "execute", poisoned)
         with pytest.raises(RuntimeError, match="NaN logits"):
-            llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=2))
+            llm.generate([[1, 2, 3], [4, 5]], params)
     # the same engine serves the next call, with nothing of the failed one left over
     assert not llm.engine.has_unfinished()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))[0]

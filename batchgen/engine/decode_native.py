@@ -88,11 +88,15 @@ class NativeStep:
         # rows counted from each class's lowest, where its tensors' addresses point: the kernel
         # reads a shared prefix from there (a row of this step, so its positions are filled)
         low = [min(part.decode_rows(), default=0) for part in classes]
-        table = array("q", [c for c, part in enumerate(classes) for _ in range(part.num_rows)])
+        table = array("q")
+        for c, part in enumerate(classes):  # why per class: a class's fields are one value repeated
+            table.extend(array("q", [c]) * part.num_rows)
         table.extend([r - low[c] for c, part in enumerate(classes) for r in part.decode_rows()])
-        table.extend([part.cap for part in classes for _ in range(part.num_rows)])
+        for part in classes:
+            table.extend(array("q", [part.cap]) * part.num_rows)
         table.extend(lengths)
-        table.extend([part.shared for part in classes for _ in range(part.num_rows)])
+        for part in classes:
+            table.extend(array("q", [part.shared]) * part.num_rows)
         table.extend([t.stride(0) for t in [p.k[0] for p in classes] + [p.v[0] for p in classes]])
         for tensors in ([p.k for p in classes], [p.v for p in classes]):
             table.extend(
@@ -103,7 +107,6 @@ class NativeStep:
                 ]
             )
         self.table = torch.frombuffer(table, dtype=torch.int64)
-        self.shared = self.table[4 * n : 5 * n]  # [n]
         at, size = self.table.data_ptr(), self.table.element_size()
         strides = at + 5 * n * size
         self._bases = strides + 2 * num_classes * size  # [key | value, layers, classes]
@@ -117,6 +120,12 @@ class NativeStep:
         self._args_at = self._args.buffer_info()[0]
         self._longest = -(-max(lengths) // native.TILE) * native.TILE
         self._scratch, self._heads = scratch, 0
+
+    @property
+    def shared(self) -> torch.Tensor:
+        """[n] each decode's shared prefix (positions read from its class's first row)."""
+        n = self.num_decodes
+        return self.table[4 * n : 5 * n]
 
     def attend(
         self,

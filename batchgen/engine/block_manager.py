@@ -272,8 +272,10 @@ class BlockManager:
 
     def _register_full_blocks(self, seq: Sequence, num_covered_tokens: int) -> None:
         """Hash every block of the table that is full of known tokens and not yet registered."""
-        state = self._seq_hashes.setdefault(seq, _SeqHashes())
         num_full = min(num_covered_tokens, seq.num_tokens) // self.block_size
+        state = self._seq_hashes.get(seq)
+        if state is None:  # why not setdefault: it would build a _SeqHashes every decode step of every sequence
+            state = self._seq_hashes[seq] = _SeqHashes()
         if num_full <= state.num_registered:
             return
         hashes = self._hashes_upto(seq, num_full)

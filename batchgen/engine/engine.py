@@ -168,12 +168,14 @@ class Engine:
         taken = {}
         if pending is not None:
             taken = dict(zip(pending.rows, pending.resolve([tokens[i] for i in pending.rows], self.texts)))
+        features = self.sampler.features
+        grammars = features is not None and features.num_active > 0  # why once: the loop runs per sequence
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             seq.append_token(token)
             request, sample = self._by_seq[seq.seq_id]
-            if i in taken:
+            if taken and i in taken:
                 sample.record(*taken[i])
-            if sample.stop.append(token) or self._grammar_done(sample):
+            if sample.stop.append(token) or (grammars and self._grammar_done(sample)):
                 self._finish_sample(request, sample, finished)
 
     def _check_nan(self, flag: int, seqs: list[Sequence]) -> None:

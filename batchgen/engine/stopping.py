@@ -104,7 +104,7 @@ class StopChecker:
             return self._finish("stop", token_id)
         new_text = self._step(token_id)
         self._text += new_text
-        if checks_on and new_text and self._match_stop_string(len(new_text)):
+        if checks_on and new_text and self._stops and self._match_stop_string(len(new_text)):
             return True
         limit = self._params.max_tokens
         if limit is not None and self._num_output_tokens >= limit:  # None: the engine stops at the context
@@ -172,8 +172,14 @@ class StopChecker:
 
     def _advance_context(self, token_id: int) -> None:
         """Everything given to the stream so far has been emitted: it becomes context."""
-        self._context = [*self._context, *self._pending, token_id][-_CONTEXT_TOKENS:]
-        self._pending = []
+        if self._pending:
+            self._context = [*self._context, *self._pending, token_id][-_CONTEXT_TOKENS:]
+            self._pending = []
+            return
+        context = self._context  # why in place: this runs for every token of every sequence
+        context.append(token_id)
+        if len(context) > _CONTEXT_TOKENS:
+            del context[0]
 
     def _flush(self) -> str:
         """Text of the held-back ids, incomplete characters as U+FFFD (as tokenizer.decode does)."""

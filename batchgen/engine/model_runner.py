@@ -35,7 +35,7 @@ from batchgen.engine.models import KVSpec
 from batchgen.engine.native_linear import install_native_linears
 from batchgen.engine.scheduler import ScheduledBatch, ScheduledChunk
 from batchgen.engine.step_metadata import FlashMetadata, ForwardContext, PrefillChunk
-from batchgen.engine.transfers import Transfers
+from batchgen.engine.transfers import Transfers, int64_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def build_forward_context(
         return ctx, transfers.stage(positions), order
     max_blocks = max(needed)
     tables = padded_tables([c.block_table for c in packed], needed, max_blocks)  # [N, max_blocks]
-    lens = torch.tensor([c.num_tokens for c in packed])  # [N]
-    ctx_start = torch.tensor([c.start for c in packed])  # [N]
+    lens = int64_tensor([c.num_tokens for c in packed])  # [N]
+    ctx_start = int64_tensor([c.start for c in packed])  # [N]
     cu = torch.cumsum(lens, 0) - lens  # [N] packed offset of each chunk
     num_tokens = int(cu[-1] + lens[-1])
     seq_of_token = torch.repeat_interleave(torch.arange(len(packed)), lens)  # [T]
@@ -139,7 +139,7 @@ def decode_slots(
     positions = [c.start for c in decodes]
     slots = [c.block_table[p // block_size] * block_size + p % block_size for c, p in zip(decodes, positions)]
     pad = (padded_len or len(positions)) - len(positions)
-    return torch.tensor(positions + [0] * pad), torch.tensor(slots + [PAD_SLOT] * pad)
+    return int64_tensor(positions + [0] * pad), int64_tensor(slots + [PAD_SLOT] * pad)
 
 
 def _flash_metadata(
@@ -266,8 +266,8 @@ class ModelRunner:
         num_keep = len(keep)
         token_ids.extend([0] * (padded - len(token_ids)))
         keep.extend([0] * (self.forward.padded_rows(num_keep) - num_keep))
-        input_ids = self.transfers.stage(torch.tensor(token_ids))  # [T]
-        keep_idx = self.transfers.stage(torch.tensor(keep))  # [num sampled + prompt-logit rows (+ padding)]
+        input_ids = self.transfers.stage(int64_tensor(token_ids))  # [T]
+        keep_idx = self.transfers.stage(int64_tensor(keep))  # [num sampled + prompt-logit rows (+ padding)]
         self.transfers.upload()
         with torch.inference_mode(), forward_context(ctx), decode_plan(ctx, self._num_heads):
             logits = self.forward(input_ids, positions, keep_idx)
@@ -284,8 +284,8 @@ class ModelRunner:
             return None
         needed = [c.start // self.block_size + 1 for c in chunks]
         tables = padded_tables([c.block_table for c in chunks], needed, max(needed))
-        ids = self.transfers.stage(torch.tensor([c.token_ids[-1] for c in chunks]))
-        positions = self.transfers.stage(torch.tensor([c.start for c in chunks]))
+        ids = self.transfers.stage(int64_tensor([c.token_ids[-1] for c in chunks]))
+        positions = self.transfers.stage(int64_tensor([c.start for c in chunks]))
         staged_tables = self.transfers.stage(tables)
         self.transfers.upload()
 

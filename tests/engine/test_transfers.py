@@ -14,7 +14,7 @@ import torch
 
 from batchgen.engine.llm import LLM
 from batchgen.engine.params import SamplingParams
-from batchgen.engine.transfers import Transfers
+from batchgen.engine.transfers import Transfers, int64_tensor
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
 
@@ -90,3 +90,17 @@ def test_read_is_one_transfer_for_several_tensors(copy: bool) -> None:
     ids, flag = transfers.read("sampled_ids", torch.tensor([3, 1, 2]), torch.tensor(True))
     assert (ids, flag) == ([3, 1, 2], [1])
     assert transfers.counts.reads == 1 and transfers.counts.read_sites == {"sampled_ids": 1}
+
+
+def test_int64_tensor_holds_the_values_after_the_list_is_gone() -> None:
+    """The step's metadata tensors come from arrays (transfers.int64_tensor): same values and dtype
+    as torch.tensor, including values past 32 bits and -1 (the padding slot), and none when empty."""
+    import gc
+
+    values = [0, 7, -1, 2**40 + 3]
+    made = int64_tensor(list(values))
+    gc.collect()  # why: the array behind the tensor must live as long as the tensor does
+    assert made.dtype == torch.int64 and made.shape == (4,)
+    assert torch.equal(made, torch.tensor(values))
+    empty = int64_tensor([])
+    assert empty.dtype == torch.int64 and empty.shape == (0,)

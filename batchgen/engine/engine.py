@@ -138,9 +138,10 @@ class Engine:
             self._take_prompt_logprobs(batch, logits[len(sampled) :])
         rows = logits[: len(sampled)]
         seqs, kept = self._expand(sampled, rows, finished)
-        # the NaN check covers every row; the sampler's covers those it is given
+        # the NaN check covers every row; the sampler's own check covers the rows it is given
+        sampler_sees_all = bool(seqs) and kept is rows and len(sampled) == logits.shape[0]
         nan = None
-        if logits.shape[0] and not (seqs and kept is rows and rows.shape[0] == logits.shape[0]):
+        if logits.shape[0] and not sampler_sees_all:
             nan = logits.amax().isnan()  # why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
         if seqs:
             self._sample(seqs, kept, nan, finished)

@@ -31,8 +31,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-# every source the library is built from: the decode attention, and linears at decode sizes
-SOURCES = (SOURCE, Path(__file__).parent / "csrc" / "skinny_linear.c")
+# every source the library is built from: the decode attention, linears at decode sizes, greedy's argmax
+SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name for name in ("skinny_linear.c", "row_argmax.c")))
 DISABLE_ENV = "BATCHGEN_NATIVE"  # "0": never build or load native kernels
 CACHE_ENV = "BATCHGEN_CACHE_DIR"
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
@@ -64,7 +64,7 @@ _PTR = ctypes.c_void_p
 @dataclass
 class NativeKernels:
     """The loaded library; `decode_attention` is batchgen_decode_attention, `fill_row`
-    batchgen_fill_row, `linear` batchgen_linear (see the sources)."""
+    batchgen_fill_row, `linear` batchgen_linear, `row_argmax` batchgen_row_argmax (see the sources)."""
 
     path: Path
     lib: ctypes.CDLL
@@ -90,6 +90,10 @@ class NativeKernels:
         linear.restype = _I64
         linear.argtypes = [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
         self.linear = linear
+        argmax = self.lib.batchgen_row_argmax  # each row's first maximum, and NaN rows (sampler, greedy)
+        argmax.restype = _I64
+        argmax.argtypes = [_I64, _I64, _PTR, _I64, _PTR, _I64]
+        self.row_argmax = argmax
 
 
 _LOADED: list[NativeKernels | None] = []  # once per process

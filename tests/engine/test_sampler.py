@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from batchgen.engine import native
 from batchgen.engine.params import SamplingParams
-from batchgen.engine.sampler import NUCLEUS_WINDOW, Sampler
+from batchgen.engine.sampler import NUCLEUS_WINDOW, Sampler, greedy_ids
 from batchgen.engine.sequence import Sequence
 
 VOCAB = 64
@@ -68,6 +69,47 @@ def test_greedy_ties_take_the_first_maximum() -> None:
     tokens = Sampler([EOS], seed=0)(logits, [seq(i, temperature=0.0) for i in range(64)])
     rows = logits.tolist()
     assert tokens == [row.index(max(row)) for row in rows]
+
+
+def _greedy_cases() -> list[torch.Tensor]:
+    """[n, V] float32 logits: ties, rows of -inf, signed zeros, a NaN after the maximum, and one
+    big enough for the kernel's two threads."""
+    gen = torch.Generator().manual_seed(3)
+    ties = torch.randint(0, 3, (16, 1000), generator=gen).float()
+    ties[2] = float("-inf")
+    ties[3, :500], ties[3, 500:] = -0.0, 0.0  # equal maxima of two signs: the first is kept
+    ties[4, 7] = float("inf")
+    nan = torch.randn(8, 300, generator=gen)
+    nan[1, 200] = 1e30  # the maximum before the NaN: torch's max still gives the NaN's index
+    nan[1, 250] = nan[5, 0] = nan[5, 299] = float("nan")
+    return [ties, nan, torch.randn(64, 4096, generator=gen), torch.randn(1, 1, generator=gen)]
+
+
+@pytest.mark.parametrize("case", range(len(_greedy_cases())))
+def test_greedy_ids_are_torch_max_indices_with_a_nan_flag(case: int) -> None:
+    """Through the native kernel on the CPU, as the torch fallback: torch.max(dim=-1)'s index."""
+    logits = _greedy_cases()[case]
+    expected_max, expected = logits.max(dim=-1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # why: the 64 x 4,096 case splits its rows between two threads
+    try:
+        ids, nan = greedy_ids(logits)
+    finally:
+        torch.set_num_threads(threads)
+    assert native.load() is not None, "the native kernel did not build: this test checks it"
+    assert ids.dtype == torch.int64 and ids.tolist() == expected.tolist()
+    assert bool(nan) == bool(expected_max.isnan().any())
+
+
+def test_greedy_ids_of_strided_rows_read_only_each_rows_own_entries() -> None:
+    """Rows further apart than the vocabulary (a slice of wider logits), and rows not contiguous (torch)."""
+    wide = torch.randn(6, 130, generator=torch.Generator().manual_seed(4))
+    wide[:, 100:] = 1e9  # beyond each row's 100 entries: never its maximum
+    ids, nan = greedy_ids(wide[:, :100])
+    assert ids.tolist() == wide[:, :100].argmax(dim=-1).tolist() and not nan
+    columns = wide[:, :100].t()  # [100, 6], stride (1, 130): the torch path
+    ids, nan = greedy_ids(columns)
+    assert ids.tolist() == columns.argmax(dim=-1).tolist() and not nan
 
 
 def test_top_k_1_equals_greedy() -> None:

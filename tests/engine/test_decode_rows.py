@@ -74,6 +74,52 @@ def test_the_native_kernels_rows_keep_their_place_and_a_new_sequence_takes_a_hol
     assert order == [0, 1, 2]  # packed by row
 
 
+def _native_rows() -> DecodeRows:
+    kernels = native.load()
+    assert kernels is not None, "the native kernel did not build (see the log)"
+    return DecodeRows(1, KVH, DIM, BLOCK, 4096, torch.float32, torch.device("cpu"), native=kernels)
+
+
+def _plan_fields(order: list[int], view: object) -> tuple[object, ...]:
+    """What a plan decides, addresses aside: the order, each class's rows and fills, and the
+    kernel's per-decode class, row, class length, length and shared prefix."""
+    step = view.native  # type: ignore[attr-defined]
+    n = step.num_decodes
+    classes = [(c.num_rows, [(r, length) for r, length, _ in c.fills]) for c in view.classes]  # type: ignore[attr-defined]
+    return order, classes, step.table[: 5 * n].tolist()
+
+
+def test_a_step_that_repeats_the_last_one_position_on_is_planned_as_in_full() -> None:
+    """The same decodes at the next positions reuse the last plan (its NativeStep, advanced); any
+    other step is planned in full, and both give what a full plan gives."""
+    shared = list(range(100))  # seqs 1 and 2 share their first blocks (a cached prompt)
+    own = list(range(100, 200))  # seq 3, in the next length class
+    steps = [
+        [(1, 11, shared), (2, 11, shared), (3, 80, own)],
+        [(1, 12, shared), (2, 12, shared), (3, 81, own)],  # a repeat, sharing a block more
+        [(1, 13, shared), (2, 13, shared), (3, 82, own)],  # a repeat
+        [(1, 15, shared), (3, 83, own)],  # seq 2 finished
+        [(1, 16, shared), (3, 84, own)],  # a repeat again
+        [(3, 85, own), (1, 17, shared)],  # another order
+        [(3, 86, own), (1, 19, shared)],  # seq 1 skipped a position: refilled
+        [(3, 2 * MIN_CLASS_LEN, own), (1, 20, shared)],  # seq 3 outgrows its class
+    ]
+    reused, full = _native_rows(), _native_rows()
+    last = None
+    repeats, prefixes = [], []
+    for step in steps:
+        decodes = [DecodeRequest(s, p, t) for s, p, t in step]
+        order, view = reused.plan(decodes)
+        assert view.native is not None
+        repeats.append(view.native is last)
+        prefixes.append(view.native.shared.tolist())
+        last = view.native
+        full._repeat = None  # why: the reference is always planned in full
+        assert _plan_fields(order, view) == _plan_fields(*full.plan(decodes))
+    assert repeats == [False, True, True, False, True, False, False, False]
+    assert [p[:2] for p in prefixes[:3]] == [[8, 8], [12, 12], [12, 12]]  # rewritten in the repeats
+
+
 def test_outgrowing_a_class_moves_to_the_next_and_packs_by_class() -> None:
     rows = _rows()
     table = list(range(200))

@@ -136,6 +136,11 @@ class NativeStep:
         self._heads, self.calls = 0, 0  # the next call sizes the scratch for the new longest row
 
     @property
+    def classes(self) -> Sequence[NativeClass]:
+        """The step's classes in packed order: each one's row tensors, rows and shared prefix."""
+        return self._classes
+
+    @property
     def shared(self) -> torch.Tensor:
         """[n] each decode's shared prefix (positions read from its class's first row)."""
         n = self.num_decodes

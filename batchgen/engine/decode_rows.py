@@ -166,8 +166,7 @@ class _Repeat:
     limits: list[int]  # the positions each one's row holds (its class length)
     order: list[int]  # the packed order plan() returned
     members: list[list[int]]  # per class, in packed order: indices of its decodes
-    tensors: list[tuple[list[torch.Tensor], list[torch.Tensor]]]  # per class: its keys and values, per layer
-    step: NativeStep
+    step: NativeStep  # its classes hold each class's row tensors
 
 
 class DecodeRows:
@@ -260,7 +259,7 @@ class DecodeRows:
             len_of[d.seq_id] = d.position + 1
         groups = [[decodes[i] for i in members] for members in last.members]
         last.step.advance([d.position + 1 for ds in groups for d in ds], [self._shared(ds) for ds in groups])
-        view = RowsView([ClassStep(k, v, len(ds)) for (k, v), ds in zip(last.tensors, groups)], native=last.step)
+        view = RowsView([ClassStep(part.k, part.v, part.num_rows) for part in last.step.classes], native=last.step)
         return last.order, view
 
     def _remember(self, decodes: list[DecodeRequest], order: list[int], view: RowsView) -> None:
@@ -275,7 +274,6 @@ class DecodeRows:
             limits=[MIN_CLASS_LEN << c for c, _ in where],
             order=order,
             members=list(members.values()),
-            tensors=[(step.k, step.v) for step in view.classes],
             step=view.native,
         )
 

@@ -31,8 +31,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-# every source the library is built from: the decode attention, linears at decode sizes, greedy's argmax
-SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name for name in ("skinny_linear.c", "row_argmax.c")))
+# every source the library is built from: the decode attention, linears at decode sizes (few rows, tens of
+# rows), greedy's argmax
+_OTHER_SOURCES = ("skinny_linear.c", "wide_linear.c", "row_argmax.c")
+SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name for name in _OTHER_SOURCES))
 DISABLE_ENV = "BATCHGEN_NATIVE"  # "0": never build or load native kernels
 CACHE_ENV = "BATCHGEN_CACHE_DIR"
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]

@@ -1,10 +1,13 @@
-"""A model's large linear layers at decode sizes through the native kernel (csrc/skinny_linear.c).
+"""A model's large linear layers at decode sizes through the native kernels (csrc/skinny_linear.c, wide_linear.c).
 
 Why: a decode step multiplies a few rows (one per decoding sequence) by every weight matrix, so
 its linears are bound by reading the weights once. float32 sgemm on nn.Linear's [out, in] weights
 is far from that at 4-32 rows; the kernel reads each weight row once, in place (no packed copy),
 against all rows, overlapping the reads with the arithmetic (the 57M model's 56 linears at 8 rows:
-16.1 -> 9 ms; at 64 rows 30-32 -> 29 ms; benchmarks/RESULTS.md, issue 11's seventh pass).
+16.1 -> 9 ms; at 64 rows 30-32 -> 29 ms; benchmarks/RESULTS.md, issue 11's seventh pass). From 24
+rows the multiply-adds bound a call instead, and a second kernel takes it: x transposed once, each
+weight broadcast into vectors of 16 rows, no sums across lanes (64 rows on an EPYC host: 57-62 ms
+-> 38-40 ms, sgemm 51-75 ms; the twelfth pass).
 Prefill-sized calls stay on the BLAS, built for them, as do models whose weights are small enough
 to stay in cache between steps (the demo model's), where sgemm keeps up.
 

@@ -46,9 +46,11 @@ def _data(rows: int, n: int, k: int, bias: bool, seed: int = 0) -> tuple[torch.T
     return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), b  # type: ignore[return-value]
 
 
-# rows: the 8-wide tiles (1-3), the 4-wide ones (4-6), several row blocks and a remainder (7, 13);
-# n: whole tiles, a tail of rows; k: whole vectors, a tail shorter than one, several and a tail
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, MAX_ROWS])
+# rows: skinny_linear.c's 8-wide tiles (1-3), its 4-wide ones (4-6), several row blocks and a remainder
+# (7, 13); wide_linear.c's (24 and up) with 2, 3 and 4 vectors of rows, some padded (24, 33, 64), and
+# passes of 64 rows and a remainder (65, 130); n: whole tiles, a tail of rows; k: whole vectors, a tail
+# shorter than one, several and a tail
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 24, 33, MAX_ROWS, 65, 130])
 @pytest.mark.parametrize(("n", "k"), [(8, 16), (37, 77), (64, 256), (301, 33), (5, 7)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_kernel_is_f_linear_in_float64_within_rounding(rows: int, n: int, k: int, bias: bool) -> None:

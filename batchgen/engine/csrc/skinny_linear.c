@@ -8,7 +8,8 @@
  * summed across its lanes at the end. Each thread walks its own contiguous range of weight rows,
  * NB at a time; while the blocks of x rows meet those (in cache after the first block), the next
  * NB rows are prefetched from memory a share per block, so reading the weights overlaps with the
- * multiply-adds (8 rows: 8.7-9.0 ms; 64 rows 29 ms against sgemm's 30-32). See
+ * multiply-adds (8 rows: 8.7-9.0 ms; 64 rows 29 ms against sgemm's 30-32). From WIDE_MIN_ROWS rows,
+ * where the multiply-adds rather than the reads bound a call, wide_linear.c takes it instead. See
  * batchgen/engine/native_linear.py (when it is used).
  *
  * Layout (float32): x [m, k] with rows ldx floats apart; w [n, k] contiguous; bias [n] or NULL;
@@ -114,9 +115,18 @@ static void weight_rows(const int64_t m, const int64_t n, const int64_t k, const
   }
 }
 
+/* wide_linear.c: the same product for tens of rows, where the multiply-adds bound it */
+int64_t batchgen_linear_wide(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const float *w,
+                             const float *bias, float *y, int64_t threads);
+/* rows from which wide_linear.c takes the call: it pads rows to whole vectors of 16, so from 17 to 23
+ * rows it does 32 rows' work and the tiles here were faster (20 rows: 20.6 against 21.1 ms for the
+ * 57M model's linears); at 24 they tied, from 28 it was ahead (64 rows: 57-62 -> 38-40 ms) */
+#define WIDE_MIN_ROWS 24
+
 int64_t batchgen_linear(const int64_t m, const int64_t n, const int64_t k, const float *x, const int64_t ldx,
                         const float *w, const float *bias, float *y, const int64_t threads) {
   if (m < 1 || n < 1 || k < 1 || ldx < k || threads < 1) return -1;
+  if (m >= WIDE_MIN_ROWS) return batchgen_linear_wide(m, n, k, x, ldx, w, bias, y, threads);
   const int64_t width = m <= 3 ? 8 : 4;
   const int64_t blocks = (n + width - 1) / width;
   /* each thread takes one contiguous range of weight rows, so the rows it prefetches are its own */

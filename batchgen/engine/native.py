@@ -194,6 +194,18 @@ def _cpu_id() -> bytes:
     return (platform.machine() + "".join(lines)).encode()
 
 
+def cpu_vendor() -> str | None:
+    """The x86 CPU's maker as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD, ...); None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def threads() -> int:
     """OpenMP threads a kernel call may use: torch's intra-op setting, as every torch op does."""
     return torch.get_num_threads()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import platform
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engine import native, native_linear, native_ops
-from batchgen.engine.native_linear import MAX_ROWS, NativeLinear, install_native_linears
+from batchgen.engine.native_linear import DECODE_SIZES, EVERY_SIZE, NativeLinear, Reach, install_native_linears
 
 from .conftest import failing_compiler
 
 CPU, F32 = torch.device("cpu"), torch.float32
+MAX_ROWS = DECODE_SIZES.max_rows
+ANY = 1 << 62  # an operator's max_rows that no call reaches
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,10 +65,12 @@ def test_the_kernel_is_f_linear_in_float64_within_rounding(rows: int, n: int, k:
 def test_the_operator_takes_the_kernel_up_to_max_rows_and_torch_above() -> None:
     x, w, b = _data(MAX_ROWS + 1, 64, 768, True)
     small = x[:MAX_ROWS]
-    via_kernel = torch.ops.batchgen.linear(small, w, b)
+    via_kernel = torch.ops.batchgen.linear(small, w, b, MAX_ROWS)
     assert torch.equal(via_kernel, _kernel(small, w, b))
     assert not torch.equal(via_kernel, F.linear(small, w, b))  # why: the kernel really ran (its rounding)
-    assert torch.equal(torch.ops.batchgen.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(torch.ops.batchgen.linear(x, w, b, MAX_ROWS), F.linear(x, w, b))
+    big = torch.ops.batchgen.linear(x, w, b, ANY)  # a layer whose reach is every size: prefill too
+    assert torch.equal(big, _kernel(x, w, b)) and not torch.equal(big, F.linear(x, w, b))
 
 
 def test_strided_and_batched_inputs_keep_their_shape() -> None:
@@ -73,11 +78,11 @@ def test_strided_and_batched_inputs_keep_their_shape() -> None:
     wide = torch.zeros(2, 3, 192)
     wide[..., ::2] = x.view(2, 3, 96)
     strided = wide[..., ::2]  # [2, 3, 96], last dimension not contiguous
-    got = torch.ops.batchgen.linear(strided, w, None)
+    got = torch.ops.batchgen.linear(strided, w, None, MAX_ROWS)
     assert got.shape == (2, 3, 40)
     assert torch.equal(got.reshape(6, 40), _kernel(x, w, None))
     rows_apart = wide.view(6, 192)[:, :96]  # rows 192 floats apart, each contiguous
-    assert torch.equal(torch.ops.batchgen.linear(rows_apart, w, None), _kernel(rows_apart, w, None))
+    assert torch.equal(torch.ops.batchgen.linear(rows_apart, w, None, MAX_ROWS), _kernel(rows_apart, w, None))
 
 
 def test_what_the_kernel_cannot_read_is_torchs_own_linear() -> None:
@@ -89,17 +94,18 @@ def test_what_the_kernel_cannot_read_is_torchs_own_linear() -> None:
         (x[:0], w, b),  # no rows
     ]
     for args in cases:
-        assert torch.equal(torch.ops.batchgen.linear(*args), F.linear(*args))
+        assert torch.equal(torch.ops.batchgen.linear(*args, ANY), F.linear(*args))
 
 
 def test_a_compiled_graph_calls_the_operator() -> None:
     layer = nn.Linear(96, 40, bias=False)
     layer.__class__ = NativeLinear
+    layer.max_rows = MAX_ROWS
     x = torch.randn(1, 5, 96)
     with torch.inference_mode():
         compiled = torch.compile(layer, dynamic=True, fullgraph=True)
         got = compiled(x)
-    assert torch.equal(got, torch.ops.batchgen.linear(x, layer.weight, None))
+    assert torch.equal(got, torch.ops.batchgen.linear(x, layer.weight, None, MAX_ROWS))
     assert not torch.equal(got, F.linear(x, layer.weight))
 
 
@@ -116,31 +122,62 @@ def _model() -> nn.Module:
     )
 
 
-def test_plain_float32_linears_of_a_large_enough_model_are_routed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_float32_linears_of_a_large_enough_model_are_routed() -> None:
     model = _model()
-    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 64 * 64 + 64 * 32 + 1)
-    assert install_native_linears(model, CPU, F32) == 0  # its two eligible weights are one element short
+    short = Reach(MAX_ROWS, 64 * 64 + 64 * 32 + 1, "test")
+    assert install_native_linears(model, CPU, F32, short) == 0  # its two eligible weights are one element short
     assert all(type(m) is not NativeLinear for m in model)
-    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 64 * 64 + 64 * 32)
-    assert install_native_linears(model, CPU, F32) == 2
+    assert install_native_linears(model, CPU, F32, Reach(MAX_ROWS, 64 * 64 + 64 * 32, "test")) == 2
     assert [type(m) for m in model] == [NativeLinear, _Adapter, nn.Linear, NativeLinear]
     x = torch.randn(3, 64)
     with torch.inference_mode():
         assert torch.equal(model[0](x), _kernel(x, model[0].weight, model[0].bias))
         assert torch.equal(model[3](x), _kernel(x, model[3].weight, None))
+        prefill = torch.randn(MAX_ROWS + 1, 64)
+        assert torch.equal(model[0](prefill), F.linear(prefill, model[0].weight, model[0].bias))
     assert install_native_linears(model, CPU, F32) == 0  # already routed: nothing more to do
 
 
-def test_the_demo_model_keeps_its_linears_and_other_devices_and_dtypes_theirs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_at_every_size_the_demo_model_and_prefill_rows_take_the_kernels_too() -> None:
     from transformers import AutoModelForCausalLM
 
     demo = AutoModelForCausalLM.from_pretrained(Path(__file__).parents[2] / "sample_data" / "demo-model")
-    assert install_native_linears(demo, CPU, F32) == 0  # 16 MiB of weights: they stay in cache
-    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 0)
+    assert install_native_linears(demo, CPU, F32, DECODE_SIZES) == 0  # 16 MiB of weights: they stay in cache
+    assert install_native_linears(demo, CPU, F32, EVERY_SIZE) == 29  # 4 layers x 7, and the LM head
+    head = demo.lm_head
+    x = torch.randn(300, head.in_features)  # a prefill chunk
+    with torch.inference_mode():
+        assert torch.equal(head(x), _kernel(x, head.weight, None))
+
+
+def test_other_devices_and_dtypes_keep_their_linears() -> None:
     model = _model()
-    assert install_native_linears(model, CPU, torch.bfloat16) == 0
-    assert install_native_linears(model, torch.device("meta"), F32) == 0
-    assert all(type(m) is not NativeLinear for m in [*model, *demo.modules()])
+    assert install_native_linears(model, CPU, torch.bfloat16, EVERY_SIZE) == 0
+    assert install_native_linears(model, torch.device("meta"), F32, EVERY_SIZE) == 0
+    assert all(type(m) is not NativeLinear for m in model)
+
+
+@pytest.mark.parametrize(
+    ("vendor", "mkl", "reach"),
+    [
+        ("GenuineIntel", True, DECODE_SIZES),  # MKL on its own maker's CPU: sgemm is the better at prefill sizes
+        ("AuthenticAMD", True, EVERY_SIZE),  # MKL elsewhere: the kernels beat it at every size measured
+        ("AuthenticAMD", False, DECODE_SIZES),  # another BLAS: unmeasured, so only where the kernels are built for
+        (None, False, DECODE_SIZES),  # not x86 (an ARM server)
+    ],
+)
+def test_how_far_the_kernels_reach_follows_the_blas_and_the_cpu(
+    vendor: str | None, mkl: bool, reach: Reach, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+    assert native_linear.machine_reach() is reach
+
+
+def test_this_machines_cpu_vendor_is_read() -> None:
+    x86_linux = platform.machine() in ("x86_64", "AMD64") and Path("/proc/cpuinfo").is_file()
+    vendor = native.cpu_vendor()
+    assert (vendor is not None and vendor.isalnum()) if x86_linux else vendor is None
 
 
 def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
@@ -156,7 +193,6 @@ def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     assert native_linear._load_op() is False
     assert "batchgen_linear_op unavailable" in caplog.text and "fake: no luck" in caplog.text
     monkeypatch.setattr(native_linear, "_OP", [False])
-    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 0)
     model = _model()
-    assert install_native_linears(model, CPU, F32) == 0
+    assert install_native_linears(model, CPU, F32, EVERY_SIZE) == 0
     assert all(type(m) is not NativeLinear for m in model)

@@ -96,22 +96,40 @@ def test_greedy_parity_compiled(arch: str, tiny_model: Callable[[str], Path]) ->
 
 
 # gpt2's projections are transformers' Conv1D, not nn.Linear: nothing to route
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "gpt2"])
+NATIVE_LINEAR_ARCHS = [a for a in ARCHITECTURES if a != "gpt2"]
+# the kernels at decode sizes, in any model (by default only in models with 64 MiB of linear weights
+# or more, which no tiny model is)
+DECODE_SIZES_ANY_MODEL = native_linear.Reach(native_linear.DECODE_SIZES.max_rows, 0, "test")
+
+
+@pytest.mark.parametrize("arch", NATIVE_LINEAR_ARCHS)
 def test_greedy_parity_native_linears(
     arch: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every linear layer through the native kernel (native_linear; by default only in models with
-    64 MiB of linear weights or more, which no tiny model is): the same tokens, eager under pressure."""
-    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 0)
+    """Every linear layer through the native kernels at decode sizes: the same tokens, eager under
+    pressure (its 64-token steps: every prefill chunk through them too)."""
+    monkeypatch.setattr(native_linear, "machine_reach", lambda: DECODE_SIZES_ANY_MODEL)
     llm = _check_parity(arch, "pressure", "rows", False, tiny_model)
     assert llm.engine.runner.native_linears > 0
 
 
+@pytest.mark.parametrize("arch", NATIVE_LINEAR_ARCHS)
+def test_greedy_parity_native_linears_at_every_size(
+    arch: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernels' reach where torch's BLAS is MKL on a non-Intel CPU: every size, prefill chunks of
+    up to 1,024 tokens included (relaxed)."""
+    monkeypatch.setattr(native_linear, "machine_reach", lambda: native_linear.EVERY_SIZE)
+    llm = _check_parity(arch, "relaxed", "rows", False, tiny_model)
+    assert llm.engine.runner.native_linears > 0
+
+
+@pytest.mark.parametrize("reach", [DECODE_SIZES_ANY_MODEL, native_linear.EVERY_SIZE], ids=["decode", "every"])
 def test_greedy_parity_native_linears_compiled(
-    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    reach: native_linear.Reach, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same with the forward compiled (the CPU default), the operator a node of the graph."""
-    monkeypatch.setattr(native_linear, "MIN_MODEL_WEIGHT_ELEMENTS", 0)
+    monkeypatch.setattr(native_linear, "machine_reach", lambda: reach)
     llm = _check_parity("llama", "pressure", "rows", True, tiny_model)
     assert llm.engine.runner.native_linears > 0 and llm.engine.runner.forward.stats.graphs >= 1
 

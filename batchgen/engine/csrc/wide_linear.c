@@ -120,7 +120,8 @@ int64_t batchgen_linear_wide(const int64_t m, const int64_t n, const int64_t k, 
                              const float *w, const float *bias, float *y, const int64_t threads) {
   if (m < 1 || n < 1 || k < 1 || ldx < k || threads < 1) return -1;
   const int64_t rows = m < CHUNK ? m : CHUNK, cap = (rows + VW - 1) / VW * VW;
-  float *xt = aligned_alloc(64, (size_t)(k * cap) * sizeof(float)); /* a multiple of 64 bytes: cap is */
+  /* aligned_alloc takes whole multiples of the alignment: cap is one of 16 floats (64 bytes) */
+  float *xt = aligned_alloc(64, (size_t)(k * cap) * sizeof(float));
   if (!xt) return -2;
 #pragma omp parallel num_threads(threads)
   {

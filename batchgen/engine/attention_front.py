@@ -20,14 +20,13 @@ import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from batchgen.engine import attention_op, native, native_ops
 from batchgen.engine.decode_native import PLAN_FIELDS, FrontPlan
 from batchgen.engine.rows_view import RowsView
 from batchgen.engine.step_metadata import ForwardContext
 
-OP_SOURCE = Path(__file__).parent / "csrc" / "attention_op.cpp"
+OP_SOURCE = native_ops.OPERATORS["batchgen_attention_op"]
 
 _LIB: list[ctypes.CDLL | None] = []  # once per process: the operator's library, None where it cannot be
 
@@ -42,14 +41,16 @@ def load() -> bool:
 
 def _load() -> ctypes.CDLL | None:
     kernels = native.load()
-    lib = native_ops.load_op("batchgen_attention_op", OP_SOURCE, "attention goes through the Python op")
+    lib = native_ops.load_op("batchgen_attention_op", OP_SOURCE, "attention goes through the Python op", "attention")
     if kernels is None or lib is None:
         return None
-    for name, count in (("plan_fields", len(PLAN_FIELDS)), ("layer_args", len(native.DECODE_ARGS) - native.ARG["q"])):
+    for name, ours in (("plan_names", PLAN_FIELDS), ("arg_names", native.DECODE_ARGS)):
         fn = getattr(lib, f"batchgen_attention_op_{name}")
-        fn.restype = ctypes.c_int64
-        if fn() != count:  # why: a source and this module out of step would misread memory
-            raise RuntimeError(f"{OP_SOURCE.name} has {fn()} {name.replace('_', ' ')}, batchgen expects {count}")
+        fn.restype = ctypes.c_char_p
+        theirs = tuple(fn().decode().lower().split())
+        if theirs != ours:  # why: a source and this module out of step would misread memory
+            native_ops.refuse("batchgen_attention_op", f"{OP_SOURCE.name} names {theirs}, batchgen {ours}")
+            return None
     lib.batchgen_attention_op_setup.argtypes = [ctypes.c_void_p]
     lib.batchgen_attention_op_setup(ctypes.cast(kernels.decode_attention, ctypes.c_void_p))
     lib.batchgen_attention_plan.argtypes = [ctypes.c_void_p]

@@ -102,6 +102,8 @@ class NativeStep:
                     for c, t in enumerate(tensors)
                 ]
             )
+        # per class: its tensors' rows from the lowest on (the kernel checks each decode's row against it)
+        table.extend([part.k[0].shape[0] - low[c] for c, part in enumerate(classes)])
         # why kept: advance() rewrites it in place (it cannot be resized while the tensor shares it)
         self._table = table
         self.table = torch.frombuffer(table, dtype=torch.int64)
@@ -112,8 +114,11 @@ class NativeStep:
         # The kernel's arguments (native.DECODE_ARGS), in three parts: what holds for the step is
         # set here, the model's shapes on the first call, each layer's tensors on every call
         self._args = array("q", bytes(8 * len(native.DECODE_ARGS)))
+        rows_at = self._bases + 2 * num_layers * num_classes * size
         self._args[:_MODEL_AT] = array(
-            "q", [n, native.threads(), strides, strides + num_classes * size, *(at + i * n * size for i in range(5))]
+            "q",
+            [n, native.threads(), strides, strides + num_classes * size, *(at + i * n * size for i in range(5))]
+            + [num_classes, rows_at],
         )
         self._args_at = self._args.buffer_info()[0]
         self._longest = -(-max(lengths) // native.TILE) * native.TILE
@@ -237,7 +242,7 @@ class NativeStep:
         self._set_heads(heads)
         k0 = pools[0][0]  # every layer's pool has its shape
         fields = {
-            "args": self._args_at, "layer_at": _LAYER_AT, "layers": self._num_layers, "decodes": n, "tokens": tokens,
+            "args": self._args_at, "layers": self._num_layers, "decodes": n, "tokens": tokens,
             "heads": heads, "kv_heads": kvh, "head_dim": d, "bases": self._bases, "layer_bytes": self._layer_bytes,
             "slots": slots.data_ptr(), "pool_slots": k0.shape[0] * k0.shape[1], "calls": 0, "nanos": 0,
         }  # fmt: skip
@@ -262,9 +267,10 @@ class FrontPlan:
         return self.fields[PLAN_NANOS] * 1e-9
 
 
-# The C++ front's plan, in the order of its P_* fields (csrc/attention_op.cpp), then the pools
+# The C++ front's plan, in the order of its P_* fields (csrc/decode_args.h), then the pools; the
+# operator's library names them too, and attention_front refuses one whose names differ
 PLAN_FIELDS = (
-    "args", "layer_at", "layers", "decodes", "tokens", "heads", "kv_heads", "head_dim", "bases", "layer_bytes",
+    "args", "layers", "decodes", "tokens", "heads", "kv_heads", "head_dim", "bases", "layer_bytes",
     "slots", "pool_slots", "calls", "nanos",
 )  # fmt: skip
 PLAN_CALLS, PLAN_NANOS = PLAN_FIELDS.index("calls"), PLAN_FIELDS.index("nanos")

@@ -1,13 +1,20 @@
-"""Native CPU kernels: built from csrc/ with the system C compiler on first use, cached, loaded with ctypes.
+"""Native CPU kernels: three small C libraries, each built on its own by the system C compiler, cached, loaded.
 
-Why built here and not at install: the kernel is compiled for the machine it runs on
-(-march=native: AVX-512 here, NEON on an ARM server) and against the OpenMP runtime torch has
-already loaded (the same libgomp, so one thread pool). torch.compile on CPU needs the same
-compiler, so a machine that compiles can also build this; one that cannot (or BATCHGEN_NATIVE=0)
-runs the torch path instead, with one log line saying why.
+Why built on the machine and not shipped compiled: each kernel is compiled for the CPU it runs on
+(-march=native: AVX-512 on one host, AVX2 on the next, NEON on an ARM server) and against the
+OpenMP runtime torch has already loaded (the same libgomp, so one thread pool). The sources ship
+in the wheel; `batchgen doctor --build` builds them ahead of a job (a Dockerfile, a cluster's
+bootstrap), else the first job that needs one builds it (logged, with the expected time).
 
-The shared object is cached under $BATCHGEN_CACHE_DIR (default ~/.cache/batchgen), named by a
-hash of the source, the flags, the compiler's version and this CPU's model and feature flags, so
+Why three libraries: a compiler that cannot build one (an old GCC, a missing intrinsic) loses only
+that one; the others still load. Each falls back to torch's own path with one log line saying why:
+  attention  decode attention over per-sequence rows (decode_attention.c): torch ops otherwise
+  argmax     greedy's argmax and NaN flag in one pass (row_argmax.c): torch.max otherwise
+  linear     float32 linears at decode sizes (skinny_linear.c, wide_linear.c): torch's BLAS otherwise,
+             and even when built, only at the shapes where it measured faster (native_linear)
+
+Each shared object is cached under $BATCHGEN_CACHE_DIR (default ~/.cache/batchgen), named by a
+hash of its sources, the flags, the compiler's version and this CPU's model and feature flags, so
 a home directory shared by machines of different CPUs never loads a kernel built for another.
 It is written to a temporary name and renamed, so processes building at once do not collide.
 """
@@ -19,40 +26,43 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-# every source the library is built from: the decode attention, linears at decode sizes (few rows, tens of
-# rows), greedy's argmax
-_OTHER_SOURCES = ("skinny_linear.c", "wide_linear.c", "row_argmax.c")
-SOURCES = (SOURCE, *(Path(__file__).parent / "csrc" / name for name in _OTHER_SOURCES))
+CSRC = Path(__file__).parent / "csrc"
 DISABLE_ENV = "BATCHGEN_NATIVE"  # "0": never build or load native kernels
 CACHE_ENV = "BATCHGEN_CACHE_DIR"
+FLAGS_ENV = "BATCHGEN_NATIVE_CFLAGS"  # extra compiler flags, after the others (e.g. -mno-avx512f: an AVX2 build)
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 # tried in order: the CPU's own vector units first. Why the vector width: gcc's default on
-# AVX-512 CPUs is 256-bit vectors; 512 made the kernel 12-30% faster where it is compute-bound
-# (a shared prefix read from cache). x86 compilers take the flag for any CPU (without AVX-512 it
-# changes nothing); others reject it and take the next set (a failed build is not cached, so
-# such a machine retries that fast-failing compile once per process)
+# AVX-512 CPUs is 256-bit vectors; 512 made the attention kernel 12-30% faster where it is
+# compute-bound (a shared prefix read from cache). x86 compilers take the flag for any CPU (without
+# AVX-512 it changes nothing); others reject it and take the next set (a failed build is not
+# cached, so such a machine retries that fast-failing compile once per process)
 ARCH_FLAGS = [["-march=native", "-mprefer-vector-width=512"], ["-march=native"], ["-mcpu=native"], []]
 LINK_FLAGS = ["-lm"]
-TILE = 16  # positions per score tile (TILE in the source): the scratch rows are padded to it
-MAX_G, MAX_D = 8, 256  # query heads per KV head, head dim: the source's limits
-MAX_BLOCK = 4  # decodes the source attends together over a shared prefix: scratch rows for each
+TILE = 16  # positions per score tile (TILE in decode_attention.c): the scratch rows are padded to it
+MAX_G, MAX_D = 8, 256  # query heads per KV head, head dim: decode_attention.c's limits
+MAX_BLOCK = 4  # decodes decode_attention.c attends together over a shared prefix: scratch rows for each
+# what a first build costs (three C libraries and two C++ operators): ~20 s on an idle 2-core machine
+BUILD_SECONDS = "20-150 s, longer on a busy machine"
 
 # batchgen_decode_attention's arguments, in the order of the source's A_* indices (one int64 array):
-# those that hold for a step, those of the model's shapes (its first call), those of each layer
+# those that hold for a step, those of the model's shapes (its first call), those of each layer.
+# The library names them too (batchgen_decode_attention_arg_names): a library whose names differ is refused.
 DECODE_ARGS = (
-    "n", "threads", "kstride", "vstride", "cls", "row", "cap", "len", "shared",
+    "n", "threads", "kstride", "vstride", "cls", "row", "cap", "len", "shared", "classes", "rows",
     "kvh", "g", "d", "scratch", "scratch_stride",
     "q", "q_head", "q_token", "knew", "k_head", "k_token", "vnew", "v_head", "v_token",
     "kbase", "vbase", "window", "out", "kpool", "vpool", "slot", "pool_slots",
@@ -60,69 +70,159 @@ DECODE_ARGS = (
 ARG = {name: i for i, name in enumerate(DECODE_ARGS)}
 
 _I64 = ctypes.c_int64
+CFunction = Any  # a ctypes function pointer (its class is private to ctypes)
 _PTR = ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class Library:
+    """One kernel library: its sources (under csrc/) and what runs where it cannot be built."""
+
+    name: str
+    sources: tuple[str, ...]
+    fallback: str
+    headers: tuple[str, ...] = ()  # included by the sources: part of what a build is keyed by
+
+    @property
+    def paths(self) -> list[Path]:
+        return [CSRC / source for source in self.sources]
+
+    def key(self) -> bytes:
+        return b"\0".join((CSRC / header).read_bytes() for header in self.headers)
+
+
+LIBRARIES = {
+    lib.name: lib
+    for lib in (
+        Library("attention", ("decode_attention.c",), "decode attention runs on torch ops", ("decode_args.h",)),
+        Library("argmax", ("row_argmax.c",), "greedy's argmax runs on torch.max"),
+        Library("linear", ("skinny_linear.c", "wide_linear.c"), "linear layers run on torch's BLAS"),
+    )
+}
+
+
+@dataclass
+class BuildState:
+    """What became of one library in this process (for `batchgen doctor` and the logs)."""
+
+    name: str
+    state: str  # "off" (BATCHGEN_NATIVE=0), "cached", "built" or "unavailable"
+    path: Path | None = None
+    reason: str = ""
+    seconds: float = 0.0
+
+
+STATES: dict[str, BuildState] = {}  # by library name, once loaded (or refused) in this process
+_HANDLES: dict[str, ctypes.CDLL | None] = {}
 
 
 @dataclass
 class NativeKernels:
-    """The loaded library; `decode_attention` is batchgen_decode_attention, `fill_row`
-    batchgen_fill_row, `linear` batchgen_linear, `row_argmax` batchgen_row_argmax (see the sources)."""
+    """The attention library: `decode_attention` is batchgen_decode_attention, `fill_row`
+    batchgen_fill_row, `exp_nonpositive` the softmax's exp (for the tests); see decode_attention.c."""
 
     path: Path
     lib: ctypes.CDLL
+    decode_attention: CFunction = field(init=False)
+    fill_row: CFunction = field(init=False)
+    exp_nonpositive: CFunction = field(init=False)
 
     def __post_init__(self) -> None:
-        count = self.lib.batchgen_decode_attention_args
-        count.restype = _I64
-        if count() != len(DECODE_ARGS):  # why: a source and this module out of step would misread memory
-            raise RuntimeError(f"{self.path} takes {count()} arguments, this module names {len(DECODE_ARGS)}")
-        fn = self.lib.batchgen_decode_attention
-        fn.restype = _I64
-        fn.argtypes = [_PTR, ctypes.c_float]
-        self.decode_attention = fn
-        fill = self.lib.batchgen_fill_row  # a decode row's context out of the pool (decode_native.fill_row)
-        fill.restype = _I64
-        fill.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]
-        self.fill_row = fill
-        exp = self.lib.batchgen_exp_nonpositive  # the kernel's softmax exp, for the tests
-        exp.restype = None
-        exp.argtypes = [_I64, _PTR, _PTR]
-        self.exp_nonpositive = exp
-        linear = self.lib.batchgen_linear  # y = x @ w^T (+ bias) at decode sizes (native_linear)
-        linear.restype = _I64
-        linear.argtypes = [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
-        self.linear = linear
-        argmax = self.lib.batchgen_row_argmax  # each row's first maximum, and NaN rows (sampler, greedy)
-        argmax.restype = _I64
-        argmax.argtypes = [_I64, _I64, _PTR, _I64, _PTR, _I64]
-        self.row_argmax = argmax
+        names = self.lib.batchgen_decode_attention_arg_names
+        names.restype = ctypes.c_char_p
+        theirs = tuple(names().decode().lower().split())
+        if theirs != DECODE_ARGS:  # why: a source and this module out of step would misread memory
+            raise RuntimeError(f"{self.path} takes arguments {theirs}, this module names {DECODE_ARGS}")
+        self.decode_attention = _fn(self.lib.batchgen_decode_attention, _I64, [_PTR, ctypes.c_float])
+        self.fill_row = _fn(
+            self.lib.batchgen_fill_row,
+            _I64,
+            [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64],
+        )
+        self.exp_nonpositive = _fn(self.lib.batchgen_exp_nonpositive, None, [_I64, _PTR, _PTR])
 
 
-_LOADED: list[NativeKernels | None] = []  # once per process
+def _fn(fn: CFunction, restype: type | None, argtypes: list[type]) -> CFunction:
+    fn.restype = restype
+    fn.argtypes = argtypes
+    return fn
+
+
+_ATTENTION: list[NativeKernels | None] = []  # once per process
 
 
 def load() -> NativeKernels | None:
-    """The native kernels, built if needed; None (logged once) where they cannot be."""
-    if not _LOADED:
-        _LOADED.append(_load())
-    return _LOADED[0]
+    """The decode attention kernels, built if needed; None (logged once) where they cannot be."""
+    if not _ATTENTION:
+        lib = library("attention")
+        kernels = None
+        if lib is not None:
+            try:
+                kernels = NativeKernels(STATES["attention"].path or Path(), lib)
+            except (RuntimeError, AttributeError) as exc:  # AttributeError: a symbol missing
+                _refuse("attention", str(exc))
+        _ATTENTION.append(kernels)
+    return _ATTENTION[0]
 
 
-def _load() -> NativeKernels | None:
+def argmax() -> CFunction | None:
+    """batchgen_row_argmax (csrc/row_argmax.c), or None where it cannot be built."""
+    return _function("argmax", "batchgen_row_argmax", [_I64, _I64, _PTR, _I64, _PTR, _I64])
+
+
+def linear() -> CFunction | None:
+    """batchgen_linear (csrc/skinny_linear.c, wide_linear.c), or None where it cannot be built."""
+    return _function("linear", "batchgen_linear", [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64])
+
+
+_FUNCTIONS: dict[str, CFunction | None] = {}
+
+
+def _function(library_name: str, symbol: str, argtypes: list[type]) -> CFunction | None:
+    if symbol not in _FUNCTIONS:
+        lib = library(library_name)
+        _FUNCTIONS[symbol] = None if lib is None else _fn(getattr(lib, symbol), _I64, argtypes)
+    return _FUNCTIONS[symbol]
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """Library `name` of LIBRARIES, built (or found in the cache) and loaded once per process;
+    None, logged once with what runs instead, where it is switched off or cannot be built."""
+    if name not in _HANDLES:
+        _HANDLES[name] = _load(LIBRARIES[name])
+    return _HANDLES[name]
+
+
+def _load(lib: Library) -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV) == "0":
-        logger.info("native CPU kernels off (%s=0): decode attention runs on torch ops", DISABLE_ENV)
+        STATES[lib.name] = BuildState(lib.name, "off", reason=f"{DISABLE_ENV}=0")
+        logger.info("native %s kernel off (%s=0): %s", lib.name, DISABLE_ENV, lib.fallback)
         return None
     compiler = find_compiler("CC", "cc", "gcc")
     if compiler is None:
-        logger.warning("no C compiler found (cc, gcc or $CC): decode attention runs on torch ops")
+        _refuse(lib.name, "no C compiler found (cc, gcc or $CC)")
         return None
     try:
-        path = _build(compiler)
-        return NativeKernels(path, ctypes.CDLL(str(path)))
-    # AttributeError: a library without one of the symbols native kernels need
-    except (OSError, subprocess.SubprocessError, RuntimeError, AttributeError) as exc:
-        logger.warning("native CPU kernels unavailable (%s): decode attention runs on torch ops", exc)
+        path = build(f"batchgen_{lib.name}", lib.paths, compiler, c_flag_sets(), LINK_FLAGS, lib.key(), lib.name)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        _refuse(lib.name, str(exc))
         return None
+
+
+def _refuse(name: str, reason: str) -> None:
+    STATES[name] = BuildState(name, "unavailable", reason=reason)
+    fallback = LIBRARIES[name].fallback if name in LIBRARIES else "torch's own path"
+    logger.warning("native %s kernel unavailable (%s): %s", name, reason, fallback)
+
+
+def c_flag_sets() -> list[list[str]]:
+    """The flag sets a C kernel is built with, tried in order (the user's $BATCHGEN_NATIVE_CFLAGS last in each)."""
+    return [BASE_FLAGS + arch + extra_flags() for arch in ARCH_FLAGS]
+
+
+def extra_flags() -> list[str]:
+    return shlex.split(os.environ.get(FLAGS_ENV, ""))
 
 
 def find_compiler(env: str, *names: str) -> str | None:
@@ -130,30 +230,63 @@ def find_compiler(env: str, *names: str) -> str | None:
     return os.environ.get(env) or next((found for name in names if (found := shutil.which(name))), None)
 
 
-def _build(compiler: str) -> Path:
-    """The kernel library, compiled from SOURCES into the cache (or found there)."""
-    return build("batchgen_kernels", SOURCES, compiler, [BASE_FLAGS + arch for arch in ARCH_FLAGS], LINK_FLAGS)
-
-
 def build(
-    name: str, sources: Sequence[Path], compiler: str, flag_sets: Sequence[list[str]], link: list[str], key: bytes = b""
+    name: str,
+    sources: Sequence[Path],
+    compiler: str,
+    flag_sets: Sequence[list[str]],
+    link: list[str],
+    key: bytes = b"",
+    state: str | None = None,
 ) -> Path:
     """A shared library from `sources`, cached by their content, the flags, the compiler's version,
-    this CPU and `key` (what else the build depends on); the first flag set that builds wins."""
-    source = b"\0".join(path.read_bytes() for path in sources)
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    errors = []
-    for flags in flag_sets:
-        digest = hashlib.sha256(b"\0".join([source, " ".join(flags + link).encode(), version.encode(), _cpu_id(), key]))
-        target = _cache_dir() / f"{name}-{digest.hexdigest()[:20]}.so"
+    this CPU and `key` (what else the build depends on); the first flag set that builds wins.
+    `state`: the name under which STATES records how it went."""
+    started = time.monotonic()
+    errors: list[str] = []
+    for target in cache_targets(name, sources, compiler, flag_sets, link, key):
         if target.is_file():
+            STATES[state or name] = BuildState(state or name, "cached", target)
             return target
+        flags = flag_sets[len(errors)]
         error = _compile(compiler, sources, flags, link, target)
         if error is None:
-            logger.info("built %s: %s", name, target)
+            seconds = time.monotonic() - started
+            STATES[state or name] = BuildState(state or name, "built", target, seconds=seconds)
+            logger.info("built %s in %.1f s: %s", name, seconds, target)
             return target
         errors.append(error)
     raise RuntimeError(f"{compiler} could not build {', '.join(p.name for p in sources)}: {errors[-1]}")
+
+
+def cache_targets(
+    name: str, sources: Sequence[Path], compiler: str, flag_sets: Sequence[list[str]], link: list[str], key: bytes = b""
+) -> list[Path]:
+    """Where each flag set's build of `sources` is cached (one path per flag set, in order)."""
+    source = b"\0".join(path.read_bytes() for path in sources)
+    version = compiler_version(compiler)
+    targets = []
+    for flags in flag_sets:
+        digest = hashlib.sha256(b"\0".join([source, " ".join(flags + link).encode(), version.encode(), _cpu_id(), key]))
+        targets.append(cache_dir() / f"{name}-{digest.hexdigest()[:20]}.so")
+    return targets
+
+
+def compiler_version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def is_cached(name: str) -> bool:
+    """Whether C library `name` is already built for this machine (any of its flag sets), without building."""
+    compiler = find_compiler("CC", "cc", "gcc")
+    if compiler is None or os.environ.get(DISABLE_ENV) == "0":
+        return True  # nothing would be built
+    lib = LIBRARIES[name]
+    try:
+        targets = cache_targets(f"batchgen_{name}", lib.paths, compiler, c_flag_sets(), LINK_FLAGS, lib.key())
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return any(target.is_file() for target in targets)
 
 
 def _compile(compiler: str, sources: Sequence[Path], flags: list[str], link: list[str], target: Path) -> str | None:
@@ -163,10 +296,10 @@ def _compile(compiler: str, sources: Sequence[Path], flags: list[str], link: lis
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=300
+            [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=600
         )
         if done.returncode != 0:
-            return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+            return _first_error(done.stderr) or f"exit {done.returncode}"
         os.replace(tmp, target)
         return None
     finally:
@@ -174,7 +307,13 @@ def _compile(compiler: str, sources: Sequence[Path], flags: list[str], link: lis
             os.unlink(tmp)
 
 
-def _cache_dir() -> Path:
+def _first_error(stderr: str) -> str:
+    """The compiler's first error line (the last line is often only a count of them)."""
+    lines = stderr.strip().splitlines()
+    return next((line for line in lines if "error" in line), lines[-1] if lines else "")
+
+
+def cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV)
     return (Path(root) if root else Path.home() / ".cache" / "batchgen") / "kernels"
 
@@ -192,18 +331,6 @@ def _cpu_id() -> bytes:
     except OSError:
         pass
     return (platform.machine() + "".join(lines)).encode()
-
-
-def cpu_vendor() -> str | None:
-    """The x86 CPU's maker as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD, ...); None elsewhere."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 def threads() -> int:

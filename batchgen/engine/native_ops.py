@@ -4,14 +4,16 @@ Why C++ operators at all: from a compiled graph a call through a Python custom o
 through a C++ one ~3 us, and a decode step makes one call per linear layer (native_linear) and
 one per attention layer (attention_front). Each operator's source registers its CPU kernel for
 a schema defined in Python and exports a setup function that takes a native kernel's address
-(native.py's library, loaded with ctypes), so the operator and the ctypes callers share one copy
-of the kernels. Built with the C++ compiler into native.py's cache, keyed by this torch's version.
+(one of native.py's libraries, loaded with ctypes), so the operator and the ctypes callers share
+one copy of the kernels. Built with the C++ compiler into native.py's cache, keyed by this torch's
+version; each operator on its own, so one that cannot be built loses only itself.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import subprocess
 from pathlib import Path
 
@@ -21,24 +23,50 @@ from batchgen.engine import native
 
 logger = logging.getLogger(__name__)
 
+HEADERS = (native.CSRC / "decode_args.h",)  # included by the operators: part of what their builds are keyed by
+# each operator's source, by the name its library is built and reported under
+OPERATORS = {
+    "batchgen_attention_op": native.CSRC / "attention_op.cpp",
+    "batchgen_linear_op": native.CSRC / "linear_op.cpp",
+}
 
-def load_op(name: str, source: Path, what: str) -> ctypes.CDLL | None:
+
+def load_op(name: str, source: Path, what: str, needs: str) -> ctypes.CDLL | None:
     """The operator library built from `source` and loaded into torch (its ctypes handle, for the
-    setup call); None, logged with `what` falls back to, where the kernels or a C++ compiler are
-    missing or the build fails."""
-    if native.load() is None:  # None: switched off or unbuildable, logged there
+    setup call); None, logged with `what` falls back to, where the kernel library `needs` or a C++
+    compiler is missing or the build fails."""
+    if native.library(needs) is None:  # None: switched off or unbuildable, logged there
+        native.STATES[name] = native.BuildState(name, "unavailable", reason=f"the native {needs} kernel is not loaded")
         return None
     compiler = native.find_compiler("CXX", "c++", "g++")
     if compiler is None:
-        logger.warning("no C++ compiler found (c++, g++ or $CXX): %s", what)
+        refuse(name, f"no C++ compiler found (c++, g++ or $CXX): {what}")
         return None
     try:
-        path = native.build(name, (source,), compiler, [_flags()], _link(), torch.__version__.encode())
+        key = torch.__version__.encode() + b"".join(header.read_bytes() for header in HEADERS)
+        path = native.build(name, (source,), compiler, [_flags()], _link(), key)
         torch.ops.load_library(str(path))
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        logger.warning("%s unavailable (%s): %s", name, exc, what)
+        refuse(name, f"{exc}: {what}")
         return None
+
+
+def refuse(name: str, reason: str) -> None:
+    native.STATES[name] = native.BuildState(name, "unavailable", reason=reason)
+    logger.warning("%s unavailable (%s)", name, reason)
+
+
+def is_cached(name: str, source: Path) -> bool:
+    """Whether operator `name` is already built for this machine and torch, without building it."""
+    compiler = native.find_compiler("CXX", "c++", "g++")
+    if compiler is None:
+        return True  # nothing would be built
+    key = torch.__version__.encode() + b"".join(header.read_bytes() for header in HEADERS)
+    try:
+        return native.cache_targets(name, (source,), compiler, [_flags()], _link(), key)[0].is_file()
+    except (OSError, subprocess.SubprocessError):
+        return True
 
 
 def _flags() -> list[str]:
@@ -54,3 +82,15 @@ def _link() -> list[str]:
 
     dirs = cpp_extension.library_paths()
     return [*(f"-L{d}" for d in dirs), *(f"-Wl,-rpath,{d}" for d in dirs), "-lc10", "-ltorch_cpu"]
+
+
+def pending() -> list[str]:
+    """The kernels (C libraries and operators) a CPU engine would build before its first step:
+    empty when all are cached, or switched off (BATCHGEN_NATIVE=0)."""
+    if os.environ.get(native.DISABLE_ENV) == "0":
+        return []
+    libraries = [name for name in native.LIBRARIES if name not in native.STATES and not native.is_cached(name)]
+    operators = [
+        name for name, source in OPERATORS.items() if name not in native.STATES and not is_cached(name, source)
+    ]
+    return libraries + operators

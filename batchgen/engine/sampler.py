@@ -196,12 +196,12 @@ def greedy_ids(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ~3x faster on CPU.
     """
     n, vocab = logits.shape
-    kernels = native.load() if logits.is_cpu and logits.dtype == torch.float32 and vocab else None
-    if kernels is None or logits.stride(1) != 1:
+    kernel = native.argmax() if logits.is_cpu and logits.dtype == torch.float32 and vocab else None
+    if kernel is None or logits.stride(1) != 1:
         row_max, ids = logits.max(dim=-1)
         return ids, row_max.amax().isnan()
     ids = torch.empty(n, dtype=torch.int64)
-    nan_rows = kernels.row_argmax(n, vocab, logits.data_ptr(), logits.stride(0), ids.data_ptr(), native.threads())
+    nan_rows = kernel(n, vocab, logits.data_ptr(), logits.stride(0), ids.data_ptr(), native.threads())
     return ids, torch.tensor(nan_rows > 0)
 
 

@@ -1,15 +1,15 @@
-"""The native linear: csrc/skinny_linear.c through the batchgen::linear operator.
+"""The native linear: csrc/skinny_linear.c, wide_linear.c through the batchgen::linear operator.
 
-It must give F.linear's values at decode sizes, be torch's own F.linear everywhere else, and be
-used only for the layers install_native_linears picks. Greedy parity with the layers routed
-through it is in test_parity.py.
+It must give F.linear's values in the row buckets a layer's mask gives it, be torch's own F.linear
+everywhere else, and be used only for the layers and row counts where it measured faster
+(linear_calibration). Greedy parity with the layers routed through it is in test_parity.py.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
-import platform
 from pathlib import Path
 
 import pytest
@@ -17,14 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine import native, native_linear, native_ops
-from batchgen.engine.native_linear import DECODE_SIZES, EVERY_SIZE, NativeLinear, Reach, install_native_linears
+from batchgen.engine import linear_calibration, native, native_linear, native_ops
+from batchgen.engine.linear_calibration import bucket
+from batchgen.engine.native_linear import EVERY_BUCKET, NativeLinear, install_native_linears
 
 from .conftest import failing_compiler
 
 CPU, F32 = torch.device("cpu"), torch.float32
-MAX_ROWS = DECODE_SIZES.max_rows
-ANY = 1 << 62  # an operator's max_rows that no call reaches
+MAX_ROWS = 64
+UP_TO_64 = (1 << (bucket(MAX_ROWS) + 1)) - 1  # a mask: every row count up to 64
+ANY = EVERY_BUCKET
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,12 +36,12 @@ def _operator() -> None:
 
 def _kernel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """The C kernel called directly, on a 2-D x whose rows may be strided."""
-    kernels = native.load()
-    assert kernels is not None
+    kernel = native.linear()
+    assert kernel is not None
     out = torch.empty(x.shape[0], w.shape[0])
     bias = ctypes.c_void_p(b.data_ptr()) if b is not None else None
     ptrs = (x.data_ptr(), x.stride(0), w.data_ptr(), bias, out.data_ptr())
-    assert kernels.linear(x.shape[0], w.shape[0], w.shape[1], *ptrs, 2) == 0
+    assert kernel(x.shape[0], w.shape[0], w.shape[1], *ptrs, 2) == 0
     return out
 
 
@@ -62,15 +64,24 @@ def test_the_kernel_is_f_linear_in_float64_within_rounding(rows: int, n: int, k:
     torch.testing.assert_close(_kernel(x, w, b).double(), want, rtol=1e-5, atol=1e-4)
 
 
-def test_the_operator_takes_the_kernel_up_to_max_rows_and_torch_above() -> None:
+def test_the_operator_takes_the_kernel_in_its_masks_buckets_and_torch_elsewhere() -> None:
     x, w, b = _data(MAX_ROWS + 1, 64, 768, True)
     small = x[:MAX_ROWS]
-    via_kernel = torch.ops.batchgen.linear(small, w, b, MAX_ROWS)
+    via_kernel = torch.ops.batchgen.linear(small, w, b, UP_TO_64)
     assert torch.equal(via_kernel, _kernel(small, w, b))
     assert not torch.equal(via_kernel, F.linear(small, w, b))  # why: the kernel really ran (its rounding)
-    assert torch.equal(torch.ops.batchgen.linear(x, w, b, MAX_ROWS), F.linear(x, w, b))
-    big = torch.ops.batchgen.linear(x, w, b, ANY)  # a layer whose reach is every size: prefill too
+    assert torch.equal(torch.ops.batchgen.linear(x, w, b, UP_TO_64), F.linear(x, w, b))
+    big = torch.ops.batchgen.linear(x, w, b, ANY)  # a layer whose mask is every size: prefill too
     assert torch.equal(big, _kernel(x, w, b)) and not torch.equal(big, F.linear(x, w, b))
+    only_5_to_8 = 1 << bucket(8)  # a mask with a hole: 1-4 and 9-64 rows on torch
+    for rows, kernel in ((4, False), (5, True), (8, True), (9, False)):
+        got = torch.ops.batchgen.linear(x[:rows], w, b, only_5_to_8)
+        assert torch.equal(got, _kernel(x[:rows], w, b) if kernel else F.linear(x[:rows], w, b)), rows
+
+
+def test_buckets_are_what_the_operator_computes() -> None:
+    assert [bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 64, 65, 2048, 2049)] == [0, 1, 2, 2, 3, 3, 4, 6, 7, 11, 12]
+    assert [linear_calibration.bucket_ends(b) for b in (0, 1, 2, 6)] == [(1,), (2,), (3, 4), (33, 64)]
 
 
 def test_strided_and_batched_inputs_keep_their_shape() -> None:
@@ -78,11 +89,11 @@ def test_strided_and_batched_inputs_keep_their_shape() -> None:
     wide = torch.zeros(2, 3, 192)
     wide[..., ::2] = x.view(2, 3, 96)
     strided = wide[..., ::2]  # [2, 3, 96], last dimension not contiguous
-    got = torch.ops.batchgen.linear(strided, w, None, MAX_ROWS)
+    got = torch.ops.batchgen.linear(strided, w, None, UP_TO_64)
     assert got.shape == (2, 3, 40)
     assert torch.equal(got.reshape(6, 40), _kernel(x, w, None))
     rows_apart = wide.view(6, 192)[:, :96]  # rows 192 floats apart, each contiguous
-    assert torch.equal(torch.ops.batchgen.linear(rows_apart, w, None, MAX_ROWS), _kernel(rows_apart, w, None))
+    assert torch.equal(torch.ops.batchgen.linear(rows_apart, w, None, UP_TO_64), _kernel(rows_apart, w, None))
 
 
 def test_what_the_kernel_cannot_read_is_torchs_own_linear() -> None:
@@ -100,12 +111,12 @@ def test_what_the_kernel_cannot_read_is_torchs_own_linear() -> None:
 def test_a_compiled_graph_calls_the_operator() -> None:
     layer = nn.Linear(96, 40, bias=False)
     layer.__class__ = NativeLinear
-    layer.max_rows = MAX_ROWS
+    layer.buckets = UP_TO_64
     x = torch.randn(1, 5, 96)
     with torch.inference_mode():
         compiled = torch.compile(layer, dynamic=True, fullgraph=True)
         got = compiled(x)
-    assert torch.equal(got, torch.ops.batchgen.linear(x, layer.weight, None, MAX_ROWS))
+    assert torch.equal(got, torch.ops.batchgen.linear(x, layer.weight, None, UP_TO_64))
     assert not torch.equal(got, F.linear(x, layer.weight))
 
 
@@ -122,69 +133,89 @@ def _model() -> nn.Module:
     )
 
 
-def test_plain_float32_linears_of_a_large_enough_model_are_routed() -> None:
+def test_only_plain_float32_linears_of_shapes_with_a_bucket_are_routed() -> None:
     model = _model()
-    short = Reach(MAX_ROWS, 64 * 64 + 64 * 32 + 1, "test")
-    assert install_native_linears(model, CPU, F32, short) == 0  # its two eligible weights are one element short
-    assert all(type(m) is not NativeLinear for m in model)
-    assert install_native_linears(model, CPU, F32, Reach(MAX_ROWS, 64 * 64 + 64 * 32, "test")) == 2
-    assert [type(m) for m in model] == [NativeLinear, _Adapter, nn.Linear, NativeLinear]
+    masks = {"64x64+bias": UP_TO_64, "32x64": 0}
+    assert install_native_linears(model, CPU, F32, masks) == 1
+    assert [type(m) for m in model] == [NativeLinear, _Adapter, nn.Linear, nn.Linear]
     x = torch.randn(3, 64)
     with torch.inference_mode():
         assert torch.equal(model[0](x), _kernel(x, model[0].weight, model[0].bias))
-        assert torch.equal(model[3](x), _kernel(x, model[3].weight, None))
         prefill = torch.randn(MAX_ROWS + 1, 64)
         assert torch.equal(model[0](prefill), F.linear(prefill, model[0].weight, model[0].bias))
-    assert install_native_linears(model, CPU, F32) == 0  # already routed: nothing more to do
-
-
-def test_at_every_size_the_demo_model_and_prefill_rows_take_the_kernels_too() -> None:
-    from transformers import AutoModelForCausalLM
-
-    demo = AutoModelForCausalLM.from_pretrained(Path(__file__).parents[2] / "sample_data" / "demo-model")
-    assert install_native_linears(demo, CPU, F32, DECODE_SIZES) == 0  # 16 MiB of weights: they stay in cache
-    assert install_native_linears(demo, CPU, F32, EVERY_SIZE) == 29  # 4 layers x 7, and the LM head
-    head = demo.lm_head
-    x = torch.randn(300, head.in_features)  # a prefill chunk
-    with torch.inference_mode():
-        assert torch.equal(head(x), _kernel(x, head.weight, None))
+    assert install_native_linears(model, CPU, F32, {"32x64": ANY}) == 1  # the one left; routed ones stay
+    assert type(model[3]) is NativeLinear and model[0].buckets == UP_TO_64
 
 
 def test_other_devices_and_dtypes_keep_their_linears() -> None:
     model = _model()
-    assert install_native_linears(model, CPU, torch.bfloat16, EVERY_SIZE) == 0
-    assert install_native_linears(model, torch.device("meta"), F32, EVERY_SIZE) == 0
+    assert install_native_linears(model, CPU, torch.bfloat16, {"64x64+bias": ANY}) == 0
+    assert install_native_linears(model, torch.device("meta"), F32, {"64x64+bias": ANY}) == 0
     assert all(type(m) is not NativeLinear for m in model)
 
 
-@pytest.mark.parametrize(
-    ("vendor", "mkl", "reach"),
-    [
-        ("GenuineIntel", True, DECODE_SIZES),  # MKL on its own maker's CPU: sgemm is the better at prefill sizes
-        ("AuthenticAMD", True, EVERY_SIZE),  # MKL elsewhere: the kernels beat it at every size measured
-        ("AuthenticAMD", False, DECODE_SIZES),  # another BLAS: unmeasured, so only where the kernels are built for
-        (None, False, DECODE_SIZES),  # not x86 (an ARM server)
-    ],
-)
-def test_how_far_the_kernels_reach_follows_the_blas_and_the_cpu(
-    vendor: str | None, mkl: bool, reach: Reach, monkeypatch: pytest.MonkeyPatch
+def _slow(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """A stand-in 'kernel' that is always slower than torch (three of torch's linears)."""
+    for _ in range(2):
+        F.linear(x, w, b)
+    return F.linear(x, w, b)
+
+
+def _fast(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """A stand-in 'kernel' that is always faster than torch: no work at all."""
+    return x
+
+
+def test_calibration_gives_the_kernel_no_bucket_where_it_is_slower(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
-    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
-    assert native_linear.machine_reach() is reach
+    """Measured, not assumed: a kernel slower than torch at every size takes nothing; one faster
+    takes every bucket timed (up to the first whose torch pass is slow)."""
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    layers = [(torch.randn(64, 64), None) for _ in range(2)]
+    assert linear_calibration.measure(layers, _slow, float("inf")) == 0
+    assert linear_calibration.measure(layers, _fast, float("inf")) == (1 << len(linear_calibration.BUCKETS)) - 1
+    monkeypatch.setattr(linear_calibration, "SLOW_CALL", 0.0)  # every torch pass is "slow": stop after bucket 0
+    assert linear_calibration.measure(layers, _fast, float("inf")) == 1
+    assert linear_calibration.measure(layers, _fast, 0.0) == 0  # out of time before any timing
 
 
-def test_this_machines_cpu_vendor_is_read() -> None:
-    x86_linux = platform.machine() in ("x86_64", "AMD64") and Path("/proc/cpuinfo").is_file()
-    vendor = native.cpu_vendor()
-    assert (vendor is not None and vendor.isalnum()) if x86_linux else vendor is None
+def test_calibration_is_cached_once_per_machine_and_never_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first measurement is every process's choice: a later (different) measurement does not
+    replace it, so a job's tokens do not depend on which process timed what."""
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    groups = {"64x64": [(torch.randn(64, 64), None)]}
+    library = Path("batchgen_linear-test.so")
+    assert linear_calibration.masks(groups, _slow, library) == {"64x64": 0}
+    assert linear_calibration.masks(groups, _fast, library) == {"64x64": 0}  # cached: not measured again
+    files = list((tmp_path / "kernels" / "linear-calibration").iterdir())
+    assert len(files) == 1 and json.loads(files[0].read_text())["mask"] == 0
+    assert linear_calibration.masks(groups, _fast, Path("batchgen_linear-other.so"))["64x64"] != 0  # another build
+    assert not [p for p in files[0].parent.iterdir() if p.suffix == ".tmp"]
+
+
+def test_a_model_is_routed_by_its_own_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """install_native_linears without masks calibrates: whatever it chose, a routed layer's mask is
+    non-zero, an unrouted one's is zero, and the choice is read back from the cache the next time."""
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(linear_calibration, "REPEATS", 2)
+    model = _model()
+    routed = install_native_linears(model, CPU, F32)
+    cached = sorted((tmp_path / "kernels" / "linear-calibration").iterdir())
+    assert len(cached) == 2  # the two eligible shapes
+    masks = {json.loads(p.read_text())["mask"] for p in cached}
+    assert routed == sum(1 for mask in masks if mask)
+    for module in (model[0], model[3]):
+        assert (type(module) is NativeLinear) == bool(getattr(module, "buckets", 0))
 
 
 def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger=native_ops.__name__)
-    monkeypatch.setattr(native, "_LOADED", [None])  # as when BATCHGEN_NATIVE=0 or no C compiler
+    monkeypatch.setattr(native, "_HANDLES", {"linear": None})  # as when BATCHGEN_NATIVE=0 or no C compiler
     assert native_linear._load_op() is False
     monkeypatch.undo()
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
@@ -194,5 +225,5 @@ def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     assert "batchgen_linear_op unavailable" in caplog.text and "fake: no luck" in caplog.text
     monkeypatch.setattr(native_linear, "_OP", [False])
     model = _model()
-    assert install_native_linears(model, CPU, F32, EVERY_SIZE) == 0
+    assert install_native_linears(model, CPU, F32, {"64x64+bias": ANY}) == 0
     assert all(type(m) is not NativeLinear for m in model)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.engine import native_linear
+from batchgen.engine import linear_calibration, native_linear
 from batchgen.engine.llm import LLM
 from batchgen.engine.models import UnsupportedModelError, resolve_max_model_len
 from batchgen.engine.params import SamplingParams
@@ -83,9 +83,9 @@ def _reference(arch: str, path: Path) -> list[list[int]]:
 def test_greedy_parity(
     arch: str, setting: str, decode_kv: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Eager, with the linears on torch's BLAS on every host (DECODE_SIZES routes no tiny model; on a
-    CPU where the kernels take every size, the compiled and native-linear tests below cover them)."""
-    monkeypatch.setattr(native_linear, "machine_reach", lambda: native_linear.DECODE_SIZES)
+    """Eager, with the linears on torch's BLAS on every host (whatever this machine's calibration
+    chose; the native-linear tests below pin the kernels in)."""
+    _pin_linears(monkeypatch, 0)
     llm = _check_parity(arch, setting, decode_kv, False, tiny_model)
     assert llm.engine.runner.native_linears == 0
 
@@ -103,9 +103,14 @@ def test_greedy_parity_compiled(arch: str, tiny_model: Callable[[str], Path]) ->
 
 # gpt2's projections are transformers' Conv1D, not nn.Linear: nothing to route
 NATIVE_LINEAR_ARCHS = [a for a in ARCHITECTURES if a != "gpt2"]
-# the kernels at decode sizes, in any model (by default only in models with 64 MiB of linear weights
-# or more, which no tiny model is)
-DECODE_SIZES_ANY_MODEL = native_linear.Reach(native_linear.DECODE_SIZES.max_rows, 0, "test")
+# row-bucket masks: the kernels at decode sizes (up to 64 rows), and at every size
+DECODE_SIZES = (1 << 7) - 1
+EVERY_SIZE = native_linear.EVERY_BUCKET
+
+
+def _pin_linears(monkeypatch: pytest.MonkeyPatch, mask: int) -> None:
+    """Every linear shape gets `mask`, whatever this machine's calibration would choose."""
+    monkeypatch.setattr(linear_calibration, "masks", lambda groups, kernel, library: dict.fromkeys(groups, mask))
 
 
 @pytest.mark.parametrize("arch", NATIVE_LINEAR_ARCHS)
@@ -114,7 +119,7 @@ def test_greedy_parity_native_linears(
 ) -> None:
     """Every linear layer through the native kernels at decode sizes: the same tokens, eager under
     pressure (its 64-token steps: every prefill chunk through them too)."""
-    monkeypatch.setattr(native_linear, "machine_reach", lambda: DECODE_SIZES_ANY_MODEL)
+    _pin_linears(monkeypatch, DECODE_SIZES)
     llm = _check_parity(arch, "pressure", "rows", False, tiny_model)
     assert llm.engine.runner.native_linears > 0
 
@@ -123,19 +128,19 @@ def test_greedy_parity_native_linears(
 def test_greedy_parity_native_linears_at_every_size(
     arch: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The kernels' reach where torch's BLAS is MKL on a non-Intel CPU: every size, prefill chunks of
+    """The kernels at every size (where a machine measured them faster everywhere), prefill chunks of
     up to 1,024 tokens included (relaxed)."""
-    monkeypatch.setattr(native_linear, "machine_reach", lambda: native_linear.EVERY_SIZE)
+    _pin_linears(monkeypatch, EVERY_SIZE)
     llm = _check_parity(arch, "relaxed", "rows", False, tiny_model)
     assert llm.engine.runner.native_linears > 0
 
 
-@pytest.mark.parametrize("reach", [DECODE_SIZES_ANY_MODEL, native_linear.EVERY_SIZE], ids=["decode", "every"])
+@pytest.mark.parametrize("mask", [DECODE_SIZES, EVERY_SIZE], ids=["decode", "every"])
 def test_greedy_parity_native_linears_compiled(
-    reach: native_linear.Reach, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    mask: int, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same with the forward compiled (the CPU default), the operator a node of the graph."""
-    monkeypatch.setattr(native_linear, "machine_reach", lambda: reach)
+    _pin_linears(monkeypatch, mask)
     llm = _check_parity("llama", "pressure", "rows", True, tiny_model)
     assert llm.engine.runner.native_linears > 0 and llm.engine.runner.forward.stats.graphs >= 1
 

@@ -21,30 +21,15 @@
 #include <optional>
 #include <string>
 
+#include "decode_args.h"
+
 namespace {
 
 using kernel_fn = int64_t (*)(int64_t *, float);
 kernel_fn kernel = nullptr;
 
-// The plan's fields (an int64 array owned by Python; decode_native.PLAN_FIELDS names them in this order)
-enum : int64_t {
-  P_ARGS,         // address of the kernel's argument array (native.DECODE_ARGS), the step's part filled
-  P_LAYER_AT,     // index in it of the first per-layer argument ("q")
-  P_LAYERS,       // layers of the model
-  P_DECODES,      // decodes of the step: tokens 0..n-1
-  P_TOKENS,       // real tokens of the step (rows past them are padding, zeroed)
-  P_HEADS,        // query heads
-  P_KV_HEADS,     // K/V heads
-  P_HEAD_DIM,     // head dim
-  P_BASES,        // address of layer 0's key-class addresses (the value ones follow all layers' keys)
-  P_LAYER_BYTES,  // bytes between one layer's class addresses and the next's
-  P_SLOTS,        // address of the step's slot mapping (int64, one per decode at least)
-  P_POOL_SLOTS,   // slots in one layer's pool
-  P_CALLS,        // layers attended so far (written here)
-  P_NANOS,        // nanoseconds spent in the kernel so far (written here)
-  P_POOLS,        // then per layer: the key pool's address, the value pool's
-};
-constexpr int64_t LAYER_ARGS = 17;  // per-layer arguments, "q" .. "pool_slots" in native.DECODE_ARGS
+// The plan's fields (P_*) and the kernel's arguments (A_*): decode_args.h, shared with the kernel
+constexpr int64_t LAYER_ARGS = A_COUNT - A_Q;  // per-layer arguments, A_Q .. A_POOL_SLOTS
 
 thread_local int64_t *plan = nullptr;
 
@@ -90,7 +75,7 @@ at::Tensor planned(const at::Tensor &query, const at::Tensor &key, const at::Ten
       reinterpret_cast<int64_t>(out.data_ptr()), plan[P_POOLS + 2 * layer], plan[P_POOLS + 2 * layer + 1],
       plan[P_SLOTS], plan[P_POOL_SLOTS],
   };
-  for (int64_t i = 0; i < LAYER_ARGS; i++) args[plan[P_LAYER_AT] + i] = layer_args[i];
+  for (int64_t i = 0; i < LAYER_ARGS; i++) args[A_Q + i] = layer_args[i];
   const auto began = std::chrono::steady_clock::now();
   int64_t status;
   {
@@ -103,7 +88,7 @@ at::Tensor planned(const at::Tensor &query, const at::Tensor &key, const at::Ten
                    " decodes");
   TORCH_CHECK(status != -1, "native decode attention refused ", heads / kvh, " query heads per KV head, head dim ", d);
   TORCH_CHECK(status == 0, "native decode attention refused layer ", layer, ": a decode longer than its row, a shared ",
-              "prefix not shorter than its decode, or a slot outside the pool");
+              "prefix not shorter than its decode, a class or row outside its tensors, or a slot outside the pool");
   if (tokens > plan[P_TOKENS]) out.narrow(0, plan[P_TOKENS], tokens - plan[P_TOKENS]).zero_();
   return out;
 }
@@ -135,8 +120,9 @@ extern "C" const char *batchgen_attention_op_take_error(void) {
   return taken.empty() ? nullptr : taken.c_str();
 }
 
-extern "C" int64_t batchgen_attention_op_plan_fields(void) { return P_POOLS; }
-extern "C" int64_t batchgen_attention_op_layer_args(void) { return LAYER_ARGS; }
+// the names of the plan's fields and of the kernel's arguments, in order (Python checks them at load)
+extern "C" const char *batchgen_attention_op_plan_names(void) { return BATCHGEN_PLAN_FIELDS(BATCHGEN_NAME); }
+extern "C" const char *batchgen_attention_op_arg_names(void) { return BATCHGEN_DECODE_ARGS(BATCHGEN_NAME); }
 
 // the schema and the fake (shape-only) implementation are defined in attention_op.py
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("attention", &attention); }

@@ -26,14 +26,16 @@
  * Row i attends to positions [max(0, len[i] - window), len[i]) (window 0: all of them).
  * scratch holds threads * scratch_stride floats; scratch_stride >= MAX_BLOCK * g * round_up(max len, TILE)
  * (a thread's score rows for a block of decodes, see attend_block).
- * Returns 0; -1 for a shape beyond the limits, -2 for a length or slot out of range (nothing
- * written in either case), -3 when memory for the work list ran out.
+ * Returns 0; -1 for a shape beyond the limits, -2 for a decode out of bounds (decode_in_bounds:
+ * its class, row, length, shared prefix or slot; nothing written in either case), -3 when memory for the work list ran out.
  */
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+
+#include "decode_args.h"
 
 #define TILE 16
 #define MAX_G 8
@@ -288,24 +290,28 @@ static inline __attribute__((always_inline)) void attend_block(
     continue;                                                                                                \
   }
 
-/* The call's arguments, all int64 (counts, strides in floats, and addresses), at these indices of
- * one array. Why one array: the caller fills what holds for the step once and per layer only what
- * changes (the tensors' addresses and strides, the window, the pool), and a ctypes call converting
- * 26 arguments took ~2.1 us against ~0.5 for two. q, knew and vnew are read through their strides (the model's [heads, tokens, d]
- * views, d contiguous), so no per-layer transposed copies; the first n tokens are the decodes. */
-enum {
-  /* set once per step */
-  A_N, A_THREADS, A_KSTRIDE, A_VSTRIDE, A_CLS, A_ROW, A_CAP, A_LEN, A_SHARED, /* int64 arrays but n, threads */
-  /* set on the step's first call (the model's shapes) */
-  A_KVH, A_G, A_D, A_SCRATCH, A_SCRATCH_STRIDE,
-  /* set per layer */
-  A_Q, A_Q_HEAD, A_Q_TOKEN,              /* q: decode i's query head j at q + i * q_token + j * q_head */
-  A_KNEW, A_K_HEAD, A_K_TOKEN, A_VNEW, A_V_HEAD, A_V_TOKEN, /* this step's K/V, strided like q */
-  A_KBASE, A_VBASE, A_WINDOW, A_OUT, A_KPOOL, A_VPOOL, A_SLOT, A_POOL_SLOTS,
-  A_COUNT
-};
+/* The call's arguments, all int64, at the indices of decode_args.h (A_*) in one array. Why one
+ * array: the caller fills what holds for the step once and per layer only what changes (the
+ * tensors' addresses and strides, the window, the pool), and a ctypes call converting 26 arguments
+ * took ~2.1 us against ~0.5 for two. q, knew and vnew are read through their strides (the model's
+ * [heads, tokens, d] views, d contiguous), so no per-layer transposed copies; the first n tokens are
+ * the decodes. */
+const char *batchgen_decode_attention_arg_names(void) { return BATCHGEN_DECODE_ARGS(BATCHGEN_NAME); }
 
-int64_t batchgen_decode_attention_args(void) { return A_COUNT; } /* the caller checks its array's length */
+/* Whether decode i may be attended: its class and row inside the class tensors, its length inside
+ * its row, a row as large as its class's stride says, its shared prefix short of its length, its
+ * slot inside the pool. Why checked here too: every write goes through these raw indices. */
+static int decode_in_bounds(const int64_t *a, int64_t i) {
+  const int64_t *cls = (const int64_t *)a[A_CLS], *row = (const int64_t *)a[A_ROW], *cap = (const int64_t *)a[A_CAP];
+  const int64_t *len = (const int64_t *)a[A_LEN], *shared = (const int64_t *)a[A_SHARED];
+  const int64_t *rows = (const int64_t *)a[A_ROWS], *slot = (const int64_t *)a[A_SLOT];
+  const int64_t *kstride = (const int64_t *)a[A_KSTRIDE], *vstride = (const int64_t *)a[A_VSTRIDE];
+  const int64_t c = cls[i], row_floats = a[A_KVH] * cap[i] * a[A_D];
+  if (c < 0 || c >= a[A_CLASSES] || row[i] < 0 || row[i] >= rows[c]) return 0;
+  if (cap[i] < TILE || cap[i] % TILE || kstride[c] < row_floats || vstride[c] < row_floats) return 0;
+  if (len[i] < 1 || len[i] > cap[i] || shared[i] < 0 || shared[i] >= len[i]) return 0;
+  return !a[A_KPOOL] || (slot[i] >= 0 && slot[i] < a[A_POOL_SLOTS]);
+}
 
 int64_t batchgen_decode_attention(const int64_t *a, float scale) {
   const int64_t n = a[A_N], kvh = a[A_KVH], g = a[A_G], d = a[A_D], threads = a[A_THREADS];
@@ -320,11 +326,9 @@ int64_t batchgen_decode_attention(const int64_t *a, float scale) {
   const int64_t *slot = (const int64_t *)a[A_SLOT];
   const int64_t pool_slots = a[A_POOL_SLOTS], window = a[A_WINDOW], scratch_stride = a[A_SCRATCH_STRIDE];
   float *out = (float *)a[A_OUT], *scratch = (float *)a[A_SCRATCH];
-  if (g < 1 || g > MAX_G || d < 1 || d > MAX_D) return -1;
-  for (int64_t i = 0; i < n; i++) /* why: a length past its row would write outside it */
-    if (len[i] < 1 || len[i] > cap[i] || cap[i] % TILE || shared[i] < 0 || shared[i] >= len[i] ||
-        (kpool && (slot[i] < 0 || slot[i] >= pool_slots)))
-      return -2;
+  if (g < 1 || g > MAX_G || d < 1 || d > MAX_D || kvh < 1 || n < 0) return -1;
+  for (int64_t i = 0; i < n; i++)
+    if (!decode_in_bounds(a, i)) return -2;
   /* work items: (block, KV head); a block is BLOCK_DECODES consecutive decodes of one class with a
    * shared prefix of at least a tile (attend_block), or else one decode */
   const int64_t bm = window > 0 ? 1 : BLOCK_DECODES(g, d);

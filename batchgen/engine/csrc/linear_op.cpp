@@ -3,9 +3,11 @@
 // Why C++ and not a Python custom op: a decode step calls every linear layer once (56 on the 57M
 // model), and from a compiled graph a call costs 12.9 us through a Python custom op against 2.8 us
 // through this one (aten's own linear: 1.2 us): the Python op's share was 0.65 ms a step. The op takes the kernel
-// (csrc/skinny_linear.c, in the kernel library: its address comes from batchgen_linear_op_setup)
-// for up to max_rows rows (the layer's, an argument) of float32 inputs it can read, and at::linear
-// for everything else, so one compiled graph serves every step size. See batchgen/engine/native_linear.py.
+// (csrc/skinny_linear.c, wide_linear.c: its address comes from batchgen_linear_op_setup) for the row
+// counts whose bucket is set in the layer's `buckets` mask (bit b: rows in (2^(b-1), 2^b], bit 0: one
+// row; native_linear.py sets the bits where the kernel measured faster than torch's BLAS for that
+// layer's shape on this machine) for float32 inputs it can read, and at::linear for everything else,
+// so one compiled graph serves every step size. See batchgen/engine/native_linear.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,11 +31,15 @@ bool readable(const at::Tensor &x, const at::Tensor &weight, const std::optional
   return !bias.has_value() || (cpu_float(*bias) && bias->is_contiguous() && bias->numel() == weight.size(0));
 }
 
+// rows' bucket: 0 for one row, b for (2^(b-1), 2^b]
+int64_t bucket(int64_t rows) { return rows <= 1 ? 0 : 64 - __builtin_clzll(static_cast<uint64_t>(rows - 1)); }
+
 at::Tensor linear(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
-                  int64_t max_rows) {
+                  int64_t buckets) {
   const int64_t k = weight.dim() == 2 ? weight.size(1) : 0, n = weight.dim() == 2 ? weight.size(0) : 0;
   const int64_t rows = k > 0 ? x.numel() / k : 0;
-  if (kernel == nullptr || rows < 1 || rows > max_rows || !readable(x, weight, bias)) {
+  if (kernel == nullptr || rows < 1 || bucket(rows) > 62 || !((buckets >> bucket(rows)) & 1) ||
+      !readable(x, weight, bias)) {
     return at::linear(x, weight, bias);
   }
   at::Tensor flat = x.reshape({rows, k});

@@ -27,12 +27,12 @@ typedef float vec __attribute__((vector_size(64), aligned(4), may_alias));
 #define MAX_MB 6
 #define MAX_NB 8
 
+/* the 16 lanes' sum, pairwise (halves, then quarters); lane by lane, since __builtin_shufflevector
+ * needs GCC 12 and the kernels must build with GCC 11 (Ubuntu 22.04, RHEL 9) */
 static inline __attribute__((always_inline)) float lane_sum(vec v) {
-  typedef float half __attribute__((vector_size(32)));
-  typedef float quarter __attribute__((vector_size(16)));
-  half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  float a[8], b[4];
+  for (int i = 0; i < 8; i++) a[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 

@@ -26,38 +26,15 @@ typedef float vec __attribute__((vector_size(64), aligned(64)));
 #define CHUNK 64 /* rows of x per pass: 4 vectors */
 #define MAX_ACC 24 /* accumulators a tile keeps in registers (of 32 on AVX-512, with mv loads and a broadcast) */
 
-/* One stage of a 16 x 16 transpose: rows a and b (H apart) swap their off-diagonal H x H blocks. */
-#define SWAP_BLOCKS(a, b, LO, HI)                       \
-  do {                                                  \
-    const vec lo_ = __builtin_shufflevector(a, b, LO);  \
-    b = __builtin_shufflevector(a, b, HI);              \
-    a = lo_;                                            \
-  } while (0)
-#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
-#define HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
-#define LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
-#define HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
-#define LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
-#define HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
-
 /* xt[c][i] = x[i][c] for the 16 columns from c0 and the rows [i0, i0 + 16) (rows >= m: zeros).
- * Swapping the off-diagonal blocks at every scale (8, 4, 2, 1) transposes the 16 x 16 block. */
+ * Element by element: __builtin_shufflevector, which an in-register transpose needs, exists from
+ * GCC 12 only, and the transpose is O(rows x k) against the call's O(rows x n x k) */
 static void transpose_block(const int64_t m, const int64_t i0, const int64_t c0, const float *x, const int64_t ldx,
                             float *xt, const int64_t mp) {
-  typedef float row_vec __attribute__((vector_size(64), aligned(4)));
-  vec r[VW];
-  for (int i = 0; i < VW; i++) r[i] = i0 + i < m ? *(const row_vec *)(x + (i0 + i) * ldx + c0) : (vec){0};
-  for (int i = 0; i < VW; i++)
-    if (!(i & 8)) SWAP_BLOCKS(r[i], r[i + 8], LO8, HI8);
-  for (int i = 0; i < VW; i++)
-    if (!(i & 4)) SWAP_BLOCKS(r[i], r[i + 4], LO4, HI4);
-  for (int i = 0; i < VW; i++)
-    if (!(i & 2)) SWAP_BLOCKS(r[i], r[i + 2], LO2, HI2);
-  for (int i = 0; i < VW; i++)
-    if (!(i & 1)) SWAP_BLOCKS(r[i], r[i + 1], LO1, HI1);
-  for (int c = 0; c < VW; c++) *(vec *)(xt + (c0 + c) * mp + i0) = r[c];
+  for (int64_t i = 0; i < VW; i++) {
+    const float *row = x + (i0 + i) * ldx + c0;
+    for (int64_t c = 0; c < VW; c++) xt[(c0 + c) * mp + i0 + i] = i0 + i < m ? row[c] : 0.0f;
+  }
 }
 
 /* this thread's share of xt for rows [0, m): whole 16-column blocks, and the columns past the last */

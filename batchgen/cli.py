@@ -211,6 +211,25 @@ def finalize(output_dir: str) -> None:
     _guarded(work)
 
 
+@main.command()
+@click.option("--build", is_flag=True, help="Build the native CPU kernels this machine lacks (e.g. in a Dockerfile).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(build: bool, as_json: bool) -> None:
+    """What this machine gives the engine: device, versions, compilers, and each native kernel's state."""
+
+    def work() -> None:
+        import json
+
+        from batchgen import doctor as checks
+
+        facts = checks.report(build=build)
+        click.echo(json.dumps(facts, indent=2) if as_json else "\n".join(checks.lines(facts)))
+        if build and any(k["state"] == "unavailable" for k in facts["kernels"]):
+            click.echo("some kernels could not be built: the engine uses torch's own path for those", err=True)
+
+    _guarded(work)
+
+
 def _guarded(work) -> None:  # type: ignore[no-untyped-def]
     """Turn errors into one clear line on stderr and the documented exit code."""
     try:

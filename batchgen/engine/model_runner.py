@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from batchgen.engine import native, native_ops
 from batchgen.engine.attention import forward_context
 from batchgen.engine.attention_front import decode_plan
 from batchgen.engine.attention_front import load as load_front
@@ -186,6 +187,13 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(spec.num_layers)
         ]
+        if device.type == "cpu" and (missing := native_ops.pending()):
+            logger.warning(
+                "building the native CPU kernels for this machine before the first step (%s; %s, once per machine;"
+                " `batchgen doctor --build` builds them ahead of a job)",
+                ", ".join(missing),
+                native.BUILD_SECONDS,
+            )
         self.attention: AttentionChoice = choose_attention_path(
             device.type, dtype, block_size, spec.head_dim, has_softcap(model.config), detect_support(device)
         )

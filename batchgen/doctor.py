@@ -1,0 +1,86 @@
+"""`batchgen doctor`: what this machine gives the engine (device, versions, compilers, kernels), and a prebuild.
+
+Why: the native CPU kernels are compiled on the machine that runs them (native.py), and a first
+job that finds none pays the build (20 s on an idle 2-core machine, minutes on a busy one) before
+its first row, again on every fresh container, Ray node or Airflow worker. `batchgen doctor
+--build` builds them once, e.g. in a Dockerfile (`RUN batchgen doctor --build`) or a cluster's
+bootstrap, into $BATCHGEN_CACHE_DIR; without --build it only reports, building nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from typing import Any
+
+import torch
+import transformers
+
+from batchgen.engine import attention_front, host, native, native_linear, native_ops
+
+OPERATORS = native_ops.OPERATORS  # the C++ operators, each reported after the C libraries
+
+
+def report(build: bool = False) -> dict[str, Any]:
+    """The machine's facts and each kernel's state; with `build`, the missing kernels built first."""
+    if build:
+        native.load()
+        native.argmax()
+        attention_front.load()
+        native_linear.load_op()  # builds the linear library, then its operator
+    return {
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "host": host.describe(),
+        "compilers": {"c": _compiler("CC", "cc", "gcc"), "c++": _compiler("CXX", "c++", "g++")},
+        "cache_dir": str(native.cache_dir()),
+        "native_cflags": " ".join(native.extra_flags()),
+        "kernels": [kernel_state(name) for name in [*native.LIBRARIES, *OPERATORS]],
+    }
+
+
+def kernel_state(name: str) -> dict[str, Any]:
+    """One kernel's state: off, built, cached, unavailable (and why), or not built yet."""
+    done = native.STATES.get(name)
+    if done is not None:
+        return {"name": name, "state": done.state, "path": str(done.path or ""), "why": done.reason}
+    if os.environ.get(native.DISABLE_ENV) == "0":
+        return {"name": name, "state": "off", "path": "", "why": f"{native.DISABLE_ENV}=0"}
+    cached = native.is_cached(name) if name in native.LIBRARIES else native_ops.is_cached(name, OPERATORS[name])
+    return {"name": name, "state": "cached" if cached else "not built", "path": "", "why": ""}
+
+
+def _compiler(env: str, *names: str) -> dict[str, str | None]:
+    path = native.find_compiler(env, *names)
+    if path is None:
+        return {"path": None, "version": None}
+    try:
+        version = native.compiler_version(path).splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        version = None
+    return {"path": path, "version": version}
+
+
+def lines(facts: dict[str, Any]) -> list[str]:
+    """The report as the CLI prints it."""
+    h = facts["host"]
+    flags = ", ".join(flag for flag, present in h["flags"].items() if present) or "none read"
+    out = [
+        f"device        {facts['device']}{' (' + facts['gpu'] + ')' if facts['gpu'] else ''}",
+        f"torch         {facts['torch']} (BLAS: {h['blas']}, CPU capability: {h['torch_cpu_capability']})",
+        f"transformers  {facts['transformers']}",
+        f"cpu           {h['cpu']} [{flags}]",
+        f"threads       {h['torch_threads']} (affinity {h['affinity_cpus']} CPUs, quota {h['quota_cpus'] or 'none'})",
+    ]
+    for lang, found in facts["compilers"].items():
+        version = f"  {found['version']}" if found["version"] else ""
+        out.append(f"{lang + ' compiler':<14}{found['path'] or 'none found'}{version}")
+    out.append(f"kernel cache  {facts['cache_dir']}")
+    if facts["native_cflags"]:
+        out.append(f"extra cflags  {facts['native_cflags']} ({native.FLAGS_ENV})")
+    for k in facts["kernels"]:
+        detail = k["why"] or k["path"]
+        out.append(f"  {k['name']:<24}{k['state']}{'  ' + detail if detail else ''}")
+    return out

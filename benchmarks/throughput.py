@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/throughput.py                 # full run, JSON on stdout
     .venv/bin/python benchmarks/throughput.py --quick         # small sizes, a few minutes
     .venv/bin/python benchmarks/throughput.py --markdown      # also rewrite the table in RESULTS.md
+    .venv/bin/python benchmarks/throughput.py --contended     # one busy process per core beside the run
+    .venv/bin/python benchmarks/throughput.py --sweep         # the shape sweep (benchmarks/sweep.py)
 
 Same models, prompts and machine for every system, and one process for every system of a model
 (each model's section runs in a process of its own, see _model_in_own_process); greedy everywhere. For each model
@@ -16,6 +18,7 @@ Absolute numbers on a shared machine are noise; the ratios, measured in one run,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -33,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import transformers
 
-from benchmarks import bench_models, decode_floor, results_md, systems, workloads
+from benchmarks import bench_models, decode_floor, results_md, sweep, systems, workloads
+from benchmarks.busy import busy_neighbours
 from benchmarks.systems import RunResult
 
 log = logging.getLogger("throughput")
@@ -73,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rewrite the results table in benchmarks/RESULTS.md",
     )
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument(
+        "--contended", action="store_true", help="one busy process per core beside the whole run (both sides alike)"
+    )
+    p.add_argument(
+        "--sweep", action="store_true", help="the shape sweep instead (benchmarks/sweep.py; --quick, --contended apply)"
+    )
     p.add_argument(
         "--one-process",
         action="store_true",
@@ -298,8 +308,12 @@ def cpu_name() -> str:
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
+    from batchgen.engine import host
+
     return {
         "cpu": cpu_name(),
+        "host": host.describe(),
+        "contended": args.contended,
         "cores": os.cpu_count(),
         "torch_threads": args.threads,
         "torch": torch.__version__,
@@ -327,6 +341,10 @@ def _model_in_own_process(name: str, argv: list[str]) -> dict[str, Any]:
         return json.loads(out.read_text())["models"][name]
 
 
+def _neighbours(contended: bool) -> contextlib.AbstractContextManager[Any]:
+    return busy_neighbours() if contended else contextlib.nullcontext()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -334,11 +352,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # why: on CPU it logs an ERROR about psutil for memory sizing we do not use (num_blocks is given)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     torch.set_num_threads(args.threads)
+    if args.sweep:
+        return sweep.main([*(["--quick"] if args.quick else []), *(["--contended"] if args.contended else [])])
     began = time.perf_counter()
     if len(args.models) > 1 and not args.one_process:
+        # each model's process runs its own busy neighbours (--contended is passed on)
         models = {name: _model_in_own_process(name, argv if argv is not None else sys.argv[1:]) for name in args.models}
     else:
-        with tempfile.TemporaryDirectory(prefix="batchgen-bench-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="batchgen-bench-") as tmp, _neighbours(args.contended):
             models = {m.name: run_model(m, args) for m in bench_models.build(args.models, Path(tmp))}
     report = {
         "command": " ".join(["benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]),

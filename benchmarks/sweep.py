@@ -1,0 +1,200 @@
+"""Shape sweep: the engine with its native kernels, without them (BATCHGEN_NATIVE=0), and transformers.
+
+    .venv/bin/python benchmarks/sweep.py                 # every shape, JSON on stdout
+    .venv/bin/python benchmarks/sweep.py --quick         # three small shapes, fewer requests
+    .venv/bin/python benchmarks/sweep.py --contended     # with one busy process per core beside each run
+
+Why: the kernels were tuned on two models and one CPU; a fast path must hold on shapes it was not
+tuned on (hidden 128-4096, intermediate ratios, vocabularies 4k-128k, tied and untied heads, GQA
+ratios, prompt lengths 16-2,048). For each shape a random-weight Llama is saved with a word-level
+tokenizer, and each system runs the same seeded greedy workload (EOS ignored, so every request
+produces exactly its max_tokens) in a fresh process of its own: the kernels are chosen per process.
+The figure is output tokens/s; `native_vs_off` below 1.0 means the kernels made that shape slower.
+transformers runs `generate` in static batches of 16 (its padding costs are part of its figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.busy import busy_neighbours
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+    prompt_min: int
+    prompt_max: int
+    requests: int
+    max_tokens: int
+
+
+SHAPES = [
+    Shape("h128-v4k-tied", 128, 512, 2, 4, 4, 4096, True, 16, 128, 48, 64),
+    Shape("h256-v8k-tied", 256, 768, 4, 4, 4, 8192, True, 16, 512, 48, 64),  # issue 28's first shape
+    Shape("h512-v32k-gqa4", 512, 1376, 4, 8, 2, 32768, False, 16, 512, 32, 48),  # issue 28's second
+    Shape("h768-v8k-gqa3", 768, 2048, 8, 12, 4, 8192, False, 16, 512, 32, 48),
+    Shape("h1024-mha-ratio4", 1024, 4096, 2, 16, 16, 16384, True, 16, 256, 32, 32),
+    Shape("h2048-v32k-gqa4", 2048, 5632, 2, 16, 4, 32768, False, 16, 256, 16, 32),
+    Shape("h4096-v32k-gqa4", 4096, 11008, 1, 32, 8, 32768, False, 16, 128, 16, 16),
+    Shape("h512-v128k", 512, 1408, 2, 8, 8, 131072, False, 16, 256, 16, 32),
+    Shape("h256-mqa-long", 256, 1024, 2, 4, 1, 4096, True, 1024, 2048, 12, 32),
+]
+QUICK = ["h128-v4k-tied", "h256-v8k-tied", "h512-v32k-gqa4"]
+SYSTEMS = ("native", "off", "transformers")
+HF_BATCH = 16
+
+
+def save_model(shape: Shape, path: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.prompt_max + shape.max_tokens + 16, tie_word_embeddings=shape.tied,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(shape.vocab)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1", pad_token="t1").save_pretrained(path)
+
+
+def workload(shape: Shape) -> list[list[int]]:
+    rng = random.Random(0)
+    return [
+        [rng.randrange(2, shape.vocab) for _ in range(rng.randint(shape.prompt_min, shape.prompt_max))]
+        for _ in range(shape.requests)
+    ]
+
+
+def run_engine(path: Path, prompts: list[list[int]], max_tokens: int) -> float:
+    from batchgen.engine.llm import LLM
+    from batchgen.engine.params import SamplingParams
+
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    for n in (2, 3):  # compiling and the kernels' calibration happen here, outside the timing
+        llm.generate([[5, 6, 7, 8]] * n, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    llm.generate(prompts, params)
+    return time.perf_counter() - started
+
+
+def run_transformers(path: Path, prompts: list[list[int]], max_tokens: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(prompts), HF_BATCH):
+            batch = prompts[first : first + HF_BATCH]
+            width = max(map(len, batch))
+            ids = torch.tensor([[1] * (width - len(p)) + p for p in batch])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                do_sample=False, pad_token_id=1,
+            )  # fmt: skip
+    return time.perf_counter() - started
+
+
+def worker(system: str, shape: Shape, path: Path, threads: int) -> dict[str, Any]:
+    """One system on one shape, in this (fresh) process."""
+    import torch
+
+    from batchgen.engine import host
+
+    torch.set_num_threads(threads)
+    prompts = workload(shape)
+    run = run_transformers if system == "transformers" else run_engine
+    seconds = run(path, prompts, shape.max_tokens)
+    return {
+        "tok_s": round(len(prompts) * shape.max_tokens / seconds, 1),
+        "seconds": round(seconds, 2),
+        "host": host.describe(),
+    }
+
+
+def measure(shape: Shape, work: Path, threads: int, contended: bool) -> dict[str, Any]:
+    path = work / shape.name
+    if not (path / "config.json").exists():
+        save_model(shape, path)
+    row: dict[str, Any] = {"shape": asdict(shape)}
+    for system in SYSTEMS:
+        env = {**os.environ, "BATCHGEN_NATIVE": "0" if system == "off" else os.environ.get("BATCHGEN_NATIVE", "1")}
+        command = [sys.executable, __file__, "--worker", system, shape.name, str(path), str(threads)]
+        if contended:
+            with busy_neighbours():
+                done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        else:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        row[system] = result["tok_s"]
+        row["host"] = result["host"]
+    row["native_vs_off"] = round(row["native"] / row["off"], 2)
+    row["native_vs_transformers"] = round(row["native"] / row["transformers"], 2)
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="three small shapes")
+    p.add_argument("--contended", action="store_true", help="one busy process per core beside every run")
+    p.add_argument("--shapes", nargs="+", default=None, choices=[s.name for s in SHAPES])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's own choice)")
+    p.add_argument("--worker", nargs=4, metavar=("SYSTEM", "SHAPE", "PATH", "THREADS"), help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    by_name = {s.name: s for s in SHAPES}
+    if args.worker:
+        system, name, path, threads = args.worker
+        print(json.dumps(worker(system, by_name[name], Path(path), int(threads))))
+        return {}
+    from batchgen.engine import host
+
+    threads = args.threads or host.usable_cpus()
+    names = args.shapes or (QUICK if args.quick else list(by_name))
+    with tempfile.TemporaryDirectory(prefix="batchgen-sweep-") as tmp:
+        rows = [measure(by_name[name], Path(tmp), threads, args.contended) for name in names]
+    report = {
+        "command": " ".join(["benchmarks/sweep.py", *(argv if argv is not None else sys.argv[1:])]),
+        "contended": args.contended,
+        "threads": threads,
+        "native_flags": os.environ.get("BATCHGEN_NATIVE_CFLAGS", ""),
+        "host": rows[0]["host"] if rows else host.describe(),
+        "slower_with_kernels": [r["shape"]["name"] for r in rows if r["native_vs_off"] < 0.95],
+        "shapes": [{k: v for k, v in r.items() if k != "host"} for r in rows],
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

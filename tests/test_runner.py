@@ -271,7 +271,23 @@ def test_compile_auto_runs_a_small_job_eager_and_a_large_one_compiled(tmp_path: 
     spec = load_job(write_job(tmp_path / "job.yaml", job))
     assert spec.engine.compile == "auto"
     assert for_rows(spec, COMPILE_MIN_ROWS - 1).engine.compile is False
-    assert for_rows(spec, COMPILE_MIN_ROWS) is spec  # "auto": the engine compiles where it wins (the CPU)
+    assert for_rows(spec, COMPILE_MIN_ROWS).engine.compile == "auto"  # the engine compiles where it wins (the CPU)
     chosen = load_job(write_job(tmp_path / "true.yaml", {**job, "engine": {"backend": "native", "compile": True}}))
     assert for_rows(chosen, 10).engine.compile is True
     assert spec.engine.compile == "auto"  # the job itself (and its fingerprint) is unchanged
+
+
+def test_a_tiny_job_sizes_its_engine_for_its_own_sequences(tmp_path: Path) -> None:
+    """A 3-row job does not get a KV pool and decode rows for 64 sequences (issue 28: time to first row)."""
+    from batchgen.backends import SMALLEST_DEFAULT_SEQS, for_rows
+    from batchgen.job import load_job
+
+    job = make_job(tmp_path, str(tmp_path / "in.parquet"), tmp_path / "out", engine={"backend": "native"})
+    spec = load_job(write_job(tmp_path / "job.yaml", job))
+    assert for_rows(spec, 3).engine.max_num_seqs == 3
+    samples = load_job(write_job(tmp_path / "n.yaml", {**job, "sampling": {**job.get("sampling", {}), "n": 4}}))
+    assert for_rows(samples, 3).engine.max_num_seqs == 12  # every sample is a sequence
+    assert for_rows(spec, SMALLEST_DEFAULT_SEQS).engine.max_num_seqs is None  # the device's default
+    chosen = load_job(write_job(tmp_path / "set.yaml", {**job, "engine": {"backend": "native", "max_num_seqs": 8}}))
+    assert for_rows(chosen, 3).engine.max_num_seqs == 8  # an explicit value is kept
+    assert spec.engine.max_num_seqs is None

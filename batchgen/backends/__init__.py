@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 # (benchmarks/RESULTS.md, fourth pass): the quickstart's 300 rows took 12.5 s compiled against 7.0 s
 # eager, the 2,400 rows of jobs/example.yaml broke even (53.4 s against 51.1 s).
 COMPILE_MIN_ROWS = 5_000
+SMALLEST_DEFAULT_SEQS = 64  # engine.max_num_seqs's default on the CPU (256 on CUDA)
 
 
 def load_backend(spec: JobSpec, tokenizer: Any) -> Backend:
@@ -29,8 +30,18 @@ def load_backend(spec: JobSpec, tokenizer: Any) -> Backend:
 
 def for_rows(spec: JobSpec, rows: int) -> JobSpec:
     """The job as one process running `rows` rows should load it: engine.compile "auto" turned off
-    for fewer than COMPILE_MIN_ROWS rows (an explicit true or false is kept)."""
-    if spec.engine.backend != "native" or spec.engine.compile != "auto" or rows >= COMPILE_MIN_ROWS:
+    for fewer than COMPILE_MIN_ROWS rows, and max_num_seqs, when unset, no larger than the
+    sequences the rows can have (rows x n), so a tiny job's KV pool and decode rows are sized for
+    it, not for 64 sequences (an explicit value of either setting is kept)."""
+    if spec.engine.backend != "native":
         return spec
-    log.info("engine.compile auto: eager for %d rows (compiling pays off from about %d rows)", rows, COMPILE_MIN_ROWS)
-    return spec.model_copy(update={"engine": spec.engine.model_copy(update={"compile": False})})
+    update: dict[str, Any] = {}
+    if spec.engine.compile == "auto" and rows < COMPILE_MIN_ROWS:
+        log.info(
+            "engine.compile auto: eager for %d rows (compiling pays off from about %d rows)", rows, COMPILE_MIN_ROWS
+        )
+        update["compile"] = False
+    sequences = max(1, rows) * spec.sampling.n
+    if spec.engine.max_num_seqs is None and sequences < SMALLEST_DEFAULT_SEQS:
+        update["max_num_seqs"] = sequences
+    return spec.model_copy(update={"engine": spec.engine.model_copy(update=update)}) if update else spec

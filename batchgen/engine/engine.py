@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from batchgen.engine.cpu_threads import ThreadGovernor
 from batchgen.engine.generate_loop import run_to_completion
 from batchgen.engine.logprobs import TokenTexts, take_logprobs
 from batchgen.engine.model_runner import ModelRunner
@@ -52,6 +53,7 @@ class Engine:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.vocab_size = vocab_size
         self.stats = EngineStats()
+        self.threads = ThreadGovernor(enabled=runner.device.type == "cpu")
         self.texts = TokenTexts(tokenizer)
         self._requests: dict[int, RequestState] = {}
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}  # every live sample's sequence
@@ -132,6 +134,7 @@ class Engine:
             )
         sampled = batch.sampled
         self.stats.count(batch)
+        self.threads.tick()
         logits = self.runner.execute(batch)  # [len(sampled) + prompt-logprob rows, vocab]
         self.scheduler.advance(batch)
         if logits.shape[0] > len(sampled):

@@ -22,6 +22,7 @@ from batchgen.job_sections import (
     PricingSection,
     _Strict,
 )
+from batchgen.job_yaml import DuplicateKey, ParsedYaml, apply_override, parse_yaml
 from batchgen.storage import is_remote, local_path
 
 # Settings the hf backend (transformers generate on static batches) refuses at load: generate has
@@ -187,57 +188,28 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise JobFileError(f"{path}: cannot read the job file: {exc.strerror or exc}") from exc
-    raw, lines = _parse_yaml(text, path)
+    parsed = _parse_job_text(text, path)
+    raw = parsed.data
     where: dict[str, str] = {}  # why: an overridden value's error must cite --set, not the file's line
     for item in overrides or []:
-        where[_apply_override(raw, item)] = f"--set {item}"
+        where[apply_override(raw, item, parsed)] = f"--set {item}"
     try:
         spec = JobSpec.model_validate(raw)
     except ValidationError as exc:
-        raise JobFileError(_describe(exc, path, lines, where)) from None
+        raise JobFileError(_describe(exc, path, parsed.lines, where)) from None
     return _resolve_paths(spec, path)
 
 
-def _parse_yaml(text: str, path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+def _parse_job_text(text: str, path: Path) -> ParsedYaml:
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        raw = yaml.safe_load(text)
+        parsed = parse_yaml(text)
+    except DuplicateKey as exc:
+        raise JobFileError(f"{path}:{exc.line}: {exc}; YAML would keep only the last one: remove one") from None
     except yaml.YAMLError as exc:
         raise JobFileError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
+    if not isinstance(parsed.data, dict):
         raise JobFileError(f"{path}: the job file must be a mapping with sections model, input, output, ...")
-    return raw, _key_lines(node)
-
-
-def _key_lines(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
-    """Map each dotted key path to its 1-based line in the YAML text."""
-    lines: dict[str, int] = {}
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            dotted = f"{prefix}{key_node.value}"
-            lines[dotted] = key_node.start_mark.line + 1
-            lines.update(_key_lines(value_node, dotted + "."))
-    return lines
-
-
-def _apply_override(raw: dict[str, Any], item: str) -> str:
-    """Apply one `section.key=value` override (the value is parsed as YAML: 64, 0.7, [a, b]);
-    returns the dotted key."""
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise JobFileError(f"--set {item!r}: expected section.key=value")
-    parts = key.strip().split(".")
-    target = raw
-    for part in parts[:-1]:
-        child = target.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise JobFileError(f"--set {item!r}: {part!r} is not a section")
-        target = child
-    try:
-        target[parts[-1]] = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError as exc:
-        raise JobFileError(f"--set {item!r}: value is not valid YAML: {exc}") from None
-    return ".".join(parts)
+    return parsed
 
 
 def _describe(exc: ValidationError, path: Path, lines: dict[str, int], overridden: dict[str, str]) -> str:

@@ -161,3 +161,28 @@ def test_gpu_memory_utilization_in_the_job_file(tmp_path: Path) -> None:
         spec = load_job(_write(tmp_path, GOOD + f"engine:\n  gpu_memory_utilization: {text}\n"))
         assert spec.engine.to_config().gpu_memory_utilization == value
     assert load_job(_write(tmp_path, GOOD)).engine.to_config().max_num_seqs is None  # the device decides
+
+
+def test_a_duplicate_section_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD + "sampling:\n  temperature: 0.5\n")  # a second sampling: at line 10
+    with pytest.raises(JobFileError) as err:
+        load_job(path)
+    assert f"{path}:10: sampling: duplicate key (first at line 8)" in str(err.value)
+
+
+def test_a_duplicate_key_in_a_section_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD + "  max_tokens: 16\n")
+    with pytest.raises(JobFileError) as err:
+        load_job(path)
+    assert f"{path}:10: sampling.max_tokens: duplicate key (first at line 9)" in str(err.value)
+
+
+def test_a_duplicate_key_in_a_set_value_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(JobFileError, match=r"--set 'sampling.logit_bias=\{5: 1, 5: 2\}': 5: duplicate key"):
+        load_job(_write(tmp_path, GOOD), ["sampling.logit_bias={5: 1, 5: 2}"])
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD.replace("  max_tokens: 32", "  <<: {max_tokens: 8, top_k: 5}\n  max_tokens: 32"))
+    spec = load_job(path)
+    assert spec.sampling.max_tokens == 32 and spec.sampling.top_k == 5

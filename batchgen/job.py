@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
-from pydantic import Field, ValidationError, create_model, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, create_model, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.params import SamplingParams, SettingError
 from batchgen.errors import JobFileError
+from batchgen.job_errors import ErrorKeys, Origins, describe, error_keys
 from batchgen.job_sections import (
     SCHEMA_COLUMN_KEY,
     ExecutorSection,
@@ -158,6 +161,14 @@ class JobSpec(_Strict):
     # Why excluded too: where the parts run changes no output; a job started locally may resume on Ray.
     executor: ExecutorSection = Field(default_factory=ExecutorSection, exclude=True)
     source: Path | None = Field(default=None, exclude=True, strict=False)  # set by load_job
+    _origins: Origins | None = PrivateAttr(default=None)  # set by load_job: where each value came from
+
+    def where(self, dotted: str) -> str:
+        """Where the value of `dotted` came from, for an error about it: `job.yaml:12`,
+        `job.yaml (--set key=value)`, or the job file (a default)."""
+        if self._origins is None:  # built in code, not loaded from a file
+            return str(self.source or "the job")
+        return self._origins.where(dotted)
 
     @model_validator(mode="after")
     def _hf_features(self) -> JobSpec:
@@ -189,15 +200,25 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     except OSError as exc:
         raise JobFileError(f"{path}: cannot read the job file: {exc.strerror or exc}") from exc
     parsed = _parse_job_text(text, path)
-    raw = parsed.data
-    where: dict[str, str] = {}  # why: an overridden value's error must cite --set, not the file's line
+    file_alone = copy.deepcopy(parsed.data)
+    origins = Origins(path, parsed)  # why: an overridden value's error must cite --set, not the file's line
     for item in overrides or []:
-        where[apply_override(raw, item, parsed)] = f"--set {item}"
+        origins.overrides[apply_override(parsed.data, item, parsed)] = f"--set {item}"
     try:
-        spec = JobSpec.model_validate(raw)
+        spec = JobSpec.model_validate(parsed.data)
     except ValidationError as exc:
-        raise JobFileError(_describe(exc, path, parsed.lines, where)) from None
+        raise JobFileError(describe(exc, origins, functools.cache(lambda: _error_keys(file_alone)), JobSpec)) from None
+    spec._origins = origins
     return _resolve_paths(spec, path)
+
+
+def _error_keys(raw: dict[str, Any]) -> ErrorKeys:
+    """The errors of the job file without its --set overrides."""
+    try:
+        JobSpec.model_validate(raw)
+    except ValidationError as exc:
+        return error_keys(exc)
+    return set()
 
 
 def _parse_job_text(text: str, path: Path) -> ParsedYaml:
@@ -210,30 +231,6 @@ def _parse_job_text(text: str, path: Path) -> ParsedYaml:
     if not isinstance(parsed.data, dict):
         raise JobFileError(f"{path}: the job file must be a mapping with sections model, input, output, ...")
     return parsed
-
-
-def _describe(exc: ValidationError, path: Path, lines: dict[str, int], overridden: dict[str, str]) -> str:
-    problems = []
-    for err in exc.errors():
-        dotted = ".".join(str(p) for p in err["loc"])
-        line = _nearest_line(dotted, lines)
-        where = f"{path}:{line}" if line else str(path)
-        origin = next((o for key, o in overridden.items() if dotted == key or dotted.startswith(key + ".")), None)
-        if origin is not None:
-            where = f"{path} ({origin})"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        problems.append(f"{where}: {dotted}: {msg}")
-    return "invalid job file:\n  " + "\n  ".join(problems)
-
-
-def _nearest_line(dotted: str, lines: dict[str, int]) -> int | None:
-    parts = dotted.split(".")
-    while parts:
-        line = lines.get(".".join(parts))
-        if line is not None:
-            return line
-        parts.pop()
-    return None
 
 
 def _resolve_paths(spec: JobSpec, job_path: Path) -> JobSpec:

@@ -26,7 +26,7 @@ class ParsedYaml:
 
     data: Any
     lines: dict[str, int] = field(default_factory=dict)
-    # dotted key of a value YAML read as a boolean from yes/no/on/off -> (line, the word as written)
+    # dotted key of a value YAML read as a boolean from yes/no/on/off -> (line, or 0 in a --set; the word)
     bool_words: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
@@ -106,10 +106,10 @@ def apply_override(raw: dict[str, Any], item: str, parsed: ParsedYaml) -> str:
         raise JobFileError(f"--set {item!r}: value is not valid YAML: {exc}") from None
     target[parts[-1]] = value_parse.data
     # why drop what the file said below this key: the --set replaced it
-    parsed.bool_words = {k: v for k, v in parsed.bool_words.items() if not _at_or_below(k, dotted)}
-    parsed.bool_words.update(value_parse.bool_words)
+    parsed.bool_words = {k: v for k, v in parsed.bool_words.items() if not at_or_below(k, dotted)}
+    parsed.bool_words.update({k: (0, word) for k, (_, word) in value_parse.bool_words.items()})  # 0: no file line
     return dotted
 
 
-def _at_or_below(key: str, ancestor: str) -> bool:
+def at_or_below(key: str, ancestor: str) -> bool:
     return key == ancestor or key.startswith(ancestor + ".")

@@ -73,6 +73,34 @@ def test_set_error_does_not_cite_the_files_line(tmp_path: Path, tiny_model_dir: 
     assert f"{job}:" not in text
 
 
+@pytest.mark.parametrize(
+    "override, problem, input_section",
+    [
+        ("samplng.max_tokens=4", "samplng: unknown key (did you mean sampling?)", {}),
+        ("sampling.max_tokenz=4", "sampling.max_tokenz: unknown key (did you mean max_tokens?)", {}),
+        ("input.prompt_column=id", "input: set exactly one of", {"messages_column": "m"}),
+        ("input.sampling_columns={stop: id}", "input: input.sampling_columns: 'stop' cannot", {}),
+    ],
+)
+def test_an_error_a_set_causes_names_the_set_not_a_line_of_the_file(
+    tmp_path: Path, tiny_model_dir: Path, override: str, problem: str, input_section: dict[str, Any]
+) -> None:
+    job = _job(tmp_path, tiny_model_dir, input={"prompt_column": None, **input_section})
+    for command in ("validate", "run", "estimate"):
+        code, text = _cli(command, str(job), "--set", override)
+        assert code == 2, text
+        assert f"{job} (--set {override}): {problem}" in text
+        assert f"{job}:" not in text  # no line of the file: the file alone is valid
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_section_error_of_the_file_itself_still_names_its_line(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = _job(tmp_path, tiny_model_dir, input={"messages_column": "m"})  # and prompt_column: both set
+    code, text = _cli("validate", str(job), "--set", "input.limit=5")
+    assert code == 2 and "set exactly one of" in text
+    assert f"{job}:3: input:" in text and "--set" not in text
+
+
 def test_nan_in_the_file_says_finite(tmp_path: Path, tiny_model_dir: Path) -> None:
     job = _job(tmp_path, tiny_model_dir)
     job.write_text(job.read_text().replace("max_tokens: 8", "max_tokens: 8\n  temperature: .nan"))

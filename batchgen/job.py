@@ -170,6 +170,15 @@ class JobSpec(_Strict):
             return str(self.source or "the job")
         return self._origins.where(dotted)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        """A section whose keys are all commented out reads as YAML null: it is an empty section
+        (its defaults; a required key still reported missing). `pricing: null` already means no prices."""
+        if not isinstance(data, dict):
+            return data
+        return {k: {} if v is None and k in _SECTIONS else v for k, v in data.items()}
+
     @model_validator(mode="after")
     def _hf_features(self) -> JobSpec:
         """Before any work: the hf backend refuses the features transformers' generate lacks."""
@@ -190,6 +199,9 @@ class JobSpec(_Strict):
             details = [InitErrorDetails(type=kind, loc=loc, input=None) for loc in used]
             raise ValidationError.from_exception_data("JobSpec", details)
         return self
+
+
+_SECTIONS = ("model", "input", "output", "sampling", "engine", "executor")
 
 
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:

@@ -18,6 +18,7 @@ from batchgen.output_table import carried_columns
 from batchgen.prepare import check_sampling_columns, input_columns, load_tokenizer
 
 log = logging.getLogger(__name__)
+LISTED_FILES = 20  # `validate` names this many input files, then counts the rest
 
 
 def check_carried_in_every_file(spec: JobSpec, files: list[InputFile], carried: list[str]) -> None:
@@ -154,3 +155,21 @@ def validate_job(spec: JobSpec) -> list[InputFile]:
 
         resolve_device(spec.model.device)  # a DeviceError (exit 4) names the devices on this machine
     return files
+
+
+def input_listing(files: list[InputFile], limit: int | None, most: int = LISTED_FILES) -> list[str]:
+    """A line per input file, in reading order: its rows, and what input.limit leaves of them to
+    read; the first `most` files, then a line for the rest."""
+    lines = []
+    left = limit  # rows input.limit still lets the job read; None: no limit
+    for f in files[:most]:
+        note = ""
+        if left is not None and left < f.num_rows:
+            note = f", reads the first {left} (input.limit)" if left else ", not read (input.limit)"
+        if left is not None:
+            left = max(left - f.num_rows, 0)
+        lines.append(f"{f.path}: {f.num_rows} rows{note}")
+    rest = files[most:]
+    if rest:
+        lines.append(f"... and {len(rest)} more file(s), {sum(f.num_rows for f in rest)} rows")
+    return lines

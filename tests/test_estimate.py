@@ -31,6 +31,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
 def _estimate(job: Path, *args: str) -> dict:
     code, out, err = _cli("estimate", str(job), "--json", *args)
     assert code == 0, err
+    assert out.endswith("}\n") and not out.endswith("\n\n")  # one newline, as a shell prompt and `jq` expect
     return json.loads(out)
 
 

@@ -158,18 +158,19 @@ def validate_job(spec: JobSpec) -> list[InputFile]:
 
 
 def input_listing(files: list[InputFile], limit: int | None, most: int = LISTED_FILES) -> list[str]:
-    """A line per input file, in reading order: its rows, and what input.limit leaves of them to
-    read; the first `most` files, then a line for the rest."""
-    lines = []
-    left = limit  # rows input.limit still lets the job read; None: no limit
-    for f in files[:most]:
-        note = ""
-        if left is not None and left < f.num_rows:
-            note = f", reads the first {left} (input.limit)" if left else ", not read (input.limit)"
-        if left is not None:
-            left = max(left - f.num_rows, 0)
-        lines.append(f"{f.path}: {f.num_rows} rows{note}")
-    rest = files[most:]
-    if rest:
-        lines.append(f"... and {len(rest)} more file(s), {sum(f.num_rows for f in rest)} rows")
+    """A line per input file the job reads, in reading order, with its rows (and how many of them
+    input.limit leaves); at most `most` such lines, then one for the rest, and one for the files
+    input.limit leaves unread."""
+    lines, read, left = [], 0, limit  # left: rows input.limit still lets the job read; None: no limit
+    for f in files:
+        if left == 0:
+            break
+        note = f", reads the first {left} (input.limit)" if left is not None and left < f.num_rows else ""
+        if read < most:
+            lines.append(f"{f.path}: {f.num_rows} rows{note}")
+        read += 1
+        left = None if left is None else max(left - f.num_rows, 0)
+    for group, why in ((files[most:read], ""), (files[read:], ", not read (input.limit)")):
+        if group:
+            lines.append(f"... and {len(group)} more file(s), {sum(f.num_rows for f in group)} rows{why}")
     return lines

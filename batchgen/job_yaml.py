@@ -94,7 +94,9 @@ def apply_override(raw: dict[str, Any], item: str, parsed: ParsedYaml) -> str:
     dotted = ".".join(parts)
     target = raw
     for part in parts[:-1]:
-        child = target.setdefault(part, {})
+        child = target.get(part)
+        if child is None:  # absent, or a section with every key commented out (YAML null)
+            child = target[part] = {}
         if not isinstance(child, dict):
             raise JobFileError(f"--set {item!r}: {part!r} is not a section")
         target = child

@@ -192,6 +192,7 @@ def test_a_section_with_every_key_commented_out_is_an_empty_section(tmp_path: Pa
     text = GOOD.replace("  max_tokens: 32\n", "  # max_tokens: 32\n") + "engine:\n  # window_rows: 8\nexecutor:\n"
     spec = load_job(_write(tmp_path, text))
     assert spec.sampling.max_tokens == 128 and spec.engine.window_rows == 1024 and spec.executor.kind == "local"
+    assert load_job(_write(tmp_path, text), ["engine.window_rows=8"]).engine.window_rows == 8  # --set into it
     with pytest.raises(JobFileError) as err:
         load_job(_write(tmp_path, GOOD.replace("  path: out\n", "  # path: out\n")))
     assert "job.yaml:6: output.path: Field required" in str(err.value) and "Section" not in str(err.value)

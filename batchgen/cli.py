@@ -80,13 +80,15 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE, its inputs and the model folder without loading weights or running anything."""
     _setup_logging(logging.WARNING)
     from batchgen.dataset import planned_rows
-    from batchgen.validate import validate_job
+    from batchgen.validate import input_listing, validate_job
 
     def work() -> None:
         spec = load_job(job_file, list(overrides))
         files = validate_job(spec)
         rows = planned_rows(files, spec.input.limit)
         click.echo(f"batchgen: {job_file} is valid: {len(files)} input file(s), {rows} rows, model {spec.model.path}")
+        for line in input_listing(files, spec.input.limit):
+            click.echo(f"  {line}")
 
     _guarded(work)
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
-from pydantic import Field, ValidationError, create_model, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, create_model, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from batchgen.engine.config import EngineConfig
 from batchgen.engine.params import SamplingParams, SettingError
 from batchgen.errors import JobFileError
+from batchgen.job_errors import ErrorKeys, Origins, describe, error_keys
 from batchgen.job_sections import (
     SCHEMA_COLUMN_KEY,
     ExecutorSection,
@@ -22,6 +25,7 @@ from batchgen.job_sections import (
     PricingSection,
     _Strict,
 )
+from batchgen.job_yaml import DuplicateKey, ParsedYaml, apply_override, parse_yaml
 from batchgen.storage import is_remote, local_path
 
 # Settings the hf backend (transformers generate on static batches) refuses at load: generate has
@@ -157,6 +161,23 @@ class JobSpec(_Strict):
     # Why excluded too: where the parts run changes no output; a job started locally may resume on Ray.
     executor: ExecutorSection = Field(default_factory=ExecutorSection, exclude=True)
     source: Path | None = Field(default=None, exclude=True, strict=False)  # set by load_job
+    _origins: Origins | None = PrivateAttr(default=None)  # set by load_job: where each value came from
+
+    def where(self, dotted: str) -> str:
+        """Where the value of `dotted` came from, for an error about it: `job.yaml:12`,
+        `job.yaml (--set key=value)`, or the job file (a default)."""
+        if self._origins is None:  # built in code, not loaded from a file
+            return str(self.source or "the job")
+        return self._origins.where(dotted)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        """A section whose keys are all commented out reads as YAML null: it is an empty section
+        (its defaults; a required key still reported missing). `pricing: null` already means no prices."""
+        if not isinstance(data, dict):
+            return data
+        return {k: {} if v is None and k in _SECTIONS else v for k, v in data.items()}
 
     @model_validator(mode="after")
     def _hf_features(self) -> JobSpec:
@@ -180,6 +201,9 @@ class JobSpec(_Strict):
         return self
 
 
+_SECTIONS = ("model", "input", "output", "sampling", "engine", "executor")
+
+
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     """Read, override and validate a job file; relative paths resolve against its folder."""
     path = Path(path)
@@ -187,81 +211,38 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise JobFileError(f"{path}: cannot read the job file: {exc.strerror or exc}") from exc
-    raw, lines = _parse_yaml(text, path)
-    where: dict[str, str] = {}  # why: an overridden value's error must cite --set, not the file's line
+    parsed = _parse_job_text(text, path)
+    file_alone = copy.deepcopy(parsed.data)
+    origins = Origins(path, parsed)  # why: an overridden value's error must cite --set, not the file's line
     for item in overrides or []:
-        where[_apply_override(raw, item)] = f"--set {item}"
+        origins.overrides[apply_override(parsed.data, item, parsed)] = f"--set {item}"
     try:
-        spec = JobSpec.model_validate(raw)
+        spec = JobSpec.model_validate(parsed.data)
     except ValidationError as exc:
-        raise JobFileError(_describe(exc, path, lines, where)) from None
+        raise JobFileError(describe(exc, origins, functools.cache(lambda: _error_keys(file_alone)), JobSpec)) from None
+    spec._origins = origins
     return _resolve_paths(spec, path)
 
 
-def _parse_yaml(text: str, path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+def _error_keys(raw: dict[str, Any]) -> ErrorKeys:
+    """The errors of the job file without its --set overrides."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        raw = yaml.safe_load(text)
+        JobSpec.model_validate(raw)
+    except ValidationError as exc:
+        return error_keys(exc)
+    return set()
+
+
+def _parse_job_text(text: str, path: Path) -> ParsedYaml:
+    try:
+        parsed = parse_yaml(text)
+    except DuplicateKey as exc:
+        raise JobFileError(f"{path}:{exc.line}: {exc}; YAML would keep only the last one: remove one") from None
     except yaml.YAMLError as exc:
         raise JobFileError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
+    if not isinstance(parsed.data, dict):
         raise JobFileError(f"{path}: the job file must be a mapping with sections model, input, output, ...")
-    return raw, _key_lines(node)
-
-
-def _key_lines(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
-    """Map each dotted key path to its 1-based line in the YAML text."""
-    lines: dict[str, int] = {}
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            dotted = f"{prefix}{key_node.value}"
-            lines[dotted] = key_node.start_mark.line + 1
-            lines.update(_key_lines(value_node, dotted + "."))
-    return lines
-
-
-def _apply_override(raw: dict[str, Any], item: str) -> str:
-    """Apply one `section.key=value` override (the value is parsed as YAML: 64, 0.7, [a, b]);
-    returns the dotted key."""
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise JobFileError(f"--set {item!r}: expected section.key=value")
-    parts = key.strip().split(".")
-    target = raw
-    for part in parts[:-1]:
-        child = target.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise JobFileError(f"--set {item!r}: {part!r} is not a section")
-        target = child
-    try:
-        target[parts[-1]] = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError as exc:
-        raise JobFileError(f"--set {item!r}: value is not valid YAML: {exc}") from None
-    return ".".join(parts)
-
-
-def _describe(exc: ValidationError, path: Path, lines: dict[str, int], overridden: dict[str, str]) -> str:
-    problems = []
-    for err in exc.errors():
-        dotted = ".".join(str(p) for p in err["loc"])
-        line = _nearest_line(dotted, lines)
-        where = f"{path}:{line}" if line else str(path)
-        origin = next((o for key, o in overridden.items() if dotted == key or dotted.startswith(key + ".")), None)
-        if origin is not None:
-            where = f"{path} ({origin})"
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        problems.append(f"{where}: {dotted}: {msg}")
-    return "invalid job file:\n  " + "\n  ".join(problems)
-
-
-def _nearest_line(dotted: str, lines: dict[str, int]) -> int | None:
-    parts = dotted.split(".")
-    while parts:
-        line = lines.get(".".join(parts))
-        if line is not None:
-            return line
-        parts.pop()
-    return None
+    return parsed
 
 
 def _resolve_paths(spec: JobSpec, job_path: Path) -> JobSpec:

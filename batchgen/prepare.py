@@ -55,9 +55,16 @@ def load_tokenizer(model_path: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError, TypeError) as exc:
         raise ModelError(f"model.path {model_path}: cannot load a tokenizer: {exc}") from exc
+    # Why: a prompt longer than the context is batchgen's own prompt_too_long row, counted and
+    # reported; transformers' "Token indices sequence length is longer than the specified maximum"
+    # warning (once, when such a prompt is tokenized) only alarms. This flag is how it keeps it once.
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
 
 
 class RowPreparer:

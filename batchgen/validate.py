@@ -1,6 +1,7 @@
 """Checks that run before any work: the columns a job reads (present and of a usable type in every
-file), the columns it carries (present with one type in every file), and that the model folder has a
-loadable config and tokenizer, with a chat template when the job has messages (without loading weights)."""
+file), the columns it carries (present with one type in every file), that the model folder has a
+loadable config and tokenizer, with a chat template when the job has messages, and that the job's
+values fit the model (context length, token ids), all without loading weights."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.dataset import InputFile, check_column, open_inputs
-from batchgen.errors import InputDataError, ModelError
+from batchgen.errors import InputDataError, JobFileError, ModelError
 from batchgen.job import JobSpec
 from batchgen.output_table import carried_columns
 from batchgen.prepare import check_sampling_columns, input_columns, load_tokenizer
 
 log = logging.getLogger(__name__)
+LISTED_FILES = 20  # `validate` names this many input files, then counts the rest
 
 
 def check_carried_in_every_file(spec: JobSpec, files: list[InputFile], carried: list[str]) -> None:
@@ -110,6 +112,33 @@ def check_model_folder(model_path: Path, needs_chat_template: bool = False) -> A
     return config
 
 
+def check_model_limits(spec: JobSpec, config: Any) -> None:
+    """The job's values that the model cannot take fail here (exit 2, naming the key), not at load
+    (exit 4) or on every row: an engine.max_model_len beyond its positions, token ids in
+    sampling.logit_bias or allowed_token_ids beyond its vocabulary."""
+    from batchgen.engine.model_limits import resolve_max_model_len  # why this module: no torch
+
+    requested = spec.engine.max_model_len
+    try:
+        resolve_max_model_len(config, requested)
+    except ValueError as exc:
+        if requested is None:  # the model's own length cannot work: its config is the problem
+            raise ModelError(f"model.path {spec.model.path}: {exc}; set engine.max_model_len") from None
+        where = spec.where("engine.max_model_len")
+        raise JobFileError(f"{where}: engine.max_model_len: {exc} (model.path {spec.model.path})") from None
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    s = spec.sampling
+    for key, ids in (("logit_bias", s.logit_bias or {}), ("allowed_token_ids", s.allowed_token_ids or [])):
+        bad = sorted({t for t in ids if t >= vocab})
+        if bad:
+            raise JobFileError(
+                f"{spec.where('sampling.' + key)}: sampling.{key}: token ids {bad[:5]} are outside the model's "
+                f"vocabulary [0, {vocab}) (model.path {spec.model.path})"
+            )
+
+
 def validate_job(spec: JobSpec) -> list[InputFile]:
     """Everything `run` checks before loading weights; raises a BatchgenError naming the problem.
     The output folder is never read as input, even when it lies inside input.path."""
@@ -119,8 +148,29 @@ def validate_job(spec: JobSpec) -> list[InputFile]:
     check_read_types(spec, files)
     check_sampling_columns(spec, files)
     check_carried_in_every_file(spec, files, carried_columns(spec, files[0].schema))
-    check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
-    from batchgen.engine.models import resolve_device  # why lazy: torch
+    config = check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
+    check_model_limits(spec, config)
+    if spec.model.device not in ("auto", "cpu"):  # why: those two always resolve; skip importing the engine
+        from batchgen.engine.models import resolve_device  # why lazy: torch, transformers' modeling code
 
-    resolve_device(spec.model.device)  # a DeviceError (exit 4) names the devices on this machine
+        resolve_device(spec.model.device)  # a DeviceError (exit 4) names the devices on this machine
     return files
+
+
+def input_listing(files: list[InputFile], limit: int | None, most: int = LISTED_FILES) -> list[str]:
+    """A line per input file the job reads, in reading order, with its rows (and how many of them
+    input.limit leaves); at most `most` such lines, then one for the rest, and one for the files
+    input.limit leaves unread."""
+    lines, read, left = [], 0, limit  # left: rows input.limit still lets the job read; None: no limit
+    for f in files:
+        if left == 0:
+            break
+        note = f", reads the first {left} (input.limit)" if left is not None and left < f.num_rows else ""
+        if read < most:
+            lines.append(f"{f.path}: {f.num_rows} rows{note}")
+        read += 1
+        left = None if left is None else max(left - f.num_rows, 0)
+    for group, why in ((files[most:read], ""), (files[read:], ", not read (input.limit)")):
+        if group:
+            lines.append(f"... and {len(group)} more file(s), {sum(f.num_rows for f in group)} rows{why}")
+    return lines

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 from decimal import Decimal
 from pathlib import Path
 
@@ -31,6 +34,7 @@ def _cli(*args: str) -> tuple[int, str, str]:
 def _estimate(job: Path, *args: str) -> dict:
     code, out, err = _cli("estimate", str(job), "--json", *args)
     assert code == 0, err
+    assert out.endswith("}\n") and not out.endswith("\n\n")  # one newline, as a shell prompt and `jq` expect
     return json.loads(out)
 
 
@@ -135,3 +139,24 @@ def test_chat_messages_no_weights_and_the_text_table(tmp_path: Path, tiny_model_
     assert f"total {expected}" in text and "would fail: empty_prompt 1" in text and "no prices" in text
     code, _, err = _cli("estimate", str(job_path), "--set", "input.messages_column=nope")
     assert code == 3 and "nope" in err
+
+
+def test_a_prompt_beyond_the_tokenizers_maximum_ends_without_transformers_warning(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """batchgen counts a too-long prompt itself (prompt_too_long); transformers' "Token indices
+    sequence length is longer than the specified maximum" warning would be the last line."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 256
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    data = write_parquet(tmp_path / "in.parquet", {"id": ["a", "b"], "prompt": ["the cat " * 300, "a dog"]})
+    job = write_job(tmp_path / "job.yaml", make_job(model, str(data), tmp_path / "out"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSFORMERS_", "HF_HUB_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "batchgen", "estimate", str(job)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "prompt_too_long 1" in done.stdout
+    assert "Token indices sequence length" not in done.stderr, done.stderr

@@ -161,3 +161,62 @@ def test_gpu_memory_utilization_in_the_job_file(tmp_path: Path) -> None:
         spec = load_job(_write(tmp_path, GOOD + f"engine:\n  gpu_memory_utilization: {text}\n"))
         assert spec.engine.to_config().gpu_memory_utilization == value
     assert load_job(_write(tmp_path, GOOD)).engine.to_config().max_num_seqs is None  # the device decides
+
+
+def test_a_duplicate_section_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD + "sampling:\n  temperature: 0.5\n")  # a second sampling: at line 10
+    with pytest.raises(JobFileError) as err:
+        load_job(path)
+    assert f"{path}:10: sampling: duplicate key (first at line 8)" in str(err.value)
+
+
+def test_a_duplicate_key_in_a_section_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD + "  max_tokens: 16\n")
+    with pytest.raises(JobFileError) as err:
+        load_job(path)
+    assert f"{path}:10: sampling.max_tokens: duplicate key (first at line 9)" in str(err.value)
+
+
+def test_a_duplicate_key_in_a_set_value_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(JobFileError, match=r"--set 'sampling.logit_bias=\{5: 1, 5: 2\}': 5: duplicate key"):
+        load_job(_write(tmp_path, GOOD), ["sampling.logit_bias={5: 1, 5: 2}"])
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    path = _write(tmp_path, GOOD.replace("  max_tokens: 32", "  <<: {max_tokens: 8, top_k: 5}\n  max_tokens: 32"))
+    spec = load_job(path)
+    assert spec.sampling.max_tokens == 32 and spec.sampling.top_k == 5
+
+
+def test_a_section_with_every_key_commented_out_is_an_empty_section(tmp_path: Path) -> None:
+    text = GOOD.replace("  max_tokens: 32\n", "  # max_tokens: 32\n") + "engine:\n  # window_rows: 8\nexecutor:\n"
+    spec = load_job(_write(tmp_path, text))
+    assert spec.sampling.max_tokens == 128 and spec.engine.window_rows == 1024 and spec.executor.kind == "local"
+    assert load_job(_write(tmp_path, text), ["engine.window_rows=8"]).engine.window_rows == 8  # --set into it
+    with pytest.raises(JobFileError) as err:
+        load_job(_write(tmp_path, GOOD.replace("  path: out\n", "  # path: out\n")))
+    assert "job.yaml:6: output.path: Field required" in str(err.value) and "Section" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "line, overrides, expected",
+    [
+        ("  stop: [no]", [], "sampling.stop.0: Input should be a valid string (YAML 1.1 reads an unquoted no (line 9)"),
+        ("  structured: {choice: [yes, no]}", [], "sampling.structured: must be null or a mapping"),
+        ("  structured: {choice: [yes, no]}", [], 'reads an unquoted yes (line 9) as a boolean: quote it, "yes"'),
+        ("  max_tokens: 32", ["sampling.stop=[On]"], 'reads an unquoted On as a boolean: quote it, "On")'),
+    ],
+)
+def test_a_yes_or_no_that_yaml_read_as_a_boolean_is_named(
+    tmp_path: Path, line: str, overrides: list[str], expected: str
+) -> None:
+    with pytest.raises(JobFileError) as err:
+        load_job(_write(tmp_path, GOOD.replace("  max_tokens: 32", line)), overrides)
+    assert expected in str(err.value)
+
+
+def test_a_boolean_meant_as_one_gets_no_quoting_hint(tmp_path: Path) -> None:
+    with pytest.raises(JobFileError) as err:
+        load_job(_write(tmp_path, GOOD.replace("  max_tokens: 32", "  ignore_eos: yes\n  top_p: 7")))
+    assert "sampling.top_p" in str(err.value) and "YAML 1.1" not in str(err.value)
+    assert load_job(_write(tmp_path, GOOD.replace("  max_tokens: 32", "  ignore_eos: yes"))).sampling.ignore_eos

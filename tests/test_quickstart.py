@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow.dataset as ds
@@ -54,3 +55,19 @@ def test_samples_job_runs_on_the_demo_model_and_is_batch_invariant(tmp_path: Pat
     assert any(len(set(r["generated_text"])) > 1 for r in rows)  # temperature 0.8: samples differ
     few = run("few", 3, 1)  # other batches: one row at a time
     assert [r["generated_text"] for r in few] == [r["generated_text"] for r in rows[:3]]
+
+
+def test_every_shipped_job_file_validates() -> None:
+    """The README's commands use these files (jobs/nightly.yaml above all): each must pass
+    `batchgen validate` on the committed demo model and sample prompts."""
+    jobs = sorted((REPO / "jobs").glob("*.yaml"))
+    assert "nightly.yaml" in {j.name for j in jobs}
+    for job in jobs:
+        result = CliRunner().invoke(main, ["validate", str(job)])
+        assert result.exit_code == 0, (job.name, result.output)
+        assert f"{REPO / 'sample_data/prompts.parquet'}: 2400 rows" in result.output
+
+
+def test_every_job_file_the_readme_names_is_shipped() -> None:
+    named = set(re.findall(r"\bjobs/[\w.-]+\.yaml\b", (REPO / "README.md").read_text()))
+    assert named and {n for n in named if not (REPO / n).exists()} == set()

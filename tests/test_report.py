@@ -99,6 +99,12 @@ def test_totals_and_groups_equal_the_column_sums(output: Path) -> None:
     assert body["finished"] and body["mismatches"] == [] and "totals match _SUCCESS" in body["status"]
 
 
+def test_json_ends_with_one_newline(output: Path) -> None:
+    code, out, err = _report(str(output), "--json")
+    assert code == 0, err
+    assert out.endswith("}\n") and not out.endswith("\n\n")  # as a shell prompt and `jq` expect
+
+
 def test_costs_are_exact_decimals_and_groups_sum_to_the_total(output: Path) -> None:
     code, out, err = _report(str(output), "--by", "category", "--json", *_prices())
     assert code == 0, err

@@ -73,6 +73,65 @@ def test_set_error_does_not_cite_the_files_line(tmp_path: Path, tiny_model_dir: 
     assert f"{job}:" not in text
 
 
+@pytest.mark.parametrize(
+    "override, problem, input_section",
+    [
+        ("samplng.max_tokens=4", "samplng: unknown key (did you mean sampling?)", {}),
+        ("sampling.max_tokenz=4", "sampling.max_tokenz: unknown key (did you mean max_tokens?)", {}),
+        ("input.prompt_column=id", "input: set exactly one of", {"messages_column": "m"}),
+        ("input.sampling_columns={stop: id}", "input: input.sampling_columns: 'stop' cannot", {}),
+    ],
+)
+def test_an_error_a_set_causes_names_the_set_not_a_line_of_the_file(
+    tmp_path: Path, tiny_model_dir: Path, override: str, problem: str, input_section: dict[str, Any]
+) -> None:
+    job = _job(tmp_path, tiny_model_dir, input={"prompt_column": None, **input_section})
+    for command in ("validate", "run", "estimate"):
+        code, text = _cli(command, str(job), "--set", override)
+        assert code == 2, text
+        assert f"{job} (--set {override}): {problem}" in text
+        assert f"{job}:" not in text  # no line of the file: the file alone is valid
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_section_error_of_the_file_itself_still_names_its_line(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = _job(tmp_path, tiny_model_dir, input={"messages_column": "m"})  # and prompt_column: both set
+    code, text = _cli("validate", str(job), "--set", "input.limit=5")
+    assert code == 2 and "set exactly one of" in text
+    assert f"{job}:3: input:" in text and "--set" not in text
+
+
+@pytest.mark.parametrize("command", ["validate", "estimate", "run"])
+@pytest.mark.parametrize("from_set", [False, True])
+def test_a_max_model_len_beyond_the_models_positions_is_a_job_error_before_any_work(
+    tmp_path: Path, tiny_model_dir: Path, command: str, from_set: bool
+) -> None:
+    engine = {} if from_set else {"max_model_len": 4096}
+    job = _job(tmp_path, tiny_model_dir, engine=engine)  # the model has 256 positions
+    line = next(i for i, text in enumerate(job.read_text().splitlines(), 1) if "window_rows" in text)
+    code, text = _cli(command, str(job), *(["--set", "engine.max_model_len=4096"] if from_set else []))
+    assert code == 2, text
+    where = f"{job} (--set engine.max_model_len=4096)" if from_set else f"{job}:{line + 1}"
+    assert f"{where}: engine.max_model_len: max_model_len=4096 exceeds the model's max_position_embeddings=256" in text
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "estimate", "run"])
+@pytest.mark.parametrize(
+    "sampling",
+    [{"logit_bias": {5: 1.0, 100000: 5.0, 999999: -1.0}}, {"allowed_token_ids": [5, 100000, 999999]}],
+)
+def test_a_job_level_token_id_outside_the_vocabulary_is_a_job_error_before_any_work(
+    tmp_path: Path, tiny_model_dir: Path, command: str, sampling: dict[str, Any]
+) -> None:
+    job = _job(tmp_path, tiny_model_dir, sampling=sampling, engine={"backend": "native"})
+    code, text = _cli(command, str(job))
+    assert code == 2, text
+    key = next(iter(sampling))
+    assert f"{job}:" in text and f"sampling.{key}: token ids [100000, 999999] are outside the model's" in text
+    assert not (tmp_path / "out").exists()
+
+
 def test_nan_in_the_file_says_finite(tmp_path: Path, tiny_model_dir: Path) -> None:
     job = _job(tmp_path, tiny_model_dir)
     job.write_text(job.read_text().replace("max_tokens: 8", "max_tokens: 8\n  temperature: .nan"))

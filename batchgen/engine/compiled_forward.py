@@ -123,6 +123,10 @@ class StepForward:
         check_layer_order(model)
         self._run = self._logits
         if compile:
+            logger.info(
+                "torch.compile: compiling the model's forward; its first steps take ~5-20 s, once per "
+                "process (engine.compile: false runs it eager)"
+            )
             device = next(model.parameters()).device
             options: dict[str, Any] = {"cpp_wrapper": True} if device.type == "cpu" else {}
             if hasattr(torch._dynamo.types, "GuardFilterEntry"):  # why: guard filters are new in torch 2.7

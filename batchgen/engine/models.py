@@ -18,15 +18,14 @@ from transformers.utils import is_accelerate_available
 
 from batchgen.engine.attention import ATTN_IMPLEMENTATION
 from batchgen.engine.config import DEVICE_CHOICES, DEVICE_NAME
+from batchgen.engine.model_limits import UnsupportedModelError as UnsupportedModelError  # re-exported
+from batchgen.engine.model_limits import refuse as _refuse
+from batchgen.engine.model_limits import resolve_max_model_len as resolve_max_model_len  # re-exported
 from batchgen.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
-
-
-class UnsupportedModelError(ValueError):
-    """The model (or one of its features) cannot be run exactly by the paged engine."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +85,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return names[dtype]
 
 
-def _refuse(config: PretrainedConfig, feature: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"model_type {config.model_type!r}: {feature} is not supported by batchgen's engine")
-
-
 def check_config(config: PretrainedConfig) -> None:
     """Refuse, before any weights are read, what we know we cannot run exactly."""
     if getattr(config, "is_encoder_decoder", False):
@@ -119,43 +114,6 @@ def check_model(model: PreTrainedModel) -> None:
     for name, module in model.named_modules():
         if isinstance(getattr(module, "sinks", None), torch.Tensor):
             raise _refuse(model.config, f"attention sinks (s_aux, module {name!r})")
-
-
-def _rope_parameter_sets(config: PretrainedConfig) -> list[dict]:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(params, dict):
-        return []
-    if "rope_type" in params or "type" in params:
-        return [params]
-    return [p for p in params.values() if isinstance(p, dict)]  # one set per layer type
-
-
-def resolve_max_model_len(config: PretrainedConfig, requested: int | None) -> int:
-    """The longest sequence (prompt + output) the engine will hold; checked against RoPE scaling.
-
-    Why: dynamic-NTK and LongRoPE pick their frequencies from the LONGEST position in the forward
-    pass. In a packed batch that is another sequence's position, so they are exact only while no
-    sequence can pass the switch-over length.
-    """
-    text = config.get_text_config()
-    limit = getattr(text, "max_position_embeddings", None)
-    max_len = requested if requested is not None else limit
-    if not isinstance(max_len, int) or max_len < 1:
-        raise ValueError("max_model_len must be set (>= 1): the model config has no max_position_embeddings")
-    if requested is not None and limit is not None and requested > limit:
-        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}")
-    for params in _rope_parameter_sets(text):
-        rope_type = str(params.get("rope_type", params.get("type", "default")))
-        if "dynamic" in rope_type and limit is not None and max_len > limit:
-            raise _refuse(config, f"dynamic RoPE beyond max_position_embeddings={limit}")
-        switch = params.get("original_max_position_embeddings")
-        if rope_type == "longrope" and switch is not None and max_len > switch:
-            raise _refuse(
-                config,
-                f"LongRoPE with max_model_len={max_len} > original_max_position_embeddings={switch} "
-                f"(pass max_model_len<={switch})",
-            )
-    return max_len
 
 
 def kv_spec(config: PretrainedConfig) -> KVSpec:

@@ -199,7 +199,7 @@ def _token_stats(tok: dict[str, Any]) -> str:
 
 
 def to_json(est: Estimate, spec: JobSpec, prices: Prices) -> str:
-    return json.dumps(summary(est, spec, prices), indent=2)
+    return json.dumps(summary(est, spec, prices), indent=2) + "\n"  # why: text output ends with a newline
 
 
 def to_text(est: Estimate, spec: JobSpec, prices: Prices) -> str:

@@ -58,7 +58,7 @@ def to_json(report: Report, prices: Prices) -> str:
         "totals": rows[0],
         "groups": rows[1:],
     }
-    return json.dumps(body, indent=2)
+    return json.dumps(body, indent=2) + "\n"  # why: text output ends with a newline, as to_text and to_csv
 
 
 def to_csv(report: Report, prices: Prices) -> str:

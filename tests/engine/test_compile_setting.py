@@ -3,6 +3,7 @@ compiling fails; `true` turns a failure into an error."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,3 +95,15 @@ def test_each_compiled_model_runs_its_own_graph(tiny_model: Callable[[str], Path
     codes = [llm.engine.runner.forward._run._torchdynamo_orig_callable.__func__.__code__ for llm in compiled]
     assert codes[0] is not codes[1]
     assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [1, 1]
+
+
+def test_a_compiled_engine_says_in_one_line_why_its_first_steps_are_slow(
+    tiny_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tiny_model("llama"))
+    with caplog.at_level(logging.INFO, logger=compiled_forward.__name__):
+        LLM(path, compile=False)
+        assert not [r for r in caplog.records if "torch.compile" in r.getMessage()]
+        LLM(path, compile=True)
+    said = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert len(said) == 1 and "first steps" in said[0] and "engine.compile: false" in said[0], said

@@ -80,6 +80,7 @@ def test_every_kind_validates_in_one_mixed_batch(llm: LLM) -> None:
             continue
         assert _valid(kind, out.text), (kind, out.text)
         assert out.finish_reason == "stop", (kind, out.text, out.finish_reason)
+        assert out.stop_reason is None  # ended by the EOS the complete grammar allows: None, as any EOS
     free = [o.text for k, o in zip(labels, outs) if k == "free"]
     assert not all(_valid("a", t) for t in free)  # the unconstrained rows really are unconstrained
     features = llm.engine.sampler.features
@@ -90,7 +91,7 @@ def test_the_grammar_ends_the_request_even_when_eos_is_ignored(llm: LLM) -> None
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, _params({"regex": REGEX}, ignore_eos=True))]
     for out in outs:
         assert re.fullmatch(REGEX, out.text), out.text
-        assert out.finish_reason == "stop"
+        assert out.finish_reason == "stop" and out.stop_reason is None
 
 
 def test_the_grammar_wins_over_min_tokens(llm: LLM) -> None:

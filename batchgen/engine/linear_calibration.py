@@ -7,9 +7,10 @@ or size rule predicts that, and a busy machine shifts it again. So for each weig
 the kernel and torch's own linear are timed side by side, interleaved, over all of the model's
 weights of that shape (a decode step's pass, so weights leave the cache as they do in a run), at
 each row bucket (rows in (2^(b-1), 2^b], both ends timed); the kernel takes a bucket only where its
-best time beat torch's best by MARGIN at both ends. A bucket whose torch call takes longer than
-SLOW_CALL is not timed (it stays on torch), and neither is anything once a model's calibration has
-spent BUDGET_SECONDS, so a large model costs a few seconds once.
+best time beat torch's best by MARGIN at both ends. Buckets past one whose torch pass took longer
+than SLOW_CALL, or past STOP_AFTER_LOSSES lost in a row, are not timed, and neither is anything
+once a model's calibration has spent BUDGET_SECONDS: an untimed bucket stays on torch, so a large
+model costs a few seconds once.
 
 The result is cached per machine (the kernel library's name holds its sources, flags, compiler and
 CPU), torch version and thread count, one file per shape, written once and never replaced: every
@@ -39,6 +40,7 @@ BUCKETS = tuple(range(12))  # rows up to 2^11 = 2,048: decode steps and prefill 
 MARGIN = 0.9  # the kernel's best time must be below this share of torch's best
 REPEATS = 5  # interleaved timings of each side per row count; the best of each is compared
 SLOW_CALL = 0.05  # seconds: a torch pass slower than this is not timed at larger buckets
+STOP_AFTER_LOSSES = 3  # buckets lost in a row after which larger ones are not timed
 BUDGET_SECONDS = 8.0  # per model: what is left untimed stays on torch
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -76,7 +78,7 @@ def masks(
 
 def measure(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], kernel: Linear, deadline: float) -> int:
     """The bucket mask where `kernel` beat torch's linear over every layer of one shape."""
-    mask = 0
+    mask, losses = 0, 0
     k = layers[0][0].shape[1]
     for b in BUCKETS:
         wins, slow = True, False
@@ -87,10 +89,10 @@ def measure(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], kernel: 
             ours, theirs = _best_of(layers, x, kernel), _best_of(layers, x, F.linear)
             wins = wins and ours < MARGIN * theirs
             slow = slow or theirs > SLOW_CALL
-        if wins:
-            mask |= 1 << b
-        if slow:
-            break
+        mask |= wins << b
+        losses = 0 if wins else losses + 1
+        if slow or losses == STOP_AFTER_LOSSES:
+            break  # why stop: the BLAS pulls further ahead with rows, and an untimed bucket stays on torch
     return mask
 
 

@@ -22,6 +22,7 @@ It is written to a temporary name and renamed, so processes building at once do 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -272,7 +273,9 @@ def cache_targets(
     return targets
 
 
+@functools.lru_cache(maxsize=8)
 def compiler_version(compiler: str) -> str:
+    """`compiler --version`'s output (once per process: every cache lookup asks for it)."""
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
 
 

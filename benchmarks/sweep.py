@@ -16,6 +16,7 @@ transformers runs `generate` in static batches of 16 (its padding costs are part
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -139,25 +140,29 @@ def worker(system: str, shape: Shape, path: Path, threads: int) -> dict[str, Any
     }
 
 
-def measure(shape: Shape, work: Path, threads: int, contended: bool) -> dict[str, Any]:
+def measure(shape: Shape, work: Path, threads: int, contended: bool, repeats: int) -> dict[str, Any]:
+    """Each system `repeats` times, in turn (native, off, transformers, native, ...): the best run of
+    each is its figure, so a slow spell of a shared host falls on every system alike."""
     path = work / shape.name
     if not (path / "config.json").exists():
         save_model(shape, path)
-    row: dict[str, Any] = {"shape": asdict(shape)}
-    for system in SYSTEMS:
-        env = {**os.environ, "BATCHGEN_NATIVE": "0" if system == "off" else os.environ.get("BATCHGEN_NATIVE", "1")}
-        command = [sys.executable, __file__, "--worker", system, shape.name, str(path), str(threads)]
-        if contended:
-            with busy_neighbours():
-                done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-        else:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        row[system] = result["tok_s"]
-        row["host"] = result["host"]
+    row: dict[str, Any] = {"shape": asdict(shape), **{system: 0.0 for system in SYSTEMS}}
+    for _ in range(repeats):
+        for system in SYSTEMS:
+            result = _run_worker(system, shape, path, threads, contended)
+            row[system] = max(row[system], result["tok_s"])
+            row["host"] = result["host"]
     row["native_vs_off"] = round(row["native"] / row["off"], 2)
     row["native_vs_transformers"] = round(row["native"] / row["transformers"], 2)
     return row
+
+
+def _run_worker(system: str, shape: Shape, path: Path, threads: int, contended: bool) -> dict[str, Any]:
+    env = {**os.environ, "BATCHGEN_NATIVE": "0" if system == "off" else os.environ.get("BATCHGEN_NATIVE", "1")}
+    command = [sys.executable, __file__, "--worker", system, shape.name, str(path), str(threads)]
+    with busy_neighbours() if contended else contextlib.nullcontext():
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -165,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="three small shapes")
     p.add_argument("--contended", action="store_true", help="one busy process per core beside every run")
     p.add_argument("--shapes", nargs="+", default=None, choices=[s.name for s in SHAPES])
+    p.add_argument("--repeats", type=int, default=1, help="runs of each system per shape, in turn; the best counts")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's own choice)")
     p.add_argument("--worker", nargs=4, metavar=("SYSTEM", "SHAPE", "PATH", "THREADS"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = args.threads or host.usable_cpus()
     names = args.shapes or (QUICK if args.quick else list(by_name))
     with tempfile.TemporaryDirectory(prefix="batchgen-sweep-") as tmp:
-        rows = [measure(by_name[name], Path(tmp), threads, args.contended) for name in names]
+        rows = [measure(by_name[name], Path(tmp), threads, args.contended, args.repeats) for name in names]
     report = {
         "command": " ".join(["benchmarks/sweep.py", *(argv if argv is not None else sys.argv[1:])]),
         "contended": args.contended,

@@ -178,3 +178,15 @@ def test_a_refusal_inside_a_compiled_graph_keeps_its_message(
     llm = LLM(str(tiny_model("llama")), device="cpu", dtype="float32", compile=True)
     with pytest.raises(RuntimeError, match=r"batchgen::attention: q \[4, \d+, 16\].* over 6 heads"):
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))
+
+
+def test_an_operator_whose_plan_names_differ_from_pythons_is_not_loaded(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The plan and the kernel's arguments are named once (csrc/decode_args.h) and exported by the
+    operator's library: a Python side out of step with them refuses the library instead of
+    writing fields at the wrong offsets."""
+    assert attention_front._load() is not None  # in step: loads
+    monkeypatch.setattr(attention_front, "PLAN_FIELDS", PLAN_FIELDS[1:])
+    assert attention_front._load() is None
+    assert "batchgen_attention_op unavailable" in caplog.text and "attention_op.cpp names" in caplog.text

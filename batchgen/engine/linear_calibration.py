@@ -122,16 +122,25 @@ def _read(path: Path) -> int | None:
 
 
 def _write_once(path: Path, mask: int) -> int:
-    """Store `mask` unless another process stored one first; the stored one either way."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    """Store `mask` unless another process stored one first; the stored one either way (`mask`
+    itself where the cache cannot be written: a read-only home measures again next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        logger.warning("linear calibration not cached (%s): it is measured again in the next process", exc)
+        return mask
     with os.fdopen(fd, "w") as f:
         json.dump({"mask": mask, "threads": torch.get_num_threads(), "torch": torch.__version__}, f)
     try:
         os.link(tmp, path)  # never replaces: the first process's measurement is everyone's
     except FileExistsError:
         pass
+    except OSError as exc:  # a file system without hard links: a rename, which may replace a twin's
+        logger.debug("no hard link for %s (%s): renamed", path, exc)
+        os.replace(tmp, path)
     finally:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     stored = _read(path)
     return mask if stored is None else stored

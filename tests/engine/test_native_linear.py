@@ -227,3 +227,14 @@ def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     model = _model()
     assert install_native_linears(model, CPU, F32, {"64x64+bias": ANY}) == 0
     assert all(type(m) is not NativeLinear for m in model)
+
+
+def test_a_cache_that_cannot_be_written_still_gives_the_measured_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only home (some containers) must not stop a model from loading."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(native.CACHE_ENV, str(blocker))  # kernels/linear-calibration cannot be made under it
+    groups = {"64x64": [(torch.randn(64, 64), None)]}
+    assert linear_calibration.masks(groups, _slow, Path("batchgen_linear-x.so")) == {"64x64": 0}

@@ -8,7 +8,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Callable
@@ -19,14 +18,13 @@ from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.fingerprint import describe_difference
 from batchgen.output_table import RESULT_NAMES
 from batchgen.sharding import ShardSpec
-from batchgen.storage import Storage, open_storage
+from batchgen.storage import PART_NAME, Storage, open_storage, temp_target
 from batchgen.usage.totals import Totals
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"
 RECORD_NAME = "_JOB.json"
 SUCCESS_NAME = "_SUCCESS"
-_TEMP_PART = re.compile(r"\.part-(\d{6})\.parquet\.[0-9a-f]+\.tmp")
 
 
 class OutputLock:
@@ -218,6 +216,6 @@ class OutputState:
 
 
 def _temp_part_index(name: str) -> int | None:
-    """The part index of a part's temp file (".part-000003.parquet.<hex>.tmp"), else None."""
-    match = _TEMP_PART.fullmatch(name)
+    """The part index of a part's temp file (".batchgen.part-000003.parquet.<hex>.tmp"), else None."""
+    match = PART_NAME.fullmatch(temp_target(name) or "")
     return int(match.group(1)) if match else None

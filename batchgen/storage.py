@@ -29,6 +29,11 @@ from batchgen.errors import OutputError
 
 REMOTE_SCHEMES = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}  # URI scheme -> store
 PART_NAME = re.compile(r"part-(\d{6})\.parquet")  # only these are ours; a stray part-old.parquet is not
+# A file is written under a temp name, then committed under its final name. Why this exact pattern:
+# a user's own hidden `.notes.tmp` in the output folder must never be taken for ours and deleted.
+# (Older batchgen wrote ".<final>.<hex>.tmp": still matched, so its leftovers are cleaned too.)
+_TEMP_PREFIX = ".batchgen."
+TEMP_NAME = re.compile(r"\.(?:batchgen\.)?(part-\d{6}\.parquet|_SUCCESS|_JOB\.json|probe)\.[0-9a-f]{32}\.tmp")
 _TEXT, _FLAG, _SECONDS = (str,), (bool,), (int, float)
 STORE_OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
     # pyarrow.fs.S3FileSystem / GcsFileSystem keyword arguments a job may set (the rest stay defaults).
@@ -63,6 +68,20 @@ def is_remote(path: str | Path) -> bool:
 def local_path(path: str) -> str:
     """A `file://` URI as a plain path; any other path unchanged."""
     return urlsplit(path).path if uri_scheme(path) == "file" else path
+
+
+def temp_name(final: str) -> str:
+    """The hidden name `final` is written under before its commit: ".batchgen.<final>.<32 hex>.tmp"."""
+    name = f"{_TEMP_PREFIX}{final}.{uuid.uuid4().hex}.tmp"
+    if not TEMP_NAME.fullmatch(name):
+        raise ValueError(f"{final!r} is not a file batchgen writes in an output folder")
+    return name
+
+
+def temp_target(name: str) -> str | None:
+    """The final name a temp file of ours (see temp_name) was written for; None for any other file."""
+    match = TEMP_NAME.fullmatch(name)
+    return match.group(1) if match else None
 
 
 def display_uri(uri: str) -> str:
@@ -197,7 +216,7 @@ class LocalStorage(Storage):
     def prepare(self) -> None:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            probe = self.folder / f".probe-{uuid.uuid4().hex}"
+            probe = self.folder / temp_name("probe")
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
@@ -243,7 +262,8 @@ class LocalStorage(Storage):
         return [p.name for p in self.folder.iterdir() if p.is_file()] if self.folder.is_dir() else []
 
     def temp_names(self) -> list[str]:
-        return [p.name for p in self.folder.glob(".*.tmp")]
+        """Our temp files only (see temp_name): other hidden files here are the user's."""
+        return [p.name for p in self.folder.glob(".*.tmp") if temp_target(p.name) is not None]
 
     def read_table(self, name: str, columns: list[str]) -> pa.Table:
         return pq.read_table(self.folder / name, columns=columns)

@@ -24,7 +24,7 @@ from batchgen.errors import OutputError
 from batchgen.jobstate import OutputState
 from batchgen.output_table import RESULT_NAMES, output_schema
 from batchgen.parts import PartWriter
-from batchgen.storage import LocalStorage
+from batchgen.storage import LocalStorage, temp_name
 from tests.conftest import make_job, write_job, write_parquet
 
 
@@ -84,6 +84,29 @@ def test_stray_part_files_are_not_ours(tmp_path: Path, tiny_model_dir: Path) -> 
     assert code == 0, err
     assert (out / "part-old.parquet").read_bytes() == b"someone else's file"
     assert (out / "part-1.parquet").exists()
+
+
+USERS_HIDDEN = [".notes.tmp", ".part-000001.parquet.notes.tmp", "._SUCCESS.tmp", ".batchgen.tmp"]
+
+
+def test_a_users_own_hidden_tmp_files_are_never_deleted(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Only batchgen's own temp names are leftovers; a user's hidden *.tmp file is not ours."""
+    job = _job(tmp_path, tiny_model_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in USERS_HIDDEN:
+        (out / name).write_text("mine")
+    ours = out / temp_name("part-000001.parquet")  # a killed run's half-written part
+    older = out / f".part-000000.parquet.{'0' * 32}.tmp"  # the same, from a batchgen before the prefix
+    ours.write_bytes(b"half a part")
+    older.write_bytes(b"half a part")
+    code, _, err = _cli("run", str(job), "--quiet")
+    assert code == 0, err
+    assert not ours.exists() and not older.exists()
+    assert {n: (out / n).read_text() for n in USERS_HIDDEN} == dict.fromkeys(USERS_HIDDEN, "mine")
+    code, _, err = _cli("run", str(job), "--quiet", "--overwrite", "--set", "sampling.max_tokens=2")
+    assert code == 0, err
+    assert {n: (out / n).read_text() for n in USERS_HIDDEN} == dict.fromkeys(USERS_HIDDEN, "mine")
 
 
 def test_a_run_that_committed_nothing_does_not_block_the_corrected_rerun(tmp_path: Path, tiny_model_dir: Path) -> None:

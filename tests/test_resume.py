@@ -167,6 +167,23 @@ def test_a_signal_inside_a_write_never_leaves_a_temp_file(
         assert _rows(out) == references[backend]
 
 
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_users_hidden_tmp_file_outlives_a_signal_and_the_resume(
+    tmp_path: Path, tiny_model_dir: Path, references: _References, signame: str
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".notes.tmp").write_text("mine")
+    job = _job(tmp_path, tiny_model_dir, out)
+    stopped = _cli(job, fault="after_temp_write:2", fault_signal=signame)
+    assert stopped.returncode == 128 + signal.Signals[signame], stopped.stderr
+    assert [p.name for p in out.glob(".*.tmp")] == [".notes.tmp"]
+    resumed = _cli(job)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _rows(out) == references["hf"]
+    assert (out / ".notes.tmp").read_text() == "mine"
+
+
 def _in_process(job: Path, *args: str) -> tuple[int, str]:
     result = CliRunner().invoke(main, ["run", str(job), "--quiet", *args])
     return result.exit_code, result.output

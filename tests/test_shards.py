@@ -23,6 +23,7 @@ from batchgen.errors import LockedError
 from batchgen.jobstate import OutputLock, OutputState
 from batchgen.parts import PartWriter
 from batchgen.sharding import ShardSpec
+from batchgen.storage import temp_name
 from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 36  # window 4: 9 parts, 3 per shard of 3
@@ -230,7 +231,7 @@ def test_a_committed_part_is_never_replaced(tmp_path: Path) -> None:
 
 
 def test_a_shard_removes_only_its_own_parts_temp_files(tmp_path: Path) -> None:
-    names = [".part-000001.parquet.ab12.tmp", ".part-000002.parquet.cd34.tmp", "._JOB.json.ef56.tmp"]
+    names = [temp_name("part-000001.parquet"), temp_name("part-000002.parquet"), temp_name("_JOB.json")]
     for name in names:
         (tmp_path / name).write_text("")
     assert OutputState(tmp_path).remove_leftovers(ShardSpec(1, 2).owns) == 1

@@ -84,9 +84,18 @@ def temp_target(name: str) -> str | None:
     return match.group(1) if match else None
 
 
-def display_uri(uri: str) -> str:
-    """A URI for messages and manifests: without its query (which may carry options)."""
-    return uri.split("?", 1)[0].rstrip("/")
+def display_uri(uri: str | Path) -> str:
+    """A path or URI as every message, log line and manifest shows it: the one redaction. A URI
+    loses its query and fragment (`?access_key=..&secret_key=..` may carry credentials) and any
+    user info (`s3://KEY:SECRET@bucket`); a plain local path is shown as it is (`?` is a file
+    name character there)."""
+    text = str(uri)
+    scheme = _SCHEME.match(text)
+    if scheme is None:
+        return text
+    rest = re.split(r"[?#]", text[scheme.end() :], maxsplit=1)[0]
+    authority, slash, path = rest.partition("/")
+    return f"{scheme.group(0)}{authority.rpartition('@')[2]}{slash}{path}".rstrip("/")
 
 
 def check_storage_options(path: str | Path, options: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class PreparedRow:
     params: SamplingParams | None = None
     error_code: str | None = None
     error_message: str | None = None
+    label: str = ""  # names the row in messages: file, row index, id (see row_labels)
 
     @property
     def ok(self) -> bool:
@@ -73,7 +74,7 @@ class RowPreparer:
     def prepare(self, table: pa.Table, labels: list[str], keys: list[str]) -> list[PreparedRow]:
         """`labels[i]` names row i in messages (file, row index, id); `keys[i]` identifies it
         across runs (see row_keys): the run seed is combined with it."""
-        rows = [PreparedRow() for _ in range(table.num_rows)]
+        rows = [PreparedRow(label=label) for label in labels]
         texts = self._texts(table, rows, labels)
         self._tokenize(texts, rows, labels)
         self._sampling(table, rows, labels, keys)

@@ -119,10 +119,14 @@ class OutputState:
         self._checked = False
         self._seen: str | None = None  # the record's text when check_record read it (None: none)
 
-    def overwrite(self) -> None:
-        """Remove what batchgen wrote here (parts, record, manifest, temp files); nothing else."""
-        for name in self._ours():
+    def overwrite(self) -> int:
+        """Remove what batchgen wrote here (manifest, parts, temp files, record; nothing else);
+        the number of parts removed. Why this order: stopped half way, the folder never holds a
+        `_SUCCESS` beside missing parts, nor parts without the record of the job that made them."""
+        parts = list(self.committed_parts().values())
+        for name in [SUCCESS_NAME, *parts, *self.storage.temp_names(), RECORD_NAME]:
             self.storage.delete(name)
+        return len(parts)
 
     def check_record(self, fingerprint: dict[str, Any]) -> bool:
         """True when this job already finished here. Refuses a folder made by a different job.
@@ -209,10 +213,6 @@ class OutputState:
         totals = Totals()
         totals.add_part(self.storage.read_table(Path(part).name, RESULT_NAMES).to_pydict())
         return totals
-
-    def _ours(self) -> list[str]:
-        names = [RECORD_NAME, SUCCESS_NAME, *self.committed_parts().values()]
-        return names + self.storage.temp_names()
 
 
 def _temp_part_index(name: str) -> int | None:

@@ -72,6 +72,7 @@ class JobRunner:
         self.overwrite = overwrite
         self.duplicates: dict[tuple[int, int], IdProblem] = {}  # (file index, row) -> why its id fails
         self.executor: Executor | None = None  # None: parts run in this process
+        self._replacing: tuple[OutputState, dict[str, Any]] | None = None  # --overwrite, old output still there
         self.columns = ColumnPlan.of(spec)  # n, logprobs, prompt_logprobs shape the result columns
         self.result_fields = self.columns.fields(RESULT_FIELDS)
 
@@ -94,20 +95,22 @@ class JobRunner:
 
     def _run_locked(self, files: list[InputFile], carried: list[str], writer: PartWriter, start: float) -> Summary:
         state = OutputState(writer.storage)
-        if self.overwrite:
-            self._open_executor()  # why first: an unreachable cluster must not cost the old output
-            state.overwrite()
         fingerprint = job_fingerprint(self.spec, files)
-        if state.check_record(fingerprint):
+        if not self.overwrite and state.check_record(fingerprint):
             manifest = state.read_success()
             return Summary(Totals(), 0.0, manifest, already_done=True)
         self._open_executor()  # kind ray: Ray reached before any work; never for a finished job
         owns = self.shard.owns if self.shard is not None else None
         shards = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
-        record = self._claim_output(
-            state, {**fingerprint, "run": run_facts(self.spec, files, max(len(shards), 1), start)}
-        )
-        committed = state.committed_parts()
+        record = {**fingerprint, "run": run_facts(self.spec, files, max(len(shards), 1), start)}
+        if self.overwrite:
+            # Why deferred: a job that fails to start (weights missing, a bad row type, Ray gone)
+            # must not cost the old output; it goes only when the first new part is ready to commit.
+            self._replacing = (state, record)
+            committed: dict[int, str] = {}
+        else:
+            self._claim_output(state, record)
+            committed = state.committed_parts()
         mine = [s for s in shards if owns is None or owns(s.index)]
         totals = Totals()
         for shard in mine:
@@ -129,6 +132,7 @@ class JobRunner:
         if self.shard is not None:
             return self._finish_shard(state, record, Summary(totals, wall, {}, kept, run_output_tokens=run_tokens))
         manifest = build_manifest(totals, record, start, wall, run_tokens)
+        self.take_over_output()  # (done at the first commit already; a job always commits one)
         fault_point("before_success")
         with interrupt.cooperative():
             interrupt.check()
@@ -139,14 +143,32 @@ class JobRunner:
         if self.executor is None:
             self.executor = open_executor(self.spec, self.quiet)
 
-    def _claim_output(self, state: OutputState, record: dict[str, Any]) -> dict[str, Any]:
+    def _claim_output(self, state: OutputState, record: dict[str, Any]) -> None:
         """Remove a killed run's temp files (a shard: its own parts' only) and write the job record."""
         if state.remove_leftovers(self.shard.owns if self.shard is not None else None):
             log.info("removed temporary files of an interrupted run")
         with interrupt.cooperative():
             state.claim_record(record, refresh=self.shard is None)  # N shards may start at once
         interrupt.check()
-        return record
+
+    @property
+    def replacing_output(self) -> bool:
+        """--overwrite, and the old output is still there (see take_over_output)."""
+        return self._replacing is not None
+
+    def take_over_output(self) -> None:
+        """--overwrite: this job has validated, loaded its model and is about to commit its first
+        part; only now the old output goes and this job's record takes its place. Nothing to do
+        after the first call (and on a Ray worker, whose runner replaces nothing)."""
+        if self._replacing is None:
+            return
+        state, record = self._replacing
+        self._replacing = None
+        with interrupt.cooperative():  # a signal now waits: the folder is never left half replaced
+            removed = state.overwrite()
+            log.info("--overwrite: removed the previous output (%d parts)", removed)
+            state.check_record(record)  # nothing of the old job is left: this reads no record
+            self._claim_output(state, record)
 
     def _finish_shard(self, state: OutputState, record: dict[str, Any], summary: Summary) -> Summary:
         """This shard's parts are committed: write `_SUCCESS` if every other part is too."""
@@ -166,6 +188,7 @@ class JobRunner:
     def _commit_empty(self, writer: PartWriter) -> None:
         """No input rows: one empty part with the full output schema, so that every finished output
         reads back with its columns (`pyarrow.dataset.dataset(out).schema`)."""
+        self.take_over_output()
         with interrupt.cooperative():
             writer.write_part(0, writer.schema.empty_table())
 
@@ -210,6 +233,7 @@ class JobRunner:
         cols = self._run_shard(shard, table, f, backend, preparer, bar)
         row_ids = f.row_ids(shard.start, shard.stop) if self.spec.input.id_column is None else None
         totals = Totals()
+        self.take_over_output()
         if writer.write_part(shard.index, part_table(table, carried, row_ids, cols, self.result_fields)):
             totals.add_part(cols)
         else:  # a concurrent shard run of another N (or a replaced Ray worker) committed it first: that part stands

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -380,6 +381,35 @@ def test_ray_workers_read_and_commit_on_a_bucket(
         r[:skip] + r[skip + 1 :] for r in reference["rows"]
     ]
     assert _read_json(s3, "outputs/ray/_SUCCESS")["rows"]["total"] == sum(FILES.values())
+
+
+def _objects(s3: dict[str, Any], prefix: str) -> dict[str, bytes]:
+    infos = s3["fs"].get_file_info(pafs.FileSelector(prefix, allow_not_found=True))
+    found = {}
+    for info in infos:
+        with s3["fs"].open_input_stream(info.path) as stream:
+            found[info.base_name] = stream.read()
+    return found
+
+
+def test_overwrite_on_a_bucket_keeps_the_old_output_until_the_new_job_can_run(
+    tmp_path: Path, tiny_model_dir: Path, s3: dict[str, Any], local_inputs: Path
+) -> None:
+    inputs = _upload(s3, local_inputs, "inputs/overwrite")
+    job = _job(tmp_path, tiny_model_dir, inputs, "s3://outputs/overwrite", s3)
+    assert CliRunner().invoke(main, ["run", str(job), "--quiet"]).exit_code == 0
+    before = _objects(s3, "outputs/overwrite")
+    assert {"_SUCCESS", "_JOB.json", "part-000004.parquet"} <= set(before)
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny_model_dir, weightless, ignore=shutil.ignore_patterns("*.safetensors"))
+    args = ["run", str(job), "--quiet", "--overwrite", "--set", f"model.path={weightless}"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 4, result.output
+    assert _objects(s3, "outputs/overwrite") == before
+    args = ["run", str(job), "--quiet", "--overwrite", "--set", "sampling.max_tokens=2"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    after = _objects(s3, "outputs/overwrite")
+    assert after["_JOB.json"] != before["_JOB.json"] and set(after) == set(before)
 
 
 SECRET = "s3cr3t-never-shown-9f2c"

@@ -184,6 +184,19 @@ def test_a_users_hidden_tmp_file_outlives_a_signal_and_the_resume(
     assert (out / ".notes.tmp").read_text() == "mine"
 
 
+def test_a_signal_during_an_overwrite_keeps_the_old_output(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """SIGTERM while --overwrite generates its first part: the old output is untouched, exit 143."""
+    out = tmp_path / "out"
+    job = _job(tmp_path, tiny_model_dir, out, backend="native")
+    assert _cli(job).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".lock")}
+    args = ("--overwrite", "--set", "sampling.max_tokens=5")
+    stopped = _cli(job, *args, fault="mid_engine:3", fault_signal="SIGTERM")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".lock")} == before
+    assert "already finished" in _cli(job).stdout
+
+
 def _in_process(job: Path, *args: str) -> tuple[int, str]:
     result = CliRunner().invoke(main, ["run", str(job), "--quiet", *args])
     return result.exit_code, result.output

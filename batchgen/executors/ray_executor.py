@@ -161,7 +161,7 @@ class _Dispatch:
         shape: WorkerShape,
         todo: list[Shard],
     ) -> None:
-        self.ray, self.shape, self.quiet = ray, shape, runner.quiet
+        self.ray, self.shape, self.quiet, self.runner = ray, shape, runner.quiet, runner
         self.total_rows = sum(s.num_rows for s in todo)
         spec = for_rows(runner.spec, -(-self.total_rows // shape.count))  # each worker's share of the rows
         self.args = (spec, files, carried, writer, shape.cpus)
@@ -183,7 +183,12 @@ class _Dispatch:
         try:
             with bar, interrupt.cooperative():
                 for slot in range(self.shape.count):
-                    self._start(slot)
+                    self.workers[slot] = self.actor.remote(*self.args, self.board)
+                if self.runner.replacing_output:  # --overwrite: the old output goes once the models load
+                    self._wait_loaded()
+                    self.runner.take_over_output()
+                for slot in range(self.shape.count):
+                    self._submit(slot)
                 while self.inflight:
                     ready, _ = self.ray.wait(list(self.inflight), num_returns=1, timeout=POLL_SECONDS)
                     interrupt.check()
@@ -194,6 +199,23 @@ class _Dispatch:
             for worker in self.workers.values():
                 self.ray.kill(worker, no_restart=True)  # an abandoned part stays uncommitted
             self.ray.kill(self.board, no_restart=True)
+
+    def _wait_loaded(self) -> None:
+        """Until every worker has loaded its model; a load that fails stops the job (its error:
+        a ModelError is exit 4) before anything of the old output is touched."""
+        pending = [self.workers[slot].load.remote() for slot in self.workers]
+        while pending:
+            ready, pending = self.ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
+            interrupt.check()
+            for ref in ready:
+                try:
+                    self.ray.get(ref)
+                except self.ray.exceptions.RayTaskError as exc:
+                    if isinstance(exc.cause, BatchgenError):
+                        raise exc.cause from None
+                    raise EngineFailure(f"a Ray worker failed to load the model: {exc.cause!r}") from None
+                except self.ray.exceptions.RayError as exc:
+                    raise EngineFailure(f"a Ray worker died loading the model ({type(exc).__name__})") from None
 
     def _start(self, slot: int) -> None:
         self.workers[slot] = self.actor.remote(*self.args, self.board)

@@ -83,14 +83,24 @@ class PartWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run_part(self, shard: Shard, duplicates: dict[tuple[int, int], IdProblem], attempt: int) -> PartDone:
-        """Read part `shard`'s rows, generate and commit them; `duplicates` are its rows whose id
-        fails (judged by the driver over the whole job)."""
-        from batchgen.runner import JobRunner, _read_columns, load_engine
+    def load(self) -> int:
+        """Load the model now (else the first part does); this worker's pid."""
+        self._engine()
+        return os.getpid()
+
+    def _engine(self) -> tuple[Backend, RowPreparer]:
+        from batchgen.runner import load_engine
 
         if self.engine is None:
             self.engine = load_engine(self.spec)
-        backend, preparer = self.engine
+        return self.engine
+
+    def run_part(self, shard: Shard, duplicates: dict[tuple[int, int], IdProblem], attempt: int) -> PartDone:
+        """Read part `shard`'s rows, generate and commit them; `duplicates` are its rows whose id
+        fails (judged by the driver over the whole job)."""
+        from batchgen.runner import JobRunner, _read_columns
+
+        backend, preparer = self._engine()
         _, table = next(read_shards(self.files, [shard], _read_columns(self.spec, self.carried)))
         runner = JobRunner(self.spec, quiet=True)
         runner.duplicates = duplicates

@@ -31,7 +31,7 @@ from batchgen.parts import PartWriter, part_name
 from batchgen.prepare import RowPreparer, input_columns, load_tokenizer
 from batchgen.sharding import ShardSpec
 from batchgen.usage.totals import Totals
-from batchgen.validate import validate_job
+from batchgen.validate import validate_inputs, validate_model
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +73,24 @@ class JobRunner:
         self.duplicates: dict[tuple[int, int], IdProblem] = {}  # (file index, row) -> why its id fails
         self.executor: Executor | None = None  # None: parts run in this process
         self._replacing: tuple[OutputState, dict[str, Any]] | None = None  # --overwrite, old output still there
+        self._model_checked = False
         self.columns = ColumnPlan.of(spec)  # n, logprobs, prompt_logprobs shape the result columns
         self.result_fields = self.columns.fields(RESULT_FIELDS)
 
     def run(self) -> Summary:
         start = time.time()
-        files = validate_job(self.spec)  # fails here, before any weights load, on a bad job
+        files = validate_inputs(self.spec)  # fails here, before the output is touched, on bad inputs
         carried = carried_columns(self.spec, files[0].schema)
         add_row_id = self.spec.input.id_column is None
         schema = output_schema([files[0].schema.field(c) for c in carried], add_row_id, self.result_fields)
         writer = PartWriter(self.spec.output.path, schema, self.spec.output.storage_options)
+        if writer.storage.local_dir is not None and not writer.storage.is_dir():
+            self._validate_model()  # a new folder holds no finished job and no lock: check before creating it
         writer.prepare()
         lock = OutputLock(writer.storage, self.shard)
         try:
+            # Why the lock and the finished-job check before the model's checks: those import torch
+            # and transformers (seconds, half a GB), and a locked or finished job needs neither.
             lock.acquire()
             return self._run_locked(files, carried, writer, start)
         finally:
@@ -99,6 +104,7 @@ class JobRunner:
         if not self.overwrite and state.check_record(fingerprint):
             manifest = state.read_success()
             return Summary(Totals(), 0.0, manifest, already_done=True)
+        self._validate_model()  # fails here, before any weights load, on a bad model folder or device
         self._open_executor()  # kind ray: Ray reached before any work; never for a finished job
         owns = self.shard.owns if self.shard is not None else None
         shards = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
@@ -138,6 +144,11 @@ class JobRunner:
             interrupt.check()
             writer.write_success(manifest)
         return Summary(totals, wall, manifest, skipped_parts=kept, run_output_tokens=run_tokens)
+
+    def _validate_model(self) -> None:
+        if not self._model_checked:
+            validate_model(self.spec)
+            self._model_checked = True
 
     def _open_executor(self) -> None:
         if self.executor is None:

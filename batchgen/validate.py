@@ -113,14 +113,29 @@ def check_model_folder(model_path: Path, needs_chat_template: bool = False) -> A
 def validate_job(spec: JobSpec) -> list[InputFile]:
     """Everything `run` checks before loading weights; raises a BatchgenError naming the problem.
     The output folder is never read as input, even when it lies inside input.path."""
+    files = validate_inputs(spec)
+    validate_model(spec)
+    return files
+
+
+def validate_inputs(spec: JobSpec) -> list[InputFile]:
+    """The first half of validate_job: the input files and their columns, and that the model folder
+    exists. Why apart: it imports neither torch nor transformers, so `run` answers a finished job
+    or a held lock after it in well under a second (the fingerprint still covers the model files)."""
     files = open_inputs(
         spec.input.path, input_columns(spec), exclude=spec.output.path, options=spec.input.storage_options
     )
     check_read_types(spec, files)
     check_sampling_columns(spec, files)
     check_carried_in_every_file(spec, files, carried_columns(spec, files[0].schema))
+    if not Path(spec.model.path).is_dir():
+        raise ModelError(f"model.path {spec.model.path}: no such folder")
+    return files
+
+
+def validate_model(spec: JobSpec) -> None:
+    """The second half of validate_job: config, tokenizer (and chat template) and device."""
     check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     from batchgen.engine.models import resolve_device  # why lazy: torch
 
     resolve_device(spec.model.device)  # a DeviceError (exit 4) names the devices on this machine
-    return files

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from batchgen.cli import main
@@ -232,6 +234,49 @@ def test_a_live_run_holds_the_lock(tmp_path: Path, tiny_model_dir: Path) -> None
     assert blocked.returncode == 7
     assert f"pid {os.getpid()}" in blocked.stderr
     assert _in_process(job)[0] == 0  # released: the next run goes ahead
+
+
+_HEAVY_IMPORTS = """
+import sys
+from batchgen.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as done:
+    print("exit", done.code, [m for m in ("torch", "transformers") if m in sys.modules], file=sys.stderr)
+"""
+
+
+def _run_counting_imports(job: Path) -> tuple[str, str]:
+    cmd = [sys.executable, "-c", _HEAVY_IMPORTS, "run", str(job), "--quiet"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return done.stdout, done.stderr.strip().splitlines()[-1]
+
+
+def test_a_finished_or_locked_job_is_answered_without_torch_or_transformers(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A finished job ("nothing to do") and a held lock need no model: answered before torch and transformers
+    are imported (seconds and half a GB saved on every cron tick of a finished job)."""
+    out = tmp_path / "out"
+    job = _job(tmp_path, tiny_model_dir, out)
+    assert _in_process(job)[0] == 0
+    stdout, last = _run_counting_imports(job)
+    assert "already finished" in stdout and last == "exit 0 []", last
+    lock = OutputLock(out)
+    lock.acquire()
+    try:
+        _, last = _run_counting_imports(job)
+    finally:
+        lock.release()
+    assert last == "exit 7 []", last
+    moved = tmp_path / "moved-model"
+    shutil.copytree(tiny_model_dir, moved)
+    spec = yaml.safe_load(job.read_text())
+    spec["model"]["path"] = str(moved)
+    moved_job = write_job(tmp_path / "moved.yaml", spec)
+    shutil.rmtree(moved)  # the model folder is gone: a model problem (exit 4), not "a different job"
+    code, text = _in_process(moved_job)
+    assert code == 4 and f"model.path {moved}: no such folder" in text, text
 
 
 def test_after_a_resume_the_rate_counts_this_runs_tokens_only(tmp_path: Path, tiny_model_dir: Path) -> None:

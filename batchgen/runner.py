@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pyarrow as pa
-from tqdm import tqdm
 
 from batchgen import interrupt
 from batchgen.backends import for_rows, load_backend
@@ -29,6 +29,7 @@ from batchgen.output_samples import ColumnPlan
 from batchgen.output_table import RESULT_FIELDS, carried_columns, output_schema, part_table, result_columns
 from batchgen.parts import PartWriter, part_name
 from batchgen.prepare import RowPreparer, input_columns, load_tokenizer
+from batchgen.progress import RunProgress, row_token_budget
 from batchgen.sharding import ShardSpec
 from batchgen.usage.totals import Totals
 from batchgen.validate import validate_inputs, validate_model
@@ -129,7 +130,7 @@ class JobRunner:
             self.duplicates = find_duplicate_ids(files, shards, self.spec.input.id_column)
         if committed:
             log.info("resuming: %d of %d parts already committed", len(committed), len(shards))
-        self._process(files, carried, writer, todo, totals, start)
+        self._process(files, carried, writer, todo, totals)
         if not shards and 0 not in committed and (owns is None or owns(0)):
             self._commit_empty(writer)
         wall = time.time() - start
@@ -210,7 +211,6 @@ class JobRunner:
         writer: PartWriter,
         todo: list[Shard],
         totals: Totals,
-        start: float,
     ) -> None:
         if not todo:
             return
@@ -218,15 +218,14 @@ class JobRunner:
             self.executor.process(self, files, carried, writer, todo, totals)
             return
         backend, preparer = load_engine(for_rows(self.spec, sum(s.num_rows for s in todo)))
-        kept = totals.output_tokens
-        bar = tqdm(total=sum(s.num_rows for s in todo), unit="row", disable=self.quiet, dynamic_ncols=True)
+        budget = row_token_budget(self.spec, backend.max_model_len)
+        bar = RunProgress(sum(s.num_rows for s in todo), self.quiet, live_output_tokens(backend), budget)
         # Why cooperative: a signal only sets a flag here; the loop and on_output stop at clean points.
         with bar, interrupt.cooperative():
             for shard, table in read_shards(files, todo, _read_columns(self.spec, carried)):
                 interrupt.check()
                 f = files[shard.file_index]
                 totals.merge(self.process_part(f, shard, table, carried, writer, backend, preparer, bar))
-                bar.set_postfix(tok_s=f"{(totals.output_tokens - kept) / max(time.time() - start, 1e-9):.0f}")
 
     def process_part(
         self,
@@ -261,9 +260,9 @@ class JobRunner:
         bar.update(len(rows) - len(ok))  # error rows are done already
         order = [ok[j] for j in order_requests([requests[i][0] for i in ok], self.spec.engine.ordering)]
 
-        def on_output(_: RequestOutput) -> None:
+        def on_output(out: RequestOutput) -> None:
             interrupt.check()  # between requests' outputs: the part in flight is abandoned uncommitted
-            bar.update(1)
+            bar.update(1, out.num_output_tokens)
             fault_point("mid_engine")
             fault_point("engine_exception")
 
@@ -279,9 +278,18 @@ class JobRunner:
 
 
 class RowCounter(Protocol):
-    """Counts finished rows: the progress bar locally, a reporter to the driver's bar on a Ray worker."""
+    """Counts finished rows and their output tokens: the progress bar locally, a reporter to the
+    driver's bar on a Ray worker."""
 
-    def update(self, n: int = 1) -> object: ...
+    def update(self, n: int = 1, tokens: int = 0) -> object: ...
+
+
+def live_output_tokens(backend: Backend) -> Callable[[], int] | None:
+    """The engine's count of output tokens sampled so far, running requests' included, for the
+    progress bar's rate; None for a backend that keeps none (hf: its rows finish batch by batch)."""
+    if getattr(backend, "stats", None) is None:
+        return None
+    return lambda: int(getattr(backend, "stats", {}).get("output_tokens", 0))
 
 
 def load_engine(spec: JobSpec) -> tuple[Backend, RowPreparer]:

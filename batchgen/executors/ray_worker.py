@@ -36,29 +36,31 @@ class PartDone:
 
 
 class ProgressBoard:
-    """Rows finished so far in each part under way, as the workers last reported them."""
+    """(rows, output tokens) finished so far in each part under way, as the workers last reported them."""
 
     def __init__(self) -> None:
-        self.rows: dict[AttemptKey, int] = {}
+        self.rows: dict[AttemptKey, tuple[int, int]] = {}
 
-    def set(self, key: AttemptKey, rows: int) -> None:
-        self.rows[key] = rows
+    def set(self, key: AttemptKey, rows: int, tokens: int = 0) -> None:
+        self.rows[key] = (rows, tokens)
 
-    def snapshot(self) -> dict[AttemptKey, int]:
+    def snapshot(self) -> dict[AttemptKey, tuple[int, int]]:
         return dict(self.rows)
 
 
 class _Reporter:
-    """The worker's RowCounter: counts rows and posts the count to the board every REPORT_SECONDS."""
+    """The worker's RowCounter: counts rows and their output tokens, and posts both to the board
+    every REPORT_SECONDS."""
 
     def __init__(self, board: Any, key: AttemptKey) -> None:
         self.board, self.key = board, key
-        self.done, self.posted = 0, time.monotonic()
+        self.done, self.tokens, self.posted = 0, 0, time.monotonic()
 
-    def update(self, n: int = 1) -> None:
+    def update(self, n: int = 1, tokens: int = 0) -> None:
         self.done += n
+        self.tokens += tokens
         if time.monotonic() - self.posted >= REPORT_SECONDS:
-            self.board.set.remote(self.key, self.done)  # fire and forget: progress only
+            self.board.set.remote(self.key, self.done, self.tokens)  # fire and forget: progress only
             self.posted = time.monotonic()
 
 

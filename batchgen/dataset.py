@@ -153,8 +153,36 @@ def check_column(files: list[InputFile], column: str, why: str = "") -> None:
         col_type = f.schema.field(column).type
         if first_type is None:
             first_type = (f.path, col_type)
-        elif col_type != first_type[1]:
+        elif common_type([col_type, first_type[1]]) is None:
             raise InputDataError(f"{f.path}: column {column!r} is {col_type} but {first_type[0]} has {first_type[1]}")
+
+
+# Variants of one kind of value: pandas 3 writes text as large_string, pyarrow as string, and
+# newer writers string_view. A column mixing them across files holds the same kind of values.
+_FAMILIES = (
+    ((pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view), pa.large_string()),
+    ((pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view), pa.large_binary()),
+)
+
+
+def common_type(types: list[pa.DataType]) -> pa.DataType | None:
+    """The one type a column has across files: the type itself when all are equal; for a mix of
+    string-like (or of binary-like) variants the large one, which holds every value of the others;
+    None when the types differ otherwise."""
+    if all(t == types[0] for t in types):
+        return types[0]
+    for members, widest in _FAMILIES:
+        if all(any(member(t) for member in members) for t in types):
+            return widest
+    return None
+
+
+def column_field(files: list[InputFile], column: str) -> pa.Field:
+    """`column`'s field for the output: the first file's, with the type every file's values fit
+    (see common_type; check_column has refused types that do not agree)."""
+    field = files[0].schema.field(column)
+    unified = common_type([f.schema.field(column).type for f in files])
+    return field if unified is None or unified == field.type else field.with_type(unified)
 
 
 def plan_shards(files: list[InputFile], window_rows: int, limit: int | None = None) -> list[Shard]:

@@ -209,7 +209,8 @@ def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
         for name, column in spec.input.sampling_columns.items():
             kind = f.schema.field(column).type
             if name == SCHEMA_COLUMN_KEY:
-                if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+                text = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+                if not (text or pa.types.is_null(kind)):
                     raise InputDataError(
                         f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
                         "it needs JSON schema text (a string column)"
@@ -243,6 +244,8 @@ def _column_values(column: pa.ChunkedArray, as_bytes: bool) -> list[Any]:
         column = column.cast(pa.binary())
     elif as_bytes and pa.types.is_large_string(column.type):
         column = column.cast(pa.large_binary())
+    elif as_bytes and pa.types.is_string_view(column.type):
+        column = column.cast(pa.binary_view())
     try:
         return column.to_pylist()
     except (UnicodeDecodeError, pa.ArrowException):

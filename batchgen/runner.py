@@ -15,7 +15,7 @@ from batchgen import interrupt
 from batchgen.backends import for_rows, load_backend
 from batchgen.backends.base import Backend
 from batchgen.completion import build_manifest, complete_from_parts, run_facts
-from batchgen.dataset import InputFile, Shard, plan_shards, read_shards
+from batchgen.dataset import InputFile, Shard, column_field, plan_shards, read_shards
 from batchgen.duplicate_ids import IdProblem, find_duplicate_ids
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import BatchgenError, EngineFailure
@@ -83,7 +83,7 @@ class JobRunner:
         files = validate_inputs(self.spec)  # fails here, before the output is touched, on bad inputs
         carried = carried_columns(self.spec, files[0].schema)
         add_row_id = self.spec.input.id_column is None
-        schema = output_schema([files[0].schema.field(c) for c in carried], add_row_id, self.result_fields)
+        schema = output_schema([column_field(files, c) for c in carried], add_row_id, self.result_fields)
         writer = PartWriter(self.spec.output.path, schema, self.spec.output.storage_options)
         if writer.storage.local_dir is not None and not writer.storage.is_dir():
             self._validate_model()  # a new folder holds no finished job and no lock: check before creating it

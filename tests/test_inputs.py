@@ -8,8 +8,10 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 from click.testing import CliRunner
 
 from batchgen.cli import main
@@ -61,6 +63,39 @@ def test_extra_or_retyped_carried_columns_fail_before_any_work(tmp_path: Path, t
     job = make_job(tiny_model_dir, str(d), out, input={"carry_columns": ["id", "n"]})
     assert _run(write_job(tmp_path / "j.yaml", job))[0] == 0  # naming the columns to carry is the fix
     assert [r["n"] for r in _rows(out)] == [1, 2]
+
+
+def test_text_written_by_pandas_3_and_by_pyarrow_is_one_column_type(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """pandas 3 writes text as large_string, pyarrow as string, newer writers string_view: one input
+    folder may hold all three (and binary-like variants likewise); they are read together, carried
+    as the large variant, and a mix of kinds (text and numbers) is still refused."""
+    d = tmp_path / "d"
+    d.mkdir()
+    frame = pd.DataFrame({"id": ["p0", "p1"], "prompt": ["the cat", "a dog"], "note": ["x", "y"], "raw": [b"1", b"2"]})
+    frame.to_parquet(d / "a-pandas.parquet")
+    assert pq.read_schema(d / "a-pandas.parquet").field("prompt").type == pa.large_string()  # what pandas 3 writes
+    for name, text, raw in (("b", pa.string(), pa.large_binary()), ("c", pa.string_view(), pa.binary_view())):
+        schema = pa.schema([("id", text), ("prompt", text), ("note", text), ("raw", raw)])
+        row_id = "b0" if name == "b" else "p1"  # c's id repeats the pandas file's: duplicates are found across types
+        columns = {"id": [row_id], "prompt": ["once upon a time"], "note": ["z"], "raw": [b"3"]}
+        write_parquet(d / f"{name}.parquet", columns, schema=schema)
+    out = tmp_path / "out"
+    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(d), out)))
+    assert code == 0, text
+    table = ds.dataset(out, format="parquet").to_table()
+    assert table.schema.field("note").type == pa.large_string() and table.schema.field("raw").type == pa.large_binary()
+    rows = table.to_pylist()
+    assert [(r["id"], r["note"], r["raw"], r["error_code"]) for r in rows] == [
+        ("p0", "x", b"1", None),
+        ("p1", "y", b"2", None),
+        ("b0", "z", b"3", None),
+        ("p1", "z", b"3", "duplicate_id"),
+    ]
+    write_parquet(d / "c.parquet", {"id": ["c0"], "prompt": ["x"], "note": [1], "raw": [b"3"]})
+    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(d), tmp_path / "out2")))
+    assert (
+        code == 3 and f"{d / 'c.parquet'}: column 'note' is int64 but {d / 'a-pandas.parquet'} has large_string" in text
+    )
 
 
 def test_row_ids_are_unique_for_nested_folders_and_globs(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import InputDataError, OutputError
-from batchgen.storage import is_remote, options_from_uri
+from batchgen.storage import display_uri, is_remote, nested_output_parts, options_from_uri
 
 log = logging.getLogger(__name__)
 READ_BATCH_ROWS = 4096  # rows decoded at a time: bounds memory even for one huge row group
@@ -75,10 +75,28 @@ def discover(pattern: str, exclude: Path | None = None) -> list[tuple[Path, str]
         where = f"glob {pattern!r}" if glob.has_magic(pattern) else f"path {pattern}"
         found = [Path(os.path.normpath(p)) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
     files = sorted((p, p.relative_to(root).as_posix()) for p in found if not _inside(p, exclude))
+    records = [r.relative_to(root).as_posix() for r in root.rglob("_JOB.json")] if root.is_dir() else []
+    files = skip_nested_outputs(files, records, str(root))
     if not files:
         skipped = f" (the output folder {exclude} is not read as input)" if found else ""
         raise InputDataError(f"input.path: no Parquet files found at {where}{skipped}")
     return files
+
+
+def skip_nested_outputs(files: list[tuple[Any, str]], records: list[str], root: str) -> list[tuple[Any, str]]:
+    """`files` ((path, key) pairs) less the parts of batchgen outputs nested below `root` (see
+    storage.nested_output_parts), each such folder logged."""
+    nested = nested_output_parts([key for _, key in files], records)
+    for folder, keys in nested.items():
+        log.warning(
+            "input.path: %s/%s holds a batchgen output (_JOB.json): its %d part file(s) are not read as input "
+            "(name that folder in input.path to read them)",
+            display_uri(root),
+            folder,
+            len(keys),
+        )
+    skipped = {key for keys in nested.values() for key in keys}
+    return [(path, key) for path, key in files if key not in skipped]
 
 
 def _glob_root(pattern: str) -> Path:

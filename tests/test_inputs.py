@@ -5,6 +5,7 @@ not depend on where the data is mounted, an output folder inside the input folde
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
@@ -169,6 +171,31 @@ def test_an_output_folder_inside_the_input_folder_is_not_read_as_input(tmp_path:
     code, text = _run(job)
     assert code == 0 and "nothing to do" in text, text
     assert len(_rows(data / "out")) == 2
+
+
+def test_an_older_batchgen_output_inside_the_input_folder_is_skipped_and_logged(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older run's output (another output.path) left inside the input folder used to be read as
+    input: its parts' rows ran again as duplicates, or the job failed on their extra columns."""
+    data = tmp_path / "data"
+    write_parquet(data / "in.parquet", {"id": ["1", "2"], "prompt": ["the cat", "a dog"]})
+    old = write_job(tmp_path / "old.yaml", make_job(tiny_model_dir, str(data), data / "old_out"))
+    assert _run(old)[0] == 0
+    (data / "spark").mkdir()  # a Spark output: _SUCCESS and part files, but no _JOB.json: it is input
+    write_parquet(data / "spark" / "part-000000.parquet", {"id": ["3"], "prompt": ["once upon a time"]})
+    (data / "spark" / "_SUCCESS").write_text("")
+    for carry in (None, ["id"]):
+        out = tmp_path / f"out-{carry}"
+        job = make_job(tiny_model_dir, str(data), out, input={"carry_columns": carry})
+        with caplog.at_level(logging.WARNING, logger="batchgen.dataset"):
+            code, text = _run(write_job(tmp_path / "new.yaml", job))
+        assert code == 0, text
+        assert sorted(r["id"] for r in _rows(out)) == ["1", "2", "3"]
+        assert f"{data}/old_out holds a batchgen output (_JOB.json): its 1 part file(s) are not read" in caplog.text
+    named = make_job(tiny_model_dir, str(data / "old_out"), tmp_path / "second-pass", input={"carry_columns": ["id"]})
+    code, text = _run(write_job(tmp_path / "second.yaml", named))
+    assert code == 0 and sorted(r["id"] for r in _rows(tmp_path / "second-pass")) == ["1", "2"], text
 
 
 def test_null_ids_are_missing_id_rows_and_duplicates_are_named_plainly(tmp_path: Path, tiny_model_dir: Path) -> None:

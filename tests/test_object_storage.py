@@ -344,6 +344,19 @@ def test_input_globs_and_prefixes_on_a_bucket(s3: dict[str, Any], local_inputs: 
     ]
 
 
+def test_an_older_output_inside_an_input_prefix_is_not_read_as_input(s3: dict[str, Any], local_inputs: Path) -> None:
+    _upload(s3, local_inputs, "inputs/nested")
+    for name in ("_JOB.json", "part-000000.parquet"):  # an older run's output, left under the input prefix
+        with s3["fs"].open_output_stream(f"inputs/nested/old_out/{name}") as out:
+            out.write(b"{}")
+    found = discover_objects(s3["fs"], "inputs/nested", "s3://inputs/nested", exclude=None)
+    assert [key for _, key in found] == ["a.parquet", "sub/b.parquet"]
+    glob = discover_objects(s3["fs"], "inputs/nested/**/*.parquet", "s3://inputs/nested", exclude=None)
+    assert [key for _, key in glob] == ["a.parquet", "sub/b.parquet"]
+    named = discover_objects(s3["fs"], "inputs/nested/old_out", "s3://inputs/nested/old_out", exclude=None)
+    assert [key for _, key in named] == ["part-000000.parquet"]  # named as the input: read on purpose
+
+
 def test_storage_options_are_normalized_and_checked_per_store() -> None:
     assert check_storage_options("s3://b/p", {"endpoint_override": "http://h:9000"}, "output") == {
         "endpoint_override": "h:9000",

@@ -161,6 +161,7 @@ def _cli(job: Path, fault: str | None = None) -> subprocess.CompletedProcess[str
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["after_temp_write:3"])  # part 3 serialized, never put
 def test_killed_mid_run_resumes_to_the_local_result(
     tmp_path: Path,
@@ -372,6 +373,7 @@ def test_storage_options_are_normalized_and_checked_per_store() -> None:
     assert (uri, options) == ("s3://b/p", {"endpoint_override": "h:1", "scheme": "http", "anonymous": True})
 
 
+@pytest.mark.slow
 def test_ray_workers_read_and_commit_on_a_bucket(
     tmp_path: Path, tiny_model_dir: Path, s3: dict[str, Any], local_inputs: Path, reference: dict[str, Any]
 ) -> None:

@@ -175,6 +175,7 @@ def _descends_from_us(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_part_is_replaced_and_every_row_lands_once(
     ray_instance: Any, tmp_path: Path, tiny_model_dir: Path, reference: list[tuple[Any, ...]]
 ) -> None:
@@ -199,6 +200,7 @@ def test_a_worker_killed_mid_part_is_replaced_and_every_row_lands_once(
     assert (out / SUCCESS_NAME).exists() and not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_job_started_locally_resumes_on_ray(
     ray_instance: Any,
     tmp_path: Path,
@@ -220,6 +222,7 @@ def test_a_job_started_locally_resumes_on_ray(
     assert _rows(out) == reference
 
 
+@pytest.mark.slow
 def test_overwrite_on_ray_keeps_the_old_output_until_the_workers_load_the_model(
     ray_instance: Any, tmp_path: Path, tiny_model_dir: Path, reference: list[tuple[Any, ...]]
 ) -> None:

@@ -82,6 +82,7 @@ def references(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -
     return _References(tmp_path_factory, tiny_model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("point", ["after_temp_write:2", "after_rename:2", "before_success", "mid_engine:9"])
 def test_kill_at_a_named_point_then_resume(
@@ -102,6 +103,7 @@ def test_kill_at_a_named_point_then_resume(
         assert f"resumed: {len(kept)} part(s) kept" in resumed.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_random_kill_soak(tmp_path: Path, tiny_model_dir: Path, references: _References, backend: str) -> None:
     out = tmp_path / "out"
@@ -117,6 +119,7 @@ def test_random_kill_soak(tmp_path: Path, tiny_model_dir: Path, references: _Ref
     assert _rows(out) == references[backend]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_cleanly_and_resumes(tmp_path: Path, tiny_model_dir: Path, signum: int, backend: str) -> None:
@@ -137,6 +140,7 @@ def test_a_signal_stops_cleanly_and_resumes(tmp_path: Path, tiny_model_dir: Path
     assert [r[0] for r in _rows(out)] == [f"r{i}" for i in range(rows)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("point", "signame", "backend"),
     [
@@ -169,6 +173,7 @@ def test_a_signal_inside_a_write_never_leaves_a_temp_file(
         assert _rows(out) == references[backend]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_a_users_hidden_tmp_file_outlives_a_signal_and_the_resume(
     tmp_path: Path, tiny_model_dir: Path, references: _References, signame: str
@@ -186,6 +191,7 @@ def test_a_users_hidden_tmp_file_outlives_a_signal_and_the_resume(
     assert (out / ".notes.tmp").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_a_signal_during_an_overwrite_keeps_the_old_output(tmp_path: Path, tiny_model_dir: Path) -> None:
     """SIGTERM while --overwrite generates its first part: the old output is untouched, exit 143."""
     out = tmp_path / "out"
@@ -279,6 +285,7 @@ def test_a_finished_or_locked_job_is_answered_without_torch_or_transformers(
     assert code == 4 and f"model.path {moved}: no such folder" in text, text
 
 
+@pytest.mark.slow
 def test_after_a_resume_the_rate_counts_this_runs_tokens_only(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "out"
     job = _job(tmp_path, tiny_model_dir, out)

@@ -72,6 +72,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
     return _rows(out), json.loads((out / "_SUCCESS").read_text())
 
 
+@pytest.mark.slow
 def test_the_dags_commands_with_a_killed_shard_equal_a_plain_run(
     tmp_path: Path, tiny_model_dir: Path, reference: tuple[list[tuple[object, ...]], dict]
 ) -> None:
@@ -101,6 +102,7 @@ def test_the_dags_commands_with_a_killed_shard_equal_a_plain_run(
     assert report["totals"]["output_tokens"] == manifest["tokens"]["output"]
 
 
+@pytest.mark.slow
 def test_shards_finishing_together_write_one_consistent_success(
     tmp_path: Path, tiny_model_dir: Path, reference: tuple[list[tuple[object, ...]], dict]
 ) -> None:

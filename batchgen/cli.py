@@ -16,6 +16,7 @@ from batchgen import interrupt
 from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED_BASE, BatchgenError, Interrupted
 from batchgen.job import load_job
 from batchgen.sharding import ShardSpec
+from batchgen.storage import display_uri
 
 _set_option = click.option(
     "--set",
@@ -68,7 +69,7 @@ def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool,
         summary = JobRunner(spec, quiet=quiet, overwrite=overwrite, shard=shard).run()
         click.echo(f"batchgen: {summary.line()}")
         if not quiet:
-            click.echo(f"batchgen: output in {spec.output.path}")
+            click.echo(f"batchgen: output in {display_uri(spec.output.path)}")
 
     _guarded(work)
 
@@ -186,7 +187,8 @@ def report(
             click.echo(render(result, prices), nl=False)
         if result.status.mismatches:
             raise InputDataError(
-                f"{output_dir}: the committed parts disagree with _SUCCESS: " + "; ".join(result.status.mismatches)
+                f"{display_uri(output_dir)}: the committed parts disagree with _SUCCESS: "
+                + "; ".join(result.status.mismatches)
             )
 
     _guarded(work)
@@ -207,7 +209,8 @@ def finalize(output_dir: str) -> None:
         rows = manifest["rows"]
         what = "already finalized" if already else "finalized"
         click.echo(
-            f"batchgen: {output_dir} {what}: {manifest['parts']} parts, {rows['ok']} rows ok, {rows['error']} failed"
+            f"batchgen: {display_uri(output_dir)} {what}: {manifest['parts']} parts, {rows['ok']} rows ok, "
+            f"{rows['error']} failed"
         )
 
     _guarded(work)

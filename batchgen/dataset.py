@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import InputDataError, OutputError
-from batchgen.storage import is_remote, options_from_uri
+from batchgen.storage import display_uri, is_remote, nested_output_parts, options_from_uri
 
 log = logging.getLogger(__name__)
 READ_BATCH_ROWS = 4096  # rows decoded at a time: bounds memory even for one huge row group
@@ -75,10 +75,28 @@ def discover(pattern: str, exclude: Path | None = None) -> list[tuple[Path, str]
         where = f"glob {pattern!r}" if glob.has_magic(pattern) else f"path {pattern}"
         found = [Path(os.path.normpath(p)) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
     files = sorted((p, p.relative_to(root).as_posix()) for p in found if not _inside(p, exclude))
+    records = [r.relative_to(root).as_posix() for r in root.rglob("_JOB.json")] if root.is_dir() else []
+    files = skip_nested_outputs(files, records, str(root))
     if not files:
         skipped = f" (the output folder {exclude} is not read as input)" if found else ""
         raise InputDataError(f"input.path: no Parquet files found at {where}{skipped}")
     return files
+
+
+def skip_nested_outputs(files: list[tuple[Any, str]], records: list[str], root: str) -> list[tuple[Any, str]]:
+    """`files` ((path, key) pairs) less the parts of batchgen outputs nested below `root` (see
+    storage.nested_output_parts), each such folder logged."""
+    nested = nested_output_parts([key for _, key in files], records)
+    for folder, keys in nested.items():
+        log.warning(
+            "input.path: %s/%s holds a batchgen output (_JOB.json): its %d part file(s) are not read as input "
+            "(name that folder in input.path to read them)",
+            display_uri(root),
+            folder,
+            len(keys),
+        )
+    skipped = {key for keys in nested.values() for key in keys}
+    return [(path, key) for path, key in files if key not in skipped]
 
 
 def _glob_root(pattern: str) -> Path:
@@ -153,8 +171,36 @@ def check_column(files: list[InputFile], column: str, why: str = "") -> None:
         col_type = f.schema.field(column).type
         if first_type is None:
             first_type = (f.path, col_type)
-        elif col_type != first_type[1]:
+        elif common_type([col_type, first_type[1]]) is None:
             raise InputDataError(f"{f.path}: column {column!r} is {col_type} but {first_type[0]} has {first_type[1]}")
+
+
+# Variants of one kind of value: pandas 3 writes text as large_string, pyarrow as string, and
+# newer writers string_view. A column mixing them across files holds the same kind of values.
+_FAMILIES = (
+    ((pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view), pa.large_string()),
+    ((pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view), pa.large_binary()),
+)
+
+
+def common_type(types: list[pa.DataType]) -> pa.DataType | None:
+    """The one type a column has across files: the type itself when all are equal; for a mix of
+    string-like (or of binary-like) variants the large one, which holds every value of the others;
+    None when the types differ otherwise."""
+    if all(t == types[0] for t in types):
+        return types[0]
+    for members, widest in _FAMILIES:
+        if all(any(member(t) for member in members) for t in types):
+            return widest
+    return None
+
+
+def column_field(files: list[InputFile], column: str) -> pa.Field:
+    """`column`'s field for the output: the first file's, with the type every file's values fit
+    (see common_type; check_column has refused types that do not agree)."""
+    field = files[0].schema.field(column)
+    unified = common_type([f.schema.field(column).type for f in files])
+    return field if unified is None or unified == field.type else field.with_type(unified)
 
 
 def plan_shards(files: list[InputFile], window_rows: int, limit: int | None = None) -> list[Shard]:

@@ -8,7 +8,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Callable
@@ -19,14 +18,13 @@ from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.fingerprint import describe_difference
 from batchgen.output_table import RESULT_NAMES
 from batchgen.sharding import ShardSpec
-from batchgen.storage import Storage, open_storage
+from batchgen.storage import PART_NAME, Storage, open_storage, temp_target
 from batchgen.usage.totals import Totals
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"
 RECORD_NAME = "_JOB.json"
 SUCCESS_NAME = "_SUCCESS"
-_TEMP_PART = re.compile(r"\.part-(\d{6})\.parquet\.[0-9a-f]+\.tmp")
 
 
 class OutputLock:
@@ -121,10 +119,14 @@ class OutputState:
         self._checked = False
         self._seen: str | None = None  # the record's text when check_record read it (None: none)
 
-    def overwrite(self) -> None:
-        """Remove what batchgen wrote here (parts, record, manifest, temp files); nothing else."""
-        for name in self._ours():
+    def overwrite(self) -> int:
+        """Remove what batchgen wrote here (manifest, parts, temp files, record; nothing else);
+        the number of parts removed. Why this order: stopped half way, the folder never holds a
+        `_SUCCESS` beside missing parts, nor parts without the record of the job that made them."""
+        parts = list(self.committed_parts().values())
+        for name in [SUCCESS_NAME, *parts, *self.storage.temp_names(), RECORD_NAME]:
             self.storage.delete(name)
+        return len(parts)
 
     def check_record(self, fingerprint: dict[str, Any]) -> bool:
         """True when this job already finished here. Refuses a folder made by a different job.
@@ -212,12 +214,8 @@ class OutputState:
         totals.add_part(self.storage.read_table(Path(part).name, RESULT_NAMES).to_pydict())
         return totals
 
-    def _ours(self) -> list[str]:
-        names = [RECORD_NAME, SUCCESS_NAME, *self.committed_parts().values()]
-        return names + self.storage.temp_names()
-
 
 def _temp_part_index(name: str) -> int | None:
-    """The part index of a part's temp file (".part-000003.parquet.<hex>.tmp"), else None."""
-    match = _TEMP_PART.fullmatch(name)
+    """The part index of a part's temp file (".batchgen.part-000003.parquet.<hex>.tmp"), else None."""
+    match = PART_NAME.fullmatch(temp_target(name) or "")
     return int(match.group(1)) if match else None

@@ -23,6 +23,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from batchgen.dataset import skip_nested_outputs
 from batchgen.errors import OutputError
 from batchgen.faults import fault_point
 from batchgen.storage import REMOTE_SCHEMES, Storage, uri_scheme
@@ -270,17 +271,18 @@ def discover_objects(fs: pafs.FileSystem, pattern: str, uri: str, exclude: str |
         return [(pattern, info.base_name)]
     if info.type == pafs.FileType.Directory:
         root = pattern
-        found = [
-            p for p in _files_under(fs, root) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(".")
-        ]
+        listing = _files_under(fs, root)
+        found = [p for p in listing if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(".")]
     else:
         segments = pattern.split("/")
         fixed = next((i for i, s in enumerate(segments) if _has_magic(s)), len(segments))
         root = "/".join(segments[:fixed])
-        found = [p for p in _files_under(fs, root) if _glob_match(segments[fixed:], p[len(root) + 1 :].split("/"))]
+        listing = _files_under(fs, root)
+        found = [p for p in listing if _glob_match(segments[fixed:], p[len(root) + 1 :].split("/"))]
     if exclude is not None:
         found = [p for p in found if not p.startswith(exclude.rstrip("/") + "/")]
-    return sorted((p, p[len(root) + 1 :]) for p in found)
+    records = [p[len(root) + 1 :] for p in listing if p.endswith("/_JOB.json")]
+    return skip_nested_outputs(sorted((p, p[len(root) + 1 :]) for p in found), records, f"{uri_scheme(uri)}://{root}")
 
 
 def _files_under(fs: pafs.FileSystem, root: str) -> list[str]:

@@ -3,6 +3,7 @@ and one part's table built from prepared rows and engine outputs, in input row o
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pyarrow as pa
@@ -25,6 +26,7 @@ RESULT_FIELDS = [
 ]
 RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 ROW_ID_COLUMN = "row_id"  # added when the job names no id_column: see InputFile.row_ids
+_ENGINE_REQUEST = re.compile(r"^request \d+: ")  # how the engine starts a refusal (its own request id)
 
 
 def output_schema(carried: list[pa.Field], add_row_id: bool, results: list[pa.Field] | None = None) -> pa.Schema:
@@ -62,10 +64,18 @@ def result_columns(
     for i, row in enumerate(rows):
         out = outputs.get(i)
         if out is not None and out.error is not None:
-            row = PreparedRow(prompt_ids=row.prompt_ids, error_code="engine_error", error_message=out.error)
+            message = engine_error_message(row.label, out.error)
+            row = PreparedRow(prompt_ids=row.prompt_ids, error_code="engine_error", error_message=message)
             out = None
         _append(cols, row, out, plan)
     return cols
+
+
+def engine_error_message(label: str, error: str) -> str:
+    """An engine refusal named like every error row: by file, row and id. Why the prefix goes: the
+    engine numbers requests in its own order ("request 7: ..."), which means nothing to a user."""
+    text = _ENGINE_REQUEST.sub("", error, count=1)
+    return f"{label}: {text}" if label else text
 
 
 def _append(cols: dict[str, list[Any]], row: PreparedRow, out: RequestOutput | None, plan: ColumnPlan) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pyarrow as pa
 
 from batchgen.errors import OutputError
 from batchgen.faults import fault_point
-from batchgen.storage import Storage, open_storage
+from batchgen.storage import Storage, open_storage, temp_name
 
 
 def part_name(index: int) -> str:
@@ -74,7 +73,7 @@ def atomic_write(final: Path, write: Callable[[Path], object], fault: str, repla
     Why the finally: whatever stops the write (a full disk, a bad cast, an interrupt), the temp
     file is removed; after the rename it no longer exists and the unlink does nothing.
     """
-    tmp = final.parent / f".{final.name}.{uuid.uuid4().hex}.tmp"
+    tmp = final.parent / temp_name(final.name)
     try:
         write(tmp)
         _fsync(tmp)

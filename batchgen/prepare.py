@@ -28,6 +28,7 @@ class PreparedRow:
     params: SamplingParams | None = None
     error_code: str | None = None
     error_message: str | None = None
+    label: str = ""  # names the row in messages: file, row index, id (see row_labels)
 
     @property
     def ok(self) -> bool:
@@ -80,7 +81,7 @@ class RowPreparer:
     def prepare(self, table: pa.Table, labels: list[str], keys: list[str]) -> list[PreparedRow]:
         """`labels[i]` names row i in messages (file, row index, id); `keys[i]` identifies it
         across runs (see row_keys): the run seed is combined with it."""
-        rows = [PreparedRow() for _ in range(table.num_rows)]
+        rows = [PreparedRow(label=label) for label in labels]
         texts = self._texts(table, rows, labels)
         self._tokenize(texts, rows, labels)
         self._sampling(table, rows, labels, keys)
@@ -215,7 +216,8 @@ def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
         for name, column in spec.input.sampling_columns.items():
             kind = f.schema.field(column).type
             if name == SCHEMA_COLUMN_KEY:
-                if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+                text = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+                if not (text or pa.types.is_null(kind)):
                     raise InputDataError(
                         f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
                         "it needs JSON schema text (a string column)"
@@ -249,6 +251,8 @@ def _column_values(column: pa.ChunkedArray, as_bytes: bool) -> list[Any]:
         column = column.cast(pa.binary())
     elif as_bytes and pa.types.is_large_string(column.type):
         column = column.cast(pa.large_binary())
+    elif as_bytes and pa.types.is_string_view(column.type):
+        column = column.cast(pa.binary_view())
     try:
         return column.to_pylist()
     except (UnicodeDecodeError, pa.ArrowException):

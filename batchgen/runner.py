@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pyarrow as pa
-from tqdm import tqdm
 
 from batchgen import interrupt
 from batchgen.backends import for_rows, load_backend
 from batchgen.backends.base import Backend
 from batchgen.completion import build_manifest, complete_from_parts, run_facts
-from batchgen.dataset import InputFile, Shard, plan_shards, read_shards
+from batchgen.dataset import InputFile, Shard, column_field, plan_shards, read_shards
 from batchgen.duplicate_ids import IdProblem, find_duplicate_ids
 from batchgen.engine.outputs import RequestOutput
 from batchgen.errors import BatchgenError, EngineFailure
@@ -29,9 +29,10 @@ from batchgen.output_samples import ColumnPlan
 from batchgen.output_table import RESULT_FIELDS, carried_columns, output_schema, part_table, result_columns
 from batchgen.parts import PartWriter, part_name
 from batchgen.prepare import RowPreparer, input_columns, load_tokenizer
+from batchgen.progress import RunProgress, row_token_budget
 from batchgen.sharding import ShardSpec
 from batchgen.usage.totals import Totals
-from batchgen.validate import validate_job
+from batchgen.validate import validate_inputs, validate_model
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +73,25 @@ class JobRunner:
         self.overwrite = overwrite
         self.duplicates: dict[tuple[int, int], IdProblem] = {}  # (file index, row) -> why its id fails
         self.executor: Executor | None = None  # None: parts run in this process
+        self._replacing: tuple[OutputState, dict[str, Any]] | None = None  # --overwrite, old output still there
+        self._model_checked = False
         self.columns = ColumnPlan.of(spec)  # n, logprobs, prompt_logprobs shape the result columns
         self.result_fields = self.columns.fields(RESULT_FIELDS)
 
     def run(self) -> Summary:
         start = time.time()
-        files = validate_job(self.spec)  # fails here, before any weights load, on a bad job
+        files = validate_inputs(self.spec)  # fails here, before the output is touched, on bad inputs
         carried = carried_columns(self.spec, files[0].schema)
         add_row_id = self.spec.input.id_column is None
-        schema = output_schema([files[0].schema.field(c) for c in carried], add_row_id, self.result_fields)
+        schema = output_schema([column_field(files, c) for c in carried], add_row_id, self.result_fields)
         writer = PartWriter(self.spec.output.path, schema, self.spec.output.storage_options)
+        if writer.storage.local_dir is not None and not writer.storage.is_dir():
+            self._validate_model()  # a new folder holds no finished job and no lock: check before creating it
         writer.prepare()
         lock = OutputLock(writer.storage, self.shard)
         try:
+            # Why the lock and the finished-job check before the model's checks: those import torch
+            # and transformers (seconds, half a GB), and a locked or finished job needs neither.
             lock.acquire()
             return self._run_locked(files, carried, writer, start)
         finally:
@@ -94,20 +101,23 @@ class JobRunner:
 
     def _run_locked(self, files: list[InputFile], carried: list[str], writer: PartWriter, start: float) -> Summary:
         state = OutputState(writer.storage)
-        if self.overwrite:
-            self._open_executor()  # why first: an unreachable cluster must not cost the old output
-            state.overwrite()
         fingerprint = job_fingerprint(self.spec, files)
-        if state.check_record(fingerprint):
+        if not self.overwrite and state.check_record(fingerprint):
             manifest = state.read_success()
             return Summary(Totals(), 0.0, manifest, already_done=True)
+        self._validate_model()  # fails here, before any weights load, on a bad model folder or device
         self._open_executor()  # kind ray: Ray reached before any work; never for a finished job
         owns = self.shard.owns if self.shard is not None else None
         shards = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
-        record = self._claim_output(
-            state, {**fingerprint, "run": run_facts(self.spec, files, max(len(shards), 1), start)}
-        )
-        committed = state.committed_parts()
+        record = {**fingerprint, "run": run_facts(self.spec, files, max(len(shards), 1), start)}
+        if self.overwrite:
+            # Why deferred: a job that fails to start (weights missing, a bad row type, Ray gone)
+            # must not cost the old output; it goes only when the first new part is ready to commit.
+            self._replacing = (state, record)
+            committed: dict[int, str] = {}
+        else:
+            self._claim_output(state, record)
+            committed = state.committed_parts()
         mine = [s for s in shards if owns is None or owns(s.index)]
         totals = Totals()
         for shard in mine:
@@ -120,7 +130,7 @@ class JobRunner:
             self.duplicates = find_duplicate_ids(files, shards, self.spec.input.id_column)
         if committed:
             log.info("resuming: %d of %d parts already committed", len(committed), len(shards))
-        self._process(files, carried, writer, todo, totals, start)
+        self._process(files, carried, writer, todo, totals)
         if not shards and 0 not in committed and (owns is None or owns(0)):
             self._commit_empty(writer)
         wall = time.time() - start
@@ -129,24 +139,48 @@ class JobRunner:
         if self.shard is not None:
             return self._finish_shard(state, record, Summary(totals, wall, {}, kept, run_output_tokens=run_tokens))
         manifest = build_manifest(totals, record, start, wall, run_tokens)
+        self.take_over_output()  # (done at the first commit already; a job always commits one)
         fault_point("before_success")
         with interrupt.cooperative():
             interrupt.check()
             writer.write_success(manifest)
         return Summary(totals, wall, manifest, skipped_parts=kept, run_output_tokens=run_tokens)
 
+    def _validate_model(self) -> None:
+        if not self._model_checked:
+            validate_model(self.spec)
+            self._model_checked = True
+
     def _open_executor(self) -> None:
         if self.executor is None:
             self.executor = open_executor(self.spec, self.quiet)
 
-    def _claim_output(self, state: OutputState, record: dict[str, Any]) -> dict[str, Any]:
+    def _claim_output(self, state: OutputState, record: dict[str, Any]) -> None:
         """Remove a killed run's temp files (a shard: its own parts' only) and write the job record."""
         if state.remove_leftovers(self.shard.owns if self.shard is not None else None):
             log.info("removed temporary files of an interrupted run")
         with interrupt.cooperative():
             state.claim_record(record, refresh=self.shard is None)  # N shards may start at once
         interrupt.check()
-        return record
+
+    @property
+    def replacing_output(self) -> bool:
+        """--overwrite, and the old output is still there (see take_over_output)."""
+        return self._replacing is not None
+
+    def take_over_output(self) -> None:
+        """--overwrite: this job has validated, loaded its model and is about to commit its first
+        part; only now the old output goes and this job's record takes its place. Nothing to do
+        after the first call (and on a Ray worker, whose runner replaces nothing)."""
+        if self._replacing is None:
+            return
+        state, record = self._replacing
+        self._replacing = None
+        with interrupt.cooperative():  # a signal now waits: the folder is never left half replaced
+            removed = state.overwrite()
+            log.info("--overwrite: removed the previous output (%d parts)", removed)
+            state.check_record(record)  # nothing of the old job is left: this reads no record
+            self._claim_output(state, record)
 
     def _finish_shard(self, state: OutputState, record: dict[str, Any], summary: Summary) -> Summary:
         """This shard's parts are committed: write `_SUCCESS` if every other part is too."""
@@ -166,6 +200,7 @@ class JobRunner:
     def _commit_empty(self, writer: PartWriter) -> None:
         """No input rows: one empty part with the full output schema, so that every finished output
         reads back with its columns (`pyarrow.dataset.dataset(out).schema`)."""
+        self.take_over_output()
         with interrupt.cooperative():
             writer.write_part(0, writer.schema.empty_table())
 
@@ -176,7 +211,6 @@ class JobRunner:
         writer: PartWriter,
         todo: list[Shard],
         totals: Totals,
-        start: float,
     ) -> None:
         if not todo:
             return
@@ -184,15 +218,14 @@ class JobRunner:
             self.executor.process(self, files, carried, writer, todo, totals)
             return
         backend, preparer = load_engine(for_rows(self.spec, sum(s.num_rows for s in todo)))
-        kept = totals.output_tokens
-        bar = tqdm(total=sum(s.num_rows for s in todo), unit="row", disable=self.quiet, dynamic_ncols=True)
+        budget = row_token_budget(self.spec, backend.max_model_len)
+        bar = RunProgress(sum(s.num_rows for s in todo), self.quiet, live_output_tokens(backend), budget)
         # Why cooperative: a signal only sets a flag here; the loop and on_output stop at clean points.
         with bar, interrupt.cooperative():
             for shard, table in read_shards(files, todo, _read_columns(self.spec, carried)):
                 interrupt.check()
                 f = files[shard.file_index]
                 totals.merge(self.process_part(f, shard, table, carried, writer, backend, preparer, bar))
-                bar.set_postfix(tok_s=f"{(totals.output_tokens - kept) / max(time.time() - start, 1e-9):.0f}")
 
     def process_part(
         self,
@@ -210,6 +243,7 @@ class JobRunner:
         cols = self._run_shard(shard, table, f, backend, preparer, bar)
         row_ids = f.row_ids(shard.start, shard.stop) if self.spec.input.id_column is None else None
         totals = Totals()
+        self.take_over_output()
         if writer.write_part(shard.index, part_table(table, carried, row_ids, cols, self.result_fields)):
             totals.add_part(cols)
         else:  # a concurrent shard run of another N (or a replaced Ray worker) committed it first: that part stands
@@ -226,9 +260,9 @@ class JobRunner:
         bar.update(len(rows) - len(ok))  # error rows are done already
         order = [ok[j] for j in order_requests([requests[i][0] for i in ok], self.spec.engine.ordering)]
 
-        def on_output(_: RequestOutput) -> None:
+        def on_output(out: RequestOutput) -> None:
             interrupt.check()  # between requests' outputs: the part in flight is abandoned uncommitted
-            bar.update(1)
+            bar.update(1, out.num_output_tokens)
             fault_point("mid_engine")
             fault_point("engine_exception")
 
@@ -244,9 +278,18 @@ class JobRunner:
 
 
 class RowCounter(Protocol):
-    """Counts finished rows: the progress bar locally, a reporter to the driver's bar on a Ray worker."""
+    """Counts finished rows and their output tokens: the progress bar locally, a reporter to the
+    driver's bar on a Ray worker."""
 
-    def update(self, n: int = 1) -> object: ...
+    def update(self, n: int = 1, tokens: int = 0) -> object: ...
+
+
+def live_output_tokens(backend: Backend) -> Callable[[], int] | None:
+    """The engine's count of output tokens sampled so far, running requests' included, for the
+    progress bar's rate; None for a backend that keeps none (hf: its rows finish batch by batch)."""
+    if getattr(backend, "stats", None) is None:
+        return None
+    return lambda: int(getattr(backend, "stats", {}).get("output_tokens", 0))
 
 
 def load_engine(spec: JobSpec) -> tuple[Backend, RowPreparer]:

@@ -29,6 +29,11 @@ from batchgen.errors import OutputError
 
 REMOTE_SCHEMES = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}  # URI scheme -> store
 PART_NAME = re.compile(r"part-(\d{6})\.parquet")  # only these are ours; a stray part-old.parquet is not
+# A file is written under a temp name, then committed under its final name. Why this exact pattern:
+# a user's own hidden `.notes.tmp` in the output folder must never be taken for ours and deleted.
+# (Older batchgen wrote ".<final>.<hex>.tmp": still matched, so its leftovers are cleaned too.)
+_TEMP_PREFIX = ".batchgen."
+TEMP_NAME = re.compile(r"\.(?:batchgen\.)?(part-\d{6}\.parquet|_SUCCESS|_JOB\.json|probe)\.[0-9a-f]{32}\.tmp")
 _TEXT, _FLAG, _SECONDS = (str,), (bool,), (int, float)
 STORE_OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
     # pyarrow.fs.S3FileSystem / GcsFileSystem keyword arguments a job may set (the rest stay defaults).
@@ -65,9 +70,47 @@ def local_path(path: str) -> str:
     return urlsplit(path).path if uri_scheme(path) == "file" else path
 
 
-def display_uri(uri: str) -> str:
-    """A URI for messages and manifests: without its query (which may carry options)."""
-    return uri.split("?", 1)[0].rstrip("/")
+def nested_output_parts(keys: list[str], records: list[str]) -> dict[str, list[str]]:
+    """Of `keys` (input files, "/"-separated paths below the input's root), the committed parts of
+    batchgen outputs nested below that root, by folder: a folder holding a `_JOB.json` (listed in
+    `records`, paths below the same root). Why: an older run's output left inside an input folder
+    would be read as input. The root itself is left alone: an input.path that names an output folder
+    reads it on purpose. `_SUCCESS` alone proves nothing (Spark and Hadoop write one too)."""
+    folders = {r.rpartition("/")[0] for r in records if r.rpartition("/")[2] == "_JOB.json" and "/" in r}
+    found: dict[str, list[str]] = {}
+    for key in keys:
+        folder, _, name = key.rpartition("/")
+        if folder in folders and PART_NAME.fullmatch(name):
+            found.setdefault(folder, []).append(key)
+    return found
+
+
+def temp_name(final: str) -> str:
+    """The hidden name `final` is written under before its commit: ".batchgen.<final>.<32 hex>.tmp"."""
+    name = f"{_TEMP_PREFIX}{final}.{uuid.uuid4().hex}.tmp"
+    if not TEMP_NAME.fullmatch(name):
+        raise ValueError(f"{final!r} is not a file batchgen writes in an output folder")
+    return name
+
+
+def temp_target(name: str) -> str | None:
+    """The final name a temp file of ours (see temp_name) was written for; None for any other file."""
+    match = TEMP_NAME.fullmatch(name)
+    return match.group(1) if match else None
+
+
+def display_uri(uri: str | Path) -> str:
+    """A path or URI as every message, log line and manifest shows it: the one redaction. A URI
+    loses its query and fragment (`?access_key=..&secret_key=..` may carry credentials) and any
+    user info (`s3://KEY:SECRET@bucket`); a plain local path is shown as it is (`?` is a file
+    name character there)."""
+    text = str(uri)
+    scheme = _SCHEME.match(text)
+    if scheme is None:
+        return text
+    rest = re.split(r"[?#]", text[scheme.end() :], maxsplit=1)[0]
+    authority, slash, path = rest.partition("/")
+    return f"{scheme.group(0)}{authority.rpartition('@')[2]}{slash}{path}".rstrip("/")
 
 
 def check_storage_options(path: str | Path, options: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -197,7 +240,7 @@ class LocalStorage(Storage):
     def prepare(self) -> None:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            probe = self.folder / f".probe-{uuid.uuid4().hex}"
+            probe = self.folder / temp_name("probe")
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
@@ -243,7 +286,8 @@ class LocalStorage(Storage):
         return [p.name for p in self.folder.iterdir() if p.is_file()] if self.folder.is_dir() else []
 
     def temp_names(self) -> list[str]:
-        return [p.name for p in self.folder.glob(".*.tmp")]
+        """Our temp files only (see temp_name): other hidden files here are the user's."""
+        return [p.name for p in self.folder.glob(".*.tmp") if temp_target(p.name) is not None]
 
     def read_table(self, name: str, columns: list[str]) -> pa.Table:
         return pq.read_table(self.folder / name, columns=columns)

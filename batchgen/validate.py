@@ -142,19 +142,35 @@ def check_model_limits(spec: JobSpec, config: Any) -> None:
 def validate_job(spec: JobSpec) -> list[InputFile]:
     """Everything `run` checks before loading weights; raises a BatchgenError naming the problem.
     The output folder is never read as input, even when it lies inside input.path."""
+    files = validate_inputs(spec)
+    validate_model(spec)
+    return files
+
+
+def validate_inputs(spec: JobSpec) -> list[InputFile]:
+    """The first half of validate_job: the input files and their columns, and that the model folder
+    exists. Why apart: it imports neither torch nor transformers, so `run` answers a finished job
+    or a held lock after it in well under a second (the fingerprint still covers the model files)."""
     files = open_inputs(
         spec.input.path, input_columns(spec), exclude=spec.output.path, options=spec.input.storage_options
     )
     check_read_types(spec, files)
     check_sampling_columns(spec, files)
     check_carried_in_every_file(spec, files, carried_columns(spec, files[0].schema))
+    if not Path(spec.model.path).is_dir():
+        raise ModelError(f"model.path {spec.model.path}: no such folder")
+    return files
+
+
+def validate_model(spec: JobSpec) -> None:
+    """The second half of validate_job: config, tokenizer (and chat template), the model's limits
+    against the job (engine.max_model_len, token ids) and the device."""
     config = check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     check_model_limits(spec, config)
     if spec.model.device not in ("auto", "cpu"):  # why: those two always resolve; skip importing the engine
         from batchgen.engine.models import resolve_device  # why lazy: torch, transformers' modeling code
 
         resolve_device(spec.model.device)  # a DeviceError (exit 4) names the devices on this machine
-    return files
 
 
 def input_listing(files: list[InputFile], limit: int | None, most: int = LISTED_FILES) -> list[str]:

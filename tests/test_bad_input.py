@@ -144,3 +144,30 @@ def test_engine_exception_abandons_the_part_and_a_rerun_completes(
     assert _run(job)[0] == 0
     manifest = json.loads((out / "_SUCCESS").read_text())
     assert manifest["rows"]["total"] == 8
+
+
+def test_an_engine_refusal_names_the_file_row_and_id(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A row the engine refuses (per-row max_tokens beyond a tiny KV pool: 2 blocks of 16 tokens)
+    is an engine_error row whose message names the file, row and id, as every error row's does,
+    not the engine's own request number."""
+    data = write_parquet(
+        tmp_path / "in.parquet",
+        {"id": ["a", "b", "c", "d"], "prompt": ["the cat"] * 4, "budget": [3, 40, 2, 60]},
+    )
+    out = tmp_path / "out"
+    job = make_job(
+        tiny_model_dir,
+        str(data),
+        out,
+        input={"sampling_columns": {"max_tokens": "budget"}},
+        engine={"backend": "native", "num_kv_blocks": 2, "block_size": 16, "enable_prefix_caching": False},
+    )
+    code, text = _run(write_job(tmp_path / "job.yaml", job))
+    assert code == 0, text
+    rows = {r["id"]: r for r in ds.dataset(out).to_table().to_pylist()}
+    assert [rows[i]["error_code"] for i in "abcd"] == [None, "engine_error", None, "engine_error"]
+    for row_index, row_id in ((1, "b"), (3, "d")):
+        message = rows[row_id]["error_message"]
+        assert message.startswith(f"{data} row {row_index} (id {row_id}): prompt + max_tokens = "), message
+        assert "needs 3 KV blocks" in message or "needs 4 KV blocks" in message
+        assert "request " not in message

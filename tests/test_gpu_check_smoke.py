@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 NOT_ON_THE_GPU_IMAGE = ("pydantic", "pydantic_core", "ray", "xgrammar", "jsonschema", "boto3", "moto")
 
@@ -30,6 +32,7 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_runs_every_section_without_the_packages_the_gpu_image_lacks(tmp_path: Path) -> None:
     out = tmp_path / "smoke.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

@@ -5,11 +5,15 @@ not depend on where the data is mounted, an output folder inside the input folde
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
@@ -61,6 +65,39 @@ def test_extra_or_retyped_carried_columns_fail_before_any_work(tmp_path: Path, t
     job = make_job(tiny_model_dir, str(d), out, input={"carry_columns": ["id", "n"]})
     assert _run(write_job(tmp_path / "j.yaml", job))[0] == 0  # naming the columns to carry is the fix
     assert [r["n"] for r in _rows(out)] == [1, 2]
+
+
+def test_text_written_by_pandas_3_and_by_pyarrow_is_one_column_type(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """pandas 3 writes text as large_string, pyarrow as string, newer writers string_view: one input
+    folder may hold all three (and binary-like variants likewise); they are read together, carried
+    as the large variant, and a mix of kinds (text and numbers) is still refused."""
+    d = tmp_path / "d"
+    d.mkdir()
+    frame = pd.DataFrame({"id": ["p0", "p1"], "prompt": ["the cat", "a dog"], "note": ["x", "y"], "raw": [b"1", b"2"]})
+    frame.to_parquet(d / "a-pandas.parquet")
+    assert pq.read_schema(d / "a-pandas.parquet").field("prompt").type == pa.large_string()  # what pandas 3 writes
+    for name, text, raw in (("b", pa.string(), pa.large_binary()), ("c", pa.string_view(), pa.binary_view())):
+        schema = pa.schema([("id", text), ("prompt", text), ("note", text), ("raw", raw)])
+        row_id = "b0" if name == "b" else "p1"  # c's id repeats the pandas file's: duplicates are found across types
+        columns = {"id": [row_id], "prompt": ["once upon a time"], "note": ["z"], "raw": [b"3"]}
+        write_parquet(d / f"{name}.parquet", columns, schema=schema)
+    out = tmp_path / "out"
+    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(d), out)))
+    assert code == 0, text
+    table = ds.dataset(out, format="parquet").to_table()
+    assert table.schema.field("note").type == pa.large_string() and table.schema.field("raw").type == pa.large_binary()
+    rows = table.to_pylist()
+    assert [(r["id"], r["note"], r["raw"], r["error_code"]) for r in rows] == [
+        ("p0", "x", b"1", None),
+        ("p1", "y", b"2", None),
+        ("b0", "z", b"3", None),
+        ("p1", "z", b"3", "duplicate_id"),
+    ]
+    write_parquet(d / "c.parquet", {"id": ["c0"], "prompt": ["x"], "note": [1], "raw": [b"3"]})
+    code, text = _run(write_job(tmp_path / "j.yaml", make_job(tiny_model_dir, str(d), tmp_path / "out2")))
+    assert (
+        code == 3 and f"{d / 'c.parquet'}: column 'note' is int64 but {d / 'a-pandas.parquet'} has large_string" in text
+    )
 
 
 def test_row_ids_are_unique_for_nested_folders_and_globs(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -134,6 +171,31 @@ def test_an_output_folder_inside_the_input_folder_is_not_read_as_input(tmp_path:
     code, text = _run(job)
     assert code == 0 and "nothing to do" in text, text
     assert len(_rows(data / "out")) == 2
+
+
+def test_an_older_batchgen_output_inside_the_input_folder_is_skipped_and_logged(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older run's output (another output.path) left inside the input folder used to be read as
+    input: its parts' rows ran again as duplicates, or the job failed on their extra columns."""
+    data = tmp_path / "data"
+    write_parquet(data / "in.parquet", {"id": ["1", "2"], "prompt": ["the cat", "a dog"]})
+    old = write_job(tmp_path / "old.yaml", make_job(tiny_model_dir, str(data), data / "old_out"))
+    assert _run(old)[0] == 0
+    (data / "spark").mkdir()  # a Spark output: _SUCCESS and part files, but no _JOB.json: it is input
+    write_parquet(data / "spark" / "part-000000.parquet", {"id": ["3"], "prompt": ["once upon a time"]})
+    (data / "spark" / "_SUCCESS").write_text("")
+    for carry in (None, ["id"]):
+        out = tmp_path / f"out-{carry}"
+        job = make_job(tiny_model_dir, str(data), out, input={"carry_columns": carry})
+        with caplog.at_level(logging.WARNING, logger="batchgen.dataset"):
+            code, text = _run(write_job(tmp_path / "new.yaml", job))
+        assert code == 0, text
+        assert sorted(r["id"] for r in _rows(out)) == ["1", "2", "3"]
+        assert f"{data}/old_out holds a batchgen output (_JOB.json): its 1 part file(s) are not read" in caplog.text
+    named = make_job(tiny_model_dir, str(data / "old_out"), tmp_path / "second-pass", input={"carry_columns": ["id"]})
+    code, text = _run(write_job(tmp_path / "second.yaml", named))
+    assert code == 0 and sorted(r["id"] for r in _rows(tmp_path / "second-pass")) == ["1", "2"], text
 
 
 def test_null_ids_are_missing_id_rows_and_duplicates_are_named_plainly(tmp_path: Path, tiny_model_dir: Path) -> None:

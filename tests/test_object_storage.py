@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from batchgen.job import load_job
 from batchgen.jobstate import OutputState
 from batchgen.objectstore import ObjectStorage, discover_objects
 from batchgen.runner import JobRunner
-from batchgen.storage import check_storage_options, open_storage, options_from_uri
+from batchgen.storage import check_storage_options, display_uri, open_storage, options_from_uri
 from tests.conftest import make_job, write_job, write_parquet
 
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
@@ -160,6 +161,7 @@ def _cli(job: Path, fault: str | None = None) -> subprocess.CompletedProcess[str
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["after_temp_write:3"])  # part 3 serialized, never put
 def test_killed_mid_run_resumes_to_the_local_result(
     tmp_path: Path,
@@ -343,6 +345,19 @@ def test_input_globs_and_prefixes_on_a_bucket(s3: dict[str, Any], local_inputs: 
     ]
 
 
+def test_an_older_output_inside_an_input_prefix_is_not_read_as_input(s3: dict[str, Any], local_inputs: Path) -> None:
+    _upload(s3, local_inputs, "inputs/nested")
+    for name in ("_JOB.json", "part-000000.parquet"):  # an older run's output, left under the input prefix
+        with s3["fs"].open_output_stream(f"inputs/nested/old_out/{name}") as out:
+            out.write(b"{}")
+    found = discover_objects(s3["fs"], "inputs/nested", "s3://inputs/nested", exclude=None)
+    assert [key for _, key in found] == ["a.parquet", "sub/b.parquet"]
+    glob = discover_objects(s3["fs"], "inputs/nested/**/*.parquet", "s3://inputs/nested", exclude=None)
+    assert [key for _, key in glob] == ["a.parquet", "sub/b.parquet"]
+    named = discover_objects(s3["fs"], "inputs/nested/old_out", "s3://inputs/nested/old_out", exclude=None)
+    assert [key for _, key in named] == ["part-000000.parquet"]  # named as the input: read on purpose
+
+
 def test_storage_options_are_normalized_and_checked_per_store() -> None:
     assert check_storage_options("s3://b/p", {"endpoint_override": "http://h:9000"}, "output") == {
         "endpoint_override": "h:9000",
@@ -358,6 +373,7 @@ def test_storage_options_are_normalized_and_checked_per_store() -> None:
     assert (uri, options) == ("s3://b/p", {"endpoint_override": "h:1", "scheme": "http", "anonymous": True})
 
 
+@pytest.mark.slow
 def test_ray_workers_read_and_commit_on_a_bucket(
     tmp_path: Path, tiny_model_dir: Path, s3: dict[str, Any], local_inputs: Path, reference: dict[str, Any]
 ) -> None:
@@ -380,3 +396,95 @@ def test_ray_workers_read_and_commit_on_a_bucket(
         r[:skip] + r[skip + 1 :] for r in reference["rows"]
     ]
     assert _read_json(s3, "outputs/ray/_SUCCESS")["rows"]["total"] == sum(FILES.values())
+
+
+def _objects(s3: dict[str, Any], prefix: str) -> dict[str, bytes]:
+    infos = s3["fs"].get_file_info(pafs.FileSelector(prefix, allow_not_found=True))
+    found = {}
+    for info in infos:
+        with s3["fs"].open_input_stream(info.path) as stream:
+            found[info.base_name] = stream.read()
+    return found
+
+
+def test_overwrite_on_a_bucket_keeps_the_old_output_until_the_new_job_can_run(
+    tmp_path: Path, tiny_model_dir: Path, s3: dict[str, Any], local_inputs: Path
+) -> None:
+    inputs = _upload(s3, local_inputs, "inputs/overwrite")
+    job = _job(tmp_path, tiny_model_dir, inputs, "s3://outputs/overwrite", s3)
+    assert CliRunner().invoke(main, ["run", str(job), "--quiet"]).exit_code == 0
+    before = _objects(s3, "outputs/overwrite")
+    assert {"_SUCCESS", "_JOB.json", "part-000004.parquet"} <= set(before)
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny_model_dir, weightless, ignore=shutil.ignore_patterns("*.safetensors"))
+    args = ["run", str(job), "--quiet", "--overwrite", "--set", f"model.path={weightless}"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 4, result.output
+    assert _objects(s3, "outputs/overwrite") == before
+    args = ["run", str(job), "--quiet", "--overwrite", "--set", "sampling.max_tokens=2"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    after = _objects(s3, "outputs/overwrite")
+    assert after["_JOB.json"] != before["_JOB.json"] and set(after) == set(before)
+
+
+SECRET = "s3cr3t-never-shown-9f2c"
+
+
+def _batchgen(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGEN_FAULT")}
+    cmd = [sys.executable, "-m", "batchgen", *map(str, args)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_no_printed_or_logged_uri_shows_a_secret_from_its_query(
+    tmp_path: Path, tiny_model_dir: Path, s3: dict[str, Any], local_inputs: Path
+) -> None:
+    """Credentials in a URI's query (`?access_key=..&secret_key=..`) never reach stdout, stderr or
+    the logs of run, validate, estimate, report and finalize, on success or on error; nor the
+    objects batchgen writes (Airflow keeps task logs)."""
+    query = f"?endpoint_override={s3['endpoint']}&region=us-east-1&access_key=testing&secret_key={SECRET}"
+    inputs = _upload(s3, local_inputs, "inputs/secret") + query
+    out = "s3://outputs/secret" + query
+    job = make_job(tiny_model_dir, inputs, Path("unused"), engine={"window_rows": 4}, sampling={"max_tokens": 4})
+    job["input"]["id_column"] = None
+    job["output"]["path"] = out
+    job_file = write_job(tmp_path / "job.yaml", job)
+    calls: list[tuple[tuple[str | Path, ...], int]] = [
+        (("run", job_file), 0),  # INFO logs, the progress bar and the summary lines
+        (("run", job_file), 0),  # nothing to do
+        (("run", job_file, "--set", "sampling.max_tokens=3"), 2),  # refused: names the output
+        (("validate", job_file), 0),
+        (("estimate", job_file), 0),
+        (("estimate", job_file, "--json"), 0),
+        (("report", out), 0),
+        (("report", out, "--json"), 0),
+        (("report", out, "--csv"), 0),
+        (("report", out, "--html", tmp_path / "report.html"), 0),
+        (("finalize", out), 0),
+        (("finalize", "s3://outputs/nothing-here" + query), 3),
+        (("report", "s3://no-such-bucket/x" + query), 3),
+    ]
+    for args, code in calls:
+        done = _batchgen(*args)
+        assert done.returncode == code, (args, done.stderr)
+        assert SECRET not in done.stdout + done.stderr, args
+    assert "s3://outputs/secret" in _batchgen("finalize", out).stdout  # the URI is shown, without its query
+    assert SECRET not in (tmp_path / "report.html").read_text()
+    for name in ("_JOB.json", "_SUCCESS"):
+        with s3["fs"].open_input_stream(f"outputs/secret/{name}") as stream:
+            assert SECRET not in stream.read().decode()
+
+
+@pytest.mark.parametrize(
+    ("uri", "shown"),
+    [
+        (f"s3://b/run?access_key=AK&secret_key={SECRET}", "s3://b/run"),
+        (f"s3://AK:{SECRET}@b/run/", "s3://b/run"),
+        (f"gs://b/run#{SECRET}", "gs://b/run"),
+        (f"file:///data/out?{SECRET}", "file:///data/out"),
+        ("/data/what?.parquet", "/data/what?.parquet"),  # a local path: "?" is part of the name
+    ],
+)
+def test_display_uri_is_the_one_redaction(uri: str, shown: str) -> None:
+    assert display_uri(uri) == shown

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,13 +19,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from batchgen import parts
+from batchgen import faults, parts
 from batchgen.cli import main
 from batchgen.errors import OutputError
 from batchgen.jobstate import OutputState
 from batchgen.output_table import RESULT_NAMES, output_schema
 from batchgen.parts import PartWriter
-from batchgen.storage import LocalStorage
+from batchgen.storage import LocalStorage, temp_name
 from tests.conftest import make_job, write_job, write_parquet
 
 
@@ -84,6 +85,92 @@ def test_stray_part_files_are_not_ours(tmp_path: Path, tiny_model_dir: Path) -> 
     assert code == 0, err
     assert (out / "part-old.parquet").read_bytes() == b"someone else's file"
     assert (out / "part-1.parquet").exists()
+
+
+USERS_HIDDEN = [".notes.tmp", ".part-000001.parquet.notes.tmp", "._SUCCESS.tmp", ".batchgen.tmp"]
+
+
+def test_a_users_own_hidden_tmp_files_are_never_deleted(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Only batchgen's own temp names are leftovers; a user's hidden *.tmp file is not ours."""
+    job = _job(tmp_path, tiny_model_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in USERS_HIDDEN:
+        (out / name).write_text("mine")
+    ours = out / temp_name("part-000001.parquet")  # a killed run's half-written part
+    older = out / f".part-000000.parquet.{'0' * 32}.tmp"  # the same, from a batchgen before the prefix
+    ours.write_bytes(b"half a part")
+    older.write_bytes(b"half a part")
+    code, _, err = _cli("run", str(job), "--quiet")
+    assert code == 0, err
+    assert not ours.exists() and not older.exists()
+    assert {n: (out / n).read_text() for n in USERS_HIDDEN} == dict.fromkeys(USERS_HIDDEN, "mine")
+    code, _, err = _cli("run", str(job), "--quiet", "--overwrite", "--set", "sampling.max_tokens=2")
+    assert code == 0, err
+    assert {n: (out / n).read_text() for n in USERS_HIDDEN} == dict.fromkeys(USERS_HIDDEN, "mine")
+
+
+def _snapshot(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".lock")}
+
+
+def _weightless_copy(model: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "weightless-model"
+    shutil.copytree(model, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    return copy
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_overwrite_keeps_the_old_output_until_the_new_job_can_run(
+    tmp_path: Path, tiny_model_dir: Path, backend: str
+) -> None:
+    """--overwrite with a model whose weights are missing: exit 4, and the finished output (parts,
+    _SUCCESS, _JOB.json) is still there, byte for byte; rerunning the old job finds it finished."""
+    job = _job(tmp_path, tiny_model_dir, engine={"backend": backend})
+    out = tmp_path / "out"
+    assert _cli("run", str(job), "--quiet")[0] == 0
+    before = _snapshot(out)
+    assert {"_SUCCESS", "_JOB.json", "part-000000.parquet", "part-000001.parquet"} <= set(before)
+    broken = _weightless_copy(tiny_model_dir, tmp_path)
+    code, _, err = _cli("run", str(job), "--quiet", "--overwrite", "--set", f"model.path={broken}")
+    assert code == 4, err
+    assert _snapshot(out) == before
+    code, text, err = _cli("run", str(job), "--quiet")
+    assert code == 0 and "already finished" in text, err
+
+
+def test_overwrite_keeps_the_old_output_when_the_engine_fails_before_the_first_commit(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = _job(tmp_path, tiny_model_dir)
+    out = tmp_path / "out"
+    assert _cli("run", str(job), "--quiet")[0] == 0
+    before = _snapshot(out)
+    monkeypatch.setattr(faults, "_hits", {})
+    monkeypatch.setenv("BATCHGEN_FAULT", "engine_exception")  # the first part's engine run fails
+    code, _, err = _cli("run", str(job), "--quiet", "--overwrite", "--set", "sampling.max_tokens=2")
+    assert code == 6, err
+    assert _snapshot(out) == before
+    monkeypatch.delenv("BATCHGEN_FAULT")
+    code, _, err = _cli("run", str(job), "--quiet", "--overwrite", "--set", "sampling.max_tokens=2")
+    assert code == 0, err
+    after = _snapshot(out)
+    assert after["_JOB.json"] != before["_JOB.json"] and after["_SUCCESS"] != before["_SUCCESS"]
+    assert all(n <= 2 for n in ds.dataset(out).to_table().column("output_tokens").to_pylist())
+
+
+def test_overwrite_replaces_more_parts_than_the_new_job_has(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The old job's parts beyond the new job's last one go too: the output is the new job's alone."""
+    job = _job(tmp_path, tiny_model_dir, rows=10)  # 3 parts of 4 rows
+    out = tmp_path / "out"
+    assert _cli("run", str(job), "--quiet")[0] == 0
+    assert len(LocalStorage(out).committed_parts()) == 3
+    code, _, err = _cli("run", str(job), "--quiet", "--overwrite", "--set", "engine.window_rows=8")
+    assert code == 0, err
+    assert list(LocalStorage(out).committed_parts()) == [0, 1]
+    assert ds.dataset(out).to_table().num_rows == 10
+    code, text, err = _cli("report", str(out))
+    assert code == 0 and "finished" in text, err
 
 
 def test_a_run_that_committed_nothing_does_not_block_the_corrected_rerun(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pyarrow.dataset as ds
+import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
@@ -14,6 +15,7 @@ from batchgen.cli import main
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_quickstart_job_runs_on_the_demo_model(tmp_path: Path) -> None:
     out = tmp_path / "quickstart"
     args = [
@@ -39,6 +41,7 @@ def test_quickstart_job_runs_on_the_demo_model(tmp_path: Path) -> None:
     assert manifest["backend"] == "native" and manifest["tokens"]["cached"] == sum(r["cached_tokens"] for r in rows)
 
 
+@pytest.mark.slow
 def test_samples_job_runs_on_the_demo_model_and_is_batch_invariant(tmp_path: Path) -> None:
     """jobs/samples.yaml: 4 seeded samples per row; a row's samples do not depend on the rows beside it."""
 

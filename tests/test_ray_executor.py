@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -174,6 +175,7 @@ def _descends_from_us(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_part_is_replaced_and_every_row_lands_once(
     ray_instance: Any, tmp_path: Path, tiny_model_dir: Path, reference: list[tuple[Any, ...]]
 ) -> None:
@@ -198,6 +200,7 @@ def test_a_worker_killed_mid_part_is_replaced_and_every_row_lands_once(
     assert (out / SUCCESS_NAME).exists() and not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_job_started_locally_resumes_on_ray(
     ray_instance: Any,
     tmp_path: Path,
@@ -216,6 +219,25 @@ def test_a_job_started_locally_resumes_on_ray(
     assert summary.skipped_parts == 2
     assert json.loads((out / RECORD_NAME).read_text())["id"] == fingerprint
     assert sorted(i for parts in runner.executor.stats.parts for i in parts) == list(range(2, 10))
+    assert _rows(out) == reference
+
+
+@pytest.mark.slow
+def test_overwrite_on_ray_keeps_the_old_output_until_the_workers_load_the_model(
+    ray_instance: Any, tmp_path: Path, tiny_model_dir: Path, reference: list[tuple[Any, ...]]
+) -> None:
+    _run(_job(tmp_path, tiny_model_dir, "out"))
+    out = tmp_path / "out"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".lock")}
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny_model_dir, weightless, ignore=shutil.ignore_patterns("*.safetensors"))
+    job = _job(tmp_path, tiny_model_dir, "out", RAY)
+    args = ["run", str(job), "--quiet", "--overwrite"]
+    result = CliRunner().invoke(main, [*args, "--set", f"model.path={weightless}"])
+    assert result.exit_code == 4 and "weightless" in result.output, result.output
+    assert {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".lock")} == before
+    result = CliRunner().invoke(main, args)  # the same job again, replaced on Ray: the same rows
+    assert result.exit_code == 0, result.output
     assert _rows(out) == reference
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from batchgen.cli import main
@@ -80,6 +82,7 @@ def references(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -
     return _References(tmp_path_factory, tiny_model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("point", ["after_temp_write:2", "after_rename:2", "before_success", "mid_engine:9"])
 def test_kill_at_a_named_point_then_resume(
@@ -100,6 +103,7 @@ def test_kill_at_a_named_point_then_resume(
         assert f"resumed: {len(kept)} part(s) kept" in resumed.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_random_kill_soak(tmp_path: Path, tiny_model_dir: Path, references: _References, backend: str) -> None:
     out = tmp_path / "out"
@@ -115,6 +119,7 @@ def test_random_kill_soak(tmp_path: Path, tiny_model_dir: Path, references: _Ref
     assert _rows(out) == references[backend]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_cleanly_and_resumes(tmp_path: Path, tiny_model_dir: Path, signum: int, backend: str) -> None:
@@ -135,6 +140,7 @@ def test_a_signal_stops_cleanly_and_resumes(tmp_path: Path, tiny_model_dir: Path
     assert [r[0] for r in _rows(out)] == [f"r{i}" for i in range(rows)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("point", "signame", "backend"),
     [
@@ -165,6 +171,38 @@ def test_a_signal_inside_a_write_never_leaves_a_temp_file(
         resumed = _cli(job)
         assert resumed.returncode == 0, resumed.stderr
         assert _rows(out) == references[backend]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_users_hidden_tmp_file_outlives_a_signal_and_the_resume(
+    tmp_path: Path, tiny_model_dir: Path, references: _References, signame: str
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".notes.tmp").write_text("mine")
+    job = _job(tmp_path, tiny_model_dir, out)
+    stopped = _cli(job, fault="after_temp_write:2", fault_signal=signame)
+    assert stopped.returncode == 128 + signal.Signals[signame], stopped.stderr
+    assert [p.name for p in out.glob(".*.tmp")] == [".notes.tmp"]
+    resumed = _cli(job)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _rows(out) == references["hf"]
+    assert (out / ".notes.tmp").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_signal_during_an_overwrite_keeps_the_old_output(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """SIGTERM while --overwrite generates its first part: the old output is untouched, exit 143."""
+    out = tmp_path / "out"
+    job = _job(tmp_path, tiny_model_dir, out, backend="native")
+    assert _cli(job).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".lock")}
+    args = ("--overwrite", "--set", "sampling.max_tokens=5")
+    stopped = _cli(job, *args, fault="mid_engine:3", fault_signal="SIGTERM")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if not p.name.endswith(".lock")} == before
+    assert "already finished" in _cli(job).stdout
 
 
 def _in_process(job: Path, *args: str) -> tuple[int, str]:
@@ -204,6 +242,50 @@ def test_a_live_run_holds_the_lock(tmp_path: Path, tiny_model_dir: Path) -> None
     assert _in_process(job)[0] == 0  # released: the next run goes ahead
 
 
+_HEAVY_IMPORTS = """
+import sys
+from batchgen.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as done:
+    print("exit", done.code, [m for m in ("torch", "transformers") if m in sys.modules], file=sys.stderr)
+"""
+
+
+def _run_counting_imports(job: Path) -> tuple[str, str]:
+    cmd = [sys.executable, "-c", _HEAVY_IMPORTS, "run", str(job), "--quiet"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    return done.stdout, done.stderr.strip().splitlines()[-1]
+
+
+def test_a_finished_or_locked_job_is_answered_without_torch_or_transformers(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A finished job ("nothing to do") and a held lock need no model: answered before torch and transformers
+    are imported (seconds and half a GB saved on every cron tick of a finished job)."""
+    out = tmp_path / "out"
+    job = _job(tmp_path, tiny_model_dir, out)
+    assert _in_process(job)[0] == 0
+    stdout, last = _run_counting_imports(job)
+    assert "already finished" in stdout and last == "exit 0 []", last
+    lock = OutputLock(out)
+    lock.acquire()
+    try:
+        _, last = _run_counting_imports(job)
+    finally:
+        lock.release()
+    assert last == "exit 7 []", last
+    moved = tmp_path / "moved-model"
+    shutil.copytree(tiny_model_dir, moved)
+    spec = yaml.safe_load(job.read_text())
+    spec["model"]["path"] = str(moved)
+    moved_job = write_job(tmp_path / "moved.yaml", spec)
+    shutil.rmtree(moved)  # the model folder is gone: a model problem (exit 4), not "a different job"
+    code, text = _in_process(moved_job)
+    assert code == 4 and f"model.path {moved}: no such folder" in text, text
+
+
+@pytest.mark.slow
 def test_after_a_resume_the_rate_counts_this_runs_tokens_only(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "out"
     job = _job(tmp_path, tiny_model_dir, out)

@@ -4,6 +4,8 @@ error rows, exact usage, chat templates, per-row settings. Backend: hf (the refe
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -291,3 +293,52 @@ def test_a_tiny_job_sizes_its_engine_for_its_own_sequences(tmp_path: Path) -> No
     chosen = load_job(write_job(tmp_path / "set.yaml", {**job, "engine": {"backend": "native", "max_num_seqs": 8}}))
     assert for_rows(chosen, 3).engine.max_num_seqs == 8  # an explicit value is kept
     assert spec.engine.max_num_seqs is None
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+@pytest.mark.parametrize("cut", ["header", "data", "empty"])
+def test_corrupt_weights_are_a_model_error_naming_the_file(
+    tmp_path: Path, tiny_model_dir: Path, backend: str, cut: str
+) -> None:
+    """`truncate -s 1000 model.safetensors` in a copy of the model: exit 4, "weights cannot be
+    loaded", naming the file; not exit 1 with the reader's traceback."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    os.truncate(weights, {"header": 1000, "data": weights.stat().st_size - 100, "empty": 0}[cut])
+    write_parquet(tmp_path / "in.parquet", {"id": ["1"], "prompt": ["once upon a time"]})
+    job = make_job(model, str(tmp_path / "in.parquet"), tmp_path / "out", engine={"backend": backend})
+    code, text = _run(write_job(tmp_path / "job.yaml", job))
+    assert code == 4, text
+    assert f"model.path {model}: weights cannot be loaded from model.safetensors: " in text
+    assert "Traceback" not in text and "internal error" not in text
+
+
+@pytest.mark.parametrize("size", [1000, 100, 0])
+def test_a_corrupt_torch_checkpoint_is_a_model_error(tmp_path: Path, tiny_model_dir: Path, size: int) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save(load_file(tiny_model_dir / "model.safetensors"), model / "pytorch_model.bin")
+    os.truncate(model / "pytorch_model.bin", size)
+    write_parquet(tmp_path / "in.parquet", {"id": ["1"], "prompt": ["once upon a time"]})
+    job = make_job(model, str(tmp_path / "in.parquet"), tmp_path / "out", engine={"backend": "native"})
+    code, text = _run(write_job(tmp_path / "job.yaml", job))
+    assert code == 4 and f"model.path {model}: weights cannot be loaded from pytorch_model.bin" in text, text
+
+
+def test_a_missing_shard_of_a_sharded_checkpoint_is_a_model_error(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(model, max_shard_size="100KB")
+    shards = sorted(model.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (model / "model.safetensors.index.json").exists()
+    shards[-1].unlink()
+    write_parquet(tmp_path / "in.parquet", {"id": ["1"], "prompt": ["once upon a time"]})
+    job = make_job(model, str(tmp_path / "in.parquet"), tmp_path / "out", engine={"backend": "hf"})
+    code, text = _run(write_job(tmp_path / "job.yaml", job))
+    assert code == 4 and f"weights cannot be loaded from {shards[-1].name}" in text, text

@@ -23,6 +23,7 @@ from batchgen.errors import LockedError
 from batchgen.jobstate import OutputLock, OutputState
 from batchgen.parts import PartWriter
 from batchgen.sharding import ShardSpec
+from batchgen.storage import temp_name
 from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 36  # window 4: 9 parts, 3 per shard of 3
@@ -71,6 +72,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
     return _rows(out), json.loads((out / "_SUCCESS").read_text())
 
 
+@pytest.mark.slow
 def test_the_dags_commands_with_a_killed_shard_equal_a_plain_run(
     tmp_path: Path, tiny_model_dir: Path, reference: tuple[list[tuple[object, ...]], dict]
 ) -> None:
@@ -100,6 +102,7 @@ def test_the_dags_commands_with_a_killed_shard_equal_a_plain_run(
     assert report["totals"]["output_tokens"] == manifest["tokens"]["output"]
 
 
+@pytest.mark.slow
 def test_shards_finishing_together_write_one_consistent_success(
     tmp_path: Path, tiny_model_dir: Path, reference: tuple[list[tuple[object, ...]], dict]
 ) -> None:
@@ -230,7 +233,7 @@ def test_a_committed_part_is_never_replaced(tmp_path: Path) -> None:
 
 
 def test_a_shard_removes_only_its_own_parts_temp_files(tmp_path: Path) -> None:
-    names = [".part-000001.parquet.ab12.tmp", ".part-000002.parquet.cd34.tmp", "._JOB.json.ef56.tmp"]
+    names = [temp_name("part-000001.parquet"), temp_name("part-000002.parquet"), temp_name("_JOB.json")]
     for name in names:
         (tmp_path / name).write_text("")
     assert OutputState(tmp_path).remove_leftovers(ShardSpec(1, 2).owns) == 1

@@ -25,6 +25,7 @@ from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import StopChecker
 from batchgen.errors import ModelError
 from batchgen.job import HF_UNSUPPORTED, JobSpec
+from batchgen.weights import check_weight_files, weight_errors_as_model_errors
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ class HFBackend:
         self.batch_size = spec.engine.batch_size
         self.device = resolve_device(spec.model.device)
         dtype = resolve_dtype(spec.model.dtype, self.device)
+        check_weight_files(spec.model.path)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).to(self.device)  # type: ignore[arg-type]
+            with weight_errors_as_model_errors(spec.model.path):
+                self.model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).to(self.device)  # type: ignore[arg-type]
             self.max_model_len = resolve_max_model_len(self.model.config, spec.engine.max_model_len)
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: cannot load the model: {exc}") from exc

@@ -9,6 +9,7 @@ from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
 from batchgen.errors import ModelError
 from batchgen.job import JobSpec
+from batchgen.weights import check_weight_files, weight_errors_as_model_errors
 
 
 class NativeBackend:
@@ -17,14 +18,16 @@ class NativeBackend:
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
         from batchgen.engine.llm import LLM
 
+        check_weight_files(spec.model.path)
         try:
-            self.llm = LLM(
-                str(spec.model.path),
-                tokenizer=tokenizer,
-                device=spec.model.device,
-                dtype=spec.model.dtype,
-                **spec.engine.engine_settings(),
-            )
+            with weight_errors_as_model_errors(spec.model.path):
+                self.llm = LLM(
+                    str(spec.model.path),
+                    tokenizer=tokenizer,
+                    device=spec.model.device,
+                    dtype=spec.model.dtype,
+                    **spec.engine.engine_settings(),
+                )
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: {exc}") from exc
         self.max_model_len = self.llm.max_model_len

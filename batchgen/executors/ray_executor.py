@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
-
 from batchgen import interrupt
 from batchgen.backends import for_rows
 from batchgen.dataset import InputFile, Shard
@@ -33,6 +31,7 @@ from batchgen.executors.ray_worker import PartWorker, ProgressBoard
 from batchgen.job import ExecutorSection
 from batchgen.jobstate import OutputState
 from batchgen.parts import PartWriter
+from batchgen.progress import RunProgress, row_token_budget
 from batchgen.usage.totals import Totals
 
 if TYPE_CHECKING:
@@ -161,7 +160,7 @@ class _Dispatch:
         shape: WorkerShape,
         todo: list[Shard],
     ) -> None:
-        self.ray, self.shape, self.quiet = ray, shape, runner.quiet
+        self.ray, self.shape, self.quiet, self.runner = ray, shape, runner.quiet, runner
         self.total_rows = sum(s.num_rows for s in todo)
         spec = for_rows(runner.spec, -(-self.total_rows // shape.count))  # each worker's share of the rows
         self.args = (spec, files, carried, writer, shape.cpus)
@@ -178,22 +177,43 @@ class _Dispatch:
         self.run_tokens = 0
 
     def run(self, totals: Totals) -> None:
-        bar = tqdm(total=self.total_rows, unit="row", disable=self.quiet, dynamic_ncols=True)
-        start = time.time()
+        bar = RunProgress(self.total_rows, self.quiet, budget=row_token_budget(self.runner.spec))
         try:
             with bar, interrupt.cooperative():
                 for slot in range(self.shape.count):
-                    self._start(slot)
+                    self.workers[slot] = self.actor.remote(*self.args, self.board)
+                if self.runner.replacing_output:  # --overwrite: the old output goes once the models load
+                    self._wait_loaded()
+                    self.runner.take_over_output()
+                for slot in range(self.shape.count):
+                    self._submit(slot)
                 while self.inflight:
                     ready, _ = self.ray.wait(list(self.inflight), num_returns=1, timeout=POLL_SECONDS)
                     interrupt.check()
                     for ref in ready:
                         self._collect(ref, totals)
-                    self._show(bar, start)
+                    self._show(bar)
         finally:
             for worker in self.workers.values():
                 self.ray.kill(worker, no_restart=True)  # an abandoned part stays uncommitted
             self.ray.kill(self.board, no_restart=True)
+
+    def _wait_loaded(self) -> None:
+        """Until every worker has loaded its model; a load that fails stops the job (its error:
+        a ModelError is exit 4) before anything of the old output is touched."""
+        pending = [self.workers[slot].load.remote() for slot in self.workers]
+        while pending:
+            ready, pending = self.ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
+            interrupt.check()
+            for ref in ready:
+                try:
+                    self.ray.get(ref)
+                except self.ray.exceptions.RayTaskError as exc:
+                    if isinstance(exc.cause, BatchgenError):
+                        raise exc.cause from None
+                    raise EngineFailure(f"a Ray worker failed to load the model: {exc.cause!r}") from None
+                except self.ray.exceptions.RayError as exc:
+                    raise EngineFailure(f"a Ray worker died loading the model ({type(exc).__name__})") from None
 
     def _start(self, slot: int) -> None:
         self.workers[slot] = self.actor.remote(*self.args, self.board)
@@ -242,13 +262,13 @@ class _Dispatch:
         self.queue.give_back(slot, part)
         self._start(slot)
 
-    def _show(self, bar: tqdm, start: float) -> None:
+    def _show(self, bar: RunProgress) -> None:
         if self.quiet:
             return
         board = self.ray.get(self.board.snapshot.remote())
-        under_way = sum(board.get((part.index, attempt), 0) for _, part, attempt in self.inflight.values())
-        bar.n = min(self.done_rows + under_way, self.total_rows)
-        bar.set_postfix(tok_s=f"{self.run_tokens / max(time.time() - start, 1e-9):.0f}", workers=len(self.inflight))
+        under_way = [board.get((part.index, attempt), (0, 0)) for _, part, attempt in self.inflight.values()]
+        bar.extra = f"{len(self.inflight)} workers"
+        bar.show(self.done_rows + sum(r for r, _ in under_way), self.run_tokens + sum(t for _, t in under_way))
 
 
 def _duplicates_by_part(

@@ -36,29 +36,31 @@ class PartDone:
 
 
 class ProgressBoard:
-    """Rows finished so far in each part under way, as the workers last reported them."""
+    """(rows, output tokens) finished so far in each part under way, as the workers last reported them."""
 
     def __init__(self) -> None:
-        self.rows: dict[AttemptKey, int] = {}
+        self.rows: dict[AttemptKey, tuple[int, int]] = {}
 
-    def set(self, key: AttemptKey, rows: int) -> None:
-        self.rows[key] = rows
+    def set(self, key: AttemptKey, rows: int, tokens: int = 0) -> None:
+        self.rows[key] = (rows, tokens)
 
-    def snapshot(self) -> dict[AttemptKey, int]:
+    def snapshot(self) -> dict[AttemptKey, tuple[int, int]]:
         return dict(self.rows)
 
 
 class _Reporter:
-    """The worker's RowCounter: counts rows and posts the count to the board every REPORT_SECONDS."""
+    """The worker's RowCounter: counts rows and their output tokens, and posts both to the board
+    every REPORT_SECONDS."""
 
     def __init__(self, board: Any, key: AttemptKey) -> None:
         self.board, self.key = board, key
-        self.done, self.posted = 0, time.monotonic()
+        self.done, self.tokens, self.posted = 0, 0, time.monotonic()
 
-    def update(self, n: int = 1) -> None:
+    def update(self, n: int = 1, tokens: int = 0) -> None:
         self.done += n
+        self.tokens += tokens
         if time.monotonic() - self.posted >= REPORT_SECONDS:
-            self.board.set.remote(self.key, self.done)  # fire and forget: progress only
+            self.board.set.remote(self.key, self.done, self.tokens)  # fire and forget: progress only
             self.posted = time.monotonic()
 
 
@@ -83,14 +85,24 @@ class PartWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def run_part(self, shard: Shard, duplicates: dict[tuple[int, int], IdProblem], attempt: int) -> PartDone:
-        """Read part `shard`'s rows, generate and commit them; `duplicates` are its rows whose id
-        fails (judged by the driver over the whole job)."""
-        from batchgen.runner import JobRunner, _read_columns, load_engine
+    def load(self) -> int:
+        """Load the model now (else the first part does); this worker's pid."""
+        self._engine()
+        return os.getpid()
+
+    def _engine(self) -> tuple[Backend, RowPreparer]:
+        from batchgen.runner import load_engine
 
         if self.engine is None:
             self.engine = load_engine(self.spec)
-        backend, preparer = self.engine
+        return self.engine
+
+    def run_part(self, shard: Shard, duplicates: dict[tuple[int, int], IdProblem], attempt: int) -> PartDone:
+        """Read part `shard`'s rows, generate and commit them; `duplicates` are its rows whose id
+        fails (judged by the driver over the whole job)."""
+        from batchgen.runner import JobRunner, _read_columns
+
+        backend, preparer = self._engine()
         _, table = next(read_shards(self.files, [shard], _read_columns(self.spec, self.carried)))
         runner = JobRunner(self.spec, quiet=True)
         runner.duplicates = duplicates

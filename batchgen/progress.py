@@ -10,6 +10,7 @@ ones, less what running requests have already generated (where the engine tells:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -128,3 +129,44 @@ class RunProgress:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.bar.close()
+
+
+class LoadingStatus:
+    """One line while the engine loads, with the time it has taken so far (ticking every second), so
+    that minutes of kernel builds on a fresh machine read "building native CPU kernels", not a
+    silent stall. Disabled (`quiet`): nothing is printed."""
+
+    def __init__(self, what: str, quiet: bool, tick: float = 1.0) -> None:
+        self.bar = tqdm(total=None, desc=what, disable=quiet, bar_format="{desc} [{elapsed}]")
+        self.tick = tick
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._refresh, daemon=True)
+
+    def _refresh(self) -> None:
+        while not self.done.wait(self.tick):
+            self.bar.refresh()
+
+    def __enter__(self) -> LoadingStatus:
+        if not self.bar.disable:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        if self.thread.is_alive():
+            self.thread.join()
+        self.bar.close()
+
+
+def loading_what(spec: JobSpec) -> str:
+    """What the engine's load will do first: build the native CPU kernels (once per machine), or load the model."""
+    if spec.engine.backend == "native" and spec.model.device in ("auto", "cpu"):
+        import torch
+
+        from batchgen.engine import native_ops
+
+        if spec.model.device == "cpu" or not torch.cuda.is_available():
+            missing = native_ops.pending()
+            if missing:
+                return f"building native CPU kernels ({len(missing)}; once per machine, about 20-150 s)"
+    return "loading the model"

@@ -29,7 +29,7 @@ from batchgen.output_samples import ColumnPlan
 from batchgen.output_table import RESULT_FIELDS, carried_columns, output_schema, part_table, result_columns
 from batchgen.parts import PartWriter, part_name
 from batchgen.prepare import RowPreparer, input_columns, load_tokenizer
-from batchgen.progress import RunProgress, row_token_budget
+from batchgen.progress import LoadingStatus, RunProgress, loading_what, row_token_budget
 from batchgen.sharding import ShardSpec
 from batchgen.usage.totals import Totals
 from batchgen.validate import validate_inputs, validate_model
@@ -217,7 +217,8 @@ class JobRunner:
         if self.executor is not None:  # the parts run elsewhere; each worker calls process_part
             self.executor.process(self, files, carried, writer, todo, totals)
             return
-        backend, preparer = load_engine(for_rows(self.spec, sum(s.num_rows for s in todo)))
+        with LoadingStatus(loading_what(self.spec), self.quiet):
+            backend, preparer = load_engine(for_rows(self.spec, sum(s.num_rows for s in todo)))
         budget = row_token_budget(self.spec, backend.max_model_len)
         bar = RunProgress(sum(s.num_rows for s in todo), self.quiet, live_output_tokens(backend), budget)
         # Why cooperative: a signal only sets a flag here; the loop and on_output stop at clean points.

@@ -132,3 +132,31 @@ def test_a_one_part_job_shows_rows_and_tok_s_as_requests_finish(
     before_the_end = [postfix for n, postfix in seen if 0 < n < rows]
     assert before_the_end and all(" tok/s, ETA " in postfix for postfix in before_the_end), seen
     assert all(float(postfix.split(" tok/s")[0]) > 0 for postfix in before_the_end), seen
+
+
+def test_the_engines_load_shows_a_ticking_status_line_unless_quiet(capsys: pytest.CaptureFixture[str]) -> None:
+    """Minutes of kernel builds on a fresh machine read as what they are, with the time so far."""
+    import time
+
+    with progress.LoadingStatus("building native CPU kernels", quiet=False, tick=0.05):
+        time.sleep(0.3)
+    err = capsys.readouterr().err
+    assert err.count("building native CPU kernels") >= 3  # refreshed while it ran
+    with progress.LoadingStatus("building native CPU kernels", quiet=True, tick=0.05):
+        time.sleep(0.1)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_cpu_job_whose_kernels_are_not_built_says_it_builds_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchgen.engine import native_ops
+
+    job = make_job(tmp_path, str(tmp_path / "in.parquet"), tmp_path / "out", engine={"backend": "native"})
+    spec = load_job(write_job(tmp_path / "job.yaml", {**job, "model": {"path": str(tmp_path), "device": "cpu"}}))
+    monkeypatch.setattr(native_ops, "pending", lambda: ["attention", "linear"])
+    assert progress.loading_what(spec).startswith("building native CPU kernels (2;")
+    monkeypatch.setattr(native_ops, "pending", lambda: [])
+    assert progress.loading_what(spec) == "loading the model"
+    hf = load_job(write_job(tmp_path / "hf.yaml", {**job, "engine": {"backend": "hf"}}))
+    assert progress.loading_what(hf) == "loading the model"

@@ -81,7 +81,7 @@ class Engine:
                 message = str(exc)
         if message is not None:
             self.sampler.release(request_id)
-            logger.warning("refusing request %d: %s", request_id, message)
+            logger.warning("refusing %s", message)  # the message starts "request N:"
             self.stats.errors += 1
             self._errors.append(RequestOutput(str(request_id), prompt, seq.prompt_token_ids, error=message))
             return request_id

@@ -138,7 +138,7 @@ class LoadingStatus:
 
     def __init__(self, what: str, quiet: bool, tick: float = 1.0) -> None:
         self.bar = tqdm(total=None, desc=what, disable=quiet, bar_format="{desc} [{elapsed}]")
-        self.tick = tick
+        self.quiet, self.tick = quiet, tick
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._refresh, daemon=True)
 
@@ -147,7 +147,7 @@ class LoadingStatus:
             self.bar.refresh()
 
     def __enter__(self) -> LoadingStatus:
-        if not self.bar.disable:
+        if not self.quiet:
             self.thread.start()
         return self
 

@@ -174,11 +174,17 @@ def test_overwrite_replaces_more_parts_than_the_new_job_has(tmp_path: Path, tiny
 
 
 def test_a_run_that_committed_nothing_does_not_block_the_corrected_rerun(tmp_path: Path, tiny_model_dir: Path) -> None:
-    job = _job(tmp_path, tiny_model_dir)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:1000])  # loading the weights fails, after the output was claimed
+    job = _job(tmp_path, model)
     out = tmp_path / "out"
-    code, _, err = _cli("run", str(job), "--quiet", "--set", "engine.max_model_len=5000")  # context is 256
-    assert code == 4, err
+    code, _, err = _cli("run", str(job), "--quiet")
+    assert code == 4 and "weights cannot be loaded" in err, err
     assert (out / "_JOB.json").exists() and not list(out.glob("part-*"))
+    weights.write_bytes(intact)  # corrected
     code, text, err = _cli("report", str(out))
     assert code == 0, err
     assert "in progress: 0 parts committed" in text

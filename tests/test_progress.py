@@ -103,6 +103,9 @@ class _RecordingBar:
         self.n += n
         _RecordingBar.seen.append((self.n, self.postfix))
 
+    def refresh(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds (a wheel, a venv, the kernels) in tens of seconds
+
 REPO = Path(__file__).resolve().parents[1]
 CSRC = REPO / "batchgen" / "engine" / "csrc"
 

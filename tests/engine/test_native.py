@@ -350,6 +350,7 @@ def test_no_compiler_or_switched_off_means_torch_ops(
     assert f"{native.DISABLE_ENV}=0" in caplog.text and native.STATES["attention"].state == "off"
 
 
+@pytest.mark.slow
 def test_a_compiler_that_cannot_build_one_kernel_loses_only_that_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -369,6 +370,7 @@ def test_a_compiler_that_cannot_build_one_kernel_loses_only_that_one(
     assert native._load(native.LIBRARIES["attention"]) is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("gcc-11") is None, reason="gcc-11 is not installed (.ci/run installs it)")
 def test_gcc_11_builds_every_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """GCC 11 (Ubuntu 22.04, RHEL 9) has no __builtin_shufflevector: the sources must not need it."""

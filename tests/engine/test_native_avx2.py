@@ -19,6 +19,8 @@ import pytest
 
 from batchgen.engine import native
 
+pytestmark = pytest.mark.slow  # builds (a wheel, a venv, the kernels) in tens of seconds
+
 REPO = Path(__file__).resolve().parents[2]
 TESTS = [
     "tests/engine/test_native.py::test_kernel_equals_attention_over_each_rows_own_positions",

@@ -182,7 +182,11 @@ _FUNCTIONS: dict[str, CFunction | None] = {}
 def _function(library_name: str, symbol: str, argtypes: list[type]) -> CFunction | None:
     if symbol not in _FUNCTIONS:
         lib = library(library_name)
-        _FUNCTIONS[symbol] = None if lib is None else _fn(getattr(lib, symbol), _I64, argtypes)
+        try:
+            _FUNCTIONS[symbol] = None if lib is None else _fn(getattr(lib, symbol), _I64, argtypes)
+        except AttributeError:  # a library built from other sources: refused, as a failed build is
+            _refuse(library_name, f"{symbol} is missing from it")
+            _FUNCTIONS[symbol] = None
     return _FUNCTIONS[symbol]
 
 

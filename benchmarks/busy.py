@@ -8,9 +8,10 @@ shared Airflow worker, a Ray node with other actors, or a CI box.
 from __future__ import annotations
 
 import multiprocessing
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from batchgen.engine import host
 
 
 def _spin() -> None:  # pragma: no cover - runs in the neighbour processes
@@ -21,7 +22,7 @@ def _spin() -> None:  # pragma: no cover - runs in the neighbour processes
 @contextmanager
 def busy_neighbours(count: int | None = None) -> Iterator[int]:
     """`count` spinning processes (default: one per CPU this process may use) for the duration."""
-    count = count if count is not None else len(os.sched_getaffinity(0))
+    count = count if count is not None else host.affinity_cpus()
     context = multiprocessing.get_context("spawn")
     procs = [context.Process(target=_spin, daemon=True) for _ in range(count)]
     for proc in procs:

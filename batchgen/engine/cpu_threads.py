@@ -46,7 +46,7 @@ class Sample:
 
 def sample(cpus: set[int] | None = None) -> Sample | None:
     """Now, or None where /proc/stat cannot be read."""
-    cpus = cpus if cpus is not None else _affinity()
+    cpus = cpus if cpus is not None else host.affinity()
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     busy = 0
     try:
@@ -80,15 +80,15 @@ class ThreadGovernor:
 
     def __init__(self, enabled: bool = True) -> None:
         self.cpus = min(torch.get_num_threads(), host.usable_cpus())  # never above what the user or Ray set
-        self._affinity = _affinity()
-        self.enabled = enabled and os.environ.get(DISABLE_ENV) != "0" and sample(self._affinity) is not None
+        self._affinity = host.affinity()
         self.changes = 0  # how often the count changed (for tests and the log)
         if enabled and torch.get_num_threads() != self.cpus:
             logger.info(
                 "CPU threads: %d (affinity %d, cgroup quota %s)", self.cpus, host.affinity_cpus(), host.quota_cpus()
             )
             torch.set_num_threads(self.cpus)
-        self._last = sample(self._affinity) if self.enabled else None
+        # None: off (or no /proc/stat), and tick() does nothing
+        self._last = sample(self._affinity) if enabled and os.environ.get(DISABLE_ENV) != "0" else None
 
     def tick(self) -> None:
         if self._last is None or time.monotonic() - self._last.wall < INTERVAL:
@@ -107,10 +107,3 @@ class ThreadGovernor:
             )
             torch.set_num_threads(wanted)
             self.changes += 1
-
-
-def _affinity() -> set[int]:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))

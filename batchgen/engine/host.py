@@ -24,7 +24,7 @@ CGROUP_V1_PERIOD = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
 
 
 def cpu_model() -> str:
-    for line in _cpuinfo_lines():
+    for line in cpuinfo_lines():
         if line.startswith(("model name", "Model name")):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
@@ -33,7 +33,7 @@ def cpu_model() -> str:
 def cpu_flags() -> dict[str, bool]:
     """Whether the CPU has each of VECTOR_FLAGS (from /proc/cpuinfo; all False where it cannot be read)."""
     present: set[str] = set()
-    for line in _cpuinfo_lines():
+    for line in cpuinfo_lines():
         if line.startswith(("flags", "Features")):
             present = set(line.split(":", 1)[1].split())
             break
@@ -46,12 +46,16 @@ def blas() -> str:
     return found.group(1) if found else "unknown"
 
 
-def affinity_cpus() -> int:
-    """CPUs this process may be scheduled on (its affinity mask), or every CPU where there is no mask."""
+def affinity() -> set[int]:
+    """The CPUs this process may be scheduled on (its affinity mask), or every CPU where there is no mask."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def affinity_cpus() -> int:
+    return len(affinity())
 
 
 def quota_cpus() -> float | None:
@@ -90,7 +94,7 @@ def describe() -> dict[str, Any]:
     }
 
 
-def _cpuinfo_lines() -> list[str]:
+def cpuinfo_lines() -> list[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from batchgen.engine import host
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -327,17 +329,9 @@ def cache_dir() -> Path:
 
 def _cpu_id() -> bytes:
     """What -march=native depends on: the machine, and on Linux the CPU's model and feature flags."""
-    lines = []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags", "Features", "CPU part")):
-                    lines.append(line)
-                if line == "\n" and lines:
-                    break  # the first CPU describes them all
-    except OSError:
-        pass
-    return (platform.machine() + "".join(lines)).encode()
+    keep = ("model name", "flags", "Features", "CPU part")
+    lines = "".join(line + "\n" for line in host.cpuinfo_lines() if line.startswith(keep))
+    return (platform.machine() + lines).encode()
 
 
 def threads() -> int:

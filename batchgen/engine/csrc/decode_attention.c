@@ -324,7 +324,7 @@ int64_t batchgen_decode_attention(const int64_t *a, float scale) {
   const int64_t *len = (const int64_t *)a[A_LEN], *shared = (const int64_t *)a[A_SHARED];
   float *kpool = (float *)a[A_KPOOL], *vpool = (float *)a[A_VPOOL];
   const int64_t *slot = (const int64_t *)a[A_SLOT];
-  const int64_t pool_slots = a[A_POOL_SLOTS], window = a[A_WINDOW], scratch_stride = a[A_SCRATCH_STRIDE];
+  const int64_t window = a[A_WINDOW], scratch_stride = a[A_SCRATCH_STRIDE];
   float *out = (float *)a[A_OUT], *scratch = (float *)a[A_SCRATCH];
   if (g < 1 || g > MAX_G || d < 1 || d > MAX_D || kvh < 1 || n < 0) return -1;
   for (int64_t i = 0; i < n; i++)

@@ -9,7 +9,6 @@ bootstrap, into $BATCHGEN_CACHE_DIR; without --build it only reports, building n
 
 from __future__ import annotations
 
-import os
 import subprocess
 from typing import Any
 
@@ -17,8 +16,6 @@ import torch
 import transformers
 
 from batchgen.engine import attention_front, host, native, native_linear, native_ops
-
-OPERATORS = native_ops.OPERATORS  # the C++ operators, each reported after the C libraries
 
 
 def report(build: bool = False) -> dict[str, Any]:
@@ -37,19 +34,14 @@ def report(build: bool = False) -> dict[str, Any]:
         "compilers": {"c": _compiler("CC", "cc", "gcc"), "c++": _compiler("CXX", "c++", "g++")},
         "cache_dir": str(native.cache_dir()),
         "native_cflags": " ".join(native.extra_flags()),
-        "kernels": [kernel_state(name) for name in [*native.LIBRARIES, *OPERATORS]],
+        "kernels": [kernel_state(name) for name in native_ops.KERNELS],
     }
 
 
 def kernel_state(name: str) -> dict[str, Any]:
-    """One kernel's state: off, built, cached, unavailable (and why), or not built yet."""
-    done = native.STATES.get(name)
-    if done is not None:
-        return {"name": name, "state": done.state, "path": str(done.path or ""), "why": done.reason}
-    if os.environ.get(native.DISABLE_ENV) == "0":
-        return {"name": name, "state": "off", "path": "", "why": f"{native.DISABLE_ENV}=0"}
-    cached = native.is_cached(name) if name in native.LIBRARIES else native_ops.is_cached(name, OPERATORS[name])
-    return {"name": name, "state": "cached" if cached else "not built", "path": "", "why": ""}
+    """One kernel's state (native_ops.state) as the report shows it."""
+    done = native_ops.state(name)
+    return {"name": name, "state": done.state, "path": str(done.path or ""), "why": done.reason}
 
 
 def _compiler(env: str, *names: str) -> dict[str, str | None]:

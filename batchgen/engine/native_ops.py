@@ -43,8 +43,7 @@ def load_op(name: str, source: Path, what: str, needs: str) -> ctypes.CDLL | Non
         refuse(name, f"no C++ compiler found (c++, g++ or $CXX): {what}")
         return None
     try:
-        key = torch.__version__.encode() + b"".join(header.read_bytes() for header in HEADERS)
-        path = native.build(name, (source,), compiler, [_flags()], _link(), key)
+        path = native.build(name, (source,), compiler, [_flags()], _link(), _key())
         torch.ops.load_library(str(path))
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
@@ -57,14 +56,18 @@ def refuse(name: str, reason: str) -> None:
     logger.warning("%s unavailable (%s)", name, reason)
 
 
-def is_cached(name: str, source: Path) -> bool:
+def _key() -> bytes:
+    """What an operator's build depends on besides its source and flags: torch and the shared header."""
+    return torch.__version__.encode() + b"".join(header.read_bytes() for header in HEADERS)
+
+
+def _operator_cached(name: str) -> bool:
     """Whether operator `name` is already built for this machine and torch, without building it."""
     compiler = native.find_compiler("CXX", "c++", "g++")
     if compiler is None:
         return True  # nothing would be built
-    key = torch.__version__.encode() + b"".join(header.read_bytes() for header in HEADERS)
     try:
-        return native.cache_targets(name, (source,), compiler, [_flags()], _link(), key)[0].is_file()
+        return native.cache_targets(name, (OPERATORS[name],), compiler, [_flags()], _link(), _key())[0].is_file()
     except (OSError, subprocess.SubprocessError):
         return True
 
@@ -84,13 +87,20 @@ def _link() -> list[str]:
     return [*(f"-L{d}" for d in dirs), *(f"-Wl,-rpath,{d}" for d in dirs), "-lc10", "-ltorch_cpu"]
 
 
-def pending() -> list[str]:
-    """The kernels (C libraries and operators) a CPU engine would build before its first step:
-    empty when all are cached, or switched off (BATCHGEN_NATIVE=0)."""
+KERNELS = (*native.LIBRARIES, *OPERATORS)  # every kernel: the C libraries, then the operators that call them
+
+
+def state(name: str) -> native.BuildState:
+    """What became of kernel `name` in this process; where it has not been loaded yet, without
+    building anything: off (BATCHGEN_NATIVE=0), cached, or not built."""
+    if name in native.STATES:
+        return native.STATES[name]
     if os.environ.get(native.DISABLE_ENV) == "0":
-        return []
-    libraries = [name for name in native.LIBRARIES if name not in native.STATES and not native.is_cached(name)]
-    operators = [
-        name for name, source in OPERATORS.items() if name not in native.STATES and not is_cached(name, source)
-    ]
-    return libraries + operators
+        return native.BuildState(name, "off", reason=f"{native.DISABLE_ENV}=0")
+    cached = native.is_cached(name) if name in native.LIBRARIES else _operator_cached(name)
+    return native.BuildState(name, "cached" if cached else "not built")
+
+
+def pending() -> list[str]:
+    """The kernels a CPU engine would build before its first step (empty: all cached, or switched off)."""
+    return [name for name in KERNELS if state(name).state == "not built"]

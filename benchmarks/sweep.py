@@ -105,21 +105,18 @@ def run_engine(path: Path, prompts: list[list[int]], max_tokens: int) -> float:
 
 
 def run_transformers(path: Path, prompts: list[list[int]], max_tokens: int) -> float:
+    """transformers' `generate` in left-padded static batches of HF_BATCH, as throughput.py runs it."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.systems import static_batch
+    from benchmarks.workloads import Request
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    requests = [Request(prompt, max_tokens) for prompt in prompts]
     started = time.perf_counter()
-    with torch.inference_mode():
-        for first in range(0, len(prompts), HF_BATCH):
-            batch = prompts[first : first + HF_BATCH]
-            width = max(map(len, batch))
-            ids = torch.tensor([[1] * (width - len(p)) + p for p in batch])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                do_sample=False, pad_token_id=1,
-            )  # fmt: skip
+    for first in range(0, len(requests), HF_BATCH):
+        static_batch(model, None, requests[first : first + HF_BATCH], ignore_eos=True)
     return time.perf_counter() - started
 
 

@@ -167,7 +167,7 @@ def _eos(model: Any) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def _static_batch(model: Any, tokenizer: Any, requests: list[Request], ignore_eos: bool) -> tuple[list[list[int]], int]:
+def static_batch(model: Any, tokenizer: Any, requests: list[Request], ignore_eos: bool) -> tuple[list[list[int]], int]:
     """One left-padded `generate` call -> (new tokens per request, prefill tokens incl. padding)."""
     pad = model.generation_config.pad_token_id
     width = max(len(r.prompt_ids) for r in requests)
@@ -202,7 +202,7 @@ def run_hf_generate(model: Any, tokenizer: Any, workload: Workload, batch_size: 
     watch = Stopwatch()
     for b in range(0, len(order), batch_size):
         rows = order[b : b + batch_size]
-        new, computed = _static_batch(model, tokenizer, [reqs[i] for i in rows], workload.ignore_eos)
+        new, computed = static_batch(model, tokenizer, [reqs[i] for i in rows], workload.ignore_eos)
         prefill += computed
         for i, tokens in zip(rows, new):
             outputs[i] = tokens

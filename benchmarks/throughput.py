@@ -298,13 +298,9 @@ def targets(models: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {torch.backends.cpu.get_cpu_capability()}"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from batchgen.engine import host
+
+    return f"{host.cpu_model()}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:

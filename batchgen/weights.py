@@ -80,8 +80,10 @@ def _torch_zip_problem(path: Path) -> str | None:
 
 @contextmanager
 def weight_errors_as_model_errors(folder: Path) -> Iterator[None]:
-    """Inside: a checkpoint that fails to read (one check_weight_files cannot see: a `.bin` file)
-    becomes a ModelError naming the folder."""
+    """Checks the folder's weight files first (check_weight_files); inside, a checkpoint that still
+    fails to read (what those checks cannot see: a `.bin` file's pickle) becomes a ModelError naming
+    the folder."""
+    check_weight_files(folder)
     try:
         yield
     except WEIGHT_READ_ERRORS as exc:

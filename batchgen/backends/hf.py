@@ -25,7 +25,7 @@ from batchgen.engine.sequence import Sequence
 from batchgen.engine.stopping import StopChecker
 from batchgen.errors import ModelError
 from batchgen.job import HF_UNSUPPORTED, JobSpec
-from batchgen.weights import check_weight_files, weight_errors_as_model_errors
+from batchgen.weights import weight_errors_as_model_errors
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,6 @@ class HFBackend:
         self.batch_size = spec.engine.batch_size
         self.device = resolve_device(spec.model.device)
         dtype = resolve_dtype(spec.model.dtype, self.device)
-        check_weight_files(spec.model.path)
         try:
             with weight_errors_as_model_errors(spec.model.path):
                 self.model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).to(self.device)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from batchgen.engine.outputs import RequestOutput
 from batchgen.engine.params import SamplingParams
 from batchgen.errors import ModelError
 from batchgen.job import JobSpec
-from batchgen.weights import check_weight_files, weight_errors_as_model_errors
+from batchgen.weights import weight_errors_as_model_errors
 
 
 class NativeBackend:
@@ -18,7 +18,6 @@ class NativeBackend:
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
         from batchgen.engine.llm import LLM
 
-        check_weight_files(spec.model.path)
         try:
             with weight_errors_as_model_errors(spec.model.path):
                 self.llm = LLM(

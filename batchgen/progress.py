@@ -160,13 +160,13 @@ class LoadingStatus:
 
 def loading_what(spec: JobSpec) -> str:
     """What the engine's load will do first: build the native CPU kernels (once per machine), or load the model."""
-    if spec.engine.backend == "native" and spec.model.device in ("auto", "cpu"):
-        import torch
+    if spec.engine.backend != "native" or spec.model.device not in ("auto", "cpu"):
+        return "loading the model"
+    import torch
 
-        from batchgen.engine import native_ops
+    from batchgen.engine import native, native_ops
 
-        if spec.model.device == "cpu" or not torch.cuda.is_available():
-            missing = native_ops.pending()
-            if missing:
-                return f"building native CPU kernels ({len(missing)}; once per machine, about 20-150 s)"
+    missing = native_ops.pending() if spec.model.device == "cpu" or not torch.cuda.is_available() else []
+    if missing:
+        return f"building native CPU kernels ({len(missing)}; once per machine, {native.BUILD_SECONDS})"
     return "loading the model"

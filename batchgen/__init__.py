@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from batchgen.engine.params import SamplingParams
+from batchgen.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
+from batchgen.engine.api.params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
@@ -14,7 +14,7 @@ __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParam
 def __getattr__(name: str) -> Any:
     # why lazy: `LLM` pulls in torch and transformers; the CLI's --help and job validation should not
     if name == "LLM":
-        from batchgen.engine.llm import LLM
+        from batchgen.engine.api.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import transformers
 
-from batchgen.engine import attention_front, host, native, native_linear, native_ops
+from batchgen.engine.cpu import front as attention_front
+from batchgen.engine.cpu import host, native, native_linear, native_ops
 
 
 def report(build: bool = False) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.dataset import InputFile
-from batchgen.engine.params import SamplingParams
+from batchgen.engine.api.params import SamplingParams
 from batchgen.job import JobSpec
 
 _SMALL_FILE = 1 << 20  # model files up to this size are hashed whole; larger ones by size and edges

@@ -12,8 +12,8 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, create_model, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from batchgen.engine.config import EngineConfig
-from batchgen.engine.params import SamplingParams, SettingError
+from batchgen.engine.api.config import EngineConfig
+from batchgen.engine.api.params import SamplingParams, SettingError
 from batchgen.errors import JobFileError
 from batchgen.job_errors import ErrorKeys, Origins, describe, error_keys
 from batchgen.job_sections import (
@@ -91,7 +91,7 @@ class _SamplingChecks(_Strict):
         except SettingError as exc:
             raise _setting_error("SamplingSection", exc, values.get(exc.field)) from None
         if params.structured is not None:
-            from batchgen.engine.structured import check_structured
+            from batchgen.engine.sampling.structured import check_structured
 
             problem = check_structured(params.structured)
             if problem is not None:

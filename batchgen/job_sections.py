@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from batchgen.engine.config import DEVICE_CHOICES, DEVICE_NAME
+from batchgen.engine.api.config import DEVICE_CHOICES, DEVICE_NAME
 from batchgen.storage import check_storage_options, is_remote, local_path
 
 SAMPLING_OVERRIDABLE = (
@@ -78,7 +78,7 @@ class InputSection(_Strict):
                     f"(allowed: {', '.join((*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY))})"
                 )
         if SCHEMA_COLUMN_KEY in self.sampling_columns:
-            from batchgen.engine.structured import StructuredError, load_xgrammar
+            from batchgen.engine.sampling.structured import StructuredError, load_xgrammar
 
             try:  # why here: without xgrammar every row would fail one by one
                 load_xgrammar()

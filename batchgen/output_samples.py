@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from batchgen.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from batchgen.job import JobSpec
 
 PER_SAMPLE = ("generated_text", "finish_reason", "stop_reason")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.api.outputs import RequestOutput
 from batchgen.errors import InputDataError
 from batchgen.job import JobSpec
 from batchgen.output_samples import ColumnPlan

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from batchgen.dataset import InputFile, Shard
 from batchgen.duplicate_ids import IdProblem
-from batchgen.engine.params import SamplingParams
+from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import InputDataError, ModelError
 from batchgen.job import SCHEMA_COLUMN_KEY, JobSpec
 
@@ -176,7 +176,7 @@ class RowPreparer:
         Checked once per distinct text: a million rows sharing three schemas compile three times."""
         known = self._schemas.get(text)
         if known is None:
-            from batchgen.engine.structured import check_structured
+            from batchgen.engine.sampling.structured import check_structured
 
             spec = {"json_schema": text}
             problem = check_structured(spec)

@@ -164,7 +164,7 @@ def loading_what(spec: JobSpec) -> str:
         return "loading the model"
     import torch
 
-    from batchgen.engine import native, native_ops
+    from batchgen.engine.cpu import native, native_ops
 
     missing = native_ops.pending() if spec.model.device == "cpu" or not torch.cuda.is_available() else []
     if missing:

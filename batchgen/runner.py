@@ -17,7 +17,7 @@ from batchgen.backends.base import Backend
 from batchgen.completion import build_manifest, complete_from_parts, run_facts
 from batchgen.dataset import InputFile, Shard, column_field, plan_shards, read_shards
 from batchgen.duplicate_ids import IdProblem, find_duplicate_ids
-from batchgen.engine.outputs import RequestOutput
+from batchgen.engine.api.outputs import RequestOutput
 from batchgen.errors import BatchgenError, EngineFailure
 from batchgen.executors import Executor, open_executor
 from batchgen.faults import fault_point

@@ -116,7 +116,7 @@ def check_model_limits(spec: JobSpec, config: Any) -> None:
     """The job's values that the model cannot take fail here (exit 2, naming the key), not at load
     (exit 4) or on every row: an engine.max_model_len beyond its positions, token ids in
     sampling.logit_bias or allowed_token_ids beyond its vocabulary."""
-    from batchgen.engine.model_limits import resolve_max_model_len  # why this module: no torch
+    from batchgen.engine.runner.model_limits import resolve_max_model_len  # why this module: no torch
 
     requested = spec.engine.max_model_len
     try:
@@ -168,9 +168,12 @@ def validate_model(spec: JobSpec) -> None:
     config = check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     check_model_limits(spec, config)
     if spec.model.device not in ("auto", "cpu"):  # why: those two always resolve; skip importing the engine
-        from batchgen.engine.models import resolve_device  # why lazy: torch, transformers' modeling code
+        from batchgen.engine.runner.models import DeviceError, resolve_device  # why lazy: torch, transformers
 
-        resolve_device(spec.model.device)  # a DeviceError (exit 4) names the devices on this machine
+        try:
+            resolve_device(spec.model.device)
+        except DeviceError as exc:  # exit 4, naming the devices on this machine
+            raise ModelError(str(exc)) from exc
 
 
 def input_listing(files: list[InputFile], limit: int | None, most: int = LISTED_FILES) -> list[str]:

@@ -11,7 +11,7 @@ import multiprocessing
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from batchgen.engine import host
+from batchgen.engine.cpu import host
 
 
 def _spin() -> None:  # pragma: no cover - runs in the neighbour processes

@@ -23,13 +23,16 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from batchgen.engine import attention, attention_front, decode_gather, model_runner
-from batchgen.engine.decode_native import NativeStep
-from batchgen.engine.llm import LLM
-from batchgen.engine.params import SamplingParams
-from batchgen.engine.rows_view import RowsView
-from batchgen.engine.sampler import Sampler
-from batchgen.engine.stopping import StopChecker
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.attention import gather as decode_gather
+from batchgen.engine.attention import paged as attention
+from batchgen.engine.cpu import front as attention_front
+from batchgen.engine.cpu.decode_native import NativeStep
+from batchgen.engine.cpu.rows_view import RowsView
+from batchgen.engine.runner import model_runner
+from batchgen.engine.sampling.sampler import Sampler
+from batchgen.engine.sampling.stopping import StopChecker
 
 
 def _prompts(batch: int, context: int, vocab: int, eos: int, seed: int = 0) -> list[list[int]]:

@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import transformers
 
-from batchgen.engine import attention_path
-from batchgen.engine.llm import LLM
-from batchgen.engine.params import SamplingParams
-from batchgen.engine.scheduler import ScheduledBatch
-from batchgen.engine.tiny_models import EOS_ID, save_random_model
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.attention import path as attention_path
+from batchgen.engine.core.scheduler import ScheduledBatch
+from batchgen.testing.tiny_models import EOS_ID, save_random_model
 
 log = logging.getLogger("gpu_check")
 EOS = EOS_ID  # id 0 of the tiny word tokenizer
@@ -244,7 +244,7 @@ def call_shapes(path: Path, device: str, dtype: torch.dtype, block_size: int) ->
 
 
 def section0(sizes: Sizes, work: Path) -> dict[str, Any]:
-    from batchgen.engine.models import resolve_device
+    from batchgen.engine.runner.models import resolve_device
 
     device = resolve_device(sizes.device)
     gpu: dict[str, Any] | None = None

@@ -10,9 +10,9 @@ import torch
 import transformers as tf
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from batchgen.engine.llm import LLM
-from batchgen.engine.scheduler import ScheduledBatch
-from batchgen.engine.tiny_models import tiny_configs
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.core.scheduler import ScheduledBatch
+from batchgen.testing.tiny_models import tiny_configs
 from benchmarks.gpu_check import (
     EOS,
     Sizes,
@@ -58,7 +58,7 @@ def hf_generate(model: Any, prompts: list[list[int]], max_new: int, device: str)
 
 
 def parity_configs() -> dict[str, Any]:
-    """The parity tests' tiny architectures (batchgen/engine/tiny_models.py), vocab 256."""
+    """The parity tests' tiny architectures (batchgen/testing/tiny_models.py), vocab 256."""
     return tiny_configs()
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from batchgen.engine import model_runner
-from batchgen.engine.llm import LLM
-from batchgen.engine.sampler import Sampler
-from batchgen.engine.stopping import StopChecker
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.runner import model_runner
+from batchgen.engine.sampling.sampler import Sampler
+from batchgen.engine.sampling.stopping import StopChecker
 from benchmarks.gpu_check import (
     SYNC_CALLS,
     Sizes,

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import resource, sys, time, json
 from batchgen import runner
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.api.outputs import CompletionOutput, RequestOutput
 from batchgen.job import load_job
 
 class StandIn:

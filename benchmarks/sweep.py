@@ -92,8 +92,8 @@ def workload(shape: Shape) -> list[list[int]]:
 
 
 def run_engine(path: Path, prompts: list[list[int]], max_tokens: int) -> float:
-    from batchgen.engine.llm import LLM
-    from batchgen.engine.params import SamplingParams
+    from batchgen.engine.api.llm import LLM
+    from batchgen.engine.api.params import SamplingParams
 
     llm = LLM(str(path), device="cpu", dtype="float32")
     for n in (2, 3):  # compiling and the kernels' calibration happen here, outside the timing
@@ -124,7 +124,7 @@ def worker(system: str, shape: Shape, path: Path, threads: int) -> dict[str, Any
     """One system on one shape, in this (fresh) process."""
     import torch
 
-    from batchgen.engine import host
+    from batchgen.engine.cpu import host
 
     torch.set_num_threads(threads)
     prompts = workload(shape)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         system, name, path, threads = args.worker
         print(json.dumps(worker(system, by_name[name], Path(path), int(threads))))
         return {}
-    from batchgen.engine import host
+    from batchgen.engine.cpu import host
 
     threads = args.threads or host.usable_cpus()
     names = args.shapes or (QUICK if args.quick else list(by_name))

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
-from batchgen.engine.llm import LLM
-from batchgen.engine.params import SamplingParams
-from batchgen.engine.stopping import StopChecker
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.sampling.stopping import StopChecker
 from benchmarks.workloads import Request, Workload
 
 MAX_NUM_SEQS = 64  # seats per step, the same for the engine and generate_batch

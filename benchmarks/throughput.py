@@ -298,13 +298,13 @@ def targets(models: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def cpu_name() -> str:
-    from batchgen.engine import host
+    from batchgen.engine.cpu import host
 
     return f"{host.cpu_model()}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
-    from batchgen.engine import host
+    from batchgen.engine.cpu import host
 
     return {
         "cpu": cpu_name(),

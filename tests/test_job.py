@@ -9,8 +9,8 @@ from typing import Literal
 import pytest
 from pydantic import ValidationError, create_model
 
-from batchgen.engine.config import EngineConfig
-from batchgen.engine.params import SamplingParams
+from batchgen.engine.api.config import EngineConfig
+from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import JobFileError
 from batchgen.job import JOB_DEFAULTS, EngineSection, SamplingSection, _derived_fields, _Strict, load_job
 

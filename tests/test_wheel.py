@@ -48,7 +48,7 @@ def test_the_wheel_carries_every_kernel_source(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = sorted(p.name for p in CSRC.iterdir() if p.suffix in (".c", ".cpp", ".h"))
     assert sources, "no kernel sources found in the checkout"
-    missing = [name for name in sources if f"batchgen/engine/csrc/{name}" not in names]
+    missing = [name for name in sources if f"batchgen/engine/cpu/csrc/{name}" not in names]
     assert not missing, f"the wheel lacks {missing}"
     assert "batchgen/cli.py" in names and any(n.endswith("entry_points.txt") for n in names)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from batchgen.engine.outputs import RequestOutput
-from batchgen.engine.params import SamplingParams
+from batchgen.engine.api.outputs import RequestOutput
+from batchgen.engine.api.params import SamplingParams
 
 OnOutput = Callable[[RequestOutput], None]
 

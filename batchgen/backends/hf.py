@@ -15,14 +15,14 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from batchgen.backends.base import OnOutput
-from batchgen.engine.llm import eos_token_ids
-from batchgen.engine.models import resolve_device, resolve_dtype, resolve_max_model_len
-from batchgen.engine.outputs import CompletionOutput, RequestOutput
-from batchgen.engine.params import SamplingParams
-from batchgen.engine.penalties import bad_word_token_ids
-from batchgen.engine.sampler import Sampler
-from batchgen.engine.sequence import Sequence
-from batchgen.engine.stopping import StopChecker
+from batchgen.engine.api.llm import eos_token_ids
+from batchgen.engine.api.outputs import CompletionOutput, RequestOutput
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.runner.models import resolve_device, resolve_dtype, resolve_max_model_len
+from batchgen.engine.sampling.penalties import bad_word_token_ids
+from batchgen.engine.sampling.sampler import Sampler
+from batchgen.engine.sampling.stopping import StopChecker
 from batchgen.errors import ModelError
 from batchgen.job import HF_UNSUPPORTED, JobSpec
 from batchgen.weights import weight_errors_as_model_errors
@@ -43,7 +43,10 @@ class HFBackend:
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.batch_size = spec.engine.batch_size
-        self.device = resolve_device(spec.model.device)
+        try:
+            self.device = resolve_device(spec.model.device)
+        except ValueError as exc:  # a DeviceError: exit 4, naming the devices on this machine
+            raise ModelError(str(exc)) from exc
         dtype = resolve_dtype(spec.model.dtype, self.device)
         try:
             with weight_errors_as_model_errors(spec.model.path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.backends.base import OnOutput
-from batchgen.engine.outputs import RequestOutput
-from batchgen.engine.params import SamplingParams
+from batchgen.engine.api.outputs import RequestOutput
+from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
 from batchgen.job import JobSpec
 from batchgen.weights import weight_errors_as_model_errors
@@ -16,7 +16,7 @@ class NativeBackend:
     name = "native"
 
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
-        from batchgen.engine.llm import LLM
+        from batchgen.engine.api.llm import LLM
 
         try:
             with weight_errors_as_model_errors(spec.model.path):

@@ -16,8 +16,8 @@ import numpy as np
 
 from batchgen.dataset import plan_shards, read_shards
 from batchgen.duplicate_ids import find_duplicate_ids
-from batchgen.engine.attention_path import SMALL_BLOCK_SIZE
-from batchgen.engine.models import resolve_max_model_len
+from batchgen.engine.attention.path import SMALL_BLOCK_SIZE
+from batchgen.engine.runner.models import resolve_max_model_len
 from batchgen.errors import ModelError
 from batchgen.job import JobSpec
 from batchgen.ordering import Strategy, order_requests

@@ -7,17 +7,17 @@ import math
 import pytest
 import torch
 
-from batchgen.engine import native
-from batchgen.engine.attention import forward_context, paged_attention_forward
-from batchgen.engine.decode_gather import GatheredBlocks
-from batchgen.engine.decode_kv import DecodeKVSource
-from batchgen.engine.decode_rows import DecodeRows
-from batchgen.engine.model_runner import build_forward_context
-from batchgen.engine.params import SamplingParams
-from batchgen.engine.rows_view import RowsView
-from batchgen.engine.scheduler import ScheduledChunk
-from batchgen.engine.sequence import Sequence
-from batchgen.engine.step_metadata import ForwardContext
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.attention.decode_kv import DecodeKVSource
+from batchgen.engine.attention.gather import GatheredBlocks
+from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.paged import forward_context, paged_attention_forward
+from batchgen.engine.core.scheduler import ScheduledChunk
+from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.cpu import native
+from batchgen.engine.cpu.decode_rows import DecodeRows
+from batchgen.engine.cpu.rows_view import RowsView
+from batchgen.engine.runner.model_runner import build_forward_context
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.engine import attention, attention_front, attention_op
-from batchgen.engine.decode_native import PLAN_FIELDS, FrontPlan, NativeClass, NativeStep, Scratch
-from batchgen.engine.llm import LLM
-from batchgen.engine.params import SamplingParams
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.attention import op as attention_op
+from batchgen.engine.attention import paged as attention
+from batchgen.engine.cpu import front as attention_front
+from batchgen.engine.cpu.decode_native import PLAN_FIELDS, FrontPlan, NativeClass, NativeStep, Scratch
 
 from .test_native import TILE, _kernels
 

@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 
-from batchgen.engine import attention_path
-from batchgen.engine.attention import forward_context, paged_attention_forward
-from batchgen.engine.attention_path import (
+from batchgen.engine.attention import path as attention_path
+from batchgen.engine.attention.gather import GatheredBlocks
+from batchgen.engine.attention.paged import forward_context, paged_attention_forward
+from batchgen.engine.attention.path import (
     SDPA,
     VARLEN,
     KernelSupport,
@@ -22,8 +23,7 @@ from batchgen.engine.attention_path import (
     default_block_size,
     varlen_signature_ok,
 )
-from batchgen.engine.decode_gather import GatheredBlocks
-from batchgen.engine.model_runner import build_forward_context
+from batchgen.engine.runner.model_runner import build_forward_context
 
 from .test_attention import BLOCK, DIM, HEADS, KV_HEADS, _chunk, _Layer, _reference
 from .varlen_reference import reference_varlen_attn
@@ -140,7 +140,7 @@ def test_soft_capping_never_reaches_the_varlen_kernel(monkeypatch: pytest.Monkey
 
 
 def test_cpu_runner_takes_the_sdpa_path(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    from batchgen.engine.llm import LLM
+    from batchgen.engine.api.llm import LLM
 
     llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=8)
     assert llm.engine.runner.attention.path == SDPA and not llm.engine.runner.flash
@@ -149,6 +149,6 @@ def test_cpu_runner_takes_the_sdpa_path(tiny_model) -> None:  # type: ignore[no-
 def test_soft_capping_is_read_from_the_config() -> None:
     from transformers import Gemma2Config, LlamaConfig
 
-    from batchgen.engine.attention_path import has_softcap
+    from batchgen.engine.attention.path import has_softcap
 
     assert has_softcap(Gemma2Config(attn_logit_softcapping=50.0)) and not has_softcap(LlamaConfig())

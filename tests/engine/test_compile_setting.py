@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen.engine import compiled_forward
-from batchgen.engine.compiled_forward import resolve_compile
-from batchgen.engine.llm import LLM
-from batchgen.engine.params import SamplingParams
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.runner import compiled_forward
+from batchgen.engine.runner.compiled_forward import resolve_compile
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -61,7 +61,7 @@ def test_an_error_inside_the_compiled_attention_keeps_its_own_message(
 ) -> None:
     """A graph with the C++ wrapper turns an exception of the Python attention op into "API call
     failed"; the engine raises the op's own exception instead (attention_op.take_raised)."""
-    from batchgen.engine import attention_op
+    from batchgen.engine.attention import op as attention_op
 
     llm = LLM(str(tiny_model("llama")), compile=True)
     llm.generate(PROMPTS, GREEDY)  # compiled
@@ -83,7 +83,7 @@ def test_each_compiled_model_runs_its_own_graph(tiny_model: Callable[[str], Path
 
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from batchgen.engine.tiny_models import save_random_model, tiny_configs
+    from batchgen.testing.tiny_models import save_random_model, tiny_configs
 
     config = copy.deepcopy(tiny_configs()["llama"])
     config.num_hidden_layers = 3

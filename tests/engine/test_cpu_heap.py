@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.engine import cpu_heap
-from batchgen.engine.llm import LLM
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.cpu import heap as cpu_heap
 
 SCRIPT = """
 import ctypes, torch
-from batchgen.engine import cpu_heap
+from batchgen.engine.cpu import heap as cpu_heap
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from batchgen.engine import cpu_threads, host
-from batchgen.engine.cpu_threads import Sample, ThreadGovernor, threads_for
+from batchgen.engine.cpu import host
+from batchgen.engine.cpu import threads as cpu_threads
+from batchgen.engine.cpu.threads import Sample, ThreadGovernor, threads_for
 from benchmarks.busy import busy_neighbours
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.engine.compiled_forward import bucket
-from batchgen.engine.cuda_graphs import (
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.attention.kv_store import PAD_SLOT, pool_blocks, store_kv
+from batchgen.engine.cuda.graphs import (
     MIN_GRAPH_BLOCKS,
     DecodeBuffers,
     DecodeGraphs,
@@ -21,9 +23,7 @@ from batchgen.engine.cuda_graphs import (
     pick_width,
     static_decode_attention,
 )
-from batchgen.engine.kv_store import PAD_SLOT, pool_blocks, store_kv
-from batchgen.engine.llm import LLM
-from batchgen.engine.params import SamplingParams
+from batchgen.engine.runner.compiled_forward import bucket
 
 
 def test_decode_buckets_and_choice() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.engine.config import EngineConfig, engine_config
-from batchgen.engine.llm import LLM
+from batchgen.engine.api.config import EngineConfig, engine_config
+from batchgen.engine.api.llm import LLM
 
 
 def test_unknown_setting_is_named_before_anything_loads(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_settings_reach_the_engine(tiny_model: Callable[[str], Path]) -> None:
 def test_device_availability_lists_this_machines_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from batchgen.engine.models import DeviceError, resolve_device
+    from batchgen.engine.runner.models import DeviceError, resolve_device
     from batchgen.errors import ModelError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from batchgen import LLM, RequestOutput, SamplingParams
-from batchgen.engine.tiny_models import EOS_ID
+from batchgen.testing.tiny_models import EOS_ID
 
 
 @pytest.fixture(scope="module")

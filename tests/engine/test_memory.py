@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.engine import models
-from batchgen.engine.config import EngineConfig
-from batchgen.engine.device_defaults import resolve_engine_defaults
-from batchgen.engine.llm import LLM
-from batchgen.engine.memory import (
+from batchgen.engine.api.config import EngineConfig
+from batchgen.engine.api.device_defaults import resolve_engine_defaults
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.runner import models
+from batchgen.engine.runner.memory import (
     GATHER_LAYERS_HEADROOM,
     SAMPLER_COPIES,
     MemoryProfile,
@@ -21,7 +21,7 @@ from batchgen.engine.memory import (
     pool_budget,
     profile_batch,
 )
-from batchgen.engine.pool_sizing import kv_block_bytes, kv_pool_blocks
+from batchgen.engine.runner.pool_sizing import kv_block_bytes, kv_pool_blocks
 
 GIB = 1 << 30
 
@@ -139,7 +139,7 @@ def test_gpu_memory_utilization_is_checked(value: object) -> None:
 
 
 def test_a_profiling_forward_that_runs_out_of_memory_names_the_settings() -> None:
-    from batchgen.engine.memory import profile_kv_budget
+    from batchgen.engine.runner.memory import profile_kv_budget
 
     class Runner:
         def execute(self, batch: object) -> object:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.engine import native
-from batchgen.engine.decode_native import NativeClass, NativeStep, Scratch, fill_row
+from batchgen.engine.cpu import native
+from batchgen.engine.cpu.decode_native import NativeClass, NativeStep, Scratch, fill_row
 
 from .conftest import failing_compiler
 

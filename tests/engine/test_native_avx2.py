@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.engine import native
+from batchgen.engine.cpu import native
 
 pytestmark = pytest.mark.slow  # builds (a wheel, a venv, the kernels) in tens of seconds
 

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine import linear_calibration, native, native_linear, native_ops
-from batchgen.engine.linear_calibration import bucket
-from batchgen.engine.native_linear import EVERY_BUCKET, NativeLinear, install_native_linears
+from batchgen.engine.cpu import linear_calibration, native, native_linear, native_ops
+from batchgen.engine.cpu.linear_calibration import bucket
+from batchgen.engine.cpu.native_linear import EVERY_BUCKET, NativeLinear, install_native_linears
 
 from .conftest import failing_compiler
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from batchgen.engine.llm import LLM
-from batchgen.engine.params import SamplingParams
-from batchgen.engine.tiny_models import EOS_ID, VOCAB
+from batchgen.engine.api.llm import LLM
+from batchgen.engine.api.params import SamplingParams
+from batchgen.testing.tiny_models import EOS_ID, VOCAB
 
 MAX_TOKENS = 24
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen.engine import native
-from batchgen.engine.params import SamplingParams
-from batchgen.engine.sampler import NUCLEUS_WINDOW, Sampler, greedy_ids
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.cpu import native
+from batchgen.engine.sampling.sampler import NUCLEUS_WINDOW, Sampler, greedy_ids
 
 VOCAB = 64
 EOS = 3

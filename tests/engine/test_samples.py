@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.sequence import Sequence
+from batchgen.engine.core.block_manager import BlockManager
+from batchgen.engine.core.sequence import Sequence
 
 PROMPT = [5 + (i * 7) % 200 for i in range(21)]  # 21 tokens: 2 full blocks of 8 and a partial one
 

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from batchgen.engine.block_manager import BlockManager
-from batchgen.engine.config import EngineConfig
-from batchgen.engine.params import SamplingParams
-from batchgen.engine.scheduler import ScheduledBatch, Scheduler
-from batchgen.engine.sequence import Sequence, SequenceStatus
+from batchgen.engine.api.config import EngineConfig
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.core.block_manager import BlockManager
+from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
+from batchgen.engine.core.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(

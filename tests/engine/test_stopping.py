@@ -11,9 +11,9 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
-from batchgen.engine import stopping
-from batchgen.engine.params import SamplingParams
-from batchgen.engine.stopping import REPLACEMENT_CHAR, StopChecker
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.sampling import stopping
+from batchgen.engine.sampling.stopping import REPLACEMENT_CHAR, StopChecker
 
 SENTENCES = [
     "hello world, the café is naïve",

@@ -1,0 +1,189 @@
+"""LLM: the engine's public API (vLLM names): build everything from a local model folder, generate."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel
+
+from batchgen.engine.api.config import engine_config
+from batchgen.engine.api.device_defaults import require_int, resolve_engine_defaults
+from batchgen.engine.api.outputs import RequestOutput
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.attention.path import default_block_size, detect_support, has_softcap
+from batchgen.engine.core.block_manager import BlockManager
+from batchgen.engine.core.engine import Engine
+from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.cpu.heap import keep_freed_memory
+from batchgen.engine.runner.compiled_forward import resolve_compile
+from batchgen.engine.runner.model_runner import ModelRunner
+from batchgen.engine.runner.models import kv_spec, load_model, resolve_device, resolve_dtype, resolve_max_model_len
+from batchgen.engine.runner.pool_sizing import kv_pool_blocks
+from batchgen.engine.sampling.penalties import LogitsFeatures
+from batchgen.engine.sampling.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+# What `generate` takes per prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
+PromptInput = str | list[int] | dict[str, Any]
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
+    """Every id in the generation config's eos_token_id (int or list), plus the tokenizer's eos."""
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    configured = getattr(generation_config, "eos_token_id", None)
+    if configured is None:
+        configured = getattr(model.config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, (list, tuple)):
+        ids.update(int(i) for i in configured)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class LLM:
+    """Offline batch generation with a paged KV cache, prefix caching and continuous batching."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: Any = None,
+        device: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        **settings: Any,
+    ) -> None:
+        """`settings` are EngineConfig's fields (block_size, max_num_seqs, ...); an unknown name is a
+        TypeError and a bad value a ValueError, both naming the setting."""
+        config = engine_config(**settings)
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
+        if torch_device.type == "cpu":
+            keep_freed_memory()  # why: activations freed each step are reused without page faults (cpu_heap)
+        hf_model = load_model(model, torch_device, torch_dtype)
+        self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
+        config.max_model_len = self.max_model_len
+        spec = kv_spec(hf_model.config)
+        support = detect_support(torch_device)
+        block_size = default_block_size(
+            torch_device.type, torch_dtype, spec.head_dim, has_softcap(hf_model.config), support
+        )
+        config = resolve_engine_defaults(config, torch_device.type, block_size)
+        blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, torch_device, torch_dtype)
+        runner = ModelRunner(
+            hf_model,
+            spec,
+            require_int(config.block_size, "block_size"),
+            blocks,
+            torch_device,
+            torch_dtype,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.decode_kv,
+            compile=resolve_compile(config.compile, torch_device),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            compile_fallback=config.compile == "auto",
+        )
+        block_manager = BlockManager(blocks, runner.block_size, config.enable_prefix_caching)
+        scheduler = Scheduler(config, block_manager, self.max_model_len)
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model)
+        eos = eos_token_ids(hf_model, self.tokenizer)
+        self.config = config
+        vocab_size = int(hf_model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
+        sampler = Sampler(eos)
+        # why the logits' width: penalties and grammar masks index logits, which may be wider than the embeddings
+        head = hf_model.get_output_embeddings()
+        width = int(getattr(head, "out_features", 0) or vocab_size)
+        sampler.features = LogitsFeatures(self.tokenizer, width, eos)
+        self.engine = Engine(scheduler, runner, sampler, self.tokenizer, eos, vocab_size)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Engine counters: steps, requests, errors, prefill/decode/cached/output tokens, preemptions."""
+        return self.engine.stats.as_dict()
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        lora_request: object = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order (vLLM's offline `LLM.generate`).
+
+        `prompts`: a string, a `{"prompt": str}` or `{"prompt_token_ids": [...]}` dict, a list of
+        token ids, or a list of these. `sampling_params`: one for all, one per prompt, or None for
+        the defaults. `use_tqdm` is accepted and ignored (library code shows no bars);
+        `lora_request` is refused. `on_output` is called with each output as it finishes.
+        """
+        if lora_request is not None:
+            raise NotImplementedError("LLM.generate: lora_request is not supported by batchgen")
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            raise TypeError("prompts: a flat list of ints is ambiguous; pass [[...ids]] or {'prompt_token_ids': [...]}")
+        encoded = [self._encode(i, p) for i, p in enumerate(items)]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(encoded)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(encoded):
+                raise ValueError(f"got {len(encoded)} prompts but {len(params)} SamplingParams")
+        token_ids = [ids for ids, _ in encoded]
+        return self.engine.generate(token_ids, params, on_output=on_output, texts=[t for _, t in encoded])
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        add_generation_prompt: bool = True,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content}) or a list of them,
+        rendered with the tokenizer's chat template (as vLLM's `LLM.chat`)."""
+        conversations = cast(
+            "list[list[dict[str, str]]]", [messages] if messages and isinstance(messages[0], dict) else messages
+        )
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            # why no special tokens: a rendered template already holds them (BOS etc.)
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm, on_output=on_output)
+
+    def _encode(self, index: int, prompt: object) -> tuple[list[int], str | None]:
+        """(token ids, prompt text or None) of one prompt."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"]), prompt
+        if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:
+                raise TypeError(f"prompt {index}: unsupported key(s) {unknown} (supported: prompt, prompt_token_ids)")
+            if "prompt_token_ids" in prompt:
+                ids, _ = self._encode(index, list(prompt["prompt_token_ids"]))
+                text = prompt.get("prompt")
+                return ids, text if isinstance(text, str) else None
+            if isinstance(prompt.get("prompt"), str):
+                return self._encode(index, prompt["prompt"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [int(t) for t in prompt], None
+        raise TypeError(
+            f"prompt {index} must be a string, a list of token ids, or a dict with 'prompt' or "
+            f"'prompt_token_ids', got {type(prompt).__name__}"
+        )

@@ -1,0 +1,201 @@
+"""SamplingParams: what one request asks of the engine, validated where users type it.
+
+This dataclass is the one definition of the sampling settings: the job file's `sampling` section
+and its per-row columns are derived from it (batchgen/job.py), so a field is added here once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
+
+
+class SettingError(ValueError):
+    """A setting has a wrong type or value; `field` names it (for the job file's key and line)."""
+
+    def __init__(self, owner: str, name: str, expected: str, value: Any) -> None:
+        super().__init__(f"{owner}.{name} must be {expected}, got {value!r}")
+        self.field = name
+        self.expected = expected
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# Below this temperature a request is greedy: logits / ~0 overflow float32 (vLLM's cut-off).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (vLLM names and defaults).
+
+    temperature 0 (below 1e-5) means greedy; top_k 0 or -1 and top_p 1.0 disable those filters.
+    `max_tokens` None means up to the context; 0 generates nothing (scoring with prompt_logprobs).
+    `n` samples share one prefill; sample i of a seeded request draws with seed + i. `logprobs`
+    and `prompt_logprobs` (K in 0..20) are taken from the raw logits, before any processing.
+    Invalid values raise SettingError (a ValueError) naming the field.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Logits processing (batchgen/engine/sampling/penalties.py, structured.py): vLLM's names and meanings.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    structured: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        s = self
+        checks = [
+            (
+                "max_tokens",
+                s.max_tokens is None or (is_int(s.max_tokens) and s.max_tokens >= 0),
+                "null (up to the context) or an integer >= 0",
+            ),
+            ("temperature", is_finite(s.temperature) and s.temperature >= 0.0, "a finite number >= 0"),
+            ("top_p", is_finite(s.top_p) and 0.0 < s.top_p <= 1.0, "a number in (0, 1]"),
+            ("top_k", is_int(s.top_k) and s.top_k >= 0, "0 (disabled), -1 (disabled) or an integer >= 1"),
+            ("min_p", is_finite(s.min_p) and 0.0 <= s.min_p <= 1.0, "a number in [0, 1]"),
+            (
+                "min_tokens",
+                is_int(s.min_tokens) and s.min_tokens >= 0 and (s.max_tokens is None or s.min_tokens <= s.max_tokens),
+                f"an integer in [0, max_tokens={s.max_tokens}]",
+            ),
+            ("n", is_int(s.n) and s.n >= 1, "an integer >= 1"),
+            (
+                "seed",
+                s.seed is None or (is_int(s.seed) and SEED_MIN <= s.seed <= SEED_MAX),
+                f"null or an integer that fits 64 bits ({SEED_MIN} .. {SEED_MAX})",
+            ),
+            ("stop", all(isinstance(x, str) and x for x in s.stop), "a list of non-empty strings"),
+            ("stop_token_ids", all(is_int(t) and t >= 0 for t in s.stop_token_ids), "a list of non-negative token ids"),
+        ]
+        checks += [
+            (name, v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), f"null or an integer in [0, {MAX_LOGPROBS}]")
+            for name, v in (("logprobs", s.logprobs), ("prompt_logprobs", s.prompt_logprobs))
+        ]
+        checks += [
+            (name, isinstance(getattr(s, name), bool), "true or false")
+            for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+        ]
+        checks += _feature_checks(s)
+        for name, ok, expected in checks:
+            if not ok:
+                raise SettingError("SamplingParams", name, expected, getattr(self, name))
+
+    @property
+    def uses_logits_features(self) -> bool:
+        """Any penalty, bias, bad word, allowed-ids list or structured output: the sampler must process logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or bool(self.bad_words)
+            or self.allowed_token_ids is not None
+            or self.structured is not None
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """The one definition of greedy (engine sampler and hf backend): argmax of the raw logits."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _feature_checks(s: SamplingParams) -> list[tuple[str, bool, str]]:
+    """Shape checks of the logits-processing settings (vLLM's ranges); grammars compile later."""
+    bias = s.logit_bias
+    allowed = s.allowed_token_ids
+    return [
+        ("repetition_penalty", is_finite(s.repetition_penalty) and s.repetition_penalty > 0.0, "a number > 0"),
+        (
+            "presence_penalty",
+            is_finite(s.presence_penalty) and -2.0 <= s.presence_penalty <= 2.0,
+            "a number in [-2, 2]",
+        ),
+        (
+            "frequency_penalty",
+            is_finite(s.frequency_penalty) and -2.0 <= s.frequency_penalty <= 2.0,
+            "a number in [-2, 2]",
+        ),
+        (
+            "logit_bias",
+            bias is None
+            or (
+                isinstance(bias, dict)
+                and all(is_int(t) and t >= 0 and is_finite(b) and -100.0 <= b <= 100.0 for t, b in bias.items())
+            ),
+            "null or a mapping of token id (>= 0) to a bias in [-100, 100]",
+        ),
+        (
+            "bad_words",
+            isinstance(s.bad_words, list) and all(isinstance(w, str) and w.strip() for w in s.bad_words),
+            "a list of non-empty strings",
+        ),
+        (
+            "allowed_token_ids",
+            allowed is None
+            or (isinstance(allowed, list) and bool(allowed) and all(is_int(t) and t >= 0 for t in allowed)),
+            "null or a non-empty list of non-negative token ids",
+        ),
+        ("structured", _structured_ok(s.structured), _STRUCTURED_EXPECTED),
+    ]
+
+
+_STRUCTURED_EXPECTED = (
+    "null or a mapping with exactly one of json_schema (a schema mapping or JSON text), json_object (true), "
+    "regex (text), choice (a list of strings), grammar (EBNF text)"
+)
+
+
+def _structured_ok(value: Any) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, dict) or len(value) != 1:
+        return False
+    kind, spec = next(iter(value.items()))
+    return {
+        "json_schema": isinstance(spec, (dict, str)) and bool(spec),
+        "json_object": spec is True,
+        "regex": isinstance(spec, str) and bool(spec),
+        "choice": isinstance(spec, list) and bool(spec) and all(isinstance(c, str) and c for c in spec),
+        "grammar": isinstance(spec, str) and bool(spec.strip()),
+    }.get(kind, False)

@@ -1,0 +1,137 @@
+"""The decode K/V source: where a step's decodes read their keys and values from.
+
+Why a seam: decode attention has two good layouts and the attention function should not care
+which one it reads. Gathered blocks (decode_gather) copy each decode's blocks out of the paged
+pool per layer, which costs nothing to keep but a copy per step; contiguous rows (decode_rows)
+keep a per-sequence copy that grows by one token per step, which on CPU, where a decode step is
+memory-bound, saves most of that copy at the price of extra memory. The engine setting
+`decode_kv` picks one ("auto": rows on CPU, gather elsewhere).
+
+A source plans each step's decodes into groups of similar length (one padded attention call
+each), is told each layer's new K/V, and hands each group's keys as [B, KVH, D, L] and its
+values as [B, KVH, L, D] (keys transposed, as the scores' product reads them: a source that
+stores them so, contiguous along L, gets the batched-product path; see attention). Whether a
+group may use cascade attention over a shared prefix is decided here, from block tables, the
+same way for both sources.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Protocol
+
+import torch
+
+from batchgen.engine.attention.cascade import cascade_len
+
+DecodeKV = Literal["gather", "rows"]
+DECODE_KV_SETTINGS = ("auto", "gather", "rows")
+
+Pool = tuple[torch.Tensor, torch.Tensor]  # one layer's K, V: [num_blocks, block_size, KVH, D]
+
+
+def resolve_decode_kv(setting: str, device: torch.device) -> DecodeKV:
+    """ "auto" -> rows on CPU (memory-bound decode), gather elsewhere (the copy is cheap, rows cost memory)."""
+    if setting == "auto":
+        return "rows" if device.type == "cpu" else "gather"
+    if setting not in ("gather", "rows"):
+        raise ValueError(f"decode_kv must be one of {DECODE_KV_SETTINGS}, got {setting!r}")
+    return setting  # type: ignore[return-value]
+
+
+class DecodeRequest(NamedTuple):
+    """One decode of this step: the sequence, its position (= tokens already cached) and its blocks."""
+
+    seq_id: int
+    position: int
+    block_table: Sequence[int]
+    max_len: int = 0  # the most tokens the sequence may ever hold (prompt + max_tokens); 0: unknown
+
+
+@dataclass
+class DecodeGroup:
+    """Consecutive decodes of a step, attended in one padded call: packed tokens [start, start + num_seqs)."""
+
+    start: int
+    num_seqs: int
+    context_lens: torch.Tensor  # [num_seqs] tokens in cache after this step, the new one included
+    kv_len: int  # L: the padded key length of the group's K/V
+    shared_len: int = 0  # > 0: the first shared_len keys are the same blocks in every row (cascade)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
+    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B * KVH, 1, L] (0 / -inf)
+
+
+class DecodeStep(Protocol):
+    """One step's decodes as a source planned them; the attention function reads only this."""
+
+    groups: list[DecodeGroup]
+
+    def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Called per layer after its new K/V went to the pool; key/value [KVH, T, D], decodes first."""
+
+    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, KVH, D, L], values [B, KVH, L, D] of groups[group] (row b: positions 0..L-1 of its b-th decode)."""
+
+    def attend(
+        self,
+        layer: int,
+        pool: Pool,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        window: int | None,
+        slots: torch.Tensor | None = None,
+    ) -> bool:
+        """Attend every decode of this layer itself (q [H, T, D], key/value [KVH, T, D], out [T, H, D]),
+        its K/V updated too, and stored in the pool at `slots` when given (see writes_pool); False:
+        the caller runs update() and attends group by group over kv()."""
+
+    @property
+    def writes_pool(self) -> bool:
+        """Whether attend() can store a decode-only step's K/V in the pool itself (the caller then does not)."""
+
+
+class DecodeKVSource(Protocol):
+    """Plans every step's decodes; one per model runner, for its lifetime."""
+
+    def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], DecodeStep]:
+        """(packed order of the decodes as indices into `decodes`, the step). Decodes are packed first."""
+
+    def reset(self) -> None:
+        """Forget every sequence (the engine aborted them all)."""
+
+
+Stage = Callable[[torch.Tensor], torch.Tensor]  # host int64 tensor -> its device copy (see transfers)
+
+
+def make_group(start: int, decodes: Sequence[DecodeRequest], kv_len: int, block_size: int, stage: Stage) -> DecodeGroup:
+    """A group of consecutive packed decodes padded to `kv_len` keys; cascade when they share enough blocks."""
+    positions = [d.position for d in decodes]
+    shared = cascade_len([d.block_table for d in decodes], positions, block_size, kv_len)
+    context_lens = torch.tensor(positions) + 1  # [B]
+    return DecodeGroup(
+        start=start, num_seqs=len(decodes), context_lens=stage(context_lens), kv_len=kv_len, shared_len=shared
+    )
+
+
+def padded_tables(tables: Iterable[Sequence[int]], counts: Sequence[int], width: int) -> torch.Tensor:
+    """The first counts[i] block ids of tables[i], padded with block 0 (masks hide it) -> [rows, width] int64.
+
+    Why an array: torch.tensor() over nested Python lists costs ~0.3 us per element, which at
+    64 sequences x 40 blocks is a sizeable share of a CPU decode step; an array copies at C speed.
+    """
+    buf = array("q")
+    for table, n in zip(tables, counts):
+        buf.extend(table[:n])
+        buf.extend([0] * (width - n))
+    return torch.frombuffer(buf, dtype=torch.int64).view(len(counts), width)
+
+
+def gather_blocks(cache: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """Blocks `index` of one layer's cache as [rows, KVH, L, D] (a strided view of one gathered copy)."""
+    blocks = cache.index_select(0, index)  # [rows * max_blocks, block_size, KVH, D]
+    return blocks.view(rows, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)

@@ -1,0 +1,289 @@
+"""BlockManager: the KV block pool — ref counts, the LRU free list and the prefix hash table.
+
+All prefix-cache hashing lives here; the scheduler only sees block ids and token counts through
+three calls: `get_computed_blocks` (match), `allocate_slots` (allocate) and `free`.
+
+Block states:
+  - referenced (ref > 0): in some sequence's block table; never evicted.
+  - free (ref == 0): in the free list. A free block may still hold a hash (its K/V content is
+    valid and matchable); it is "evicted" only when popped for reuse, which drops its hash.
+The free list is the LRU eviction order: allocation pops from the front (least recently freed),
+`free` appends to the back. Hashless free blocks (content nobody can match) are put at the front,
+so they are reused before any cached block.
+
+Forked samples (n > 1) share their prompt's blocks by reference (`fork`). The partially filled
+last block is copied on write: when a sequence is about to write into a block someone else also
+holds, it gets a fresh block and a (source, destination) copy that the model runner makes before
+the step's forward (`take_copies`); the last holder writes in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from batchgen.engine.core.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+_ROOT_HASH = b"batchgen-prefix-v1"  # parent of a sequence's first block
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """Chained hash of one full block: digest(parent digest + tokens as little-endian int64).
+
+    Deterministic across processes and machines (unlike Python's salted `hash()`), so a hash
+    means the same K/V content everywhere. Chaining makes a block's hash identify the whole
+    prefix up to and including it, not just its own tokens.
+    """
+    packed = array("q", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    h = hashlib.blake2b(parent_hash, digest_size=32)
+    h.update(packed.tobytes())
+    return h.digest()
+
+
+@dataclass
+class _SeqHashes:
+    """Per-sequence hash cache: hashes of its full blocks, and how many of its table are registered."""
+
+    hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0  # block_table[:num_registered] are already hashed or skipped
+
+
+class BlockManager:
+    """Fixed pool of `num_blocks` KV blocks of `block_size` tokens each."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"BlockManager num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"BlockManager block_size must be an integer >= 1, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
+        # Insertion order = eviction order; O(1) pop-front, append, and removal by id.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._seq_hashes: dict[Sequence, _SeqHashes] = {}
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) blocks, not yet made
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0, cached-but-unreferenced ones included (they are evictable)."""
+        return len(self._free)
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in eviction order (next to be reused first); for tests and debugging."""
+        return list(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        """Longest chain of cached full blocks matching `seq.token_ids` from the start.
+
+        Returns (block ids, tokens they cover). Capped so at least one token is left to compute:
+        the last token must run through the model to produce logits. Changes no ref counts.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._hashes_upto(seq, max_blocks)
+        blocks: list[int] = []
+        for block_hash in hashes[:max_blocks]:
+            block_id = self.hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Whether `allocate_slots` with the same arguments would succeed now (changes nothing)."""
+        computed = computed_blocks or []
+        self._check_args(seq, num_new_tokens, computed)
+        needed = self._num_new_blocks(seq, num_new_tokens, computed) + self._shared_tail(seq, num_new_tokens)
+        return needed <= self._num_available(computed)
+
+    # --------------------------------------------------------------- mutations
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Extend `seq.block_table` to cover its computed tokens plus `num_new_tokens`.
+
+        `computed_blocks` (from `get_computed_blocks`) may only be given for a fresh sequence
+        (empty block table, `num_computed_tokens == 0`; ValueError otherwise). On success they
+        head the block table (ref + 1); `seq.num_computed_tokens` is left alone: the scheduler,
+        its only writer, sets it to the cached tokens `get_computed_blocks` returned. Every block
+        that becomes full with known tokens is registered in the hash table. Returns False and
+        changes nothing when the pool is short.
+        """
+        if num_new_tokens == 1 and not computed_blocks and self._slot_in_place(seq):
+            # why a fast path: a decode is one token, usually into a block the sequence already owns
+            # alone, and every running sequence takes this call every step
+            if self.enable_prefix_caching:
+                self._register_full_blocks(seq, seq.num_computed_tokens + 1)
+            return True
+        computed = computed_blocks or []
+        self._check_args(seq, num_new_tokens, computed)
+        num_new_blocks = self._num_new_blocks(seq, num_new_tokens, computed)
+        cow = self._shared_tail(seq, num_new_tokens)
+        if num_new_blocks + cow > self._num_available(computed):
+            return False
+        if cow:
+            self._copy_on_write(seq)
+        for block_id in computed:
+            self._touch(block_id)
+        seq.block_table.extend(computed)
+        seq.block_table.extend(self._pop_free() for _ in range(num_new_blocks))
+        if self.enable_prefix_caching:
+            state = self._seq_hashes.setdefault(seq, _SeqHashes())
+            state.num_registered = max(state.num_registered, len(computed))
+            covered = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+            self._register_full_blocks(seq, covered)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks and clear its block table.
+
+        Blocks reaching ref 0 join the free list tail first, so that among them the chain tail
+        is evicted first (a later match of the head still finds an unbroken chain). They keep
+        their hash and stay matchable until evicted.
+        """
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated (seq {seq.seq_id})")
+            if self.ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                if self.block_hashes[block_id] is None:
+                    # why: hashless content can never be matched; reuse it before any cached block
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table.clear()
+        self._seq_hashes.pop(seq, None)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (ref + 1 each); a shared partial block is copied
+        when one of them first writes into it (see allocate_slots)."""
+        if child.block_table:
+            raise ValueError(f"seq {child.seq_id} already holds blocks; only a fresh sequence can fork")
+        for block_id in parent.block_table:
+            self.ref_counts[block_id] += 1
+        child.block_table.extend(parent.block_table)
+        state = self._seq_hashes.get(parent)
+        if state is not None:
+            self._seq_hashes[child] = _SeqHashes(list(state.hashes), state.num_registered)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies decided since the last call; the runner makes them before the forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash, so no later request matches K/V written before now.
+
+        Why: after a step that failed mid-forward, blocks registered for that step may hold
+        partial or poisoned K/V. Only valid when no sequence holds a block (RuntimeError otherwise).
+        """
+        held = sum(1 for r in self.ref_counts if r)
+        if held:
+            raise RuntimeError(f"reset_prefix_cache() with {held} blocks still held by sequences")
+        self.block_hashes = [None] * self.num_blocks
+        self.hash_to_block.clear()
+        self._seq_hashes.clear()
+        self._copies.clear()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _check_args(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> None:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens} (seq {seq.seq_id})")
+        if computed and (seq.block_table or seq.num_computed_tokens):
+            raise ValueError(
+                f"computed_blocks may only be given for a fresh sequence; seq {seq.seq_id} has "
+                f"{len(seq.block_table)} blocks and {seq.num_computed_tokens} computed tokens"
+            )
+
+    def _slot_in_place(self, seq: Sequence) -> bool:
+        """The next token's slot is in a block of seq's table that no other sequence holds (or that
+        it starts): no block to allocate and none to copy, as the general path would find."""
+        pos = seq.num_computed_tokens
+        index = pos // self.block_size
+        table = seq.block_table
+        return index < len(table) and (pos % self.block_size == 0 or self.ref_counts[table[index]] == 1)
+
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> int:
+        covered = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        return max(0, self.blocks_needed(covered) - len(seq.block_table) - len(computed))
+
+    def _shared_tail(self, seq: Sequence, num_new_tokens: int) -> int:
+        """1 when the next token would be written into a block another sequence also holds, else 0."""
+        first = seq.num_computed_tokens
+        index = first // self.block_size
+        if not num_new_tokens or first % self.block_size == 0 or index >= len(seq.block_table):
+            return 0
+        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        index = seq.num_computed_tokens // self.block_size
+        shared = seq.block_table[index]
+        self.ref_counts[shared] -= 1  # still > 0: another sequence holds it
+        fresh = self._pop_free()
+        seq.block_table[index] = fresh
+        self._copies.append((shared, fresh))
+
+    def _num_available(self, computed: list[int]) -> int:
+        # why: a matched block with ref 0 sits in the free list; taking it shrinks what is left
+        return len(self._free) - sum(1 for b in computed if self.ref_counts[b] == 0)
+
+    def _touch(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self._free[block_id]
+        self.ref_counts[block_id] += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:
+            # Eviction: the content is about to be overwritten, so it must no longer match.
+            if self.hash_to_block.get(block_hash) == block_id:
+                del self.hash_to_block[block_hash]
+            self.block_hashes[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The sequence's chained block hashes for its first `num_blocks` full blocks (cached)."""
+        state = self._seq_hashes.setdefault(seq, _SeqHashes())
+        hashes, bs = state.hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def _register_full_blocks(self, seq: Sequence, num_covered_tokens: int) -> None:
+        """Hash every block of the table that is full of known tokens and not yet registered."""
+        num_full = min(num_covered_tokens, seq.num_tokens) // self.block_size
+        state = self._seq_hashes.get(seq)
+        if state is None:  # why not setdefault: it would build a _SeqHashes every decode step of every sequence
+            state = self._seq_hashes[seq] = _SeqHashes()
+        if num_full <= state.num_registered:
+            return
+        hashes = self._hashes_upto(seq, num_full)
+        for i in range(state.num_registered, num_full):
+            block_id = seq.block_table[i]
+            # why: an equal hash already registered means identical K/V exists in another block;
+            # keep the first (it may be shared) and leave this one hashless.
+            if self.block_hashes[block_id] is None and hashes[i] not in self.hash_to_block:
+                self.block_hashes[block_id] = hashes[i]
+                self.hash_to_block[hashes[i]] = block_id
+        state.num_registered = num_full

@@ -1,0 +1,109 @@
+"""One request's bookkeeping inside the engine: its n samples (each a Sequence with its stop
+checker and logprobs) and its prompt logprobs, and the RequestOutput they become.
+
+Why apart from the step loop: a request is no longer one sequence. With `n > 1` the prompt is
+prefilled once by sample 0; when that prefill ends, the engine forks samples 1..n-1 from it
+(`fork_params`: each with its own seed, seed + i, so sample i of a seeded request draws the same
+tokens whatever runs beside it), and they share the prompt's KV blocks (BlockManager.fork).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from batchgen.engine.api.params import SEED_MAX, SamplingParams
+from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.sampling.logprobs import TokenTexts, take_logprobs
+from batchgen.engine.sampling.stopping import StopChecker
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed: seed + index (vLLM's rule), wrapped into 64 bits."""
+    if seed is None:
+        return None
+    value = seed + index
+    return value - (1 << 64) if value > SEED_MAX else value
+
+
+def fork_params(params: SamplingParams, index: int) -> SamplingParams:
+    """A forked sample's params: its own seed, one sample, no prompt logprobs (the parent takes them)."""
+    return dataclasses.replace(params, seed=sample_seed(params.seed, index), n=1, prompt_logprobs=None)
+
+
+@dataclass
+class SampleState:
+    """One sample: its sequence, stop checker, and logprobs when asked."""
+
+    index: int
+    seq: Sequence
+    stop: StopChecker
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    done: bool = False
+
+    def record(self, entry: PositionLogprobs, logprob: float) -> None:
+        if self.logprobs is None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        self.logprobs.append(entry)
+        self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob
+
+    def completion(self) -> CompletionOutput:
+        asked = self.seq.params.logprobs is not None
+        return CompletionOutput(
+            index=self.index,
+            text=self.stop.text,
+            token_ids=self.seq.output_token_ids,
+            cumulative_logprob=(self.cumulative_logprob or 0.0) if asked else None,
+            logprobs=(self.logprobs or []) if asked else None,
+            finish_reason=self.stop.finish_reason or "length",
+            stop_reason=self.stop.stop_reason,
+        )
+
+
+@dataclass
+class RequestState:
+    """A request in flight: samples[0] is the sequence that prefills the prompt."""
+
+    request_id: int
+    prompt: str | None
+    params: SamplingParams
+    samples: list[SampleState]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    forked: bool = False  # samples 1..n-1 exist (always true for n == 1)
+
+    @property
+    def parent(self) -> Sequence:
+        return self.samples[0].seq
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.samples) and self.forked
+
+    def store_prompt_logprobs(self, start: int, logits: torch.Tensor, texts: TokenTexts) -> None:
+        """Logprobs of prompt tokens start+1 .. start+len(logits), from the logits at start .. (rows)."""
+        store, k = self.prompt_logprobs, self.params.prompt_logprobs
+        pending = take_logprobs(logits, [k] * logits.shape[0])
+        if pending is None or store is None:
+            return
+        prompt = self.parent.prompt_token_ids
+        targets = prompt[start + 1 : start + 1 + logits.shape[0]]
+        for j, (entry, _) in enumerate(pending.resolve(targets, texts)):
+            if store[start + j + 1] is None:  # why: a recomputation after preemption repeats positions
+                store[start + j + 1] = entry
+
+    def output(self) -> RequestOutput:
+        completions = [s.completion() for s in self.samples]
+        if self.params.max_tokens == 0:  # scoring only: n empty samples, none was forked
+            completions = [dataclasses.replace(completions[0], index=i) for i in range(self.params.n)]
+        return RequestOutput(
+            request_id=str(self.request_id),
+            prompt=self.prompt,
+            prompt_token_ids=self.parent.prompt_token_ids,
+            outputs=completions,
+            prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.parent.num_cached_tokens,
+        )

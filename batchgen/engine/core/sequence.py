@@ -1,0 +1,70 @@
+"""Sequence: one request's state inside the engine (tokens, progress, KV blocks, usage).
+
+The single scheduling rule (vLLM v1): `num_computed_tokens` (tokens whose K/V are in the cache)
+catches up with `num_tokens`. A prefill chunk and a decode step are the same thing: a chunk of
+`token_ids[num_computed_tokens : num_computed_tokens + n]`; a decode is a chunk of one token
+(exactly: see scheduler.is_decode). Only the scheduler writes `num_computed_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from batchgen.engine.api.params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(init=False)  # prompt + generated so far
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the paged cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    block_table: list[int] = field(default_factory=list)  # KV block ids, in token order
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens this sequence may ever hold in the cache: prompt + max_tokens (resolved by the engine)."""
+        return len(self.prompt_token_ids) + (self.params.max_tokens or 0)
+
+    @property
+    def seats(self) -> int:
+        """Running seats this sequence takes: n while its samples are still to be forked from it."""
+        n = self.params.n
+        return n if n > 1 and self.num_output_tokens == 0 and self.params.max_tokens != 0 else 1
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

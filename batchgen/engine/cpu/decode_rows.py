@@ -1,0 +1,380 @@
+"""DecodeRows: the decode K/V source that keeps a contiguous copy of each decoding sequence's K/V.
+
+Why: on CPU a decode step is memory-bound. Gathering every sequence's blocks out of the paged
+pool each step copies its whole context per layer, and attention then reads the copy again. Here
+a decoding sequence holds a row of per-layer tensors, filled once from its blocks; each step
+appends one token per layer, and attention reads the rows as views. The paged pool stays the
+source of truth (prefix caching, preemption): it is written exactly as before, a row is only a
+copy of it, and a row that is out of step with its sequence is dropped and refilled.
+
+Rows come in length classes (class c holds contexts up to MIN_CLASS_LEN * 2**c tokens), one
+pack of tensors per class (keys indexed `[rows, kv_heads, head_dim, class length]`, stored so in
+float32, where attention reads them along positions, or in tiles of positions where the native
+kernel attends; values `[rows, kv_heads, class length, head_dim]`), so a short sequence is padded
+only to its class, never to the longest sequence. A
+sequence that outgrows its class is refilled into the next one (a copy of its context, about
+twice over its whole life, instead of once per step); one that can only end within the next
+class starts there (row_class). A step's decodes are packed by (class, row). For the torch
+attention rows are packed 0..n-1 within a class (a freed row is taken by the last one): decode j
+of class c is row j, and each class is one decode group (see decode_kv). The native kernel is
+handed each decode's row, so there a freed row stays a hole until a new sequence takes it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.attention.cascade import shared_prefix_len
+from batchgen.engine.attention.decode_kv import DecodeGroup, DecodeRequest, Stage, make_group
+from batchgen.engine.cpu.decode_native import NativeClass, NativeStep, Scratch
+from batchgen.engine.cpu.native import TILE, NativeKernels
+from batchgen.engine.cpu.rows_view import ClassStep, RowsView
+
+MIN_CLASS_LEN = 64  # tokens held by the shortest class
+FREE = -1  # a tiled pack's row that no sequence holds
+MIN_ROWS = 8  # a class's first allocation when the number of rows is not bounded
+ROW_GROWTH = 2  # then its row count doubles, so reallocation copies are amortized
+
+
+def length_class(length: int) -> int:
+    """The smallest class whose rows hold `length` tokens."""
+    return 0 if length <= MIN_CLASS_LEN else math.ceil(math.log2(length / MIN_CLASS_LEN))
+
+
+def row_class(length: int, max_len: int) -> int:
+    """The class of a new row for a sequence of `length` tokens that may grow to `max_len` (0: unknown).
+
+    Why one class ahead when the sequence can only end there: a prompt just below a class's length
+    would otherwise be copied into a row twice within a few steps (a 500-token prompt with 16-64
+    new tokens: filled at 500, refilled at 513; (b)'s row fills took 69 ms, now 34). Only one class,
+    because a class's rows are reserved at once for every seat, and a long generation would
+    reserve its longest class for its whole life; it moves up as before once it outgrows that.
+    """
+    here = length_class(length)
+    return here + 1 if length_class(max_len) == here + 1 else here
+
+
+class _Pack:
+    """The rows of one length class: tensors and which sequence holds which row."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        shape_tail: tuple[int, int, int],  # (KVH, class length, D): a value row's shape
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int | None,
+        tiled: bool = False,
+    ) -> None:
+        self.num_layers, self.shape_tail, self.dtype, self.device = num_layers, shape_tail, dtype, device
+        self.max_rows = max_rows
+        self.tiled = tiled  # keys in the native kernel's tiles (see _keys)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.seqs: list[int] = []  # seq id of each row (FREE: none, tiled packs only)
+        self.free: list[int] = []  # tiled packs: rows left by finished sequences, taken first
+        self.zeroed = 0  # rows 0..zeroed-1 hold finite values (see add)
+
+    def add(self, seq_id: int, filled: int) -> int:
+        """A row for `seq_id`, whose positions 0..filled-1 the step's fill will write."""
+        if self.free:
+            row = heapq.heappop(self.free)
+            self.seqs[row] = seq_id
+            return row
+        row = len(self.seqs)
+        if not self.k or row == self.k[0].shape[0]:
+            # why all max_rows at once: `empty` only reserves address space (pages are touched on
+            # first use), so growing in steps would copy for nothing
+            self._grow(max(row + 1, self.max_rows or max(MIN_ROWS, ROW_GROWTH * row)))
+        if row >= self.zeroed and not self.tiled:
+            # why: masked positions still enter the torch attention's arithmetic (0 * NaN is NaN),
+            # so a row's padding must hold finite values; a used row's stale K/V are finite, fresh
+            # memory may not be. Only the part the fill will not write is zeroed, on first use
+            # (a step that fails mid-fill can leave garbage behind: a NaN there reaches the
+            # logits and fails the engine's NaN check, it cannot pass silently). Why not tiled
+            # rows: the native kernel reads no position at or past a row's length (keys nor
+            # values), so their padding is never read (zeroing it cost ~5% of workload (b)).
+            for k, v in zip(self.k, self.v):
+                k[row, ..., filled:].zero_()
+                v[row, :, filled:].zero_()
+            self.zeroed = row + 1
+        self.seqs.append(seq_id)
+        return row
+
+    def remove(self, row: int, moved_len: int) -> int | None:
+        """Free `row`; the last row (with `moved_len` tokens) moves into it. Returns the moved seq.
+
+        Tiled packs (the native kernel's) keep the hole instead, for the next row to take, and move
+        nothing: the kernel reads each decode's own row, and a move copied the last row's whole
+        context in every layer (~0.2 ms a finished sequence in (b))."""
+        if self.tiled:
+            self.seqs[row] = FREE
+            heapq.heappush(self.free, row)
+            return None
+        last = self.seqs.pop()
+        if row == len(self.seqs):
+            return None
+        tiles = -(-moved_len // TILE)
+        for k, v in zip(self.k, self.v):
+            if self.tiled:
+                k[row, :, :tiles] = k[len(self.seqs), :, :tiles]
+            else:
+                k[row, ..., :moved_len] = k[len(self.seqs), ..., :moved_len]
+            v[row, :, :moved_len] = v[len(self.seqs), :, :moved_len]
+        self.seqs[row] = last
+        return last
+
+    def _empty(self, *shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _keys(self, rows: int, kvh: int, d: int, length: int) -> torch.Tensor:
+        """Key rows, indexed [rows, KVH, D, length] whatever their storage; tiled, [rows, KVH,
+        length / TILE, D, TILE] for the native kernel (decode_attention.c).
+
+        Why float32 alone is stored transposed: its attention is two batched products that read
+        keys along positions (attention._batched_decode_attention); in bfloat16 those are slower
+        on CPU than SDPA over [length, D] keys (5.8-6.0 vs 4.4-5.0 ms for 4 layers, 64 x 266).
+        Why tiles for the kernel: a tile of TILE positions x D keys is then one contiguous run,
+        one stream to the prefetcher instead of D (decode attention of the 57M model, head dim
+        64: 22.0 -> 19.0 ms for 4 layers of 64 rows, benchmarks/RESULTS.md, fourth pass).
+        """
+        if self.tiled:
+            return self._empty(rows, kvh, length // TILE, d, TILE)
+        if self.dtype == torch.float32:
+            return self._empty(rows, kvh, d, length)
+        return self._empty(rows, kvh, length, d).transpose(-1, -2)
+
+    def _grow(self, rows: int) -> None:
+        kvh, length, d = self.shape_tail
+        have = self.k[0].shape[0] if self.k else 0
+        new_k = [self._keys(rows, kvh, d, length) for _ in range(self.num_layers)]
+        new_v = [self._empty(rows, kvh, length, d) for _ in range(self.num_layers)]
+        for old, new in zip(self.k + self.v, new_k + new_v):
+            new[:have] = old
+        self.k, self.v = new_k, new_v
+
+
+@dataclass
+class _Repeat:
+    """The last step's native plan, for a step that repeats it one position on (DecodeRows.plan)."""
+
+    seq_ids: list[int]  # its decodes' sequences, in the order plan() was given them
+    limits: list[int]  # the positions each one's row holds (its class length)
+    order: list[int]  # the packed order plan() returned
+    members: list[list[int]]  # per class, in packed order: indices of its decodes
+    step: NativeStep  # its classes hold each class's row tensors
+
+
+class DecodeRows:
+    """Every decoding sequence's row, by length class; plans each step's rows (a DecodeKVSource)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int | None = None,
+        pool_tokens: int | None = None,
+        native: NativeKernels | None = None,
+    ) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size = block_size
+        self.max_len = max_len  # no sequence is longer: caps the longest class
+        self.max_rows = max_rows  # no step has more decodes: caps every class's rows
+        self.pool_tokens = pool_tokens  # the pool holds no more: caps the rows of long classes
+        self.dtype, self.device = dtype, device
+        self.stage: Stage = lambda t: t.to(device)  # the model runner routes it through its Transfers
+        self._packs: dict[int, _Pack] = {}
+        self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
+        self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
+        self.num_fills = 0  # rows filled from the pool (for tests and the benchmark)
+        self.native = native  # set: the native kernel attends the decodes (decode_native.kernels_for)
+        self._scratch = Scratch()
+        self._arange = torch.arange(0, device=device)
+        self._repeat: _Repeat | None = None  # the last native plan (see _repeated)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._where)
+
+    def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], RowsView]:
+        """Rows for this step's decodes -> (their packed order as indices into `decodes`, the view).
+
+        A row is kept when its sequence decodes again at the next position in the same class;
+        otherwise it is released, and the sequence gets a new row filled from the pool.
+        """
+        repeated = self._repeated(decodes)
+        if repeated is not None:
+            return repeated
+        self._repeat = None
+        wanted = {d.seq_id: d for d in decodes}
+        for seq_id in [s for s in self._where if not self._in_step(s, wanted.get(s))]:
+            self._release(seq_id)
+        fills: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        for d in decodes:
+            if d.seq_id not in self._where:
+                self._assign(d, fills)
+            # why now: the forward appends this step's token; a failed step is caught by the
+            # length check next time (the position will not have advanced), and refilled
+            self._len_of[d.seq_id] = d.position + 1
+        order = sorted(range(len(decodes)), key=lambda i: self._where[decodes[i].seq_id])
+        by_class: dict[int, list[DecodeRequest]] = {}
+        for i in order:
+            by_class.setdefault(self._where[decodes[i].seq_id][0], []).append(decodes[i])
+        view = RowsView(
+            [ClassStep(self._packs[c].k, self._packs[c].v, len(ds), fills.get(c, [])) for c, ds in by_class.items()]
+        )
+        if self.native is not None:
+            view.native = self._native_step(self.native, view.classes, list(by_class.values()))
+            self._remember(decodes, order, view)
+            return order, view
+        for step, ds in zip(view.classes, by_class.values()):
+            step.positions = self.stage(torch.tensor([d.position for d in ds]))
+            step.rows = self._rows(len(ds))
+        view.groups = self._groups([decodes[i] for i in order], [len(ds) for ds in by_class.values()])
+        return order, view
+
+    def _repeated(self, decodes: list[DecodeRequest]) -> tuple[list[int], RowsView] | None:
+        """The last native plan one position on, when this step is that step's decodes in the same
+        order, each at the position after it and still within its row: what the full plan would
+        find (every row kept, none filled, the same order and classes), without its per-sequence
+        dictionaries, sort and table. Why: in a long decode nearly every step is such a step, and
+        the full plan cost ~0.18 ms of a 64-sequence CPU step. None: plan it in full."""
+        last = self._repeat
+        if last is None or len(decodes) != len(last.seq_ids) or len(self._where) != len(decodes):
+            return None
+        len_of = self._len_of
+        for d, seq_id, limit in zip(decodes, last.seq_ids, last.limits):
+            if d.seq_id != seq_id or len_of[seq_id] != d.position or d.position >= limit:
+                return None
+        for d in decodes:
+            len_of[d.seq_id] = d.position + 1
+        groups = [[decodes[i] for i in members] for members in last.members]
+        last.step.advance([d.position + 1 for ds in groups for d in ds], [self._shared(ds) for ds in groups])
+        view = RowsView([ClassStep(part.k, part.v, part.num_rows) for part in last.step.classes], native=last.step)
+        return last.order, view
+
+    def _remember(self, decodes: list[DecodeRequest], order: list[int], view: RowsView) -> None:
+        """Keep this native plan for a next step that repeats it (_repeated)."""
+        assert view.native is not None
+        where = [self._where[d.seq_id] for d in decodes]
+        members: dict[int, list[int]] = {}
+        for i in order:
+            members.setdefault(where[i][0], []).append(i)
+        self._repeat = _Repeat(
+            seq_ids=[d.seq_id for d in decodes],
+            limits=[MIN_CLASS_LEN << c for c, _ in where],
+            order=order,
+            members=list(members.values()),
+            step=view.native,
+        )
+
+    def _native_step(
+        self, kernels: NativeKernels, classes: list[ClassStep], decodes: list[list[DecodeRequest]]
+    ) -> NativeStep:
+        """The kernel's view of the step: each class's rows, and what every decode attends to.
+
+        Why every shared prefix, not only cascade's (decode_kv.make_group): the kernel reads a shared
+        prefix from the class's first row at no extra cost, so any length of it saves reads."""
+        parts = [
+            NativeClass(step.k, step.v, step.num_rows, self._shared(ds), [self._where[d.seq_id][1] for d in ds])
+            for step, ds in zip(classes, decodes)
+        ]
+        return NativeStep(kernels, parts, [d.position + 1 for ds in decodes for d in ds], self._scratch)
+
+    def _shared(self, decodes: list[DecodeRequest]) -> int:
+        """Positions that every decode of a class holds in the very same, fully cached blocks."""
+        if len(decodes) < 2:
+            return 0
+        return shared_prefix_len([d.block_table for d in decodes], [d.position for d in decodes], self.block_size)
+
+    def _rows(self, n: int) -> torch.Tensor:
+        """0..n-1 on the device, made once per n (a slice of one arange, grown as needed)."""
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
+        return self._arange[:n]
+
+    def reset(self) -> None:
+        """Release every row; the tensors stay allocated, and (but the native kernel's, whose
+        padding is never read) are zeroed again on first use.
+
+        Why re-zero: a reset follows a failed step, which may have left NaN in a row's padding.
+        """
+        self._where.clear()
+        self._len_of.clear()
+        self._repeat = None
+        for pack in self._packs.values():
+            pack.seqs.clear()
+            pack.free.clear()
+            pack.zeroed = 0
+
+    def _groups(self, packed: list[DecodeRequest], sizes: list[int]) -> list[DecodeGroup]:
+        """One group per class (`sizes` rows each, in packed order), padded to its longest context."""
+        groups, first = [], 0
+        for n in sizes:
+            group = packed[first : first + n]
+            kv_len = max(d.position for d in group) + 1
+            groups.append(make_group(first, group, kv_len, self.block_size, self.stage))
+            first += n
+        return groups
+
+    def _class_rows(self, c: int) -> int | None:
+        """Most rows class c can ever need: seats, and what the pool can hold at the class's lengths.
+
+        Why: the rows of a class are reserved at once (address space only), and a long class with
+        many seats could ask for more than the machine has, although the pool never holds that much.
+        """
+        if self.max_rows is None or self.pool_tokens is None or c == 0:
+            return self.max_rows
+        # every sequence in class c holds at least this many (see row_class: one class early)
+        shortest = (MIN_CLASS_LEN << (c - 2)) + 1 if c > 1 else 1
+        return min(self.max_rows, self.pool_tokens // shortest + 1)
+
+    def _in_step(self, seq_id: int, d: DecodeRequest | None) -> bool:
+        """Its row holds positions 0..d.position-1 and still fits the next one.
+
+        Why `position < class length` stands for `length_class(position + 1) == class`: a row only
+        ever grows from a position its class was chosen for, so it cannot have fallen below it."""
+        return (
+            d is not None
+            and self._len_of[seq_id] == d.position
+            and d.position < MIN_CLASS_LEN << self._where[seq_id][0]
+        )
+
+    def _assign(self, d: DecodeRequest, fills: dict[int, list[tuple[int, int, torch.Tensor]]]) -> None:
+        c = row_class(d.position + 1, min(d.max_len, self.max_len))
+        if c not in self._packs:
+            length = min(MIN_CLASS_LEN << c, max(self.max_len, d.position + 1))
+            if self.native is not None:  # why: the kernel's keys come in whole tiles
+                length = -(-length // TILE) * TILE
+            self._packs[c] = _Pack(
+                self.num_layers,
+                (self.num_kv_heads, length, self.head_dim),
+                self.dtype,
+                self.device,
+                self._class_rows(c),
+                tiled=self.native is not None,
+            )
+        row = self._packs[c].add(d.seq_id, d.position)
+        self._where[d.seq_id] = (c, row)
+        self.num_fills += 1
+        if d.position > 0:
+            blocks = self.stage(torch.tensor(d.block_table[: math.ceil(d.position / self.block_size)]))
+            fills.setdefault(c, []).append((row, d.position, blocks))
+
+    def _release(self, seq_id: int) -> None:
+        c, row = self._where.pop(seq_id)
+        del self._len_of[seq_id]
+        pack = self._packs[c]
+        last = pack.seqs[-1]
+        moved = pack.remove(row, self._len_of.get(last, 0))
+        if moved is not None:
+            self._where[moved] = (c, row)

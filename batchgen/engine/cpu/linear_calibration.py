@@ -1,0 +1,146 @@
+"""Which row counts of which linear shapes the native linear kernel takes on this machine: measured, not assumed.
+
+Why measured: the kernels (csrc/skinny_linear.c, wide_linear.c) beat MKL's sgemm by 1.2-1.8x on
+one AMD host with AVX-512 and lost to it by 5-12x on an AVX2-only one; on an Intel host they tie
+it at a row or two and win at decode sizes only in models too large for the cache. No vendor, ISA
+or size rule predicts that, and a busy machine shifts it again. So for each weight shape of a model
+the kernel and torch's own linear are timed side by side, interleaved, over all of the model's
+weights of that shape (a decode step's pass, so weights leave the cache as they do in a run), at
+each row bucket (rows in (2^(b-1), 2^b], both ends timed); the kernel takes a bucket only where its
+best time beat torch's best by MARGIN at both ends. Buckets past one whose torch pass took longer
+than SLOW_CALL, or past STOP_AFTER_LOSSES lost in a row, are not timed, and neither is anything
+once a model's calibration has spent BUDGET_SECONDS: an untimed bucket stays on torch, so a large
+model costs a few seconds once.
+
+The result is cached per machine (the kernel library's name holds its sources, flags, compiler and
+CPU), torch version and thread count, one file per shape, written once and never replaced: every
+process on a machine then takes the same choice (the first one measured), so a job's tokens do not
+depend on which process timed what.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from batchgen.engine.cpu import native
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = tuple(range(12))  # rows up to 2^11 = 2,048: decode steps and prefill chunks of the CPU default
+MARGIN = 0.9  # the kernel's best time must be below this share of torch's best
+REPEATS = 5  # interleaved timings of each side per row count; the best of each is compared
+SLOW_CALL = 0.05  # seconds: a torch pass slower than this is not timed at larger buckets
+STOP_AFTER_LOSSES = 3  # buckets lost in a row after which larger ones are not timed
+BUDGET_SECONDS = 8.0  # per model: what is left untimed stays on torch
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def bucket(rows: int) -> int:
+    """0 for one row, b for rows in (2^(b-1), 2^b] (as linear_op.cpp computes it)."""
+    return 0 if rows <= 1 else (rows - 1).bit_length()
+
+
+def bucket_ends(b: int) -> tuple[int, ...]:
+    """The row counts a bucket is timed at: both ends."""
+    return (1,) if b == 0 else tuple(sorted({2 ** (b - 1) + 1, 2**b}))
+
+
+def shape_key(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    return f"{weight.shape[0]}x{weight.shape[1]}{'+bias' if bias is not None else ''}"
+
+
+def masks(
+    groups: Mapping[str, Sequence[tuple[torch.Tensor, torch.Tensor | None]]], kernel: Linear, library: Path
+) -> dict[str, int]:
+    """Per shape key, the bucket mask for the kernel (0: torch everywhere): from the cache, else measured
+    and cached. `groups`: per shape key, every (weight, bias) of the model with that shape."""
+    deadline = time.monotonic() + BUDGET_SECONDS
+    out = {}
+    for key, layers in groups.items():
+        path = _cache_path(library, key)
+        cached = _read(path)
+        if cached is None:
+            cached = _write_once(path, measure(layers, kernel, deadline))
+        out[key] = cached
+    return out
+
+
+def measure(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], kernel: Linear, deadline: float) -> int:
+    """The bucket mask where `kernel` beat torch's linear over every layer of one shape."""
+    mask, losses = 0, 0
+    k = layers[0][0].shape[1]
+    for b in BUCKETS:
+        wins, slow = True, False
+        for rows in bucket_ends(b):
+            if time.monotonic() > deadline:
+                return mask
+            x = torch.randn(rows, k)
+            ours, theirs = _best_of(layers, x, kernel), _best_of(layers, x, F.linear)
+            wins = wins and ours < MARGIN * theirs
+            slow = slow or theirs > SLOW_CALL
+        mask |= wins << b
+        losses = 0 if wins else losses + 1
+        if slow or losses == STOP_AFTER_LOSSES:
+            break  # why stop: the BLAS pulls further ahead with rows, and an untimed bucket stays on torch
+    return mask
+
+
+def _best_of(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, fn: Linear) -> float:
+    """Best seconds of REPEATS passes of fn over every layer (one warm-up pass first)."""
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(REPEATS + 1):
+            started = time.perf_counter()
+            for weight, bias in layers:
+                fn(x, weight, bias)
+            if i:
+                best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _cache_path(library: Path, key: str) -> Path:
+    what = f"{library.name}\0{torch.__version__}\0{torch.get_num_threads()}\0{key}"
+    return native.cache_dir() / "linear-calibration" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
+
+
+def _read(path: Path) -> int | None:
+    try:
+        return int(json.loads(path.read_text())["mask"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_once(path: Path, mask: int) -> int:
+    """Store `mask` unless another process stored one first; the stored one either way (`mask`
+    itself where the cache cannot be written: a read-only home measures again next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        logger.warning("linear calibration not cached (%s): it is measured again in the next process", exc)
+        return mask
+    with os.fdopen(fd, "w") as f:
+        json.dump({"mask": mask, "threads": torch.get_num_threads(), "torch": torch.__version__}, f)
+    try:
+        os.link(tmp, path)  # never replaces: the first process's measurement is everyone's
+    except FileExistsError:
+        pass
+    except OSError as exc:  # a file system without hard links: a rename, which may replace a twin's
+        logger.debug("no hard link for %s (%s): renamed", path, exc)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    stored = _read(path)
+    return mask if stored is None else stored

@@ -1,0 +1,123 @@
+"""A model's linear layers through the native kernels (csrc/skinny_linear.c, wide_linear.c) where they measured faster.
+
+Why: a decode step multiplies a few rows (one per decoding sequence) by every weight matrix, so
+its linears are bound by reading the weights once; skinny_linear.c reads each weight row once, in
+place, against all rows, and wide_linear.c takes tens of rows with each weight broadcast into
+vectors of rows. Against torch's BLAS they win on some machines and shapes and lose badly on others
+(an AVX2-only CPU: 5-12x slower), so each layer takes the kernel only at the row counts where it was
+measured faster for its shape on this machine (linear_calibration): where it never was, the layer
+stays a plain nn.Linear.
+
+How: each such nn.Linear's class becomes NativeLinear (same parameters, same module tree), whose
+forward calls the operator `batchgen::linear` (csrc/linear_op.cpp, built against this torch on first
+use) with the layer's bucket mask: one opaque node to torch.compile, which takes the kernel in the
+mask's row buckets and at::linear in the others, so one compiled graph serves every step size. Why a
+C++ operator: from a compiled graph a call costs 12.9 us through a Python custom op, 2.8 us through
+this one (aten's own linear: 1.2 us). Where the operator cannot be built (no C++ compiler,
+BATCHGEN_NATIVE=0) the linears stay as they are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import nn
+
+from batchgen.engine.cpu import linear_calibration, native, native_ops
+
+logger = logging.getLogger(__name__)
+
+OP_NAME = "batchgen::linear"  # its CPU implementation: OP_SOURCE
+OP_SOURCE = native_ops.OPERATORS["batchgen_linear_op"]
+EVERY_BUCKET = (1 << 62) - 1  # a mask that gives the kernel every row count (tests)
+
+_OP: list[bool] = []  # once per process: whether batchgen::linear is loaded and set up
+
+
+class NativeLinear(nn.Linear):
+    """nn.Linear whose forward is the `batchgen::linear` operator (install_native_linears sets the class)."""
+
+    buckets: int  # row buckets the kernel takes (bit b: rows in (2^(b-1), 2^b]); install_native_linears sets it
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.ops.batchgen.linear(input, self.weight, self.bias, self.buckets)
+
+
+def install_native_linears(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, masks: dict[str, int] | None = None
+) -> int:
+    """Route `model`'s eligible linears through the kernel at the row buckets where it measured
+    faster for their shape (or `masks`, by shape key, when given); how many were. Eligible: exactly
+    nn.Linear (not a subclass: quantized or adapter layers keep their own forward), float32 on the
+    CPU, a contiguous weight. None where the kernel or the operator cannot be built (logged once)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return 0
+    eligible = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m.weight)]
+    if not eligible or not load_op():
+        return 0
+    groups: dict[str, list[nn.Linear]] = defaultdict(list)
+    for module in eligible:
+        groups[linear_calibration.shape_key(module.weight, module.bias)].append(module)
+    if masks is None:
+        library = native.STATES["linear"].path or Path("batchgen_linear")
+        layers = {key: [(m.weight.detach(), _bias(m)) for m in group] for key, group in groups.items()}
+        masks = linear_calibration.masks(layers, _kernel_linear, library)
+    routed = 0
+    for key, group in groups.items():
+        for module in group if masks.get(key, 0) else []:
+            module.__class__ = NativeLinear
+            cast(NativeLinear, module).buckets = masks[key]
+            routed += 1
+    logger.info("native linears: %d of %d layers (row buckets by shape: %s)", routed, len(eligible), _describe(masks))
+    return routed
+
+
+def _bias(module: nn.Linear) -> torch.Tensor | None:
+    return None if module.bias is None else module.bias.detach()
+
+
+def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.batchgen.linear(x, weight, bias, EVERY_BUCKET)
+
+
+def _describe(masks: dict[str, int]) -> str:
+    def rows(mask: int) -> str:
+        taken = [b for b in linear_calibration.BUCKETS if mask >> b & 1]
+        return "none" if not taken else ",".join(f"<={2**b}" for b in taken)
+
+    return "; ".join(f"{key}: {rows(mask)}" for key, mask in masks.items())
+
+
+def _eligible(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+
+
+def load_op() -> bool:
+    """batchgen::linear, built and loaded once per process; False (logged) where it cannot be."""
+    if not _OP:
+        _OP.append(_load_op())
+    return _OP[0]
+
+
+def _load_op() -> bool:
+    kernel = native.linear()
+    lib = native_ops.load_op("batchgen_linear_op", OP_SOURCE, "linear layers run on torch's BLAS", "linear")
+    if kernel is None or lib is None:
+        return False
+    setup = lib.batchgen_linear_op_setup
+    setup.restype, setup.argtypes = None, [ctypes.c_void_p]
+    setup(ctypes.cast(kernel, ctypes.c_void_p))
+    return True
+
+
+torch.library.define(OP_NAME, "(Tensor x, Tensor weight, Tensor? bias, int buckets) -> Tensor")
+
+
+@torch.library.register_fake(OP_NAME)
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, buckets: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,109 @@
+"""How many threads a CPU engine uses, step by step: what its CPUs can give, not what the machine has.
+
+Why: a decode step runs hundreds of short OpenMP regions, and each one waits at its end for its
+slowest thread. On a machine shared with busy neighbours (an Airflow worker, a Ray node, a CI box)
+a thread that has lost its core to another process holds every region up until the scheduler
+gives it back: with two threads on two cores beside two busy processes the engine ran 55x slower
+than alone (1,315 -> 24 tokens/s), where one thread lost only 1.7x (979 -> 583; shared/notes/
+contention.md). A fixed single thread gives up a quarter of the speed on a quiet machine, and a
+passive OpenMP wait policy 11% (and cannot be changed once torch has started). So the engine starts
+at what this process may use (its affinity mask, capped by its cgroup quota: host.usable_cpus) and
+every INTERVAL seconds of stepping measures how much of its CPUs other processes took (/proc/stat's
+busy time on its CPUs, less its own): threads = the CPUs left over, rounded, at least one. When
+the neighbours leave, their busy time goes and the threads come back.
+
+Where /proc/stat cannot be read (not Linux), or with BATCHGEN_ADAPTIVE_THREADS=0, the count stays
+what it started at.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.cpu import host
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "BATCHGEN_ADAPTIVE_THREADS"  # "0": keep the starting count
+INTERVAL = 2.0  # seconds of stepping between two measurements
+ROUND_UP = 0.3  # a CPU at least 70% free counts as free (spinning waits make a partly free CPU a loss)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Cumulative times in seconds: wall, the busy time of this process's CPUs, this process's CPU time."""
+
+    wall: float
+    busy: float
+    own: float
+
+
+def sample(cpus: set[int] | None = None) -> Sample | None:
+    """Now, or None where /proc/stat cannot be read."""
+    cpus = cpus if cpus is not None else host.affinity()
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if not line.startswith("cpu") or line.startswith("cpu "):
+                    continue
+                name, *fields = line.split()
+                if int(name[3:]) in cpus:
+                    values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+                    busy += sum(values) - values[3] - values[4]
+    except (OSError, ValueError):
+        return None
+    times = os.times()
+    return Sample(time.monotonic(), busy / ticks, times.user + times.system)
+
+
+def threads_for(limit: int, cpus: int, before: Sample, after: Sample) -> int:
+    """Threads (1..limit) that fit on the `cpus` CPUs this process may run on, given what other
+    processes used of them between two samples. Why both: a Ray worker may use 4 threads of a
+    16-CPU node whose other 12 CPUs its fellow workers keep busy; it keeps its 4."""
+    wall = after.wall - before.wall
+    if wall <= 0:
+        return limit
+    others = max(0.0, (after.busy - before.busy) - (after.own - before.own)) / wall  # in CPUs
+    return max(1, min(limit, math.floor(cpus - others + ROUND_UP)))
+
+
+class ThreadGovernor:
+    """Sets torch's intra-op threads for a CPU engine from its CPUs' load; `tick()` once per step."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.cpus = min(torch.get_num_threads(), host.usable_cpus())  # never above what the user or Ray set
+        self._affinity = host.affinity()
+        self.changes = 0  # how often the count changed (for tests and the log)
+        if enabled and torch.get_num_threads() != self.cpus:
+            logger.info(
+                "CPU threads: %d (affinity %d, cgroup quota %s)", self.cpus, host.affinity_cpus(), host.quota_cpus()
+            )
+            torch.set_num_threads(self.cpus)
+        # None: off (or no /proc/stat), and tick() does nothing
+        self._last = sample(self._affinity) if enabled and os.environ.get(DISABLE_ENV) != "0" else None
+
+    def tick(self) -> None:
+        if self._last is None or time.monotonic() - self._last.wall < INTERVAL:
+            return
+        now = sample(self._affinity)
+        if now is None:
+            return
+        wanted = threads_for(self.cpus, len(self._affinity), self._last, now)
+        self._last = now
+        if wanted != torch.get_num_threads():
+            logger.info(
+                "CPU threads: %d -> %d (other processes use the rest of %d CPUs)",
+                torch.get_num_threads(),
+                wanted,
+                self.cpus,
+            )
+            torch.set_num_threads(wanted)
+            self.changes += 1

@@ -1,0 +1,237 @@
+"""The model forward of a step, optionally with torch.compile (engine.compile), tokens padded a little.
+
+Why: on a small model the unchanged transformers modules run one small op at a time (RMSNorm,
+RoPE, SwiGLU, residuals), and Python dispatch dominates. Compiled, inductor fuses them; the
+paged attention stays one opaque custom op (attention_op), so the graph does not break.
+
+Why so few compiled shapes: the whole forward is compiled with dynamic shapes, so one graph
+serves every token count and every number of logit rows (a second one only when a first call's
+sizes happen to coincide and get specialised together). Token counts are padded to a multiple of
+TOKEN_MULTIPLE (a count of 1 would be specialised; padded tokens write the KV pool's trash slot
+and are never read), logit rows to at least MIN_KEEP. The compile time and the graphs compiled
+are counted here, for the benchmark and the logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from batchgen.engine.attention import op as attention_op
+
+logger = logging.getLogger(__name__)
+
+# Token counts are padded to a multiple of this: with dynamic shapes a new count needs no new
+# graph, but a count of 1 would be specialised (a second graph), and aligned sizes vectorise.
+TOKEN_MULTIPLE = 8
+MIN_KEEP = 2  # logit rows of a compiled call: fewer are padded (see StepForward.padded_rows)
+
+
+def bucket(n: int, cap: int | None = None) -> int:
+    """The padded token count for `n` (>= 1): the next multiple of TOKEN_MULTIPLE, but not above `cap`
+    when n <= cap (cap: the step's token budget)."""
+    size = -(-n // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
+    return min(size, cap) if cap is not None and n <= cap else size
+
+
+def resolve_compile(setting: str | bool, device: torch.device) -> bool:
+    """ "auto" -> on for the CPU wherever inductor can build its kernels (a C compiler is found):
+    measured there (benchmarks/RESULTS.md, fourth pass), the whole forward compiled runs workload (a)
+    15% faster on the demo model (2.29 -> 1.94 s) and 3-6% on the 57M one, for 5-20 s of compiling
+    once per process. Off on other devices, where it is unmeasured. `true` turns it (and CUDA-graph
+    decode on CUDA) on anywhere; a failure to compile is then an error, not a fallback."""
+    if setting != "auto":
+        return bool(setting)
+    return device.type == "cpu" and _has_compiler()
+
+
+def _has_compiler() -> bool:
+    return any(shutil.which(name) for name in (os.environ.get("CXX") or "c++", "g++", "clang++"))
+
+
+@dataclass
+class CompileStats:
+    """What compiling cost: seconds spent in first calls of new shapes, and the shapes seen."""
+
+    seconds: float = 0.0
+    graphs: int = 0  # dynamo graphs compiled (all layers share theirs)
+    shapes: set[tuple[int, int]] = field(default_factory=set)  # (tokens, logits kept) of the compiling calls
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"compile_seconds": round(self.seconds, 2), "compiled_graphs": self.graphs}
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the ModuleList as long as the config's layer count (any architecture)."""
+    config: Any = model.config
+    num = config.get_text_config().num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num:
+            return list(module)
+    raise RuntimeError(f"{type(model).__name__}: no ModuleList of its {num} decoder layers found to compile")
+
+
+def check_layer_order(model: torch.nn.Module) -> None:
+    """Every attention module of decoder layer i has layer_idx i: the attention op finds a layer's
+    KV pool by its call number in the forward, so layers must run (and be numbered) in order."""
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, module in layer.named_modules():
+            idx = getattr(module, "layer_idx", i)
+            if isinstance(idx, int) and idx != i:
+                raise RuntimeError(
+                    f"{type(model).__name__}: decoder layer {i} has {name or 'a module'} with layer_idx {idx}"
+                )
+
+
+def _unique_graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class StepForward:
+    """Runs the model on one packed step; compiled or eager, the same arguments and results.
+
+    Why the whole model as one graph, with dynamic shapes: measured on CPU (benchmarks/RESULTS.md,
+    fourth pass), compiling each decoder layer on its own lost to eager at every batch size
+    (every layer call paid dynamo's guard checks and a Python round trip: 2.1 -> 2.7 ms for a
+    one-sequence decode step of the demo model), while the whole forward as one graph is checked
+    once per step, runs embeddings, norms, RoPE, SwiGLU, residuals and the LM head fused around
+    the attention op, and on CPU calls its kernels from a C++ wrapper instead of Python
+    (decode steps of the demo model 5-20% faster; (a) 2.50 -> 2.26 s). One dynamic-shape graph
+    serves every token count and every count of logit rows (see padded_tokens, padded_rows). The
+    price is a compile of every layer, once per process and model (5 s for the demo model, 8-20 s
+    for the 57M one, the shorter with inductor's on-disk cache warm), counted in `stats`.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, compile: bool, max_tokens: int | None = None, fallback: bool = False
+    ) -> None:
+        """`fallback`: a model that fails to compile runs eager from then on (engine.compile "auto")."""
+        self.model = model
+        self.compile = compile
+        self.max_tokens = max_tokens
+        self.fallback = fallback
+        self.stats = CompileStats()
+        check_layer_order(model)
+        self._run = self._logits
+        if compile:
+            logger.info(
+                "torch.compile: compiling the model's forward; its first steps take ~5-20 s, once per "
+                "process (engine.compile: false runs it eager)"
+            )
+            device = next(model.parameters()).device
+            options: dict[str, Any] = {"cpp_wrapper": True} if device.type == "cpu" else {}
+            if hasattr(torch._dynamo.types, "GuardFilterEntry"):  # why: guard filters are new in torch 2.7
+                options["guard_filter_fn"] = _ambient_and_argument_guards
+            # why not dynamic=True: it is this same setting, patched in and out by dynamo on every call
+            self._run = torch.compile(_own_code(self._logits), fullgraph=True, options=options)
+            self._settings = _tracing_settings()
+
+    def padded_tokens(self, n: int) -> int:
+        return bucket(n, self.max_tokens) if self.compile else n
+
+    def padded_rows(self, n: int) -> int:
+        """Logit rows to ask for when `n` are wanted: at least MIN_KEEP when compiled, since a
+        size-1 dimension is specialised (a second graph). The extra rows are the caller's to drop."""
+        return max(n, MIN_KEEP) if self.compile else max(n, 1)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T], keep [K] -> logits [K, vocab] (model dtype)."""
+        if not self.compile:
+            return self._run(input_ids, positions, keep)  # the eager forward (a benchmark may wrap it)
+        graphs, began = _unique_graphs(), time.perf_counter()
+        attention_op.take_raised()
+        revert = self._settings()
+        try:
+            out = self._run(input_ids, positions, keep)
+        except torch._dynamo.exc.TorchDynamoException as exc:  # raised while tracing or compiling
+            if not self.fallback:
+                raise
+            # why safe to rerun: compiling fails before the graph runs, so nothing was written yet
+            logger.warning("torch.compile failed for %s; running eager from now on: %s", type(self.model).__name__, exc)
+            self.compile, self._run = False, self._logits
+            return self._logits(input_ids, positions, keep)
+        except RuntimeError as exc:
+            raised = attention_op.take_raised()  # the attention's own error, not the C++ wrapper's
+            if raised is None:
+                raise
+            raise raised from exc
+        finally:
+            revert()
+        if _unique_graphs() != graphs:  # why: this call compiled; its time is (mostly) compile time
+            self.stats.seconds += time.perf_counter() - began
+            self.stats.shapes.add((input_ids.shape[0], keep.shape[0]))
+            self.stats.graphs += _unique_graphs() - graphs
+            logger.info(
+                "compiled %d graph(s) at %d tokens (%.1f s of compiling so far)",
+                _unique_graphs() - graphs,
+                input_ids.shape[0],
+                self.stats.seconds,
+            )
+        return out
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=keep, use_cache=False)
+        return out.logits[0]
+
+
+def _tracing_settings() -> Any:
+    """dynamo's settings for tracing a step (they only matter in a call that compiles), as a
+    change to make around each call that returns its revert.
+
+    - every dimension of the arguments dynamic (what `dynamic=True` sets);
+    - Python floats specialised. Why: the model's floats (RMSNorm's epsilon, the attention's
+      scaling) never change, but unspecialised each became a graph input, converted to a tensor
+      on every call (10 for the demo model, ~40 us a step).
+    """
+    config: Any = torch._dynamo.config
+    changes = {"assume_static_by_default": False, "specialize_float": True}
+    if hasattr(config, "_make_closure_patcher"):  # dynamo's own cheap patcher, what it uses for `dynamic`
+        return config._make_closure_patcher(**changes)
+    patch = config.patch(**changes)
+
+    def change() -> Any:
+        patch.__enter__()
+        return lambda: patch.__exit__(None, None, None)
+
+    return change
+
+
+def _own_code(method: Any) -> Any:
+    """`method` bound to its instance through a function with a code object of its own.
+
+    Why: dynamo keeps its compiled entries (and their guards) on the code object, so with one
+    code object per StepForward its cache only ever sees this one instance and its model; see
+    _ambient_and_argument_guards for the guards that this makes redundant.
+    """
+    fn = method.__func__
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__qualname__ = fn.__qualname__
+    return types.MethodType(own, method.__self__)
+
+
+_NAMES_SELF = re.compile(r"\bself\b")
+
+
+def _ambient_and_argument_guards(entries: list[Any]) -> list[bool]:
+    """dynamo's guard filter: keep the guards on the call's tensor arguments (dtype, device,
+    shapes) and on ambient state (grad mode, default device, the shape environment), drop those
+    on the StepForward, its model and their classes (`self...`, `type(self.model)...`) and on
+    module globals (torch, transformers).
+
+    Why sound here: the code object is this instance's own (_own_code), the engine never
+    changes a loaded model or patches the libraries its forward calls, and parameters are read
+    afresh on every call (they are graph inputs), so those guards could never fail; checking
+    them (~560 for the demo model, most in Python) cost ~0.1-0.2 ms of every step. The class
+    guards (71 of the 81 left after those: closures of transformers' decorators, config class
+    attributes) are as unchangeable here.
+    """
+    return [not (entry.is_global or _NAMES_SELF.search(entry.name)) for entry in entries]

@@ -1,0 +1,144 @@
+"""KV pool sizing on CUDA: what `gpu_memory_utilization` leaves after a profiling forward.
+
+The idea (nano-vllm, vLLM; our code): the engine may use `utilization x total` bytes of the GPU.
+Weights, the CUDA context and anything else already on the device are in use before the pool
+exists; one forward at the full token budget shows the activation peak above that. The pool
+gets what is left:
+
+    budget = utilization * total - in use now - activation peak - sampler headroom
+    (gather + SDPA path only: less the share a decode step's gathered K/V copy can take)
+
+The profiling step is the worst one the scheduler can produce: max_num_batched_tokens tokens,
+max_num_seqs logit rows, one long chunk whose context ends at max_model_len (the gather path
+copies and masks a whole context) and single-token decodes. Its block table points at a
+two-block scratch pool (the step's shapes, not its values, set the peak), so profiling costs
+almost no memory itself. The device is read through a MemoryProbe (cuda_memory.CudaMemory on
+a GPU, a fake in the CPU tests), so everything here runs on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.core.scheduler import ScheduledBatch, ScheduledChunk
+from batchgen.engine.core.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+PROFILE_BLOCKS = 2  # the scratch pool of the profiling forward
+SAMPLER_COPIES = 4  # float32 [rows, vocab] tensors the sampler may hold at once (logits, probs, sorted, mask)
+GATHER_LAYERS_HEADROOM = 2  # gather path: a decode step's K+V copy of one layer, padded: <= 2 / num_layers of the pool
+
+
+class MemoryProbe(Protocol):
+    """The device memory counters the profile reads."""
+
+    def clear(self) -> None:
+        """Release cached, unused memory and reset the peak mark."""
+
+    def allocated(self) -> int:
+        """Bytes held by this process's tensors now."""
+
+    def peak_allocated(self) -> int:
+        """The most bytes held by this process's tensors since clear()."""
+
+    def used_and_total(self) -> tuple[int, int]:
+        """Bytes in use on the whole device (every process, the CUDA context), and its total."""
+
+
+class Executes(Protocol):
+    def execute(self, batch: ScheduledBatch) -> object: ...
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the profiling forward measured and what the pool got (logged; the GPU check records it)."""
+
+    total: int
+    used_before_pool: int  # in use on the device after profiling (weights, context, other processes)
+    activation_peak: int  # the profiling forward's peak above what stays allocated
+    sampler_headroom: int
+    utilization: float
+    kv_budget: int  # bytes for the KV pool
+
+
+def kv_budget(total: int, used: int, activation_peak: int, headroom: int, utilization: float) -> int:
+    """Bytes left for the KV pool (may be <= 0: then nothing is)."""
+    return int(total * utilization) - used - activation_peak - headroom
+
+
+def profile_batch(max_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> ScheduledBatch:
+    """The worst step: one long chunk ending at max_model_len plus single-token decodes, every one sampled."""
+    rows = max(1, min(max_num_seqs, max_batched_tokens))
+    n_long = min(max_batched_tokens - (rows - 1), max_model_len)
+    context = max_model_len - n_long
+    params = SamplingParams(max_tokens=1)
+    long_seq = Sequence(0, [0] * (context + n_long), params)
+    blocks = math.ceil((context + n_long) / block_size)
+    chunks = [ScheduledChunk(long_seq, context, (0,) * n_long, (0,) * blocks, True, False)]
+    for i in range(1, rows):
+        chunks.append(ScheduledChunk(Sequence(i, [0], params), 1, (0,), (1,), True, True))
+    return ScheduledBatch(tuple(chunks))
+
+
+def profile_kv_budget(
+    make_runner: Callable[[int], Executes],
+    batch: ScheduledBatch,
+    probe: MemoryProbe,
+    vocab_size: int,
+    utilization: float,
+) -> MemoryProfile:
+    """Run `batch` once on a runner with a PROFILE_BLOCKS pool; the bytes the real pool may take."""
+    probe.clear()
+    before = probe.allocated()
+    runner = make_runner(PROFILE_BLOCKS)
+    resting = probe.allocated()  # weights + scratch pool
+    try:
+        logits = runner.execute(batch)
+    except torch.OutOfMemoryError as exc:
+        long = batch.chunks[0]
+        raise ValueError(
+            f"the profiling forward ran out of device memory: the worst step these settings allow ({long.num_tokens} "
+            f"tokens after {long.start} tokens of context, {len(batch.chunks)} sequences) does not fit; lower "
+            "max_num_batched_tokens or max_model_len"
+        ) from exc
+    peak = probe.peak_allocated()
+    del logits, runner
+    probe.clear()
+    used, total = probe.used_and_total()
+    rows = sum(c.needs_sample for c in batch.chunks)
+    headroom = SAMPLER_COPIES * rows * vocab_size * 4
+    activation_peak = max(0, peak - resting)
+    budget = kv_budget(total, used, activation_peak, headroom, utilization)
+    logger.info(
+        "memory profile: total %.2f GiB, in use %.2f GiB (before the scratch pool %.2f GiB), activation peak "
+        "%.2f GiB, sampler headroom %.2f GiB, utilization %.2f -> KV budget %.2f GiB",
+        *(x / 2**30 for x in (total, used, before, activation_peak, headroom)),
+        utilization,
+        budget / 2**30,
+    )
+    return MemoryProfile(total, used, activation_peak, headroom, utilization, budget)
+
+
+def pool_budget(profile: MemoryProfile, num_layers: int, gather: bool, bytes_per_block: int) -> int:
+    """The pool's bytes from a profile; a clear error when not even one block fits."""
+    budget = profile.kv_budget
+    if gather:  # why: the decode gather copies up to a layer's share of the pool, on top of it
+        budget = budget * num_layers // (num_layers + GATHER_LAYERS_HEADROOM)
+    if budget < bytes_per_block:
+        gib = 2**30
+        raise ValueError(
+            f"gpu_memory_utilization={profile.utilization} leaves no room for the KV cache: "
+            f"{profile.utilization} x {profile.total / gib:.2f} GiB total, {profile.used_before_pool / gib:.2f} GiB "
+            f"in use (weights, CUDA context, other processes), {profile.activation_peak / gib:.2f} GiB activation "
+            f"peak at max_num_batched_tokens; raise gpu_memory_utilization or lower max_num_batched_tokens, "
+            "max_num_seqs or max_model_len"
+        )
+    return budget

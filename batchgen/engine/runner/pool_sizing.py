@@ -1,0 +1,103 @@
+"""How many KV blocks the engine gets: the one place LLM asks, whatever the device.
+
+Explicit `num_kv_blocks` or `kv_cache_memory_bytes` win. Otherwise on CUDA the pool gets what
+`gpu_memory_utilization` leaves after a profiling forward (memory.py); elsewhere today's CPU
+default (num_kv_blocks_for below). `probe` is how the profile reads device memory: a
+CudaMemory on a GPU, a fake in the CPU tests (which makes the CUDA branch testable on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import PreTrainedModel
+
+from batchgen.engine.api.config import EngineConfig
+from batchgen.engine.api.device_defaults import require_int
+from batchgen.engine.attention.path import VARLEN, choose_attention_path, detect_support, has_softcap
+from batchgen.engine.runner.memory import MemoryProbe, MemoryProfile, pool_budget, profile_batch, profile_kv_budget
+from batchgen.engine.runner.model_runner import ModelRunner
+from batchgen.engine.runner.models import KVSpec
+
+CPU_CAPACITY_FACTOR = 2  # CPU pool: at most 2x what max_num_seqs full-length sequences need
+
+
+def kv_block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block, every layer."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+
+
+def num_kv_blocks_for(
+    spec: KVSpec,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    num_kv_blocks: int | None,
+    budget_bytes: int | None,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> int:
+    """Pool size: explicit blocks, else a byte budget (on CUDA, by default, memory.py's), else a CPU default."""
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    bytes_per_block = kv_block_bytes(spec, block_size, dtype)
+    if budget_bytes is None:
+        budget_bytes = 1 << 30
+        # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks
+        cap = CPU_CAPACITY_FACTOR * max_num_seqs * math.ceil(max_model_len / block_size)
+        return max(1, min(budget_bytes // bytes_per_block, cap))
+    blocks = budget_bytes // bytes_per_block
+    if blocks < 1:
+        raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({bytes_per_block} bytes)")
+    return blocks
+
+
+def _probe(device: torch.device) -> MemoryProbe:
+    from batchgen.engine.cuda.memory import CudaMemory
+
+    return CudaMemory(device)
+
+
+def kv_pool_blocks(
+    model: PreTrainedModel,
+    spec: KVSpec,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    probe: MemoryProbe | None = None,
+) -> tuple[int, MemoryProfile | None]:
+    """(blocks, the memory profile when one was taken). `config` has its device defaults resolved."""
+    block_size = require_int(config.block_size, "block_size")
+    max_num_seqs = require_int(config.max_num_seqs, "max_num_seqs")
+    max_model_len = require_int(config.max_model_len, "max_model_len")
+    profiled = config.num_kv_blocks is None and config.kv_cache_memory_bytes is None
+    if not (profiled and (device.type == "cuda" or probe is not None)):
+        blocks = num_kv_blocks_for(
+            spec,
+            block_size,
+            dtype,
+            device,
+            num_kv_blocks=config.num_kv_blocks,
+            budget_bytes=config.kv_cache_memory_bytes,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+        )
+        return blocks, None
+
+    def make_runner(num_blocks: int) -> ModelRunner:
+        # why gather: the profiling step's decodes need no per-sequence state
+        return ModelRunner(model, spec, block_size, num_blocks, device, dtype, max_num_seqs, max_model_len, "gather")
+
+    batch = profile_batch(
+        require_int(config.max_num_batched_tokens, "max_num_batched_tokens"), max_num_seqs, max_model_len, block_size
+    )
+    vocab = int(model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
+    profile = profile_kv_budget(make_runner, batch, probe or _probe(device), vocab, config.gpu_memory_utilization)
+    per_block = kv_block_bytes(spec, block_size, dtype)
+    softcap = has_softcap(model.config)
+    path = choose_attention_path(device.type, dtype, block_size, spec.head_dim, softcap, detect_support(device)).path
+    budget = pool_budget(profile, spec.num_layers, path != VARLEN, per_block)
+    return budget // per_block, profile

@@ -1,0 +1,210 @@
+"""StopChecker: one request's incremental detokenization and stop conditions.
+
+Per generated token, in vLLM's order: count it; while fewer than `min_tokens` tokens are out,
+nothing stops the request; an EOS id (unless `ignore_eos`) stops it with `stop_reason` None (as
+vLLM), a `stop_token_ids` id stops it with that id as `stop_reason`; a stop string completed by
+the token's text stops it (text cut at the string, or kept through it with
+`include_stop_str_in_output`); otherwise reaching
+`max_tokens` finishes it with "length".
+
+Detokenization uses tokenizers' `DecodeStream`, which decodes only a short window per step and
+holds text back while a multi-byte character is incomplete, so characters come out whole; bytes
+still incomplete when the request ends come out as U+FFFD, as `tokenizer.decode` writes them.
+For byte-level BPE the final `text` equals `tokenizer.decode(output_ids)` cut at the stop.
+The stream is primed with the end of the prompt: SentencePiece-style (Metaspace) decoders strip
+the leading space of the *first* decoded token, and priming keeps the space that separates the
+completion from the prompt (vLLM does the same): `text` is decode(prompt + output) minus
+decode(prompt), so it may start with a space that `tokenizer.decode(output_ids)` drops.
+Known difference: a ByteFallback decoder turns a whole run of byte tokens into U+FFFD when the
+run is not valid UTF-8 (even its valid characters); the stream keeps characters it already
+emitted. transformers' `clean_up_tokenization_spaces` is not applied (" ." stays " .").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceOf
+from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from batchgen.engine.api.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+# Context tokens kept for decoding: enough for a decoder to see a word boundary before new text.
+_CONTEXT_TOKENS = 8
+
+
+def backend_tokenizer(tokenizer: Any) -> Tokenizer:
+    """The Rust `tokenizers.Tokenizer` behind a transformers fast tokenizer (or itself)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise TypeError(
+            f"StopChecker needs a fast tokenizer (tokenizers.Tokenizer behind it), got {type(tokenizer).__name__}"
+        )
+    return backend
+
+
+class StopChecker:
+    """Detokenizes one request's output token by token and decides when it is finished."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        params: SamplingParams,
+        eos_token_ids: Iterable[int],
+        prompt_token_ids: SequenceOf[int] | None = None,
+    ) -> None:
+        self._backend = backend_tokenizer(tokenizer)
+        self._params = params
+        self._skip_special = params.skip_special_tokens
+        self._eos: frozenset[int] = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self._stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
+        self._stops: tuple[str, ...] = tuple(params.stop)
+        self._text = ""
+        self._num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        # ids given to the stream that produced no text yet, and the ids just before them
+        self._pending: list[int] = []
+        self._context: list[int] = self._prime_ids(prompt_token_ids or [])
+        self._stream: DecodeStream | None = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
+
+    @property
+    def text(self) -> str:
+        """Output text so far (whole characters only); final once `finished`."""
+        return self._text
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Every token appended, including an EOS or the tokens of a cut stop string."""
+        return self._num_output_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> bool:
+        """Take the next generated token; True when the request is finished (then call no more)."""
+        if self.finished:
+            raise RuntimeError(f"StopChecker.append({token_id}) after the request finished ({self.finish_reason})")
+        self._num_output_tokens += 1
+        checks_on = self._num_output_tokens >= self._params.min_tokens
+        if checks_on and token_id in self._eos:
+            return self._finish("stop", None)  # EOS text never enters `text`; stop_reason None (vLLM)
+        if checks_on and token_id in self._stop_ids:
+            if self._params.include_stop_str_in_output:
+                self._text += self._step(token_id)
+            return self._finish("stop", token_id)
+        new_text = self._step(token_id)
+        self._text += new_text
+        if checks_on and new_text and self._stops and self._match_stop_string(len(new_text)):
+            return True
+        limit = self._params.max_tokens
+        if limit is not None and self._num_output_tokens >= limit:  # None: the engine stops at the context
+            return self._finish("length", None)
+        return False
+
+    def finish_now(self) -> bool:
+        """End the request with "stop" and no stop reason (a structured output's grammar is complete)."""
+        return self._finish("stop", None)
+
+    def _finish(self, reason: str, stop_reason: int | None) -> bool:
+        """Flush text held back for an incomplete character, then record why the request ended."""
+        tail = self._flush()
+        self._text += tail
+        # why: text held back by an incomplete character was never searched for stop strings
+        if tail and self._match_stop_string(len(tail)):
+            return True
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        return True
+
+    def _match_stop_string(self, num_new_chars: int) -> bool:
+        """Find a stop string ending inside the last `num_new_chars` characters; cut and finish.
+
+        Only the tail is searched: each string is looked up from len(text) - new - len(stop) + 1,
+        so a match must end in the new text (an earlier one would have stopped an earlier step).
+        Of several matches, the one completed first (smallest end, then smallest start) wins:
+        that is what a character-by-character stream would see, whatever the tokenization.
+        """
+        text = self._text
+        best: tuple[int, int, str] | None = None
+        for stop in self._stops:
+            start = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        if best is None:
+            return False
+        end, start, stop = best
+        self._text = text[:end] if self._params.include_stop_str_in_output else text[:start]
+        self._pending.clear()
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
+
+    def _step(self, token_id: int) -> str:
+        """New complete text for `token_id` ('' while a character is incomplete)."""
+        if self._stream is not None:
+            try:
+                chunk = self._stream.step(self._backend, token_id)
+            except Exception as err:  # tokenizers raises when a decoder rewrites earlier text
+                logger.debug("DecodeStream failed at token %d (%s); decoding it with context", token_id, err)
+                self._stream = None
+            else:
+                if chunk is None:
+                    self._pending.append(token_id)
+                    return ""
+                self._advance_context(token_id)
+                return chunk
+        # the stream's rule by hand, until the text is whole again and a fresh stream can take over
+        chunk = self._decode_with_context([*self._pending, token_id])
+        if not chunk or chunk.endswith(REPLACEMENT_CHAR):
+            self._pending.append(token_id)
+            return ""
+        self._advance_context(token_id)
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
+        return chunk
+
+    def _advance_context(self, token_id: int) -> None:
+        """Everything given to the stream so far has been emitted: it becomes context."""
+        if self._pending:
+            self._context = [*self._context, *self._pending, token_id][-_CONTEXT_TOKENS:]
+            self._pending = []
+            return
+        context = self._context  # why in place: this runs for every token of every sequence
+        context.append(token_id)
+        if len(context) > _CONTEXT_TOKENS:
+            del context[0]
+
+    def _flush(self) -> str:
+        """Text of the held-back ids, incomplete characters as U+FFFD (as tokenizer.decode does)."""
+        if not self._pending:
+            return ""
+        tail = self._decode_with_context(self._pending)
+        self._pending = []
+        return tail
+
+    def _decode_with_context(self, ids: list[int]) -> str:
+        """decode(context + ids) minus decode(context): the text `ids` add after the context."""
+        base = self._backend.decode(self._context, skip_special_tokens=self._skip_special)
+        full = self._backend.decode([*self._context, *ids], skip_special_tokens=self._skip_special)
+        if full.startswith(base):
+            return full[len(base) :]
+        return self._backend.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _prime_ids(self, prompt_token_ids: SequenceOf[int]) -> list[int]:
+        """The prompt's last few ids, when they decode to whole characters; else none.
+
+        why: a DecodeStream primed with text ending in an incomplete character re-emits the
+        primer, and the output's first bytes would be glued to the prompt's last character.
+        """
+        ids = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
+        if not ids:
+            return []
+        text = self._backend.decode(ids, skip_special_tokens=self._skip_special)
+        return [] if text.endswith(REPLACEMENT_CHAR) else ids

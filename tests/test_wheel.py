@@ -24,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.slow  # builds (a wheel, a venv, the kernels) in tens of seconds
 
 REPO = Path(__file__).resolve().parents[1]
-CSRC = REPO / "batchgen" / "engine" / "csrc"
+CSRC = REPO / "batchgen" / "engine" / "cpu" / "csrc"
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ _NEUTRAL_ENGINE = (
     "kv_cache_memory_mb",
     "enable_prefix_caching",
     "block_size",
-    "decode_kv",
+    "attention_backend",
     "gpu_memory_utilization",
     "compile",
 )

@@ -10,23 +10,19 @@ import torch
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.decode_kv import DecodeKVSource
 from batchgen.engine.attention.gather import GatheredBlocks
+from batchgen.engine.attention.interface import paged_attention_forward
 from batchgen.engine.attention.metadata import ForwardContext
-from batchgen.engine.attention.paged import forward_context, paged_attention_forward
+from batchgen.engine.attention.planning import build_forward_context
 from batchgen.engine.core.scheduler import ScheduledChunk
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_rows import DecodeRows
 from batchgen.engine.cpu.rows_view import RowsView
-from batchgen.engine.runner.model_runner import build_forward_context
+
+from .attention_harness import Layer, running
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
-
-
-class _Layer(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer_idx = 0
 
 
 def _reference(
@@ -119,9 +115,9 @@ def _run_case(
     query = torch.cat([rounded[2][i] for i in order], dim=1)[None]  # [1, H, T, D], packed order
     key = torch.cat([rounded[0][i][:, specs[i][0] :] for i in order], dim=1)[None]  # [1, KVH, T, D]
     value = torch.cat([rounded[1][i][:, specs[i][0] :] for i in order], dim=1)[None]
-    with forward_context(ctx):
+    with running(ctx) as layer:
         out, _ = paged_attention_forward(
-            _Layer(), query, key, value, None, scaling=0.3, sliding_window=window, softcap=softcap
+            layer, query, key, value, None, scaling=0.3, sliding_window=window, softcap=softcap
         )
     expected = torch.cat([_reference(queries[i], full_k[i], full_v[i], 0.3, window, softcap) for i in order])
     # every new token's K/V is in the pool at its slot, whoever stored it (the native kernel, on decode-only steps)
@@ -194,8 +190,8 @@ def test_new_kv_lands_in_the_slot_mapping() -> None:
     )
     assert ctx.slot_mapping.tolist() == [3 * BLOCK + 2, 3 * BLOCK + 3, 1 * BLOCK + 0]
     key = torch.randn(1, KV_HEADS, 3, DIM)
-    with forward_context(ctx):
-        paged_attention_forward(_Layer(), torch.randn(1, HEADS, 3, DIM), key, key.clone(), None)
+    with running(ctx) as layer:
+        paged_attention_forward(layer, torch.randn(1, HEADS, 3, DIM), key, key.clone(), None)
     torch.testing.assert_close(k_cache[1, 0], key[0, :, 2])
     torch.testing.assert_close(k_cache[3, 2], key[0, :, 0])
 
@@ -229,9 +225,9 @@ def test_attention_sinks_are_refused() -> None:
         BLOCK,
         torch.device("cpu"),
     )
-    with forward_context(ctx), pytest.raises(NotImplementedError, match="attention sinks"):
+    with running(ctx) as layer, pytest.raises(NotImplementedError, match="attention sinks"):
         paged_attention_forward(
-            _Layer(),
+            layer,
             torch.randn(1, 1, 2, DIM),
             torch.randn(1, 1, 2, DIM),
             torch.randn(1, 1, 2, DIM),
@@ -241,7 +237,17 @@ def test_attention_sinks_are_refused() -> None:
 
 
 def test_outside_the_runner_is_an_error() -> None:
-    with pytest.raises(RuntimeError, match="no forward context"):
-        paged_attention_forward(
-            _Layer(), torch.randn(1, 1, 2, DIM), torch.randn(1, 1, 2, DIM), torch.randn(1, 1, 2, DIM), None
-        )
+    qkv = [torch.randn(1, 1, 2, DIM) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="not bound to a KV pool layer"):
+        paged_attention_forward(Layer(), *qkv, None)
+    ctx, _, _ = build_forward_context(
+        [_chunk(0, 0, 2, [0], False)],
+        _source("gather"),
+        [(torch.zeros(1, BLOCK, 1, DIM),) * 2],
+        BLOCK,
+        torch.device("cpu"),
+    )
+    with running(ctx) as layer:
+        pass
+    with pytest.raises(RuntimeError, match="outside a step"):  # bound, but its backend has no step planned
+        paged_attention_forward(layer, *qkv, None)

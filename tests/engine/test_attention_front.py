@@ -15,9 +15,8 @@ import torch
 
 from batchgen.engine.api.llm import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.attention import op as attention_op
-from batchgen.engine.attention import paged as attention
 from batchgen.engine.cpu import front as attention_front
+from batchgen.engine.cpu.backend import CpuBackend
 from batchgen.engine.cpu.decode_native import PLAN_FIELDS, FrontPlan, NativeClass, NativeStep, Scratch
 
 from .test_native import TILE, _kernels
@@ -57,15 +56,16 @@ def test_a_planned_step_attends_exactly_as_the_python_path() -> None:
     slots = torch.tensor([3, 9, 12, 20, 27, 31, 39] + [-1] * (tokens - n))
     plan = front_step.front_plan(front_pools, slots, KVH * G, real)
     assert len(plan.fields) == len(PLAN_FIELDS) + 2 * LAYERS
-    before = attention_front.STATS.layers
-    with attention_front.planned(plan):
-        for layer in range(LAYERS):  # the plan counts the calls: the first is layer 0, the next layer 1
+    front = attention_front.open_front()
+    assert front is not None
+    with front.planned(plan):
+        for layer in range(LAYERS):
             q = torch.randn(tokens, KVH * G, D, generator=gen).transpose(0, 1)  # [H, T, D], strided as the model's
             key, value = torch.randn(2, tokens, KVH, D, generator=gen).transpose(1, 2)
             expected = torch.zeros(tokens, KVH * G, D)
             window = 7 if layer else None  # a sliding window goes through too
             python_step.attend(layer, q, key, value, expected, D**-0.5, window, pools[layer], slots)
-            out = torch.ops.batchgen.attention(q, key, value, D**-0.5, window, None)
+            out = torch.ops.batchgen.attention(q, key, value, D**-0.5, window, None, 0, layer, front.cell_address)
             torch.testing.assert_close(out[:n], expected[:n], rtol=0, atol=0)
             assert not out[real:].any()  # padding rows are zeroed
     # the same rows and pool slots written, to the bit
@@ -76,7 +76,7 @@ def test_a_planned_step_attends_exactly_as_the_python_path() -> None:
         torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
         torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
         assert b[0].flatten(0, 1)[slots[:n]].abs().amin() > 0  # every decode's key was stored
-    assert attention_front.STATS.layers - before == LAYERS == plan.calls and plan.kernel_seconds > 0
+    assert front.stats.layers == LAYERS == plan.calls and front.stats.steps == 1 and plan.kernel_seconds > 0
 
 
 def _plan_and_inputs() -> tuple[NativeStep, tuple[FrontPlan, list, torch.Tensor], tuple[torch.Tensor, ...]]:
@@ -90,7 +90,12 @@ def _plan_and_inputs() -> tuple[NativeStep, tuple[FrontPlan, list, torch.Tensor]
 
 def test_a_planned_call_the_kernel_could_not_address_is_refused() -> None:
     _, _, (q, key, value) = _plan_and_inputs()
-    attend = torch.ops.batchgen.attention
+    front = attention_front.open_front()
+    assert front is not None
+
+    def attend(*args: object, layer: int = 0) -> torch.Tensor:
+        return torch.ops.batchgen.attention(*args, 0, layer, front.cell_address)
+
     cases = [
         (r"q \[3, 8, 16\].* for 7 decodes over 4 heads, 2 K/V heads of 16", (q[:3], key, value, 1.0, None, None)),
         ("float32 CPU tensors", (q.double(), key.double(), value.double(), 1.0, None, None)),
@@ -98,18 +103,18 @@ def test_a_planned_call_the_kernel_could_not_address_is_refused() -> None:
     ]
     for message, args in cases:
         _, (plan, *_), _ = _plan_and_inputs()
-        with attention_front.planned(plan), pytest.raises(RuntimeError, match=message):
+        with front.planned(plan), pytest.raises(RuntimeError, match=message):
             attend(*args)
     _, (plan, *_), _ = _plan_and_inputs()
-    attention_op.take_raised()  # what earlier calls left, as each compiled step forgets it first
-    with attention_front.planned(plan):
-        for _ in range(LAYERS):
-            attend(q, key, value, 1.0, None, None)
-        with pytest.raises(RuntimeError, match="more than once per layer"):
-            attend(q, key, value, 1.0, None, None)
-    raised = attention_op.take_raised()  # the last refusal's message, kept for a compiled graph's caller
-    assert raised is not None and "more than once per layer" in str(raised)
-    assert attention_op.take_raised() is None  # and forgotten once taken
+    front.take_error()  # what earlier calls left, as each compiled step forgets it first
+    with front.planned(plan):
+        for layer in range(LAYERS):
+            attend(q, key, value, 1.0, None, None, layer=layer)
+        with pytest.raises(RuntimeError, match="layer 2 of a plan for 2 layers"):
+            attend(q, key, value, 1.0, None, None, layer=LAYERS)
+    message = front.take_error()  # the last refusal's message, kept for a compiled graph's caller
+    assert message is not None and "layer 2 of a plan for 2 layers" in message
+    assert front.take_error() is None  # and forgotten once taken
 
 
 def test_a_plan_the_kernel_could_not_address_is_refused() -> None:
@@ -127,42 +132,38 @@ def test_a_plan_the_kernel_could_not_address_is_refused() -> None:
         step.front_plan(pools, slots.int(), KVH * G, 7)
 
 
-def _generate(path: Path, compile: bool = False) -> tuple[list[list[int]], list[bool]]:
-    """Greedy tokens of prompts that share a prefix and cross row classes while decoding, and for
-    every call of the Python op's body whether its step had prefills."""
+def _generate(path: Path, front: bool = True) -> tuple[list[list[int]], list[bool], int]:
+    """Greedy tokens of prompts that share a prefix and cross row classes while decoding, for every
+    call of the backend's Python body whether its step had prefills, and the steps the front attended.
+    `front` False: the backend calls the Python op, as without a C++ compiler."""
     seen: list[bool] = []
-    body = attention_op._IMPL[0]
+    llm = LLM(str(path), device="cpu", dtype="float32", compile=False, max_num_batched_tokens=256)
+    backend = llm.engine.runner.backend
+    assert isinstance(backend, CpuBackend) and backend.front is not None
+    if not front:
+        backend.front = None
+    body = backend.run_layer
 
     def watched(*args: object) -> torch.Tensor:
-        seen.append(bool(attention._current_context().prefills))
-        return body(*args)
+        assert backend.context is not None
+        seen.append(bool(backend.context.prefills))
+        return body(*args)  # type: ignore[arg-type]
 
-    llm = LLM(str(path), device="cpu", dtype="float32", compile=compile, max_num_batched_tokens=256)
+    backend.run_layer = watched  # type: ignore[method-assign]  # the op's body and the eager call alike
     prefix = list(range(5, 45))
     prompts = [prefix + [7 + i] * (i * 9) for i in range(6)] + [[3, 4], list(range(60, 120))]
-    attention_op.set_impl(watched)  # the op's body, and the direct call of eager runs without the front
-    attention._paged_attention_impl = watched  # type: ignore[assignment]
-    try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    finally:
-        attention_op.set_impl(body)
-        attention._paged_attention_impl = body  # type: ignore[assignment]
-    assert llm.engine.runner.decode_kv.num_fills > 0  # rows were filled (new sequences, class crossings)
-    return [o.outputs[0].token_ids for o in outs], seen
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert backend.rows.num_fills > 0  # rows were filled (new sequences, class crossings)
+    steps = backend.front.stats.steps if backend.front is not None else 0
+    return [o.outputs[0].token_ids for o in outs], seen, steps
 
 
-def test_decode_steps_never_reach_python_and_the_tokens_are_the_same(
-    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_decode_steps_never_reach_python_and_the_tokens_are_the_same(tiny_model: Callable[[str], Path]) -> None:
     path = tiny_model("llama")
-    steps = attention_front.STATS.steps
-    tokens, seen = _generate(path)
-    assert attention_front.STATS.steps - steps >= 39  # each decode-only step
-    assert seen and all(seen)  # the Python op's body ran only in steps with prefills
-    monkeypatch.setattr(
-        attention_op, "FRONT_READY", [False]
-    )  # the model calls the Python op, as without a C++ compiler
-    off_tokens, off_seen = _generate(path)
+    tokens, seen, steps = _generate(path)
+    assert steps >= 39  # each decode-only step
+    assert seen and all(seen)  # the Python body ran only in steps with prefills
+    off_tokens, off_seen, _ = _generate(path, front=False)
     assert not all(off_seen) and off_tokens == tokens
 
 

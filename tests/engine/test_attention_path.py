@@ -14,7 +14,7 @@ import torch
 
 from batchgen.engine.attention import path as attention_path
 from batchgen.engine.attention.gather import GatheredBlocks
-from batchgen.engine.attention.paged import forward_context, paged_attention_forward
+from batchgen.engine.attention.interface import paged_attention_forward
 from batchgen.engine.attention.path import (
     SDPA,
     VARLEN,
@@ -23,9 +23,10 @@ from batchgen.engine.attention.path import (
     default_block_size,
     varlen_signature_ok,
 )
-from batchgen.engine.runner.model_runner import build_forward_context
+from batchgen.engine.attention.planning import build_forward_context
 
-from .test_attention import BLOCK, DIM, HEADS, KV_HEADS, _chunk, _Layer, _reference
+from .attention_harness import running
+from .test_attention import BLOCK, DIM, HEADS, KV_HEADS, _chunk, _reference
 from .varlen_reference import reference_varlen_attn
 
 H100 = KernelSupport(varlen_paged=True, compute_capability=(9, 0))
@@ -104,8 +105,8 @@ def _run_varlen(specs: list[tuple[int, int]], window: int | None, monkeypatch: p
     query = torch.cat(queries, dim=1)[None]  # [1, H, T, D]
     key = torch.cat([k[:, c:] for k, (c, _) in zip(keys, specs)], dim=1)[None]  # [1, KVH, T, D]
     value = torch.cat([v[:, c:] for v, (c, _) in zip(values, specs)], dim=1)[None]
-    with forward_context(ctx):
-        out, _ = paged_attention_forward(_Layer(), query, key, value, None, scaling=0.3, sliding_window=window)
+    with running(ctx) as layer:
+        out, _ = paged_attention_forward(layer, query, key, value, None, scaling=0.3, sliding_window=window)
     expected = torch.cat([_reference(q, k, v, 0.3, window, None) for q, k, v in zip(queries, keys, values)])
     torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
 
@@ -135,8 +136,8 @@ def test_soft_capping_never_reaches_the_varlen_kernel(monkeypatch: pytest.Monkey
     caches = [(torch.zeros(2, BLOCK, KV_HEADS, DIM),) * 2]
     ctx, _, _ = build_forward_context([_chunk(0, 0, 2, [0], False)], source, caches, BLOCK, torch.device("cpu"), True)
     qkv = torch.randn(1, HEADS, 2, DIM), torch.randn(1, KV_HEADS, 2, DIM), torch.randn(1, KV_HEADS, 2, DIM)
-    with forward_context(ctx), pytest.raises(RuntimeError, match="soft-caps"):
-        paged_attention_forward(_Layer(), *qkv, None, softcap=2.0)
+    with running(ctx) as layer, pytest.raises(RuntimeError, match="soft-caps"):
+        paged_attention_forward(layer, *qkv, None, softcap=2.0)
 
 
 def test_cpu_runner_takes_the_sdpa_path(tiny_model) -> None:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from batchgen.engine.api.llm import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.attention import paged as attention
+from batchgen.engine.attention import torch_math as attention
 from batchgen.engine.attention.cascade import cascade_decode_attention, cascade_len, shared_prefix_len, worth_splitting
 from batchgen.engine.cpu import decode_native
 from batchgen.engine.cpu.decode_rows import DecodeRows
@@ -77,14 +77,14 @@ def test_engine_with_a_shared_preamble_uses_cascade_with_either_decode_source(
     prompts = [preamble + [(i * 11 + j) % 250 + 2 for j in range(3 + i)] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = []
-    for decode_kv, use_native in (("rows", True), ("rows", False), ("gather", False)):
-        llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200, decode_kv=decode_kv)
+    for backend, use_native in (("cpu", True), ("cpu", False), ("torch", False)):
+        llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200, attention_backend=backend)
         source = llm.engine.runner.decode_kv
         if isinstance(source, DecodeRows):
             assert source.native is not None  # float32 on CPU: the kernel, unless switched off here
             if not use_native:
                 source.native = None
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        assert calls, (decode_kv, use_native)
+        assert calls, (backend, use_native)
         calls.clear()
     assert outputs[0] == outputs[1] == outputs[2]

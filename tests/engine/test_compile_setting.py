@@ -60,16 +60,14 @@ def test_an_error_inside_the_compiled_attention_keeps_its_own_message(
     tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A graph with the C++ wrapper turns an exception of the Python attention op into "API call
-    failed"; the engine raises the op's own exception instead (attention_op.take_raised)."""
-    from batchgen.engine.attention import op as attention_op
-
+    failed"; the engine raises the op's own exception instead (the backend's take_raised)."""
     llm = LLM(str(tiny_model("llama")), compile=True)
     llm.generate(PROMPTS, GREEDY)  # compiled
 
     def failing(*args: object) -> torch.Tensor:
         raise ValueError("the attention's own words")
 
-    monkeypatch.setattr(attention_op, "_IMPL", [failing])
+    monkeypatch.setattr(llm.engine.runner.backend, "run_layer", failing)
     with pytest.raises(ValueError, match="the attention's own words"):
         llm.generate(PROMPTS, GREEDY)
 

@@ -121,8 +121,8 @@ def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Pa
     lengths, max_tokens = [5, 40, 200, 300], [12, 9, 6, 3]  # the batch shrinks; the longest row ends first: 2 widths
     prompts = [[2 + (i * 7 + j) % 250 for j in range(n)] for i, n in enumerate(lengths)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    eager = LLM(path, device="cpu", decode_kv="gather", num_kv_blocks=pool_blocks).generate(prompts, params)
-    llm = LLM(path, device="cpu", decode_kv="gather", num_kv_blocks=pool_blocks)
+    eager = LLM(path, device="cpu", attention_backend="torch", num_kv_blocks=pool_blocks).generate(prompts, params)
+    llm = LLM(path, device="cpu", attention_backend="torch", num_kv_blocks=pool_blocks)
     runner = llm.engine.runner
     inputs: list[set[int]] = []
 

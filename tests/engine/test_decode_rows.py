@@ -11,9 +11,10 @@ import torch
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.llm import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.attention.decode_kv import DecodeRequest, resolve_decode_kv
+from batchgen.engine.attention.decode_kv import DecodeRequest
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_rows import MIN_CLASS_LEN, DecodeRows, length_class, row_class
+from batchgen.engine.runner.backends import resolve_backend
 
 BLOCK, KVH, DIM = 4, 2, 8
 
@@ -136,18 +137,18 @@ def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str],
     prompts = [[(i * 7 + j) % 250 + 2 for j in range(5 + 23 * i)] for i in range(12)]
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * (i % 4), ignore_eos=True) for i in range(12)]
     outputs = []
-    for decode_kv in ("rows", "gather"):
+    for backend in ("cpu", "torch"):
         llm = LLM(
             str(tiny_model("mistral")),
             block_size=8,
             max_num_batched_tokens=48,
             max_num_seqs=6,
             num_kv_blocks=40,
-            decode_kv=decode_kv,
+            attention_backend=backend,
         )
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         source = llm.engine.runner.decode_kv
-        assert isinstance(source, DecodeRows) == (decode_kv == "rows")
+        assert isinstance(source, DecodeRows) == (backend == "cpu")
         if isinstance(source, DecodeRows):
             assert 0 < source.num_fills < llm.stats["decode_tokens"]
             assert llm.stats["preemptions"] > 0
@@ -180,9 +181,11 @@ def test_a_row_comes_one_class_early_when_its_sequence_can_only_end_there() -> N
 
 
 def test_auto_means_rows_on_cpu_and_a_bad_setting_is_refused(tiny_model: Callable[[str], Path]) -> None:
-    assert resolve_decode_kv("auto", torch.device("cpu")) == "rows"
-    assert resolve_decode_kv("auto", torch.device("cuda")) == "gather"
-    assert resolve_decode_kv("gather", torch.device("cpu")) == "gather"
+    assert resolve_backend("auto", torch.device("cpu")) == "cpu"
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    assert resolve_backend("torch", torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="runs on the CPU, not on cuda"):
+        resolve_backend("cpu", torch.device("cuda"))
     assert isinstance(LLM(str(tiny_model("llama")), num_kv_blocks=16).engine.runner.decode_kv, DecodeRows)
-    with pytest.raises(ValueError, match="decode_kv"):
-        EngineConfig(decode_kv="pool")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="rows")  # type: ignore[arg-type]

@@ -49,7 +49,6 @@ def test_device_availability_lists_this_machines_devices(monkeypatch: pytest.Mon
     import torch
 
     from batchgen.engine.runner.models import DeviceError, resolve_device
-    from batchgen.errors import ModelError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
@@ -60,7 +59,7 @@ def test_device_availability_lists_this_machines_devices(monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("cuda:1") == torch.device("cuda:1") and resolve_device("cuda") == torch.device("cuda")
-    with pytest.raises(ModelError, match="devices here: cpu, cuda:0, cuda:1"):  # a ModelError: exit 4
+    with pytest.raises(DeviceError, match="devices here: cpu, cuda:0, cuda:1"):  # the job side makes it exit 4
         resolve_device("cuda:2")
     with pytest.raises(ValueError, match="not a device name"):
         resolve_device("banana")

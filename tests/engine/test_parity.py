@@ -77,16 +77,16 @@ def _reference(arch: str, path: Path) -> list[list[int]]:
     return _REFERENCE[arch]
 
 
-@pytest.mark.parametrize("decode_kv", ["rows", "gather"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("setting", ["pressure", "relaxed"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_parity(
-    arch: str, setting: str, decode_kv: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    arch: str, setting: str, backend: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Eager, with the linears on torch's BLAS on every host (whatever this machine's calibration
     chose; the native-linear tests below pin the kernels in)."""
     _pin_linears(monkeypatch, 0)
-    llm = _check_parity(arch, setting, decode_kv, False, tiny_model)
+    llm = _check_parity(arch, setting, backend, False, tiny_model)
     assert llm.engine.runner.native_linears == 0
 
 
@@ -96,7 +96,7 @@ def test_greedy_parity_compiled(arch: str, tiny_model: Callable[[str], Path]) ->
 
     Under pressure (chunked prefill, prefix caching, preemption), with decode rows (the CPU default).
     """
-    llm = _check_parity(arch, "pressure", "rows", True, tiny_model)
+    llm = _check_parity(arch, "pressure", "cpu", True, tiny_model)
     stats = llm.engine.runner.forward.stats
     assert stats.graphs >= 1 and stats.seconds > 0, stats  # it really compiled
 
@@ -120,7 +120,7 @@ def test_greedy_parity_native_linears(
     """Every linear layer through the native kernels at decode sizes: the same tokens, eager under
     pressure (its 64-token steps: every prefill chunk through them too)."""
     _pin_linears(monkeypatch, DECODE_SIZES)
-    llm = _check_parity(arch, "pressure", "rows", False, tiny_model)
+    llm = _check_parity(arch, "pressure", "cpu", False, tiny_model)
     assert llm.engine.runner.native_linears > 0
 
 
@@ -131,7 +131,7 @@ def test_greedy_parity_native_linears_at_every_size(
     """The kernels at every size (where a machine measured them faster everywhere), prefill chunks of
     up to 1,024 tokens included (relaxed)."""
     _pin_linears(monkeypatch, EVERY_SIZE)
-    llm = _check_parity(arch, "relaxed", "rows", False, tiny_model)
+    llm = _check_parity(arch, "relaxed", "cpu", False, tiny_model)
     assert llm.engine.runner.native_linears > 0
 
 
@@ -141,18 +141,18 @@ def test_greedy_parity_native_linears_compiled(
 ) -> None:
     """The same with the forward compiled (the CPU default), the operator a node of the graph."""
     _pin_linears(monkeypatch, mask)
-    llm = _check_parity("llama", "pressure", "rows", True, tiny_model)
+    llm = _check_parity("llama", "pressure", "cpu", True, tiny_model)
     assert llm.engine.runner.native_linears > 0 and llm.engine.runner.forward.stats.graphs >= 1
 
 
-def _check_parity(arch: str, setting: str, decode_kv: str, compile: bool, tiny_model: Callable[[str], Path]) -> LLM:
+def _check_parity(arch: str, setting: str, backend: str, compile: bool, tiny_model: Callable[[str], Path]) -> LLM:
     path = tiny_model(arch)
     expected = _reference(arch, path)
     llm = LLM(
         str(path),
         device="cpu",
         dtype="float32",
-        decode_kv=decode_kv,
+        attention_backend=backend,
         compile=compile,
         **(PRESSURE if setting == "pressure" else RELAXED),
     )

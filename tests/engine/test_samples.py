@@ -116,7 +116,7 @@ def test_n_is_validated() -> None:
 
 def test_forked_samples_with_gathered_decode_kv(tiny_model: Callable[[str], Path]) -> None:
     """decode_kv gather reads every step's K/V from the pool: the copied block must hold the prompt."""
-    gather = LLM(str(tiny_model("llama")), device="cpu", block_size=8, num_kv_blocks=64, decode_kv="gather")
+    gather = LLM(str(tiny_model("llama")), device="cpu", block_size=8, num_kv_blocks=64, attention_backend="torch")
     forked = gather.generate([PROMPT], sampled(seed=21, n=3))[0]
     alone = [gather.generate([PROMPT], sampled(seed=21 + i))[0].outputs[0].token_ids for i in range(3)]
     assert [s.token_ids for s in forked.outputs] == alone

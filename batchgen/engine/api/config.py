@@ -29,8 +29,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    # where decodes read K/V (see decode_kv): "auto" = contiguous rows on CPU, gathered blocks elsewhere
-    decode_kv: Literal["auto", "gather", "rows"] = "auto"
+    # the attention backend (runner/backends): "auto" = "cpu" on the CPU (contiguous decode rows, the
+    # native kernel where it applies), "torch" elsewhere (portable torch ops over gathered blocks)
+    attention_backend: Literal["auto", "torch", "cpu"] = "auto"
     # torch.compile of the model around the paged attention op (compiled_forward), and CUDA graphs
     # for decode on CUDA: "auto" = where it was measured to win (see resolve_compile: the CPU)
     compile: Literal["auto"] | bool = "auto"
@@ -54,8 +55,8 @@ class EngineConfig:
             raise SettingError("EngineConfig", "enable_prefix_caching", "true or false", self.enable_prefix_caching)
         if not (self.compile == "auto" or isinstance(self.compile, bool)):
             raise SettingError("EngineConfig", "compile", "'auto', true or false", self.compile)
-        if self.decode_kv not in ("auto", "gather", "rows"):
-            raise SettingError("EngineConfig", "decode_kv", "'auto', 'gather' or 'rows'", self.decode_kv)
+        if self.attention_backend not in ("auto", "torch", "cpu"):
+            raise SettingError("EngineConfig", "attention_backend", "'auto', 'torch' or 'cpu'", self.attention_backend)
 
 
 def engine_config(**settings: object) -> EngineConfig:

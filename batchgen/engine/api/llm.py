@@ -87,7 +87,7 @@ class LLM:
             torch_dtype,
             config.max_num_seqs,
             self.max_model_len,
-            config.decode_kv,
+            config.attention_backend,
             compile=resolve_compile(config.compile, torch_device),
             max_num_batched_tokens=config.max_num_batched_tokens,
             compile_fallback=config.compile == "auto",

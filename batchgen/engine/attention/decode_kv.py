@@ -4,8 +4,8 @@ Why a seam: decode attention has two good layouts and the attention function sho
 which one it reads. Gathered blocks (decode_gather) copy each decode's blocks out of the paged
 pool per layer, which costs nothing to keep but a copy per step; contiguous rows (decode_rows)
 keep a per-sequence copy that grows by one token per step, which on CPU, where a decode step is
-memory-bound, saves most of that copy at the price of extra memory. The engine setting
-`decode_kv` picks one ("auto": rows on CPU, gather elsewhere).
+memory-bound, saves most of that copy at the price of extra memory. Each attention backend has
+one: the torch backend gathers, the CPU backend keeps rows (engine.attention_backend).
 
 A source plans each step's decodes into groups of similar length (one padded attention call
 each), is told each layer's new K/V, and hands each group's keys as [B, KVH, D, L] and its
@@ -20,25 +20,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from batchgen.engine.attention.cascade import cascade_len
 
-DecodeKV = Literal["gather", "rows"]
-DECODE_KV_SETTINGS = ("auto", "gather", "rows")
-
 Pool = tuple[torch.Tensor, torch.Tensor]  # one layer's K, V: [num_blocks, block_size, KVH, D]
-
-
-def resolve_decode_kv(setting: str, device: torch.device) -> DecodeKV:
-    """ "auto" -> rows on CPU (memory-bound decode), gather elsewhere (the copy is cheap, rows cost memory)."""
-    if setting == "auto":
-        return "rows" if device.type == "cpu" else "gather"
-    if setting not in ("gather", "rows"):
-        raise ValueError(f"decode_kv must be one of {DECODE_KV_SETTINGS}, got {setting!r}")
-    return setting  # type: ignore[return-value]
 
 
 class DecodeRequest(NamedTuple):

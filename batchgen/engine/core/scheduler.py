@@ -53,6 +53,11 @@ class ScheduledChunk(NamedTuple):
         return self.seq.seq_id
 
     @property
+    def max_total_tokens(self) -> int:
+        """The most tokens the sequence may ever hold (its prompt and max_tokens never change)."""
+        return self.seq.max_total_tokens
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -2,7 +2,7 @@
 
 Why: on a small model the unchanged transformers modules run one small op at a time (RMSNorm,
 RoPE, SwiGLU, residuals), and Python dispatch dominates. Compiled, inductor fuses them; the
-paged attention stays one opaque custom op (attention_op), so the graph does not break.
+paged attention stays one opaque custom op (attention/op), so the graph does not break.
 
 Why so few compiled shapes: the whole forward is compiled with dynamic shapes, so one graph
 serves every token count and every number of logit rows (a second one only when a first call's
@@ -20,13 +20,12 @@ import re
 import shutil
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
-
-from batchgen.engine.attention import op as attention_op
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +80,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def check_layer_order(model: torch.nn.Module) -> None:
-    """Every attention module of decoder layer i has layer_idx i: the attention op finds a layer's
-    KV pool by its call number in the forward, so layers must run (and be numbered) in order."""
+    """Every attention module of decoder layer i has layer_idx i: a module's layer_idx names its KV
+    pool (attention/interface.bind_layers), so no two decoder layers may share one."""
     for i, layer in enumerate(decoder_layers(model)):
         for name, module in layer.named_modules():
             idx = getattr(module, "layer_idx", i)
@@ -112,10 +111,18 @@ class StepForward:
     """
 
     def __init__(
-        self, model: PreTrainedModel, compile: bool, max_tokens: int | None = None, fallback: bool = False
+        self,
+        model: PreTrainedModel,
+        compile: bool,
+        max_tokens: int | None = None,
+        fallback: bool = False,
+        take_raised: Callable[[], BaseException | None] = lambda: None,
     ) -> None:
-        """`fallback`: a model that fails to compile runs eager from then on (engine.compile "auto")."""
+        """`fallback`: a model that fails to compile runs eager from then on (engine.compile "auto").
+        `take_raised`: the attention backend's last exception (see attention/op), raised instead of the
+        compiled graph's "API call failed"."""
         self.model = model
+        self.take_raised = take_raised
         self.compile = compile
         self.max_tokens = max_tokens
         self.fallback = fallback
@@ -148,7 +155,7 @@ class StepForward:
         if not self.compile:
             return self._run(input_ids, positions, keep)  # the eager forward (a benchmark may wrap it)
         graphs, began = _unique_graphs(), time.perf_counter()
-        attention_op.take_raised()
+        self.take_raised()
         revert = self._settings()
         try:
             out = self._run(input_ids, positions, keep)
@@ -160,7 +167,7 @@ class StepForward:
             self.compile, self._run = False, self._logits
             return self._logits(input_ids, positions, keep)
         except RuntimeError as exc:
-            raised = attention_op.take_raised()  # the attention's own error, not the C++ wrapper's
+            raised = self.take_raised()  # the attention's own error, not the C++ wrapper's
             if raised is None:
                 raise
             raise raised from exc

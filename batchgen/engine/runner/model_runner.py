@@ -1,14 +1,15 @@
-"""ModelRunner: owns the HF model, the paged KV pool and the decode K/V source; runs one packed forward per step.
+"""ModelRunner: owns the HF model, the paged KV pool and the attention backend; runs one packed forward per step.
 
-It packs every scheduled chunk into one [1, T] row (decodes first, in the order their K/V source
-planned them, so the attention function can treat them as a few padded groups), builds the
-step's metadata tensors once, runs the unchanged HF model under our attention implementation,
-and returns float32 logits only for the chunks that need a sample, in batch order. It reads the
-scheduler's frozen chunks, never live sequence state, and decides nothing: what runs, and when,
-is the scheduler's business. The step's metadata is staged in the runner's Transfers and sent in
-one upload (see transfers); the forward runs through StepForward (eager or compiled, tokens
-padded to a multiple of 8 when compiled), and on CUDA with compile, decode-only steps replay a
-CUDA graph per batch-size bucket (cuda_graphs).
+It packs every scheduled chunk into one [1, T] row as its attention backend plans the step
+(decodes first, in the order their K/V source planned them), runs the unchanged HF model, whose
+attention modules are bound to that backend (attention/interface), and returns float32 logits
+only for the chunks that need a sample, in batch order. It reads the scheduler's frozen chunks,
+never live sequence state, and decides nothing: what runs, and when, is the scheduler's
+business. The step's metadata is staged in the runner's Transfers and sent in one upload (see
+transfers); the forward runs through StepForward (eager or compiled, tokens padded to a multiple
+of 8 when compiled), and on CUDA with compile, decode-only steps replay a CUDA graph per
+batch-size bucket (cuda/graphs). Which backend, and the model's device kernels, come from
+runner/backends.
 """
 
 from __future__ import annotations
@@ -20,150 +21,20 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from batchgen.engine.attention.decode_kv import (
-    DecodeKVSource,
-    DecodeRequest,
-    DecodeStep,
-    padded_tables,
-    resolve_decode_kv,
-)
-from batchgen.engine.attention.gather import GatheredBlocks
-from batchgen.engine.attention.kv_store import PAD_SLOT, pool_blocks
-from batchgen.engine.attention.metadata import FlashMetadata, ForwardContext, PrefillChunk
-from batchgen.engine.attention.paged import forward_context
+from batchgen.engine.attention.decode_kv import padded_tables
+from batchgen.engine.attention.interface import bind_layers
+from batchgen.engine.attention.kv_store import pool_blocks
+from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.path import VARLEN, AttentionChoice, choose_attention_path, detect_support, has_softcap
+from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.core.scheduler import ScheduledBatch, ScheduledChunk
-from batchgen.engine.cpu import native, native_ops
-from batchgen.engine.cpu.decode_native import kernels_for
-from batchgen.engine.cpu.decode_rows import DecodeRows
-from batchgen.engine.cpu.front import decode_plan
-from batchgen.engine.cpu.front import load as load_front
-from batchgen.engine.cpu.native_linear import install_native_linears
 from batchgen.engine.cuda.graphs import GraphDecode, StaticDecode
+from batchgen.engine.runner.backends import make_backend, prepare_model, resolve_backend
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
-from batchgen.engine.runner.transfers import Transfers, int64_tensor
+from batchgen.engine.runner.transfers import Transfers
 
 logger = logging.getLogger(__name__)
-
-
-def _packed_order(
-    chunks: Sequence[ScheduledChunk],
-    decode_kv: DecodeKVSource,
-    flash: bool,
-) -> tuple[list[int], DecodeStep | None, int]:
-    """Chunk indices in packed order (decodes as their source plans them, then the rest in batch
-    order), the decodes' step and their number. With the varlen kernel every chunk reads the pool:
-    nothing is planned."""
-    decodes = [] if flash else [i for i, c in enumerate(chunks) if c.is_decode]
-    if not decodes:
-        return list(range(len(chunks))), None, 0
-    packed, step = decode_kv.plan(
-        # why the live seq's max_total_tokens: its prompt and max_tokens never change
-        [
-            DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table, chunks[i].seq.max_total_tokens)
-            for i in decodes
-        ]
-    )
-    rest = [i for i, c in enumerate(chunks) if not c.is_decode]
-    return [decodes[j] for j in packed] + rest, step, len(decodes)
-
-
-def build_forward_context(
-    chunks: Sequence[ScheduledChunk],
-    decode_kv: DecodeKVSource,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    block_size: int,
-    device: torch.device,
-    flash: bool = False,
-    *,
-    transfers: Transfers | None = None,
-    padded_len: int | None = None,
-) -> tuple[ForwardContext, torch.Tensor, list[int]]:
-    """Step metadata for `chunks` (batch order) -> (context, positions [T], packed order of the chunks).
-
-    Every tensor is staged in `transfers` (uploaded by the caller in one copy before the forward).
-    `padded_len` >= the step's tokens pads positions (0) and the slot mapping (-1, not stored).
-    """
-    transfers = transfers or Transfers(device)
-    order, step, num_dec = _packed_order(chunks, decode_kv, flash)
-    packed = [chunks[i] for i in order]
-    needed = [math.ceil((c.start + c.num_tokens) / block_size) for c in packed]
-    short = [order[j] for j, (c, n) in enumerate(zip(packed, needed)) if len(c.block_table) < n]
-    if short:  # why: a missing block would silently alias block 0 (another sequence's K/V)
-        raise RuntimeError(f"chunks {short[:5]} have fewer KV blocks than their tokens need")
-    if num_dec == len(packed):  # decodes only (never with the varlen kernel, which plans none)
-        positions, slots = decode_slots(packed, block_size, padded_len)
-        ctx = ForwardContext(kv_caches, transfers.stage(slots), step, [], num_tokens=len(packed))
-        return ctx, transfers.stage(positions), order
-    max_blocks = max(needed)
-    tables = padded_tables([c.block_table for c in packed], needed, max_blocks)  # [N, max_blocks]
-    lens = int64_tensor([c.num_tokens for c in packed])  # [N]
-    ctx_start = int64_tensor([c.start for c in packed])  # [N]
-    cu = torch.cumsum(lens, 0) - lens  # [N] packed offset of each chunk
-    num_tokens = int(cu[-1] + lens[-1])
-    seq_of_token = torch.repeat_interleave(torch.arange(len(packed)), lens)  # [T]
-    positions = torch.arange(num_tokens) - cu[seq_of_token] + ctx_start[seq_of_token]  # [T]
-    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
-    pad = (padded_len or num_tokens) - num_tokens
-    if pad > 0:
-        positions = torch.cat([positions, positions.new_zeros(pad)])
-        slots = torch.cat([slots, slots.new_full((pad,), PAD_SLOT)])
-    starts = cu.tolist()
-    prefills = (
-        []
-        if flash
-        else [  # why: the varlen kernel needs none of it (and no per-chunk copies)
-            PrefillChunk(
-                start=starts[j],
-                end=starts[j] + c.num_tokens,
-                context_start=c.start,
-                block_table=transfers.stage(tables[j, : needed[j]]),
-            )
-            for j, c in enumerate(packed)
-            if j >= num_dec
-        ]
-    )
-    meta = _flash_metadata(lens, ctx_start, tables, transfers) if flash else None
-    ctx = ForwardContext(
-        kv_caches=kv_caches,
-        slot_mapping=transfers.stage(slots),
-        decodes=step,
-        prefills=prefills,
-        flash=meta,
-        num_tokens=num_tokens,
-    )
-    return ctx, transfers.stage(positions), order
-
-
-def decode_slots(
-    decodes: Sequence[ScheduledChunk], block_size: int, padded_len: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One-token chunks -> (positions [T], slot mapping [T]), padded as build_forward_context pads.
-
-    Why in Python: a decode step's metadata is one position and one slot per sequence, cheaper as
-    list arithmetic than as the general path's tensor ops (~0.3 ms of a 64-row CPU step)."""
-    positions = [c.start for c in decodes]
-    slots = [c.block_table[p // block_size] * block_size + p % block_size for c, p in zip(decodes, positions)]
-    pad = (padded_len or len(positions)) - len(positions)
-    return int64_tensor(positions + [0] * pad), int64_tensor(slots + [PAD_SLOT] * pad)
-
-
-def _flash_metadata(
-    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, transfers: Transfers
-) -> FlashMetadata:
-    """lens/ctx_start [N] (packed order), tables [N, max_blocks] -> the varlen kernel's metadata
-    (int64 as staged; the kernel's call casts to int32 after the upload)."""
-    zero = torch.zeros(1, dtype=torch.int64)
-    kv_lens = ctx_start + lens  # [N] keys each chunk attends over: its cached context and itself
-    return FlashMetadata(
-        cu_seqlens_q=transfers.stage(torch.cat([zero, torch.cumsum(lens, 0)])),
-        cu_seqlens_k=transfers.stage(torch.cat([zero, torch.cumsum(kv_lens, 0)])),
-        max_seqlen_q=int(lens.max()),
-        max_seqlen_k=int(kv_lens.max()),
-        block_tables=transfers.stage(tables),
-        seqused_k=transfers.stage(kv_lens),
-    )
 
 
 class ModelRunner:
@@ -177,7 +48,7 @@ class ModelRunner:
         dtype: torch.dtype,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
-        decode_kv: str = "auto",
+        attention_backend: str = "auto",
         compile: bool = False,
         max_num_batched_tokens: int | None = None,
         compile_fallback: bool = False,
@@ -193,55 +64,35 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(spec.num_layers)
         ]
-        if device.type == "cpu" and (missing := native_ops.pending()):
-            logger.warning(
-                "building the native CPU kernels for this machine before the first step (%s; %s, once per machine;"
-                " `batchgen doctor --build` builds them ahead of a job)",
-                ", ".join(missing),
-                native.BUILD_SECONDS,
-            )
         self.attention: AttentionChoice = choose_attention_path(
             device.type, dtype, block_size, spec.head_dim, has_softcap(model.config), detect_support(device)
         )
         self.flash = self.attention.path == VARLEN
-        self.decode_kv_kind = resolve_decode_kv(decode_kv, device)
-        self.decode_kv: DecodeKVSource = (
-            DecodeRows(
-                spec.num_layers,
-                spec.num_kv_heads,
-                spec.head_dim,
-                block_size,
-                max_model_len or num_kv_blocks * block_size,
-                dtype,
-                device,
-                max_num_seqs,
-                num_kv_blocks * block_size,
-                kernels_for(model.config, device, dtype),
-            )
-            if self.decode_kv_kind == "rows"
-            else GatheredBlocks(block_size, device)
-        )
-        # the C++ front attends decode-only steps of the native kernel without Python per layer
-        self.front = isinstance(self.decode_kv, DecodeRows) and self.decode_kv.native is not None and load_front()
-        self._num_heads = model.config.get_text_config().num_attention_heads
+        max_len = max_model_len or num_kv_blocks * block_size
+        name = resolve_backend(attention_backend, device)
+        self.backend = make_backend(name, model, self.kv_caches, block_size, device, dtype, max_len, max_num_seqs)
+        self.backend.flash = self.flash
+        bind_layers(model, self.backend)
         self.transfers = Transfers(device)
-        self.decode_kv.stage = self.transfers.stage
-        self.native_linears = install_native_linears(model, device, dtype)
-        self.forward = StepForward(model, compile, max_num_batched_tokens, fallback=compile_fallback)
+        self.decode_kv = self.backend.decode_kv
+        self.decode_kv.stage = self.transfers.stage  # type: ignore[attr-defined]
+        self.native_linears = prepare_model(model, device, dtype)
+        self.forward = StepForward(
+            model, compile, max_num_batched_tokens, fallback=compile_fallback, take_raised=self.backend.take_raised
+        )
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead)
         self.graphs: GraphDecode | None = None
         if device.type == "cuda" and compile and not self.flash:  # pragma: no cover - CUDA only
-            max_blocks = math.ceil((max_model_len or num_kv_blocks * block_size) / block_size)
+            max_blocks = math.ceil(max_len / block_size)
             self.graphs = GraphDecode(self.forward, self.kv_caches, max_num_seqs or 64, max_blocks, block_size, device)
         logger.info(
-            "KV pool: %d blocks x %d tokens, %d layers (attention: %s, %s; decode K/V: %s%s)",
+            "KV pool: %d blocks x %d tokens, %d layers (attention: %s, %s; backend: %s)",
             num_kv_blocks,
             block_size,
             spec.num_layers,
             self.attention.path,
             self.attention.reason,
-            self.decode_kv_kind,
-            ", native kernel through the C++ front" if self.front else "",
+            self.backend.describe(),
         )
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -257,16 +108,7 @@ class ModelRunner:
             if logits is not None:
                 return logits
         padded = self.forward.padded_tokens(sum(c.num_tokens for c in chunks))
-        ctx, positions, order = build_forward_context(
-            chunks,
-            self.decode_kv,
-            self.kv_caches,
-            self.block_size,
-            self.device,
-            self.flash,
-            transfers=self.transfers,
-            padded_len=padded,
-        )
+        ctx, positions, order = self.backend.plan(chunks, self.transfers, padded)
         token_ids: list[int] = []
         packed_end = [0] * len(chunks)
         for i in order:
@@ -283,7 +125,7 @@ class ModelRunner:
         input_ids = self.transfers.stage(int64_tensor(token_ids))  # [T]
         keep_idx = self.transfers.stage(int64_tensor(keep))  # [num sampled + prompt-logit rows (+ padding)]
         self.transfers.upload()
-        with torch.inference_mode(), forward_context(ctx), decode_plan(ctx, self._num_heads):
+        with torch.inference_mode(), self.backend.running(ctx):
             logits = self.forward(input_ids, positions, keep_idx)
         if ctx.num_attention_calls != len(self.kv_caches):
             raise RuntimeError(
@@ -304,7 +146,7 @@ class ModelRunner:
         self.transfers.upload()
 
         def run(ctx: object, call: Callable[[], torch.Tensor]) -> torch.Tensor:
-            with torch.inference_mode(), forward_context(ctx):  # type: ignore[arg-type]
+            with torch.inference_mode(), self.backend.running(ctx):  # type: ignore[arg-type]
                 return call()
 
         def context(slots: torch.Tensor, static: StaticDecode, bucket: int) -> ForwardContext:
@@ -323,7 +165,7 @@ class ModelRunner:
             v[pairs[1]] = v[pairs[0]]
 
     def reset(self) -> None:
-        """After an aborted generate: zero the pool and forget the decode source's sequences.
+        """After an aborted generate: zero the pool and forget the backend's sequences.
 
         Why zero: a failed step may have written NaN, and a later sequence's padded reads of its
         blocks' unwritten slots would carry it into real outputs (0 * NaN).
@@ -331,4 +173,4 @@ class ModelRunner:
         for k, v in self.kv_caches:
             k.zero_()
             v.zero_()
-        self.decode_kv.reset()
+        self.backend.reset()

@@ -17,7 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import is_accelerate_available
 
 from batchgen.engine.api.config import DEVICE_CHOICES, DEVICE_NAME
-from batchgen.engine.attention.paged import ATTN_IMPLEMENTATION
+from batchgen.engine.attention.interface import ATTN_IMPLEMENTATION
 from batchgen.engine.runner.model_limits import UnsupportedModelError as UnsupportedModelError  # re-exported
 from batchgen.engine.runner.model_limits import refuse as _refuse
 from batchgen.engine.runner.model_limits import resolve_max_model_len as resolve_max_model_len  # re-exported

@@ -88,8 +88,8 @@ def kv_pool_blocks(
         return blocks, None
 
     def make_runner(num_blocks: int) -> ModelRunner:
-        # why gather: the profiling step's decodes need no per-sequence state
-        return ModelRunner(model, spec, block_size, num_blocks, device, dtype, max_num_seqs, max_model_len, "gather")
+        # why torch: the profiling step's decodes need no per-sequence state
+        return ModelRunner(model, spec, block_size, num_blocks, device, dtype, max_num_seqs, max_model_len, "torch")
 
     batch = profile_batch(
         require_int(config.max_num_batched_tokens, "max_num_batched_tokens"), max_num_seqs, max_model_len, block_size

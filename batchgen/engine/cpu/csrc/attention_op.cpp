@@ -1,15 +1,17 @@
-// batchgen: the torch operator batchgen::attention, the model's attention call as the compiled graph makes it.
+// batchgen: the torch operator batchgen::attention, the CPU backend's attention call (eager or compiled).
 //
 // Why C++: in a decode-only step on the CPU every layer's attention is one call of the native decode
 // kernel (csrc/decode_attention.c), and the Python around that call (the custom op's dispatch, the
 // step context, the checks, the kernel's per-layer arguments) cost ~0.1 ms a layer or more (the demo
 // model's decode step of 64 sequences is 9.3 ms with it, 8.3 ms through here). Python sets a plan for
-// such a step (batchgen_attention_plan: the kernel's argument array with everything that holds for the
-// step, each layer's pool, the step's slots); each layer's call here then only writes that layer's
-// tensors into the arguments and calls the kernel.
+// such a step (the kernel's argument array with everything that holds for the
+// step, each layer's pool, the step's slots) and writes its address into the backend's plan cell,
+// whose address every call is given (one cell per backend: no global state, several engines may
+// live in one process); each layer's call here then only writes that layer's tensors into the
+// arguments and calls the kernel.
 // Without a plan (a step with prefills, or one the plan does not cover) it calls the Python op
 // batchgen::paged_attention with the same arguments, so every step still has one entry point.
-// See batchgen/engine/attention_front.py.
+// See batchgen/engine/cpu/front.py.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
@@ -31,12 +33,10 @@ kernel_fn kernel = nullptr;
 // The plan's fields (P_*) and the kernel's arguments (A_*): decode_args.h, shared with the kernel
 constexpr int64_t LAYER_ARGS = A_COUNT - A_Q;  // per-layer arguments, A_Q .. A_POOL_SLOTS
 
-thread_local int64_t *plan = nullptr;
-
 at::Tensor python_op(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale,
-                     std::optional<int64_t> window, std::optional<double> softcap) {
+                     std::optional<int64_t> window, std::optional<double> softcap, int64_t backend, int64_t layer) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("batchgen::paged_attention", "");
-  torch::jit::Stack stack{query, key, value, scale, window, softcap};
+  torch::jit::Stack stack{query, key, value, scale, window, softcap, backend, layer};
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
@@ -49,11 +49,12 @@ at::Tensor rows_contiguous(const at::Tensor &t) { return t.stride(2) == 1 ? t : 
 // the last refusal's message, for Python to read: a compiled graph reports only that the call failed
 thread_local std::string last_error;
 
-at::Tensor planned(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale,
-                   std::optional<int64_t> window, std::optional<double> softcap) {
-  const int64_t layer = plan[P_CALLS]++;  // counted first: the runner checks every layer came through
+at::Tensor planned(int64_t *plan, const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+                   double scale, std::optional<int64_t> window, std::optional<double> softcap, int64_t layer) {
+  plan[P_CALLS]++;  // counted first: the runner checks every layer came through
   const int64_t n = plan[P_DECODES], heads = plan[P_HEADS], kvh = plan[P_KV_HEADS], d = plan[P_HEAD_DIM];
-  TORCH_CHECK(layer < plan[P_LAYERS], "attention called more than once per layer (", plan[P_LAYERS], " layers)");
+  TORCH_CHECK(layer >= 0 && layer < plan[P_LAYERS], "attention for layer ", layer, " of a plan for ", plan[P_LAYERS],
+              " layers");
   TORCH_CHECK(!softcap.has_value(), "batchgen::attention: a decode plan for a layer that soft-caps its logits");
   // why checked here: the kernel reads and writes through raw addresses
   TORCH_CHECK(cpu_float(query) && cpu_float(key) && cpu_float(value) && query.dim() == 3 && key.dim() == 3,
@@ -93,11 +94,14 @@ at::Tensor planned(const at::Tensor &query, const at::Tensor &key, const at::Ten
   return out;
 }
 
+// plan_cell: the address of the backend's cell holding its current plan's address (0: no plan)
 at::Tensor attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale,
-                     std::optional<int64_t> window, std::optional<double> softcap) {
-  if (plan == nullptr) return python_op(query, key, value, scale, window, softcap);
+                     std::optional<int64_t> window, std::optional<double> softcap, int64_t backend, int64_t layer,
+                     int64_t plan_cell) {
+  int64_t *plan = plan_cell == 0 ? nullptr : reinterpret_cast<int64_t *>(*reinterpret_cast<int64_t *>(plan_cell));
+  if (plan == nullptr) return python_op(query, key, value, scale, window, softcap, backend, layer);
   try {
-    return planned(query, key, value, scale, window, softcap);
+    return planned(plan, query, key, value, scale, window, softcap, layer);
   } catch (const c10::Error &e) {
     last_error = e.what_without_backtrace();
     throw;
@@ -108,9 +112,6 @@ at::Tensor attention(const at::Tensor &query, const at::Tensor &key, const at::T
 
 // fn: batchgen_decode_attention's address (the kernel library)
 extern "C" void batchgen_attention_op_setup(void *fn) { kernel = reinterpret_cast<kernel_fn>(fn); }
-
-// the step's plan (see P_*), or NULL: every call goes to the Python op
-extern "C" void batchgen_attention_plan(int64_t *p) { plan = p; }
 
 // the last refusal's message since the last call (NULL: none), forgotten once taken
 extern "C" const char *batchgen_attention_op_take_error(void) {
@@ -124,5 +125,5 @@ extern "C" const char *batchgen_attention_op_take_error(void) {
 extern "C" const char *batchgen_attention_op_plan_names(void) { return BATCHGEN_PLAN_FIELDS(BATCHGEN_NAME); }
 extern "C" const char *batchgen_attention_op_arg_names(void) { return BATCHGEN_DECODE_ARGS(BATCHGEN_NAME); }
 
-// the schema and the fake (shape-only) implementation are defined in attention_op.py
+// the schema and the fake (shape-only) implementation are defined in batchgen/engine/attention/op.py
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("attention", &attention); }

@@ -1,71 +1,22 @@
-"""Paged attention registered with transformers' AttentionInterface as "batchgen_paged".
+"""The portable attention math over the paged KV pool, in torch ops: what the torch backend runs.
 
 One forward = one packed varlen batch: every scheduled token of every sequence in a [1, T] row.
-The model runner describes the step in a ForwardContext (set around the forward); for each layer
-this function writes the new K/V into the paged pool at the step's slot mapping, then attends
-each sequence's queries over its own blocks. Decodes are packed first and attended in a few
-padded calls, one per group of similar context length, over the K/V their source hands out (see
-decode_kv; this function does not know which source it reads), with cascade attention where the
-source marked a shared prefix; every other chunk attends with a causal mask offset by its cached
-context, all with torch SDPA. Where the model runner chose the paged varlen kernel (CUDA, half
-precision, 256-token blocks: see attention_path), every chunk goes through that kernel instead,
-with no gather; a CUDA-graph decode step reads fixed-size buffers (cuda_graphs). Sliding windows
-and logit soft-capping are exact; attention sinks are refused.
-
-The registered function only checks the call and hands the tensors to the custom op
-`batchgen::paged_attention` (attention_op), whose body is `_paged_attention_impl` below: the
-same code runs eager or under torch.compile, and the compiler never sees the step's metadata.
+Decodes are packed first and attended in a few padded calls, one per group of similar context
+length, over the K/V their source hands out (see decode_kv; this module does not know which
+source it reads), with cascade attention where the source marked a shared prefix; every other
+chunk attends with a causal mask offset by its cached context, all with torch SDPA. A decode
+source may attend its decodes itself (DecodeStep.attend, e.g. the CPU backend's native kernel).
+Sliding windows and logit soft-capping are exact.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
-from batchgen.engine.attention import op as attention_op
 from batchgen.engine.attention.cascade import cascade_decode_attention
 from batchgen.engine.attention.decode_kv import DecodeGroup, DecodeStep, Pool, gather_blocks
-from batchgen.engine.attention.kv_store import store_kv
 from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk
-from batchgen.engine.attention.op import paged_attention
-from batchgen.engine.attention.path import varlen_paged_attention
-from batchgen.engine.cuda.graphs import static_decode_attention
-
-logger = logging.getLogger(__name__)
-
-ATTN_IMPLEMENTATION = "batchgen_paged"
-
-
-_CONTEXT: ForwardContext | None = None
-
-
-@contextlib.contextmanager
-def forward_context(ctx: ForwardContext) -> Iterator[None]:
-    """Make `ctx` visible to the attention function for the duration of one forward.
-
-    Why the count restarts here: the op finds a layer by its call number, and a context can serve
-    more than one forward (a CUDA graph's warm-up, then its capture)."""
-    global _CONTEXT
-    ctx.num_attention_calls = 0
-    _CONTEXT = ctx
-    try:
-        yield
-    finally:
-        _CONTEXT = None
-
-
-def _current_context() -> ForwardContext:
-    if _CONTEXT is None:
-        raise RuntimeError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} is only usable inside batchgen's model runner "
-            "(no forward context is set)"
-        )
-    return _CONTEXT
 
 
 def _window_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
@@ -227,7 +178,7 @@ def _decode_attention(
             _attend_decodes(qd, k_t, v, group, window, scaling, softcap, out[first : first + n])
 
 
-def _torch_paged_attention(
+def torch_paged_attention(
     ctx: ForwardContext,
     layer: int,
     q: torch.Tensor,
@@ -255,108 +206,3 @@ def _torch_paged_attention(
         res = _attend_chunk(qc, k, v, _prefill_mask(chunk, window, q.device), scaling, softcap)
         out[chunk.start : chunk.end] = res[0].transpose(0, 1)
     return out
-
-
-def _check_kv_shape(ctx: ForwardContext, layer: int, key: torch.Tensor) -> None:
-    k_cache = ctx.kv_caches[layer][0]
-    if k_cache.shape[2:] != key.shape[0:1] + key.shape[2:]:
-        raise RuntimeError(
-            f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
-            f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
-        )
-
-
-def _decodes_store_kv(ctx: ForwardContext, softcap: float | None) -> bool:
-    """A decode-only step whose decode source stores the K/V itself (the native kernel, with its attention)."""
-    plain = ctx.static_decode is None and ctx.flash is None and not ctx.prefills and softcap is None
-    return plain and ctx.decodes is not None and ctx.decodes.writes_pool
-
-
-def _store_kv(ctx: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-    """key/value [KVH, T, D] -> pool slots of this step (padded tokens, slot -1, go to the trash block)."""
-    k_cache, v_cache = ctx.kv_caches[layer]
-    padded = ctx.static_decode is not None or ctx.num_tokens != ctx.slot_mapping.shape[0]
-    store_kv(k_cache, v_cache, ctx.slot_mapping, key.transpose(0, 1), value.transpose(0, 1), padded)
-
-
-def _paged_attention_impl(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """The body of the custom op: query [H, T, D], key/value [KVH, T, D] -> [T, H, D] (padded rows zero).
-
-    The layer is this call's number in the forward (see attention_op).
-    """
-    ctx = _current_context()
-    layer = ctx.num_attention_calls
-    ctx.num_attention_calls += 1
-    if layer >= len(ctx.kv_caches):
-        raise RuntimeError(f"attention called more than once per layer ({len(ctx.kv_caches)} layers)")
-    _check_kv_shape(ctx, layer, key)
-    decodes_store = _decodes_store_kv(ctx, softcap)
-    if not decodes_store:
-        _store_kv(ctx, layer, key, value)
-    if ctx.static_decode is not None:  # a CUDA-graph decode step: fixed shapes, no per-step Python state
-        k_cache, v_cache = ctx.kv_caches[layer]
-        return static_decode_attention(query, k_cache, v_cache, ctx.static_decode, scale, window, softcap)
-    if ctx.flash is not None:
-        if softcap is not None:  # why: the runner chose this path from the config; never run it wrong
-            raise RuntimeError(f"{ATTN_IMPLEMENTATION}: layer {layer} soft-caps its logits; the varlen kernel cannot")
-        k_cache, v_cache = ctx.kv_caches[layer]
-        out = varlen_paged_attention(ctx.flash, k_cache, v_cache, query, scale, window)
-    else:
-        slots = ctx.slot_mapping if decodes_store else None
-        out = _torch_paged_attention(ctx, layer, query, key, value, scale, window, softcap, slots)
-    if ctx.num_tokens < out.shape[0]:  # why: padding rows stay finite (they are never read, but are computed on)
-        out[ctx.num_tokens :] = 0
-    return out
-
-
-attention_op.set_impl(_paged_attention_impl)
-
-
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """query [1, H, T, D], key/value [1, KVH, T, D] -> ([1, T, H, D], None)."""
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: attention sinks (s_aux) are not supported")
-    if attention_mask is not None:
-        raise NotImplementedError(
-            f"{ATTN_IMPLEMENTATION}: {type(module).__name__} built its own attention mask; only causal "
-            "(optionally sliding-window) attention is supported"
-        )
-    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: non-causal attention ({type(module).__name__})")
-    if query.shape[0] != 1:
-        raise ValueError(f"{ATTN_IMPLEMENTATION} expects one packed row, got batch size {query.shape[0]}")
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    softcap = kwargs.get("softcap")
-    if not (window is None or isinstance(window, int)) or not (softcap is None or isinstance(softcap, (int, float))):
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: sliding_window {window!r}, softcap {softcap!r} unknown")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    args = (query[0], key[0], value[0], float(scale), window, None if softcap is None else float(softcap))
-    if query.is_cpu and attention_op.FRONT_READY[0]:  # the C++ front: decode plans, else the Python op
-        out = torch.ops.batchgen.attention(*args)
-    else:
-        # why the op only while compiling: the compiler needs it opaque; eager runs call its body
-        # directly (the very same code, without the custom-op dispatch on every layer of every step)
-        out = paged_attention(*args) if torch.compiler.is_compiling() else _paged_attention_impl(*args)
-    return out.unsqueeze(0), None
-
-
-# Why no AttentionMaskInterface entry: transformers (5.x) skips mask construction entirely for an
-# attention implementation that has no registered mask function (`_preprocess_mask_arguments`
-# returns early), so the model never builds a [T, T] mask; our masks come from the context.
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,180 @@
+"""The attention-backend interface, and the portable torch backend that is its reference.
+
+A backend is one object per engine, owning everything the attention keeps: the paged KV pool's
+per-layer tensors, the decode K/V source (which may keep per-sequence state across steps), the
+current step's plan, and the last exception its op raised. Its life per step:
+
+    plan(chunks)            once, from the scheduler's chunks: the packed order, positions, the
+                            ForwardContext every layer reads (attention/planning)
+    with running(ctx):      around the forward: the plan is this backend's current step
+        call_layer(layer)   what each attention module's call runs (it is bound to this backend
+                            and its layer index when the model loads: attention/interface)
+    release(seq_ids)        sequences finished or preempted: forget what the source keeps
+    reset()                 after an aborted step: forget every sequence
+
+No state lives in module globals: two engines in one process each have their own backend, and
+a layer finds its cache by the index it was bound to, never by counting calls.
+
+`TorchBackend` ("torch") attends with torch ops only, over blocks gathered from the pool
+(decode_gather); on CUDA it runs the paged varlen kernel where the runner chose it, and the
+CUDA-graph decode step. The other backends (cpu/backend.CpuBackend) are tested against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import ClassVar
+
+import torch
+
+from batchgen.engine.attention import op as attention_op
+from batchgen.engine.attention.decode_kv import DecodeKVSource
+from batchgen.engine.attention.gather import GatheredBlocks
+from batchgen.engine.attention.kv_store import store_kv
+from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.path import varlen_paged_attention
+from batchgen.engine.attention.planning import PlannedChunk, Stager, build_forward_context
+from batchgen.engine.attention.torch_math import torch_paged_attention
+from batchgen.engine.cuda.graphs import static_decode_attention
+
+Pools = list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, KVH, D]
+
+
+class AttentionBackend:
+    """The interface, with the torch implementation of every part; subclasses change the decode
+    source and may attend some steps their own way (see the module docstring)."""
+
+    name: ClassVar[str] = "torch"
+
+    def __init__(self, kv_caches: Pools, block_size: int, device: torch.device, decode_kv: DecodeKVSource) -> None:
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.decode_kv = decode_kv
+        self.flash = False  # set by the runner where it chose the paged varlen kernel (CUDA)
+        self.context: ForwardContext | None = None  # the step being run (set by running())
+        self.raised: BaseException | None = None  # the op's last exception (see attention/op)
+        self.handle = attention_op.register(self)
+
+    def describe(self) -> str:
+        """How this backend attends, for the engine's log line."""
+        return self.name
+
+    def plan(
+        self, chunks: Sequence[PlannedChunk], stager: Stager | None = None, padded_len: int | None = None
+    ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
+        """The step's plan -> (context, positions [T], packed order of the chunks); tensors staged in `stager`."""
+        return build_forward_context(
+            chunks,
+            self.decode_kv,
+            self.kv_caches,
+            self.block_size,
+            self.device,
+            self.flash,
+            transfers=stager,
+            padded_len=padded_len,
+        )
+
+    @contextmanager
+    def running(self, ctx: ForwardContext) -> Iterator[None]:
+        """`ctx` is this backend's step for the forward inside (or a CUDA graph's warm-up and capture)."""
+        ctx.num_attention_calls = 0
+        self.context = ctx
+        try:
+            yield
+        finally:
+            self.context = None
+
+    def call_layer(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """The model's attention call for `layer`: query [H, T, D], key/value [KVH, T, D] -> [T, H, D].
+
+        Why the op only while compiling: the compiler needs it opaque; eager runs call its body
+        directly (the very same code, without the custom-op dispatch on every layer of every step)."""
+        if torch.compiler.is_compiling():
+            return attention_op.paged_attention(query, key, value, scale, window, softcap, self.handle, layer)
+        return self.run_layer(layer, query, key, value, scale, window, softcap)
+
+    def run_layer(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """One layer of the current step: store its K/V in the pool, attend -> [T, H, D] (padded rows zero)."""
+        ctx = self.context
+        if ctx is None:
+            raise RuntimeError("batchgen's attention ran outside a step (no plan is set: see AttentionBackend.running)")
+        if not 0 <= layer < len(self.kv_caches):
+            raise RuntimeError(f"attention for layer {layer}, but the KV pool has {len(self.kv_caches)} layers")
+        ctx.num_attention_calls += 1
+        k_cache, v_cache = self.kv_caches[layer]
+        _check_kv_shape(k_cache, layer, key)
+        decodes_store = _decodes_store_kv(ctx, softcap)
+        if not decodes_store:
+            padded = ctx.static_decode is not None or ctx.num_tokens != ctx.slot_mapping.shape[0]
+            # key/value [KVH, T, D] -> pool slots of this step (padded tokens, slot -1, go to the trash block)
+            store_kv(k_cache, v_cache, ctx.slot_mapping, key.transpose(0, 1), value.transpose(0, 1), padded)
+        if ctx.static_decode is not None:  # a CUDA-graph decode step: fixed shapes, no per-step Python state
+            return static_decode_attention(query, k_cache, v_cache, ctx.static_decode, scale, window, softcap)
+        if ctx.flash is not None:
+            if softcap is not None:  # why: the runner chose this path from the config; never run it wrong
+                raise RuntimeError(f"layer {layer} soft-caps its logits; the varlen kernel cannot")
+            out = varlen_paged_attention(ctx.flash, k_cache, v_cache, query, scale, window)
+        else:
+            slots = ctx.slot_mapping if decodes_store else None
+            out = torch_paged_attention(ctx, layer, query, key, value, scale, window, softcap, slots)
+        if ctx.num_tokens < out.shape[0]:  # why: padding rows stay finite (they are never read, but are computed on)
+            out[ctx.num_tokens :] = 0
+        return out
+
+    def take_raised(self) -> BaseException | None:
+        """The exception the op raised since the last call (None: none), forgotten once taken."""
+        raised, self.raised = self.raised, None
+        return raised
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """These sequences are finished or preempted: their decode state can go."""
+        release = getattr(self.decode_kv, "release", None)
+        if release is not None:
+            release(seq_ids)
+
+    def reset(self) -> None:
+        """Forget every sequence (after an aborted step)."""
+        self.decode_kv.reset()
+
+
+class TorchBackend(AttentionBackend):
+    """The portable backend: torch ops over gathered blocks (and CUDA's varlen kernel and graphs)."""
+
+    name = "torch"
+
+    def __init__(self, kv_caches: Pools, block_size: int, device: torch.device) -> None:
+        super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))
+
+
+def _check_kv_shape(k_cache: torch.Tensor, layer: int, key: torch.Tensor) -> None:
+    if k_cache.shape[2:] != key.shape[0:1] + key.shape[2:]:
+        raise RuntimeError(
+            f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
+            f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
+        )
+
+
+def _decodes_store_kv(ctx: ForwardContext, softcap: float | None) -> bool:
+    """A decode-only step whose decode source stores the K/V itself (e.g. a native kernel, with its attention)."""
+    plain = ctx.static_decode is None and ctx.flash is None and not ctx.prefills and softcap is None
+    return plain and ctx.decodes is not None and ctx.decodes.writes_pool

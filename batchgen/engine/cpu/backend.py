@@ -1,0 +1,114 @@
+"""CpuBackend ("cpu"): attention over contiguous decode rows, with the native kernel and its C++ front.
+
+Why a backend of its own: on a CPU a decode step is memory-bound, and three things measured
+faster there than the torch backend's gathered blocks (benchmarks/RESULTS.md): a contiguous row
+of K/V per decoding sequence (decode_rows), the native decode kernel that appends and attends
+every decode in one call per layer (decode_native, where it can attend the model: float32, no
+soft-capping), and the C++ operator that calls that kernel without Python per layer on
+decode-only steps (front). Without the kernel (bfloat16, Gemma 2's soft-capping, no compiler)
+the rows are attended with the torch backend's math. Everything else (prefills, mixed steps) is
+the torch backend's code, which this one is tested against.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import PretrainedConfig
+
+from batchgen.engine.attention.backend import AttentionBackend, Pools
+from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.cpu import native, native_ops
+from batchgen.engine.cpu.decode_native import kernels_for
+from batchgen.engine.cpu.decode_rows import DecodeRows
+from batchgen.engine.cpu.front import Front, open_front
+from batchgen.engine.cpu.rows_view import RowsView
+
+logger = logging.getLogger(__name__)
+
+
+class CpuBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(
+        self,
+        kv_caches: Pools,
+        block_size: int,
+        device: torch.device,
+        config: PretrainedConfig,
+        dtype: torch.dtype,
+        max_len: int,
+        max_rows: int | None,
+    ) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
+        if missing := native_ops.pending():
+            logger.warning(
+                "building the native CPU kernels for this machine before the first step (%s; %s, once per machine;"
+                " `batchgen doctor --build` builds them ahead of a job)",
+                ", ".join(missing),
+                native.BUILD_SECONDS,
+            )
+        _, _, kvh, head_dim = kv_caches[0][0].shape
+        rows = DecodeRows(
+            len(kv_caches),
+            kvh,
+            head_dim,
+            block_size,
+            max_len,
+            dtype,
+            device,
+            max_rows,
+            (kv_caches[0][0].shape[0] - 1) * block_size,  # the pool's tokens, without its trash block
+            kernels_for(config, device, dtype),
+        )
+        super().__init__(kv_caches, block_size, device, rows)
+        self.rows = rows
+        self.num_heads = config.get_text_config().num_attention_heads
+        # the C++ front attends decode-only steps of the native kernel without Python per layer
+        self.front: Front | None = open_front() if rows.native is not None else None
+
+    def describe(self) -> str:
+        kernel = "native kernel through the C++ front" if self.front else "native kernel" if self.rows.native else ""
+        return f"cpu (decode rows{', ' + kernel if kernel else ''})"
+
+    @contextmanager
+    def running(self, ctx: ForwardContext) -> Iterator[None]:
+        """As the torch backend; when the step is decodes only on the native kernel, the front attends
+        every layer itself (new rows filled from the pool first, for every layer)."""
+        with super().running(ctx):
+            step = ctx.decodes
+            plain = not ctx.prefills and ctx.flash is None and ctx.static_decode is None
+            if self.front is None or not plain or not isinstance(step, RowsView) or step.native is None:
+                yield
+                return
+            step.fill_all(ctx.kv_caches)
+            plan = step.native.front_plan(ctx.kv_caches, ctx.slot_mapping, self.num_heads, ctx.num_tokens)
+            with self.front.planned(plan):
+                yield
+            ctx.num_attention_calls += plan.calls
+            step.native.calls += plan.calls
+
+    def call_layer(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Through the C++ operator where it loaded (it attends a planned step, else calls the Python op)."""
+        if self.front is None:
+            return super().call_layer(layer, query, key, value, scale, window, softcap)
+        op = torch.ops.batchgen.attention
+        return op(query, key, value, scale, window, softcap, self.handle, layer, self.front.cell_address)
+
+    def take_raised(self) -> BaseException | None:
+        raised = super().take_raised()
+        message = self.front.take_error() if self.front is not None else None
+        return RuntimeError(message) if raised is None and message else raised

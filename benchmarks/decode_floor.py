@@ -25,12 +25,11 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from batchgen.engine.api.llm import LLM
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.attention import backend as attention_backend
 from batchgen.engine.attention import gather as decode_gather
-from batchgen.engine.attention import paged as attention
-from batchgen.engine.cpu import front as attention_front
+from batchgen.engine.attention import torch_math as attention
 from batchgen.engine.cpu.decode_native import NativeStep
 from batchgen.engine.cpu.rows_view import RowsView
-from batchgen.engine.runner import model_runner
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.stopping import StopChecker
 
@@ -157,10 +156,10 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         (engine.scheduler, "schedule", "scheduling"),
         (engine.scheduler, "advance", "scheduling"),
         # metadata: packing the step, the decode K/V source's plan() included (it runs inside)
-        (model_runner, "build_forward_context", "metadata"),
+        (engine.runner.backend, "plan", "metadata"),
         (engine.runner, "execute", "execute_total"),
         (engine.runner.forward, "_run", "model_forward_total"),  # StepForward: eager or compiled, both through _run
-        (attention, "_store_kv", "attn_kv_write"),
+        (attention_backend, "store_kv", "attn_kv_write"),
         (RowsView, "update", "attn_rows_update"),
         (attention, "gather_blocks", "attn_gather"),
         (decode_gather, "gather_blocks", "attn_gather"),
@@ -172,13 +171,14 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         (Sampler, "_sample_ids", "sampling"),
         (StopChecker, "append", "detokenize_stop"),
     ]
-    front_kernel = attention_front.STATS.kernel_seconds
+    front = getattr(engine.runner.backend, "front", None)  # the CPU backend's C++ front, where it loaded
+    front_kernel = front.stats.kernel_seconds if front is not None else 0.0
     with ExitStack() as stack:
         for owner, name, label in targets:
             stack.enter_context(_wrapped(owner, name, label, totals))
         total = sum(_timed(engine.step) for _ in range(steps))
     # the C++ front's kernel calls (decode-only steps): it times them itself, no Python to wrap
-    totals["attn_compute"] += attention_front.STATS.kernel_seconds - front_kernel
+    totals["attn_compute"] += (front.stats.kernel_seconds if front is not None else 0.0) - front_kernel
     per = defaultdict(float, {k: v * 1e3 / steps for k, v in totals.items()})
     attn_keys = ("attn_kv_write", "attn_rows_update", "attn_gather", "attn_compute")
     out = {

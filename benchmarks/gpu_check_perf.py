@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from batchgen.engine.api.llm import LLM
-from batchgen.engine.runner import model_runner
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.stopping import StopChecker
 from benchmarks.gpu_check import (
@@ -78,7 +77,7 @@ def timers(llm: LLM, device: str) -> Iterator[dict[str, float]]:
     patches = [
         (llm.engine.scheduler, "schedule", "schedule"),
         (llm.engine.runner, "execute", "execute"),
-        (model_runner, "build_forward_context", "metadata"),
+        (llm.engine.runner.backend, "plan", "metadata"),
         (Sampler, "__call__", "sampler"),
         (StopChecker, "append", "stop_checks"),
     ]

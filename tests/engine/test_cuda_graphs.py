@@ -12,6 +12,7 @@ import torch
 from batchgen.engine.api.llm import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.kv_store import PAD_SLOT, pool_blocks, store_kv
+from batchgen.engine.attention.static_decode import static_decode_attention
 from batchgen.engine.cuda.graphs import (
     MIN_GRAPH_BLOCKS,
     DecodeBuffers,
@@ -21,7 +22,6 @@ from batchgen.engine.cuda.graphs import (
     decode_buckets,
     pick_bucket,
     pick_width,
-    static_decode_attention,
 )
 from batchgen.engine.runner.compiled_forward import bucket
 

@@ -35,8 +35,8 @@ from batchgen.engine.attention.kv_store import store_kv
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.path import varlen_paged_attention
 from batchgen.engine.attention.planning import PlannedChunk, Stager, build_forward_context
+from batchgen.engine.attention.static_decode import static_decode_attention
 from batchgen.engine.attention.torch_math import torch_paged_attention
-from batchgen.engine.cuda.graphs import static_decode_attention
 
 Pools = list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, KVH, D]
 

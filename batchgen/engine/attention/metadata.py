@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.attention.decode_kv import DecodeStep
-from batchgen.engine.cuda.graphs import StaticDecode
+from batchgen.engine.attention.static_decode import StaticDecode
 
 
 @dataclass

@@ -27,8 +27,9 @@ from batchgen.engine.attention.kv_store import pool_blocks
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.path import VARLEN, AttentionChoice, choose_attention_path, detect_support, has_softcap
 from batchgen.engine.attention.planning import int64_tensor
+from batchgen.engine.attention.static_decode import StaticDecode
 from batchgen.engine.core.scheduler import ScheduledBatch, ScheduledChunk
-from batchgen.engine.cuda.graphs import GraphDecode, StaticDecode
+from batchgen.engine.cuda.graphs import GraphDecode
 from batchgen.engine.runner.backends import make_backend, prepare_model, resolve_backend
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec

@@ -14,7 +14,7 @@ __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParam
 def __getattr__(name: str) -> Any:
     # why lazy: `LLM` pulls in torch and transformers; the CLI's --help and job validation should not
     if name == "LLM":
-        from batchgen.engine.api.llm import LLM
+        from batchgen.engine.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

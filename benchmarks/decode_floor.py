@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from batchgen.engine.api.llm import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention import backend as attention_backend
 from batchgen.engine.attention import gather as decode_gather
 from batchgen.engine.attention import torch_math as attention
 from batchgen.engine.cpu.decode_native import NativeStep
 from batchgen.engine.cpu.rows_view import RowsView
+from batchgen.engine.llm import LLM
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.stopping import StopChecker
 

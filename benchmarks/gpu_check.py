@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import transformers
 
-from batchgen.engine.api.llm import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention import path as attention_path
 from batchgen.engine.core.scheduler import ScheduledBatch
+from batchgen.engine.llm import LLM
 from batchgen.testing.tiny_models import EOS_ID, save_random_model
 
 log = logging.getLogger("gpu_check")

@@ -10,8 +10,8 @@ import torch
 import transformers as tf
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from batchgen.engine.api.llm import LLM
 from batchgen.engine.core.scheduler import ScheduledBatch
+from batchgen.engine.llm import LLM
 from batchgen.testing.tiny_models import tiny_configs
 from benchmarks.gpu_check import (
     EOS,

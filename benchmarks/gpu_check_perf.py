@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from batchgen.engine.api.llm import LLM
+from batchgen.engine.llm import LLM
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.stopping import StopChecker
 from benchmarks.gpu_check import (

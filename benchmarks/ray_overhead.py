@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray  # noqa: F401
 
-    import batchgen.engine.api.llm  # noqa: F401  why: torch and transformers imported before any timing
+    import batchgen.engine.llm  # noqa: F401  why: torch and transformers imported before any timing
 
     ray_1 = ["executor.kind=ray", "executor.num_workers=1"]  # worker_cpus null: all the CPUs
     ray_2 = ["executor.kind=ray", "executor.num_workers=2", "executor.worker_cpus=1"]

@@ -15,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from batchgen.backends.base import OnOutput
-from batchgen.engine.api.llm import eos_token_ids
 from batchgen.engine.api.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.llm import eos_token_ids
 from batchgen.engine.runner.models import resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.sampling.penalties import bad_word_token_ids
 from batchgen.engine.sampling.sampler import Sampler

@@ -16,7 +16,7 @@ class NativeBackend:
     name = "native"
 
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
-        from batchgen.engine.api.llm import LLM
+        from batchgen.engine.llm import LLM
 
         try:
             with weight_errors_as_model_errors(spec.model.path):

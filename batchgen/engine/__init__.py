@@ -15,7 +15,7 @@ __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParam
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from batchgen.engine.api.llm import LLM
+        from batchgen.engine.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'batchgen.engine' has no attribute {name!r}")

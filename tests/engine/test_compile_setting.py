@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen.engine.api.llm import LLM
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.llm import LLM
 from batchgen.engine.runner import compiled_forward
 from batchgen.engine.runner.compiled_forward import resolve_compile
 

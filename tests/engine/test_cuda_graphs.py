@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.engine.api.llm import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.kv_store import PAD_SLOT, pool_blocks, store_kv
 from batchgen.engine.attention.static_decode import static_decode_attention
@@ -23,6 +22,7 @@ from batchgen.engine.cuda.graphs import (
     pick_bucket,
     pick_width,
 )
+from batchgen.engine.llm import LLM
 from batchgen.engine.runner.compiled_forward import bucket
 
 

@@ -11,7 +11,7 @@ import torch
 
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.device_defaults import resolve_engine_defaults
-from batchgen.engine.api.llm import LLM
+from batchgen.engine.llm import LLM
 from batchgen.engine.runner import models
 from batchgen.engine.runner.memory import (
     GATHER_LAYERS_HEADROOM,

@@ -9,6 +9,11 @@ is the scheduler's business. The step's metadata is staged in the runner's Trans
 one upload (see transfers); the forward runs through StepForward (eager or compiled, tokens
 padded to a multiple of 8 when compiled), and on CUDA with compile, decode-only steps replay a
 CUDA graph per batch-size bucket (cuda_graphs).
+
+It keeps the runner side's persistent state, updated only from the scheduler's diffs (`apply`,
+which `execute` runs first): the sampling batch (`batch`, per-row sampling state the engine's
+sampler reads) and the decode K/V source's rows, released when their sequences finish or are
+preempted. `drop_all` drops both, and zeroes the pool, after an aborted generate.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from batchgen.engine.attention.kv_store import PAD_SLOT, pool_blocks
 from batchgen.engine.attention.metadata import FlashMetadata, ForwardContext, PrefillChunk
 from batchgen.engine.attention.paged import forward_context
 from batchgen.engine.attention.path import VARLEN, AttentionChoice, choose_attention_path, detect_support, has_softcap
-from batchgen.engine.core.scheduler import ScheduledBatch, ScheduledChunk
+from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch, ScheduledChunk
 from batchgen.engine.cpu import native, native_ops
 from batchgen.engine.cpu.decode_native import kernels_for
 from batchgen.engine.cpu.decode_rows import DecodeRows
@@ -43,6 +48,7 @@ from batchgen.engine.cuda.graphs import GraphDecode, StaticDecode
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
 from batchgen.engine.runner.transfers import Transfers, int64_tensor
+from batchgen.engine.sampling.batch import SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +65,8 @@ def _packed_order(
     if not decodes:
         return list(range(len(chunks))), None, 0
     packed, step = decode_kv.plan(
-        # why the live seq's max_total_tokens: its prompt and max_tokens never change
-        [
-            DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table, chunks[i].seq.max_total_tokens)
-            for i in decodes
-        ]
+        # why the chunk's max_len: the decode rows size a row for the longest it may grow
+        [DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table, chunks[i].max_len) for i in decodes]
     )
     rest = [i for i, c in enumerate(chunks) if not c.is_decode]
     return [decodes[j] for j in packed] + rest, step, len(decodes)
@@ -226,6 +229,8 @@ class ModelRunner:
         self._num_heads = model.config.get_text_config().num_attention_heads
         self.transfers = Transfers(device)
         self.decode_kv.stage = self.transfers.stage
+        # why a lambda: a test may swap `transfers`; the batch's uploads follow it
+        self.batch = SamplingBatch(device, to_device=lambda t: self.transfers.to_device(t))
         self.native_linears = install_native_linears(model, device, dtype)
         self.forward = StepForward(model, compile, max_num_batched_tokens, fallback=compile_fallback)
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead)
@@ -251,6 +256,7 @@ class ModelRunner:
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
+        self.apply(batch.update)
         self.copy_blocks(batch.copies)  # copy-on-write of forked samples' shared last block, before any write
         if self.graphs is not None and all(c.is_decode for c in chunks):  # pragma: no cover - CUDA only
             logits = self._graph_decode(chunks)
@@ -322,8 +328,19 @@ class ModelRunner:
             k[pairs[1]] = k[pairs[0]]
             v[pairs[1]] = v[pairs[0]]
 
-    def reset(self) -> None:
-        """After an aborted generate: zero the pool and forget the decode source's sequences.
+    def apply(self, update: BatchUpdate) -> None:
+        """The scheduler's diff: finished and preempted sequences release their decode rows (a
+        preempted one's K/V is recomputed, so its row is refilled) and finished ones their sampling
+        rows; new ones get sampling rows."""
+        if not update:
+            return
+        self.batch.apply(update)
+        released = update.released
+        if released:
+            self.decode_kv.release(released)
+
+    def drop_all(self) -> None:
+        """After an aborted generate: zero the pool, drop the sampling batch and the decode rows.
 
         Why zero: a failed step may have written NaN, and a later sequence's padded reads of its
         blocks' unwritten slots would carry it into real outputs (0 * NaN).
@@ -332,3 +349,4 @@ class ModelRunner:
             k.zero_()
             v.zero_()
         self.decode_kv.reset()
+        self.batch.clear()

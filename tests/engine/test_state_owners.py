@@ -192,3 +192,12 @@ def test_abort_all_leaves_every_owner_empty(llm: LLM) -> None:
     assert len(engine.requests) == 0 and engine.requests.num_samples == 0 and not engine.requests.special
     out = llm.generate(_prompts(2), SamplingParams(temperature=0.0, max_tokens=4))  # usable again
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+
+
+def test_a_sampler_without_features_leaves_feature_rows_to_its_caller() -> None:
+    """The hf backend's seeded draw: transformers applies the penalty, the sampler only draws."""
+    from batchgen.engine.sampling.sampler import Sampler
+
+    sampler = Sampler([0])
+    seq = Sequence(4, [1, 2], SamplingParams(temperature=1.0, seed=9, repetition_penalty=1.5))
+    assert len(sampler(torch.zeros(1, 16), [seq])) == 1 and sampler.num_seeded == 1

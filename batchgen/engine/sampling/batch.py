@@ -121,9 +121,9 @@ class SamplingBatch:
             generator.manual_seed(int(p.seed))
             self._generators[row] = generator
         self._features[row] = None
-        if p.uses_logits_features:
-            if self.features is None:
-                raise RuntimeError(f"seq {new.seq_id} uses logits features, but the sampling batch has none")
+        # why only with features: a caller without them (the hf backend's seeded draw) processes
+        # the logits itself, and the engine always sets them
+        if p.uses_logits_features and self.features is not None:
             self._features[row] = self.features.row(new.seq_id, new.prompt_token_ids, p, self.device)
         self._last = None
         return row

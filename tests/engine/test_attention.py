@@ -7,14 +7,12 @@ import math
 import pytest
 import torch
 
-from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.decode_kv import DecodeKVSource
 from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.interface import paged_attention_forward
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.planning import build_forward_context
 from batchgen.engine.core.scheduler import ScheduledChunk
-from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_rows import DecodeRows
 from batchgen.engine.cpu.rows_view import RowsView
@@ -68,9 +66,8 @@ def _source(kind: str, dtype: torch.dtype = torch.float32, softcap: float | None
 
 
 def _chunk(seq_id: int, start: int, n: int, table: list[int], decode: bool) -> ScheduledChunk:
-    seq = Sequence(seq_id, [2] * (start + n), SamplingParams())
     return ScheduledChunk(
-        seq=seq, start=start, token_ids=(2,) * n, block_table=tuple(table), needs_sample=True, is_decode=decode
+        seq_id=seq_id, start=start, token_ids=(2,) * n, block_table=tuple(table), needs_sample=True, is_decode=decode
     )
 
 

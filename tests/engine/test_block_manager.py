@@ -33,7 +33,7 @@ def snapshot(bm: BlockManager, *seqs: Sequence) -> tuple:
         list(bm.block_hashes),
         dict(bm.hash_to_block),
         bm.free_block_ids(),
-        [(list(s.block_table), s.num_computed_tokens) for s in seqs],
+        [(list(bm.block_table(s.seq_id)), s.num_computed_tokens) for s in seqs],
     )
 
 
@@ -41,7 +41,7 @@ def test_allocate_hands_out_block_ids_in_order_and_registers_full_blocks() -> No
     bm = BlockManager(num_blocks=10, block_size=4)
     seq = make_seq(0, list(range(10)))
     assert bm.allocate_slots(seq, 10)
-    assert seq.block_table == [0, 1, 2]
+    assert bm.block_table(seq.seq_id) == [0, 1, 2]
     assert seq.num_computed_tokens == 0  # the scheduler's business, never the block manager's
     assert bm.num_free_blocks == 7
     assert bm.ref_counts[:4] == [1, 1, 1, 0]
@@ -58,11 +58,11 @@ def test_decode_fills_a_block_then_takes_a_new_one() -> None:
     seq.num_computed_tokens = 3
     seq.append_token(4)
     assert bm.allocate_slots(seq, 1)  # the decode fills block 0: it gets a hash now
-    assert seq.block_table == [0] and bm.block_hashes[0] is not None
+    assert bm.block_table(seq.seq_id) == [0] and bm.block_hashes[0] is not None
     seq.num_computed_tokens = 4
     seq.append_token(5)
     assert bm.allocate_slots(seq, 1)
-    assert seq.block_table == [0, 1] and bm.block_hashes[1] is None
+    assert bm.block_table(seq.seq_id) == [0, 1] and bm.block_hashes[1] is None
 
 
 def test_two_sequences_share_a_prefix_with_ref_counts() -> None:
@@ -74,15 +74,15 @@ def test_two_sequences_share_a_prefix_with_ref_counts() -> None:
     assert (computed, num_cached) == ([0, 1], 8)
     assert bm.ref_counts[:2] == [1, 1]  # matching alone changes nothing
     assert bm.allocate_slots(b, 3, computed)
-    assert b.block_table == [0, 1, 3]
+    assert bm.block_table(b.seq_id) == [0, 1, 3]
     assert b.num_computed_tokens == 0  # the scheduler sets it to num_cached, not allocate_slots
     assert bm.ref_counts[:4] == [2, 2, 1, 1]
-    bm.free(a)
+    bm.free(a.seq_id)
     assert bm.ref_counts[:4] == [1, 1, 0, 1]
     assert bm.free_block_ids()[0] == 2  # a's hashless tail is reused first
-    bm.free(b)
+    bm.free(b.seq_id)
     assert bm.ref_counts == [0] * 10 and bm.num_free_blocks == 10
-    assert a.block_table == [] and b.block_table == []
+    assert bm.block_table(a.seq_id) == [] and bm.block_table(b.seq_id) == []
 
 
 def test_match_leaves_at_least_one_token_to_compute() -> None:
@@ -98,11 +98,11 @@ def test_matched_free_block_leaves_the_free_list() -> None:
     bm = BlockManager(num_blocks=6, block_size=2)
     a = make_seq(0, [1, 2, 3, 4, 5])
     admit(bm, a)
-    bm.free(a)
+    bm.free(a.seq_id)
     assert bm.num_free_blocks == 6
     b = make_seq(1, [1, 2, 3, 4, 7])
     computed, _ = admit(bm, b)
-    assert computed == [0, 1] and b.block_table == [0, 1, 2]
+    assert computed == [0, 1] and bm.block_table(b.seq_id) == [0, 1, 2]
     assert bm.num_free_blocks == 3 and 0 not in bm.free_block_ids()
 
 
@@ -110,7 +110,7 @@ def test_free_order_is_tail_first_with_hashless_blocks_in_front() -> None:
     bm = BlockManager(num_blocks=6, block_size=2)
     a = make_seq(0, [1, 2, 3, 4, 5])  # blocks 0, 1 full; block 2 partial
     admit(bm, a)
-    bm.free(a)
+    bm.free(a.seq_id)
     assert bm.free_block_ids() == [2, 3, 4, 5, 1, 0]
 
 
@@ -119,7 +119,7 @@ def test_eviction_is_lru_chain_tail_first_and_cleans_the_hash_table() -> None:
     a = make_seq(0, [1, 2, 3, 4, 5, 6])  # three full blocks 0, 1, 2
     admit(bm, a)
     hashes = list(bm.block_hashes[:3])
-    bm.free(a)
+    bm.free(a.seq_id)
     assert bm.free_block_ids() == [3, 4, 5, 2, 1, 0]
     admit(bm, make_seq(1, [7, 7, 8, 8, 9, 9, 10]))  # needs 4 blocks: 3, 4, 5, then evicts 2
     assert bm.free_block_ids() == [1, 0]
@@ -134,8 +134,8 @@ def test_least_recently_freed_sequence_is_evicted_first() -> None:
     a, b = make_seq(0, [1, 2, 3, 4]), make_seq(1, [5, 6, 7, 8])
     admit(bm, a, 4)
     admit(bm, b, 4)
-    bm.free(a)
-    bm.free(b)
+    bm.free(a.seq_id)
+    bm.free(b.seq_id)
     assert bm.free_block_ids() == [1, 0, 3, 2]
     admit(bm, make_seq(2, [9, 9, 9, 9]), 4)  # evicts a's blocks, keeps b's
     assert bm.get_computed_blocks(make_seq(3, [1, 2, 3, 4, 0])) == ([], 0)
@@ -146,7 +146,7 @@ def test_failed_allocation_changes_nothing() -> None:
     bm = BlockManager(num_blocks=5, block_size=2)
     a = make_seq(0, [1, 2, 3, 4])
     admit(bm, a, 4)
-    bm.free(a)  # blocks 0, 1 cached with ref 0, in the free list
+    bm.free(a.seq_id)  # blocks 0, 1 cached with ref 0, in the free list
     b = make_seq(1, [1, 2, 3, 4] + list(range(100, 108)))  # matches 2 blocks, needs 4 more
     computed, _ = bm.get_computed_blocks(b)
     assert computed == [0, 1]
@@ -174,7 +174,7 @@ def test_identical_content_computed_twice_is_registered_once() -> None:
     bm = BlockManager(num_blocks=6, block_size=2)
     a, b = make_seq(0, [1, 2, 3]), make_seq(1, [1, 2, 3])
     assert bm.allocate_slots(a, 3) and bm.allocate_slots(b, 3)  # no matching: both compute
-    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    assert bm.block_table(a.seq_id) == [0, 1] and bm.block_table(b.seq_id) == [2, 3]
     assert bm.block_hashes[0] is not None and bm.block_hashes[2] is None
     assert len(bm.hash_to_block) == 1
 
@@ -185,7 +185,7 @@ def test_prefix_caching_off_matches_nothing_and_hashes_nothing() -> None:
     admit(bm, a)
     assert bm.block_hashes == [None] * 6 and bm.hash_to_block == {}
     assert bm.get_computed_blocks(make_seq(1, [1, 2, 3, 4, 5])) == ([], 0)
-    bm.free(a)
+    bm.free(a.seq_id)
     assert bm.num_free_blocks == 6
 
 

@@ -67,6 +67,8 @@ def test_the_native_kernels_rows_keep_their_place_and_a_new_sequence_takes_a_hol
     table = list(range(64))
     rows.plan([DecodeRequest(s, 10, table) for s in (1, 2, 3)])
     # seq 1 finished: the others keep rows 1 and 2 (nothing moved or refilled), row 0 is a hole
+    rows.release([1])
+    assert rows._where == {2: (0, 1), 3: (0, 2)}
     order, view = rows.plan([DecodeRequest(2, 11, table), DecodeRequest(3, 11, table)])
     assert view.native is not None and list(view.classes[0].fills) == [] and rows.num_fills == 3
     assert rows._where == {2: (0, 1), 3: (0, 2)}
@@ -108,7 +110,10 @@ def test_a_step_that_repeats_the_last_one_position_on_is_planned_as_in_full() ->
     reused, full = _native_rows(), _native_rows()
     last = None
     repeats, prefixes = [], []
-    for step in steps:
+    for i, step in enumerate(steps):
+        if i == 3:  # seq 2 finished: the engine says so
+            reused.release([2])
+            full.release([2])
         decodes = [DecodeRequest(s, p, t) for s, p, t in step]
         order, view = reused.plan(decodes)
         assert view.native is not None

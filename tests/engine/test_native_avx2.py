@@ -41,7 +41,9 @@ def _env(cache: Path) -> dict[str, str]:
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the build's instructions")
 def test_an_avx2_build_holds_no_avx512_instruction(cache: Path) -> None:
-    code = "from batchgen.engine.cpu import native as n; print(*(n.STATES[k].path for k in n.LIBRARIES if n.library(k)))"
+    code = (
+        "from batchgen.engine.cpu import native as n; print(*(n.STATES[k].path for k in n.LIBRARIES if n.library(k)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], env=_env(cache), capture_output=True, text=True, check=True)
     paths = done.stdout.split()
     assert len(paths) == len(native.LIBRARIES), done.stderr

@@ -35,18 +35,18 @@ def test_fork_shares_blocks_and_copies_the_partial_one_on_write() -> None:
     assert bm.allocate_slots(parent, 6)
     parent.num_computed_tokens = 6
     child = Sequence(1, [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=4))
-    bm.fork(parent, child)
+    bm.fork(parent.seq_id, child.seq_id)
     child.num_computed_tokens = 6
-    assert child.block_table == parent.block_table == [0, 1] and bm.ref_counts[:2] == [2, 2]
+    assert bm.block_table(child.seq_id) == bm.block_table(parent.seq_id) == [0, 1] and bm.ref_counts[:2] == [2, 2]
     for seq in (parent, child):
         seq.append_token(9)
     assert bm.allocate_slots(child, 1)  # writes position 6, inside the shared partial block 1
-    assert child.block_table == [0, 2] and bm.take_copies() == [(1, 2)]
+    assert bm.block_table(child.seq_id) == [0, 2] and bm.take_copies() == [(1, 2)]
     assert bm.ref_counts[:3] == [2, 1, 1]
     assert bm.allocate_slots(parent, 1)  # the last holder writes in place: no copy
-    assert parent.block_table == [0, 1] and bm.take_copies() == []
-    bm.free(parent)
-    bm.free(child)
+    assert bm.block_table(parent.seq_id) == [0, 1] and bm.take_copies() == []
+    bm.free(parent.seq_id)
+    bm.free(child.seq_id)
     assert bm.ref_counts == [0] * 8 and bm.num_free_blocks == 8
 
 
@@ -56,10 +56,10 @@ def test_a_full_last_block_is_never_copied() -> None:
     assert bm.allocate_slots(parent, 4)
     parent.num_computed_tokens = 4
     child = Sequence(1, [1, 2, 3, 4], SamplingParams(max_tokens=4))
-    bm.fork(parent, child)
+    bm.fork(parent.seq_id, child.seq_id)
     child.num_computed_tokens = 4
     child.append_token(9)
-    assert bm.allocate_slots(child, 1) and child.block_table == [0, 1] and bm.take_copies() == []
+    assert bm.allocate_slots(child, 1) and bm.block_table(child.seq_id) == [0, 1] and bm.take_copies() == []
 
 
 def test_n_samples_prefill_once_and_share_the_prompt(llm: LLM) -> None:

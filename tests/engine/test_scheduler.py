@@ -39,19 +39,21 @@ def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
     cfg, bm = sched.config, sched.block_manager
     assert batch.total_tokens <= cfg.max_num_batched_tokens
     assert len(sched.running) <= cfg.max_num_seqs
-    assert len({id(s) for s in batch.seqs}) == len(batch.seqs)
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+    assert len(set(batch.seq_ids)) == len(batch.seq_ids)
+    for chunk in batch.chunks:
+        seq, n = sched.get(chunk.seq_id), chunk.num_tokens
         assert n >= 1 and seq.status is SequenceStatus.RUNNING
         assert seq.num_computed_tokens + n <= seq.num_tokens
-        assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens + n)
+        assert len(bm.block_table(seq.seq_id)) == bm.blocks_needed(seq.num_computed_tokens + n)
+        assert chunk.block_table == tuple(bm.block_table(seq.seq_id))  # a copy, as data
     refs = [0] * bm.num_blocks
     for seq in sched.running:
-        for block_id in seq.block_table:
+        for block_id in bm.block_table(seq.seq_id):
             refs[block_id] += 1
     assert refs == bm.ref_counts
     assert bm.num_free_blocks == refs.count(0)
     for seq in sched.waiting:
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert bm.block_table(seq.seq_id) == [] and seq.num_computed_tokens == 0
 
 
 def step(sched: Scheduler, finished: list[Sequence] | None = None) -> ScheduledBatch:
@@ -59,14 +61,23 @@ def step(sched: Scheduler, finished: list[Sequence] | None = None) -> ScheduledB
     batch = sched.schedule()
     check_invariants(sched, batch)
     sched.advance(batch)
-    for seq, needs in zip(batch.seqs, [c.needs_sample for c in batch.chunks]):
-        if needs:
-            seq.append_token(1000 + seq.seq_id)
-            if seq.num_output_tokens == seq.params.max_tokens:
-                sched.finish(seq)
-                if finished is not None:
-                    finished.append(seq)
+    sampled = batch.sampled
+    sched.update_from_output(sampled, [1000 + seq_id for seq_id in sampled])
+    for seq_id in sampled:
+        seq = sched.get(seq_id)
+        if seq.num_output_tokens == seq.params.max_tokens:
+            sched.finish(seq_id)
+            if finished is not None:
+                finished.append(seq)
     return batch
+
+
+def ids(*seqs: Sequence) -> list[int]:
+    return [s.seq_id for s in seqs]
+
+
+def table(sched: Scheduler, seq: Sequence) -> list[int]:
+    return sched.block_manager.block_table(seq.seq_id)
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[Sequence]:
@@ -121,9 +132,9 @@ def test_running_first_then_waiting_share_the_budget() -> None:
     sched.add(a)
     sched.add(b)
     first = step(sched)
-    assert first.seqs == [a, b] and first.num_new_tokens == [10, 6]
+    assert first.seq_ids == ids(a, b) and first.num_new_tokens == [10, 6]
     second = step(sched)
-    assert second.seqs == [a, b] and second.num_new_tokens == [1, 4]
+    assert second.seq_ids == ids(a, b) and second.num_new_tokens == [1, 4]
     third = step(sched)
     assert third.num_new_tokens == [1, 1]
 
@@ -134,7 +145,7 @@ def test_max_num_seqs_limits_admission() -> None:
     for seq in seqs:
         sched.add(seq)
     batch = step(sched)
-    assert batch.seqs == seqs[:2] and sched.num_waiting == 3
+    assert batch.seq_ids == ids(*seqs[:2]) and sched.num_waiting == 3
 
 
 # ----------------------------------------------------------------- memory pressure
@@ -148,7 +159,7 @@ def test_admission_blocked_while_pool_is_full_and_order_kept() -> None:
     for seq in (a, b, c):
         sched.add(seq)
     batch = step(sched)
-    assert batch.seqs == [a] and list(sched.waiting) == [b, c]
+    assert batch.seq_ids == ids(a) and list(sched.waiting) == [b, c]
     step(sched)
     assert list(sched.waiting) == [b, c]
     finished = run_to_completion(sched)
@@ -161,12 +172,12 @@ def test_preemption_picks_the_newest_which_is_recomputed_to_completion() -> None
     for seq in (a, b, c):
         sched.add(seq)
     step(sched)
-    assert [s.block_table for s in (a, b, c)] == [[0], [1, 2], [3, 4]]  # pool exhausted
+    assert [table(sched, s) for s in (a, b, c)] == [[0], [1, 2], [3, 4]]  # pool exhausted
     d = make_seq(3, [4])
     sched.add(d)
     batch = step(sched)  # a (the oldest) needs a 2nd block: c, the newest, makes room
-    assert batch.preempted == (c,) and batch.seqs == [a, b] and a.block_table == [0, 3]
-    assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.block_table == []
+    assert batch.preempted == (c.seq_id,) and batch.seq_ids == ids(a, b) and table(sched, a) == [0, 3]
+    assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and table(sched, c) == []
     # c goes back in FRONT of the newer request d, and nobody is admitted in a preempting step
     assert c.num_preemptions == 1 and sched.num_preemptions == 1 and list(sched.waiting) == [c, d]
     assert c.num_tokens == 7  # its generated token is kept and recomputed, not regenerated
@@ -184,7 +195,7 @@ def test_a_sequence_preempts_itself_when_it_is_the_newest() -> None:
     sched.add(b)
     step(sched)  # a: block 0, b: block 1 (one free)
     batch = step(sched)  # a takes the last block; b then cannot and is itself the newest
-    assert batch.seqs == [a] and batch.preempted == (b,)
+    assert batch.seq_ids == ids(a) and batch.preempted == (b.seq_id,)
     assert run_to_completion(sched)[-1] is b
 
 
@@ -237,7 +248,7 @@ def test_prefix_hits_counted_in_num_cached_tokens_from_first_admission() -> None
     b = make_seq(1, list(range(9)) + [77, 78], max_tokens=2)  # shares 2 full blocks with a
     sched.add(b)
     batch = step(sched)
-    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 3]
+    assert batch.seq_ids == ids(a, b) and batch.num_new_tokens == [1, 3]
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
     assert b.num_computed_tokens == 8 + 3  # the scheduler set 8 at admission, advance() added the chunk
     run_to_completion(sched)
@@ -250,7 +261,7 @@ def test_same_step_admission_reuses_blocks_registered_in_that_step() -> None:
     sched.add(b)
     batch = step(sched)
     assert batch.num_new_tokens == [9, 1] and b.num_cached_tokens == 8
-    assert b.block_table[:2] == a.block_table[:2]
+    assert table(sched, b)[:2] == table(sched, a)[:2]
 
 
 def test_readmission_reuses_own_cached_blocks_but_bills_the_first_count() -> None:
@@ -259,10 +270,10 @@ def test_readmission_reuses_own_cached_blocks_but_bills_the_first_count() -> Non
     sched.add(a)
     sched.add(c)
     step(sched)  # a: block 0; c: blocks 1, 2 (full, hashed) and 3
-    assert step(sched).preempted == (c,)  # a needs a block; c's hashed blocks stay cached
+    assert step(sched).preempted == (c.seq_id,)  # a needs a block; c's hashed blocks stay cached
     while c.status is not SequenceStatus.RUNNING:
         batch = step(sched)
-    assert batch.seqs[-1] is c and batch.num_new_tokens[-1] == 2  # 10 tokens, 8 of them cached
+    assert batch.seq_ids[-1] == c.seq_id and batch.num_new_tokens[-1] == 2  # 10 tokens, 8 of them cached
     assert c.num_cached_tokens == 0  # the re-match is not billed: its first admission matched nothing
     run_to_completion(sched)
 
@@ -275,7 +286,7 @@ def test_admission_needs_room_for_the_whole_prompt_not_just_the_chunk() -> None:
     for _ in range(3):
         step(sched)  # a prefills in chunks of 4: 3 blocks, 3 free
     batch = step(sched)  # 3 tokens of budget left, a 3-token chunk of b would fit, all 16 would not
-    assert batch.seqs == [a] and list(sched.waiting) == [b]
+    assert batch.seq_ids == ids(a) and list(sched.waiting) == [b]
     finished = run_to_completion(sched)
     assert finished == [a, b] and sched.num_preemptions == 0
 
@@ -292,15 +303,14 @@ def test_200_sequences_behind_a_shared_prefix_compute_it_about_once() -> None:
             if not sched.has_unfinished():
                 break
             batch = sched.schedule()
-            for seq, n in zip(batch.seqs, batch.num_new_tokens):
-                start = seq.num_computed_tokens
-                prefix_computed += max(0, min(start + n, prefix_len) - start)
+            for chunk in batch.chunks:
+                prefix_computed += max(0, min(chunk.start + chunk.num_tokens, prefix_len) - chunk.start)
             sched.advance(batch)
-            for seq in batch.seqs:
-                if seq.num_computed_tokens == seq.num_tokens:
-                    seq.append_token(1)
-                    if seq.num_output_tokens == seq.params.max_tokens:
-                        sched.finish(seq)
+            sched.update_from_output(batch.sampled, [1] * len(batch.sampled))
+            for seq_id in batch.sampled:
+                seq = sched.get(seq_id)
+                if seq.num_output_tokens == seq.params.max_tokens:
+                    sched.finish(seq_id)
         results[on] = (prefix_computed, sum(s.num_cached_tokens for s in seqs))
     assert results[False] == (200 * prefix_len, 0)
     assert results[True][0] <= 0.1 * results[False][0]
@@ -316,8 +326,8 @@ def test_finish_aborts_a_waiting_sequence_and_advance_twice_raises() -> None:
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
-    assert batch.seqs == [a] and batch.num_new_tokens == [4] and not batch.chunks[0].needs_sample
-    sched.finish(b)  # aborted before admission
+    assert batch.seq_ids == ids(a) and batch.num_new_tokens == [4] and not batch.chunks[0].needs_sample
+    sched.finish(b.seq_id)  # aborted before admission
     assert b.status is SequenceStatus.FINISHED and sched.num_waiting == 0
     sched.advance(batch)
     assert a.num_computed_tokens == 4
@@ -337,18 +347,18 @@ def test_batch_is_a_frozen_snapshot_that_advance_and_sampling_do_not_change() ->
     batch = sched.schedule()  # a whole (3 tokens), b's first 5
     before = [(c.start, c.token_ids, c.block_table, c.needs_sample, c.is_decode) for c in batch.chunks]
     assert before == [
-        (0, (1, 2, 3), tuple(a.block_table), True, False),
-        (0, (10, 11, 12, 13, 14), tuple(b.block_table), False, False),
+        (0, (1, 2, 3), tuple(table(sched, a)), True, False),
+        (0, (10, 11, 12, 13, 14), tuple(table(sched, b)), False, False),
     ]
     sched.advance(batch)
-    a.append_token(7)  # what the engine does with a's sample
+    sched.update_from_output([a.seq_id], [7])  # what the engine does with a's sample
     assert [(c.start, c.token_ids, c.block_table, c.needs_sample, c.is_decode) for c in batch.chunks] == before
     with pytest.raises(AttributeError):
         batch.chunks[0].needs_sample = False  # type: ignore[misc]
     nxt = sched.schedule()
-    assert [(c.seq, c.start, c.token_ids, c.needs_sample, c.is_decode) for c in nxt.chunks] == [
-        (a, 3, (7,), True, True),
-        (b, 5, (15, 16, 17, 18, 19), True, False),
+    assert [(c.seq_id, c.start, c.token_ids, c.needs_sample, c.is_decode) for c in nxt.chunks] == [
+        (a.seq_id, 3, (7,), True, True),
+        (b.seq_id, 5, (15, 16, 17, 18, 19), True, False),
     ]
 
 
@@ -361,7 +371,7 @@ def test_what_counts_as_a_decode() -> None:
     first = sched.schedule()  # the one-token prompt, and 3 tokens of the chunked one
     assert [(c.num_tokens, c.needs_sample, c.is_decode) for c in first.chunks] == [(1, True, False), (3, False, False)]
     sched.advance(first)
-    one.append_token(6)
+    sched.update_from_output([one.seq_id], [6])
     second = sched.schedule()  # one's first decode; chunked's last prompt token
     assert [(c.num_tokens, c.needs_sample, c.is_decode) for c in second.chunks] == [(1, True, True), (1, True, False)]
 

@@ -83,8 +83,7 @@ def test_every_kind_validates_in_one_mixed_batch(llm: LLM) -> None:
         assert out.stop_reason is None  # ended by the EOS the complete grammar allows: None, as any EOS
     free = [o.text for k, o in zip(labels, outs) if k == "free"]
     assert not all(_valid("a", t) for t in free)  # the unconstrained rows really are unconstrained
-    features = llm.engine.sampler.features
-    assert features is not None and features.num_active == 0  # every request's state released
+    assert llm.engine.runner.batch.num_rows == 0  # every request's state (its grammar matcher) released
 
 
 def test_the_grammar_ends_the_request_even_when_eos_is_ignored(llm: LLM) -> None:

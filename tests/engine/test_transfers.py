@@ -51,9 +51,14 @@ def test_greedy_decode_step_is_one_upload_and_one_read(tiny_model: Callable[[str
 
 
 def test_sampling_features_that_cost_more_uploads(tiny_model: Callable[[str], Path]) -> None:
-    """The listed exceptions: per-row sampling parameters (+1 upload), min_tokens masking (+1); still one read."""
+    """The listed exceptions: per-row sampling parameters (+1 upload, only in a step whose rows are
+    not the last step's: the sampling batch keeps them), min_tokens masking (+1); still one read."""
     sampled = _decode_step_counts(_llm(tiny_model), SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=4))
-    assert set(sampled) == {(2, 1)}, sampled
+    assert set(sampled) == {(1, 1)}, sampled  # the same three rows each decode step: parameters uploaded before
+    ragged = _decode_step_counts(
+        _llm(tiny_model), SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=4, min_tokens=4)
+    )
+    assert set(ragged) == {(2, 1)}, ragged  # min_tokens masks every step; the parameters stay
     masked = _decode_step_counts(
         _llm(tiny_model), SamplingParams(temperature=0.0, min_tokens=3, max_tokens=3, ignore_eos=True)
     )

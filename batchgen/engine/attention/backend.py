@@ -148,9 +148,7 @@ class AttentionBackend:
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """These sequences are finished or preempted: their decode state can go."""
-        release = getattr(self.decode_kv, "release", None)
-        if release is not None:
-            release(seq_ids)
+        self.decode_kv.release(seq_ids)
 
     def reset(self) -> None:
         """Forget every sequence (after an aborted step)."""

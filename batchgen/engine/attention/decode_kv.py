@@ -89,6 +89,10 @@ class DecodeKVSource(Protocol):
     def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], DecodeStep]:
         """(packed order of the decodes as indices into `decodes`, the step). Decodes are packed first."""
 
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Forget these sequences' state (finished, or preempted: a later decode refills); ids it
+        does not hold are ignored. Called from the scheduler's diff (ModelRunner.apply)."""
+
     def reset(self) -> None:
         """Forget every sequence (the engine aborted them all)."""
 

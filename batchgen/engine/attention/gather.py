@@ -8,6 +8,7 @@ for the padding).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from itertools import pairwise
 
 import torch
@@ -93,6 +94,9 @@ class GatheredBlocks:
             tables = padded_tables([d.block_table for d in packed[a:b]], needed[a:b], mb)  # [B, mb]
             indices.append(self.stage(tables.flatten()))  # [B * mb]
         return order, GatherStep(groups, indices)
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Nothing is kept across steps."""
 
     def reset(self) -> None:
         """Nothing is kept across steps."""

@@ -35,7 +35,7 @@ class PlannedChunk(Protocol):
     @property
     def is_decode(self) -> bool: ...
     @property
-    def max_total_tokens(self) -> int: ...
+    def max_len(self) -> int: ...
 
 
 class Stager(Protocol):
@@ -77,7 +77,8 @@ def _packed_order(
         return list(range(len(chunks))), None, 0
     packed, step = decode_kv.plan(
         [
-            DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table, chunks[i].max_total_tokens)
+            # why max_len: the decode rows size a row for the longest it may grow
+            DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table, chunks[i].max_len)
             for i in decodes
         ]
     )

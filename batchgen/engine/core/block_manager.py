@@ -1,7 +1,9 @@
 """BlockManager: the KV block pool — ref counts, the LRU free list and the prefix hash table.
 
 All prefix-cache hashing lives here; the scheduler only sees block ids and token counts through
-three calls: `get_computed_blocks` (match), `allocate_slots` (allocate) and `free`.
+three calls: `get_computed_blocks` (match), `allocate_slots` (allocate) and `free`. The block
+tables live here too, keyed by sequence id (`block_table(seq_id)`): a Sequence holds no blocks,
+so nothing but this pool writes them, and the scheduler hands the runner copies (its chunks).
 
 Block states:
   - referenced (ref > 0): in some sequence's block table; never evicted.
@@ -72,7 +74,8 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         # Insertion order = eviction order; O(1) pop-front, append, and removal by id.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._seq_hashes: dict[Sequence, _SeqHashes] = {}
+        self._tables: dict[int, list[int]] = {}  # seq id -> its KV blocks, in token order
+        self._seq_hashes: dict[int, _SeqHashes] = {}  # seq id -> its hash cache
         self._copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) blocks, not yet made
 
     # ----------------------------------------------------------------- queries
@@ -85,6 +88,16 @@ class BlockManager:
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (next to be reused first); for tests and debugging."""
         return list(self._free)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's KV block ids in token order (empty when it holds none). Read only: the
+        list is the pool's own; the scheduler snapshots it into each chunk."""
+        return self._tables.get(seq_id) or []
+
+    @property
+    def num_tables(self) -> int:
+        """Sequences that hold blocks (for tests and leak checks)."""
+        return len(self._tables)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -117,7 +130,7 @@ class BlockManager:
     # --------------------------------------------------------------- mutations
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
-        """Extend `seq.block_table` to cover its computed tokens plus `num_new_tokens`.
+        """Extend the sequence's block table to cover its computed tokens plus `num_new_tokens`.
 
         `computed_blocks` (from `get_computed_blocks`) may only be given for a fresh sequence
         (empty block table, `num_computed_tokens == 0`; ValueError otherwise). On success they
@@ -142,50 +155,66 @@ class BlockManager:
             self._copy_on_write(seq)
         for block_id in computed:
             self._touch(block_id)
-        seq.block_table.extend(computed)
-        seq.block_table.extend(self._pop_free() for _ in range(num_new_blocks))
+        table = self._tables.setdefault(seq.seq_id, [])
+        table.extend(computed)
+        table.extend(self._pop_free() for _ in range(num_new_blocks))
         if self.enable_prefix_caching:
-            state = self._seq_hashes.setdefault(seq, _SeqHashes())
+            state = self._seq_hashes.setdefault(seq.seq_id, _SeqHashes())
             state.num_registered = max(state.num_registered, len(computed))
             covered = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
             self._register_full_blocks(seq, covered)
         return True
 
-    def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks and clear its block table.
+    def free(self, seq_id: int) -> None:
+        """Release the sequence's blocks and drop its block table (a no-op for one that holds none).
 
         Blocks reaching ref 0 join the free list tail first, so that among them the chain tail
         is evicted first (a later match of the head still finds an unbroken chain). They keep
         their hash and stay matchable until evicted.
         """
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(self._tables.pop(seq_id, [])):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] < 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated (seq {seq.seq_id})")
+                raise RuntimeError(f"block {block_id} freed more often than allocated (seq {seq_id})")
             if self.ref_counts[block_id] == 0:
                 self._free[block_id] = None
                 if self.block_hashes[block_id] is None:
                     # why: hashless content can never be matched; reuse it before any cached block
                     self._free.move_to_end(block_id, last=False)
-        seq.block_table.clear()
-        self._seq_hashes.pop(seq, None)
+        self._seq_hashes.pop(seq_id, None)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares every block of `parent` (ref + 1 each); a shared partial block is copied
-        when one of them first writes into it (see allocate_slots)."""
-        if child.block_table:
-            raise ValueError(f"seq {child.seq_id} already holds blocks; only a fresh sequence can fork")
-        for block_id in parent.block_table:
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """`child_id` shares every block of `parent_id` (ref + 1 each); a shared partial block is
+        copied when one of them first writes into it (see allocate_slots)."""
+        if self._tables.get(child_id):
+            raise ValueError(f"seq {child_id} already holds blocks; only a fresh sequence can fork")
+        table = self.block_table(parent_id)
+        for block_id in table:
             self.ref_counts[block_id] += 1
-        child.block_table.extend(parent.block_table)
-        state = self._seq_hashes.get(parent)
+        self._tables[child_id] = list(table)
+        state = self._seq_hashes.get(parent_id)
         if state is not None:
-            self._seq_hashes[child] = _SeqHashes(list(state.hashes), state.num_registered)
+            self._seq_hashes[child_id] = _SeqHashes(list(state.hashes), state.num_registered)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies decided since the last call; the runner makes them before the forward."""
         copies, self._copies = self._copies, []
         return copies
+
+    def reset(self) -> None:
+        """Back to a fresh pool: every block free (in id order), no table, no hash, no pending copy.
+
+        Why all of it: after an aborted generate nothing the pool knew can be trusted (a failed
+        step may have registered blocks whose K/V it never finished writing), and dropping the
+        whole state is one act, where freeing each sequence first would be a list of owners.
+        """
+        self.ref_counts = [0] * self.num_blocks
+        self._free = OrderedDict((b, None) for b in range(self.num_blocks))
+        self._tables.clear()
+        self.block_hashes = [None] * self.num_blocks
+        self.hash_to_block.clear()
+        self._seq_hashes.clear()
+        self._copies.clear()
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash, so no later request matches K/V written before now.
@@ -206,10 +235,11 @@ class BlockManager:
     def _check_args(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> None:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens} (seq {seq.seq_id})")
-        if computed and (seq.block_table or seq.num_computed_tokens):
+        held = len(self.block_table(seq.seq_id))
+        if computed and (held or seq.num_computed_tokens):
             raise ValueError(
                 f"computed_blocks may only be given for a fresh sequence; seq {seq.seq_id} has "
-                f"{len(seq.block_table)} blocks and {seq.num_computed_tokens} computed tokens"
+                f"{held} blocks and {seq.num_computed_tokens} computed tokens"
             )
 
     def _slot_in_place(self, seq: Sequence) -> bool:
@@ -217,27 +247,33 @@ class BlockManager:
         it starts): no block to allocate and none to copy, as the general path would find."""
         pos = seq.num_computed_tokens
         index = pos // self.block_size
-        table = seq.block_table
-        return index < len(table) and (pos % self.block_size == 0 or self.ref_counts[table[index]] == 1)
+        table = self._tables.get(seq.seq_id)
+        return (
+            table is not None
+            and index < len(table)
+            and (pos % self.block_size == 0 or self.ref_counts[table[index]] == 1)
+        )
 
     def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> int:
         covered = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        return max(0, self.blocks_needed(covered) - len(seq.block_table) - len(computed))
+        return max(0, self.blocks_needed(covered) - len(self.block_table(seq.seq_id)) - len(computed))
 
     def _shared_tail(self, seq: Sequence, num_new_tokens: int) -> int:
         """1 when the next token would be written into a block another sequence also holds, else 0."""
         first = seq.num_computed_tokens
         index = first // self.block_size
-        if not num_new_tokens or first % self.block_size == 0 or index >= len(seq.block_table):
+        table = self.block_table(seq.seq_id)
+        if not num_new_tokens or first % self.block_size == 0 or index >= len(table):
             return 0
-        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+        return 1 if self.ref_counts[table[index]] > 1 else 0
 
     def _copy_on_write(self, seq: Sequence) -> None:
         index = seq.num_computed_tokens // self.block_size
-        shared = seq.block_table[index]
+        table = self._tables[seq.seq_id]
+        shared = table[index]
         self.ref_counts[shared] -= 1  # still > 0: another sequence holds it
         fresh = self._pop_free()
-        seq.block_table[index] = fresh
+        table[index] = fresh
         self._copies.append((shared, fresh))
 
     def _num_available(self, computed: list[int]) -> int:
@@ -262,7 +298,7 @@ class BlockManager:
 
     def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The sequence's chained block hashes for its first `num_blocks` full blocks (cached)."""
-        state = self._seq_hashes.setdefault(seq, _SeqHashes())
+        state = self._seq_hashes.setdefault(seq.seq_id, _SeqHashes())
         hashes, bs = state.hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
@@ -273,14 +309,15 @@ class BlockManager:
     def _register_full_blocks(self, seq: Sequence, num_covered_tokens: int) -> None:
         """Hash every block of the table that is full of known tokens and not yet registered."""
         num_full = min(num_covered_tokens, seq.num_tokens) // self.block_size
-        state = self._seq_hashes.get(seq)
+        state = self._seq_hashes.get(seq.seq_id)
         if state is None:  # why not setdefault: it would build a _SeqHashes every decode step of every sequence
-            state = self._seq_hashes[seq] = _SeqHashes()
+            state = self._seq_hashes[seq.seq_id] = _SeqHashes()
         if num_full <= state.num_registered:
             return
         hashes = self._hashes_upto(seq, num_full)
+        table = self._tables[seq.seq_id]
         for i in range(state.num_registered, num_full):
-            block_id = seq.block_table[i]
+            block_id = table[i]
             # why: an equal hash already registered means identical K/V exists in another block;
             # keep the first (it may be shared) and leave this one hashless.
             if self.block_hashes[block_id] is None and hashes[i] not in self.hash_to_block:

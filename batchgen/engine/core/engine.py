@@ -1,12 +1,19 @@
 """Engine: the step loop that ties scheduler, model runner, sampler and stop checks together.
 
-Each step: the scheduler picks chunks (a frozen snapshot) -> the model runner runs them in one
-forward -> the scheduler advances the computed counts -> prompt logprobs are taken -> a request
-with n > 1 whose prefill just ended forks its other samples -> logprobs of the raw logits are
-taken -> the sampler picks a token for every sample that needs one -> stop checks -> finished
-samples release their blocks; a request whose samples are all finished becomes a RequestOutput.
-A request that can never fit becomes an "error" output on its own. When
-`generate()` fails, every unfinished request is aborted, so the engine can be used again.
+Each step: the scheduler picks chunks and says what changed (a frozen ScheduledBatch) -> the
+model runner applies the changes to its persistent state (sampling batch, decode rows) and runs
+the chunks in one forward -> the scheduler advances the computed counts -> prompt logprobs are
+taken -> a request with n > 1 whose prefill just ended forks its other samples (the scheduler
+makes them; the runner hears of them at once, they draw in this step) -> logprobs of the raw
+logits are taken -> the sampler picks a token for every sample that needs one, reading the
+runner's sampling batch -> the scheduler appends the tokens -> stop checks -> finished samples
+go through the scheduler (blocks released now; the runner hears of them in the next update);
+a request whose samples are all finished becomes a RequestOutput.
+A request that can never fit becomes an "error" output on its own. When `generate()` fails,
+every owner drops its whole state at once (abort_all), so the engine can be used again.
+
+State: the scheduler owns sequences (progress, status, blocks), the runner its persistent
+batch, and this engine only the output side (RequestTable: texts, stop checks, logprobs).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.generate_loop import run_to_completion
-from batchgen.engine.core.requests import RequestState, SampleState, fork_params
+from batchgen.engine.core.requests import RequestState, RequestTable, SampleState, fork_params
 from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.core.stats import EngineStats
@@ -55,15 +62,13 @@ class Engine:
         self.stats = EngineStats()
         self.threads = ThreadGovernor(enabled=runner.device.type == "cpu")
         self.texts = TokenTexts(tokenizer)
-        self._requests: dict[int, RequestState] = {}
-        self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}  # every live sample's sequence
-        # parents whose prefill end needs more than a sample: a fork (n > 1) or an end (max_tokens 0)
-        self._special: dict[int, RequestState] = {}
+        self.requests = RequestTable()
         sampler.transfers = runner.transfers
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
         self._ids = itertools.count()
         if sampler.features is None:
             sampler.features = LogitsFeatures(tokenizer, vocab_size, self.eos_token_ids)
+        runner.batch.features = sampler.features  # the runner's rows hold each request's feature state
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> int:
         """Queue one request; returns its id. One that can never fit is answered with an error output."""
@@ -73,14 +78,13 @@ class Engine:
         seq = Sequence(request_id, list(prompt_token_ids), params)
         message = self._check_token_ids(seq) or self.scheduler.check_fits(seq)
         if message is None and params.uses_logits_features:
-            message = self.sampler.features.add(seq)  # type: ignore[union-attr]  # set in __init__
+            message = self.sampler.features.check(request_id, params)  # type: ignore[union-attr]  # set in __init__
         if message is None:
             try:
                 self.scheduler.add(seq)
             except ValueError as exc:
                 message = str(exc)
         if message is not None:
-            self.sampler.release(request_id)
             logger.warning("refusing %s", message)  # the message starts "request N:"
             self.stats.errors += 1
             self._errors.append(RequestOutput(str(request_id), prompt, seq.prompt_token_ids, error=message))
@@ -95,10 +99,7 @@ class Engine:
             prompt_logprobs=[None] * seq.num_prompt_tokens if wants_prompt else None,
             forked=params.n == 1,
         )
-        self._requests[request_id] = request
-        self._by_seq[request_id] = (request, sample)
-        if params.n > 1 or params.max_tokens == 0:
-            self._special[request_id] = request
+        self.requests.add(request)
         return request_id
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
@@ -127,7 +128,7 @@ class Engine:
         if not self.scheduler.has_unfinished():
             return finished
         batch = self.scheduler.schedule()
-        if not batch.seqs:
+        if not batch.chunks:
             raise RuntimeError(
                 f"the scheduler scheduled nothing with {self.scheduler.num_waiting} waiting and "
                 f"{self.scheduler.num_running} running sequences"
@@ -135,92 +136,93 @@ class Engine:
         sampled = batch.sampled
         self.stats.count(batch)
         self.threads.tick()
-        logits = self.runner.execute(batch)  # [len(sampled) + prompt-logprob rows, vocab]
+        logits = self.runner.execute(batch)  # [len(sampled) + prompt-logprob rows, vocab]; applies batch.update
         self.scheduler.advance(batch)
         if logits.shape[0] > len(sampled):
             self._take_prompt_logprobs(batch, logits[len(sampled) :])
         rows = logits[: len(sampled)]
-        seqs, kept = self._expand(sampled, rows, finished)
+        seq_ids, kept = self._expand(sampled, rows, finished)
         # the NaN check covers every row; the sampler's own check covers the rows it is given
-        sampler_sees_all = bool(seqs) and kept is rows and len(sampled) == logits.shape[0]
+        sampler_sees_all = bool(seq_ids) and kept is rows and len(sampled) == logits.shape[0]
         nan = None
         if logits.shape[0] and not sampler_sees_all:
             nan = logits.amax().isnan()  # why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
-        if seqs:
-            self._sample(seqs, kept, nan, finished)
+        if seq_ids:
+            self._sample(seq_ids, kept, nan, finished)
         elif nan is not None:  # prompt-logprob rows only: their own read
             self._check_nan(self.runner.transfers.read("nan_flag", nan)[0][0], sampled)
         self.stats.preemptions = self.scheduler.num_preemptions
+        if not self.scheduler.has_unfinished():
+            # why: the last finished sequences have no next step whose update would tell the runner
+            self.runner.apply(self.scheduler.take_update())
         return finished
 
     def _sample(
-        self, seqs: list[Sequence], logits: torch.Tensor, nan: torch.Tensor | None, finished: list[RequestOutput]
+        self, seq_ids: list[int], logits: torch.Tensor, nan: torch.Tensor | None, finished: list[RequestOutput]
     ) -> None:
         """Draw one token per row, with its raw logprobs when asked, and run the stop checks.
         `nan`: the step's NaN flag, None when `logits` are all its rows (the sampler's flag then)."""
+        rows = self.runner.batch
+        step = rows.step(seq_ids)  # the rows' sampling state, cached while the batch is unchanged
         # why before the sampler: logprobs are of the raw distribution, whatever the sampler does
-        pending = take_logprobs(logits, [s.params.logprobs for s in seqs])
+        pending = take_logprobs(logits, step.logprobs) if step.logprobs is not None else None
         if nan is None:
-            ids, nan = self.sampler.sample_ids_and_nan(logits, seqs)
+            ids, nan = self.sampler.sample_ids_and_nan(logits, step)
         else:
-            ids = self.sampler.sample_ids(logits, seqs)
+            ids = self.sampler.sample_ids(logits, step)
         # why one read: the NaN flag comes back with the sampled ids, one host sync per step
         tokens, flag = self.runner.transfers.read("sampled_ids", ids, nan)
-        self._check_nan(flag[0], seqs)
-        self.sampler.accept(seqs, tokens)  # penalty counts and grammar matchers advance on the same read
+        self._check_nan(flag[0], seq_ids)
+        rows.accept(step, tokens)  # penalty counts and grammar matchers advance on the same read
+        self.scheduler.update_from_output(seq_ids, tokens)
         self.stats.output_tokens += len(tokens)
         taken = {}
         if pending is not None:
             taken = dict(zip(pending.rows, pending.resolve([tokens[i] for i in pending.rows], self.texts)))
-        features = self.sampler.features
-        grammars = features is not None and features.num_active > 0  # why once: the loop runs per sequence
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            seq.append_token(token)
-            request, sample = self._by_seq[seq.seq_id]
+        grammars = step.grammars  # why once: the loop runs per sequence
+        lookup = self.requests.get
+        for i, (seq_id, token) in enumerate(zip(seq_ids, tokens)):
+            request, sample = lookup(seq_id)
             if taken and i in taken:
                 sample.record(*taken[i])
-            if sample.stop.append(token) or (grammars and self._grammar_done(sample)):
+            if sample.stop.append(token) or (grammars and rows.terminated(seq_id) and sample.stop.finish_now()):
                 self._finish_sample(request, sample, finished)
 
-    def _check_nan(self, flag: int, seqs: list[Sequence]) -> None:
+    def _check_nan(self, flag: int, seq_ids: list[int]) -> None:
         if flag:  # why: a NaN would be "sampled" into garbage silently; failing lets the job retry
-            raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {[s.seq_id for s in seqs][:8]})")
+            raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {seq_ids[:8]})")
 
     def _expand(
-        self, sampled: list[Sequence], logits: torch.Tensor, finished: list[RequestOutput]
-    ) -> tuple[list[Sequence], torch.Tensor]:
+        self, sampled: list[int], logits: torch.Tensor, finished: list[RequestOutput]
+    ) -> tuple[list[int], torch.Tensor]:
         """The rows to sample: a parent whose prefill ended forks (its row serves all n samples);
         a max_tokens 0 request ends here, unsampled."""
-        special = self._special
-        if not special or not any(s.seq_id in special for s in sampled):
+        special = self.requests.special
+        if not special or not any(s in special for s in sampled):
             return sampled, logits
         rows: list[int] = []
-        seqs: list[Sequence] = []
-        for i, seq in enumerate(sampled):
-            request = special.pop(seq.seq_id, None)
+        seq_ids: list[int] = []
+        for i, seq_id in enumerate(sampled):
+            request = special.pop(seq_id, None)
             if request is None:
                 rows.append(i)
-                seqs.append(seq)
+                seq_ids.append(seq_id)
             elif request.params.max_tokens == 0:
                 request.forked = True
                 self._finish_sample(request, request.samples[0], finished)
             else:
                 self._fork(request)
                 rows.extend([i] * len(request.samples))
-                seqs.extend(s.seq for s in request.samples)
-        return seqs, logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+                seq_ids.extend(s.seq.seq_id for s in request.samples)
+        self.runner.apply(self.scheduler.take_update())  # the forked samples draw in this step
+        return seq_ids, logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
 
     def _fork(self, request: RequestState) -> None:
         """Samples 1..n-1 of a request whose prompt is prefilled, sharing its KV blocks."""
         parent = request.parent
         for index in range(1, request.params.n):
-            child = Sequence(next(self._ids), list(parent.prompt_token_ids), fork_params(request.params, index))
-            self.scheduler.fork(parent, child)
-            if child.params.uses_logits_features:  # its own penalty counts and grammar state, from the prompt
-                self.sampler.features.add(child)  # type: ignore[union-attr]  # set in __init__; compiled for the parent
-            sample = SampleState(index, child, self._stop_checker(child))
-            request.samples.append(sample)
-            self._by_seq[child.seq_id] = (request, sample)
+            child = self.scheduler.fork(parent.seq_id, next(self._ids), fork_params(request.params, index))
+            self.requests.add_sample(request, SampleState(index, child, self._stop_checker(child)))
         request.forked = True
 
     def _take_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
@@ -228,47 +230,30 @@ class Engine:
         row = 0
         for chunk in batch.chunks:
             if chunk.prompt_logits:
-                request, _ = self._by_seq[chunk.seq_id]
+                request, _ = self.requests.get(chunk.seq_id)
                 request.store_prompt_logprobs(chunk.start, logits[row : row + chunk.prompt_logits], self.texts)
                 row += chunk.prompt_logits
-
-    def _grammar_done(self, sample: SampleState) -> bool:
-        """A structured request whose grammar accepted a complete output ends with "stop"."""
-        features = self.sampler.features
-        if features is None or not features.num_active or not features.terminated(sample.seq.seq_id):
-            return False
-        return sample.stop.finish_now()
 
     def abort_all(self) -> None:
         """Drop every unfinished request (queued or running) and what it holds, reporting none of them.
 
-        Why everything, and the prefix cache too: a failed step may have been half run, so the
-        K/V it wrote (and any block registered for it) cannot be trusted, and its requests'
-        counts no longer match the cache.
+        Each owner drops its whole state: the scheduler its queues and the block pool (the prefix
+        cache too), the runner its persistent batch, decode rows and K/V, and this engine its
+        output side. Why everything, and the prefix cache too: a failed step may have been half
+        run, so the K/V it wrote (and any block registered for it) cannot be trusted, and its
+        requests' counts no longer match the cache.
         """
-        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-        for seq in seqs:
-            self.scheduler.finish(seq)
-        for seq_id in self._by_seq:
-            self.sampler.release(seq_id)
-        if seqs:
-            logger.warning("aborted %d unfinished requests", len(seqs))
-        self._requests.clear()
-        self._by_seq.clear()
-        self._special.clear()
+        dropped = self.scheduler.drop_all()
+        if dropped:
+            logger.warning("aborted %d unfinished requests", dropped)
+        self.runner.drop_all()
+        self.requests.clear()
         self._errors.clear()
-        self.scheduler.block_manager.reset_prefix_cache()
-        self.runner.reset()
 
     def _finish_sample(self, request: RequestState, sample: SampleState, finished: list[RequestOutput]) -> None:
-        """A sample is done: release its blocks; the request's last one makes the output."""
-        seq = sample.seq
-        sample.done = True
-        self.scheduler.finish(seq)
-        self.sampler.release(seq.seq_id)
-        del self._by_seq[seq.seq_id]
-        if request.done:
-            del self._requests[request.request_id]
+        """A sample is done: the scheduler finishes its sequence; the request's last one makes the output."""
+        self.scheduler.finish(sample.seq.seq_id)
+        if self.requests.finish_sample(request, sample):
             self.stats.cached_tokens += request.parent.num_cached_tokens
             finished.append(request.output())
 

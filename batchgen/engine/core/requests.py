@@ -5,6 +5,10 @@ Why apart from the step loop: a request is no longer one sequence. With `n > 1` 
 prefilled once by sample 0; when that prefill ends, the engine forks samples 1..n-1 from it
 (`fork_params`: each with its own seed, seed + i, so sample i of a seeded request draws the same
 tokens whatever runs beside it), and they share the prompt's KV blocks (BlockManager.fork).
+
+This is the engine's output side (vLLM's output processor): text, stop checks, logprobs. Each
+sample reads its Sequence (owned and written by the scheduler) and never writes it; the
+RequestTable finds a sample by its sequence id, and is dropped whole when the engine aborts.
 """
 
 from __future__ import annotations
@@ -107,3 +111,53 @@ class RequestState:
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.parent.num_cached_tokens,
         )
+
+
+class RequestTable:
+    """The requests in flight, by request id and by each sample's sequence id.
+
+    `special` holds parents whose prefill end needs more than a sample: a fork (n > 1) or an end
+    (max_tokens 0); the engine looks at it only when some sampled sequence is in it.
+    """
+
+    def __init__(self) -> None:
+        self._requests: dict[int, RequestState] = {}
+        self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
+        self.special: dict[int, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples not yet finished (for tests and leak checks)."""
+        return len(self._by_seq)
+
+    def add(self, request: RequestState) -> None:
+        """A new request, with its first sample."""
+        self._requests[request.request_id] = request
+        self.add_sample(request, request.samples[0])
+        if request.params.n > 1 or request.params.max_tokens == 0:
+            self.special[request.request_id] = request
+
+    def add_sample(self, request: RequestState, sample: SampleState) -> None:
+        if sample is not request.samples[-1]:
+            request.samples.append(sample)
+        self._by_seq[sample.seq.seq_id] = (request, sample)
+
+    def get(self, seq_id: int) -> tuple[RequestState, SampleState]:
+        return self._by_seq[seq_id]
+
+    def finish_sample(self, request: RequestState, sample: SampleState) -> bool:
+        """Mark `sample` done; True when it was its request's last (the request leaves the table)."""
+        sample.done = True
+        del self._by_seq[sample.seq.seq_id]
+        if not request.done:
+            return False
+        del self._requests[request.request_id]
+        return True
+
+    def clear(self) -> None:
+        self._requests.clear()
+        self._by_seq.clear()
+        self.special.clear()

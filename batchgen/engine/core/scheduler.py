@@ -8,93 +8,37 @@ its `num_tokens`; a decode is (nearly) a chunk of one token, see `is_decode`. Ea
   2. then waiting sequences in order, while budget and seats remain and nothing was preempted in
      this step: reuse their longest cached prefix, and admit one only when the pool has room for
      its whole remaining prompt.
-The scheduler touches no tensors and no hashes; memory goes through the BlockManager. Its output
-is an immutable ScheduledBatch, and it is the only writer of `num_computed_tokens`.
+The scheduler touches no tensors and no hashes; memory goes through the BlockManager.
+
+It owns every sequence (vLLM v1's split): it is the only writer of a sequence's progress and
+status, computed tokens (`advance`), output tokens (`update_from_output`), status (`finish`,
+preemption, admission), and, through the block manager, its blocks. Its output is an immutable
+ScheduledBatch (scheduler_output) that names sequences by id and carries what changed since the
+last step (new, finished, preempted, resumed) as a BatchUpdate, from which the runner side keeps
+its own state. `drop_all` forgets every sequence at once (an aborted generate).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.device_defaults import require_int
+from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.block_manager import BlockManager
+from batchgen.engine.core.scheduler_output import (
+    BatchUpdate,
+    NewSequence,
+    ScheduledBatch,
+    ScheduledChunk,
+    is_decode,
+)
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
 
+__all__ = ["BatchUpdate", "NewSequence", "ScheduledBatch", "ScheduledChunk", "Scheduler", "is_decode"]
+
 logger = logging.getLogger(__name__)
-
-
-class ScheduledChunk(NamedTuple):
-    """One sequence's chunk in one step, fixed when it is scheduled (a row of vLLM v1's SchedulerOutput).
-
-    It runs `token_ids` at positions start, start + 1, ... over `block_table`. Why a snapshot: the
-    engine advances computed counts and appends sampled tokens while the step is being handled,
-    so whatever decides what a row is (decode, needs a sample, where it starts) must not read the
-    live sequence. `seq` is the engine's handle for advancing and sampling, never read to decide.
-    Why a NamedTuple: immutable, and about 4x cheaper to build than a frozen dataclass (one per
-    running sequence per step).
-    """
-
-    seq: Sequence
-    start: int  # the sequence's computed tokens when scheduled: the chunk's first position
-    token_ids: tuple[int, ...]  # seq.token_ids[start : start + num_tokens]
-    block_table: tuple[int, ...]  # the sequence's KV blocks, covering start + num_tokens tokens
-    needs_sample: bool  # the chunk ends at the sequence's last token: its logits give the next one
-    is_decode: bool  # see `is_decode`: the one definition of a decode for stats, runner and sampler
-    # prompt_logprobs: logits wanted at the chunk's first `prompt_logits` positions (each predicts
-    # the next prompt token); 0 for every other chunk
-    prompt_logits: int = 0
-
-    @property
-    def seq_id(self) -> int:
-        return self.seq.seq_id
-
-    @property
-    def max_total_tokens(self) -> int:
-        """The most tokens the sequence may ever hold (its prompt and max_tokens never change)."""
-        return self.seq.max_total_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-def is_decode(num_tokens: int, start: int, num_prompt_tokens: int, needs_sample: bool) -> bool:
-    """A decode: a one-token chunk that runs a sequence's newest token, a generated one.
-
-    So a one-token prompt, the last token of a chunked prompt and a one-token piece of a
-    recomputation after preemption are prefill chunks, not decodes.
-    """
-    return num_tokens == 1 and needs_sample and start >= num_prompt_tokens
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    """One step's work, immutable: the chunks in batch order and the sequences preempted for it."""
-
-    chunks: tuple[ScheduledChunk, ...] = ()
-    preempted: tuple[Sequence, ...] = ()
-    copies: tuple[tuple[int, int], ...] = ()  # (source, destination) KV blocks to copy first (copy on write)
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        return [c.seq for c in self.chunks]
-
-    @property
-    def num_new_tokens(self) -> list[int]:
-        return [c.num_tokens for c in self.chunks]
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def sampled(self) -> list[Sequence]:
-        """The sequences that get a token from this step, in batch order (the logits' rows)."""
-        return [c.seq for c in self.chunks if c.needs_sample]
 
 
 class Scheduler:
@@ -114,7 +58,13 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: newest last (first to be preempted)
+        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, waiting or running
         self.num_preemptions = 0
+        # the diff since the last update was taken (schedule() or take_update())
+        self._new: list[NewSequence] = []
+        self._finished: list[int] = []
+        self._preempted: list[int] = []
+        self._resumed: list[int] = []
 
     # ------------------------------------------------------------ requests
 
@@ -143,8 +93,15 @@ class Scheduler:
         message = self.check_fits(seq)
         if message is not None:
             raise ValueError(message)
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"seq {seq.seq_id} is already queued")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._seqs[seq.seq_id] = seq
+
+    def get(self, seq_id: int) -> Sequence:
+        """The unfinished sequence `seq_id` (KeyError when there is none): read it, never write it."""
+        return self._seqs[seq_id]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -160,7 +117,8 @@ class Scheduler:
     # ---------------------------------------------------------------- step
 
     def schedule(self) -> ScheduledBatch:
-        """This step's chunks, as a snapshot. The caller runs them, then calls `advance(batch)`."""
+        """This step's chunks, as a snapshot, with the diff since the last update. The caller runs
+        them, then calls `advance(batch)`, then hands the sampled tokens to `update_from_output`."""
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         budget = self._schedule_running(chunks, preempted, self.max_num_batched_tokens)
@@ -168,15 +126,25 @@ class Scheduler:
             # why: after a preemption the pool is under pressure; admitting now would thrash.
             self._schedule_waiting(chunks, budget)
         copies = self.block_manager.take_copies()
-        return ScheduledBatch(tuple(chunks), tuple(preempted), tuple(copies))
+        return ScheduledBatch(tuple(chunks), tuple(copies), self.take_update())
+
+    def take_update(self) -> BatchUpdate:
+        """The diff since the last one was taken, and a fresh one begins. schedule() takes it for its
+        batch; the engine takes it between steps when the runner must know sooner (forked samples
+        that draw in this step; the last finished sequences of a run)."""
+        update = BatchUpdate(tuple(self._new), tuple(self._finished), tuple(self._preempted), tuple(self._resumed))
+        if update:
+            self._new, self._finished, self._preempted, self._resumed = [], [], [], []
+        return update
 
     def advance(self, batch: ScheduledBatch) -> None:
         """After the forward pass: the scheduled chunks' K/V are now in the cache.
 
         The scheduler is the only writer of `num_computed_tokens` (here, at admission, at preemption).
         """
+        seqs = self._seqs
         for chunk in batch.chunks:
-            seq = chunk.seq
+            seq = seqs[chunk.seq_id]
             if seq.num_computed_tokens != chunk.start:
                 raise RuntimeError(
                     f"seq {seq.seq_id}: {seq.num_computed_tokens} computed tokens but its chunk starts at "
@@ -184,26 +152,57 @@ class Scheduler:
                 )
             seq.num_computed_tokens = chunk.start + chunk.num_tokens
 
-    def finish(self, seq: Sequence) -> None:
-        """Mark finished (or aborted), drop it from the queues and release its blocks."""
-        if seq in self.running:
+    def update_from_output(self, seq_ids: list[int], tokens: list[int]) -> None:
+        """The step's sampled tokens: `tokens[i]` is appended to sequence `seq_ids[i]` (the sampled
+        chunks' sequences in batch order, and any samples forked from them)."""
+        seqs = self._seqs
+        for seq_id, token in zip(seq_ids, tokens, strict=True):
+            seqs[seq_id].token_ids.append(token)
+
+    def finish(self, seq_id: int) -> None:
+        """Mark finished (or aborted), drop it from the queues and release its blocks; the runner
+        hears of it in the next update."""
+        seq = self._seqs.pop(seq_id)
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.block_manager.free(seq)
+        self.block_manager.free(seq_id)
+        self._finished.append(seq_id)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Run `child` (a new sample of `parent`'s prompt) from now on, sharing parent's KV blocks.
+    def fork(self, parent_id: int, child_id: int, params: SamplingParams) -> Sequence:
+        """A new sample of `parent_id`'s prompt, run from now on and sharing its KV blocks.
 
-        `parent` has just computed its whole prompt; `child` holds the same tokens.
+        The parent has just computed its whole prompt; the child is announced as new in the next
+        update (take it before sampling: the child draws in this step).
         """
-        if child.token_ids != parent.token_ids or parent.num_computed_tokens != parent.num_tokens:
-            raise ValueError(f"seq {child.seq_id} cannot fork from seq {parent.seq_id}: not at the same point")
-        self.block_manager.fork(parent, child)
+        parent = self._seqs[parent_id]
+        if parent.num_computed_tokens != parent.num_tokens or parent.num_output_tokens:
+            raise ValueError(f"seq {child_id} cannot fork from seq {parent_id}: its prompt is not just computed")
+        child = Sequence(child_id, list(parent.prompt_token_ids), params)
+        self.block_manager.fork(parent_id, child_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
+        self._seqs[child_id] = child
+        self._new.append(NewSequence(child_id, tuple(child.prompt_token_ids), params))
+        return child
+
+    def drop_all(self) -> int:
+        """Forget every sequence and the whole pool state (an aborted generate); returns how many.
+
+        No update follows: the runner side drops its state alike (ModelRunner.drop_all).
+        """
+        dropped = len(self._seqs)
+        for seq in self._seqs.values():
+            seq.status = SequenceStatus.FINISHED
+        self.waiting.clear()
+        self.running.clear()
+        self._seqs.clear()
+        self._new, self._finished, self._preempted, self._resumed = [], [], [], []
+        self.block_manager.reset()
+        return dropped
 
     # ------------------------------------------------------------- helpers
 
@@ -217,7 +216,7 @@ class Scheduler:
                 continue
             if not self._allocate_or_preempt(seq, n, preempted):
                 break  # seq preempted itself; it was the newest, so nothing follows it
-            chunks.append(_snapshot(seq, n))
+            chunks.append(self._snapshot(seq, n))
             budget -= n
             i += 1
         return budget
@@ -234,7 +233,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
-        self.block_manager.free(seq)
+        self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -242,6 +241,7 @@ class Scheduler:
         # why: to the front, so it is re-admitted before newer requests (FCFS, bounded delay)
         self.waiting.appendleft(seq)
         preempted.append(seq)
+        self._preempted.append(seq.seq_id)
         logger.debug("preempted seq %d (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
     def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
@@ -265,25 +265,28 @@ class Scheduler:
             seq.num_computed_tokens = num_cached  # the matched blocks hold these tokens' K/V
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached  # the bill counts the first admission only
+                self._new.append(NewSequence(seq.seq_id, tuple(seq.prompt_token_ids), seq.params))
+            else:
+                self._resumed.append(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(_snapshot(seq, n))
+            chunks.append(self._snapshot(seq, n))
             budget -= n
 
-
-def _snapshot(seq: Sequence, n: int) -> ScheduledChunk:
-    """The next `n` tokens of `seq` as a frozen chunk (its blocks must already be allocated)."""
-    start = seq.num_computed_tokens
-    needs_sample = start + n == seq.num_tokens
-    prompt_logits = 0
-    if seq.params.prompt_logprobs is not None:
-        prompt_logits = max(0, min(start + n, seq.num_prompt_tokens - 1) - start)
-    return ScheduledChunk(
-        seq=seq,
-        start=start,
-        token_ids=tuple(seq.token_ids[start : start + n]),
-        block_table=tuple(seq.block_table),
-        needs_sample=needs_sample,
-        is_decode=is_decode(n, start, seq.num_prompt_tokens, needs_sample),
-        prompt_logits=prompt_logits,
-    )
+    def _snapshot(self, seq: Sequence, n: int) -> ScheduledChunk:
+        """The next `n` tokens of `seq` as a frozen chunk (its blocks must already be allocated)."""
+        start = seq.num_computed_tokens
+        needs_sample = start + n == seq.num_tokens
+        prompt_logits = 0
+        if seq.params.prompt_logprobs is not None:
+            prompt_logits = max(0, min(start + n, seq.num_prompt_tokens - 1) - start)
+        return ScheduledChunk(
+            seq.seq_id,
+            start,
+            tuple(seq.token_ids[start : start + n]),
+            tuple(self.block_manager.block_table(seq.seq_id)),
+            needs_sample,
+            is_decode(n, start, seq.num_prompt_tokens, needs_sample),
+            prompt_logits,
+            seq.max_total_tokens,
+        )

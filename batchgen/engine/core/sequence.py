@@ -3,7 +3,12 @@
 The single scheduling rule (vLLM v1): `num_computed_tokens` (tokens whose K/V are in the cache)
 catches up with `num_tokens`. A prefill chunk and a decode step are the same thing: a chunk of
 `token_ids[num_computed_tokens : num_computed_tokens + n]`; a decode is a chunk of one token
-(exactly: see scheduler.is_decode). Only the scheduler writes `num_computed_tokens`.
+(exactly: see scheduler.is_decode).
+
+The scheduler owns every Sequence: it is the only writer of its progress and status (computed
+tokens, appended output tokens, status), and the engine reads it. Its KV blocks are the block
+manager's (keyed by seq_id), and what the model runner needs of it reaches the runner as data in
+the scheduler's output, never as this object.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the paged cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
-    block_table: list[int] = field(default_factory=list)  # KV block ids, in token order
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:

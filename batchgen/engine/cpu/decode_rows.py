@@ -18,12 +18,15 @@ class starts there (row_class). A step's decodes are packed by (class, row). For
 attention rows are packed 0..n-1 within a class (a freed row is taken by the last one): decode j
 of class c is row j, and each class is one decode group (see decode_kv). The native kernel is
 handed each decode's row, so there a freed row stays a hole until a new sequence takes it.
+Rows are freed when the engine says their sequences finished or were preempted (`release`), and
+when a row is found out of step with its sequence's next decode.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -209,14 +212,20 @@ class DecodeRows:
         """Rows for this step's decodes -> (their packed order as indices into `decodes`, the view).
 
         A row is kept when its sequence decodes again at the next position in the same class;
-        otherwise it is released, and the sequence gets a new row filled from the pool.
+        otherwise it is released, and the sequence gets a new row filled from the pool. Why the
+        check stays beside `release`: a step that failed mid-forward, or a sequence preempted and
+        recomputed, leaves a row out of step with its sequence, and it must be refilled.
         """
         repeated = self._repeated(decodes)
         if repeated is not None:
             return repeated
         self._repeat = None
         wanted = {d.seq_id: d for d in decodes}
-        for seq_id in [s for s in self._where if not self._in_step(s, wanted.get(s))]:
+        # why only some absent rows: finished and preempted sequences were released by the engine
+        # (release); the torch attention reads a class's rows as 0..n-1, so there a sequence that sits
+        # a step out (a budget-limited step) gives its row up too, where the kernel keeps it
+        packed = self.native is None
+        for seq_id in [s for s in self._where if (packed or s in wanted) and not self._in_step(s, wanted.get(s))]:
             self._release(seq_id)
         fills: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         for d in decodes:
@@ -301,6 +310,17 @@ class DecodeRows:
         if self._arange.shape[0] < n:
             self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
         return self._arange[:n]
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Free the rows of finished or preempted sequences (ids without a row are ignored).
+
+        Why explicit (the scheduler's diff, through ModelRunner.apply): a row used to be freed when
+        its sequence was absent from a step, which could not tell a finished sequence from one that
+        merely sat a step out, and kept a finished one's row until the next plan."""
+        for seq_id in seq_ids:
+            if seq_id in self._where:
+                self._release(seq_id)
+                self._repeat = None  # why: the repeated plan names this sequence
 
     def reset(self) -> None:
         """Release every row; the tensors stay allocated, and (but the native kernel's, whose

@@ -26,9 +26,7 @@ from typing import Protocol
 
 import torch
 
-from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler import ScheduledBatch, ScheduledChunk
-from batchgen.engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +77,10 @@ def profile_batch(max_batched_tokens: int, max_num_seqs: int, max_model_len: int
     rows = max(1, min(max_num_seqs, max_batched_tokens))
     n_long = min(max_batched_tokens - (rows - 1), max_model_len)
     context = max_model_len - n_long
-    params = SamplingParams(max_tokens=1)
-    long_seq = Sequence(0, [0] * (context + n_long), params)
     blocks = math.ceil((context + n_long) / block_size)
-    chunks = [ScheduledChunk(long_seq, context, (0,) * n_long, (0,) * blocks, True, False)]
+    chunks = [ScheduledChunk(0, context, (0,) * n_long, (0,) * blocks, True, False)]
     for i in range(1, rows):
-        chunks.append(ScheduledChunk(Sequence(i, [0], params), 1, (0,), (1,), True, True))
+        chunks.append(ScheduledChunk(i, 1, (0,), (1,), True, True))
     return ScheduledBatch(tuple(chunks))
 
 

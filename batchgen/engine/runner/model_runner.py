@@ -10,6 +10,12 @@ transfers); the forward runs through StepForward (eager or compiled, tokens padd
 of 8 when compiled), and on CUDA with compile, decode-only steps replay a CUDA graph per
 batch-size bucket (cuda/graphs). Which backend, and the model's device kernels, come from
 runner/backends.
+
+It keeps the runner side's persistent state, updated only from the scheduler's diffs (`apply`,
+which `execute` runs first): the sampling batch (`batch`, per-row sampling state the engine's
+sampler reads) and the attention backend's per-sequence state (decode rows), released when their
+sequences finish or are preempted. `drop_all` drops both, and zeroes the pool, after an aborted
+generate.
 """
 
 from __future__ import annotations
@@ -28,12 +34,13 @@ from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.path import VARLEN, AttentionChoice, choose_attention_path, detect_support, has_softcap
 from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
-from batchgen.engine.core.scheduler import ScheduledBatch, ScheduledChunk
+from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch, ScheduledChunk
 from batchgen.engine.cuda.graphs import GraphDecode
 from batchgen.engine.runner.backends import make_backend, prepare_model, resolve_backend
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
 from batchgen.engine.runner.transfers import Transfers
+from batchgen.engine.sampling.batch import SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,8 @@ class ModelRunner:
         self.transfers = Transfers(device)
         self.decode_kv = self.backend.decode_kv
         self.decode_kv.stage = self.transfers.stage  # type: ignore[attr-defined]
+        # why a lambda: a test may swap `transfers`; the batch's uploads follow it
+        self.batch = SamplingBatch(device, to_device=lambda t: self.transfers.to_device(t))
         self.native_linears = prepare_model(model, device, dtype)
         self.forward = StepForward(
             model, compile, max_num_batched_tokens, fallback=compile_fallback, take_raised=self.backend.take_raised
@@ -103,6 +112,7 @@ class ModelRunner:
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
+        self.apply(batch.update)
         self.copy_blocks(batch.copies)  # copy-on-write of forked samples' shared last block, before any write
         if self.graphs is not None and all(c.is_decode for c in chunks):  # pragma: no cover - CUDA only
             logits = self._graph_decode(chunks)
@@ -165,8 +175,19 @@ class ModelRunner:
             k[pairs[1]] = k[pairs[0]]
             v[pairs[1]] = v[pairs[0]]
 
-    def reset(self) -> None:
-        """After an aborted generate: zero the pool and forget the backend's sequences.
+    def apply(self, update: BatchUpdate) -> None:
+        """The scheduler's diff: finished and preempted sequences release their decode rows (a
+        preempted one's K/V is recomputed, so its row is refilled) and finished ones their sampling
+        rows; new ones get sampling rows."""
+        if not update:
+            return
+        self.batch.apply(update)
+        released = update.released
+        if released:
+            self.backend.release(released)
+
+    def drop_all(self) -> None:
+        """After an aborted generate: zero the pool, drop the sampling batch and the backend's sequences.
 
         Why zero: a failed step may have written NaN, and a later sequence's padded reads of its
         blocks' unwritten slots would carry it into real outputs (0 * NaN).
@@ -175,3 +196,4 @@ class ModelRunner:
             k.zero_()
             v.zero_()
         self.backend.reset()
+        self.batch.clear()

@@ -1,7 +1,7 @@
 """Logits processing between the raw logits and temperature: penalties, biases, bans, grammars.
 
-The sampler makes one call, `LogitsFeatures.apply(logits, seqs)`, and it costs nothing when no
-row of the step uses a feature (one dict lookup per row). Order per row, as in vLLM:
+The sampler makes one call, `LogitsFeatures.apply(logits, picked)`, for the step's rows that use a
+feature (the sampling batch knows which; no call at all when none does). Order per row, as in vLLM:
 allowed_token_ids -> bad_words -> logit_bias -> repetition_penalty -> presence/frequency ->
 structured-output mask. Semantics:
   * repetition_penalty (transformers' RepetitionPenaltyLogitsProcessor, so greedy output equals
@@ -13,33 +13,39 @@ structured-output mask. Semantics:
   * bad_words (transformers' bad_words_ids, vLLM's bad_words): each word is tokenized as written
     and with a leading space; a word's last token is banned when the tokens before it end the
     sequence (prompt + output), so a one-token word is never generated.
-Per-row state (token counts, seen tokens, the grammar matcher) lives here, keyed by seq_id, and
-is folded forward from `seq.token_ids` each step, so preemption and recomputation are harmless.
+Per-row state (seen tokens, output counts, the tail bad words look at, the grammar matcher) is a
+FeatureRow, held by the runner's sampling batch (sampling/batch): made from the prompt when the
+sequence is new (`row`), advanced by each sampled token (`accept`). Preemption cannot disturb it:
+a preempted sequence keeps its tokens. `check` refuses a request up front (ids outside the
+vocabulary, a grammar that does not compile), so making its row later cannot fail.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.sampling.structured import GrammarCache, StructuredError, mask_rows
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Row:
+class FeatureRow:
+    """One sequence's logits-processing state."""
+
+    seq_id: int
     params: SamplingParams
     bad_words: list[tuple[int, ...]]
     matcher: Any = None  # xgrammar.GrammarMatcher for a structured row
     seen: torch.Tensor | None = None  # [V] bool: token occurs in prompt + output (repetition)
     counts: torch.Tensor | None = None  # [V] float32: occurrences in the output (presence/frequency)
-    folded: int = 0  # tokens of seq.token_ids already in seen/counts
+    tail: list[int] | None = None  # prompt + output tokens, kept only when bad words look back
     terminated: bool = False  # the grammar has accepted a complete output
 
 
@@ -50,50 +56,46 @@ class LogitsFeatures:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.grammars = GrammarCache(tokenizer, vocab_size, stop_token_ids)
-        self._rows: dict[int, _Row] = {}
 
-    @property
-    def num_active(self) -> int:
-        return len(self._rows)
-
-    def add(self, seq: Sequence) -> str | None:
-        """Register a request that uses a feature; returns why it cannot be served, or None."""
-        p = seq.params
-        if not p.uses_logits_features:
-            return None
-        ids = [*(p.logit_bias or {}), *(p.allowed_token_ids or [])]
+    def check(self, seq_id: int, params: SamplingParams) -> str | None:
+        """Why a request's features cannot be served (its grammar is compiled now, once), or None."""
+        ids = [*(params.logit_bias or {}), *(params.allowed_token_ids or [])]
         bad = [t for t in ids if t >= self.vocab_size]
         if bad:
             where = f"logit_bias/allowed_token_ids are outside the vocabulary [0, {self.vocab_size})"
-            return f"request {seq.seq_id}: token ids {bad[:5]} in {where}"
-        row = _Row(p, bad_word_token_ids(self.tokenizer, p.bad_words))
-        if p.structured is not None:
+            return f"request {seq_id}: token ids {bad[:5]} in {where}"
+        if params.structured is not None:
             try:
-                row.matcher = self.grammars.matcher(p.structured)
+                self.grammars.compiled(params.structured)
             except StructuredError as exc:
-                return f"request {seq.seq_id}: invalid_structured: {exc}"
-        self._rows[seq.seq_id] = row
+                return f"request {seq_id}: invalid_structured: {exc}"
         return None
 
-    def release(self, seq_id: int) -> None:
-        self._rows.pop(seq_id, None)
+    def row(
+        self, seq_id: int, prompt_token_ids: Sequence[int], params: SamplingParams, device: torch.device
+    ) -> FeatureRow:
+        """A new sequence's state, from its prompt (its request passed `check`)."""
+        row = FeatureRow(seq_id, params, bad_word_token_ids(self.tokenizer, params.bad_words))
+        if params.structured is not None:
+            row.matcher = self.grammars.matcher(params.structured)
+        if params.repetition_penalty != 1.0:
+            row.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
+            if prompt_token_ids:
+                row.seen[torch.tensor(list(prompt_token_ids), device=device)] = True
+        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            row.counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
+        if any(len(word) > 1 for word in row.bad_words):
+            row.tail = list(prompt_token_ids)
+        return row
 
-    def terminated(self, seq_id: int) -> bool:
-        """The request's grammar has accepted a complete output (it should finish with "stop")."""
-        row = self._rows.get(seq_id)
-        return row is not None and row.terminated
-
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Processed logits (a new tensor when any row uses a feature; `logits` itself otherwise)."""
-        picked = [(i, row) for i, s in enumerate(seqs) if (row := self._rows.get(s.seq_id)) is not None]
+    def apply(self, logits: torch.Tensor, picked: list[tuple[int, FeatureRow]]) -> torch.Tensor:
+        """Processed logits (a new tensor); `picked`: (row of `logits`, its state) of every row with features."""
         if not picked:
             return logits
         index = torch.tensor([i for i, _ in picked], device=logits.device)
         sub = logits[index].float()  # [m, V] a copy: the caller's logits stay intact
         rows = [row for _, row in picked]
-        for row, seq in zip(rows, (seqs[i] for i, _ in picked)):
-            self._fold(row, seq, sub.device)
-        self._mask_and_bias(sub, rows, [seqs[i] for i, _ in picked])
+        self._mask_and_bias(sub, rows)
         _penalize(sub, rows)
         constrained = [j for j, row in enumerate(rows) if row.matcher is not None and not row.terminated]
         if constrained:
@@ -102,40 +104,27 @@ class LogitsFeatures:
         out[index] = sub
         return out
 
-    def accept(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """After the draw: structured rows' matchers take their token."""
-        for seq, token in zip(seqs, tokens):
-            row = self._rows.get(seq.seq_id)
-            if row is None or row.matcher is None or row.terminated:
+    def accept(self, picked: list[tuple[int, FeatureRow]], tokens: list[int]) -> None:
+        """After the draw: each row's state takes its token (`tokens[i]` for row i of the step)."""
+        for i, row in picked:
+            token = tokens[i]
+            if row.seen is not None:
+                row.seen[token] = True
+            if row.counts is not None:
+                row.counts[token] += 1.0
+            if row.tail is not None:
+                row.tail.append(token)
+            if row.matcher is None or row.terminated:
                 continue
             if not row.matcher.accept_token(token):
-                logger.warning("request %d: the grammar refused token %d; ending it", seq.seq_id, token)
+                logger.warning("request %d: the grammar refused token %d; ending it", row.seq_id, token)
                 row.terminated = True
                 continue
             row.terminated = bool(row.matcher.is_terminated())
 
     # ------------------------------------------------------------------ helpers
 
-    def _fold(self, row: _Row, seq: Sequence, device: torch.device) -> None:
-        """Bring `seen` and `counts` up to date with the tokens appended since the last step."""
-        p = row.params
-        new = seq.token_ids[row.folded :]
-        if not new:
-            return
-        if p.repetition_penalty != 1.0:
-            if row.seen is None:
-                row.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
-            row.seen[torch.tensor(new, device=device)] = True
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            if row.counts is None:
-                row.counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
-            out_new = seq.token_ids[max(row.folded, seq.num_prompt_tokens) :]
-            if out_new:
-                ids = torch.tensor(out_new, device=device)
-                row.counts.index_add_(0, ids, torch.ones(len(out_new), device=device))
-        row.folded = seq.num_tokens
-
-    def _mask_and_bias(self, sub: torch.Tensor, rows: list[_Row], seqs: list[Sequence]) -> None:
+    def _mask_and_bias(self, sub: torch.Tensor, rows: list[FeatureRow]) -> None:
         """allowed_token_ids, bad_words (-inf) and logit_bias (added), each in one indexed write."""
         allowed = [(j, row.params.allowed_token_ids) for j, row in enumerate(rows) if row.params.allowed_token_ids]
         if allowed:
@@ -145,10 +134,10 @@ class LogitsFeatures:
             index = torch.tensor([j for j, _ in allowed], device=sub.device)
             sub[index] = sub[index].masked_fill(~keep, float("-inf"))
         banned: list[tuple[int, int]] = []
-        for j, (row, seq) in enumerate(zip(rows, seqs)):
+        for j, row in enumerate(rows):
             for word in row.bad_words:
                 prefix = word[:-1]
-                if not prefix or tuple(seq.token_ids[-len(prefix) :]) == prefix:
+                if not prefix or (row.tail is not None and tuple(row.tail[-len(prefix) :]) == prefix):
                     banned.append((j, word[-1]))
         if banned:
             r, c = zip(*banned)
@@ -171,7 +160,7 @@ def bad_word_token_ids(tokenizer: Any, words: list[str]) -> list[tuple[int, ...]
     return list(out)
 
 
-def _penalize(sub: torch.Tensor, rows: list[_Row]) -> None:
+def _penalize(sub: torch.Tensor, rows: list[FeatureRow]) -> None:
     """Repetition (transformers) then presence/frequency (OpenAI), vectorized over the rows that use them."""
     rep = [j for j, row in enumerate(rows) if row.seen is not None]
     if rep:

@@ -5,7 +5,9 @@ Other rows go through temperature, top-k, top-p and min-p, vectorized over the b
 per-row parameters as tensors, and are drawn by the exponential race: the token with the largest
 p / q, q ~ Exp(1) i.i.d. per vocabulary entry, is an exact draw from p. A seeded request draws
 its q from its own generator (V values per step, whatever else is in the batch), so its tokens
-do not depend on the batch it shares a step with.
+do not depend on the batch it shares a step with. Every per-row input (parameters, generators,
+feature state, output counts) comes from a SamplingStep, the runner's SamplingBatch's view of
+the step's rows, built once while the batch is unchanged (sampling/batch).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from collections.abc import Iterable
 
 import torch
 
+from batchgen.engine.core.scheduler_output import NewSequence
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.cpu import native
 from batchgen.engine.runner.transfers import Transfers
+from batchgen.engine.sampling.batch import SamplingBatch, SamplingStep
 from batchgen.engine.sampling.penalties import LogitsFeatures
 
 logger = logging.getLogger(__name__)
@@ -27,33 +31,56 @@ NUCLEUS_WINDOW = 1024
 
 
 class Sampler:
-    """Turns `[num_seqs, vocab]` logits into token ids; keeps each seeded request's generator.
+    """Turns `[num_seqs, vocab]` logits into token ids, reading each row's state from a SamplingStep.
 
     `eos_token_ids` are masked (with each request's `stop_token_ids`) while a request has fewer
     than `min_tokens` output tokens. `seed` seeds the generator shared by unseeded requests, so a
-    whole run can be repeated; None draws it from the OS.
+    whole run can be repeated; None draws it from the OS. Per-request state (seeded generators,
+    penalty and grammar state, output counts) is the SamplingBatch's, not the sampler's.
     """
 
     def __init__(self, eos_token_ids: Iterable[int], seed: int | None = None) -> None:
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
-        self._generators: dict[int, torch.Generator] = {}  # seq_id -> its own generator
-        # penalties, biases, bans, grammars (batchgen/engine/sampling/penalties.py); the engine registers requests
+        # penalties, biases, bans, grammars (batchgen/engine/sampling/penalties.py); rows hold their state
         self.features: LogitsFeatures | None = None
         self.transfers: Transfers | None = None  # set by the engine: host->device copies are counted there
+        self._own: SamplingBatch | None = None  # __call__'s rows, for callers without a model runner
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row of `logits` (row i belongs to seqs[i]). `logits` is not modified."""
-        tokens: list[int] = self.sample_ids(logits, seqs).tolist()
-        self.accept(seqs, tokens)
+        """One token per row of `logits` (row i belongs to seqs[i]), for callers that keep their own
+        Sequences (tests, the hf backend): a sequence seen for the first time gets a row, kept until
+        `release`, and its output count is read from it. `logits` is not modified."""
+        batch = self._own
+        if batch is None:
+            to_device = (lambda t: self._to_device(t, logits.device)) if self.transfers is not None else None
+            batch = self._own = SamplingBatch(logits.device, self.features, to_device)
+        for seq in seqs:
+            if seq.seq_id not in batch:
+                batch.add(NewSequence(seq.seq_id, tuple(seq.prompt_token_ids), seq.params))
+            batch.set_num_output(seq.seq_id, seq.num_output_tokens)
+        step = batch.step([s.seq_id for s in seqs])
+        tokens: list[int] = self.sample_ids(logits, step).tolist()
+        batch.accept(step, tokens)
         return tokens
 
-    def sample_ids(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """As __call__, but the ids stay on the device ([num_seqs] int64), for the engine's one read per step."""
-        return self._sample_ids(logits, seqs)[0]
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence __call__ has seen (its generator too); a no-op for unknown ones."""
+        if self._own is not None:
+            self._own.remove([seq_id])
 
-    def sample_ids_and_nan(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def num_seeded(self) -> int:
+        """__call__'s rows that hold a generator (for tests and leak checks)."""
+        return self._own.num_seeded if self._own is not None else 0
+
+    def sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
+        """One token id per row of `logits` ([len(step.seq_ids), V]), on the device ([n] int64),
+        for the engine's one read per step."""
+        return self._sample_ids(logits, step)[0]
+
+    def sample_ids_and_nan(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor]:
         """As sample_ids, with a flag (0-d bool, on the device) set when any entry of `logits` is NaN.
 
         Why here: greedy rows read every entry for their maximum anyway (greedy_ids), and note a NaN
@@ -61,64 +88,46 @@ class Sampler:
         (~0.1 ms of a 64-row CPU step). Where the rows were masked first
         (min_tokens, grammars, bans), a masked-out NaN would be hidden, so the raw logits are read.
         """
-        ids, nan = self._sample_ids(logits, seqs)
+        ids, nan = self._sample_ids(logits, step)
         # why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
         return ids, logits.amax().isnan() if nan is None else nan
 
-    def _sample_ids(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (ids [num_seqs], the raw logits' NaN flag when the draw took every row's maximum of them, else None)."""
-        if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab], got {tuple(logits.shape)}")
+        if logits.dim() != 2 or logits.shape[0] != len(step.seq_ids):
+            raise ValueError(f"logits must be [len(seqs)={len(step.seq_ids)}, vocab], got {tuple(logits.shape)}")
         raw = logits
-        logits = self._mask_min_tokens(logits, seqs)
-        features = self.features if self.features is not None and self.features.num_active else None
-        if features is not None:
-            logits = features.apply(logits, seqs)
-        ids, nan = self._draw(logits, seqs)
+        logits = self._mask_min_tokens(logits, step)
+        features = step.batch.features
+        if step.features and features is not None:
+            logits = features.apply(logits, step.features)
+        ids, nan = self._draw(logits, step)
         return ids, nan if logits is raw else None
 
-    def accept(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """After the ids are read back: penalty counts and grammar matchers take each row's token.
-        Why not in sample_ids: the ids reach the host once per step, in the caller's one read."""
-        if self.features is not None and self.features.num_active:
-            self.features.accept(seqs, tokens)
-
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draw(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (ids [num_seqs], the NaN flag of `logits` when greedy rows took every row's maximum, else None)."""
-        sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if len(sample_rows) == len(seqs):
-            return self._sample(logits, seqs), None
+        if len(step.sample_rows) == len(step.seq_ids):
+            return self._sample(logits, step), None
         tokens, nan = greedy_ids(logits)  # [num_seqs] greedy for every row; sampled rows overwritten
-        if sample_rows:
-            rows = self._to_device(torch.tensor(sample_rows), logits.device)
-            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sample_rows])
+        if step.sample_rows:
+            rows = step.sample_index
+            assert rows is not None  # set whenever only some rows sample
+            tokens[rows] = self._sample(logits[rows], step)
         return tokens, nan
 
     def _to_device(self, values: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Through the engine's Transfers when it set one (counted), else a plain copy."""
         return self.transfers.to_device(values) if self.transfers is not None else values.to(device)
 
-    def release(self, seq_id: int) -> None:
-        """Forget a finished request's generator (a no-op for unseeded or unknown requests)."""
-        self._generators.pop(seq_id, None)
-        if self.features is not None:
-            self.features.release(seq_id)
-
-    @property
-    def num_seeded(self) -> int:
-        """Requests whose generator is held (for tests and leak checks)."""
-        return len(self._generators)
-
-    def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _mask_min_tokens(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
         """EOS and stop ids get -inf while a request is short of min_tokens (even with ignore_eos)."""
+        if not step.min_tokens:
+            return logits
         vocab = logits.shape[-1]
         rows: list[int] = []
         cols: list[int] = []
-        for i, seq in enumerate(seqs):
-            if seq.num_output_tokens >= seq.params.min_tokens:
-                continue
-            banned = self.eos_token_ids.union(seq.params.stop_token_ids)
-            ids = [t for t in banned if t < vocab]
+        for i, stop_ids in step.batch.short_rows(step):
+            ids = [t for t in self.eos_token_ids.union(stop_ids) if t < vocab]
             rows.extend([i] * len(ids))
             cols.extend(ids)
         if not rows:
@@ -129,40 +138,34 @@ class Sampler:
         logits[index[0], index[1]] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p and the exponential race on the sampled rows."""
-        vocab = logits.shape[-1]
-        table = [[p.temperature, min(p.top_k or vocab, vocab), p.top_p, p.min_p] for p in (s.params for s in seqs)]
-        # why one tensor: a single host->device copy for all per-row parameters
-        params = self._to_device(torch.tensor(table, dtype=torch.float32), logits.device)  # [n, 4]
-        temperature, top_k, top_p, min_p = params.unbind(dim=1)  # each [n]
+        assert step.params is not None  # set whenever some row samples
+        temperature, top_k, top_p, min_p = step.params.unbind(dim=1)  # each [n]
         probs = (logits.float() / temperature[:, None]).softmax(dim=-1)  # [n, V]
-        max_k = int(max((row[1] for row in table if row[1] < vocab), default=0))
-        need_p = any(row[2] < 1.0 for row in table)
-        if max_k or need_p:
-            probs = _filter_top_k_top_p(probs, top_k.long(), top_p, max_k, need_p)
-        if any(row[3] > 0.0 for row in table):
+        max_k = step.max_k(logits.shape[-1])
+        if max_k or step.need_p:
+            probs = _filter_top_k_top_p(probs, top_k.long(), top_p, max_k, step.need_p)
+        if step.need_min_p:
             # min-p is relative to the most likely token, so renormalising after top-k/p is moot
             floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [n, 1]
             probs = probs.masked_fill_(probs < floor, 0.0)
-        q = self._exponentials(probs.shape, seqs, probs.device)  # [n, V]
+        q = self._exponentials(probs.shape, step, probs.device)  # [n, V]
         return probs.div_(q).argmax(dim=-1)  # [n]
 
-    def _exponentials(self, shape: torch.Size, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    def _exponentials(self, shape: torch.Size, step: SamplingStep, device: torch.device) -> torch.Tensor:
         """Exp(1) noise: seeded rows from their own generator, the rest in one shared draw."""
         u = torch.empty(shape, dtype=torch.float32, device=device)  # [n, V] uniform in [0, 1)
-        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
-        if not seeded:
+        if not step.seeded:
             u.uniform_(generator=self._shared_generator(device))
         else:
-            unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
-            if unseeded:
-                rows = torch.tensor(unseeded, device=device)
-                noise = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=device)
+            rows = step.unseeded_index
+            if rows is not None:
+                noise = torch.empty((rows.shape[0], shape[1]), dtype=torch.float32, device=device)
                 u[rows] = noise.uniform_(generator=self._shared_generator(device))
-            for i in seeded:
+            for i, generator in zip(step.seeded, step.generators):
                 # why always V values: the generator's position must not depend on the batch
-                u[i].uniform_(generator=self._request_generator(seqs[i], device))
+                u[i].uniform_(generator=generator)
         # why -log(u) and not exponential_: 3x cheaper on CPU; u = 0 gives q = inf, a score of 0
         return u.log_().neg_()
 
@@ -175,14 +178,6 @@ class Sampler:
             else:
                 generator.manual_seed(self._seed)
             self._shared[device] = generator
-        return generator
-
-    def _request_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(seq.seq_id)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(int(seq.params.seed))  # type: ignore[arg-type]
-            self._generators[seq.seq_id] = generator
         return generator
 
 

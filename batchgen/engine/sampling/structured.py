@@ -125,6 +125,10 @@ class GrammarCache:
 
     def matcher(self, spec: dict[str, Any]) -> Any:
         """A fresh GrammarMatcher for one request; StructuredError when the spec cannot compile."""
+        return load_xgrammar().GrammarMatcher(self.compiled(spec))
+
+    def compiled(self, spec: dict[str, Any]) -> Any:
+        """The spec's compiled grammar (compiled once, then cached); StructuredError when it cannot compile."""
         xgr = load_xgrammar()
         key = spec_text(spec)
         compiled = self._compiled.get(key)
@@ -139,7 +143,7 @@ class GrammarCache:
             except RuntimeError as exc:
                 raise StructuredError(f"structured output does not compile: {exc}") from None
             self._compiled[key] = compiled
-        return xgr.GrammarMatcher(compiled)
+        return compiled
 
 
 _BATCH: Any = None  # one xgrammar.BatchGrammarMatcher (a thread pool) per process, made on first use

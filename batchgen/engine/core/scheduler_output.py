@@ -1,0 +1,118 @@
+"""What the scheduler hands the rest of the engine each step: chunks and a diff, as data only.
+
+Why a module of its own (vLLM v1's SchedulerOutput): this is the whole contract between the
+scheduler, which owns every sequence, and the runner side, which keeps its own persistent state
+(the sampling batch, the decode rows). Nothing here is a live Sequence: a chunk names its
+sequence by id and carries a snapshot of what the runner needs (tokens, positions, block table),
+and a BatchUpdate says which sequences the runner must start, stop or refill knowing, so that
+state is updated from changes, never rediscovered by comparing one step with the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from batchgen.engine.api.params import SamplingParams
+
+
+class ScheduledChunk(NamedTuple):
+    """One sequence's chunk in one step, fixed when it is scheduled (a row of vLLM v1's SchedulerOutput).
+
+    It runs `token_ids` at positions start, start + 1, ... over `block_table`. Why a snapshot: the
+    scheduler advances computed counts and appends sampled tokens while the step is being handled,
+    so whatever decides what a row is (decode, needs a sample, where it starts) must not read the
+    live sequence, and the runner never sees one. Why a NamedTuple: immutable, and about 4x
+    cheaper to build than a frozen dataclass (one per running sequence per step).
+    """
+
+    seq_id: int
+    start: int  # the sequence's computed tokens when scheduled: the chunk's first position
+    token_ids: tuple[int, ...]  # the sequence's tokens[start : start + num_tokens]
+    block_table: tuple[int, ...]  # the sequence's KV blocks, covering start + num_tokens tokens
+    needs_sample: bool  # the chunk ends at the sequence's last token: its logits give the next one
+    is_decode: bool  # see `is_decode`: the one definition of a decode for stats, runner and sampler
+    # prompt_logprobs: logits wanted at the chunk's first `prompt_logits` positions (each predicts
+    # the next prompt token); 0 for every other chunk
+    prompt_logits: int = 0
+    max_len: int = 0  # the most tokens the sequence may ever hold (prompt + max_tokens); 0: unknown
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def is_decode(num_tokens: int, start: int, num_prompt_tokens: int, needs_sample: bool) -> bool:
+    """A decode: a one-token chunk that runs a sequence's newest token, a generated one.
+
+    So a one-token prompt, the last token of a chunked prompt and a one-token piece of a
+    recomputation after preemption are prefill chunks, not decodes.
+    """
+    return num_tokens == 1 and needs_sample and start >= num_prompt_tokens
+
+
+class NewSequence(NamedTuple):
+    """A sequence the runner side has not seen: what its persistent state is built from.
+
+    Why no block table: every chunk carries its own, and a sequence's first chunk comes in the same
+    step (a forked sample's blocks are its parent's until its own first chunk).
+    """
+
+    seq_id: int
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchUpdate:
+    """What changed for the runner side since the last update (vLLM v1's new/finished/resumed lists).
+
+    new: first admitted (or forked) since; finished: ended or aborted since (some may never have
+    been admitted: the runner ignores ids it does not know); preempted: lost their KV blocks, to be
+    recomputed (their sampling state stays valid: their tokens are kept); resumed: preempted ones
+    admitted again.
+    """
+
+    new: tuple[NewSequence, ...] = ()
+    finished: tuple[int, ...] = ()
+    preempted: tuple[int, ...] = ()
+    resumed: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.new or self.finished or self.preempted or self.resumed)
+
+    @property
+    def released(self) -> tuple[int, ...]:
+        """Sequences whose KV state must be dropped on the runner side: finished or preempted."""
+        return self.finished + self.preempted
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work, immutable: the chunks in batch order, the copies to make first, and the diff."""
+
+    chunks: tuple[ScheduledChunk, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()  # (source, destination) KV blocks to copy first (copy on write)
+    update: BatchUpdate = BatchUpdate()
+
+    @property
+    def preempted(self) -> tuple[int, ...]:
+        """Ids of the sequences preempted to make room for this step."""
+        return self.update.preempted
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return [c.seq_id for c in self.chunks]
+
+    @property
+    def num_new_tokens(self) -> list[int]:
+        return [c.num_tokens for c in self.chunks]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampled(self) -> list[int]:
+        """Ids of the sequences that get a token from this step, in batch order (the logits' rows)."""
+        return [c.seq_id for c in self.chunks if c.needs_sample]

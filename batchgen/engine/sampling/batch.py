@@ -1,0 +1,233 @@
+"""SamplingBatch: the runner side's persistent per-row sampling state, updated only from the scheduler's diffs.
+
+Why (vLLM v1's InputBatch): the sampler used to rebuild each step's parameters from live
+Sequence objects (a Python table of temperature / top-k / top-p / min-p per row, greedy and
+seeded lists, min_tokens checks), and the generators, penalty counts and grammar matchers lived in
+dictionaries of their own, released one by one. Here one object holds all of it, row by row:
+  * a row is made when its sequence is new (BatchUpdate.new) and dropped when it finishes
+    (`apply`); a preempted sequence keeps its row, since its tokens and so its state are kept;
+  * the parameters sit in a host tensor [rows, 4]; a step's view (`step`) gathers its rows'
+    parameters once and is kept while the step's sequences are the same as the last step's
+    (a decode step of an unchanged batch rebuilds and uploads nothing);
+  * sampled tokens advance the state (`accept`): output counts for min_tokens, and each
+    FeatureRow's penalty counts, tail and grammar matcher.
+The ModelRunner owns one (its `batch`); the sampler and LogitsFeatures read it, never a Sequence.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence
+from batchgen.engine.sampling.penalties import FeatureRow, LogitsFeatures
+
+NO_TOP_K = float(1 << 30)  # a disabled top-k: above any vocabulary, so the filter keeps every token
+_PARAMS = 4  # temperature, top_k, top_p, min_p
+
+
+@dataclass
+class SamplingStep:
+    """One step's rows as the sampler reads them; `seq_ids[i]` is row i of the step's logits."""
+
+    seq_ids: list[int]
+    rows: list[int]  # each one's row in the batch
+    sample_rows: list[int]  # step rows that sample (not greedy), ascending
+    params: torch.Tensor | None  # [len(sample_rows), 4] on the device (see _PARAMS); None: all greedy
+    sample_index: torch.Tensor | None  # sample_rows on the device, when only some rows sample
+    top_ks: list[int]  # the enabled top-k of the sampling rows (for the widest filter)
+    need_p: bool  # some sampling row uses top-p
+    need_min_p: bool  # some sampling row uses min-p
+    seeded: list[int]  # positions in sample_rows whose row draws from its own generator
+    generators: list[torch.Generator]  # theirs, in the same order
+    unseeded_index: torch.Tensor | None  # positions in sample_rows of the others (when both kinds are there)
+    logprobs: list[int | None] | None  # each row's logprobs K; None: no row asks
+    features: list[tuple[int, FeatureRow]]  # (step row, state) of the rows with logits features
+    grammars: bool  # some row has a grammar (it may end the request)
+    min_tokens: list[tuple[int, int]]  # (step row, batch row) of rows with min_tokens > 0
+    batch: SamplingBatch = field(repr=False)  # whose rows these are (their counts and features)
+    _max_k: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return not self.sample_rows
+
+    def max_k(self, vocab: int) -> int:
+        """The largest top-k below `vocab` (0: no row filters by top-k); once per vocabulary width."""
+        k = self._max_k.get(vocab)
+        if k is None:
+            k = self._max_k[vocab] = max((k for k in self.top_ks if k < vocab), default=0)
+        return k
+
+
+class SamplingBatch:
+    """Rows of sampling state for the sequences the runner knows, by seq id."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        features: LogitsFeatures | None = None,
+        to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.device = device
+        self.features = features  # set by the engine; needed only by rows that use a feature
+        self.to_device = to_device or (lambda t: t.to(device))  # the runner routes it through its Transfers
+        self._row_of: dict[int, int] = {}
+        self._free: list[int] = []  # rows left by finished sequences, taken first (lowest first)
+        self._table = torch.zeros((0, _PARAMS), dtype=torch.float32)  # [capacity, 4] host
+        self._params: list[SamplingParams | None] = []
+        self._generators: list[torch.Generator | None] = []
+        self._features: list[FeatureRow | None] = []
+        self._num_output: list[int] = []  # tokens accepted per row (min_tokens)
+        self._last: SamplingStep | None = None  # the last step's view, reused while nothing changes
+
+    # ------------------------------------------------------------- the diff
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._row_of
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._row_of)
+
+    @property
+    def num_seeded(self) -> int:
+        """Rows that hold a generator of their own (for tests and leak checks)."""
+        return sum(1 for r in self._row_of.values() if self._generators[r] is not None)
+
+    def apply(self, update: BatchUpdate) -> None:
+        """Finished sequences lose their rows, new ones get theirs; preempted and resumed ones keep theirs."""
+        self.remove(update.finished)
+        for new in update.new:
+            self.add(new)
+
+    def add(self, new: NewSequence) -> int:
+        """A row for a new sequence; returns it."""
+        if new.seq_id in self._row_of:
+            raise ValueError(f"seq {new.seq_id} already has a sampling row")
+        row = heapq.heappop(self._free) if self._free else self._grow()
+        p = new.params
+        self._row_of[new.seq_id] = row
+        self._table[row] = torch.tensor([p.temperature, p.top_k or NO_TOP_K, p.top_p, p.min_p])
+        self._params[row] = p
+        self._num_output[row] = 0
+        self._generators[row] = None
+        if p.seed is not None and not p.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(int(p.seed))
+            self._generators[row] = generator
+        self._features[row] = None
+        # why only with features: a caller without them (the hf backend's seeded draw) processes
+        # the logits itself, and the engine always sets them
+        if p.uses_logits_features and self.features is not None:
+            self._features[row] = self.features.row(new.seq_id, new.prompt_token_ids, p, self.device)
+        self._last = None
+        return row
+
+    def remove(self, seq_ids: Iterable[int]) -> None:
+        """Drop the rows of `seq_ids` (ids without one are ignored: never admitted, or already gone)."""
+        for seq_id in seq_ids:
+            row = self._row_of.pop(seq_id, None)
+            if row is None:
+                continue
+            self._params[row] = self._generators[row] = self._features[row] = None
+            heapq.heappush(self._free, row)
+            self._last = None
+
+    def clear(self) -> None:
+        """Drop every row (an aborted generate)."""
+        self.remove(list(self._row_of))
+        self._free = []
+        self._table = self._table[:0]
+        self._params, self._generators, self._features, self._num_output = [], [], [], []
+
+    def _grow(self) -> int:
+        row = len(self._params)
+        if row == self._table.shape[0]:
+            grown = torch.zeros((max(8, 2 * row), _PARAMS), dtype=torch.float32)
+            grown[:row] = self._table
+            self._table = grown
+        self._params.append(None)
+        self._generators.append(None)
+        self._features.append(None)
+        self._num_output.append(0)
+        return row
+
+    # --------------------------------------------------------------- a step
+
+    def step(self, seq_ids: list[int]) -> SamplingStep:
+        """The view of these rows (in this order); the last one when it was for the same ids and no row changed."""
+        last = self._last
+        if last is not None and last.seq_ids == seq_ids:
+            return last
+        self._last = self._build(list(seq_ids))
+        return self._last
+
+    def accept(self, step: SamplingStep, tokens: list[int]) -> None:
+        """Each step row's sampled token (`tokens[i]` for row i): output counts and feature state advance."""
+        if step.min_tokens:
+            num_output = self._num_output
+            for _, row in step.min_tokens:
+                num_output[row] += 1
+        if step.features and self.features is not None:
+            self.features.accept(step.features, tokens)
+
+    def terminated(self, seq_id: int) -> bool:
+        """The sequence's grammar has accepted a complete output."""
+        feature = self._features[self._row_of[seq_id]]
+        return feature is not None and feature.terminated
+
+    def short_rows(self, step: SamplingStep) -> list[tuple[int, list[int]]]:
+        """(step row, its stop token ids) of the rows still short of min_tokens."""
+        out = []
+        for i, row in step.min_tokens:
+            p = self._params[row]
+            if p is not None and self._num_output[row] < p.min_tokens:
+                out.append((i, p.stop_token_ids))
+        return out
+
+    def set_num_output(self, seq_id: int, count: int) -> None:
+        """For a caller that tracks tokens itself (Sampler.__call__): the row's output count."""
+        self._num_output[self._row_of[seq_id]] = count
+
+    def _build(self, seq_ids: list[int]) -> SamplingStep:
+        rows = [self._row_of[s] for s in seq_ids]
+        params: list[SamplingParams] = [self._params[r] for r in rows]  # type: ignore[misc]  # live rows
+        sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+        sampled = [params[i] for i in sample_rows]
+        table = index = None
+        if sample_rows:
+            picked = rows if len(sample_rows) == len(rows) else [rows[i] for i in sample_rows]
+            # why one tensor: a single host->device copy for all per-row parameters, once per batch
+            table = self.to_device(self._table[torch.tensor(picked)])  # [m, 4]
+            if len(sample_rows) < len(rows):
+                index = self.to_device(torch.tensor(sample_rows))
+        seeded = [j for j, i in enumerate(sample_rows) if self._generators[rows[i]] is not None]
+        unseeded = None
+        if seeded and len(seeded) < len(sample_rows):
+            others = sorted(set(range(len(sample_rows))) - set(seeded))
+            unseeded = torch.tensor(others, device=self.device)
+        features = [(i, f) for i, r in enumerate(rows) if (f := self._features[r]) is not None]
+        asks = [p.logprobs for p in params]
+        return SamplingStep(
+            seq_ids=seq_ids,
+            rows=rows,
+            sample_rows=sample_rows,
+            params=table,
+            sample_index=index,
+            top_ks=[p.top_k for p in sampled if p.top_k],
+            need_p=any(p.top_p < 1.0 for p in sampled),
+            need_min_p=any(p.min_p > 0.0 for p in sampled),
+            seeded=seeded,
+            generators=[self._generators[rows[sample_rows[j]]] for j in seeded],  # type: ignore[misc]
+            unseeded_index=unseeded,
+            logprobs=asks if any(k is not None for k in asks) else None,
+            features=features,
+            grammars=any(f.matcher is not None for _, f in features),
+            min_tokens=[(i, r) for i, (r, p) in enumerate(zip(rows, params)) if p.min_tokens > 0],
+            batch=self,
+        )

@@ -31,9 +31,13 @@ class PartWriter:
     """
 
     def __init__(
-        self, out_dir: Path | str | Storage, schema: pa.Schema, storage_options: Mapping[str, Any] | None = None
+        self,
+        out_dir: Path | str | Storage,
+        schema: pa.Schema,
+        storage_options: Mapping[str, Any] | None = None,
+        single_writer: bool = False,
     ) -> None:
-        self.storage = open_storage(out_dir, storage_options)
+        self.storage = open_storage(out_dir, storage_options, single_writer)
         self.schema = schema
 
     def prepare(self) -> None:

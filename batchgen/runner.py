@@ -84,7 +84,8 @@ class JobRunner:
         carried = carried_columns(self.spec, files[0].schema)
         add_row_id = self.spec.input.id_column is None
         schema = output_schema([column_field(files, c) for c in carried], add_row_id, self.result_fields)
-        writer = PartWriter(self.spec.output.path, schema, self.spec.output.storage_options)
+        out = self.spec.output
+        writer = PartWriter(out.path, schema, out.storage_options, out.single_writer)
         if writer.storage.local_dir is not None and not writer.storage.is_dir():
             self._validate_model()  # a new folder holds no finished job and no lock: check before creating it
         writer.prepare()

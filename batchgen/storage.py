@@ -296,9 +296,12 @@ class LocalStorage(Storage):
         return ds.dataset([str(self.folder / n) for n in names], format="parquet")
 
 
-def open_storage(path: str | Path | Storage, options: Mapping[str, Any] | None = None) -> Storage:
+def open_storage(
+    path: str | Path | Storage, options: Mapping[str, Any] | None = None, single_writer: bool = False
+) -> Storage:
     """The Storage for an output path: a local folder (a plain path or `file://`) or an object-store
-    URI, with its `storage_options` (a URI's query may add some)."""
+    URI, with its `storage_options` (a URI's query may add some). `single_writer`: see
+    objectstore.ObjectStorage (a local folder always has atomic commits and needs no such mode)."""
     if isinstance(path, Storage):
         return path
     if not is_remote(path):
@@ -308,4 +311,4 @@ def open_storage(path: str | Path | Storage, options: Mapping[str, Any] | None =
     from batchgen.objectstore import ObjectStorage
 
     uri, checked = options_from_uri(str(path), options, "output")
-    return ObjectStorage(uri, checked)
+    return ObjectStorage(uri, checked, single_writer)

@@ -15,7 +15,6 @@ check right before each write takes their place. Every request is retried on tra
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
 import os
 from collections.abc import Callable
@@ -27,7 +26,6 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from batchgen.dataset import skip_nested_outputs
 from batchgen.errors import OutputError
 from batchgen.faults import fault_point
 from batchgen.objectstore_gcs import GcsConditional, gcs_client
@@ -95,7 +93,8 @@ class ObjectStorage(Storage):
         self._fallback: bool | None = None  # None: not probed yet; True: check-then-put (single writer)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_writes": None}  # why: a boto3 / google client does not pickle (Ray workers)
+        # Why: a boto3 / google client does not pickle (Ray workers), nor does the driver's lease check.
+        return {**self.__dict__, "_writes": None, "guard": None}
 
     def key(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -152,6 +151,8 @@ class ObjectStorage(Storage):
         fault_point(fault)
         if expected is None:
             return self._put(name, data, replace=False)
+        if self.guard is not None:
+            self.guard()
         writer = self.conditional()
         if writer is None:
             if self.read_text(name) != expected:
@@ -167,6 +168,9 @@ class ObjectStorage(Storage):
         return self._put(name, sink.getvalue().to_pybytes(), replace=False)
 
     def delete(self, name: str) -> None:
+        if self.guard is not None:
+            self.guard()
+
         def drop() -> None:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.delete_file(self.key(name))
@@ -209,6 +213,8 @@ class ObjectStorage(Storage):
     def _put(self, name: str, data: bytes, replace: bool) -> bool:
         """One request writes the whole object. Without `replace`: a conditional put, or in
         single-writer mode check-then-put."""
+        if self.guard is not None:
+            self.guard()
         if replace:
             self._plain_put(name, data)
             return True
@@ -271,50 +277,3 @@ def missing_library(store: str) -> str | None:
     except ImportError:
         return "boto3" if store == "s3" else "google-cloud-storage"
     return None
-
-
-def discover_objects(fs: pafs.FileSystem, pattern: str, uri: str, exclude: str | None) -> list[tuple[str, str]]:
-    """(path in `fs`, key) of an object, the .parquet objects under a prefix (recursively), or a
-    glob's objects (`*`, `?`, `[..]` within a name, `**` across folders); keys are relative to the
-    prefix (or the glob's leading parts without a wildcard, or the object's own folder)."""
-    info = fs.get_file_info(pattern)
-    if info.type == pafs.FileType.File:
-        return [(pattern, info.base_name)]
-    if info.type == pafs.FileType.Directory:
-        root = pattern
-        listing = _files_under(fs, root)
-        found = [p for p in listing if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(".")]
-    else:
-        segments = pattern.split("/")
-        fixed = next((i for i, s in enumerate(segments) if _has_magic(s)), len(segments))
-        root = "/".join(segments[:fixed])
-        listing = _files_under(fs, root)
-        found = [p for p in listing if _glob_match(segments[fixed:], p[len(root) + 1 :].split("/"))]
-    if exclude is not None:
-        found = [p for p in found if not p.startswith(exclude.rstrip("/") + "/")]
-    records = [p[len(root) + 1 :] for p in listing if p.endswith("/_JOB.json")]
-    return skip_nested_outputs(sorted((p, p[len(root) + 1 :]) for p in found), records, f"{uri_scheme(uri)}://{root}")
-
-
-def _files_under(fs: pafs.FileSystem, root: str) -> list[str]:
-    if not root:
-        return []
-    selector = pafs.FileSelector(root, recursive=True, allow_not_found=True)
-    return [i.path for i in fs.get_file_info(selector) if i.type == pafs.FileType.File]
-
-
-def _has_magic(segment: str) -> bool:
-    return any(c in segment for c in "*?[")
-
-
-def _glob_match(pattern: list[str], parts: list[str]) -> bool:
-    """Python glob semantics on "/"-separated keys: `**` spans zero or more folders, and a wildcard
-    matches no hidden name (one starting with ".")."""
-    if not pattern:
-        return not parts
-    if pattern[0] == "**":
-        spans = range(next((i for i, p in enumerate(parts) if p.startswith(".")), len(parts)) + 1)
-        return any(_glob_match(pattern[1:], parts[i:]) for i in spans)
-    if not parts or (parts[0].startswith(".") and not pattern[0].startswith(".")):
-        return False
-    return fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(pattern[1:], parts[1:])

@@ -70,15 +70,21 @@ class GcsConditional:
                 return f"{self._uri(key)}: a fresh probe key already exists"
             if self.put_new(key, b"2"):
                 return "the store ignores ifGenerationMatch=0 (a conditional upload replaced an object)"
-            try:
-                self.bucket.blob(key).upload_from_string(b"3", _BINARY, if_generation_match=1, retry=None)
-            except Exception as exc:
-                if _status(exc) == 412:
-                    return None
-                _raise_named(exc, self.where, key)
+            if with_retries(lambda: self._put_on_wrong_generation(key), self._uri(key), "probe", self.policy):
+                return None
             return "the store ignores ifGenerationMatch (an upload on a wrong generation replaced the object)"
         finally:
             with_retries(lambda: self._delete(key), self._uri(key), "delete", self.policy)
+
+    def _put_on_wrong_generation(self, key: str) -> bool:
+        """Whether an upload conditional on a generation the object does not have is refused (412)."""
+        try:
+            self.bucket.blob(key).upload_from_string(b"3", _BINARY, if_generation_match=1, retry=None)
+        except Exception as exc:
+            if _status(exc) == 412:
+                return True
+            _raise_named(exc, self.where, key)
+        return False
 
     def _get(self, key: str) -> tuple[bytes, int] | None:
         """(content, generation) of one generation of `key`; None when there is none."""

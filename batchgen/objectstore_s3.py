@@ -73,14 +73,11 @@ class S3Conditional:
                 return f"{self._uri(key)}: a fresh probe key already exists"
             if self.put_new(key, b"2"):
                 return "the store ignores If-None-Match (a conditional put replaced an existing object)"
-            try:
-                self.client.put_object(Bucket=self.bucket, Key=key, Body=b"3", IfMatch='"0"')
-            except Exception as exc:
-                if _code(exc) == "PreconditionFailed":
-                    return None
-                if _code(exc) == "NotImplemented":
-                    return "the store does not implement If-Match on PutObject (answered 501)"
-                _raise_named(exc, self.where, key)
+            answer = with_retries(lambda: self._put_on_wrong_etag(key), self._uri(key), "probe", self.policy)
+            if answer == "PreconditionFailed":
+                return None
+            if answer == "NotImplemented":
+                return "the store does not implement If-Match on PutObject (answered 501)"
             return "the store ignores If-Match (a put on a wrong ETag replaced the object)"
         except OSError as exc:
             if "NotImplemented" in str(exc):
@@ -89,6 +86,16 @@ class S3Conditional:
         finally:
             drop = lambda: self.client.delete_object(Bucket=self.bucket, Key=key)  # noqa: E731
             with_retries(drop, self._uri(key), "delete", self.policy)
+
+    def _put_on_wrong_etag(self, key: str) -> str | None:
+        """The error code of a put conditional on an ETag no object has; None when it was written."""
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"3", IfMatch='"0"')
+        except Exception as exc:
+            if _code(exc) in ("PreconditionFailed", "NotImplemented"):
+                return _code(exc)
+            _raise_named(exc, self.where, key)
+        return None
 
     def _get(self, key: str) -> tuple[bytes, str] | None:
         try:

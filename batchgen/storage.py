@@ -16,7 +16,7 @@ import os
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -174,6 +174,7 @@ class Storage(ABC):
 
     where: str  # the folder or URI, for messages
     local_dir: Path | None = None  # the folder when local: flocks and hard links work there
+    guard: Callable[[], None] | None = None  # an object store: checks the run still holds its lease
 
     @abstractmethod
     def prepare(self) -> None:

@@ -27,10 +27,12 @@ from batchgen.cli import main
 from batchgen.errors import FingerprintMismatch, OutputError
 from batchgen.job import load_job
 from batchgen.jobstate import OutputState
-from batchgen.objectstore import ObjectStorage, discover_objects
+from batchgen.object_inputs import discover_objects
+from batchgen.objectstore import ObjectStorage
 from batchgen.runner import JobRunner
 from batchgen.storage import check_storage_options, display_uri, open_storage, options_from_uri
 from tests.conftest import make_job, write_job, write_parquet
+from tests.s3_server import moto_s3
 
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
 FILES = {"a.parquet": 10, "sub/b.parquet": 8}  # two input objects, one in a sub-prefix: keys differ
@@ -40,24 +42,8 @@ COLUMNS = ["row_id", "prompt", "generated_text", "finish_reason", "input_tokens"
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, Any]]:
     """One moto S3 server for the module; credentials in the environment, as a user would set them."""
-    from moto.server import ThreadedMotoServer
-
-    saved = dict(os.environ)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        os.environ.pop(name, None)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    fs = pafs.S3FileSystem(
-        endpoint_override=f"{host}:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True
-    )
-    for bucket in ("inputs", "outputs"):
-        fs.create_dir(bucket)
-    yield {"endpoint": f"http://{host}:{port}", "fs": fs}
-    server.stop()
-    os.environ.clear()
-    os.environ.update(saved)
+    with moto_s3() as server:
+        yield server
 
 
 def _options(s3: dict[str, Any]) -> dict[str, str]:

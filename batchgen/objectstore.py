@@ -43,13 +43,17 @@ def fs_path(uri: str) -> str:
     return f"{parts.netloc}{parts.path}".rstrip("/")
 
 
-def make_filesystem(uri: str, options: dict[str, Any], where: str = "output.path") -> tuple[pafs.FileSystem, str]:
+def make_filesystem(
+    uri: str, options: dict[str, Any], where: str = "output.path", attempts: int | None = None
+) -> tuple[pafs.FileSystem, str]:
     """(file system, path inside it as "bucket/prefix") for an `s3://` or `gs://` URI; `where` names
-    the job key the URI came from, for the message."""
+    the job key the URI came from, for the message. `attempts`: how often the AWS SDK itself tries
+    each S3 request (inputs: their rows stream through pyarrow, where no call of ours can retry)."""
     base = fs_path(uri)
     try:
         if REMOTE_SCHEMES[uri_scheme(uri) or ""] == "s3":
-            return pafs.S3FileSystem(**_with_env_endpoint(options)), base
+            extra = {"retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=attempts)} if attempts else {}
+            return pafs.S3FileSystem(**_with_env_endpoint(options), **extra), base
         return pafs.GcsFileSystem(**options), base
     except (pa.ArrowException, OSError, TypeError, ValueError) as exc:
         raise OutputError(f"{where} {uri}: cannot open the object store: {exc}") from exc
@@ -227,7 +231,12 @@ class ObjectStorage(Storage):
         return True
 
     def _plain_put(self, name: str, data: bytes) -> None:
-        """An unconditional put (idempotent: retried as it is)."""
+        """An unconditional put (idempotent: retried as it is); one request through the store's own
+        library where it is installed (pyarrow's stream may split an upload into several)."""
+        if missing_library(self.store) is None:
+            writer = self._writer()
+            self._retry("write", lambda: writer.put(self._bucket_key(name)[1], data), name)
+            return
 
         def put() -> None:
             with self.fs.open_output_stream(self.key(name)) as out:
@@ -259,6 +268,8 @@ class ObjectStorage(Storage):
 
 class Conditional(Protocol):
     """What objectstore_s3.S3Conditional and objectstore_gcs.GcsConditional both do."""
+
+    def put(self, key: str, data: bytes) -> None: ...
 
     def put_new(self, key: str, data: bytes) -> bool: ...
 

@@ -27,6 +27,13 @@ class GcsConditional:
         self.bucket = client.bucket(bucket)
         self.name, self.where, self.policy = bucket, where, policy
 
+    def put(self, key: str, data: bytes) -> None:
+        """An unconditional upload, tried once (the caller retries: it is idempotent)."""
+        try:
+            self.bucket.blob(key).upload_from_string(data, _BINARY, retry=None)
+        except Exception as exc:
+            _raise_named(exc, self.where, key)
+
     def put_new(self, key: str, data: bytes) -> bool:
         def attempt() -> bool:
             try:

@@ -24,6 +24,13 @@ class S3Conditional:
     def __init__(self, client: Any, bucket: str, where: str, policy: RetryPolicy) -> None:
         self.client, self.bucket, self.where, self.policy = client, bucket, where, policy
 
+    def put(self, key: str, data: bytes) -> None:
+        """An unconditional put, tried once (the caller retries: it is idempotent)."""
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        except Exception as exc:
+            _raise_named(exc, self.where, key)
+
     def put_new(self, key: str, data: bytes) -> bool:
         """Write `key` unless it exists; True when it now holds `data` (this write, or an earlier
         attempt of it whose answer was lost), False when another object stands there."""

@@ -4,9 +4,10 @@ Everything that reads or writes the output folder goes through a `Storage`: list
 parts, read and write the small JSON files, read parts back, commit a part whole without ever
 replacing one, swap the job record only over the one a run read. `LocalStorage` is the local
 protocol (temp file, fsync, rename or hard link, flocks: the run's in `jobstate.OutputLock`, the
-record swap's own); `objectstore.ObjectStorage` is the object-store one (each object
-written by one request, visible whole or not at all; no rename, no lock). Paths and their
-`storage_options` are checked here too, so a typo fails at load, before any work.
+record swap's own); `objectstore.ObjectStorage` is the object-store one (each object written by
+one request, visible whole or not at all, conditionally where it must not replace another; no
+rename, no flock: the run lock is a lease, lease.py). Paths and their `storage_options` are
+checked here too, so a typo fails at load, before any work.
 """
 
 from __future__ import annotations

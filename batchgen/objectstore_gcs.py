@@ -77,16 +77,18 @@ class GcsConditional:
                 return f"{self._uri(key)}: a fresh probe key already exists"
             if self.put_new(key, b"2"):
                 return "the store ignores ifGenerationMatch=0 (a conditional upload replaced an object)"
-            if with_retries(lambda: self._put_on_wrong_generation(key), self._uri(key), "probe", self.policy):
+            current = with_retries(lambda: self._get(key), self._uri(key), "probe", self.policy)
+            wrong = (current[1] if current else 0) + 1  # a generation the object has not got
+            if with_retries(lambda: self._put_on_wrong_generation(key, wrong), self._uri(key), "probe", self.policy):
                 return None
             return "the store ignores ifGenerationMatch (an upload on a wrong generation replaced the object)"
         finally:
             with_retries(lambda: self._delete(key), self._uri(key), "delete", self.policy)
 
-    def _put_on_wrong_generation(self, key: str) -> bool:
+    def _put_on_wrong_generation(self, key: str, wrong: int) -> bool:
         """Whether an upload conditional on a generation the object does not have is refused (412)."""
         try:
-            self.bucket.blob(key).upload_from_string(b"3", _BINARY, if_generation_match=1, retry=None)
+            self.bucket.blob(key).upload_from_string(b"3", _BINARY, if_generation_match=wrong, retry=None)
         except Exception as exc:
             if _status(exc) == 412:
                 return True

@@ -172,3 +172,72 @@ def test_a_put_whose_answer_was_lost_is_recognised_as_our_own_on_the_retry() -> 
     fake.lose_answers = 1
     assert store.swap("out/_JOB.json", b"new", b"old")  # the retry reads "new": its own write landed
     assert not store.swap("out/_JOB.json", b"newer", b"old")
+
+
+class _GcsAnswer(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"HTTP {code}")
+        self.code = code
+
+
+class _FakeGcsBucket:
+    """The few google-cloud-storage Bucket / Blob calls GcsConditional makes, with generation
+    preconditions, and answers that can be lost after an upload landed (no GCS emulator on PyPI
+    honours preconditions; this checks our use of the API's shape, not GCS itself)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, int]] = {}
+        self.generation = 0
+        self.lose_answers = 0
+
+    def bucket(self, name: str) -> _FakeGcsBucket:
+        return self
+
+    def blob(self, key: str) -> Any:
+        fake = self
+
+        class Blob:
+            generation = fake.objects.get(key, (b"", 0))[1]
+
+            def upload_from_string(self, data: bytes, content_type: str, if_generation_match: Any = None, **_: Any):
+                current = fake.objects.get(key, (b"", 0))[1]
+                if if_generation_match is not None and if_generation_match != current:
+                    raise _GcsAnswer(412)
+                fake.generation += 1
+                fake.objects[key] = (data, fake.generation)
+                if fake.lose_answers:
+                    fake.lose_answers -= 1
+                    raise ConnectionResetError(104, "Connection reset by peer")
+
+            def download_as_bytes(self, if_generation_match: Any = None, **_: Any) -> bytes:
+                if key not in fake.objects:
+                    raise _GcsAnswer(404)
+                if if_generation_match is not None and if_generation_match != fake.objects[key][1]:
+                    raise _GcsAnswer(412)
+                return fake.objects[key][0]
+
+            def delete(self, **_: Any) -> None:
+                if fake.objects.pop(key, None) is None:
+                    raise _GcsAnswer(404)
+
+        return Blob()
+
+    def get_blob(self, key: str, **_: Any) -> Any:
+        return self.blob(key) if key in self.objects else None
+
+
+def test_the_gcs_writer_keeps_the_same_contract_with_generation_preconditions() -> None:
+    from batchgen.objectstore_gcs import GcsConditional
+
+    fake = _FakeGcsBucket()
+    store = GcsConditional(fake, "b", "gs://b/out", FAST)
+    assert store.refusal("out/.probe") is None and "out/.probe" not in fake.objects
+    fake.lose_answers = 1
+    assert store.put_new("out/part-000000.parquet", b"ours")  # landed, answer lost: recognised as ours
+    assert not store.put_new("out/part-000000.parquet", b"theirs")
+    assert not store.swap("out/_JOB.json", b"x", b"y")
+    assert store.put_new("out/_JOB.json", b"old")
+    fake.lose_answers = 1
+    assert store.swap("out/_JOB.json", b"new", b"old")
+    assert not store.swap("out/_JOB.json", b"newer", b"old")
+    assert fake.objects["out/_JOB.json"][0] == b"new" and fake.objects["out/part-000000.parquet"][0] == b"ours"

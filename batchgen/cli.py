@@ -34,6 +34,14 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> Sha
         raise click.BadParameter(str(exc)) from None
 
 
+_single_writer_option = click.option(
+    "--single-writer",
+    is_flag=True,
+    help="Object stores without conditional writes: you vouch that one run at a time writes this output "
+    "(the same as output.single_writer: true).",
+)
+
+
 @click.group()
 @click.version_option(package_name="batchgen")
 def main() -> None:
@@ -45,13 +53,21 @@ def main() -> None:
 @_set_option
 @click.option("--quiet", is_flag=True, help="Print errors and the final summary line only (for cron).")
 @click.option("--overwrite", is_flag=True, help="Replace an output folder made by a different job.")
+@_single_writer_option
 @click.option(
     "--shard",
     callback=_shard,
     metavar="I/N",
     help="Only the parts of static shard I of N (part p belongs to shard p % N; I counts from 0).",
 )
-def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool, shard: ShardSpec | None) -> None:
+def run(
+    job_file: str,
+    overrides: tuple[str, ...],
+    quiet: bool,
+    overwrite: bool,
+    single_writer: bool,
+    shard: ShardSpec | None,
+) -> None:
     """Run JOB_FILE: answer every input row and write the output Parquet dataset.
 
     A rerun after a crash or kill resumes: committed parts are kept, the rest is computed.
@@ -65,7 +81,7 @@ def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool,
     from batchgen.runner import JobRunner
 
     def work() -> None:
-        spec = load_job(job_file, list(overrides))
+        spec = load_job(job_file, [*overrides, *(["output.single_writer=true"] if single_writer else [])])
         summary = JobRunner(spec, quiet=quiet, overwrite=overwrite, shard=shard).run()
         click.echo(f"batchgen: {summary.line()}")
         if not quiet:
@@ -196,7 +212,8 @@ def report(
 
 @main.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
-def finalize(output_dir: str) -> None:
+@_single_writer_option
+def finalize(output_dir: str, single_writer: bool) -> None:
     """Write OUTPUT_DIR's _SUCCESS once every part is committed (after shard runs); idempotent.
 
     Exits 8, naming the missing parts, while some are not committed.
@@ -205,7 +222,7 @@ def finalize(output_dir: str) -> None:
     from batchgen.completion import finalize as finalize_output
 
     def work() -> None:
-        manifest, already = finalize_output(output_dir)
+        manifest, already = finalize_output(output_dir, single_writer)
         rows = manifest["rows"]
         what = "already finalized" if already else "finalized"
         click.echo(

@@ -82,13 +82,13 @@ def complete_from_parts(state: OutputState, record: dict[str, Any]) -> tuple[dic
     return manifest, []
 
 
-def finalize(out_dir: str | Path) -> tuple[dict[str, Any], bool]:
+def finalize(out_dir: str | Path, single_writer: bool = False) -> tuple[dict[str, Any], bool]:
     """`batchgen finalize`: (manifest, whether _SUCCESS was already there). Idempotent.
     `out_dir` may be an object-store URI (options in its query or the store's environment).
 
     Refuses (IncompleteOutput, exit 8) naming the missing parts when some are not committed.
     """
-    storage = open_storage(out_dir)
+    storage = open_storage(out_dir, single_writer=single_writer)
     out = storage.where
     if not storage.is_dir():
         raise InputDataError(f"{out}: no such output folder")

@@ -20,8 +20,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.errors import InputDataError, OutputError
+from batchgen.errors import InputDataError, OutputError, StoreUnavailable
 from batchgen.storage import display_uri, is_remote, nested_output_parts, options_from_uri
+from batchgen.store_retry import RetryPolicy, is_transient, with_retries
 
 log = logging.getLogger(__name__)
 READ_BATCH_ROWS = 4096  # rows decoded at a time: bounds memory even for one huge row group
@@ -143,19 +144,23 @@ def _open_one(path: Path | str, key: str, filesystem: Any = None, fs_path: str =
 
 def _open_objects(uri: str, options: dict[str, Any], exclude: Path | str | None) -> list[InputFile]:
     """The input objects of an `s3://` / `gs://` URI (a prefix, an object or a glob), footers read."""
-    from batchgen.objectstore import bucket_problem, discover_objects, fs_path, make_filesystem
+    from batchgen.object_inputs import discover_objects
+    from batchgen.objectstore import bucket_problem, fs_path, make_filesystem
 
+    policy = RetryPolicy.from_env()
     try:
         uri, checked = options_from_uri(uri, options, "input")
-        fs, pattern = make_filesystem(uri, checked, "input.path")
+        fs, pattern = make_filesystem(uri, checked, "input.path", policy.attempts)
         skip = fs_path(exclude) if isinstance(exclude, str) and is_remote(exclude) else None
-        found = discover_objects(fs, pattern, uri, skip)
+        found = with_retries(lambda: discover_objects(fs, pattern, uri, skip), uri, "list the input objects", policy)
+    except StoreUnavailable:
+        raise
     except OutputError as exc:
         raise InputDataError(str(exc)) from None
     except (pa.ArrowException, OSError) as exc:
         raise InputDataError(f"input.path {uri}: cannot list the objects: {exc}") from exc
     if not found:
-        problem = bucket_problem(fs, pattern, uri)
+        problem = with_retries(lambda: bucket_problem(fs, pattern, uri), uri, "look up the bucket", policy)
         raise InputDataError(f"input.path {problem}" if problem else f"input.path: no Parquet objects found at {uri}")
     scheme = uri.split("://", 1)[0]
     return [_open_one(f"{scheme}://{p}", key, fs, p) for p, key in found]
@@ -266,6 +271,8 @@ def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> 
                 table = pa.Table.from_batches(buffered, schema=batch.schema)
                 buffered, offset = table.slice(keep_from - offset).to_batches(), keep_from
     except (pa.ArrowException, OSError) as exc:
+        if is_transient(exc):  # the store's retries were spent mid-stream: not the data's fault
+            raise StoreUnavailable(f"{f.path}: reading rows failed on a transient store error: {exc}") from exc
         raise InputDataError(f"{f.path}: failed while reading rows: {exc}") from exc
     if pending:
         raise InputDataError(f"{f.path}: file ended before row {pending[0].stop} (truncated?)")

@@ -51,6 +51,13 @@ class IncompleteOutput(BatchgenError):
     exit_code = 8
 
 
+class StoreUnavailable(OutputError):
+    """The object store kept failing with transient errors (connection drops, 5xx, throttling)
+    after every retry the policy allows; committed parts are kept, a rerun resumes (retryable)."""
+
+    exit_code = 10
+
+
 class ExecutorError(BatchgenError):
     """`executor: {kind: ray}` cannot start: Ray is not installed, no cluster answers at
     executor.address, or the cluster cannot hold the workers asked for. Nothing has run."""

@@ -90,6 +90,9 @@ class InputSection(_Strict):
 class OutputSection(_Strict):
     path: Path | str  # a local folder (made a Path), or an s3:// / gs:// URI (kept as text)
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    # Object stores only: true declares that one run at a time writes this output, so a store
+    # without conditional writes may be used (check-then-put); the run lock still stands.
+    single_writer: bool = False
 
     @field_validator("path")
     @classmethod

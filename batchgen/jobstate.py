@@ -1,6 +1,7 @@
 """The output folder's state across runs: the run lock, the job record (fingerprint), committed
 parts, leftovers of a killed run, and --overwrite. The state is read and written through a
-`storage.Storage` (a local folder or an object-store prefix); the lock exists on local folders only."""
+`storage.Storage` (a local folder or an object-store prefix); the lock is a flock on local folders
+and a lease object on object stores (lease.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Any
 
 from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.fingerprint import describe_difference
+from batchgen.lease import ObjectLease
 from batchgen.output_table import RESULT_NAMES
+from batchgen.parts import write_problem
 from batchgen.sharding import ShardSpec
 from batchgen.storage import PART_NAME, Storage, open_storage, temp_target
 from batchgen.usage.totals import Totals
@@ -35,21 +38,25 @@ class OutputLock:
     (`shared=True`) hold it shared, so they run beside each other but never beside a plain run;
     a shard run also holds its own `.batchgen.shard-I-of-N.lock` exclusively.
 
-    An object store has no lock that can be trusted: there acquire() does nothing, and each part's
-    conditional write keeps two runs from committing a part twice (README, "Object storage").
+    An object store has no flock: there the same rules hold through a lease object of the same
+    name (lease.py), renewed while the run lives and expiring when it is killed.
     """
 
     def __init__(self, out_dir: Path | Storage, shard: ShardSpec | None = None, shared: bool = False) -> None:
-        folder = open_storage(out_dir).local_dir
+        storage = open_storage(out_dir)
+        folder = storage.local_dir
         self.enabled = folder is not None
         self.path = (folder or Path()) / LOCK_NAME
         self.shard = shard
         self.shared = shared or shard is not None
         self.fds: list[int] = []
+        self.storage = storage
+        self.lease = None if folder is not None else ObjectLease(storage, str(shard) if shard else None, shared)
 
     def acquire(self) -> None:
-        if not self.enabled:
-            log.info("object storage: no run lock; parts are committed by conditional writes")
+        if self.lease is not None:
+            self.lease.acquire()
+            self.storage.guard = self.lease.check  # every later write first checks the lease is still ours
             return
         try:
             main = self._open(self.path)
@@ -71,7 +78,18 @@ class OutputLock:
             self.release()
             raise
 
+    def check(self, fresh: bool = False) -> None:
+        """LockedError when this run no longer holds the output (an object store's lease lost);
+        `fresh`: renew the lease first, so the answer holds for a lease's lifetime from now."""
+        if self.lease is not None:
+            if fresh:
+                self.lease.renew()
+            self.lease.check()
+
     def release(self) -> None:
+        if self.lease is not None:
+            self.storage.guard = None
+            self.lease.release()
         for fd in reversed(self.fds):
             os.close(fd)  # closing drops the flock; the file stays, harmlessly
         self.fds = []
@@ -173,7 +191,7 @@ class OutputState:
                 self.storage.swap_text(RECORD_NAME, text, self._seen, "record_temp_write")
             except OSError as exc:
                 where = self.storage.describe(RECORD_NAME)
-                raise OutputError(f"{where}: cannot write: {exc.strerror or exc}") from exc
+                raise OutputError(f"{where}: cannot write: {write_problem(exc)}") from exc
         now = self.read_record() or {}
         if now.get("id") != record["id"]:
             lines = "\n  ".join(describe_difference(now, record))

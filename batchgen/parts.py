@@ -5,6 +5,7 @@ per object (`batchgen.objectstore`)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -31,9 +32,13 @@ class PartWriter:
     """
 
     def __init__(
-        self, out_dir: Path | str | Storage, schema: pa.Schema, storage_options: Mapping[str, Any] | None = None
+        self,
+        out_dir: Path | str | Storage,
+        schema: pa.Schema,
+        storage_options: Mapping[str, Any] | None = None,
+        single_writer: bool = False,
     ) -> None:
-        self.storage = open_storage(out_dir, storage_options)
+        self.storage = open_storage(out_dir, storage_options, single_writer)
         self.schema = schema
 
     def prepare(self) -> None:
@@ -47,7 +52,7 @@ class PartWriter:
             committed = self.storage.write_parquet(name, table.cast(self.schema), "after_temp_write")
             fault_point("after_rename")
         except OSError as exc:
-            raise OutputError(f"{self.storage.describe(name)}: cannot write part: {exc.strerror or exc}") from exc
+            raise OutputError(f"{self.storage.describe(name)}: cannot write part: {write_problem(exc)}") from exc
         return committed
 
     def write_success(self, manifest: dict[str, Any]) -> Path | str:
@@ -61,8 +66,15 @@ def write_success(out_dir: Path | Storage, manifest: dict[str, Any]) -> Path | s
     try:
         storage.write_text("_SUCCESS", text, "success_temp_write")
     except OSError as exc:
-        raise OutputError(f"{storage.describe('_SUCCESS')}: cannot write the manifest: {exc.strerror or exc}") from exc
+        raise OutputError(f"{storage.describe('_SUCCESS')}: cannot write the manifest: {write_problem(exc)}") from exc
     return storage.local_dir / "_SUCCESS" if storage.local_dir is not None else storage.describe("_SUCCESS")
+
+
+def write_problem(exc: OSError) -> str:
+    """What went wrong in a write, for its message; a full disk says what to do about it."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{exc.strerror or exc}: the disk is full; committed parts are kept, free space and run again to resume"
+    return str(exc.strerror or exc)
 
 
 def atomic_write(final: Path, write: Callable[[Path], object], fault: str, replace: bool = True) -> bool:
@@ -76,6 +88,7 @@ def atomic_write(final: Path, write: Callable[[Path], object], fault: str, repla
     tmp = final.parent / temp_name(final.name)
     try:
         write(tmp)
+        fault_point("disk_full")
         _fsync(tmp)
         fault_point(fault)
         if replace:

@@ -74,6 +74,7 @@ class JobRunner:
         self.duplicates: dict[tuple[int, int], IdProblem] = {}  # (file index, row) -> why its id fails
         self.executor: Executor | None = None  # None: parts run in this process
         self._replacing: tuple[OutputState, dict[str, Any]] | None = None  # --overwrite, old output still there
+        self.lock: OutputLock | None = None
         self._model_checked = False
         self.columns = ColumnPlan.of(spec)  # n, logprobs, prompt_logprobs shape the result columns
         self.result_fields = self.columns.fields(RESULT_FIELDS)
@@ -84,11 +85,12 @@ class JobRunner:
         carried = carried_columns(self.spec, files[0].schema)
         add_row_id = self.spec.input.id_column is None
         schema = output_schema([column_field(files, c) for c in carried], add_row_id, self.result_fields)
-        writer = PartWriter(self.spec.output.path, schema, self.spec.output.storage_options)
+        out = self.spec.output
+        writer = PartWriter(out.path, schema, out.storage_options, out.single_writer)
         if writer.storage.local_dir is not None and not writer.storage.is_dir():
             self._validate_model()  # a new folder holds no finished job and no lock: check before creating it
         writer.prepare()
-        lock = OutputLock(writer.storage, self.shard)
+        lock = self.lock = OutputLock(writer.storage, self.shard)
         try:
             # Why the lock and the finished-job check before the model's checks: those import torch
             # and transformers (seconds, half a GB), and a locked or finished job needs neither.
@@ -176,6 +178,8 @@ class JobRunner:
             return
         state, record = self._replacing
         self._replacing = None
+        if self.lock is not None:  # an object store: never delete parts under another run's lease
+            self.lock.check(fresh=True)
         with interrupt.cooperative():  # a signal now waits: the folder is never left half replaced
             removed = state.overwrite()
             log.info("--overwrite: removed the previous output (%d parts)", removed)

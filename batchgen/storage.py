@@ -4,9 +4,10 @@ Everything that reads or writes the output folder goes through a `Storage`: list
 parts, read and write the small JSON files, read parts back, commit a part whole without ever
 replacing one, swap the job record only over the one a run read. `LocalStorage` is the local
 protocol (temp file, fsync, rename or hard link, flocks: the run's in `jobstate.OutputLock`, the
-record swap's own); `objectstore.ObjectStorage` is the object-store one (each object
-written by one request, visible whole or not at all; no rename, no lock). Paths and their
-`storage_options` are checked here too, so a typo fails at load, before any work.
+record swap's own); `objectstore.ObjectStorage` is the object-store one (each object written by
+one request, visible whole or not at all, conditionally where it must not replace another; no
+rename, no flock: the run lock is a lease, lease.py). Paths and their `storage_options` are
+checked here too, so a typo fails at load, before any work.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -174,6 +175,7 @@ class Storage(ABC):
 
     where: str  # the folder or URI, for messages
     local_dir: Path | None = None  # the folder when local: flocks and hard links work there
+    guard: Callable[[], None] | None = None  # an object store: checks the run still holds its lease
 
     @abstractmethod
     def prepare(self) -> None:
@@ -296,9 +298,12 @@ class LocalStorage(Storage):
         return ds.dataset([str(self.folder / n) for n in names], format="parquet")
 
 
-def open_storage(path: str | Path | Storage, options: Mapping[str, Any] | None = None) -> Storage:
+def open_storage(
+    path: str | Path | Storage, options: Mapping[str, Any] | None = None, single_writer: bool = False
+) -> Storage:
     """The Storage for an output path: a local folder (a plain path or `file://`) or an object-store
-    URI, with its `storage_options` (a URI's query may add some)."""
+    URI, with its `storage_options` (a URI's query may add some). `single_writer`: see
+    objectstore.ObjectStorage (a local folder always has atomic commits and needs no such mode)."""
     if isinstance(path, Storage):
         return path
     if not is_remote(path):
@@ -308,4 +313,4 @@ def open_storage(path: str | Path | Storage, options: Mapping[str, Any] | None =
     from batchgen.objectstore import ObjectStorage
 
     uri, checked = options_from_uri(str(path), options, "output")
-    return ObjectStorage(uri, checked)
+    return ObjectStorage(uri, checked, single_writer)

@@ -24,13 +24,15 @@ from click.testing import CliRunner
 
 from batchgen import objectstore
 from batchgen.cli import main
-from batchgen.errors import FingerprintMismatch
+from batchgen.errors import FingerprintMismatch, OutputError
 from batchgen.job import load_job
 from batchgen.jobstate import OutputState
-from batchgen.objectstore import ObjectStorage, discover_objects
+from batchgen.object_inputs import discover_objects
+from batchgen.objectstore import ObjectStorage
 from batchgen.runner import JobRunner
 from batchgen.storage import check_storage_options, display_uri, open_storage, options_from_uri
 from tests.conftest import make_job, write_job, write_parquet
+from tests.s3_server import moto_s3
 
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
 FILES = {"a.parquet": 10, "sub/b.parquet": 8}  # two input objects, one in a sub-prefix: keys differ
@@ -40,24 +42,8 @@ COLUMNS = ["row_id", "prompt", "generated_text", "finish_reason", "input_tokens"
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, Any]]:
     """One moto S3 server for the module; credentials in the environment, as a user would set them."""
-    from moto.server import ThreadedMotoServer
-
-    saved = dict(os.environ)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        os.environ.pop(name, None)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    fs = pafs.S3FileSystem(
-        endpoint_override=f"{host}:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True
-    )
-    for bucket in ("inputs", "outputs"):
-        fs.create_dir(bucket)
-    yield {"endpoint": f"http://{host}:{port}", "fs": fs}
-    server.stop()
-    os.environ.clear()
-    os.environ.update(saved)
+    with moto_s3() as server:
+        yield server
 
 
 def _options(s3: dict[str, Any]) -> dict[str, str]:
@@ -255,10 +241,13 @@ def test_storage_options_on_a_local_path_are_a_job_error(tmp_path: Path, tiny_mo
 def test_a_committed_object_is_never_replaced(
     s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, conditional: bool
 ) -> None:
-    if not conditional:  # without boto3: check-then-put
-        monkeypatch.setattr(objectstore, "s3_client", lambda options, region: False)
     uri = f"s3://outputs/never-{conditional}"
-    store = ObjectStorage(uri, check_storage_options(uri, _options(s3), "output"))
+    if not conditional:  # without boto3: refused, unless a single writer is declared (then check-then-put)
+        monkeypatch.setattr(objectstore, "missing_library", lambda store: "boto3")
+        refused = ObjectStorage(uri, check_storage_options(uri, _options(s3), "output"))
+        with pytest.raises(OutputError, match=r"need boto3.*set output.single_writer: true \(or pass --single-writer"):
+            refused.prepare()
+    store = ObjectStorage(uri, check_storage_options(uri, _options(s3), "output"), single_writer=not conditional)
     assert store.write_parquet("part-000000.parquet", pa.table({"x": [1]}), "after_temp_write")
     assert not store.write_parquet("part-000000.parquet", pa.table({"x": [2]}), "after_temp_write")
     assert store.read_table("part-000000.parquet", ["x"]).column("x").to_pylist() == [1]
@@ -295,7 +284,7 @@ def test_a_record_write_landing_between_read_and_put_wins_on_s3(
     store = ObjectStorage(uri, check_storage_options(uri, _options(s3), "output"))
     assert store.swap_text("_JOB.json", "old", None, "record_temp_write")
     assert not store.swap_text("_JOB.json", "new", None, "record_temp_write")  # there is one
-    client = store._s3_client()
+    client = store._writer().client
     real_get = client.get_object
 
     def get_then_another_write_lands(**kwargs: Any) -> Any:
@@ -308,27 +297,56 @@ def test_a_record_write_landing_between_read_and_put_wins_on_s3(
     assert store.read_text("_JOB.json") == "theirs"
 
 
-@pytest.mark.parametrize("answer", ["ConditionalRequestConflict", "NotImplemented"])
-def test_a_record_swap_retries_a_conflict_and_falls_back_where_if_match_is_unknown(
-    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, answer: str
-) -> None:
+def test_a_record_swap_retries_a_conflict(s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     from botocore.exceptions import ClientError
 
-    uri = f"s3://outputs/swap-{answer}"
+    uri = "s3://outputs/swap-conflict"
     store = ObjectStorage(uri, check_storage_options(uri, _options(s3), "output"))
     assert store.swap_text("_JOB.json", "old", None, "record_temp_write")
-    client = store._s3_client()
+    client = store._writer().client
     real_put, refused = client.put_object, []
 
     def put(**kwargs: Any) -> Any:
-        if "IfMatch" in kwargs and not refused:  # 409: another conditional write in flight; 501: no If-Match
+        if "IfMatch" in kwargs and not refused:  # 409: another conditional write of the key in flight
             refused.append(kwargs)
-            raise ClientError({"Error": {"Code": answer, "Message": answer}}, "PutObject")
+            error = {"Code": "ConditionalRequestConflict", "Message": "conflict"}
+            raise ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": 409}}, "PutObject")
         return real_put(**kwargs)
 
     monkeypatch.setattr(client, "put_object", put)
     assert store.swap_text("_JOB.json", "mine", "old", "record_temp_write")
     assert refused and store.read_text("_JOB.json") == "mine"
+
+
+@pytest.mark.parametrize("answer", ["NotImplemented", "ignored"])
+def test_a_store_without_working_preconditions_is_refused_unless_single_writer(
+    s3: dict[str, Any], monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    from botocore.exceptions import ClientError
+
+    uri = f"s3://outputs/no-if-match-{answer}"
+    options = check_storage_options(uri, _options(s3), "output")
+    stores = [ObjectStorage(uri, options), ObjectStorage(uri, options, single_writer=True)]
+    for store in stores:
+        client = store._writer().client
+        real_put = client.put_object
+
+        def put(real_put: Any = real_put, **kwargs: Any) -> Any:
+            if "IfMatch" in kwargs:
+                if answer == "NotImplemented":
+                    raise ClientError({"Error": {"Code": answer, "Message": "no"}}, "PutObject")
+                kwargs.pop("IfMatch")  # a store that ignores the header
+            return real_put(**kwargs)
+
+        monkeypatch.setattr(client, "put_object", put)
+    with pytest.raises(OutputError, match=f"{uri}: the store (does not implement|ignores) If-Match"):
+        stores[0].prepare()
+    store = stores[1]
+    store.prepare()  # logged, and compare-then-put from here on
+    assert store.swap_text("_JOB.json", "old", None, "record_temp_write")
+    assert store.swap_text("_JOB.json", "new", "old", "record_temp_write")
+    assert not store.swap_text("_JOB.json", "newer", "old", "record_temp_write")
+    assert store.read_text("_JOB.json") == "new"
 
 
 def test_input_globs_and_prefixes_on_a_bucket(s3: dict[str, Any], local_inputs: Path) -> None:

@@ -8,8 +8,10 @@ commits it. The driver shows one bar, sums the parts' totals for `_SUCCESS` and 
 
 Faults: a worker that dies mid-part (kill -9, OOM) leaves its part uncommitted; a new worker
 takes its place and that part first, and the job finishes in the same run (a part whose worker
-dies MAX_ATTEMPTS times stops the job with exit 6). An engine error in a worker is today's engine
-failure (exit 6: committed parts stay, a rerun resumes); the driver killed: a rerun resumes.
+dies MAX_ATTEMPTS times stops the job with exit 6). A transient store error that a worker's own
+retries could not outlast is the store's, not the engine's: the part is handed out again
+(MAX_ATTEMPTS times, then exit 10). An engine error in a worker is today's engine failure
+(exit 6: committed parts stay, a rerun resumes); the driver killed: a rerun resumes.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from batchgen import interrupt
 from batchgen.backends import for_rows
 from batchgen.dataset import InputFile, Shard
 from batchgen.duplicate_ids import IdProblem
-from batchgen.errors import BatchgenError, EngineFailure, ExecutorError
+from batchgen.errors import BatchgenError, EngineFailure, ExecutorError, StoreUnavailable
 from batchgen.executors.part_queue import PartQueue
 from batchgen.executors.ray_worker import PartWorker, ProgressBoard
 from batchgen.job import ExecutorSection
 from batchgen.jobstate import OutputState
 from batchgen.parts import PartWriter
 from batchgen.progress import RunProgress, row_token_budget
+from batchgen.store_retry import is_transient
 from batchgen.usage.totals import Totals
 
 if TYPE_CHECKING:
@@ -172,6 +175,7 @@ class _Dispatch:
         self.workers: dict[int, Any] = {}
         self.inflight: dict[Any, tuple[int, Shard, int]] = {}  # object ref -> (slot, part, attempt)
         self.attempts: dict[int, int] = {}  # part index -> workers that died on it
+        self.store_attempts: dict[int, int] = {}  # part index -> transient store failures
         self.stats = RayStats(shape.count, [[] for _ in range(shape.count)], [0.0] * shape.count)
         self.done_rows = 0
         self.run_tokens = 0
@@ -233,6 +237,9 @@ class _Dispatch:
             done = self.ray.get(ref)
         except self.ray.exceptions.RayTaskError as exc:  # the worker raised: an engine or input error
             cause = exc.cause
+            if isinstance(cause, StoreUnavailable) or is_transient(cause):
+                self._again(slot, part, cause)  # the store, not the part: the same worker tries it again
+                return
             if isinstance(cause, BatchgenError):
                 raise cause from None
             raise EngineFailure(f"a Ray worker failed on part {part.index}: {cause!r}") from None
@@ -244,6 +251,20 @@ class _Dispatch:
         self.run_tokens += done.totals.output_tokens
         self.stats.parts[slot].append(part.index)
         self.stats.last_done[slot] = time.time()
+        self._submit(slot)
+
+    def _again(self, slot: int, part: Shard, cause: BaseException) -> None:
+        """Part `part` failed on a transient store error (its worker's own retries spent): hand it
+        out again, up to MAX_ATTEMPTS times, then stop with that error (exit 10: rerun to resume)."""
+        tries = self.store_attempts[part.index] = self.store_attempts.get(part.index, 0) + 1
+        if tries >= MAX_ATTEMPTS:
+            if isinstance(cause, StoreUnavailable):
+                raise cause
+            raise StoreUnavailable(f"part {part.index}: transient store errors {tries} times, last: {cause!r}")
+        log.warning(
+            "Ray worker %d: part %d failed on a transient store error (%r); trying it again", slot, part.index, cause
+        )
+        self.queue.give_back(slot, part)
         self._submit(slot)
 
     def _replace(self, slot: int, part: Shard, exc: Exception) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from batchgen.backends.base import Backend
 from batchgen.dataset import InputFile, Shard, read_shards
 from batchgen.duplicate_ids import IdProblem
+from batchgen.faults import fault_point
 from batchgen.job import JobSpec
 from batchgen.parts import PartWriter
 from batchgen.prepare import RowPreparer
@@ -102,6 +103,7 @@ class PartWorker:
         fails (judged by the driver over the whole job)."""
         from batchgen.runner import JobRunner, _read_columns
 
+        fault_point("store_unavailable")
         backend, preparer = self._engine()
         _, table = next(read_shards(self.files, [shard], _read_columns(self.spec, self.carried)))
         runner = JobRunner(self.spec, quiet=True)

@@ -27,7 +27,7 @@ NUM_SHARDS = int(os.environ.get("BATCHGEN_SHARDS", "4"))
 # a cluster restarting is the common case), 130/143 SIGINT/SIGTERM, 137 SIGKILL as a shell reports
 # it. Everything else (2 bad job, 3 bad input, 4 model, 5 output, 8 finalize before every part is
 # committed) needs a person, not a retry.
-RETRYABLE_EXIT_CODES = frozenset({6, 7, 9, 130, 137, 143})
+RETRYABLE_EXIT_CODES = frozenset({6, 7, 9, 10, 130, 137, 143})
 
 
 def shard_commands(job: str, output: str, num_shards: int, batchgen: Sequence[str] = ("batchgen",)) -> dict:

@@ -15,9 +15,9 @@ from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.path import default_block_size, detect_support, has_softcap
 from batchgen.engine.core.block_manager import BlockManager
-from batchgen.engine.core.engine import Engine
 from batchgen.engine.core.scheduler import Scheduler
-from batchgen.engine.cpu.heap import keep_freed_memory
+from batchgen.engine.loop.engine import Engine
+from batchgen.engine.runner.backends import fast_greedy_for, prepare_process
 from batchgen.engine.runner.compiled_forward import resolve_compile
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import kv_spec, load_model, resolve_device, resolve_dtype, resolve_max_model_len
@@ -66,8 +66,7 @@ class LLM:
         config = engine_config(**settings)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
-        if torch_device.type == "cpu":
-            keep_freed_memory()  # why: activations freed each step are reused without page faults (cpu_heap)
+        prepare_process(torch_device)
         hf_model = load_model(model, torch_device, torch_dtype)
         self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
         config.max_model_len = self.max_model_len
@@ -98,7 +97,7 @@ class LLM:
         eos = eos_token_ids(hf_model, self.tokenizer)
         self.config = config
         vocab_size = int(hf_model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
-        sampler = Sampler(eos)
+        sampler = Sampler(eos, fast_greedy=fast_greedy_for(torch_device))
         # why the logits' width: penalties and grammar masks index logits, which may be wider than the embeddings
         head = hf_model.get_output_embeddings()
         width = int(getattr(head, "out_features", 0) or vocab_size)

@@ -47,7 +47,7 @@ SOURCES = ["gather", "rows", "rows_torch"]
 
 
 def _source(kind: str, dtype: torch.dtype = torch.float32, softcap: float | None = None) -> DecodeKVSource:
-    """As the model runner builds them (decode_native.kernels_for: the kernel for float32 without soft-capping)."""
+    """As the model runner builds them (cpu/backend.kernels_for: the kernel for float32 without soft-capping)."""
     if kind.startswith("rows"):
         wants_kernel = kind == "rows" and dtype == torch.float32 and softcap is None
         kernels = native.load() if wants_kernel else None

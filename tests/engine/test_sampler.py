@@ -12,6 +12,7 @@ import torch
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.cpu import native
+from batchgen.engine.cpu.argmax import native_greedy_ids
 from batchgen.engine.sampling.sampler import NUCLEUS_WINDOW, Sampler, greedy_ids
 
 VOCAB = 64
@@ -93,7 +94,7 @@ def test_greedy_ids_are_torch_max_indices_with_a_nan_flag(case: int) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # why: the 64 x 4,096 case splits its rows between two threads
     try:
-        ids, nan = greedy_ids(logits)
+        ids, nan = greedy_ids(logits, native_greedy_ids)
     finally:
         torch.set_num_threads(threads)
     assert native.load() is not None, "the native kernel did not build: this test checks it"
@@ -105,10 +106,12 @@ def test_greedy_ids_of_strided_rows_read_only_each_rows_own_entries() -> None:
     """Rows further apart than the vocabulary (a slice of wider logits), and rows not contiguous (torch)."""
     wide = torch.randn(6, 130, generator=torch.Generator().manual_seed(4))
     wide[:, 100:] = 1e9  # beyond each row's 100 entries: never its maximum
-    ids, nan = greedy_ids(wide[:, :100])
+    assert native_greedy_ids(wide[:, :100]) is not None  # the kernel reads these rows
+    ids, nan = greedy_ids(wide[:, :100], native_greedy_ids)
     assert ids.tolist() == wide[:, :100].argmax(dim=-1).tolist() and not nan
     columns = wide[:, :100].t()  # [100, 6], stride (1, 130): the torch path
-    ids, nan = greedy_ids(columns)
+    assert native_greedy_ids(columns) is None
+    ids, nan = greedy_ids(columns, native_greedy_ids)
     assert ids.tolist() == columns.argmax(dim=-1).tolist() and not nan
 
 

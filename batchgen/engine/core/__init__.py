@@ -1,5 +1,4 @@
-"""The step loop and the state it owns: requests, sequences, the scheduler and the KV block manager.
-
-The scheduler is the only writer of a sequence's progress and status; each step it hands the
-runner an immutable snapshot and the changes since the last one. No tensors here.
+"""The state of every sequence and who owns it: the scheduler (the only writer of a sequence's
+progress and status), its output (the step's chunks and what changed, as data), sequences and
+the KV block manager (block tables, prefix-cache hashes). No tensors here.
 """

@@ -21,10 +21,11 @@ from transformers import PretrainedConfig
 
 from batchgen.engine.attention.backend import AttentionBackend, Pools
 from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.cpu import native, native_ops
-from batchgen.engine.cpu.decode_native import kernels_for
 from batchgen.engine.cpu.decode_rows import DecodeRows
 from batchgen.engine.cpu.front import Front, open_front
+from batchgen.engine.cpu.native import NativeKernels
 from batchgen.engine.cpu.rows_view import RowsView
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class CpuBackend(AttentionBackend):
             device,
             max_rows,
             (kv_caches[0][0].shape[0] - 1) * block_size,  # the pool's tokens, without its trash block
-            kernels_for(config, device, dtype),
+            kernels_for(config, kvh, head_dim, dtype),
         )
         super().__init__(kv_caches, block_size, device, rows)
         self.rows = rows
@@ -112,3 +113,15 @@ class CpuBackend(AttentionBackend):
         raised = super().take_raised()
         message = self.front.take_error() if self.front is not None else None
         return RuntimeError(message) if raised is None and message else raised
+
+
+def kernels_for(config: PretrainedConfig, kv_heads: int, head_dim: int, dtype: torch.dtype) -> NativeKernels | None:
+    """The kernel, where it can attend this model's decodes: float32 rows, no logit soft-capping
+    (Gemma 2 keeps the torch math), query heads per KV head and head dim within the kernel's
+    limits. None elsewhere, or where it cannot be built (native.load logs why)."""
+    if dtype != torch.float32 or has_softcap(config):
+        return None
+    heads = config.get_text_config().num_attention_heads
+    if heads % kv_heads or heads // kv_heads > native.MAX_G or head_dim > native.MAX_D:
+        return None
+    return native.load()

@@ -18,12 +18,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from transformers import PretrainedConfig
 
-from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.native import NativeKernels
-from batchgen.engine.runner.models import kv_spec
 
 PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler shows for a kernel call
 
@@ -379,17 +376,3 @@ def fill_row(
             f"native row fill refused {length} positions from {blocks.shape[0]} blocks of {k.shape[1]} "
             f"(a pool of {k.shape[0]}) into a row of {cap}"
         )
-
-
-def kernels_for(config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
-    """The kernel, where it can attend this model's decodes: float32 rows on the CPU, no logit
-    soft-capping (Gemma 2 keeps the torch path), query heads per KV head and head dim within the
-    kernel's limits. None elsewhere, or where it cannot be built (native.load logs why)."""
-    if device.type != "cpu" or dtype != torch.float32 or has_softcap(config):
-        return None
-    text = config.get_text_config()
-    spec = kv_spec(config)
-    heads = text.num_attention_heads
-    if heads % spec.num_kv_heads or heads // spec.num_kv_heads > native.MAX_G or spec.head_dim > native.MAX_D:
-        return None
-    return native.load()

@@ -199,7 +199,7 @@ class DecodeRows:
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
         self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
         self.num_fills = 0  # rows filled from the pool (for tests and the benchmark)
-        self.native = native  # set: the native kernel attends the decodes (decode_native.kernels_for)
+        self.native = native  # set: the native kernel attends the decodes (cpu/backend.kernels_for)
         self._scratch = Scratch()
         self._arange = torch.arange(0, device=device)
         self._repeat: _Repeat | None = None  # the last native plan (see _repeated)

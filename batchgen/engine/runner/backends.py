@@ -1,5 +1,6 @@
-"""Choosing the device's parts: the attention backend (engine.attention_backend) and the model's
-CPU kernels. The one place where the runner's general code meets the device-specific rooms.
+"""Choosing the device's parts: the attention backend (engine.attention_backend), the model's CPU
+kernels, the sampler's greedy pass and the CPU thread governor. The one place where the general
+code meets the device-specific rooms.
 
 "auto" keeps the choices the engine made before backends had names: "cpu" on the CPU (decode
 rows, and the native kernel with its C++ front where it can attend the model), "torch" elsewhere
@@ -7,6 +8,9 @@ rows, and the native kernel with its C++ front where it can attend the model), "
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -52,3 +56,40 @@ def prepare_model(model: PreTrainedModel, device: torch.device, dtype: torch.dty
     from batchgen.engine.cpu.native_linear import install_native_linears
 
     return install_native_linears(model, device, dtype)
+
+
+def fast_greedy_for(device: torch.device) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """The device's own greedy pass for the sampler (sampling/sampler.greedy_ids), where it has one."""
+    if device.type != "cpu":
+        return None
+    from batchgen.engine.cpu.argmax import native_greedy_ids
+
+    return native_greedy_ids
+
+
+class StepHook(Protocol):
+    def tick(self) -> None: ...
+
+
+class _NoHook:
+    def tick(self) -> None:
+        return None
+
+
+def step_hook_for(device: torch.device) -> StepHook:
+    """What runs before each step on this device: on the CPU the thread governor (cpu/threads), which
+    sets torch's threads to the CPUs other processes leave free; elsewhere nothing."""
+    if device.type != "cpu":
+        return _NoHook()
+    from batchgen.engine.cpu.threads import ThreadGovernor
+
+    return ThreadGovernor()
+
+
+def prepare_process(device: torch.device) -> None:
+    """Once per engine, before the model loads: on the CPU, freed activation memory stays in the
+    process's heap instead of going back to the OS every step (cpu/heap)."""
+    if device.type == "cpu":
+        from batchgen.engine.cpu.heap import keep_freed_memory
+
+        keep_freed_memory()

@@ -36,7 +36,7 @@ from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
 from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch, ScheduledChunk
 from batchgen.engine.cuda.graphs import GraphDecode
-from batchgen.engine.runner.backends import make_backend, prepare_model, resolve_backend
+from batchgen.engine.runner.backends import make_backend, prepare_model, resolve_backend, step_hook_for
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
 from batchgen.engine.runner.transfers import Transfers
@@ -87,6 +87,7 @@ class ModelRunner:
         # why a lambda: a test may swap `transfers`; the batch's uploads follow it
         self.batch = SamplingBatch(device, to_device=lambda t: self.transfers.to_device(t))
         self.native_linears = prepare_model(model, device, dtype)
+        self.threads = step_hook_for(device)  # on the CPU: torch's threads follow the machine's load
         self.forward = StepForward(
             model, compile, max_num_batched_tokens, fallback=compile_fallback, take_raised=self.backend.take_raised
         )
@@ -112,6 +113,7 @@ class ModelRunner:
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
+        self.threads.tick()
         self.apply(batch.update)
         self.copy_blocks(batch.copies)  # copy-on-write of forked samples' shared last block, before any write
         if self.graphs is not None and all(c.is_decode for c in chunks):  # pragma: no cover - CUDA only

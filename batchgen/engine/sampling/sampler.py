@@ -13,14 +13,13 @@ the step's rows, built once while the batch is unchanged (sampling/batch).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 
 from batchgen.engine.core.scheduler_output import NewSequence
 from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.cpu import native
-from batchgen.engine.runner.transfers import Transfers
 from batchgen.engine.sampling.batch import SamplingBatch, SamplingStep
 from batchgen.engine.sampling.penalties import LogitsFeatures
 
@@ -39,13 +38,17 @@ class Sampler:
     penalty and grammar state, output counts) is the SamplingBatch's, not the sampler's.
     """
 
-    def __init__(self, eos_token_ids: Iterable[int], seed: int | None = None) -> None:
+    def __init__(
+        self, eos_token_ids: Iterable[int], seed: int | None = None, fast_greedy: FastGreedy | None = None
+    ) -> None:
+        """`fast_greedy`: the device's own greedy pass, where it has one (see greedy_ids)."""
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
+        self.fast_greedy = fast_greedy
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         # penalties, biases, bans, grammars (batchgen/engine/sampling/penalties.py); rows hold their state
         self.features: LogitsFeatures | None = None
-        self.transfers: Transfers | None = None  # set by the engine: host->device copies are counted there
+        self.transfers: HostToDevice | None = None  # set by the engine: host->device copies are counted there
         self._own: SamplingBatch | None = None  # __call__'s rows, for callers without a model runner
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -108,7 +111,7 @@ class Sampler:
         """-> (ids [num_seqs], the NaN flag of `logits` when greedy rows took every row's maximum, else None)."""
         if len(step.sample_rows) == len(step.seq_ids):
             return self._sample(logits, step), None
-        tokens, nan = greedy_ids(logits)  # [num_seqs] greedy for every row; sampled rows overwritten
+        tokens, nan = greedy_ids(logits, self.fast_greedy)  # [num_seqs] greedy for every row; sampled rows overwritten
         if step.sample_rows:
             rows = step.sample_index
             assert rows is not None  # set whenever only some rows sample
@@ -181,23 +184,26 @@ class Sampler:
         return generator
 
 
-def greedy_ids(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class HostToDevice(Protocol):
+    """What the sampler needs of the runner's Transfers (runner/transfers): a counted host->device copy."""
+
+    def to_device(self, values: torch.Tensor) -> torch.Tensor: ...
+
+
+FastGreedy = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
+def greedy_ids(logits: torch.Tensor, fast: FastGreedy | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V] -> (each row's first index of its maximum [n] int64, a 0-d bool: some entry is NaN).
 
-    The index is torch.max(dim=-1)'s (a NaN row gives its first NaN). On the CPU, float32 rows go
-    through the native kernel (csrc/row_argmax.c): one pass over the rows for both results, where
-    torch's max over the last dimension took ~160 us for 64 x 4,096 logits just after the forward
-    and the flag a second pass over its maxima. Why max(), not argmax(), otherwise: the same index,
-    ~3x faster on CPU.
+    The index is torch.max(dim=-1)'s (a NaN row gives its first NaN). `fast`: a device's own pass
+    for both results (the CPU's native kernel, cpu/argmax), used where it answers. Why max(), not
+    argmax(), otherwise: the same index, ~3x faster on CPU.
     """
-    n, vocab = logits.shape
-    kernel = native.argmax() if logits.is_cpu and logits.dtype == torch.float32 and vocab else None
-    if kernel is None or logits.stride(1) != 1:
-        row_max, ids = logits.max(dim=-1)
-        return ids, row_max.amax().isnan()
-    ids = torch.empty(n, dtype=torch.int64)
-    nan_rows = kernel(n, vocab, logits.data_ptr(), logits.stride(0), ids.data_ptr(), native.threads())
-    return ids, torch.tensor(nan_rows > 0)
+    if fast is not None and (found := fast(logits)) is not None:
+        return found
+    row_max, ids = logits.max(dim=-1)
+    return ids, row_max.amax().isnan()
 
 
 def _filter_top_k_top_p(

@@ -28,12 +28,11 @@ import torch
 
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.generate_loop import run_to_completion
-from batchgen.engine.core.requests import RequestState, RequestTable, SampleState, fork_params
 from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
 from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.core.stats import EngineStats
-from batchgen.engine.cpu.threads import ThreadGovernor
+from batchgen.engine.loop.generate_loop import run_to_completion
+from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState, fork_params
+from batchgen.engine.loop.stats import EngineStats
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.sampling.logprobs import TokenTexts, take_logprobs
 from batchgen.engine.sampling.penalties import LogitsFeatures
@@ -60,7 +59,6 @@ class Engine:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.vocab_size = vocab_size
         self.stats = EngineStats()
-        self.threads = ThreadGovernor(enabled=runner.device.type == "cpu")
         self.texts = TokenTexts(tokenizer)
         self.requests = RequestTable()
         sampler.transfers = runner.transfers
@@ -135,7 +133,6 @@ class Engine:
             )
         sampled = batch.sampled
         self.stats.count(batch)
-        self.threads.tick()
         logits = self.runner.execute(batch)  # [len(sampled) + prompt-logprob rows, vocab]; applies batch.update
         self.scheduler.advance(batch)
         if logits.shape[0] > len(sampled):

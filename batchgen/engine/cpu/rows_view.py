@@ -21,7 +21,7 @@ from batchgen.engine.cpu.decode_native import NativeStep, fill_row
 class ClassStep:
     """One class's part of a step: its decodes are rows 0..n-1, in packed order."""
 
-    # per layer, indexed [rows, KVH, D, class length]; with the kernel, in its tiles (decode_rows._Pack._keys)
+    # per layer, indexed [rows, KVH, D, class length]; with the kernel, in its tiles (row_pack.RowPack._keys)
     k: list[torch.Tensor]
     v: list[torch.Tensor]  # per layer [rows, KVH, class length, D]
     num_rows: int
@@ -106,7 +106,7 @@ class RowsView:
                 continue
             k, v = step.k[layer], step.v[layer]
             for row, length, blocks in step.fills:
-                if k.dim() == 5:  # the kernel's tiles (decode_rows._Pack._keys), only ever made for the kernel
+                if k.dim() == 5:  # the kernel's tiles (row_pack.RowPack._keys), only ever made for the kernel
                     if self.native is None:
                         raise RuntimeError("decode rows in the native kernel's tiles, but no native step to fill them")
                     fill_row(self.native.kernels, pool, blocks, length, k[row], v[row])

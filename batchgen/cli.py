@@ -51,7 +51,20 @@ def main() -> None:
     metavar="I/N",
     help="Only the parts of static shard I of N (part p belongs to shard p % N; I counts from 0).",
 )
-def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool, shard: ShardSpec | None) -> None:
+@click.option(
+    "--allow-precision-change",
+    is_flag=True,
+    help="Resume even where the device type or dtype resolves differently from the parts already "
+    "committed (the _SUCCESS manifest lists every runtime).",
+)
+def run(
+    job_file: str,
+    overrides: tuple[str, ...],
+    quiet: bool,
+    overwrite: bool,
+    shard: ShardSpec | None,
+    allow_precision_change: bool,
+) -> None:
     """Run JOB_FILE: answer every input row and write the output Parquet dataset.
 
     A rerun after a crash or kill resumes: committed parts are kept, the rest is computed.
@@ -66,7 +79,8 @@ def run(job_file: str, overrides: tuple[str, ...], quiet: bool, overwrite: bool,
 
     def work() -> None:
         spec = load_job(job_file, list(overrides))
-        summary = JobRunner(spec, quiet=quiet, overwrite=overwrite, shard=shard).run()
+        runner = JobRunner(spec, quiet, overwrite, shard, allow_precision_change)
+        summary = runner.run()
         click.echo(f"batchgen: {summary.line()}")
         if not quiet:
             click.echo(f"batchgen: output in {display_uri(spec.output.path)}")

@@ -17,6 +17,8 @@ _KILL_POINTS = {
     "before_success",
     "mid_engine",
     "record_temp_write",
+    "part_record_write",
+    "runtime_record_write",
     "success_temp_write",
 }
 _RAISE_POINTS = {"engine_exception"}

@@ -4,6 +4,7 @@ change; duplicate ids are judged over the whole job; locks keep shards apart fro
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -225,11 +226,16 @@ def test_finalize_outside_an_output_is_bad_input(tmp_path: Path) -> None:
 
 
 def test_a_committed_part_is_never_replaced(tmp_path: Path) -> None:
+    (tmp_path / "_JOB.json").write_text('{"id": "x"}')  # a run has claimed the output
     writer = PartWriter(tmp_path, pa.schema([("x", pa.int64())]))
-    assert writer.write_part(0, pa.table({"x": [1]}))
-    assert not writer.write_part(0, pa.table({"x": [2]}))
+    first = writer.write_part(0, pa.table({"x": [1]}))
+    assert first is not None and not writer.write_part(0, pa.table({"x": [2]}))
     assert ds.dataset(tmp_path, format="parquet").to_table().column("x").to_pylist() == [1]
     assert not list(tmp_path.glob(".*.tmp"))
+    # both writers described their bytes before committing; the part that landed matches one of them
+    described = json.loads((tmp_path / "_JOB.json").read_text())["part_checks"]["part-000000.parquet"]
+    assert first.as_json() in described and len(described) == 2
+    assert hashlib.sha256((tmp_path / "part-000000.parquet").read_bytes()).hexdigest() == first.sha256
 
 
 def test_a_shard_removes_only_its_own_parts_temp_files(tmp_path: Path) -> None:

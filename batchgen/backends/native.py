@@ -17,19 +17,25 @@ class NativeBackend:
 
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
         from batchgen.engine.llm import LLM
+        from batchgen.engine.models import resolve_device, resolve_dtype
 
         try:
+            # Why resolved here: the engine is handed the very device and dtype the job record names.
+            device = resolve_device(spec.model.device)
+            dtype = resolve_dtype(spec.model.dtype, device)
             with weight_errors_as_model_errors(spec.model.path):
-                self.llm = LLM(
-                    str(spec.model.path),
-                    tokenizer=tokenizer,
-                    device=spec.model.device,
-                    dtype=spec.model.dtype,
-                    **spec.engine.engine_settings(),
-                )
+                settings = spec.engine.engine_settings()
+                self.llm = LLM(str(spec.model.path), tokenizer=tokenizer, device=str(device), dtype=dtype, **settings)
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: {exc}") from exc
+        self.runtime = {"device": device.type, "dtype": str(dtype).removeprefix("torch.")}
         self.max_model_len = self.llm.max_model_len
+
+    def resolved(self) -> dict[str, str]:
+        """The device and dtype, and whatever the engine reports it resolved (its `resolved()`,
+        e.g. the attention backend, once it has one: then recorded with no change here)."""
+        engine = getattr(self.llm, "resolved", None)
+        return {**self.runtime, **(engine() if callable(engine) else {})}
 
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None

@@ -132,6 +132,8 @@ def test_resuming_on_another_device_or_dtype_is_refused_unless_allowed(
     assert manifest["runtimes"] == [{"device": "cpu", "dtype": "float32"}, {"device": "cuda", "dtype": "bfloat16"}]
     assert manifest["precision_changed"] is True
     assert {c["runtime"] for checks in _record(out)["part_checks"].values() for c in checks} == {0, 1}
+    report = CliRunner().invoke(main, ["report", str(out)])
+    assert report.exit_code == 0 and "parts from several runtimes: cpu, float32; cuda, bfloat16" in report.output
 
 
 def test_resuming_on_the_same_runtime_says_nothing_of_runtimes(

@@ -1,4 +1,4 @@
-"""Which resolved runtime (device type, dtype, and whatever else the backend resolves) generated
+"""Which resolved runtime (device type, dtype, attention backend: what the backend resolves) generated
 an output's parts, kept in the job record (`_JOB.json`, key `runtimes`), and the refusal to mix.
 
 Why: the job file may say `device: auto` and `dtype: auto`, which the fingerprint keeps as written;
@@ -9,8 +9,8 @@ two shards starting at once on different machines cannot both win); a different 
 runtime that made parts.
 
 The description comes from `Backend.resolved()`: a flat dict of names to strings. Two descriptions
-differ when a name they share has different values; a name only one has (added by a later batchgen,
-e.g. the attention backend) is no difference, and is added to the record's entry.
+differ when a name they share has different values; a name only one has (the attention backend in
+a record made before it was recorded) is no difference, and is added to the record's entry.
 """
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ def _refusal(storage: Storage, others: list[dict[str, str]], resolved: Mapping[s
     made = "; ".join(describe_runtime(r) for r in others)
     return (
         f"{storage.where}: its parts were generated on {made}, and this run resolves to {describe_runtime(resolved)}: "
-        "parts of one output made on different devices or precisions differ silently. Run it where model.device "
-        "and model.dtype resolve the same (or set them explicitly), start again with --overwrite, or accept "
-        f"mixed parts with {ALLOW_FLAG} (the _SUCCESS manifest then lists every runtime)"
+        "parts of one output made on different devices, precisions or attention backends differ silently. Run it "
+        "where model.device, model.dtype and engine.attention_backend resolve the same (or set them explicitly), "
+        f"start again with --overwrite, or accept mixed parts with {ALLOW_FLAG} (the _SUCCESS manifest then "
+        "lists every runtime)"
     )
 
 

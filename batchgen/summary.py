@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.runtime_record import describe_runtime
 from batchgen.usage.totals import Totals
 
 
@@ -25,7 +26,7 @@ class Summary:
         """Named only when they differ: parts of this output came from several (allowed) runtimes."""
         if not self.manifest.get("precision_changed"):
             return ""
-        made = "; ".join(", ".join(r.values()) for r in self.manifest["runtimes"])
+        made = "; ".join(describe_runtime(r) for r in self.manifest["runtimes"])
         return f" | mixed runtimes (allowed): {made}"
 
     def line(self) -> str:

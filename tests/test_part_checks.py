@@ -26,6 +26,8 @@ WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "
 # cached_tokens is left out: a redone part shares its process's prefix cache with other parts than
 # in a clean run (README, "cached_tokens under shards and resume"); every other column must match.
 COLUMNS = ["id", "generated_text", "finish_reason", "input_tokens", "output_tokens"]
+CPU = {"device": "cpu", "dtype": "float32", "attention_backend": "cpu"}  # what `auto` resolves to here
+GPU = {"device": "cuda", "dtype": "bfloat16", "attention_backend": "torch"}  # and on a GPU
 
 
 def _job(tmp_path: Path, model: Path) -> tuple[Path, Path]:
@@ -110,7 +112,7 @@ def _started_on_cpu(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("BATCHGEN_FAULT", "engine_exception:9")
     assert _run(job)[0] == 6
     monkeypatch.delenv("BATCHGEN_FAULT")
-    assert _record(out)["runtimes"] == [{"device": "cpu", "dtype": "float32"}]
+    assert _record(out)["runtimes"] == [CPU]
     return job, out
 
 
@@ -120,20 +122,21 @@ def test_resuming_on_another_device_or_dtype_is_refused_unless_allowed(
     job, out = _started_on_cpu(tmp_path, tiny_model_dir, monkeypatch)
     kept = sorted(p.name for p in out.glob("part-*"))
     # as if `device: auto` and `dtype: auto` now resolved on a GPU
-    monkeypatch.setattr(NativeBackend, "resolved", lambda self: {"device": "cuda", "dtype": "bfloat16"})
+    monkeypatch.setattr(NativeBackend, "resolved", lambda self: GPU)
     code, text = _run(job)
     assert code == 2, text
-    assert "generated on cpu, float32, and this run resolves to cuda, bfloat16" in text
+    assert "generated on cpu, float32, attention_backend cpu, and this run resolves to cuda, bfloat16" in text
     assert "--allow-precision-change" in text
     assert sorted(p.name for p in out.glob("part-*")) == kept  # nothing generated, nothing committed
     code, text = _run(job, "--allow-precision-change")
-    assert code == 0 and "mixed runtimes (allowed): cpu, float32; cuda, bfloat16" in text, text
+    both = "cpu, float32, attention_backend cpu; cuda, bfloat16, attention_backend torch"
+    assert code == 0 and f"mixed runtimes (allowed): {both}" in text, text
     manifest = json.loads((out / "_SUCCESS").read_text())
-    assert manifest["runtimes"] == [{"device": "cpu", "dtype": "float32"}, {"device": "cuda", "dtype": "bfloat16"}]
+    assert manifest["runtimes"] == [CPU, GPU]
     assert manifest["precision_changed"] is True
     assert {c["runtime"] for checks in _record(out)["part_checks"].values() for c in checks} == {0, 1}
     report = CliRunner().invoke(main, ["report", str(out)])
-    assert report.exit_code == 0 and "parts from several runtimes: cpu, float32; cuda, bfloat16" in report.output
+    assert report.exit_code == 0 and f"parts from several runtimes: {both}" in report.output
 
 
 def test_resuming_on_the_same_runtime_says_nothing_of_runtimes(
@@ -143,7 +146,20 @@ def test_resuming_on_the_same_runtime_says_nothing_of_runtimes(
     code, text = _run(job)
     assert code == 0 and "mixed runtimes" not in text, text
     manifest = json.loads((out / "_SUCCESS").read_text())
-    assert manifest["runtimes"] == [{"device": "cpu", "dtype": "float32"}] and "precision_changed" not in manifest
+    assert manifest["runtimes"] == [CPU] and "precision_changed" not in manifest
+
+
+def test_another_attention_backend_is_refused_too(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """engine.attention_backend is a tuning key (outside the fingerprint), but its kernels round
+    differently: a resume with another one is refused as another precision is, with no stand-in."""
+    job, _ = _started_on_cpu(tmp_path, tiny_model_dir, monkeypatch)
+    code, text = _run(job, "--set", "engine.attention_backend=torch")
+    assert code == 2 and "and this run resolves to cpu, float32, attention_backend torch" in text, text
+    code, text = _run(job, "--set", "engine.attention_backend=torch", "--allow-precision-change")
+    both = "cpu, float32, attention_backend cpu; cpu, float32, attention_backend torch"
+    assert code == 0 and f"mixed runtimes (allowed): {both}" in text, text
 
 
 def test_a_runtime_key_added_later_is_no_difference(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import pyarrow.dataset as ds
 
 from batchgen.errors import InputDataError
 from batchgen.jobstate import LOCK_NAME, RECORD_NAME, SUCCESS_NAME
+from batchgen.runtime_record import describe_runtime
 from batchgen.storage import Storage, open_storage
 from batchgen.usage.totals import IntHistogram, Totals, add_counts
 
@@ -252,7 +253,7 @@ def _status(storage: Storage, num_parts: int, totals: GroupStats) -> OutputStatu
         manifest = json.loads(text)
     except (OSError, ValueError) as exc:
         return OutputStatus(parts=num_parts, finished=True, mismatches=[f"cannot read {success}: {exc}"])
-    mixed = [", ".join(r.values()) for r in manifest.get("runtimes", [])] if manifest.get("precision_changed") else []
+    mixed = [describe_runtime(r) for r in manifest.get("runtimes", [])] if manifest.get("precision_changed") else []
     return OutputStatus(num_parts, True, _mismatches(manifest, num_parts, totals), mixed)
 
 

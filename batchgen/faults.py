@@ -3,7 +3,7 @@
 Set BATCHGEN_FAULT=<point> (or <point>:<n> to fire on the n-th pass) in a test's subprocess.
 `kill` points SIGKILL the process, exactly like the OOM killer would (BATCHGEN_FAULT_SIGNAL=SIGTERM
 or SIGINT sends that signal instead, as a scheduler or Ctrl-C would, at that exact line); `raise`
-points raise an exception, like a failing engine. Unset, every point is one dictionary lookup.
+points raise an exception, like a failing engine. Unset, every point is two environment lookups.
 
 BATCHGEN_FAULT_PAUSE=<folder> makes any point a pause instead: the first process to reach it
 writes its pid to `<folder>/<point>.paused` and waits there until `<folder>/<point>.resume` exists.

@@ -60,6 +60,12 @@ def main() -> None:
     metavar="I/N",
     help="Only the parts of static shard I of N (part p belongs to shard p % N; I counts from 0).",
 )
+@click.option(
+    "--allow-precision-change",
+    is_flag=True,
+    help="Resume even where the device type or dtype resolves differently from the parts already "
+    "committed (the _SUCCESS manifest lists every runtime).",
+)
 def run(
     job_file: str,
     overrides: tuple[str, ...],
@@ -67,6 +73,7 @@ def run(
     overwrite: bool,
     single_writer: bool,
     shard: ShardSpec | None,
+    allow_precision_change: bool,
 ) -> None:
     """Run JOB_FILE: answer every input row and write the output Parquet dataset.
 
@@ -82,7 +89,8 @@ def run(
 
     def work() -> None:
         spec = load_job(job_file, [*overrides, *(["output.single_writer=true"] if single_writer else [])])
-        summary = JobRunner(spec, quiet=quiet, overwrite=overwrite, shard=shard).run()
+        runner = JobRunner(spec, quiet, overwrite, shard, allow_precision_change)
+        summary = runner.run()
         click.echo(f"batchgen: {summary.line()}")
         if not quiet:
             click.echo(f"batchgen: output in {display_uri(spec.output.path)}")

@@ -9,6 +9,7 @@ pipeline step can write it without the job file.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import time
@@ -23,10 +24,13 @@ from batchgen.dataset import InputFile
 from batchgen.errors import IncompleteOutput, InputDataError
 from batchgen.job import JobSpec
 from batchgen.jobstate import RECORD_NAME, SUCCESS_NAME, OutputLock, OutputState
+from batchgen.part_record import audit_parts
 from batchgen.parts import part_name, write_success
+from batchgen.runtime_record import manifest_runtimes
 from batchgen.storage import open_storage
 from batchgen.usage.totals import Totals
 
+log = logging.getLogger(__name__)
 SHOWN_MISSING = 5  # missing parts named in finalize's refusal; the rest are counted
 
 
@@ -52,6 +56,7 @@ def build_manifest(totals: Totals, record: dict[str, Any], started: float, wall:
         "inputs": facts["inputs"],
         "fingerprint": record["id"],
         "backend": facts["backend"],
+        **manifest_runtimes(record),
         "versions": _versions(),
         "timings": {
             "started": datetime.fromtimestamp(started, timezone.utc).isoformat(),
@@ -66,16 +71,23 @@ def complete_from_parts(state: OutputState, record: dict[str, Any]) -> tuple[dic
 
     Totals are summed from the committed parts, never from a process's counters: whichever shard
     (or finalize) writes it, and however many at once, the figures are the same. Timings span from
-    the record's start (the first run of this output) to now.
+    the record's start (the first run of this output) to now. A part that fails its check against
+    the record (part_record: truncated, replaced) counts as missing: its shard's rerun redoes it.
     """
     committed = state.committed_parts()  # why once: on an object store each listing is a request
-    missing = [i for i in range(record["run"]["parts"]) if i not in committed]
+    planned = record["run"]["parts"]
+    missing = [i for i in range(planned) if i not in committed]
     if missing:
         return None, missing
+    record = state.read_record() or record  # why again: the parts' checks and runtimes grew since the run began
+    audit = audit_parts(state.storage, committed, dict.fromkeys(range(planned)), record)
+    for index, why in sorted(audit.bad.items()):
+        log.warning("%s: %s; not counted: rerun the shard that owns it", state.storage.describe(committed[index]), why)
+    if audit.bad:
+        return None, sorted(audit.bad)
     totals = Totals()
-    for index, name in committed.items():
-        if index < record["run"]["parts"]:
-            totals.merge(state.totals_of(name))
+    for part_totals in audit.kept.values():
+        totals.merge(part_totals)
     started = float(record["run"]["started"])
     manifest = build_manifest(totals, record, started, time.time() - started, totals.output_tokens)
     write_success(state.storage, manifest)

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"
 RECORD_NAME = "_JOB.json"
 SUCCESS_NAME = "_SUCCESS"
+# Record keys that runs of one job add to as they go (part_record, runtime_record): a refreshed record keeps them.
+ACCUMULATED = ("part_checks", "runtimes")
 
 
 class OutputLock:
@@ -186,6 +188,8 @@ class OutputState:
             raise RuntimeError("claim_record needs check_record first (it writes over what that read)")
         old = self._parse_record(self._seen)
         if refresh or old is None or old.get("id") != record["id"] or "run" not in old:
+            if old is not None and old.get("id") == record["id"]:  # why: what the parts' checks need stays
+                record = {**record, **{k: old[k] for k in ACCUMULATED if k in old}}
             text = json.dumps(record, indent=2, sort_keys=True)
             try:
                 self.storage.swap_text(RECORD_NAME, text, self._seen, "record_temp_write")

@@ -165,11 +165,16 @@ class ObjectStorage(Storage):
             return True
         return bool(writer.swap(self._bucket_key(name)[1], data, expected.encode("utf-8")))
 
-    def write_parquet(self, name: str, table: pa.Table, fault: str) -> bool:
+    def write_parquet(
+        self, name: str, table: pa.Table, fault: str, before_commit: Callable[[bytes], None] | None = None
+    ) -> bool:
         sink = pa.BufferOutputStream()  # why in memory: a failed write must never reach the store half
         pq.write_table(table, sink)
+        data = sink.getvalue().to_pybytes()
+        if before_commit is not None:
+            before_commit(data)
         fault_point(fault)
-        return self._put(name, sink.getvalue().to_pybytes(), replace=False)
+        return self._put(name, data, replace=False)
 
     def delete(self, name: str) -> None:
         if self.guard is not None:
@@ -191,6 +196,13 @@ class ObjectStorage(Storage):
 
     def read_table(self, name: str, columns: list[str]) -> pa.Table:
         return self._retry("read", lambda: pq.read_table(self.key(name), columns=columns, filesystem=self.fs), name)
+
+    def read_bytes(self, name: str) -> bytes:
+        def read() -> bytes:
+            with self.fs.open_input_stream(self.key(name)) as stream:
+                return bytes(stream.read())
+
+        return self._retry("read", read, name)
 
     def dataset(self, names: list[str]) -> ds.Dataset:
         return ds.dataset([self.key(n) for n in names], format="parquet", filesystem=self.fs)

@@ -16,6 +16,8 @@ import pyarrow as pa
 
 from batchgen.errors import OutputError
 from batchgen.faults import fault_point
+from batchgen.part_record import PartFacts, describe_parts
+from batchgen.runtime_record import claim_runtime
 from batchgen.storage import Storage, open_storage, temp_name
 
 
@@ -28,6 +30,10 @@ class PartWriter:
     complete; on an object store by one write of the whole object. A reader (or a resumed run)
     never sees half a part under a final name.
 
+    Each part is described in the job record (rows, bytes, sha256: `part_record`) just before its
+    commit, tagged with the runtime this process claimed (`claim_runtime`; the claim is kept for
+    the writer's later parts, so a Ray worker claims once, with its pickled copy).
+
     `out_dir` is a local folder, an `s3://` / `gs://` URI (with `storage_options`) or a Storage.
     """
 
@@ -37,23 +43,37 @@ class PartWriter:
         schema: pa.Schema,
         storage_options: Mapping[str, Any] | None = None,
         single_writer: bool = False,
+        allow_runtime_change: bool = False,
     ) -> None:
         self.storage = open_storage(out_dir, storage_options, single_writer)
         self.schema = schema
+        self.allow_runtime_change = allow_runtime_change
+        self.runtime: int | None = None  # index in the record's runtimes, once claimed
+
+    def claim_runtime(self, resolved: Mapping[str, str]) -> None:
+        """Claim this process's resolved runtime in the job record (see runtime_record); once."""
+        if self.runtime is None:
+            self.runtime = claim_runtime(self.storage, resolved, self.allow_runtime_change)
 
     def prepare(self) -> None:
         self.storage.prepare()
 
-    def write_part(self, index: int, table: pa.Table) -> bool:
-        """Commit part `index`; False when it was already committed (by a concurrent shard run of
-        another N): the existing part is kept, never replaced, so each row lands once."""
+    def write_part(self, index: int, table: pa.Table) -> PartFacts | None:
+        """Commit part `index`: its description; None when it was already committed (by a concurrent
+        shard run of another N): the existing part is kept, never replaced, so each row lands once."""
         name = part_name(index)
+        described: list[PartFacts] = []
+
+        def describe(data: bytes) -> None:
+            described.append(PartFacts.of(data, table.num_rows, self.runtime))
+            describe_parts(self.storage, {name: described[-1]})
+
         try:
-            committed = self.storage.write_parquet(name, table.cast(self.schema), "after_temp_write")
+            committed = self.storage.write_parquet(name, table.cast(self.schema), "after_temp_write", describe)
             fault_point("after_rename")
         except OSError as exc:
             raise OutputError(f"{self.storage.describe(name)}: cannot write part: {write_problem(exc)}") from exc
-        return committed
+        return described[-1] if committed else None
 
     def write_success(self, manifest: dict[str, Any]) -> Path | str:
         return write_success(self.storage, manifest)

@@ -202,8 +202,11 @@ class Storage(ABC):
         False, and nothing written, when it is not. Atomic against any other swap of `name`."""
 
     @abstractmethod
-    def write_parquet(self, name: str, table: pa.Table, fault: str) -> bool:
-        """Commit `table` as `name` whole; False (and the existing file kept) when it exists."""
+    def write_parquet(
+        self, name: str, table: pa.Table, fault: str, before_commit: Callable[[bytes], None] | None = None
+    ) -> bool:
+        """Commit `table` as `name` whole; False (and the existing file kept) when it exists.
+        `before_commit` gets the exact bytes about to be committed, before they can be seen."""
 
     @abstractmethod
     def delete(self, name: str) -> None: ...
@@ -218,6 +221,10 @@ class Storage(ABC):
 
     @abstractmethod
     def read_table(self, name: str, columns: list[str]) -> pa.Table: ...
+
+    @abstractmethod
+    def read_bytes(self, name: str) -> bytes:
+        """The whole file (FileNotFoundError when there is none)."""
 
     @abstractmethod
     def dataset(self, names: list[str]) -> ds.Dataset: ...
@@ -276,10 +283,17 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)  # drops the flock
 
-    def write_parquet(self, name: str, table: pa.Table, fault: str) -> bool:
+    def write_parquet(
+        self, name: str, table: pa.Table, fault: str, before_commit: Callable[[bytes], None] | None = None
+    ) -> bool:
         from batchgen.parts import atomic_write
 
-        return atomic_write(self.folder / name, lambda tmp: pq.write_table(table, tmp), fault, replace=False)
+        def write(tmp: Path) -> None:
+            pq.write_table(table, tmp)
+            if before_commit is not None:
+                before_commit(tmp.read_bytes())  # why read back: the bytes on disk are the ones described
+
+        return atomic_write(self.folder / name, write, fault, replace=False)
 
     def delete(self, name: str) -> None:
         (self.folder / name).unlink(missing_ok=True)
@@ -293,6 +307,9 @@ class LocalStorage(Storage):
 
     def read_table(self, name: str, columns: list[str]) -> pa.Table:
         return pq.read_table(self.folder / name, columns=columns)
+
+    def read_bytes(self, name: str) -> bytes:
+        return (self.folder / name).read_bytes()
 
     def dataset(self, names: list[str]) -> ds.Dataset:
         return ds.dataset([str(self.folder / n) for n in names], format="parquet")

@@ -28,6 +28,8 @@ from batchgen.job import load_job
 
 class StandIn:
     name, max_model_len = "stand-in", 1024
+    def resolved(self):
+        return {"device": "cpu", "dtype": "stand-in"}
     def generate(self, prompts, params, on_output=None):
         outs = []
         for i, ids in enumerate(prompts):

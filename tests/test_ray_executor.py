@@ -12,7 +12,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
+from batchgen import faults
 from batchgen.cli import main
 from batchgen.dataset import Shard
 from batchgen.errors import EngineFailure, ExecutorError
@@ -67,13 +67,22 @@ def _run(job: Path) -> tuple[JobRunner, Summary]:
 
 
 @pytest.fixture(scope="module")
-def ray_instance() -> Iterator[Any]:
+def fault_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where a test writes the fault its Ray workers should meet (faults.py: BATCHGEN_FAULT_FILE);
+    absent, none. Why a file: the workers start with the module's Ray, before any test sets a fault."""
+    return tmp_path_factory.mktemp("faults") / "fault"
+
+
+@pytest.fixture(scope="module")
+def ray_instance(fault_file: Path) -> Iterator[Any]:
     """One local Ray instance for the module (the runner uses a Ray already initialised in its process)."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    yield ray
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("BATCHGEN_FAULT_FILE", str(fault_file))  # the workers inherit it from the Ray started here
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        yield ray
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -151,48 +160,25 @@ def test_two_ray_workers_give_the_rows_of_a_local_run(
     assert done["tokens"]["output"] == sum(usage.column("output_tokens").to_pylist())
 
 
-def _workers_running_a_part() -> list[int]:
-    """Pids of this test process's Ray actors busy in run_part (Ray names the process after the call)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            title = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0]
-        except (OSError, ValueError):
-            continue
-        if title.startswith(b"ray::PartWorker.run_part") and _descends_from_us(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-def _descends_from_us(pid: int) -> bool:
-    while pid > 1:
-        if pid == os.getpid():
-            return True
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-    return False
-
-
 @pytest.mark.slow
 def test_a_worker_killed_mid_part_is_replaced_and_every_row_lands_once(
-    ray_instance: Any, tmp_path: Path, tiny_model_dir: Path, reference: list[tuple[Any, ...]]
+    ray_instance: Any, fault_file: Path, tmp_path: Path, tiny_model_dir: Path, reference: list[tuple[Any, ...]]
 ) -> None:
-    job, out = _job(tmp_path, tiny_model_dir, "out", RAY), tmp_path / "out"
+    job, out, pause = _job(tmp_path, tiny_model_dir, "out", RAY), tmp_path / "out", tmp_path / "pause"
+    pause.mkdir()
+    # Each worker counts its own outputs: the 25th is in its second part (20 rows each), after its
+    # first commit. The first worker there pauses (the others, a replacement included, go on).
+    fault_file.write_text(f"BATCHGEN_FAULT=mid_engine:25\nBATCHGEN_FAULT_PAUSE={pause}\n")
     result: dict[str, Any] = {}
     driver = threading.Thread(target=lambda: result.update(runner=_run(job)[0]), daemon=True)
     driver.start()
-    killed = None
-    deadline = time.monotonic() + 120
-    while killed is None and driver.is_alive() and time.monotonic() < deadline:
-        busy = _workers_running_a_part() if out.exists() and LocalStorage(out).committed_parts() else []
-        if busy:  # a part is committed and another is under way: kill that worker as the OOM killer would
-            killed = busy[0]
-            os.kill(killed, signal.SIGKILL)
-        time.sleep(0.05)
+    try:
+        paused = faults.wait_paused(pause, "mid_engine", driver.is_alive, timeout=240)
+        assert LocalStorage(out).committed_parts()  # a part is committed and another under way in `paused`
+        os.kill(paused, signal.SIGKILL)  # as the OOM killer would
+    finally:
+        fault_file.unlink()
     driver.join(timeout=180)
-    assert killed is not None, "no worker was seen mid-part"
     runner = result["runner"]
     assert runner.executor.stats.replaced == 1
     assert _rows(out) == reference

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from batchgen import faults
 from batchgen.cli import main
 from batchgen.jobstate import OutputLock
 from tests.conftest import make_job, write_job, write_parquet
@@ -42,13 +43,20 @@ def _job(tmp_path: Path, model: Path, out: Path, rows: int = ROWS, backend: str 
 
 
 def _cli(
-    job: Path, *args: str, fault: str | None = None, wait: bool = True, fault_signal: str | None = None
+    job: Path,
+    *args: str,
+    fault: str | None = None,
+    wait: bool = True,
+    fault_signal: str | None = None,
+    pause: Path | None = None,
 ) -> subprocess.Popen | subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGEN_FAULT")}
     if fault:
         env["BATCHGEN_FAULT"] = fault
     if fault_signal:
         env["BATCHGEN_FAULT_SIGNAL"] = fault_signal
+    if pause:
+        env["BATCHGEN_FAULT_PAUSE"] = str(pause)
     cmd = [sys.executable, "-m", "batchgen", "run", str(job), "--quiet", *args]
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -122,22 +130,27 @@ def test_random_kill_soak(tmp_path: Path, tiny_model_dir: Path, references: _Ref
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_cleanly_and_resumes(tmp_path: Path, tiny_model_dir: Path, signum: int, backend: str) -> None:
-    """A signal from outside at whatever moment the run is in: no temp file, 128 + signal, resume."""
-    rows = 160
-    out = tmp_path / "out"
-    job = _job(tmp_path, tiny_model_dir, out, rows=rows, backend=backend)
-    proc = _cli(job, wait=False)
-    deadline = time.time() + 120
-    while not (out / "part-000001.parquet").exists() and time.time() < deadline:
-        time.sleep(0.02)
+def test_a_signal_stops_cleanly_and_resumes(
+    tmp_path: Path, tiny_model_dir: Path, references: _References, signum: int, backend: str
+) -> None:
+    """A signal from outside, sent while the run is paused right after its second commit (a fault
+    point: the run cannot finish first), then let go: no temp file, 128 + signal, resume."""
+    out, pause = tmp_path / "out", tmp_path / "pause"
+    pause.mkdir()
+    job = _job(tmp_path, tiny_model_dir, out, backend=backend)
+    proc = _cli(job, fault="after_rename:2", pause=pause, wait=False)
+    assert faults.wait_paused(pause, "after_rename", lambda: proc.poll() is None, timeout=240) == proc.pid
+    assert (out / "part-000001.parquet").exists() and not (out / "part-000002.parquet").exists()
     proc.send_signal(signum)
+    faults.resume(pause, "after_rename")
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signum, stderr
     assert f"interrupted by {signal.Signals(signum).name}" in stderr
     assert not (out / "_SUCCESS").exists() and not list(out.glob(".*.tmp"))
-    assert _cli(job).returncode == 0
-    assert [r[0] for r in _rows(out)] == [f"r{i}" for i in range(rows)]
+    assert sorted(p.name for p in out.glob("part-*")) == ["part-000000.parquet", "part-000001.parquet"]
+    resumed = _cli(job)
+    assert resumed.returncode == 0 and "resumed: 2 part(s) kept" in resumed.stdout, resumed.stderr
+    assert _rows(out) == references[backend]
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ change; duplicate ids are judged over the whole job; locks keep shards apart fro
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -28,7 +30,11 @@ from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 36  # window 4: 9 parts, 3 per shard of 3
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
-USAGE = ["id", "generated_text", "finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
+BLOCK = 16  # engine.block_size, set in the job: the prefix cache shares whole blocks of this many tokens
+PREAMBLE = " ".join(WORDS * 4)  # 40 words, more than two blocks' tokens: shared by every prompt
+# Every column but cached_tokens equals a plain run's under shards (README, "cached_tokens under
+# shards and resume"): prefix-cache hits depend on which parts ran before in the same process.
+SAME = ["id", "generated_text", "finish_reason", "error_code", "input_tokens", "output_tokens"]
 DAG = Path(__file__).resolve().parent.parent / "examples" / "airflow" / "batchgen_dag.py"
 
 
@@ -42,12 +48,13 @@ def _dag() -> ModuleType:
 
 def _job(tmp_path: Path, model: Path, name: str, ids: list[str] | None = None) -> tuple[Path, Path]:
     ids = ids or [f"r{i}" for i in range(ROWS)]
-    prompts = [" ".join(WORDS[(i + j) % 10] for j in range(2 + i % 7)) for i in range(len(ids))]
+    prompts = [f"{PREAMBLE} {' '.join(WORDS[(i + j) % 10] for j in range(2 + i % 7))}" for i in range(len(ids))]
     data = tmp_path / "in.parquet"
     if not data.exists():
         write_parquet(data, {"id": ids, "prompt": prompts})
     out = tmp_path / name
-    job = make_job(model, str(data), out, engine={"window_rows": 4}, sampling={"max_tokens": 6})
+    engine = {"backend": "native", "window_rows": 4, "block_size": BLOCK}
+    job = make_job(model, str(data), out, engine=engine, sampling={"max_tokens": 6})
     return write_job(tmp_path / f"{name}.yaml", job), out
 
 
@@ -60,21 +67,47 @@ def _env(fault: str | None = None) -> dict[str, str]:
 
 
 def _rows(out: Path) -> list[tuple[object, ...]]:
-    table = ds.dataset(out, format="parquet").to_table(columns=USAGE)
-    return sorted(zip(*(table.column(c).to_pylist() for c in USAGE)))
+    table = ds.dataset(out, format="parquet").to_table(columns=SAME)
+    return sorted(zip(*(table.column(c).to_pylist() for c in SAME)), key=repr)  # repr: a null beside text
+
+
+def _cached(out: Path) -> dict[str, int]:
+    """cached_tokens by row id (ids are unique in these jobs)."""
+    table = ds.dataset(out, format="parquet").to_table(columns=["id", "cached_tokens"])
+    return dict(zip(table.column("id").to_pylist(), table.column("cached_tokens").to_pylist()))
+
+
+def _check_cached(sharded: Path, plain: Path) -> None:
+    """What honestly holds for cached_tokens: the prefix cache really serves whole shared blocks in
+    both runs; a shard process has seen a subset of the parts the plain run's process had seen
+    before each part (no eviction in this tiny job), so its rows reuse no more than the plain run's;
+    the plain process computes the preamble's blocks once, each of the N shard processes once."""
+    shard_rows, plain_rows = _cached(sharded), _cached(plain)
+    assert sum(plain_rows.values()) > 0 and sum(shard_rows.values()) > 0
+    assert all(c % BLOCK == 0 for c in [*shard_rows.values(), *plain_rows.values()])  # whole blocks only
+    assert all(shard_rows[i] <= plain_rows[i] for i in plain_rows)
+    assert sum(shard_rows.values()) < sum(plain_rows.values())
+
+
+class Plain(NamedTuple):
+    """The plain (unsharded) run: its rows (SAME columns), its manifest, its output folder."""
+
+    rows: list[tuple[object, ...]]
+    manifest: dict[str, Any]
+    out: Path
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[list[tuple[object, ...]], dict]:
+def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Plain:
     tmp = tmp_path_factory.mktemp("plain")
     job, out = _job(tmp, tiny_model_dir, "out")
     _dag().run_command([sys.executable, "-m", "batchgen", "run", str(job), "--quiet"], env=_env())
-    return _rows(out), json.loads((out / "_SUCCESS").read_text())
+    return Plain(_rows(out), json.loads((out / "_SUCCESS").read_text()), out)
 
 
 @pytest.mark.slow
 def test_the_dags_commands_with_a_killed_shard_equal_a_plain_run(
-    tmp_path: Path, tiny_model_dir: Path, reference: tuple[list[tuple[object, ...]], dict]
+    tmp_path: Path, tiny_model_dir: Path, reference: Plain
 ) -> None:
     dag = _dag()
     job, out = _job(tmp_path, tiny_model_dir, "out")
@@ -94,17 +127,21 @@ def test_the_dags_commands_with_a_killed_shard_equal_a_plain_run(
     assert "resumed: 1 part(s) kept" in retried and "_SUCCESS written" in retried
     assert "already finalized" in dag.run_command(commands["finalize"], env=_env())
     report = json.loads(dag.run_command(commands["report"], env=_env()))
-    rows, manifest = reference
-    assert _rows(out) == rows  # every row once, the same texts and usage
+    manifest = reference.manifest
+    assert _rows(out) == reference.rows  # every row once, the same texts, finish reasons and token counts
+    _check_cached(out, reference.out)
     done = json.loads((out / "_SUCCESS").read_text())
-    for key in ("rows", "tokens", "finish_reasons", "error_codes", "parts", "fingerprint"):
+    for key in ("rows", "finish_reasons", "error_codes", "parts", "fingerprint"):
         assert done[key] == manifest[key], key
+    for key in ("input", "output"):
+        assert done["tokens"][key] == manifest["tokens"][key], key
+    assert done["tokens"]["cached"] == sum(_cached(out).values())  # what this output's processes reused
     assert report["totals"]["output_tokens"] == manifest["tokens"]["output"]
 
 
 @pytest.mark.slow
 def test_shards_finishing_together_write_one_consistent_success(
-    tmp_path: Path, tiny_model_dir: Path, reference: tuple[list[tuple[object, ...]], dict]
+    tmp_path: Path, tiny_model_dir: Path, reference: Plain
 ) -> None:
     dag = _dag()
     job, out = _job(tmp_path, tiny_model_dir, "out")
@@ -115,12 +152,13 @@ def test_shards_finishing_together_write_one_consistent_success(
     assert any("_SUCCESS written" in line for line in lines)
     assert "already finalized" in dag.run_command(commands["finalize"], env=_env())
     dag.run_command(commands["report"], env=_env())  # exits 3 if _SUCCESS disagreed with the parts
-    assert _rows(out) == reference[0]
+    assert _rows(out) == reference.rows
+    _check_cached(out, reference.out)
     assert not list(out.glob(".*.tmp"))
 
 
 def test_changing_the_number_of_shards_between_runs_completes_the_job(
-    tmp_path: Path, tiny_model_dir: Path, reference: tuple[list[tuple[object, ...]], dict]
+    tmp_path: Path, tiny_model_dir: Path, reference: Plain
 ) -> None:
     job, out = _job(tmp_path, tiny_model_dir, "out")
     runner = CliRunner()
@@ -131,8 +169,8 @@ def test_changing_the_number_of_shards_between_runs_completes_the_job(
         result = runner.invoke(main, ["run", str(job), "--shard", f"{i}/3", "--quiet"])
         assert result.exit_code == 0, result.output
     assert "_SUCCESS written" in result.output
-    assert _rows(out) == reference[0]
-    assert json.loads((out / "_SUCCESS").read_text())["rows"] == reference[1]["rows"]
+    assert _rows(out) == reference.rows
+    assert json.loads((out / "_SUCCESS").read_text())["rows"] == reference.manifest["rows"]
 
 
 def test_a_duplicate_id_is_judged_over_the_whole_job_whichever_shard_runs_first(
@@ -225,11 +263,16 @@ def test_finalize_outside_an_output_is_bad_input(tmp_path: Path) -> None:
 
 
 def test_a_committed_part_is_never_replaced(tmp_path: Path) -> None:
+    (tmp_path / "_JOB.json").write_text('{"id": "x"}')  # a run has claimed the output
     writer = PartWriter(tmp_path, pa.schema([("x", pa.int64())]))
-    assert writer.write_part(0, pa.table({"x": [1]}))
-    assert not writer.write_part(0, pa.table({"x": [2]}))
+    first = writer.write_part(0, pa.table({"x": [1]}))
+    assert first is not None and not writer.write_part(0, pa.table({"x": [2]}))
     assert ds.dataset(tmp_path, format="parquet").to_table().column("x").to_pylist() == [1]
     assert not list(tmp_path.glob(".*.tmp"))
+    # both writers described their bytes before committing; the part that landed matches one of them
+    described = json.loads((tmp_path / "_JOB.json").read_text())["part_checks"]["part-000000.parquet"]
+    assert first.as_json() in described and len(described) == 2
+    assert hashlib.sha256((tmp_path / "part-000000.parquet").read_bytes()).hexdigest() == first.sha256
 
 
 def test_a_shard_removes_only_its_own_parts_temp_files(tmp_path: Path) -> None:

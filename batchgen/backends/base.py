@@ -21,6 +21,12 @@ class Backend(Protocol):
     name: str
     max_model_len: int
 
+    def resolved(self) -> dict[str, str]:
+        """What this process resolved that changes generated numbers, for the job record
+        (`runtime_record`): {"device": "cpu" | "cuda" | ..., "dtype": "float32" | ...}, and any
+        further setting the engine resolves (its attention backend) under its own name."""
+        ...
+
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
     ) -> list[RequestOutput]: ...

@@ -48,6 +48,7 @@ class HFBackend:
         except ValueError as exc:  # a DeviceError: exit 4, naming the devices on this machine
             raise ModelError(str(exc)) from exc
         dtype = resolve_dtype(spec.model.dtype, self.device)
+        self.runtime = {"device": self.device.type, "dtype": str(dtype).removeprefix("torch.")}
         try:
             with weight_errors_as_model_errors(spec.model.path):
                 self.model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).to(self.device)  # type: ignore[arg-type]
@@ -58,6 +59,9 @@ class HFBackend:
         self.eos_ids = set(eos_token_ids(self.model, tokenizer))
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+
+    def resolved(self) -> dict[str, str]:
+        return dict(self.runtime)
 
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None

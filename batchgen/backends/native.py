@@ -17,19 +17,29 @@ class NativeBackend:
 
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
         from batchgen.engine.llm import LLM
+        from batchgen.engine.runner.backends import resolve_backend
+        from batchgen.engine.runner.models import resolve_device, resolve_dtype
 
+        settings = spec.engine.engine_settings()
         try:
+            # Why resolved here: the engine is handed the very device and dtype the job record names,
+            # and its attention backend is resolved by the engine's own rule for that device.
+            device = resolve_device(spec.model.device)
+            dtype = resolve_dtype(spec.model.dtype, device)
+            attention = resolve_backend(settings["attention_backend"], device)
             with weight_errors_as_model_errors(spec.model.path):
-                self.llm = LLM(
-                    str(spec.model.path),
-                    tokenizer=tokenizer,
-                    device=spec.model.device,
-                    dtype=spec.model.dtype,
-                    **spec.engine.engine_settings(),
-                )
+                self.llm = LLM(str(spec.model.path), tokenizer=tokenizer, device=str(device), dtype=dtype, **settings)
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: {exc}") from exc
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.runtime = {"device": device.type, "dtype": dtype_name, "attention_backend": attention}
         self.max_model_len = self.llm.max_model_len
+
+    def resolved(self) -> dict[str, str]:
+        """The device, dtype and attention backend, and whatever else the engine reports it
+        resolved (an `LLM.resolved()`, should it gain one: recorded with no change here)."""
+        engine = getattr(self.llm, "resolved", None)
+        return {**self.runtime, **(engine() if callable(engine) else {})}
 
     def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None

@@ -24,6 +24,7 @@ import pyarrow.dataset as ds
 
 from batchgen.errors import InputDataError
 from batchgen.jobstate import LOCK_NAME, RECORD_NAME, SUCCESS_NAME
+from batchgen.runtime_record import describe_runtime
 from batchgen.storage import Storage, open_storage
 from batchgen.usage.totals import IntHistogram, Totals, add_counts
 
@@ -57,13 +58,15 @@ class OutputStatus:
     parts: int
     finished: bool
     mismatches: list[str] = field(default_factory=list)
+    mixed_runtimes: list[str] = field(default_factory=list)  # several, allowed by --allow-precision-change
 
     def line(self) -> str:
         if not self.finished:
             return f"in progress: {self.parts} parts committed, no _SUCCESS"
+        mixed = f"; parts from several runtimes: {'; '.join(self.mixed_runtimes)}" if self.mixed_runtimes else ""
         if self.mismatches:
-            return f"finished, but the parts DISAGREE with _SUCCESS: {'; '.join(self.mismatches)}"
-        return f"finished: {self.parts} parts, totals match _SUCCESS"
+            return f"finished, but the parts DISAGREE with _SUCCESS: {'; '.join(self.mismatches)}{mixed}"
+        return f"finished: {self.parts} parts, totals match _SUCCESS{mixed}"
 
 
 @dataclass
@@ -250,7 +253,8 @@ def _status(storage: Storage, num_parts: int, totals: GroupStats) -> OutputStatu
         manifest = json.loads(text)
     except (OSError, ValueError) as exc:
         return OutputStatus(parts=num_parts, finished=True, mismatches=[f"cannot read {success}: {exc}"])
-    return OutputStatus(parts=num_parts, finished=True, mismatches=_mismatches(manifest, num_parts, totals))
+    mixed = [describe_runtime(r) for r in manifest.get("runtimes", [])] if manifest.get("precision_changed") else []
+    return OutputStatus(num_parts, True, _mismatches(manifest, num_parts, totals), mixed)
 
 
 def _mismatches(manifest: dict[str, Any], num_parts: int, totals: GroupStats) -> list[str]:

@@ -1,7 +1,9 @@
 """An Airflow DAG that runs one batchgen job over N mapped tasks (static shards), then
 `batchgen finalize`, then `batchgen report --json` (its stdout becomes the task's XCom).
 
-Copy it into your DAGs folder and set JOB, OUTPUT and NUM_SHARDS (or the BATCHGEN_* variables).
+Copy it into your DAGs folder and set JOB, OUTPUT and NUM_SHARDS (or the BATCHGEN_* variables;
+BATCHGEN_COMMAND names the batchgen executable, e.g. /opt/batchgen/.venv/bin/batchgen, when batchgen
+lives in its own venv beside Airflow's: the tasks only run its command line).
 Each mapped task runs `batchgen run JOB --shard I/N --quiet`; give each one its own GPU (a pool,
 a queue per worker, or CUDA_VISIBLE_DEVICES in the worker's environment). A task is retried only
 when its exit code says a rerun can succeed (RETRYABLE_EXIT_CODES, or killed by a signal such as
@@ -9,12 +11,14 @@ the OOM killer's SIGKILL); a bad job file or bad input fails at once. A rerun of
 it: its committed parts are kept.
 
 The commands live in plain functions (`shard_commands`, `run_command`) that import nothing from
-Airflow, so the tests run exactly these commands without Airflow installed.
+Airflow, so the tests run exactly these commands without Airflow installed; `make test` also runs
+the whole DAG with `airflow dags test` under a real Airflow 3 (tests/test_airflow_dag.py).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -22,6 +26,7 @@ from datetime import datetime, timedelta
 JOB = os.environ.get("BATCHGEN_JOB", "jobs/nightly.yaml")
 OUTPUT = os.environ.get("BATCHGEN_OUTPUT", "out/nightly")  # the job's output.path
 NUM_SHARDS = int(os.environ.get("BATCHGEN_SHARDS", "4"))
+BATCHGEN = shlex.split(os.environ.get("BATCHGEN_COMMAND", "batchgen"))
 # 6 engine failure, 7 output locked (e.g. the previous try is still exiting), 9 executor (a job with
 # `executor: {kind: ray}` whose cluster did not answer; a retry also meets a missing Ray install, but
 # a cluster restarting is the common case), 130/143 SIGINT/SIGTERM, 137 SIGKILL as a shell reports
@@ -60,16 +65,17 @@ def run_command(argv: Sequence[str], env: dict[str, str] | None = None) -> str:
     return done.stdout
 
 
-try:  # Airflow 3 first, then Airflow 2; without Airflow this file is just the functions above
+try:  # Airflow 3 (the task SDK) first, then Airflow 2; without Airflow this file is just the functions above
     from airflow.sdk import dag, task
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
 except ImportError:
     try:
         from airflow.decorators import dag, task
+        from airflow.exceptions import AirflowException, AirflowFailException
     except ImportError:
         dag = task = None
 
 if dag is not None and task is not None:
-    from airflow.exceptions import AirflowException, AirflowFailException
 
     def _step(argv: list[str]) -> str:
         try:
@@ -85,7 +91,7 @@ if dag is not None and task is not None:
         default_args={"retries": 3, "retry_delay": timedelta(minutes=2)},
     )
     def batchgen_sharded() -> None:
-        commands = shard_commands(JOB, OUTPUT, NUM_SHARDS)
+        commands = shard_commands(JOB, OUTPUT, NUM_SHARDS, BATCHGEN)
 
         @task
         def shard(argv: list[str]) -> str:

@@ -23,9 +23,10 @@ import batchgen
 from batchgen.dataset import InputFile
 from batchgen.errors import IncompleteOutput, InputDataError
 from batchgen.job import JobSpec
-from batchgen.jobstate import RECORD_NAME, SUCCESS_NAME, OutputLock, OutputState
+from batchgen.jobstate import SUCCESS_NAME, OutputLock, OutputState
 from batchgen.part_record import audit_parts
 from batchgen.parts import part_name, write_success
+from batchgen.record import RECORD_NAME
 from batchgen.runtime_record import manifest_runtimes
 from batchgen.storage import open_storage
 from batchgen.usage.totals import Totals

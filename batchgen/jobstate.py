@@ -20,13 +20,13 @@ from batchgen.fingerprint import describe_difference
 from batchgen.lease import ObjectLease
 from batchgen.output_table import RESULT_NAMES
 from batchgen.parts import write_problem
+from batchgen.record import RECORD_NAME
 from batchgen.sharding import ShardSpec
 from batchgen.storage import PART_NAME, Storage, open_storage, temp_target
 from batchgen.usage.totals import Totals
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"
-RECORD_NAME = "_JOB.json"
 SUCCESS_NAME = "_SUCCESS"
 # Record keys that runs of one job add to as they go (part_record, runtime_record): a refreshed record keeps them.
 ACCUMULATED = ("part_checks", "runtimes")

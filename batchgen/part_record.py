@@ -15,9 +15,8 @@ with the rows its part should have, and described from then on.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,14 +24,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import OutputError
-from batchgen.jobstate import RECORD_NAME
 from batchgen.output_table import RESULT_NAMES
+from batchgen.record import update_record
 from batchgen.storage import Storage
 from batchgen.usage.totals import Totals
 
 log = logging.getLogger(__name__)
 CHECKS_KEY = "part_checks"  # record key: part name -> [description, ...]
-_SWAP_TRIES = 100  # compare-and-swap rounds before giving up (each lost round means another writer went first)
 
 
 @dataclass(frozen=True)
@@ -51,23 +49,6 @@ class PartFacts:
     def as_json(self) -> dict[str, Any]:
         facts: dict[str, Any] = {"rows": self.rows, "bytes": self.size, "sha256": self.sha256}
         return facts if self.runtime is None else {**facts, "runtime": self.runtime}
-
-
-def update_record(storage: Storage, change: Callable[[dict[str, Any]], dict[str, Any] | None], fault: str) -> None:
-    """Apply `change` (the record -> the new record, or None for no change) by compare-and-swap,
-    reading again whenever another writer (a shard, a Ray worker) swapped it in between."""
-    for _ in range(_SWAP_TRIES):
-        text = storage.read_text(RECORD_NAME)
-        if text is None:
-            raise OutputError(f"{storage.describe(RECORD_NAME)}: the job record is gone (removed by another run?)")
-        try:
-            record = json.loads(text)
-        except ValueError as exc:
-            raise OutputError(f"{storage.describe(RECORD_NAME)}: cannot read the job record: {exc}") from exc
-        new = change(record)
-        if new is None or storage.swap_text(RECORD_NAME, json.dumps(new, indent=2, sort_keys=True), text, fault):
-            return
-    raise OutputError(f"{storage.describe(RECORD_NAME)}: other writers kept changing the job record; try again")
 
 
 def describe_parts(storage: Storage, facts: Mapping[str, PartFacts]) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchgen.errors import FingerprintMismatch
-from batchgen.part_record import update_record
+from batchgen.record import update_record
 from batchgen.storage import Storage
 
 RUNTIMES_KEY = "runtimes"

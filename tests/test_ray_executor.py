@@ -28,7 +28,8 @@ from batchgen.executors.part_queue import PartQueue
 from batchgen.executors.ray_executor import plan_workers
 from batchgen.fingerprint import job_fingerprint
 from batchgen.job import ExecutorSection, load_job
-from batchgen.jobstate import RECORD_NAME, SUCCESS_NAME
+from batchgen.jobstate import SUCCESS_NAME
+from batchgen.record import RECORD_NAME
 from batchgen.runner import JobRunner, Summary
 from batchgen.storage import LocalStorage
 from batchgen.validate import validate_job

@@ -23,7 +23,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from batchgen.errors import InputDataError
-from batchgen.jobstate import LOCK_NAME, RECORD_NAME, SUCCESS_NAME
+from batchgen.jobstate import LOCK_NAME, SUCCESS_NAME
+from batchgen.record import RECORD_NAME
 from batchgen.runtime_record import describe_runtime
 from batchgen.storage import Storage, open_storage
 from batchgen.usage.totals import IntHistogram, Totals, add_counts

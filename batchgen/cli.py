@@ -12,11 +12,11 @@ from decimal import Decimal, InvalidOperation
 
 import click
 
-from batchgen import interrupt
 from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED_BASE, BatchgenError, Interrupted
-from batchgen.job import load_job
-from batchgen.sharding import ShardSpec
-from batchgen.storage import display_uri
+from batchgen.inputs.sharding import ShardSpec
+from batchgen.job.spec import load_job
+from batchgen.run import interrupt
+from batchgen.storage.base import display_uri
 
 _set_option = click.option(
     "--set",
@@ -85,7 +85,7 @@ def run(
             "delete the output folder first instead"
         )
     _setup_logging(logging.ERROR if quiet else logging.INFO)
-    from batchgen.runner import JobRunner
+    from batchgen.run.runner import JobRunner
 
     def work() -> None:
         spec = load_job(job_file, [*overrides, *(["output.single_writer=true"] if single_writer else [])])
@@ -104,8 +104,8 @@ def run(
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE, its inputs and the model folder without loading weights or running anything."""
     _setup_logging(logging.WARNING)
-    from batchgen.dataset import planned_rows
-    from batchgen.validate import input_listing, validate_job
+    from batchgen.inputs.dataset import planned_rows
+    from batchgen.run.validate import input_listing, validate_job
 
     def work() -> None:
         spec = load_job(job_file, list(overrides))
@@ -227,7 +227,7 @@ def finalize(output_dir: str, single_writer: bool) -> None:
     Exits 8, naming the missing parts, while some are not committed.
     """
     _setup_logging(logging.WARNING)
-    from batchgen.completion import finalize as finalize_output
+    from batchgen.outputs.completion import finalize as finalize_output
 
     def work() -> None:
         manifest, already = finalize_output(output_dir, single_writer)

@@ -31,8 +31,8 @@ JOB = REPO / "jobs" / "quickstart.yaml"
 
 def run_once(out: Path, overrides: list[str]) -> dict[str, Any]:
     """One job run in this process; wall seconds from before the job load to after Ray's shutdown."""
-    from batchgen.job import load_job
-    from batchgen.runner import JobRunner
+    from batchgen.job.spec import load_job
+    from batchgen.run.runner import JobRunner
 
     load_before = os.getloadavg()[0]
     start = time.perf_counter()

@@ -24,7 +24,7 @@ CHILD = r"""
 import resource, sys, time, json
 from batchgen import runner
 from batchgen.engine.api.outputs import CompletionOutput, RequestOutput
-from batchgen.job import load_job
+from batchgen.job.spec import load_job
 
 class StandIn:
     name, max_model_len = "stand-in", 1024

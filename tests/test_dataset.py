@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen import dataset
+from batchgen.inputs import dataset
 
 
 def test_reading_a_subset_of_shards_yields_exactly_their_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,7 +66,7 @@ def test_discovery_keys_are_relative_to_the_input_root_and_paths_normalised(tmp_
 
 
 def test_an_older_record_keyed_by_absolute_paths_is_named_as_such() -> None:
-    from batchgen.fingerprint import describe_difference
+    from batchgen.outputs.fingerprint import describe_difference
 
     old = {"settings": {}, "model": "m", "inputs": {"/data/in/x.parquet": "aa"}}
     new = {"settings": {}, "model": "m", "inputs": {"x.parquet": "aa"}}

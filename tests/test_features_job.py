@@ -154,8 +154,8 @@ def test_missing_xgrammar_says_how_to_install_it(tmp_path: Path, tiny_model_dir:
 def test_the_new_settings_at_their_defaults_leave_an_older_fingerprint_unchanged(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from batchgen.fingerprint import job_fingerprint
-    from batchgen.job import load_job
+    from batchgen.job.spec import load_job
+    from batchgen.outputs.fingerprint import job_fingerprint
 
     data = write_parquet(tmp_path / "in.parquet", {"id": ["a"], "prompt": ["x"]})
     job = write_job(tmp_path / "job.yaml", make_job(tiny_model_dir, str(data), tmp_path / "out"))

@@ -12,7 +12,7 @@ from pydantic import ValidationError, create_model
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import JobFileError
-from batchgen.job import JOB_DEFAULTS, EngineSection, SamplingSection, _derived_fields, _Strict, load_job
+from batchgen.job.spec import JOB_DEFAULTS, EngineSection, SamplingSection, _derived_fields, _Strict, load_job
 
 GOOD = """\
 model:

@@ -1,4 +1,4 @@
-"""The run lock on an object store (batchgen/lease.py) against a real S3 API (moto): a second run
+"""The run lock on an object store (batchgen/outputs/lease.py) against a real S3 API (moto): a second run
 is refused with exit 7 as on a local folder, shard runs share the lease but not with a plain run,
 a killed or expired holder does not block the next run, the lease is renewed while its run lives,
 a run that lost its lease writes nothing more, and `--overwrite` deletes nothing under another
@@ -18,10 +18,10 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.errors import LockedError
-from batchgen.jobstate import OutputLock
-from batchgen.lease import LEASE_NAME, ObjectLease
-from batchgen.sharding import ShardSpec
-from batchgen.storage import Storage, open_storage
+from batchgen.inputs.sharding import ShardSpec
+from batchgen.outputs.lease import LEASE_NAME, ObjectLease
+from batchgen.outputs.state import OutputLock
+from batchgen.storage.base import Storage, open_storage
 from tests.conftest import make_job, write_job, write_parquet
 from tests.s3_server import moto_s3, options
 

@@ -22,15 +22,15 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchgen import objectstore
 from batchgen.cli import main
 from batchgen.errors import FingerprintMismatch, OutputError
-from batchgen.job import load_job
-from batchgen.jobstate import OutputState
-from batchgen.object_inputs import discover_objects
-from batchgen.objectstore import ObjectStorage
-from batchgen.runner import JobRunner
-from batchgen.storage import check_storage_options, display_uri, open_storage, options_from_uri
+from batchgen.inputs.objects import discover_objects
+from batchgen.job.spec import load_job
+from batchgen.outputs.state import OutputState
+from batchgen.run.runner import JobRunner
+from batchgen.storage import objectstore
+from batchgen.storage.base import check_storage_options, display_uri, open_storage, options_from_uri
+from batchgen.storage.objectstore import ObjectStorage
 from tests.conftest import make_job, write_job, write_parquet
 from tests.s3_server import moto_s3
 

@@ -19,13 +19,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from batchgen import faults, parts
 from batchgen.cli import main
 from batchgen.errors import OutputError
-from batchgen.jobstate import OutputState
-from batchgen.output_table import RESULT_NAMES, output_schema
-from batchgen.parts import PartWriter
-from batchgen.storage import LocalStorage, temp_name
+from batchgen.outputs import parts
+from batchgen.outputs.parts import PartWriter
+from batchgen.outputs.state import OutputState
+from batchgen.outputs.table import RESULT_NAMES, output_schema
+from batchgen.storage.base import LocalStorage, temp_name
+from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 
 

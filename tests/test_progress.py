@@ -10,10 +10,10 @@ from typing import Any, ClassVar
 
 import pytest
 
-from batchgen import progress
-from batchgen.job import load_job
-from batchgen.progress import RecentRate, RunProgress, eta_seconds, format_eta
-from batchgen.runner import JobRunner
+from batchgen.job.spec import load_job
+from batchgen.run import progress
+from batchgen.run.progress import RecentRate, RunProgress, eta_seconds, format_eta
+from batchgen.run.runner import JobRunner
 from tests.conftest import make_job, write_job, write_parquet
 
 

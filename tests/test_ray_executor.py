@@ -20,19 +20,19 @@ import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
-from batchgen import faults
 from batchgen.cli import main
-from batchgen.dataset import Shard
 from batchgen.errors import EngineFailure, ExecutorError
-from batchgen.executors.part_queue import PartQueue
-from batchgen.executors.ray_executor import plan_workers
-from batchgen.fingerprint import job_fingerprint
-from batchgen.job import ExecutorSection, load_job
-from batchgen.jobstate import SUCCESS_NAME
-from batchgen.record import RECORD_NAME
-from batchgen.runner import JobRunner, Summary
-from batchgen.storage import LocalStorage
-from batchgen.validate import validate_job
+from batchgen.inputs.dataset import Shard
+from batchgen.job.spec import ExecutorSection, load_job
+from batchgen.outputs.fingerprint import job_fingerprint
+from batchgen.outputs.record import RECORD_NAME
+from batchgen.outputs.state import SUCCESS_NAME
+from batchgen.run.executors.part_queue import PartQueue
+from batchgen.run.executors.ray_executor import plan_workers
+from batchgen.run.runner import JobRunner, Summary
+from batchgen.run.validate import validate_job
+from batchgen.storage.base import LocalStorage
+from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 200  # window 20: 10 parts

@@ -12,8 +12,8 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
-from batchgen.job import load_job
-from batchgen.runner import JobRunner
+from batchgen.job.spec import load_job
+from batchgen.run.runner import JobRunner
 from tests.conftest import make_job, write_job, write_parquet
 
 COLUMNS = ["row_id", "generated_text", "finish_reason", "input_tokens", "output_tokens"]

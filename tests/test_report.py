@@ -203,8 +203,8 @@ def test_clear_errors(output: Path, tmp_path: Path) -> None:
 def test_histograms_and_null_or_dictionary_groups_on_a_written_part(tmp_path: Path) -> None:
     import pyarrow as pa
 
+    from batchgen.outputs.totals import IntHistogram
     from batchgen.usage.report import read_report
-    from batchgen.usage.totals import IntHistogram
 
     hist = IntHistogram()
     hist.add_many(np.array([5, 1, 3, 3]))

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from transformers import AutoTokenizer
 
 from batchgen.cli import main
-from batchgen.output_table import RESULT_NAMES
+from batchgen.outputs.table import RESULT_NAMES
 from tests.conftest import make_job, save_tiny_llama, write_job, write_parquet
 
 WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()
@@ -267,7 +267,7 @@ def test_validate_checks_model_folder_without_running(tmp_path: Path, tiny_model
 def test_compile_auto_runs_a_small_job_eager_and_a_large_one_compiled(tmp_path: Path) -> None:
     """engine.compile "auto" in a job: compiling is worth it only over a long run (backends.for_rows)."""
     from batchgen.backends import COMPILE_MIN_ROWS, for_rows
-    from batchgen.job import load_job
+    from batchgen.job.spec import load_job
 
     job = make_job(tmp_path, str(tmp_path / "in.parquet"), tmp_path / "out", engine={"backend": "native"})
     spec = load_job(write_job(tmp_path / "job.yaml", job))
@@ -282,7 +282,7 @@ def test_compile_auto_runs_a_small_job_eager_and_a_large_one_compiled(tmp_path: 
 def test_a_tiny_job_sizes_its_engine_for_its_own_sequences(tmp_path: Path) -> None:
     """A 3-row job does not get a KV pool and decode rows for 64 sequences (issue 28: time to first row)."""
     from batchgen.backends import SMALLEST_DEFAULT_SEQS, for_rows
-    from batchgen.job import load_job
+    from batchgen.job.spec import load_job
 
     job = make_job(tmp_path, str(tmp_path / "in.parquet"), tmp_path / "out", engine={"backend": "native"})
     spec = load_job(write_job(tmp_path / "job.yaml", job))

@@ -125,8 +125,8 @@ def test_n_is_part_of_the_fingerprint(sampled: tuple[Path, pa.Table]) -> None:
 
 def test_n_and_logprobs_enter_the_fingerprint_only_when_set(inputs: Path, tiny_model_dir: Path) -> None:
     """(At their defaults they stay out, so older outputs resume: test_features_job checks the whole set.)"""
-    from batchgen.fingerprint import job_fingerprint
-    from batchgen.job import load_job
+    from batchgen.job.spec import load_job
+    from batchgen.outputs.fingerprint import job_fingerprint
 
     asked = job_fingerprint(load_job(_job(inputs, tiny_model_dir, "fp2", n=2, logprobs=0)), [])["settings"]["sampling"]
     assert (asked["n"], asked["logprobs"]) == (2, 0) and "prompt_logprobs" not in asked

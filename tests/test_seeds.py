@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.prepare import row_seed
+from batchgen.inputs.prepare import row_seed
 from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 6

@@ -22,10 +22,10 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.errors import LockedError
-from batchgen.jobstate import OutputLock, OutputState
-from batchgen.parts import PartWriter
-from batchgen.sharding import ShardSpec
-from batchgen.storage import temp_name
+from batchgen.inputs.sharding import ShardSpec
+from batchgen.outputs.parts import PartWriter
+from batchgen.outputs.state import OutputLock, OutputState
+from batchgen.storage.base import temp_name
 from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 36  # window 4: 9 parts, 3 per shard of 3

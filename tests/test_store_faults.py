@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.parts import part_name
+from batchgen.outputs.parts import part_name
 from tests.conftest import make_job, write_job, write_parquet
 from tests.fault_proxy import FaultPlan, FaultProxy
 from tests.s3_server import moto_s3

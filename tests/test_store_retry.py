@@ -1,4 +1,4 @@
-"""Retries of store calls (batchgen/store_retry.py): which errors are transient, that retries are
+"""Retries of store calls (batchgen/storage/retry.py): which errors are transient, that retries are
 bounded and logged, that a permanent error fails at once, and that a conditional put whose answer
 was lost recognises its own write on the retry instead of taking it for another writer's."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from batchgen.errors import StoreUnavailable
-from batchgen.objectstore_s3 import S3Conditional
-from batchgen.store_retry import RetryPolicy, is_transient, with_retries
+from batchgen.storage.retry import RetryPolicy, is_transient, with_retries
+from batchgen.storage.s3 import S3Conditional
 
 FAST = RetryPolicy(attempts=4, seconds=5.0, base=0.0)
 
@@ -227,7 +227,7 @@ class _FakeGcsBucket:
 
 
 def test_the_gcs_writer_keeps_the_same_contract_with_generation_preconditions() -> None:
-    from batchgen.objectstore_gcs import GcsConditional
+    from batchgen.storage.gcs import GcsConditional
 
     fake = _FakeGcsBucket()
     store = GcsConditional(fake, "b", "gs://b/out", FAST)

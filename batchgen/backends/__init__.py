@@ -1,4 +1,5 @@
-"""Generation backends behind one interface: `native` (our engine) and `hf` (transformers generate)."""
+"""Generation backends behind one interface: `native` (our engine) and `hf` (transformers generate),
+and the check that a model folder's weight files can be read (weights)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 from typing import Any
 
 from batchgen.backends.base import Backend
-from batchgen.job import JobSpec
+from batchgen.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from batchgen.backends.base import OnOutput
+from batchgen.backends.weights import weight_errors_as_model_errors
 from batchgen.engine.api.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.sequence import Sequence
@@ -24,8 +25,7 @@ from batchgen.engine.sampling.penalties import bad_word_token_ids
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.stopping import StopChecker
 from batchgen.errors import ModelError
-from batchgen.job import HF_UNSUPPORTED, JobSpec
-from batchgen.weights import weight_errors_as_model_errors
+from batchgen.job.spec import HF_UNSUPPORTED, JobSpec
 
 log = logging.getLogger(__name__)
 

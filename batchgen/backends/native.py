@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.backends.base import OnOutput
+from batchgen.backends.weights import weight_errors_as_model_errors
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
-from batchgen.job import JobSpec
-from batchgen.weights import weight_errors_as_model_errors
+from batchgen.job.spec import JobSpec
 
 
 class NativeBackend:

@@ -14,17 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from batchgen.dataset import plan_shards, read_shards
-from batchgen.duplicate_ids import find_duplicate_ids
 from batchgen.engine.attention.path import SMALL_BLOCK_SIZE
 from batchgen.engine.runner.models import resolve_max_model_len
 from batchgen.errors import ModelError
-from batchgen.job import JobSpec
-from batchgen.ordering import Strategy, order_requests
-from batchgen.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
+from batchgen.inputs.dataset import plan_shards, read_shards
+from batchgen.inputs.duplicate_ids import find_duplicate_ids
+from batchgen.inputs.ordering import Strategy, order_requests
+from batchgen.inputs.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
+from batchgen.job.spec import JobSpec
+from batchgen.outputs.totals import IntHistogram
+from batchgen.run.validate import validate_job
 from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
-from batchgen.usage.totals import IntHistogram
-from batchgen.validate import validate_job
 
 log = logging.getLogger(__name__)
 MAX_ERROR_EXAMPLES = 5

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from batchgen.errors import OutputError
+from batchgen.outputs.totals import IntHistogram
 from batchgen.usage.pricing import Prices, money_display
 from batchgen.usage.render import records
 from batchgen.usage.report import Report
-from batchgen.usage.totals import IntHistogram
 
 MAX_BINS = 40
 _TOTAL_ROW = ' class="total"'

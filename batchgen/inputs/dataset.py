@@ -1,0 +1,278 @@
+"""Parquet input: find the files, check their schemas, plan shards, stream the rows of each shard.
+
+Each input file is named by its path relative to the input's root (`InputFile.key`): the folder
+for a folder input, the fixed leading directories of a glob, the file's own folder for a single
+file. The key is what `row_id` and the job fingerprint use, so it is unique within a job and the
+same wherever the data is mounted. On an object store (`s3://bucket/prefix`) the prefix plays the
+folder's part, through pyarrow.fs (`batchgen.storage.objectstore`).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.errors import InputDataError, OutputError, StoreUnavailable
+from batchgen.storage.base import display_uri, is_remote, nested_output_parts, options_from_uri
+from batchgen.storage.retry import RetryPolicy, is_transient, with_retries
+
+log = logging.getLogger(__name__)
+READ_BATCH_ROWS = 4096  # rows decoded at a time: bounds memory even for one huge row group
+READ_BUFFER_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: Path | str  # absolute and normalised (no `..`), or the object's URI; for messages and the manifest
+    num_rows: int
+    schema: pa.Schema
+    key: str = ""  # the path relative to the input's root, with "/" separators (see module doc)
+    filesystem: Any = None  # an object store's pyarrow FileSystem; None: a local file
+    fs_path: str = ""  # the object's path in `filesystem` ("bucket/key")
+
+    def source(self) -> Any:
+        """What pyarrow reads: the local path, or the object opened for random access."""
+        return self.path if self.filesystem is None else self.filesystem.open_input_file(self.fs_path)
+
+    def row_ids(self, start: int, stop: int) -> list[str]:
+        """`row_id` of rows [start, stop): "<key>:<row index>", unique within a job."""
+        return [f"{self.key}:{i}" for i in range(start, stop)]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A contiguous row range [start, stop) of one input file: ordered together, committed as one part."""
+
+    index: int
+    file_index: int
+    start: int
+    stop: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+
+def discover(pattern: str, exclude: Path | None = None) -> list[tuple[Path, str]]:
+    """(path, key) of a Parquet file, a folder's *.parquet files (recursively) or a glob's files;
+    sorted, never empty. Files under `exclude` (the job's output folder) are left out."""
+    pattern = os.path.normpath(os.path.abspath(pattern))
+    path = Path(pattern)
+    if path.is_file():
+        return [(path, path.name)]
+    if path.is_dir():
+        root, where = path, f"folder {path}"
+        found = [p for p in path.rglob("*.parquet") if p.is_file() and not p.name.startswith(".")]
+    else:
+        root = _glob_root(pattern)
+        where = f"glob {pattern!r}" if glob.has_magic(pattern) else f"path {pattern}"
+        found = [Path(os.path.normpath(p)) for p in glob.glob(pattern, recursive=True) if Path(p).is_file()]
+    files = sorted((p, p.relative_to(root).as_posix()) for p in found if not _inside(p, exclude))
+    records = [r.relative_to(root).as_posix() for r in root.rglob("_JOB.json")] if root.is_dir() else []
+    files = skip_nested_outputs(files, records, str(root))
+    if not files:
+        skipped = f" (the output folder {exclude} is not read as input)" if found else ""
+        raise InputDataError(f"input.path: no Parquet files found at {where}{skipped}")
+    return files
+
+
+def skip_nested_outputs(files: list[tuple[Any, str]], records: list[str], root: str) -> list[tuple[Any, str]]:
+    """`files` ((path, key) pairs) less the parts of batchgen outputs nested below `root` (see
+    storage.nested_output_parts), each such folder logged."""
+    nested = nested_output_parts([key for _, key in files], records)
+    for folder, keys in nested.items():
+        log.warning(
+            "input.path: %s/%s holds a batchgen output (_JOB.json): its %d part file(s) are not read as input "
+            "(name that folder in input.path to read them)",
+            display_uri(root),
+            folder,
+            len(keys),
+        )
+    skipped = {key for keys in nested.values() for key in keys}
+    return [(path, key) for path, key in files if key not in skipped]
+
+
+def _glob_root(pattern: str) -> Path:
+    """The leading directories of a glob that hold no wildcard: its files' keys are relative to it."""
+    parts = Path(pattern).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
+    return Path(*parts[:fixed])
+
+
+def _inside(path: Path, folder: Path | None) -> bool:
+    return folder is not None and path.resolve().is_relative_to(folder.resolve())
+
+
+def open_inputs(
+    pattern: str, required: list[str], exclude: Path | str | None = None, options: dict[str, Any] | None = None
+) -> list[InputFile]:
+    """Read every file's footer; check the required columns exist with one type across files.
+    `options`: the input's storage_options when `pattern` is an object-store URI."""
+    if is_remote(pattern):
+        files = _open_objects(pattern, options or {}, exclude)
+    else:
+        local_exclude = exclude if isinstance(exclude, Path) else None
+        files = [_open_one(p, key) for p, key in discover(pattern, local_exclude)]
+    for column in required:
+        check_column(files, column)
+    return files
+
+
+def planned_rows(files: list[InputFile], limit: int | None) -> int:
+    """Rows a job reads: every row of every file, or the first `limit` of them."""
+    total = sum(f.num_rows for f in files)
+    return total if limit is None else min(total, limit)
+
+
+def _open_one(path: Path | str, key: str, filesystem: Any = None, fs_path: str = "") -> InputFile:
+    f = InputFile(path=path, num_rows=0, schema=pa.schema([]), key=key, filesystem=filesystem, fs_path=fs_path)
+    try:
+        with pq.ParquetFile(f.source()) as meta:
+            num_rows, schema = meta.metadata.num_rows, meta.schema_arrow
+    except (pa.ArrowException, OSError) as exc:
+        raise InputDataError(f"{path}: not a readable Parquet file: {exc}") from exc
+    return InputFile(path, num_rows, schema, key, filesystem, fs_path)
+
+
+def _open_objects(uri: str, options: dict[str, Any], exclude: Path | str | None) -> list[InputFile]:
+    """The input objects of an `s3://` / `gs://` URI (a prefix, an object or a glob), footers read."""
+    from batchgen.inputs.objects import discover_objects
+    from batchgen.storage.objectstore import bucket_problem, fs_path, make_filesystem
+
+    policy = RetryPolicy.from_env()
+    try:
+        uri, checked = options_from_uri(uri, options, "input")
+        fs, pattern = make_filesystem(uri, checked, "input.path", policy.attempts)
+        skip = fs_path(exclude) if isinstance(exclude, str) and is_remote(exclude) else None
+        found = with_retries(lambda: discover_objects(fs, pattern, uri, skip), uri, "list the input objects", policy)
+    except StoreUnavailable:
+        raise
+    except OutputError as exc:
+        raise InputDataError(str(exc)) from None
+    except (pa.ArrowException, OSError) as exc:
+        raise InputDataError(f"input.path {uri}: cannot list the objects: {exc}") from exc
+    if not found:
+        problem = with_retries(lambda: bucket_problem(fs, pattern, uri), uri, "look up the bucket", policy)
+        raise InputDataError(f"input.path {problem}" if problem else f"input.path: no Parquet objects found at {uri}")
+    scheme = uri.split("://", 1)[0]
+    return [_open_one(f"{scheme}://{p}", key, fs, p) for p, key in found]
+
+
+def check_column(files: list[InputFile], column: str, why: str = "") -> None:
+    """`column` exists in every file with one type; else an InputDataError naming file and column.
+    `why` is appended to a missing-column message (e.g. that the column is carried)."""
+    first_type = None
+    for f in files:
+        if column not in f.schema.names:
+            raise InputDataError(f"{f.path}: no column {column!r}{why} (columns: {', '.join(f.schema.names)})")
+        col_type = f.schema.field(column).type
+        if first_type is None:
+            first_type = (f.path, col_type)
+        elif common_type([col_type, first_type[1]]) is None:
+            raise InputDataError(f"{f.path}: column {column!r} is {col_type} but {first_type[0]} has {first_type[1]}")
+
+
+# Variants of one kind of value: pandas 3 writes text as large_string, pyarrow as string, and
+# newer writers string_view. A column mixing them across files holds the same kind of values.
+_FAMILIES = (
+    ((pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view), pa.large_string()),
+    ((pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view), pa.large_binary()),
+)
+
+
+def common_type(types: list[pa.DataType]) -> pa.DataType | None:
+    """The one type a column has across files: the type itself when all are equal; for a mix of
+    string-like (or of binary-like) variants the large one, which holds every value of the others;
+    None when the types differ otherwise."""
+    if all(t == types[0] for t in types):
+        return types[0]
+    for members, widest in _FAMILIES:
+        if all(any(member(t) for member in members) for t in types):
+            return widest
+    return None
+
+
+def column_field(files: list[InputFile], column: str) -> pa.Field:
+    """`column`'s field for the output: the first file's, with the type every file's values fit
+    (see common_type; check_column has refused types that do not agree)."""
+    field = files[0].schema.field(column)
+    unified = common_type([f.schema.field(column).type for f in files])
+    return field if unified is None or unified == field.type else field.with_type(unified)
+
+
+def plan_shards(files: list[InputFile], window_rows: int, limit: int | None = None) -> list[Shard]:
+    """Cut each file into windows of `window_rows` rows; `limit` keeps only the first rows overall."""
+    shards: list[Shard] = []
+    remaining = limit if limit is not None else sum(f.num_rows for f in files)
+    for file_index, f in enumerate(files):
+        start = 0
+        while start < f.num_rows and remaining > 0:
+            stop = min(start + window_rows, f.num_rows, start + remaining)
+            shards.append(Shard(index=len(shards), file_index=file_index, start=start, stop=stop))
+            remaining -= stop - start
+            start = stop
+    return shards
+
+
+def read_shards(files: list[InputFile], shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
+    """Yield (shard, table of its rows), streaming each file once in record batches."""
+    by_file: dict[int, list[Shard]] = {}
+    for shard in shards:
+        by_file.setdefault(shard.file_index, []).append(shard)
+    for file_index in sorted(by_file):
+        yield from _read_file_shards(files[file_index], by_file[file_index], columns)
+
+
+def _row_group_of(meta: pq.FileMetaData, row: int) -> tuple[int, int]:
+    """(index of the row group holding file row `row`, that group's first row); (0, 0) for none."""
+    first = 0
+    for i in range(meta.num_row_groups):
+        rows = meta.row_group(i).num_rows
+        if row < first + rows:
+            return i, first
+        first += rows
+    return 0, 0
+
+
+def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
+    pending = sorted(shards, key=lambda s: s.start)
+    buffered: list[pa.RecordBatch] = []
+    try:
+        # Why buffered, not pre-buffered: a huge row group is then read page by page, not whole.
+        reader = pq.ParquetFile(f.source(), buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
+        # why from the row group of the first wanted row: a worker given a late part of a big
+        # file (Ray, a resumed run) does not decode every row before it
+        first_group, offset = _row_group_of(reader.metadata, pending[0].start)
+        groups = range(first_group, reader.metadata.num_row_groups)
+        batches = reader.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns, row_groups=groups)
+        end = offset  # file row index just past the buffered rows; offset: of buffered[0]'s first row
+        for batch in batches:
+            buffered.append(batch)
+            end += batch.num_rows
+            while pending and end >= pending[0].stop:
+                shard = pending.pop(0)
+                table = pa.Table.from_batches(buffered, schema=buffered[0].schema)
+                yield shard, table.slice(shard.start - offset, shard.num_rows)
+                buffered, offset = table.slice(shard.stop - offset).to_batches(), shard.stop
+            if not pending:
+                return
+            # Why: rows before the next wanted shard (committed ones a resumed run skips) are
+            # dropped as they arrive, so memory stays one window plus one batch.
+            keep_from = min(pending[0].start, end)
+            if keep_from > offset:
+                table = pa.Table.from_batches(buffered, schema=batch.schema)
+                buffered, offset = table.slice(keep_from - offset).to_batches(), keep_from
+    except (pa.ArrowException, OSError) as exc:
+        if is_transient(exc):  # the store's retries were spent mid-stream: not the data's fault
+            raise StoreUnavailable(f"{f.path}: reading rows failed on a transient store error: {exc}") from exc
+        raise InputDataError(f"{f.path}: failed while reading rows: {exc}") from exc
+    if pending:
+        raise InputDataError(f"{f.path}: file ended before row {pending[0].stop} (truncated?)")

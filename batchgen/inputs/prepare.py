@@ -1,0 +1,298 @@
+"""Rows to engine requests: validate each row, render chat templates, tokenize in batches, build
+per-row SamplingParams. A bad row becomes an error row here; it never stops the job.
+
+The input token count is fixed here: it is the first half of the bill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import pyarrow as pa
+
+from batchgen.engine.api.params import SamplingParams
+from batchgen.errors import InputDataError, ModelError
+from batchgen.inputs.dataset import InputFile, Shard
+from batchgen.inputs.duplicate_ids import IdProblem
+from batchgen.job.spec import SCHEMA_COLUMN_KEY, JobSpec
+
+
+@dataclass
+class PreparedRow:
+    """One input row, ready for the engine (prompt_ids and params set) or failed (error set)."""
+
+    prompt_ids: list[int] | None = None
+    params: SamplingParams | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    label: str = ""  # names the row in messages: file, row index, id (see row_labels)
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code is None
+
+    def request(self) -> tuple[list[int], SamplingParams]:
+        """(prompt ids, params) of an ok row; an error row has no request."""
+        if self.prompt_ids is None or self.params is None:
+            raise ValueError(f"an error row ({self.error_code}) has no request")
+        return self.prompt_ids, self.params
+
+    def fail(self, code: str, message: str) -> None:
+        """Make this an error row: `code` goes to error_code, `message` (naming the row) to error_message."""
+        self.error_code, self.error_message = code, message
+
+
+def input_columns(spec: JobSpec) -> list[str]:
+    """Columns the job must read from every input file."""
+    i = spec.input
+    names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
+    return [n for n in dict.fromkeys(names) if n is not None]
+
+
+def load_tokenizer(model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelError(f"model.path {model_path}: cannot load a tokenizer: {exc}") from exc
+    # Why: a prompt longer than the context is batchgen's own prompt_too_long row, counted and
+    # reported; transformers' "Token indices sequence length is longer than the specified maximum"
+    # warning (once, when such a prompt is tokenized) only alarms. This flag is how it keeps it once.
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
+
+
+class RowPreparer:
+    """Turns a shard's table into PreparedRows, in the table's row order."""
+
+    def __init__(self, spec: JobSpec, tokenizer: Any, max_model_len: int) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.base_params = spec.sampling.model_dump()
+        self._schemas: dict[str, Any] = {}  # schema text -> structured spec, or the RowError it makes
+
+    def prepare(self, table: pa.Table, labels: list[str], keys: list[str]) -> list[PreparedRow]:
+        """`labels[i]` names row i in messages (file, row index, id); `keys[i]` identifies it
+        across runs (see row_keys): the run seed is combined with it."""
+        rows = [PreparedRow(label=label) for label in labels]
+        texts = self._texts(table, rows, labels)
+        self._tokenize(texts, rows, labels)
+        self._sampling(table, rows, labels, keys)
+        return rows
+
+    def prepare_shard(
+        self, f: InputFile, shard: Shard, table: pa.Table, duplicates: dict[tuple[int, int], IdProblem]
+    ) -> list[PreparedRow]:
+        """Prepare a shard's rows; a repeated id (see duplicate_ids) fails, its first use is served; a null id fails."""
+        labels = row_labels(self.spec, f, shard, table)
+        rows = self.prepare(table, labels, row_keys(self.spec, f, shard, table))
+        for i, row in enumerate(rows):
+            problem = duplicates.get((shard.file_index, shard.start + i))
+            if problem is not None:
+                row.fail(problem.code, f"{labels[i]}: {problem.message}")
+                row.prompt_ids = None
+        return rows
+
+    def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
+        spec = self.spec.input
+        if spec.prompt_column is not None:
+            raw = _column_values(table.column(spec.prompt_column), as_bytes=True)
+            render = _decode_prompt
+        else:
+            raw = _column_values(table.column(spec.messages_column), as_bytes=False)
+            render = self._render_messages
+        texts: dict[int, str] = {}
+        for i, value in enumerate(raw):
+            try:
+                texts[i] = render(value)
+            except RowError as exc:
+                rows[i].fail(exc.code, f"{labels[i]}: {exc}")
+        return texts
+
+    def _render_messages(self, value: Any) -> str:
+        messages = _check_messages(value)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template is user data too: any failure is this row's
+            raise RowError("invalid_messages", f"chat template failed: {exc}") from exc
+
+    def _tokenize(self, texts: dict[int, str], rows: list[PreparedRow], labels: list[str]) -> None:
+        if not texts:
+            return
+        order = list(texts)
+        # Why: a rendered chat template already holds its special tokens (BOS etc.).
+        add_special = self.spec.input.prompt_column is not None
+        encoded = self.tokenizer([texts[i] for i in order], add_special_tokens=add_special)["input_ids"]
+        for i, ids in zip(order, encoded):
+            if not ids:
+                rows[i].fail("empty_prompt", f"{labels[i]}: prompt has no tokens")
+            elif len(ids) >= self.max_model_len:
+                context = f"the model's context is {self.max_model_len}"
+                rows[i].fail("prompt_too_long", f"{labels[i]}: prompt has {len(ids)} tokens; {context}")
+            else:
+                rows[i].prompt_ids = list(ids)
+
+    def _sampling(self, table: pa.Table, rows: list[PreparedRow], labels: list[str], keys: list[str]) -> None:
+        columns = self.spec.input.sampling_columns
+        per_row = {name: table.column(col).to_pylist() for name, col in columns.items()}
+        run_seed = self.base_params["seed"]
+        for i, row in enumerate(rows):
+            if not row.ok:
+                continue
+            values = dict(self.base_params)
+            if run_seed is not None:
+                values["seed"] = row_seed(run_seed, keys[i])
+            for name, column_values in per_row.items():
+                if column_values[i] is not None and name == SCHEMA_COLUMN_KEY:
+                    values["structured"] = self._row_schema(column_values[i])
+                elif column_values[i] is not None:
+                    values[name] = _whole(name, column_values[i])
+            if isinstance(values.get("structured"), RowError):
+                column = columns[SCHEMA_COLUMN_KEY]
+                row.fail("invalid_structured", f"{labels[i]}: column {column!r}: {values['structured']}")
+                continue
+            try:
+                params = SamplingParams(**values)
+            except (ValueError, TypeError) as exc:
+                row.fail("invalid_sampling", f"{labels[i]}: per-row sampling columns {sorted(columns.values())}: {exc}")
+                continue
+            # Why: like vLLM, generation stops at the context end ("length") rather than failing;
+            # min_tokens follows a max_tokens cut by the context (the user's own min > max failed above).
+            room = self.max_model_len - len(row.prompt_ids or [])
+            if params.max_tokens is None or params.max_tokens > room:  # None: up to the context
+                params.max_tokens, params.min_tokens = room, min(params.min_tokens, room)
+            row.params = params
+
+    def _row_schema(self, text: str) -> dict[str, Any] | RowError:
+        """A row's JSON schema column value as a structured spec; a RowError when it cannot compile.
+
+        Checked once per distinct text: a million rows sharing three schemas compile three times."""
+        known = self._schemas.get(text)
+        if known is None:
+            from batchgen.engine.sampling.structured import check_structured
+
+            spec = {"json_schema": text}
+            problem = check_structured(spec)
+            known = spec if problem is None else RowError("invalid_structured", problem)
+            self._schemas[text] = known
+        return known
+
+
+def row_seed(run_seed: int, key: str) -> int:
+    """A row's seed from the run seed and the row's id: the same on every run, resume, window
+    size and ordering, and different for every row (duplicated prompts draw different samples)."""
+    digest = hashlib.sha256(f"{run_seed}\x00{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def row_keys(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
+    """What identifies each row across runs: its id_column value, else its row_id."""
+    if spec.input.id_column is not None:
+        return [f"id:{v}" for v in table.column(spec.input.id_column).to_pylist()]
+    return [f"row:{row_id}" for row_id in f.row_ids(shard.start, shard.stop)]
+
+
+_INTEGER_FIELDS = {name for name, kind in get_type_hints(SamplingParams).items() if kind in (int, int | None)}
+
+
+def _whole(name: str, value: Any) -> Any:
+    """64.0 -> 64 for an integer field (what pandas writes for an int column with nulls); a
+    fractional value stays as it is and SamplingParams refuses it (an invalid_sampling row)."""
+    if name in _INTEGER_FIELDS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
+    """Before any work: each per-row sampling column holds numbers (or only nulls) in every file."""
+    for f in files:
+        for name, column in spec.input.sampling_columns.items():
+            kind = f.schema.field(column).type
+            if name == SCHEMA_COLUMN_KEY:
+                text = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+                if not (text or pa.types.is_null(kind)):
+                    raise InputDataError(
+                        f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
+                        "it needs JSON schema text (a string column)"
+                    )
+                continue
+            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_null(kind)):
+                raise InputDataError(
+                    f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
+                    f"{name} needs numbers (an integer or float column)"
+                )
+
+
+def row_labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
+    """Row names in error messages: file, row index, and id when the job has one."""
+    base = [f"{f.path} row {i}" for i in range(shard.start, shard.stop)]
+    if spec.input.id_column is None:
+        return base
+    return [f"{b} (id {v})" for b, v in zip(base, table.column(spec.input.id_column).to_pylist())]
+
+
+class RowError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _column_values(column: pa.ChunkedArray, as_bytes: bool) -> list[Any]:
+    """Python values of a column; string columns come back as raw bytes so that one row with
+    invalid UTF-8 fails alone instead of failing the whole conversion."""
+    if as_bytes and pa.types.is_string(column.type):
+        column = column.cast(pa.binary())
+    elif as_bytes and pa.types.is_large_string(column.type):
+        column = column.cast(pa.large_binary())
+    elif as_bytes and pa.types.is_string_view(column.type):
+        column = column.cast(pa.binary_view())
+    try:
+        return column.to_pylist()
+    except (UnicodeDecodeError, pa.ArrowException):
+        pass  # some row holds invalid UTF-8: convert row by row so only that row fails
+    values: list[Any] = []
+    for i in range(len(column)):
+        try:
+            values.append(column[i].as_py())
+        except (UnicodeDecodeError, pa.ArrowException) as exc:
+            values.append(RowError("invalid_utf8", f"value cannot be decoded: {exc}"))
+    return values
+
+
+def _decode_prompt(value: Any) -> str:
+    if isinstance(value, RowError):
+        raise value
+    if value is None:
+        raise RowError("empty_prompt", "prompt is null")
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RowError("invalid_utf8", f"prompt is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(value, str):
+        raise RowError("invalid_prompt", f"prompt must be text, got {type(value).__name__}")
+    if not value.strip():
+        raise RowError("empty_prompt", "prompt is empty or whitespace only")
+    return value
+
+
+def _check_messages(value: Any) -> list[dict[str, str]]:
+    if isinstance(value, RowError):
+        raise value
+    if not value:
+        raise RowError("empty_prompt", "messages is null or empty")
+    if not isinstance(value, list):
+        raise RowError("invalid_messages", f"messages must be a list, got {type(value).__name__}")
+    for j, msg in enumerate(value):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+            raise RowError("invalid_messages", f"message {j} must have string 'role' and 'content'")
+    if not any(m["content"].strip() for m in value):
+        raise RowError("empty_prompt", "every message is empty")
+    return [{"role": m["role"], "content": m["content"]} for m in value]

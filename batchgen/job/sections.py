@@ -1,0 +1,137 @@
+"""The job file's plain sections: model, input, output, pricing, executor.
+
+Why apart from spec.py: these sections check their own keys and need nothing from the engine's
+dataclasses; spec.py derives the `sampling` and `engine` sections from SamplingParams and
+EngineConfig, assembles the JobSpec and loads job files.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from batchgen.engine.api.config import DEVICE_CHOICES, DEVICE_NAME
+from batchgen.storage.base import check_storage_options, is_remote, local_path
+
+SAMPLING_OVERRIDABLE = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+# A per-row column that is not a SamplingParams number: JSON schema text, one row's structured output.
+SCHEMA_COLUMN_KEY = "json_schema"
+
+
+class _Strict(BaseModel):
+    # An unknown key is an error, and "1" is not silently an int: a typo must never be ignored.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelSection(_Strict):
+    path: Path = Field(strict=False)
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not DEVICE_NAME.fullmatch(value):
+            context = {"choices": DEVICE_CHOICES, "value": repr(value)}
+            raise PydanticCustomError("device", "must be {choices}, got {value}", context)
+        return value
+
+
+class InputSection(_Strict):
+    path: str  # a Parquet file, a folder of them, or a glob; or an s3:// / gs:// URI of one
+    storage_options: dict[str, Any] = Field(default_factory=dict)  # object stores: endpoint, region, keys
+
+    prompt_column: str | None = None  # None: "prompt", unless messages_column is set
+    messages_column: str | None = None
+    id_column: str | None = None
+    carry_columns: list[str] | None = None  # None: carry every input column
+    sampling_columns: dict[str, str] = Field(default_factory=dict)  # SamplingParams field -> column
+    limit: int | None = Field(default=None, ge=1)  # only the first N rows (quick trials)
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> InputSection:
+        self.storage_options = check_storage_options(self.path, self.storage_options, "input")
+        if self.prompt_column is not None and self.messages_column is not None:
+            raise ValueError("set exactly one of input.prompt_column or input.messages_column")
+        if self.messages_column is None and self.prompt_column is None:
+            self.prompt_column = "prompt"
+        for name in self.sampling_columns:
+            if name not in (*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY):
+                raise ValueError(
+                    f"input.sampling_columns: {name!r} cannot be set per row "
+                    f"(allowed: {', '.join((*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY))})"
+                )
+        if SCHEMA_COLUMN_KEY in self.sampling_columns:
+            from batchgen.engine.sampling.structured import StructuredError, load_xgrammar
+
+            try:  # why here: without xgrammar every row would fail one by one
+                load_xgrammar()
+            except StructuredError as exc:
+                raise ValueError(f"input.sampling_columns.{SCHEMA_COLUMN_KEY}: {exc}") from None
+        return self
+
+
+class OutputSection(_Strict):
+    path: Path | str  # a local folder (made a Path), or an s3:// / gs:// URI (kept as text)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    # Object stores only: true declares that one run at a time writes this output, so a store
+    # without conditional writes may be used (check-then-put); the run lock still stands.
+    single_writer: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _local_as_path(cls, path: Path | str) -> Path | str:
+        check_storage_options(path, {}, "output")  # an unsupported scheme or no bucket fails here
+        return path if isinstance(path, Path) or is_remote(path) else Path(local_path(path))
+
+    @model_validator(mode="after")
+    def _options(self) -> OutputSection:
+        self.storage_options = check_storage_options(self.path, self.storage_options, "output")
+        return self
+
+
+class PricingSection(_Strict):
+    """Prices in any currency per million tokens, read by `estimate` and `report` only."""
+
+    input: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
+    cached_input: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
+    output: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
+
+
+class ExecutorSection(_Strict):
+    """Where the parts run: this process (`local`) or engine workers on Ray (`ray`); see
+    batchgen/executors. The `ray` keys are read only with kind ray."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = None  # null: start a local Ray instance; "auto", "ray://host:port" or "host:port": join one
+    num_workers: int | None = Field(default=None, ge=1)  # null: one per GPU in the cluster (no GPU: 1)
+    worker_gpus: int = Field(default=1, ge=0, le=1)  # more than 1 is reserved for tensor parallelism
+    worker_cpus: float | None = Field(default=None, gt=0)  # null: 1 with a GPU, else the cluster's CPUs / workers
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and not _RAY_ADDRESS.fullmatch(value):
+            raise PydanticCustomError(
+                "address", "must be null, auto, ray://host:port or host:port, got {value}", {"value": repr(value)}
+            )
+        return value
+
+
+_RAY_ADDRESS = re.compile(r"auto|(ray://)?[\w.\-]+:\d+")

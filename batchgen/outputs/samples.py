@@ -1,0 +1,114 @@
+"""The result columns that depend on the job's `n`, `logprobs` and `prompt_logprobs`.
+
+Column types follow the job, never the data: with `n: 1` the per-sample columns are scalars as
+always; with `n > 1` `generated_text`, `finish_reason` and `stop_reason` are lists of n (sample
+order) and `sample_output_tokens` lists each sample's output tokens, while `input_tokens`,
+`cached_tokens` and `output_tokens` stay scalar (output_tokens sums the samples: the bill).
+`logprobs` / `cumulative_logprob` exist when the job sets `sampling.logprobs`, `prompt_logprobs`
+when it sets `sampling.prompt_logprobs`; they are null on error rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from batchgen.job.spec import JobSpec
+
+PER_SAMPLE = ("generated_text", "finish_reason", "stop_reason")
+ALTERNATIVE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
+TOKEN_LOGPROB = pa.struct(
+    [
+        ("token_id", pa.int64()),  # the generated (or prompt) token
+        ("token", pa.string()),
+        ("logprob", pa.float64()),
+        ("rank", pa.int64()),  # 1-based rank in the raw distribution
+        ("top", pa.list_(ALTERNATIVE)),  # the K most likely tokens, best first
+    ]
+)
+
+
+@dataclass(frozen=True)
+class ColumnPlan:
+    """What the job asks for that shapes its result columns."""
+
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> ColumnPlan:
+        s = spec.sampling
+        return cls(n=s.n, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs)
+
+    def extra_fields(self) -> list[pa.Field]:
+        """Columns beyond the base ones, in output order."""
+        fields: list[pa.Field] = []
+        if self.n > 1:
+            fields.append(pa.field("sample_output_tokens", pa.list_(pa.int64())))
+        if self.logprobs is not None:
+            per = pa.list_(TOKEN_LOGPROB)
+            fields.append(pa.field("cumulative_logprob", self._per_sample(pa.float64())))
+            fields.append(pa.field("logprobs", self._per_sample(per)))
+        if self.prompt_logprobs is not None:
+            fields.append(pa.field("prompt_logprobs", pa.list_(TOKEN_LOGPROB)))
+        return fields
+
+    def fields(self, base: list[pa.Field]) -> list[pa.Field]:
+        """The job's result columns: `base` with per-sample columns as lists when n > 1, then the extras."""
+        shaped = [pa.field(f.name, self._per_sample(f.type)) if f.name in PER_SAMPLE else f for f in base]
+        return shaped + self.extra_fields()
+
+    def _per_sample(self, kind: pa.DataType) -> pa.DataType:
+        return pa.list_(kind) if self.n > 1 else kind
+
+    def values(self, out: RequestOutput | None) -> dict[str, Any]:
+        """Per-sample and extra column values of one row (`out` None: an error row)."""
+        if out is None:
+            values: dict[str, Any] = {f.name: None for f in self.extra_fields()}
+            values.update(generated_text=None, stop_reason=None)
+            values["finish_reason"] = ["error"] * self.n if self.n > 1 else "error"
+            return values
+        samples = out.outputs
+        columns: dict[str, list[Any]] = {
+            "generated_text": [s.text for s in samples],
+            "finish_reason": [s.finish_reason for s in samples],
+            "stop_reason": [None if s.stop_reason is None else str(s.stop_reason) for s in samples],
+            "sample_output_tokens": [len(s.token_ids) for s in samples],
+            "cumulative_logprob": [s.cumulative_logprob for s in samples],
+            "logprobs": [self._sample_logprobs(s) for s in samples],
+        }
+        values = {name: (v if self.n > 1 or name == "sample_output_tokens" else v[0]) for name, v in columns.items()}
+        if self.prompt_logprobs is not None:
+            values["prompt_logprobs"] = _prompt_structs(out, self.prompt_logprobs)
+        wanted = set(PER_SAMPLE) | {f.name for f in self.extra_fields()}
+        return {k: v for k, v in values.items() if k in wanted}
+
+    def _sample_logprobs(self, sample: CompletionOutput) -> list[dict[str, Any]] | None:
+        if sample.logprobs is None or self.logprobs is None:
+            return None
+        return [_struct(token, entry, self.logprobs) for token, entry in zip(sample.token_ids, sample.logprobs)]
+
+
+def _prompt_structs(out: RequestOutput, k: int) -> list[dict[str, Any] | None] | None:
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else _struct(token, entry, k)
+        for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)
+    ]
+
+
+def _struct(token: int, entry: PositionLogprobs, k: int) -> dict[str, Any]:
+    """One position as a TOKEN_LOGPROB value: the token's own logprob and the top K by rank."""
+    own = entry[token]
+    ranked = sorted(entry.items(), key=lambda item: (item[1].rank or 0, item[0]))
+    top = [
+        {"token_id": tid, "token": lp.decoded_token, "logprob": lp.logprob}
+        for tid, lp in ranked
+        if tid != token or (own.rank or 0) <= k
+    ][:k]
+    return {"token_id": token, "token": own.decoded_token, "logprob": own.logprob, "rank": own.rank, "top": top}

@@ -1,0 +1,296 @@
+"""The job lifecycle: check, lock the output, skip committed parts, then for each remaining shard
+read, prepare, order, generate, commit; then the `_SUCCESS` manifest and a summary."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from batchgen.backends import for_rows, load_backend
+from batchgen.backends.base import Backend
+from batchgen.engine.api.outputs import RequestOutput
+from batchgen.errors import BatchgenError, EngineFailure
+from batchgen.inputs.dataset import InputFile, Shard, column_field, plan_shards, read_shards
+from batchgen.inputs.duplicate_ids import IdProblem, find_duplicate_ids
+from batchgen.inputs.ordering import order_requests
+from batchgen.inputs.prepare import RowPreparer, input_columns, load_tokenizer
+from batchgen.inputs.sharding import ShardSpec
+from batchgen.job.spec import JobSpec
+from batchgen.outputs.completion import build_manifest, complete_from_parts, run_facts
+from batchgen.outputs.fingerprint import job_fingerprint
+from batchgen.outputs.part_record import audit_parts, redo_bad_parts
+from batchgen.outputs.parts import PartWriter, part_name
+from batchgen.outputs.samples import ColumnPlan
+from batchgen.outputs.state import OutputLock, OutputState
+from batchgen.outputs.table import RESULT_FIELDS, carried_columns, output_schema, part_table, result_columns
+from batchgen.outputs.totals import Totals
+from batchgen.run import interrupt
+from batchgen.run.executors import Executor, open_executor
+from batchgen.run.progress import LoadingStatus, RunProgress, loading_what, row_token_budget
+from batchgen.run.summary import Summary
+from batchgen.run.validate import validate_inputs, validate_model
+from batchgen.testing.faults import fault_point
+
+log = logging.getLogger(__name__)
+
+
+class JobRunner:
+    def __init__(
+        self,
+        spec: JobSpec,
+        quiet: bool = False,
+        overwrite: bool = False,
+        shard: ShardSpec | None = None,
+        allow_precision_change: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.allow_precision_change = allow_precision_change  # parts of other runtimes may stay (runtime_record)
+        self.shard = shard  # None: every part; else only the parts this static shard owns
+        self.quiet = quiet
+        self.overwrite = overwrite
+        self.duplicates: dict[tuple[int, int], IdProblem] = {}  # (file index, row) -> why its id fails
+        self.executor: Executor | None = None  # None: parts run in this process
+        self._replacing: tuple[OutputState, dict[str, Any]] | None = None  # --overwrite, old output still there
+        self.lock: OutputLock | None = None
+        self._model_checked = False
+        self.columns = ColumnPlan.of(spec)  # n, logprobs, prompt_logprobs shape the result columns
+        self.result_fields = self.columns.fields(RESULT_FIELDS)
+
+    def run(self) -> Summary:
+        start = time.time()
+        files = validate_inputs(self.spec)  # fails here, before the output is touched, on bad inputs
+        carried = carried_columns(self.spec, files[0].schema)
+        add_row_id = self.spec.input.id_column is None
+        schema = output_schema([column_field(files, c) for c in carried], add_row_id, self.result_fields)
+        out = self.spec.output
+        writer = PartWriter(out.path, schema, out.storage_options, out.single_writer, self.allow_precision_change)
+        if writer.storage.local_dir is not None and not writer.storage.is_dir():
+            self._validate_model()  # a new folder holds no finished job and no lock: check before creating it
+        writer.prepare()
+        lock = self.lock = OutputLock(writer.storage, self.shard)
+        try:
+            # Why the lock and the finished-job check before the model's checks: those import torch
+            # and transformers (seconds, half a GB), and a locked or finished job needs neither.
+            lock.acquire()
+            return self._run_locked(files, carried, writer, start)
+        finally:
+            lock.release()
+            if self.executor is not None:
+                self.executor.close()
+
+    def _run_locked(self, files: list[InputFile], carried: list[str], writer: PartWriter, start: float) -> Summary:
+        state = OutputState(writer.storage)
+        fingerprint = job_fingerprint(self.spec, files)
+        if not self.overwrite and state.check_record(fingerprint):
+            manifest = state.read_success()
+            return Summary(Totals(), 0.0, manifest, already_done=True)
+        self._validate_model()  # fails here, before any weights load, on a bad model folder or device
+        self._open_executor()  # kind ray: Ray reached before any work; never for a finished job
+        owns = self.shard.owns if self.shard is not None else None
+        shards = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
+        record = {**fingerprint, "run": run_facts(self.spec, files, max(len(shards), 1), start)}
+        if self.overwrite:
+            # Why deferred: a job that fails to start (weights missing, a bad row type, Ray gone)
+            # must not cost the old output; it goes only when the first new part is ready to commit.
+            self._replacing = (state, record)
+            committed: dict[int, str] = {}
+        else:
+            self._claim_output(state, record)
+            committed = state.committed_parts()
+        mine = [s for s in shards if owns is None or owns(s.index)]
+        # Why read whole: a kept part is trusted only when it is the one this job committed (part_record).
+        audit = audit_parts(writer.storage, committed, {s.index: s.num_rows for s in mine}, state.read_record() or {})
+        redone = redo_bad_parts(writer.storage, committed, audit)
+        totals = Totals()
+        for part_totals in audit.kept.values():
+            totals.merge(part_totals)
+        kept_output_tokens = totals.output_tokens
+        todo = [s for s in mine if s.index not in committed]
+        if self.spec.input.id_column is not None and todo:
+            # Why all planned parts, not todo: the first occurrence wins wherever it lands.
+            self.duplicates = find_duplicate_ids(files, shards, self.spec.input.id_column)
+        if committed:
+            log.info("resuming: %d of %d parts already committed", len(committed), len(shards))
+        self._process(files, carried, writer, todo, totals)
+        if not shards and 0 not in committed and (owns is None or owns(0)):
+            self._commit_empty(writer)
+        wall = time.time() - start
+        run_tokens = totals.output_tokens - kept_output_tokens
+        kept = len(mine) - len(todo)
+        summary = Summary(totals, wall, {}, kept, run_output_tokens=run_tokens, redone=redone)
+        if self.shard is not None:
+            return self._finish_shard(state, record, summary)
+        manifest = build_manifest(totals, state.read_record() or record, start, wall, run_tokens)
+        self.take_over_output()  # (done at the first commit already; a job always commits one)
+        fault_point("before_success")
+        with interrupt.cooperative():
+            interrupt.check()
+            writer.write_success(manifest)
+        summary.manifest = manifest
+        return summary
+
+    def _validate_model(self) -> None:
+        if not self._model_checked:
+            validate_model(self.spec)
+            self._model_checked = True
+
+    def _open_executor(self) -> None:
+        if self.executor is None:
+            self.executor = open_executor(self.spec, self.quiet)
+
+    def _claim_output(self, state: OutputState, record: dict[str, Any]) -> None:
+        """Remove a killed run's temp files (a shard: its own parts' only) and write the job record."""
+        if state.remove_leftovers(self.shard.owns if self.shard is not None else None):
+            log.info("removed temporary files of an interrupted run")
+        with interrupt.cooperative():
+            state.claim_record(record, refresh=self.shard is None)  # N shards may start at once
+        interrupt.check()
+
+    @property
+    def replacing_output(self) -> bool:
+        """--overwrite, and the old output is still there (see take_over_output)."""
+        return self._replacing is not None
+
+    def take_over_output(self) -> None:
+        """--overwrite: this job has validated, loaded its model and is about to commit its first
+        part; only now the old output goes and this job's record takes its place. Nothing to do
+        after the first call (and on a Ray worker, whose runner replaces nothing)."""
+        if self._replacing is None:
+            return
+        state, record = self._replacing
+        self._replacing = None
+        if self.lock is not None:  # an object store: never delete parts under another run's lease
+            self.lock.check(fresh=True)
+        with interrupt.cooperative():  # a signal now waits: the folder is never left half replaced
+            removed = state.overwrite()
+            log.info("--overwrite: removed the previous output (%d parts)", removed)
+            state.check_record(record)  # nothing of the old job is left: this reads no record
+            self._claim_output(state, record)
+
+    def _finish_shard(self, state: OutputState, record: dict[str, Any], summary: Summary) -> Summary:
+        """This shard's parts are committed: write `_SUCCESS` if every other part is too."""
+        fault_point("before_success")
+        with interrupt.cooperative():
+            interrupt.check()
+            manifest, missing = complete_from_parts(state, record)
+        planned = record["run"]["parts"]
+        summary.manifest = manifest or {}
+        if manifest is not None:
+            summary.note = f"job: all {planned} parts committed, _SUCCESS written"
+        else:
+            summary.note = f"job: {planned - len(missing)} of {planned} parts committed, the rest are other shards'"
+        summary.shard = str(self.shard)
+        return summary
+
+    def _commit_empty(self, writer: PartWriter) -> None:
+        """No input rows: one empty part with the full output schema, so that every finished output
+        reads back with its columns (`pyarrow.dataset.dataset(out).schema`)."""
+        self.take_over_output()
+        with interrupt.cooperative():
+            writer.write_part(0, writer.schema.empty_table())
+
+    def _process(
+        self,
+        files: list[InputFile],
+        carried: list[str],
+        writer: PartWriter,
+        todo: list[Shard],
+        totals: Totals,
+    ) -> None:
+        if not todo:
+            return
+        if self.executor is not None:  # the parts run elsewhere; each worker calls process_part
+            self.executor.process(self, files, carried, writer, todo, totals)
+            return
+        with LoadingStatus(loading_what(self.spec), self.quiet):
+            backend, preparer = load_engine(for_rows(self.spec, sum(s.num_rows for s in todo)))
+        budget = row_token_budget(self.spec, backend.max_model_len)
+        bar = RunProgress(sum(s.num_rows for s in todo), self.quiet, live_output_tokens(backend), budget)
+        # Why cooperative: a signal only sets a flag here; the loop and on_output stop at clean points.
+        with bar, interrupt.cooperative():
+            for shard, table in read_shards(files, todo, _read_columns(self.spec, carried)):
+                interrupt.check()
+                f = files[shard.file_index]
+                totals.merge(self.process_part(f, shard, table, carried, writer, backend, preparer, bar))
+
+    def process_part(
+        self,
+        f: InputFile,
+        shard: Shard,
+        table: pa.Table,
+        carried: list[str],
+        writer: PartWriter,
+        backend: Backend,
+        preparer: RowPreparer,
+        bar: RowCounter,
+    ) -> Totals:
+        """Generate one part from its rows and commit it; its totals. The local loop and every Ray
+        worker call this, so both commit with the same atomic, never-replacing protocol."""
+        if not self.replacing_output:  # why before generating: a refused runtime wastes no part's work
+            writer.claim_runtime(backend.resolved())
+        cols = self._run_shard(shard, table, f, backend, preparer, bar)
+        row_ids = f.row_ids(shard.start, shard.stop) if self.spec.input.id_column is None else None
+        totals = Totals()
+        self.take_over_output()
+        writer.claim_runtime(backend.resolved())  # (--overwrite: into the new record; else done already)
+        if writer.write_part(shard.index, part_table(table, carried, row_ids, cols, self.result_fields)):
+            totals.add_part(cols)
+        else:  # a concurrent shard run of another N (or a replaced Ray worker) committed it first: that part stands
+            log.info("part %d was committed by another run meanwhile; kept that one", shard.index)
+            totals.merge(OutputState(writer.storage).totals_of(part_name(shard.index)))
+        return totals
+
+    def _run_shard(
+        self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, preparer: RowPreparer, bar: RowCounter
+    ) -> dict[str, list[Any]]:
+        rows = preparer.prepare_shard(f, shard, table, self.duplicates)
+        requests = {i: r.request() for i, r in enumerate(rows) if r.ok}
+        ok = list(requests)
+        bar.update(len(rows) - len(ok))  # error rows are done already
+        order = [ok[j] for j in order_requests([requests[i][0] for i in ok], self.spec.engine.ordering)]
+
+        def on_output(out: RequestOutput) -> None:
+            interrupt.check()  # between requests' outputs: the part in flight is abandoned uncommitted
+            bar.update(1, out.num_output_tokens)
+            fault_point("mid_engine")
+            fault_point("engine_exception")
+
+        try:
+            prompts, params = [requests[i][0] for i in order], [requests[i][1] for i in order]
+            outs = backend.generate(prompts, params, on_output)
+        except BatchgenError:
+            raise
+        except Exception as exc:
+            # Why: the part in flight is abandoned uncommitted; committed parts stay, a rerun resumes.
+            raise EngineFailure(f"engine failed on rows {shard.start}-{shard.stop - 1} of {f.path}: {exc}") from exc
+        return result_columns(rows, dict(zip(order, outs)), self.columns)
+
+
+class RowCounter(Protocol):
+    """Counts finished rows and their output tokens: the progress bar locally, a reporter to the
+    driver's bar on a Ray worker."""
+
+    def update(self, n: int = 1, tokens: int = 0) -> object: ...
+
+
+def live_output_tokens(backend: Backend) -> Callable[[], int] | None:
+    """The engine's count of output tokens sampled so far, running requests' included, for the
+    progress bar's rate; None for a backend that keeps none (hf: its rows finish batch by batch)."""
+    if getattr(backend, "stats", None) is None:
+        return None
+    return lambda: int(getattr(backend, "stats", {}).get("output_tokens", 0))
+
+
+def load_engine(spec: JobSpec) -> tuple[Backend, RowPreparer]:
+    """The model and the row preparer, loaded once per process (or per Ray worker)."""
+    tokenizer = load_tokenizer(spec.model.path)
+    backend = load_backend(spec, tokenizer)
+    return backend, RowPreparer(spec, tokenizer, backend.max_model_len)
+
+
+def _read_columns(spec: JobSpec, carried: list[str]) -> list[str]:
+    return list(dict.fromkeys(input_columns(spec) + carried))

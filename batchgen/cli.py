@@ -16,7 +16,7 @@ from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED_BASE, BatchgenError,
 from batchgen.inputs.sharding import ShardSpec
 from batchgen.job.spec import load_job
 from batchgen.run import interrupt
-from batchgen.storage.base import display_uri
+from batchgen.storage.uris import display_uri
 
 _set_option = click.option(
     "--set",

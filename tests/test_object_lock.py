@@ -21,7 +21,8 @@ from batchgen.errors import LockedError
 from batchgen.inputs.sharding import ShardSpec
 from batchgen.outputs.lease import LEASE_NAME, ObjectLease
 from batchgen.outputs.state import OutputLock
-from batchgen.storage.base import Storage, open_storage
+from batchgen.storage.base import Storage
+from batchgen.storage.open import open_storage
 from tests.conftest import make_job, write_job, write_parquet
 from tests.s3_server import moto_s3, options
 

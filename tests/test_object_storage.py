@@ -29,8 +29,9 @@ from batchgen.job.spec import load_job
 from batchgen.outputs.state import OutputState
 from batchgen.run.runner import JobRunner
 from batchgen.storage import objectstore
-from batchgen.storage.base import check_storage_options, display_uri, open_storage, options_from_uri
 from batchgen.storage.objectstore import ObjectStorage
+from batchgen.storage.open import open_storage
+from batchgen.storage.uris import check_storage_options, display_uri, options_from_uri
 from tests.conftest import make_job, write_job, write_parquet
 from tests.s3_server import moto_s3
 

@@ -25,7 +25,8 @@ from batchgen.outputs import parts
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.state import OutputState
 from batchgen.outputs.table import RESULT_NAMES, output_schema
-from batchgen.storage.base import LocalStorage, temp_name
+from batchgen.storage.base import temp_name
+from batchgen.storage.local import LocalStorage
 from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 

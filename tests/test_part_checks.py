@@ -17,7 +17,7 @@ from batchgen.backends.native import NativeBackend
 from batchgen.cli import main
 from batchgen.errors import FingerprintMismatch
 from batchgen.outputs.runtime_record import claim_runtime
-from batchgen.storage.base import LocalStorage
+from batchgen.storage.local import LocalStorage
 from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 

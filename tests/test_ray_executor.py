@@ -31,7 +31,7 @@ from batchgen.run.executors.part_queue import PartQueue
 from batchgen.run.executors.ray_executor import plan_workers
 from batchgen.run.runner import JobRunner, Summary
 from batchgen.run.validate import validate_job
-from batchgen.storage.base import LocalStorage
+from batchgen.storage.local import LocalStorage
 from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 

@@ -21,8 +21,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import InputDataError, OutputError, StoreUnavailable
-from batchgen.storage.base import display_uri, is_remote, nested_output_parts, options_from_uri
+from batchgen.storage.base import nested_output_parts
 from batchgen.storage.retry import RetryPolicy, is_transient, with_retries
+from batchgen.storage.uris import display_uri, is_remote, options_from_uri
 
 log = logging.getLogger(__name__)
 READ_BATCH_ROWS = 4096  # rows decoded at a time: bounds memory even for one huge row group

@@ -9,7 +9,7 @@ import fnmatch
 import pyarrow.fs as pafs
 
 from batchgen.inputs.dataset import skip_nested_outputs
-from batchgen.storage.base import uri_scheme
+from batchgen.storage.uris import uri_scheme
 
 
 def discover_objects(fs: pafs.FileSystem, pattern: str, uri: str, exclude: str | None) -> list[tuple[str, str]]:

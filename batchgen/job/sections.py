@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from batchgen.engine.api.config import DEVICE_CHOICES, DEVICE_NAME
-from batchgen.storage.base import check_storage_options, is_remote, local_path
+from batchgen.storage.uris import check_storage_options, is_remote, local_path
 
 SAMPLING_OVERRIDABLE = (
     "max_tokens",

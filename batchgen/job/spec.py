@@ -26,7 +26,7 @@ from batchgen.job.sections import (
     PricingSection,
     _Strict,
 )
-from batchgen.storage.base import is_remote, local_path
+from batchgen.storage.uris import is_remote, local_path
 
 # Settings the hf backend (transformers generate on static batches) refuses at load: generate has
 # no cheap equivalent (penalties over generated tokens only, allowed ids, grammars), or each would

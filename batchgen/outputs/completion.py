@@ -29,7 +29,7 @@ from batchgen.outputs.record import RECORD_NAME
 from batchgen.outputs.runtime_record import manifest_runtimes
 from batchgen.outputs.state import SUCCESS_NAME, OutputLock, OutputState
 from batchgen.outputs.totals import Totals
-from batchgen.storage.base import open_storage
+from batchgen.storage.open import open_storage
 
 log = logging.getLogger(__name__)
 SHOWN_MISSING = 5  # missing parts named in finalize's refusal; the rest are counted

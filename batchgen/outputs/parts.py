@@ -1,14 +1,13 @@
-"""The output folder's files: part names, which parts are committed, and atomic writes (parts,
-`_SUCCESS`, the job record) that never leave half a file under a final name. `PartWriter` commits
-through a `storage.Storage`: a local folder by the protocol below, an object store by one request
-per object (`batchgen.storage.objectstore`)."""
+"""Committing the output's parts: part names, `PartWriter` (each part described in the job record,
+then committed whole, never over a committed one) and the `_SUCCESS` manifest. The writes go
+through a `storage.base.Storage`: on a local folder by its atomic protocol (storage/local.py), on
+an object store by one conditional request per object (storage/objectstore.py)."""
 
 from __future__ import annotations
 
 import errno
 import json
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,8 @@ import pyarrow as pa
 from batchgen.errors import OutputError
 from batchgen.outputs.part_record import PartFacts, describe_parts
 from batchgen.outputs.runtime_record import claim_runtime
-from batchgen.storage.base import Storage, open_storage, temp_name
+from batchgen.storage.base import Storage
+from batchgen.storage.open import open_storage
 from batchgen.testing.faults import fault_point
 
 
@@ -95,50 +95,3 @@ def write_problem(exc: OSError) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{exc.strerror or exc}: the disk is full; committed parts are kept, free space and run again to resume"
     return str(exc.strerror or exc)
-
-
-def atomic_write(final: Path, write: Callable[[Path], object], fault: str, replace: bool = True) -> bool:
-    """Write `final` through a hidden temp file, fsync it, rename it into place, sync the folder.
-    With `replace=False` an existing `final` is kept and False returned (a hard link, which fails
-    when the name exists, commits instead of the rename).
-
-    Why the finally: whatever stops the write (a full disk, a bad cast, an interrupt), the temp
-    file is removed; after the rename it no longer exists and the unlink does nothing.
-    """
-    tmp = final.parent / temp_name(final.name)
-    try:
-        write(tmp)
-        fault_point("disk_full")
-        _fsync(tmp)
-        fault_point(fault)
-        if replace:
-            os.replace(tmp, final)
-        elif not _link_new(tmp, final):
-            return False
-        _fsync(final.parent)
-        return True
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _link_new(tmp: Path, final: Path) -> bool:
-    """Give `tmp` the name `final` unless that name exists; False if it does."""
-    try:
-        os.link(tmp, final)
-    except FileExistsError:
-        return False
-    except OSError:
-        # Why: a file system without hard links; the check-then-rename leaves a tiny window.
-        if final.exists():
-            return False
-        os.replace(tmp, final)
-    return True
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file, or a folder's entries (a rename is durable only once its folder is synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -23,7 +23,8 @@ from batchgen.outputs.parts import write_problem
 from batchgen.outputs.record import RECORD_NAME
 from batchgen.outputs.table import RESULT_NAMES
 from batchgen.outputs.totals import Totals
-from batchgen.storage.base import PART_NAME, Storage, open_storage, temp_target
+from batchgen.storage.base import PART_NAME, Storage, temp_target
+from batchgen.storage.open import open_storage
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"

@@ -27,7 +27,8 @@ from batchgen.outputs.record import RECORD_NAME
 from batchgen.outputs.runtime_record import describe_runtime
 from batchgen.outputs.state import LOCK_NAME, SUCCESS_NAME
 from batchgen.outputs.totals import IntHistogram, Totals, add_counts
-from batchgen.storage.base import Storage, open_storage
+from batchgen.storage.base import Storage
+from batchgen.storage.open import open_storage
 
 log = logging.getLogger(__name__)
 USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]

@@ -188,7 +188,7 @@ def test_an_older_batchgen_output_inside_the_input_folder_is_skipped_and_logged(
     for carry in (None, ["id"]):
         out = tmp_path / f"out-{carry}"
         job = make_job(tiny_model_dir, str(data), out, input={"carry_columns": carry})
-        with caplog.at_level(logging.WARNING, logger="batchgen.inputs.dataset"):
+        with caplog.at_level(logging.WARNING, logger="batchgen.inputs.nested_outputs"):
             code, text = _run(write_job(tmp_path / "new.yaml", job))
         assert code == 0, text
         assert sorted(r["id"] for r in _rows(out)) == ["1", "2", "3"]

@@ -10,7 +10,6 @@ folder's part, through pyarrow.fs (`batchgen.storage.objectstore`).
 from __future__ import annotations
 
 import glob
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,11 +20,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import InputDataError, OutputError, StoreUnavailable
-from batchgen.storage.base import nested_output_parts
+from batchgen.inputs.nested_outputs import skip_nested_outputs
 from batchgen.storage.retry import RetryPolicy, is_transient, with_retries
-from batchgen.storage.uris import display_uri, is_remote, options_from_uri
+from batchgen.storage.uris import is_remote, options_from_uri
 
-log = logging.getLogger(__name__)
 READ_BATCH_ROWS = 4096  # rows decoded at a time: bounds memory even for one huge row group
 READ_BUFFER_BYTES = 1 << 20
 
@@ -83,22 +81,6 @@ def discover(pattern: str, exclude: Path | None = None) -> list[tuple[Path, str]
         skipped = f" (the output folder {exclude} is not read as input)" if found else ""
         raise InputDataError(f"input.path: no Parquet files found at {where}{skipped}")
     return files
-
-
-def skip_nested_outputs(files: list[tuple[Any, str]], records: list[str], root: str) -> list[tuple[Any, str]]:
-    """`files` ((path, key) pairs) less the parts of batchgen outputs nested below `root` (see
-    storage.nested_output_parts), each such folder logged."""
-    nested = nested_output_parts([key for _, key in files], records)
-    for folder, keys in nested.items():
-        log.warning(
-            "input.path: %s/%s holds a batchgen output (_JOB.json): its %d part file(s) are not read as input "
-            "(name that folder in input.path to read them)",
-            display_uri(root),
-            folder,
-            len(keys),
-        )
-    skipped = {key for keys in nested.values() for key in keys}
-    return [(path, key) for path, key in files if key not in skipped]
 
 
 def _glob_root(pattern: str) -> Path:

@@ -8,7 +8,7 @@ import fnmatch
 
 import pyarrow.fs as pafs
 
-from batchgen.inputs.dataset import skip_nested_outputs
+from batchgen.inputs.nested_outputs import skip_nested_outputs
 from batchgen.storage.uris import uri_scheme
 
 

@@ -28,21 +28,6 @@ _TEMP_PREFIX = ".batchgen."
 TEMP_NAME = re.compile(r"\.(?:batchgen\.)?(part-\d{6}\.parquet|_SUCCESS|_JOB\.json|probe)\.[0-9a-f]{32}\.tmp")
 
 
-def nested_output_parts(keys: list[str], records: list[str]) -> dict[str, list[str]]:
-    """Of `keys` (input files, "/"-separated paths below the input's root), the committed parts of
-    batchgen outputs nested below that root, by folder: a folder holding a `_JOB.json` (listed in
-    `records`, paths below the same root). Why: an older run's output left inside an input folder
-    would be read as input. The root itself is left alone: an input.path that names an output folder
-    reads it on purpose. `_SUCCESS` alone proves nothing (Spark and Hadoop write one too)."""
-    folders = {r.rpartition("/")[0] for r in records if r.rpartition("/")[2] == "_JOB.json" and "/" in r}
-    found: dict[str, list[str]] = {}
-    for key in keys:
-        folder, _, name = key.rpartition("/")
-        if folder in folders and PART_NAME.fullmatch(name):
-            found.setdefault(folder, []).append(key)
-    return found
-
-
 def temp_name(final: str) -> str:
     """The hidden name `final` is written under before its commit: ".batchgen.<final>.<32 hex>.tmp"."""
     name = f"{_TEMP_PREFIX}{final}.{uuid.uuid4().hex}.tmp"

@@ -6,30 +6,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-import pyarrow as pa
-
-from batchgen.backends import for_rows, load_backend
+from batchgen.backends import for_rows
 from batchgen.backends.base import Backend
-from batchgen.engine.api.outputs import RequestOutput
-from batchgen.errors import BatchgenError, EngineFailure
 from batchgen.inputs.dataset import InputFile, Shard, column_field, plan_shards, read_shards
-from batchgen.inputs.duplicate_ids import IdProblem, find_duplicate_ids
-from batchgen.inputs.ordering import order_requests
-from batchgen.inputs.prepare import RowPreparer, input_columns, load_tokenizer
+from batchgen.inputs.duplicate_ids import find_duplicate_ids
 from batchgen.inputs.sharding import ShardSpec
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.completion import build_manifest, complete_from_parts, run_facts
 from batchgen.outputs.fingerprint import job_fingerprint
 from batchgen.outputs.part_record import audit_parts, redo_bad_parts
-from batchgen.outputs.parts import PartWriter, part_name
-from batchgen.outputs.samples import ColumnPlan
+from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.state import OutputLock, OutputState
-from batchgen.outputs.table import RESULT_FIELDS, carried_columns, output_schema, part_table, result_columns
+from batchgen.outputs.table import carried_columns, output_schema
 from batchgen.outputs.totals import Totals
 from batchgen.run import interrupt
 from batchgen.run.executors import Executor, open_executor
+from batchgen.run.part_work import PartWork, load_engine, read_columns
 from batchgen.run.progress import LoadingStatus, RunProgress, loading_what, row_token_budget
 from batchgen.run.summary import Summary
 from batchgen.run.validate import validate_inputs, validate_model
@@ -52,20 +46,18 @@ class JobRunner:
         self.shard = shard  # None: every part; else only the parts this static shard owns
         self.quiet = quiet
         self.overwrite = overwrite
-        self.duplicates: dict[tuple[int, int], IdProblem] = {}  # (file index, row) -> why its id fails
         self.executor: Executor | None = None  # None: parts run in this process
         self._replacing: tuple[OutputState, dict[str, Any]] | None = None  # --overwrite, old output still there
         self.lock: OutputLock | None = None
         self._model_checked = False
-        self.columns = ColumnPlan.of(spec)  # n, logprobs, prompt_logprobs shape the result columns
-        self.result_fields = self.columns.fields(RESULT_FIELDS)
+        self.work = PartWork(spec, handover=self)  # how each part is made, here or on a Ray worker
 
     def run(self) -> Summary:
         start = time.time()
         files = validate_inputs(self.spec)  # fails here, before the output is touched, on bad inputs
         carried = carried_columns(self.spec, files[0].schema)
         add_row_id = self.spec.input.id_column is None
-        schema = output_schema([column_field(files, c) for c in carried], add_row_id, self.result_fields)
+        schema = output_schema([column_field(files, c) for c in carried], add_row_id, self.work.result_fields)
         out = self.spec.output
         writer = PartWriter(out.path, schema, out.storage_options, out.single_writer, self.allow_precision_change)
         if writer.storage.local_dir is not None and not writer.storage.is_dir():
@@ -112,7 +104,7 @@ class JobRunner:
         todo = [s for s in mine if s.index not in committed]
         if self.spec.input.id_column is not None and todo:
             # Why all planned parts, not todo: the first occurrence wins wherever it lands.
-            self.duplicates = find_duplicate_ids(files, shards, self.spec.input.id_column)
+            self.work.duplicates = find_duplicate_ids(files, shards, self.spec.input.id_column)
         if committed:
             log.info("resuming: %d of %d parts already committed", len(committed), len(shards))
         self._process(files, carried, writer, todo, totals)
@@ -203,8 +195,8 @@ class JobRunner:
     ) -> None:
         if not todo:
             return
-        if self.executor is not None:  # the parts run elsewhere; each worker calls process_part
-            self.executor.process(self, files, carried, writer, todo, totals)
+        if self.executor is not None:  # the parts run elsewhere; each worker calls PartWork.process_part
+            self.executor.process(self.work, files, carried, writer, todo, totals)
             return
         with LoadingStatus(loading_what(self.spec), self.quiet):
             backend, preparer = load_engine(for_rows(self.spec, sum(s.num_rows for s in todo)))
@@ -212,69 +204,10 @@ class JobRunner:
         bar = RunProgress(sum(s.num_rows for s in todo), self.quiet, live_output_tokens(backend), budget)
         # Why cooperative: a signal only sets a flag here; the loop and on_output stop at clean points.
         with bar, interrupt.cooperative():
-            for shard, table in read_shards(files, todo, _read_columns(self.spec, carried)):
+            for shard, table in read_shards(files, todo, read_columns(self.spec, carried)):
                 interrupt.check()
                 f = files[shard.file_index]
-                totals.merge(self.process_part(f, shard, table, carried, writer, backend, preparer, bar))
-
-    def process_part(
-        self,
-        f: InputFile,
-        shard: Shard,
-        table: pa.Table,
-        carried: list[str],
-        writer: PartWriter,
-        backend: Backend,
-        preparer: RowPreparer,
-        bar: RowCounter,
-    ) -> Totals:
-        """Generate one part from its rows and commit it; its totals. The local loop and every Ray
-        worker call this, so both commit with the same atomic, never-replacing protocol."""
-        if not self.replacing_output:  # why before generating: a refused runtime wastes no part's work
-            writer.claim_runtime(backend.resolved())
-        cols = self._run_shard(shard, table, f, backend, preparer, bar)
-        row_ids = f.row_ids(shard.start, shard.stop) if self.spec.input.id_column is None else None
-        totals = Totals()
-        self.take_over_output()
-        writer.claim_runtime(backend.resolved())  # (--overwrite: into the new record; else done already)
-        if writer.write_part(shard.index, part_table(table, carried, row_ids, cols, self.result_fields)):
-            totals.add_part(cols)
-        else:  # a concurrent shard run of another N (or a replaced Ray worker) committed it first: that part stands
-            log.info("part %d was committed by another run meanwhile; kept that one", shard.index)
-            totals.merge(OutputState(writer.storage).totals_of(part_name(shard.index)))
-        return totals
-
-    def _run_shard(
-        self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, preparer: RowPreparer, bar: RowCounter
-    ) -> dict[str, list[Any]]:
-        rows = preparer.prepare_shard(f, shard, table, self.duplicates)
-        requests = {i: r.request() for i, r in enumerate(rows) if r.ok}
-        ok = list(requests)
-        bar.update(len(rows) - len(ok))  # error rows are done already
-        order = [ok[j] for j in order_requests([requests[i][0] for i in ok], self.spec.engine.ordering)]
-
-        def on_output(out: RequestOutput) -> None:
-            interrupt.check()  # between requests' outputs: the part in flight is abandoned uncommitted
-            bar.update(1, out.num_output_tokens)
-            fault_point("mid_engine")
-            fault_point("engine_exception")
-
-        try:
-            prompts, params = [requests[i][0] for i in order], [requests[i][1] for i in order]
-            outs = backend.generate(prompts, params, on_output)
-        except BatchgenError:
-            raise
-        except Exception as exc:
-            # Why: the part in flight is abandoned uncommitted; committed parts stay, a rerun resumes.
-            raise EngineFailure(f"engine failed on rows {shard.start}-{shard.stop - 1} of {f.path}: {exc}") from exc
-        return result_columns(rows, dict(zip(order, outs)), self.columns)
-
-
-class RowCounter(Protocol):
-    """Counts finished rows and their output tokens: the progress bar locally, a reporter to the
-    driver's bar on a Ray worker."""
-
-    def update(self, n: int = 1, tokens: int = 0) -> object: ...
+                totals.merge(self.work.process_part(f, shard, table, carried, writer, backend, preparer, bar))
 
 
 def live_output_tokens(backend: Backend) -> Callable[[], int] | None:
@@ -283,14 +216,3 @@ def live_output_tokens(backend: Backend) -> Callable[[], int] | None:
     if getattr(backend, "stats", None) is None:
         return None
     return lambda: int(getattr(backend, "stats", {}).get("output_tokens", 0))
-
-
-def load_engine(spec: JobSpec) -> tuple[Backend, RowPreparer]:
-    """The model and the row preparer, loaded once per process (or per Ray worker)."""
-    tokenizer = load_tokenizer(spec.model.path)
-    backend = load_backend(spec, tokenizer)
-    return backend, RowPreparer(spec, tokenizer, backend.max_model_len)
-
-
-def _read_columns(spec: JobSpec, carried: list[str]) -> list[str]:
-    return list(dict.fromkeys(input_columns(spec) + carried))

@@ -1,18 +1,17 @@
 """Where a job's parts run. `executor.kind: local` (the default) is the runner's own loop in this
 process; `ray` hands the parts to engine workers on a Ray cluster (ray_executor.py). Both call
-`JobRunner.process_part`, so a part is generated and committed the same way wherever it runs."""
+`PartWork.process_part` (run/part_work.py), so a part is generated and committed the same way
+wherever it runs; the runner hands an executor its PartWork with the parts to do."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.totals import Totals
-
-if TYPE_CHECKING:
-    from batchgen.run.runner import JobRunner
+from batchgen.run.part_work import PartWork
 
 
 class Executor(Protocol):
@@ -20,7 +19,7 @@ class Executor(Protocol):
 
     def process(
         self,
-        runner: JobRunner,
+        work: PartWork,
         files: list[InputFile],
         carried: list[str],
         writer: PartWriter,

@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from batchgen.backends import for_rows
 from batchgen.errors import BatchgenError, EngineFailure, ExecutorError, StoreUnavailable
@@ -34,11 +34,9 @@ from batchgen.outputs.totals import Totals
 from batchgen.run import interrupt
 from batchgen.run.executors.part_queue import PartQueue
 from batchgen.run.executors.ray_worker import PartWorker, ProgressBoard
+from batchgen.run.part_work import PartWork
 from batchgen.run.progress import RunProgress, row_token_budget
 from batchgen.storage.retry import is_transient
-
-if TYPE_CHECKING:
-    from batchgen.run.runner import JobRunner
 
 log = logging.getLogger(__name__)
 INSTALL = "pip install 'batchgen[ray]'"
@@ -104,14 +102,14 @@ class RayExecutor:
 
     def process(
         self,
-        runner: JobRunner,
+        work: PartWork,
         files: list[InputFile],
         carried: list[str],
         writer: PartWriter,
         todo: list[Shard],
         totals: Totals,
     ) -> None:
-        dispatch = _Dispatch(self.ray, runner, files, carried, writer, self.shape, todo)
+        dispatch = _Dispatch(self.ray, work, files, carried, writer, self.shape, todo, self.quiet)
         try:
             dispatch.run(totals)
         finally:
@@ -156,20 +154,21 @@ class _Dispatch:
     def __init__(
         self,
         ray: ModuleType,
-        runner: JobRunner,
+        work: PartWork,
         files: list[InputFile],
         carried: list[str],
         writer: PartWriter,
         shape: WorkerShape,
         todo: list[Shard],
+        quiet: bool,
     ) -> None:
-        self.ray, self.shape, self.quiet, self.runner = ray, shape, runner.quiet, runner
+        self.ray, self.shape, self.quiet, self.work = ray, shape, quiet, work
         self.total_rows = sum(s.num_rows for s in todo)
-        spec = for_rows(runner.spec, -(-self.total_rows // shape.count))  # each worker's share of the rows
+        spec = for_rows(work.spec, -(-self.total_rows // shape.count))  # each worker's share of the rows
         self.args = (spec, files, carried, writer, shape.cpus)
         self.storage = writer.storage
         self.queue = PartQueue(todo, shape.count)
-        self.duplicates = _duplicates_by_part(runner.duplicates, todo)
+        self.duplicates = _duplicates_by_part(work.duplicates, todo)
         self.board = ray.remote(num_cpus=0)(ProgressBoard).remote()
         self.actor = ray.remote(PartWorker).options(num_cpus=shape.cpus, num_gpus=shape.gpus, max_restarts=0)
         self.workers: dict[int, Any] = {}
@@ -181,14 +180,14 @@ class _Dispatch:
         self.run_tokens = 0
 
     def run(self, totals: Totals) -> None:
-        bar = RunProgress(self.total_rows, self.quiet, budget=row_token_budget(self.runner.spec))
+        bar = RunProgress(self.total_rows, self.quiet, budget=row_token_budget(self.work.spec))
         try:
             with bar, interrupt.cooperative():
                 for slot in range(self.shape.count):
                     self.workers[slot] = self.actor.remote(*self.args, self.board)
-                if self.runner.replacing_output:  # --overwrite: the old output goes once the models load
+                if self.work.replacing_output:  # --overwrite: the old output goes once the models load
                     self._wait_loaded()
-                    self.runner.take_over_output()
+                    self.work.take_over_output()
                 for slot in range(self.shape.count):
                     self._submit(slot)
                 while self.inflight:

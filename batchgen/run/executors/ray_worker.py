@@ -4,7 +4,7 @@ imports no Ray and its classes pickle by reference (batchgen must be installed o
 
 A worker loads the model once, then per call reads its part's rows itself from the input (the
 driver sends a part's row range, never its rows), generates, and commits the part through
-`JobRunner.process_part`: the same PartWriter, the same atomic commit that never replaces a
+`PartWork.process_part`: the same PartWriter, the same atomic commit that never replaces a
 committed part, as a local run.
 """
 
@@ -22,6 +22,7 @@ from batchgen.inputs.prepare import RowPreparer
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.totals import Totals
+from batchgen.run.part_work import PartWork, load_engine, read_columns
 from batchgen.testing.faults import fault_point
 
 REPORT_SECONDS = 0.5  # how often a worker tells the board its rows done in the part at hand
@@ -92,8 +93,6 @@ class PartWorker:
         return os.getpid()
 
     def _engine(self) -> tuple[Backend, RowPreparer]:
-        from batchgen.run.runner import load_engine
-
         if self.engine is None:
             self.engine = load_engine(self.spec)
         return self.engine
@@ -101,14 +100,11 @@ class PartWorker:
     def run_part(self, shard: Shard, duplicates: dict[tuple[int, int], IdProblem], attempt: int) -> PartDone:
         """Read part `shard`'s rows, generate and commit them; `duplicates` are its rows whose id
         fails (judged by the driver over the whole job)."""
-        from batchgen.run.runner import JobRunner, _read_columns
-
         fault_point("store_unavailable")
         backend, preparer = self._engine()
-        _, table = next(read_shards(self.files, [shard], _read_columns(self.spec, self.carried)))
-        runner = JobRunner(self.spec, quiet=True)
-        runner.duplicates = duplicates
+        _, table = next(read_shards(self.files, [shard], read_columns(self.spec, self.carried)))
+        work = PartWork(self.spec, duplicates)
         f = self.files[shard.file_index]
         reporter = _Reporter(self.board, (shard.index, attempt))
-        totals = runner.process_part(f, shard, table, self.carried, self.writer, backend, preparer, reporter)
+        totals = work.process_part(f, shard, table, self.carried, self.writer, backend, preparer, reporter)
         return PartDone(shard.index, totals, os.getpid())

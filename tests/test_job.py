@@ -12,7 +12,8 @@ from pydantic import ValidationError, create_model
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import JobFileError
-from batchgen.job.spec import JOB_DEFAULTS, EngineSection, SamplingSection, _derived_fields, _Strict, load_job
+from batchgen.job.sections import _Strict
+from batchgen.job.spec import JOB_DEFAULTS, EngineSection, SamplingSection, _derived_fields, load_job
 
 GOOD = """\
 model:

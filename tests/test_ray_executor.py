@@ -23,13 +23,15 @@ from click.testing import CliRunner
 from batchgen.cli import main
 from batchgen.errors import EngineFailure, ExecutorError
 from batchgen.inputs.dataset import Shard
-from batchgen.job.spec import ExecutorSection, load_job
+from batchgen.job.sections import ExecutorSection
+from batchgen.job.spec import load_job
 from batchgen.outputs.fingerprint import job_fingerprint
 from batchgen.outputs.record import RECORD_NAME
 from batchgen.outputs.state import SUCCESS_NAME
 from batchgen.run.executors.part_queue import PartQueue
 from batchgen.run.executors.ray_executor import plan_workers
-from batchgen.run.runner import JobRunner, Summary
+from batchgen.run.runner import JobRunner
+from batchgen.run.summary import Summary
 from batchgen.run.validate import validate_job
 from batchgen.storage.local import LocalStorage
 from batchgen.testing import faults

@@ -17,7 +17,8 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import InputDataError, ModelError
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
-from batchgen.job.spec import SCHEMA_COLUMN_KEY, JobSpec
+from batchgen.job.sections import SCHEMA_COLUMN_KEY
+from batchgen.job.spec import JobSpec
 
 
 @dataclass

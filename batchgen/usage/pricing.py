@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from decimal import Decimal, localcontext
 
-from batchgen.job.spec import PricingSection
+from batchgen.job.sections import PricingSection
 
 PER_TOKENS = 1_000_000  # prices are per million tokens
 _PRECISION = 60  # significant digits: exact for any realistic token count times any price

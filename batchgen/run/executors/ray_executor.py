@@ -27,7 +27,7 @@ from batchgen.backends import for_rows
 from batchgen.errors import BatchgenError, EngineFailure, ExecutorError, StoreUnavailable
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
-from batchgen.job.spec import ExecutorSection
+from batchgen.job.sections import ExecutorSection
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.state import OutputState
 from batchgen.outputs.totals import Totals

@@ -29,7 +29,7 @@ from batchgen.outputs.fingerprint import job_fingerprint
 from batchgen.outputs.record import RECORD_NAME
 from batchgen.outputs.state import SUCCESS_NAME
 from batchgen.run.executors.part_queue import PartQueue
-from batchgen.run.executors.ray_executor import plan_workers
+from batchgen.run.executors.ray_cluster import plan_workers
 from batchgen.run.runner import JobRunner
 from batchgen.run.summary import Summary
 from batchgen.run.validate import validate_job

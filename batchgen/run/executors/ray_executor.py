@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from batchgen.backends import for_rows
-from batchgen.errors import BatchgenError, EngineFailure, ExecutorError, StoreUnavailable
+from batchgen.errors import BatchgenError, EngineFailure, StoreUnavailable
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.job.sections import ExecutorSection
@@ -33,44 +33,15 @@ from batchgen.outputs.state import OutputState
 from batchgen.outputs.totals import Totals
 from batchgen.run import interrupt
 from batchgen.run.executors.part_queue import PartQueue
+from batchgen.run.executors.ray_cluster import WorkerShape, connect, import_ray, plan_workers
 from batchgen.run.executors.ray_worker import PartWorker, ProgressBoard
 from batchgen.run.part_work import PartWork
 from batchgen.run.progress import RunProgress, row_token_budget
 from batchgen.storage.retry import is_transient
 
 log = logging.getLogger(__name__)
-INSTALL = "pip install 'batchgen[ray]'"
 MAX_ATTEMPTS = 3  # a part whose worker dies this often stops the job (exit 6) instead of looping
 POLL_SECONDS = 0.5  # the driver checks for signals and refreshes the bar this often
-
-
-def import_ray() -> ModuleType:
-    try:
-        import ray
-    except ImportError as exc:
-        raise ExecutorError(f"executor.kind is ray, but Ray is not installed here; install it with: {INSTALL}") from exc
-    return ray
-
-
-@dataclass(frozen=True)
-class WorkerShape:
-    count: int
-    cpus: float
-    gpus: int
-
-
-def plan_workers(section: ExecutorSection, resources: dict[str, float]) -> WorkerShape:
-    """How many workers, with what each, from the job's executor section and the cluster's resources."""
-    cluster_gpus, cluster_cpus = int(resources.get("GPU", 0)), float(resources.get("CPU", 0))
-    gpus = section.worker_gpus if cluster_gpus else 0  # a CPU-only cluster: CPU workers
-    count = section.num_workers or (cluster_gpus // gpus if gpus else 1)
-    cpus = section.worker_cpus or (1.0 if gpus else max(1.0, float(cluster_cpus // count)))
-    if count * gpus > cluster_gpus or count * cpus > cluster_cpus:
-        raise ExecutorError(
-            f"executor: {count} worker(s) of {cpus:g} CPU(s) and {gpus} GPU(s) do not fit the Ray cluster "
-            f"({cluster_cpus:g} CPUs, {cluster_gpus} GPUs); lower executor.num_workers or executor.worker_cpus"
-        )
-    return WorkerShape(count, cpus, gpus)
 
 
 @dataclass
@@ -92,7 +63,7 @@ class RayExecutor:
     def __init__(self, section: ExecutorSection, quiet: bool = False) -> None:
         self.ray = import_ray()
         self.quiet = quiet
-        self.owns_ray = _connect(self.ray, section.address, quiet)
+        self.owns_ray = connect(self.ray, section.address, quiet)
         try:
             self.shape = plan_workers(section, self.ray.cluster_resources())
         except BaseException:
@@ -122,30 +93,6 @@ class RayExecutor:
         if self.owns_ray and self.ray.is_initialized():
             self.ray.shutdown()
         self.owns_ray = False
-
-
-def _connect(ray: ModuleType, address: str | None, quiet: bool) -> bool:
-    """Join the cluster at `address`, or start a local instance (null); True when this run must shut
-    it down. A Ray already initialised in this process (a notebook, a test) is used as it is."""
-    if ray.is_initialized():
-        return False
-    kwargs: dict[str, Any] = {"logging_level": logging.ERROR if quiet else logging.WARNING, "log_to_driver": not quiet}
-    if address is None:
-        # Why "local": never an unrelated running cluster. Why niceness 0: Ray nices its workers to 15,
-        # which starves the engine of CPU beside any other work on the machine; a local run is not niced.
-        kwargs.update(address="local", include_dashboard=False, _system_config={"worker_niceness": 0})
-    else:
-        kwargs["address"] = address
-    try:
-        ray.init(**kwargs)
-    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as exc:
-        if address is None:
-            raise ExecutorError(f"executor: cannot start a local Ray instance: {exc}") from exc
-        raise ExecutorError(
-            f"executor.address {address!r}: no Ray cluster answers there ({exc}); start one with `ray start --head` "
-            "on its head node, or set executor.address: null to start a Ray instance on this machine"
-        ) from exc
-    return True
 
 
 class _Dispatch:

@@ -21,10 +21,10 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.errors import OutputError
-from batchgen.outputs import parts
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.state import OutputState
 from batchgen.outputs.table import RESULT_NAMES, output_schema
+from batchgen.storage import local
 from batchgen.storage.base import temp_name
 from batchgen.storage.local import LocalStorage
 from batchgen.testing import faults
@@ -60,7 +60,7 @@ def test_every_temp_write_removes_its_file_on_any_exception(
     def broken_fsync(path: Path) -> None:
         raise failure("stopped between write and rename")
 
-    monkeypatch.setattr(parts, "_fsync", broken_fsync)
+    monkeypatch.setattr(local, "_fsync", broken_fsync)
     writer = PartWriter(tmp_path, output_schema([], add_row_id=True))
     for write in (
         lambda: writer.write_part(0, writer.schema.empty_table()),

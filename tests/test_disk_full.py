@@ -43,8 +43,9 @@ def clean(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> lis
     return _rows(out)
 
 
-# The atomic writes of this job, in order: 1 the job record, 2-5 the four parts, 6 `_SUCCESS`.
-@pytest.mark.parametrize(("nth", "parts_kept"), [(1, 0), (3, 1), (6, 4)])
+# The atomic writes of this job, in order: 1 the job record, 2 the runtime's claim in it, then for
+# each of the four parts its description in the record and the part itself (3-10), 11 `_SUCCESS`.
+@pytest.mark.parametrize(("nth", "parts_kept"), [(1, 0), (5, 1), (11, 4)])
 def test_a_full_disk_stops_cleanly_and_a_rerun_completes(
     tmp_path: Path,
     tiny_model_dir: Path,

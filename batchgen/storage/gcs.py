@@ -95,6 +95,11 @@ class GcsConditional:
             _raise_named(exc, self.where, key)
         return False
 
+    def read(self, key: str) -> bytes | None:
+        """One version of `key`, whole (one request), or None when there is none."""
+        got = self._get(key)
+        return None if got is None else got[0]
+
     def _get(self, key: str) -> tuple[bytes, int] | None:
         """(content, generation) of one generation of `key`; None when there is none."""
         try:

@@ -218,6 +218,13 @@ class ObjectStorage(Storage):
             raise OutputError(f"{self.where}: cannot read the object store: {exc}") from exc
 
     def _read_bytes(self, name: str) -> bytes | None:
+        """The whole object, or None. Why through the conditional writer's client once it is there:
+        it reads one version in a single GET, where pyarrow's HEAD, then ranged GETs, can join the
+        size of one version of a swapped object (the job record, the lease) with the bytes of the next."""
+        if self._fallback is False:
+            writer = self._writer()
+            return self._retry("read", lambda: writer.read(self._bucket_key(name)[1]), name)
+
         def read() -> bytes | None:
             try:  # why no exists() first: pyarrow opens with a HEAD + GET already; exists() was a third request
                 with self.fs.open_input_stream(self.key(name)) as stream:
@@ -283,6 +290,8 @@ class Conditional(Protocol):
     """What s3.S3Conditional and gcs.GcsConditional both do."""
 
     def put(self, key: str, data: bytes) -> None: ...
+
+    def read(self, key: str) -> bytes | None: ...
 
     def put_new(self, key: str, data: bytes) -> bool: ...
 

@@ -104,6 +104,11 @@ class S3Conditional:
             _raise_named(exc, self.where, key)
         return None
 
+    def read(self, key: str) -> bytes | None:
+        """One version of `key`, whole (one request), or None when there is none."""
+        got = self._get(key)
+        return None if got is None else got[0]
+
     def _get(self, key: str) -> tuple[bytes, str] | None:
         try:
             got = self.client.get_object(Bucket=self.bucket, Key=key)

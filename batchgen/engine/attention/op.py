@@ -117,7 +117,7 @@ def _front_shape(
     layer: int,
     plan_cell: int,
 ) -> torch.Tensor:
-    return query.new_empty(query.shape[1], query.shape[0], query.shape[2])
+    return _out_shape(query, key, value, scale, window, softcap, backend, layer)
 
 
 torch.library.define(

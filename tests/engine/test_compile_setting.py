@@ -105,3 +105,47 @@ def test_a_compiled_engine_says_in_one_line_why_its_first_steps_are_slow(
         LLM(path, compile=True)
     said = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
     assert len(said) == 1 and "first steps" in said[0] and "engine.compile: false" in said[0], said
+
+
+@pytest.fixture
+def _keep_threads() -> Any:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("_keep_threads")
+def test_a_new_thread_count_runs_the_graph_already_compiled(tiny_model: Callable[[str], Path]) -> None:
+    """The thread governor (cpu/threads) changes torch's thread count in the middle of a job;
+    dynamo would recompile the forward for each new count (its global-state guard), so the
+    compiled forward checks that state itself, less the count, and its kernels read the count
+    when they run. Same graph, same tokens, at any count; the engine hears of each compiling call
+    (the governor restarts its measurement then)."""
+    torch.set_num_threads(2)
+    path = str(tiny_model("llama"))
+    llm = LLM(path, compile=True)
+    heard: list[int] = []
+    llm.engine.runner.forward.on_compiled = lambda: heard.append(llm.engine.runner.forward.stats.graphs)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    graphs = llm.engine.runner.forward.stats.graphs
+    assert graphs >= 1 and heard and heard[-1] == graphs
+    for threads in (1, 3, 2):
+        torch.set_num_threads(threads)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert llm.engine.runner.forward.stats.graphs == graphs and heard[-1] == graphs
+
+
+def test_a_call_under_other_torch_settings_runs_eager_instead_of_recompiling(
+    tiny_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    llm = LLM(str(tiny_model("llama")), compile=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    graphs = llm.engine.runner.forward.stats.graphs
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(not before)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert got == want and llm.engine.runner.forward.stats.graphs == graphs
+    assert caplog.text.count("traced under other torch settings (deterministic_algorithms differs)") == 1

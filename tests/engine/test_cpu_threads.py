@@ -67,3 +67,21 @@ def test_a_governor_that_is_off_never_changes_the_count() -> None:
     governor = ThreadGovernor(enabled=False)
     governor.tick()
     assert governor._last is None and torch.get_num_threads() == 1
+
+
+def test_forgetting_a_window_of_our_own_compiling_keeps_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile's workers are other processes: a window that held a compile would read as busy
+    neighbours. After forget() the next tick measures only what came after."""
+    if cpu_threads.sample() is None or host.usable_cpus() < 2:
+        pytest.skip("needs /proc/stat and two CPUs")
+    torch.set_num_threads(host.usable_cpus())
+    monkeypatch.setattr(cpu_threads, "INTERVAL", 0.5)
+    forgetful, plain = ThreadGovernor(), ThreadGovernor()
+    with busy_neighbours():  # stand-ins for the compile workers
+        time.sleep(1.0)
+    forgetful.forget()
+    time.sleep(0.6)
+    forgetful.tick()
+    assert forgetful.changes == 0 and torch.get_num_threads() == forgetful.cpus
+    plain.tick()  # the control: its window still holds the busy second
+    assert plain.changes == 1 and torch.get_num_threads() < plain.cpus

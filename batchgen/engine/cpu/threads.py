@@ -90,6 +90,13 @@ class ThreadGovernor:
         # None: off (or no /proc/stat), and tick() does nothing
         self._last = sample(self._affinity) if enabled and os.environ.get(DISABLE_ENV) != "0" else None
 
+    def forget(self) -> None:
+        """Start the next measurement now: the time since the last one was spent on this process's
+        own work in other processes (torch.compile's workers and compilers), which would read as
+        busy neighbours and cut the threads for the next INTERVAL."""
+        if self._last is not None:
+            self._last = sample(self._affinity) or self._last
+
     def tick(self) -> None:
         if self._last is None or time.monotonic() - self._last.wall < INTERVAL:
             return

@@ -70,9 +70,14 @@ def fast_greedy_for(device: torch.device) -> Callable[[torch.Tensor], tuple[torc
 class StepHook(Protocol):
     def tick(self) -> None: ...
 
+    def forget(self) -> None: ...
+
 
 class _NoHook:
     def tick(self) -> None:
+        return None
+
+    def forget(self) -> None:
         return None
 
 

@@ -14,6 +14,7 @@ are counted here, for the benchmark and the logs.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -117,12 +118,15 @@ class StepForward:
         max_tokens: int | None = None,
         fallback: bool = False,
         take_raised: Callable[[], BaseException | None] = lambda: None,
+        on_compiled: Callable[[], None] = lambda: None,
     ) -> None:
         """`fallback`: a model that fails to compile runs eager from then on (engine.compile "auto").
         `take_raised`: the attention backend's last exception (see attention/op), raised instead of the
-        compiled graph's "API call failed"."""
+        compiled graph's "API call failed". `on_compiled`: called after a call that compiled."""
         self.model = model
         self.take_raised = take_raised
+        self.on_compiled = on_compiled
+        self._ambient = AmbientState()
         self.compile = compile
         self.max_tokens = max_tokens
         self.fallback = fallback
@@ -135,7 +139,7 @@ class StepForward:
                 "process (engine.compile: false runs it eager)"
             )
             device = next(model.parameters()).device
-            options: dict[str, Any] = {"cpp_wrapper": True} if device.type == "cpu" else {}
+            options: dict[str, Any] = _cpu_options() if device.type == "cpu" else {}
             if hasattr(torch._dynamo.types, "GuardFilterEntry"):  # why: guard filters are new in torch 2.7
                 options["guard_filter_fn"] = _ambient_and_argument_guards
             # why not dynamic=True: it is this same setting, patched in and out by dynamo on every call
@@ -154,6 +158,8 @@ class StepForward:
         """input_ids/positions [T], keep [K] -> logits [K, vocab] (model dtype)."""
         if not self.compile:
             return self._run(input_ids, positions, keep)  # the eager forward (a benchmark may wrap it)
+        if not self._ambient.matches():
+            return self._logits(input_ids, positions, keep)
         graphs, began = _unique_graphs(), time.perf_counter()
         self.take_raised()
         revert = self._settings()
@@ -183,11 +189,70 @@ class StepForward:
                 input_ids.shape[0],
                 self.stats.seconds,
             )
+            self.on_compiled()
         return out
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=keep, use_cache=False)
         return out.logits[0]
+
+
+def _cpu_options() -> dict[str, Any]:
+    """inductor's options for a CPU forward: its C++ wrapper, and kernels whose thread count is read
+    when they run, planned for the threads the engine starts with.
+
+    Why: by default inductor writes the thread count of the moment it compiles into every kernel
+    (`omp parallel num_threads(n)`, unless n is the machine's CPU count). The engine's thread
+    governor (cpu/threads) lowers the count while the machine is busy, and compiling is what
+    keeps it busy (inductor's compile workers, gcc), so a forward compiled at one thread ran one
+    thread forever: the compiled demo model ran 1.1-1.2x slower than eager (benchmarks/RESULTS.md,
+    issue 30). Read at run time, the count follows the governor in the fused kernels too.
+    """
+    return {"cpp_wrapper": True, "cpp.dynamic_threads": True, "cpp.threads": torch.get_num_threads()}
+
+
+class AmbientState:
+    """The global state a compiled forward was traced under (grad mode, autocast, default dtype,
+    deterministic algorithms, TF32, torch-function mode), checked before each call, the thread
+    count apart.
+
+    Why our own check: dynamo guards on this same state, thread count included, so every count the
+    thread governor (cpu/threads) set for the first time recompiled the whole forward in the middle
+    of a job (seconds each, at the moment the machine is busiest), and on a machine with more than
+    eight CPUs a busy spell could reach dynamo's recompile limit and leave the job eager. The
+    compiled kernels read the thread count when they run (_cpu_options), so the count is no part of
+    what a graph assumes; the filter (_ambient_and_argument_guards) drops dynamo's guard and this
+    checks the rest (a C++ comparison, ~0.2 us). A call under another state (a caller's autocast,
+    say) runs eager, with a warning once.
+    """
+
+    def __init__(self) -> None:
+        self._guard: Any = None  # dynamo's GlobalStateGuard of the traced state, at _threads threads
+        self._threads = 0
+        self._warned = False
+
+    def matches(self) -> bool:
+        guards = getattr(torch._C._dynamo, "guards", None)
+        if guards is None or not hasattr(guards, "GlobalStateGuard"):  # why: not every build has it
+            return True
+        threads = torch.get_num_threads()
+        if self._guard is None:  # the first call: the state it traces under is the one to keep
+            self._guard, self._threads = guards.GlobalStateGuard(), threads
+        elif threads != self._threads:  # the same state at the governor's new count
+            state = json.loads(self._guard.__getstate__())
+            state["num_threads"] = threads
+            self._guard.__setstate__(json.dumps(state))
+            self._threads = threads
+        if self._guard.check():
+            return True
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "the compiled forward was traced under other torch settings (%s differs); steps under the "
+                "current ones run eager",
+                self._guard.reason().strip(),
+            )
+        return False
 
 
 def _tracing_settings() -> Any:
@@ -239,6 +304,10 @@ def _ambient_and_argument_guards(entries: list[Any]) -> list[bool]:
     afresh on every call (they are graph inputs), so those guards could never fail; checking
     them (~560 for the demo model, most in Python) cost ~0.1-0.2 ms of every step. The class
     guards (71 of the 81 left after those: closures of transformers' decorators, config class
-    attributes) are as unchangeable here.
+    attributes) are as unchangeable here. The guard on global state goes too: AmbientState checks
+    it, less the thread count.
     """
-    return [not (entry.is_global or _NAMES_SELF.search(entry.name)) for entry in entries]
+    return [
+        not (entry.is_global or _NAMES_SELF.search(entry.name) or entry.guard_type == "GLOBAL_STATE")
+        for entry in entries
+    ]

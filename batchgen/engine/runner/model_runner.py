@@ -89,7 +89,12 @@ class ModelRunner:
         self.native_linears = prepare_model(model, device, dtype)
         self.threads = step_hook_for(device)  # on the CPU: torch's threads follow the machine's load
         self.forward = StepForward(
-            model, compile, max_num_batched_tokens, fallback=compile_fallback, take_raised=self.backend.take_raised
+            model,
+            compile,
+            max_num_batched_tokens,
+            fallback=compile_fallback,
+            take_raised=self.backend.take_raised,
+            on_compiled=self.threads.forget,  # why: the load while compiling was ours, not the neighbours'
         )
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead)
         self.graphs: GraphDecode | None = None

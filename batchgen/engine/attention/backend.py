@@ -17,7 +17,8 @@ a layer finds its cache by the index it was bound to, never by counting calls.
 
 `TorchBackend` ("torch") attends with torch ops only, over blocks gathered from the pool
 (decode_gather); on CUDA it runs the paged varlen kernel where the runner chose it, and the
-CUDA-graph decode step. The other backends (cpu/backend.CpuBackend) are tested against it.
+CUDA-graph decode step. The other backends (cpu/backend.CpuBackend, triton/backend.TritonBackend)
+are tested against it.
 """
 
 from __future__ import annotations
@@ -115,14 +116,7 @@ class AttentionBackend:
         softcap: float | None,
     ) -> torch.Tensor:
         """One layer of the current step: store its K/V in the pool, attend -> [T, H, D] (padded rows zero)."""
-        ctx = self.context
-        if ctx is None:
-            raise RuntimeError("batchgen's attention ran outside a step (no plan is set: see AttentionBackend.running)")
-        if not 0 <= layer < len(self.kv_caches):
-            raise RuntimeError(f"attention for layer {layer}, but the KV pool has {len(self.kv_caches)} layers")
-        ctx.num_attention_calls += 1
-        k_cache, v_cache = self.kv_caches[layer]
-        _check_kv_shape(k_cache, layer, key)
+        ctx, k_cache, v_cache = self.begin_layer(layer, key)
         decodes_store = _decodes_store_kv(ctx, softcap)
         if not decodes_store:
             padded = ctx.static_decode is not None or ctx.num_tokens != ctx.slot_mapping.shape[0]
@@ -140,6 +134,20 @@ class AttentionBackend:
         if ctx.num_tokens < out.shape[0]:  # why: padding rows stay finite (they are never read, but are computed on)
             out[ctx.num_tokens :] = 0
         return out
+
+    def begin_layer(self, layer: int, key: torch.Tensor) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
+        """The checks every backend's run_layer starts with -> (the current step, the layer's K and V pool).
+
+        Counts the call (the runner checks that every layer came through the backend)."""
+        ctx = self.context
+        if ctx is None:
+            raise RuntimeError("batchgen's attention ran outside a step (no plan is set: see AttentionBackend.running)")
+        if not 0 <= layer < len(self.kv_caches):
+            raise RuntimeError(f"attention for layer {layer}, but the KV pool has {len(self.kv_caches)} layers")
+        ctx.num_attention_calls += 1
+        k_cache, v_cache = self.kv_caches[layer]
+        _check_kv_shape(k_cache, layer, key)
+        return ctx, k_cache, v_cache
 
     def take_raised(self) -> BaseException | None:
         """The exception the op raised since the last call (None: none), forgotten once taken."""

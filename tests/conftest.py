@@ -3,6 +3,7 @@ and helpers to write Parquet inputs and job files. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,30 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+
+
+def _interpret_triton() -> None:
+    """Triton's interpreter for the triton attention backend's tests (tests/engine/test_triton_*.py),
+    on a machine without CUDA (with CUDA they run the compiled kernels on the GPU), unless the
+    environment says otherwise.
+
+    Why here, first: triton fixes compiled-or-interpreted when it is first imported (triton.language's
+    own functions are decorated then), and importing transformers' model classes imports it, so the
+    variable must be set before any test module is imported; the root conftest is the earliest place
+    (importing torch does not import triton). Why for the whole session rather than a subprocess per
+    test: nothing else runs Triton kernels on the CPU (inductor's CPU backend generates C++), and a
+    subprocess would pay a torch + transformers import per run and hide tracebacks. The tests of the
+    refusal without it delete it (monkeypatch)."""
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_triton()
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

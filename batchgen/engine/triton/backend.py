@@ -1,0 +1,85 @@
+"""TritonBackend ("triton"): every layer stores its K/V and attends the whole step with two Triton kernels.
+
+Why a backend of its own: the torch backend copies each decode's blocks out of the pool every
+layer (or, on CUDA, needs 256-token blocks for torch's varlen kernel, which coarsens prefix
+caching sixteenfold and cannot soft-cap). This one reads the pool's 16-token blocks in place,
+with one attention launch per layer for prefill chunks and decodes together, sliding windows,
+logit soft-capping and any GQA ratio included (triton/kernels). The plan is built once per step
+(triton/plan) and staged with the step's other metadata in one upload; no decode state is kept
+across steps, so release and reset have nothing to forget.
+
+torch.compile: the forward calls the layer through the opaque custom op (attention/op), so the
+compiler never traces a kernel. CUDA graphs: a graph-replayed decode step carries a StaticDecode
+(cuda/graphs); its plan is made from fixed buffers only (plan.GraphRows), so a replay launches
+the very kernels captured. On the CPU the backend runs only under Triton's interpreter
+(TRITON_INTERPRET=1 from the process's start), for tests: support refuses it otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from batchgen.engine.attention.backend import AttentionBackend, Pools
+from batchgen.engine.attention.gather import GatheredBlocks
+from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.planning import PlannedChunk, Stager
+from batchgen.engine.cuda.graphs import MAX_GRAPH_BATCH
+from batchgen.engine.triton import launch
+from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, plan_step
+from batchgen.engine.triton.support import check_device, check_interpreter, interpreting
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, kv_caches: Pools, block_size: int, device: torch.device, num_heads: int) -> None:
+        check_device(device)
+        if device.type == "cpu":
+            check_interpreter()
+        # why a decode source at all: the interface has one; this backend never asks it to plan (every
+        # chunk reads the pool), and gathered blocks keep nothing across steps
+        super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))
+        kv_heads = kv_caches[0][0].shape[2]
+        if num_heads % kv_heads:
+            raise ValueError(f"{num_heads} attention heads do not share {kv_heads} KV heads evenly")
+        self.group = num_heads // kv_heads
+        self.graph_rows = GraphRows(MAX_GRAPH_BATCH, self.group, device)
+
+    def describe(self) -> str:
+        return "triton (paged kernel, interpreted)" if interpreting() else "triton (paged kernel)"
+
+    def plan(
+        self, chunks: Sequence[PlannedChunk], stager: Stager | None = None, padded_len: int | None = None
+    ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
+        """The step's plan -> (context, positions [T], packed order: batch order); staged in `stager`."""
+        return plan_step(
+            chunks, self.decode_kv, self.kv_caches, self.block_size, self.device, self.group, stager, padded_len
+        )
+
+    def run_layer(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """query [H, T, D], key/value [KVH, T, D]: store the K/V, attend -> [T, H, D] (padded rows zero)."""
+        ctx, k_cache, v_cache = self.begin_layer(layer, key)
+        plan = self._kernel_plan(ctx)
+        launch.store_kv(k_cache, v_cache, ctx.slot_mapping, key, value)
+        out = launch.paged_attention(query, k_cache, v_cache, plan, scale, window, softcap)
+        if ctx.num_tokens < out.shape[0]:  # why: rows past the step's tokens belong to no tile
+            out[ctx.num_tokens :] = 0
+        return out
+
+    def _kernel_plan(self, ctx: ForwardContext) -> KernelPlan:
+        if isinstance(ctx, TritonContext) and ctx.kernel is not None:
+            return ctx.kernel
+        if ctx.static_decode is not None:  # a CUDA-graph decode step (cuda/graphs), planned by the runner
+            return self.graph_rows.plan(ctx.static_decode)
+        raise RuntimeError("the triton backend runs only steps it planned itself or CUDA-graph decode steps")

@@ -1,0 +1,132 @@
+"""The Triton backend's step metadata: what its kernels read, planned once per step, staged in one upload.
+
+Every chunk of a step, decodes included, reads the pool in place, so the plan is the varlen
+metadata planning already builds for such steps (attention/planning with every chunk read from
+the pool, no decode groups: cu_seqlens of the queries, each chunk's keys = cached context + its
+tokens, block tables) plus the tile map of the attention kernel's grid (triton/kernels): for each
+tile its chunk and its first token. A tile holds `rows` (token, query head) rows: a power of two
+of at least 16 (tl.dot's smallest tile); DECODE_ROWS on decode-only steps, where every chunk is
+one token, PREFILL_ROWS where a prefill chunk runs, so a long chunk is split into few tiles.
+
+CUDA graphs. A graph replays the kernels it captured with the same grid and the same tensor
+addresses, reading whatever those tensors hold at replay. A decode-only step of a graph bucket
+of B rows is therefore planned from fixed-size buffers only (`GraphRows.plan`): the block tables
+and context lengths are the first B rows of cuda/graphs' DecodeBuffers (updated in place before
+each replay, padding rows: block 0, one key); query_start = arange(B + 1), tile_chunk = arange(B)
+and tile_first = zeros(B) are slices of constant buffers made once, at the largest bucket, when
+the backend is made (never reallocated, so a captured graph never reads freed memory); `rows` is
+fixed for decodes. The grid (B, KVH) and every pointer are then the same at every replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.attention.decode_kv import DecodeKVSource
+from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.planning import DirectStager, PlannedChunk, Stager, build_forward_context, int64_tensor
+from batchgen.engine.attention.static_decode import StaticDecode
+
+DECODE_ROWS = 16
+PREFILL_ROWS = 64
+
+
+@dataclass
+class KernelPlan:
+    """What the attention kernel reads for one step (device tensors, int64)."""
+
+    query_start: torch.Tensor  # [chunks + 1] packed offset of each chunk's first query, then the total
+    kv_lens: torch.Tensor  # [chunks] keys each chunk attends over: its cached context + its own tokens
+    block_tables: torch.Tensor  # [chunks, W] pool blocks of each chunk's sequence (padding: block 0, never read)
+    tile_chunk: torch.Tensor  # [tiles] the chunk of each tile of the grid
+    tile_first: torch.Tensor  # [tiles] the tile's first token, within its chunk
+    group: int  # query heads per KV head
+    rows: int  # (token, query head) rows of a tile: a power of two >= 16 and >= group; rows // group tokens
+
+
+@dataclass
+class TritonContext(ForwardContext):
+    """A ForwardContext with the Triton kernel's plan (the varlen and decode fields stay unset)."""
+
+    kernel: KernelPlan | None = None
+
+
+def tile_rows(group: int, decode_only: bool) -> int:
+    """Rows of a tile for `group` query heads per KV head: at least one token's heads, a power of two."""
+    rows = DECODE_ROWS if decode_only else PREFILL_ROWS
+    while rows < group:
+        rows *= 2
+    return rows
+
+
+def tile_map(q_lens: Sequence[int], tokens_per_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query lengths of the chunks (packed order) -> (chunk of each tile [tiles], its first token [tiles])."""
+    chunks: list[int] = []
+    firsts: list[int] = []
+    for i, n in enumerate(q_lens):
+        starts = range(0, n, tokens_per_tile)
+        chunks.extend([i] * len(starts))
+        firsts.extend(starts)
+    return int64_tensor(chunks), int64_tensor(firsts)
+
+
+def plan_step(
+    chunks: Sequence[PlannedChunk],
+    decode_kv: DecodeKVSource,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    block_size: int,
+    device: torch.device,
+    group: int,
+    stager: Stager | None = None,
+    padded_len: int | None = None,
+) -> tuple[TritonContext, torch.Tensor, list[int]]:
+    """The step's plan -> (context, positions [T], packed order = batch order); every tensor staged in `stager`."""
+    stager = stager or DirectStager(device)
+    # why the varlen planning: it is exactly "every chunk reads the pool" (no decode is planned by the source)
+    ctx, positions, order = build_forward_context(
+        chunks, decode_kv, kv_caches, block_size, device, flash=True, transfers=stager, padded_len=padded_len
+    )
+    meta = ctx.flash
+    if meta is None:  # pragma: no cover - build_forward_context always sets it when asked
+        raise RuntimeError("planning returned no varlen metadata")
+    q_lens = [chunks[i].num_tokens for i in order]
+    rows = tile_rows(group, decode_only=max(q_lens) == 1)
+    tile_chunk, tile_first = tile_map(q_lens, rows // group)
+    plan = KernelPlan(
+        query_start=meta.cu_seqlens_q,
+        kv_lens=meta.seqused_k,
+        block_tables=meta.block_tables,
+        tile_chunk=stager.stage(tile_chunk),
+        tile_first=stager.stage(tile_first),
+        group=group,
+        rows=rows,
+    )
+    step = TritonContext(ctx.kv_caches, ctx.slot_mapping, None, [], num_tokens=ctx.num_tokens, kernel=plan)
+    return step, positions, order
+
+
+class GraphRows:
+    """The constant buffers of graph-replayed decode steps (see the module docstring), made once."""
+
+    def __init__(self, max_rows: int, group: int, device: torch.device) -> None:
+        self.arange = torch.arange(max_rows + 1, dtype=torch.int64, device=device)  # [max_rows + 1]
+        self.zeros = torch.zeros(max_rows, dtype=torch.int64, device=device)  # [max_rows]
+        self.group = group
+
+    def plan(self, static: StaticDecode) -> KernelPlan:
+        """The kernel's plan of a decode step of B rows whose tables and lengths are in `static` ([B] rows)."""
+        b = static.context_lens.shape[0]
+        if b > self.zeros.shape[0]:
+            raise RuntimeError(f"a graph decode step of {b} rows; the triton backend has buffers for {len(self.zeros)}")
+        return KernelPlan(
+            query_start=self.arange[: b + 1],
+            kv_lens=static.context_lens,
+            block_tables=static.block_tables,
+            tile_chunk=self.arange[:b],
+            tile_first=self.zeros[:b],
+            group=self.group,
+            rows=tile_rows(self.group, decode_only=True),
+        )

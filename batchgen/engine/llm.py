@@ -13,11 +13,11 @@ from batchgen.engine.api.config import engine_config
 from batchgen.engine.api.device_defaults import require_int, resolve_engine_defaults
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.attention.path import default_block_size, detect_support, has_softcap
+from batchgen.engine.attention.path import SMALL_BLOCK_SIZE, default_block_size, detect_support, has_softcap
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
-from batchgen.engine.runner.backends import fast_greedy_for, prepare_process
+from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
 from batchgen.engine.runner.compiled_forward import resolve_compile
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import kv_spec, load_model, resolve_device, resolve_dtype, resolve_max_model_len
@@ -66,14 +66,18 @@ class LLM:
         config = engine_config(**settings)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
+        backend = resolve_backend(config.attention_backend, torch_device)  # why first: a bad one fails before loading
         prepare_process(torch_device)
         hf_model = load_model(model, torch_device, torch_dtype)
         self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
         config.max_model_len = self.max_model_len
         spec = kv_spec(hf_model.config)
         support = detect_support(torch_device)
-        block_size = default_block_size(
-            torch_device.type, torch_dtype, spec.head_dim, has_softcap(hf_model.config), support
+        softcap = has_softcap(hf_model.config)
+        block_size = (  # the triton kernel reads small blocks in place; only torch's varlen kernel wants 256
+            SMALL_BLOCK_SIZE
+            if backend == "triton"
+            else default_block_size(torch_device.type, torch_dtype, spec.head_dim, softcap, support)
         )
         config = resolve_engine_defaults(config, torch_device.type, block_size)
         blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, torch_device, torch_dtype)
@@ -86,7 +90,7 @@ class LLM:
             torch_dtype,
             config.max_num_seqs,
             self.max_model_len,
-            config.attention_backend,
+            backend,
             compile=resolve_compile(config.compile, torch_device),
             max_num_batched_tokens=config.max_num_batched_tokens,
             compile_fallback=config.compile == "auto",

@@ -30,8 +30,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # the attention backend (runner/backends): "auto" = "cpu" on the CPU (contiguous decode rows, the
-    # native kernel where it applies), "torch" elsewhere (portable torch ops over gathered blocks)
-    attention_backend: Literal["auto", "torch", "cpu"] = "auto"
+    # native kernel where it applies), "triton" on CUDA where triton imports (its paged kernel over
+    # the pool), else "torch" (portable torch ops over gathered blocks); "triton" on the CPU only
+    # under Triton's interpreter (TRITON_INTERPRET=1, for tests)
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     # torch.compile of the model around the paged attention op (compiled_forward), and CUDA graphs
     # for decode on CUDA: "auto" = where it was measured to win (see resolve_compile: the CPU)
     compile: Literal["auto"] | bool = "auto"
@@ -55,8 +57,10 @@ class EngineConfig:
             raise SettingError("EngineConfig", "enable_prefix_caching", "true or false", self.enable_prefix_caching)
         if not (self.compile == "auto" or isinstance(self.compile, bool)):
             raise SettingError("EngineConfig", "compile", "'auto', true or false", self.compile)
-        if self.attention_backend not in ("auto", "torch", "cpu"):
-            raise SettingError("EngineConfig", "attention_backend", "'auto', 'torch' or 'cpu'", self.attention_backend)
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise SettingError(
+                "EngineConfig", "attention_backend", "'auto', 'torch', 'cpu' or 'triton'", self.attention_backend
+            )
 
 
 def engine_config(**settings: object) -> EngineConfig:

@@ -2,7 +2,8 @@
 
 CPU keeps the values measured there (benchmarks/RESULTS.md): 16-token blocks, 64 sequences and
 2,048 tokens a step. On CUDA:
-- block_size 256 where that makes the paged varlen kernel apply (attention_path), else 16;
+- block_size 16 with the triton backend (its kernel reads small blocks in place; the default where
+  triton imports), else 256 where that makes torch's paged varlen kernel apply (attention_path), else 16;
 - max_num_seqs 256: a decode step reads all weights once whatever the batch, so decode throughput
   grows almost linearly with the batch until the sequences' K/V reads rival the weight reads;
   for a 1-8B model at ~1k-token contexts that is a few hundred sequences (vLLM's long-standing

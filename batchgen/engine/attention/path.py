@@ -9,6 +9,8 @@ Two paths read the paged KV pool:
   sliding windows are native. flash-attn itself is not used: it has no wheel for our torch.
 - "sdpa": gather + torch SDPA (attention.py), the exact fallback for everything else (float32,
   soft-capping, CPU, small blocks).
+- "triton": not a path of the torch backend but the triton backend's own paged kernel (triton/),
+  named here so the runner reports every backend's attention the same way (TRITON_CHOICE).
 The choice is a pure function of what the model and engine are and what this torch build offers
 (`choose_attention_path`), so a CPU test covers every branch; only the kernel call itself needs a
 GPU, and a CPU test replaces it with a reference of its documented semantics (`VARLEN_ATTN`).
@@ -42,13 +44,14 @@ VARLEN_ATTN: Callable[..., Any] | None = _torch_varlen_attn
 
 VARLEN: Final = "varlen"
 SDPA: Final = "sdpa"
+TRITON: Final = "triton"
 VARLEN_BLOCK_MULTIPLE = 256  # FlashAttention-2's paged kernel: "block size must be divisible by 256"
 SMALL_BLOCK_SIZE = 16  # the block size wherever the varlen kernel does not apply
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 MIN_COMPUTE_CAPABILITY = (8, 0)  # FlashAttention-2: Ampere or newer
 MAX_HEAD_DIM = 256
 
-AttentionPathName = Literal["varlen", "sdpa"]
+AttentionPathName = Literal["varlen", "sdpa", "triton"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class KernelSupport:
 class AttentionChoice:
     path: AttentionPathName
     reason: str  # why, in words: logged at load and recorded by the GPU check
+
+
+TRITON_CHOICE = AttentionChoice(TRITON, "attention_backend triton: its paged kernel reads the pool in place")
 
 
 def varlen_signature_ok(fn: Callable[..., Any] | None) -> bool:

@@ -2,9 +2,11 @@
 kernels, the sampler's greedy pass and the CPU thread governor. The one place where the general
 code meets the device-specific rooms.
 
-"auto" keeps the choices the engine made before backends had names: "cpu" on the CPU (decode
-rows, and the native kernel with its C++ front where it can attend the model), "torch" elsewhere
-(gathered blocks; on CUDA the paged varlen kernel and CUDA-graph decodes where chosen).
+"auto" picks "cpu" on the CPU (decode rows, and the native kernel with its C++ front where it can
+attend the model); on CUDA "triton" (its paged kernel over 16-token blocks, triton/) where triton
+imports and the GPU is Ampere or newer; "torch" elsewhere (gathered blocks; on CUDA the paged
+varlen kernel and CUDA-graph decodes where chosen). "triton" on the CPU runs only under Triton's
+interpreter (TRITON_INTERPRET=1, for tests).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.attention.backend import AttentionBackend, Pools, TorchBackend
+from batchgen.engine.triton import support as triton_support
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def resolve_backend(setting: str, device: torch.device) -> str:
@@ -25,9 +28,13 @@ def resolve_backend(setting: str, device: torch.device) -> str:
     if setting not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {setting!r}")
     if setting == "auto":
-        return "cpu" if device.type == "cpu" else "torch"
+        if device.type == "cpu":
+            return "cpu"
+        return "triton" if triton_support.prefers_triton(device) else "torch"
     if setting == "cpu" and device.type != "cpu":
         raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device.type}")
+    if setting == "triton":
+        triton_support.check_device(device)
     return setting
 
 
@@ -46,6 +53,10 @@ def make_backend(
         from batchgen.engine.cpu.backend import CpuBackend  # why lazy: the CPU room loads its kernels
 
         return CpuBackend(kv_caches, block_size, device, model.config, dtype, max_len, max_rows)
+    if name == "triton":
+        from batchgen.engine.triton.backend import TritonBackend  # why lazy: it imports triton
+
+        return TritonBackend(kv_caches, block_size, device, model.config.get_text_config().num_attention_heads)
     return TorchBackend(kv_caches, block_size, device)
 
 

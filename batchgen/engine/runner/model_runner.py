@@ -31,7 +31,14 @@ from batchgen.engine.attention.decode_kv import padded_tables
 from batchgen.engine.attention.interface import bind_layers
 from batchgen.engine.attention.kv_store import pool_blocks
 from batchgen.engine.attention.metadata import ForwardContext
-from batchgen.engine.attention.path import VARLEN, AttentionChoice, choose_attention_path, detect_support, has_softcap
+from batchgen.engine.attention.path import (
+    TRITON_CHOICE,
+    VARLEN,
+    AttentionChoice,
+    choose_attention_path,
+    detect_support,
+    has_softcap,
+)
 from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
 from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch, ScheduledChunk
@@ -72,12 +79,16 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(spec.num_layers)
         ]
-        self.attention: AttentionChoice = choose_attention_path(
-            device.type, dtype, block_size, spec.head_dim, has_softcap(model.config), detect_support(device)
+        name = resolve_backend(attention_backend, device)
+        self.attention: AttentionChoice = (
+            TRITON_CHOICE
+            if name == "triton"
+            else choose_attention_path(
+                device.type, dtype, block_size, spec.head_dim, has_softcap(model.config), detect_support(device)
+            )
         )
         self.flash = self.attention.path == VARLEN
         max_len = max_model_len or num_kv_blocks * block_size
-        name = resolve_backend(attention_backend, device)
         self.backend = make_backend(name, model, self.kv_caches, block_size, device, dtype, max_len, max_num_seqs)
         self.backend.flash = self.flash
         bind_layers(model, self.backend)

@@ -80,7 +80,7 @@ class LLM:
             else default_block_size(torch_device.type, torch_dtype, spec.head_dim, softcap, support)
         )
         config = resolve_engine_defaults(config, torch_device.type, block_size)
-        blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, torch_device, torch_dtype)
+        blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, torch_device, torch_dtype, backend=backend)
         runner = ModelRunner(
             hf_model,
             spec,

@@ -22,7 +22,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 def test_auto_compiles_on_the_cpu_with_a_compiler_only(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_compile("auto", torch.device("cpu"))  # this machine has one (CI too)
-    assert not resolve_compile("auto", torch.device("cuda"))  # unmeasured there
+    assert resolve_compile("auto", torch.device("cuda"))  # with CUDA graphs of decode steps
+    assert not resolve_compile("auto", torch.device("mps"))  # unmeasured there
     assert resolve_compile(True, torch.device("cuda")) and not resolve_compile(False, torch.device("cpu"))
     monkeypatch.setattr(compiled_forward.shutil, "which", lambda name: None)
     assert not resolve_compile("auto", torch.device("cpu"))

@@ -13,35 +13,26 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.kv_store import PAD_SLOT, pool_blocks, store_kv
 from batchgen.engine.attention.static_decode import static_decode_attention
 from batchgen.engine.cuda.graphs import (
-    MIN_GRAPH_BLOCKS,
     DecodeBuffers,
     DecodeGraphs,
     GraphDecode,
-    GraphKey,
     decode_buckets,
     pick_bucket,
-    pick_width,
 )
 from batchgen.engine.llm import LLM
 from batchgen.engine.runner.compiled_forward import bucket
 
 
 def test_decode_buckets_and_choice() -> None:
-    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert decode_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
-    assert decode_buckets(3) == [1, 2, 3]
+    """Smallest bucket 2: a size-1 dimension would be specialised by dynamo (a second compiled graph)."""
+    assert decode_buckets(64) == [2, 4, 8, 16, 32, 48, 64]
+    assert decode_buckets(40) == [2, 4, 8, 16, 32, 40]
+    assert decode_buckets(3) == [2, 3] and decode_buckets(1) == [2]
     buckets = decode_buckets(64)
-    assert [pick_bucket(n, buckets) for n in (1, 3, 5, 17, 64)] == [1, 4, 8, 32, 64]
+    assert [pick_bucket(n, buckets) for n in (1, 3, 5, 17, 64)] == [2, 4, 8, 32, 64]
     assert pick_bucket(65, buckets) is None  # runs without a graph
-
-
-def test_static_gather_width_follows_the_longest_row_not_the_model_length() -> None:
-    max_blocks = 2048  # a 32k-token model at 16-token blocks
-    assert MIN_GRAPH_BLOCKS == 16
-    assert [pick_width(n, max_blocks) for n in (1, 16, 17, 40, 64, 65, 2000)] == [16, 16, 32, 64, 64, 128, 2048]
-    assert pick_width(5, 8) == 8  # never wider than the longest sequence the engine allows
     buf = DecodeBuffers(max_batch=8, max_blocks=64, device=torch.device("cpu"))
-    assert buf.view(4, 16).block_tables.shape == (4, 16) and buf.view(4).block_tables.shape == (4, 64)
+    assert buf.view(4).block_tables.shape == (4, 64)  # every graph reads the full width
 
 
 def test_token_buckets_for_compile() -> None:
@@ -104,25 +95,27 @@ class _ReplayByRerun(DecodeGraphs):
     """DecodeGraphs without CUDA: "capture" keeps the step's context and call, "replay" runs the
     same call again, which is what replaying a captured graph computes."""
 
-    def capture(self, key: GraphKey, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
-        call = self.step_call(key[0])
-        self.graphs[key] = lambda: run(call)  # type: ignore[assignment]
+    def capture(self, bucket: int, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
+        call = self.step_call(bucket)
+        self.graphs[bucket] = lambda: run(call)  # type: ignore[assignment]
 
-    def replay(self, key: GraphKey, n: int) -> torch.Tensor:
-        return self.graphs[key]()[:n]  # type: ignore[operator]
+    def replay(self, bucket: int, n: int) -> torch.Tensor:
+        return self.graphs[bucket]()[:n]  # type: ignore[operator]
 
 
-@pytest.mark.parametrize("pool_blocks", [None, 48])
-def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Path], pool_blocks: int | None) -> None:
-    """The model runner's CUDA-graph decode path (static buffers, buckets, widths, the static
-    attention, one context reused across replays) on CPU, with only the capture itself stood in for.
-    With a 48-block pool, steps whose gather (rows x width) would exceed the pool run eagerly."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Path], backend: str) -> None:
+    """The model runner's CUDA-graph decode path (static buffers, buckets, every graph captured
+    before the first step, one context reused across replays) on CPU, with only the capture itself
+    stood in for: the triton backend (its interpreter here) as the runner uses it on CUDA, and the
+    torch backend's static attention, its reference."""
     path = str(tiny_model("llama"))
-    lengths, max_tokens = [5, 40, 200, 300], [12, 9, 6, 3]  # the batch shrinks; the longest row ends first: 2 widths
+    lengths, max_tokens = [5, 40, 70, 100], [8, 6, 4, 3]  # the batch shrinks through buckets 4 and 2
     prompts = [[2 + (i * 7 + j) % 250 for j in range(n)] for i, n in enumerate(lengths)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    eager = LLM(path, device="cpu", attention_backend="torch", num_kv_blocks=pool_blocks).generate(prompts, params)
-    llm = LLM(path, device="cpu", attention_backend="torch", num_kv_blocks=pool_blocks)
+    settings = {"device": "cpu", "attention_backend": backend, "max_num_seqs": 4, "compile": False}
+    eager = LLM(path, **settings).generate(prompts, params)  # type: ignore[arg-type]
+    llm = LLM(path, **settings)  # type: ignore[arg-type]
     runner = llm.engine.runner
     inputs: list[set[int]] = []
 
@@ -131,17 +124,16 @@ def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Pa
         return runner.forward(*tensors)
 
     max_blocks = -(-llm.config.max_model_len // runner.block_size)
-    graphs = GraphDecode(forward, runner.kv_caches, 4, max_blocks, runner.block_size, runner.device)
+    graphs = GraphDecode(forward, 4, max_blocks, runner.block_size, runner.device)
     graphs.graphs = _ReplayByRerun(forward, graphs.buffers)
+    graphs.capture_all(runner._graph_run, runner._graph_context)  # what the runner does when it is made on CUDA
+    assert graphs.captures == 2 and sorted(graphs.graphs.graphs) == [2, 4]
     runner.graphs = graphs
+    replayed = len(inputs)
     out = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
-    keys = set(graphs.graphs.graphs)
-    assert graphs.captures == len(keys)  # one capture per key, counted (the GPU check asserts none while timing)
+    assert len(inputs) > replayed  # decode steps did replay
+    assert graphs.captures == 2 and graphs.captures_after_start == 0  # nothing captured once steps ran
     static = {t.untyped_storage().data_ptr() for t in (graphs.buffers.input_ids, graphs.buffers.positions)}
     static.add(graphs.buffers.keep.untyped_storage().data_ptr())
     assert inputs and all(seen <= static for seen in inputs)  # a graph may read nothing a step frees
-    if pool_blocks is None:
-        assert {w for _, w in keys} == {16, 32} and {b for b, _ in keys} >= {1, 2, 4}
-    else:
-        assert keys and all(b * w <= pool_blocks for b, w in keys) and (4, 16) not in keys

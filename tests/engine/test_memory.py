@@ -29,8 +29,10 @@ GIB = 1 << 30
 class FakeProbe:
     """allocated(): before the scratch runner, then after it; peak and device totals fixed."""
 
-    def __init__(self, allocated: list[int], peak: int, used: int, total: int) -> None:
-        self._allocated, self._peak, self._used, self._total = list(allocated), peak, used, total
+    def __init__(self, allocated: list[int], peak: int, used: int | list[int], total: int) -> None:
+        """`used`: what the device has in use at each read (the last one repeats)."""
+        self._allocated, self._peak, self._total = list(allocated), peak, total
+        self._used = list(used) if isinstance(used, list) else [used]
         self.clears = 0
 
     def clear(self) -> None:
@@ -43,7 +45,7 @@ class FakeProbe:
         return self._peak
 
     def used_and_total(self) -> tuple[int, int]:
-        return self._used, self._total
+        return (self._used.pop(0) if len(self._used) > 1 else self._used[0]), self._total
 
 
 def test_device_defaults() -> None:
@@ -92,13 +94,30 @@ def test_pool_is_sized_after_a_real_profiling_forward(tiny_model: Callable[[str]
     config = resolve_engine_defaults(EngineConfig(max_model_len=256, gpu_memory_utilization=0.5), "cpu", 16)
     probe = FakeProbe(allocated=[1000, 1200], peak=1700, used=2 * GIB, total=8 * GIB)
     blocks, profile = kv_pool_blocks(model, spec, config, torch.device("cpu"), torch.float32, probe=probe)
-    assert profile is not None and probe.clears == 2
+    assert profile is not None and probe.clears == 3 and profile.runner_memory == 0
     headroom = SAMPLER_COPIES * 64 * 256 * 4  # 64 sampled rows, vocab 256, float32
     assert (profile.activation_peak, profile.sampler_headroom) == (500, headroom)
     assert profile.kv_budget == 4 * GIB - 2 * GIB - 500 - headroom
     per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V x 2 layers x 16 tokens x 2 KV heads x head dim 16 x float32
     assert kv_block_bytes(spec, 16, torch.float32) == per_block == 8192
     assert blocks == profile.kv_budget * 2 // (2 + GATHER_LAYERS_HEADROOM) // per_block  # 2 layers, gather path
+
+
+def test_what_the_profiling_runner_keeps_while_it_lives_is_outside_the_budget(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """The device's use is read with the profiling runner alive (on CUDA with the triton backend its
+    decode graphs, captured when it was made, hold a memory pool) and after it is gone: the
+    difference is kept out of the KV budget, as the real runner will hold the same."""
+    llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=4)
+    model, spec = llm.engine.runner.model, models.kv_spec(llm.engine.runner.model.config)
+    config = resolve_engine_defaults(EngineConfig(max_model_len=256, gpu_memory_utilization=0.5), "cpu", 16)
+    graphs = 300 << 20
+    probe = FakeProbe(allocated=[1000, 1200], peak=1700, used=[2 * GIB + graphs, 2 * GIB], total=8 * GIB)
+    _, profile = kv_pool_blocks(model, spec, config, torch.device("cpu"), torch.float32, probe=probe)
+    assert profile is not None and profile.runner_memory == graphs
+    headroom = SAMPLER_COPIES * 64 * 256 * 4
+    assert profile.kv_budget == 4 * GIB - 2 * GIB - graphs - 500 - headroom
 
 
 def test_explicit_sizes_skip_the_profile(tiny_model: Callable[[str], Path]) -> None:

@@ -47,6 +47,10 @@ class AttentionBackend:
     source and may attend some steps their own way (see the module docstring)."""
 
     name: ClassVar[str] = "torch"
+    # why a flag: a CUDA-graph decode step attends over the static buffers' full-width block tables
+    # (cuda/graphs); a backend that reads the pool in place does that at the cost of the real
+    # lengths, the torch backend's static attention gathers the full width (a reference, for tests)
+    replays_static_decode: ClassVar[bool] = False
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device, decode_kv: DecodeKVSource) -> None:
         self.kv_caches = kv_caches

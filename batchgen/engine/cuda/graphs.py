@@ -1,24 +1,33 @@
-"""CUDA graphs for decode-only steps: one captured forward per batch-size bucket, replayed on static buffers.
+"""CUDA graphs for decode-only steps: one captured forward per batch-size bucket, all captured at start.
 
 Why: a decode step of a small batch launches hundreds of small kernels; on a GPU their launch
 cost, not the math, bounds the step. A CUDA graph replays them all in one launch, but only on
 fixed shapes and fixed addresses. So a decode-only step of n sequences is padded to the next
-bucket B (1, 2, 4, 8, then multiples of 16, as nano-vllm does), its inputs are copied into
-static buffers sized for B, and the graph captured for B is replayed. Padded rows write the KV
-pool's trash block (slot -1, see kv_store) and attend one zero key, so they stay finite.
+bucket B (2, 4, 8, then multiples of 16, as nano-vllm does), its inputs are copied into static
+buffers sized for B, and the graph captured for B is replayed. Padded rows write the KV pool's
+trash block (slot -1, see kv_store) and attend one key, so they stay finite.
 
-During capture and replay the attention reads `StaticDecode` (block tables and context lengths
-in the static buffers) instead of the step's decode groups: one fixed-shape gather + SDPA over
-W blocks per row. Why W is bucketed too (powers of two from MIN_GRAPH_BLOCKS up to the longest
-sequence the engine allows) and the graphs are keyed by (B, W): one width for every step would
-gather max_model_len tokens per row each step (for a 32k-token model at 256 rows, gigabytes a
-layer), while the steps' real contexts are usually far shorter. Graphs are captured lazily, on
-the first step of each (B, W). Mixed prefill steps run without graphs.
+Why no bucket of 1: the compiled forward (runner/compiled_forward) is traced with dynamic shapes,
+and a size-1 dimension is specialised by dynamo: a bucket of 1 would compile a second graph. One
+decode rides in the bucket of 2.
 
-What no CPU test covers is only `DecodeGraphs.capture` / `replay` (marked below); bucket and width
-choice, padding, the static attention and the KV store's skipping of slot -1 are plain torch, tested
-on CPU, and so is the whole graph path of the model runner with replay stood in for by running the
-forward again on the static buffers (tests/engine/test_cuda_graphs.py).
+Why every graph at start (`capture_all`, called by the engine once its pool exists): a capture
+syncs the device and runs the forward twice; captured lazily, on the first step of each bucket,
+that is a pause in the middle of a job per bucket, and it lands inside any timed window. The
+graph memory is measured the same way when the KV pool is sized (runner/memory), so it is
+inside the budget. After start nothing is captured: `captures_after_start` stays 0, and the GPU
+check asserts it.
+
+The attention reads `StaticDecode` (the block tables and context lengths in the static buffers,
+at the full width of the longest sequence the engine allows) instead of the step's plan. Only a
+backend that reads the pool in place through block tables can replay such a step at no cost
+(the triton backend: triton/plan.GraphRows); the torch backend's static attention
+(attention/static_decode) gathers the full width, which is what the CPU tests run as the
+reference, but the runner gives it no graphs.
+
+What no CPU test covers is only `DecodeGraphs.capture` / `replay` (marked below); buckets,
+padding and the whole graph path of the model runner run on CPU with replay stood in for by
+running the forward again on the static buffers (tests/engine/test_cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -34,29 +43,23 @@ from batchgen.engine.attention.static_decode import StaticDecode
 
 logger = logging.getLogger(__name__)
 
+Runner = Callable[[object, Callable[[], torch.Tensor]], torch.Tensor]  # (step context, forward call) -> logits
+ContextMaker = Callable[[torch.Tensor, StaticDecode, int], object]  # (slots, static tables, bucket) -> context
+
 MAX_GRAPH_BATCH = 512
-MIN_GRAPH_BLOCKS = 16  # the narrowest static gather: 16 blocks (256 tokens at the 16-token blocks of this path)
+MIN_GRAPH_BATCH = 2  # see the module docstring: a bucket of 1 would be a second compiled graph
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
-    """Batch sizes captured: 1, 2, 4, 8, 16, 32, 48, ... up to max_num_seqs (included)."""
-    top = min(max_num_seqs, MAX_GRAPH_BATCH)
-    sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
+    """Batch sizes captured: 2, 4, 8, 16, 32, 48, ... up to max_num_seqs (included, at least 2)."""
+    top = max(MIN_GRAPH_BATCH, min(max_num_seqs, MAX_GRAPH_BATCH))
+    sizes = [b for b in (2, 4, 8) if b < top] + list(range(16, top, 16))
     return sorted({*sizes, top})
 
 
 def pick_bucket(n: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket holding n decodes; None when none does (the step runs without a graph)."""
     return next((b for b in buckets if b >= n), None)
-
-
-def pick_width(blocks: int, max_blocks: int) -> int:
-    """Blocks per row of the static gather for a step whose longest row needs `blocks` (<= max_blocks):
-    the next power of two from MIN_GRAPH_BLOCKS, at most max_blocks."""
-    width = MIN_GRAPH_BLOCKS
-    while width < blocks:
-        width *= 2
-    return min(width, max_blocks)
 
 
 class DecodeBuffers:
@@ -91,20 +94,17 @@ class DecodeBuffers:
         pos = self.positions[:n]
         self.slots[:n] = self.block_tables[rows, pos // block_size] * block_size + pos % block_size
 
-    def view(self, bucket: int, width: int | None = None) -> StaticDecode:
-        """The first `bucket` rows and `width` blocks of each (all blocks when None)."""
-        return StaticDecode(self.block_tables[:bucket, :width], self.context_lens[:bucket])
-
-
-GraphKey = tuple[int, int]  # (rows B, blocks per row W)
+    def view(self, bucket: int) -> StaticDecode:
+        """The first `bucket` rows, every block of each."""
+        return StaticDecode(self.block_tables[:bucket], self.context_lens[:bucket])
 
 
 class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this module no CPU test runs
-    """One CUDA graph per (bucket, width) over `forward(input_ids, positions, keep) -> logits [B, V]`."""
+    """One CUDA graph per bucket over `forward(input_ids, positions, keep) -> logits [B, V]`."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], buffers: DecodeBuffers) -> None:
         self.forward, self.buffers = forward, buffers
-        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: torch.Tensor | None = None  # [max batch, V] logits every graph writes its rows into
         self.pool: Any = None  # the graphs share one memory pool
 
@@ -113,23 +113,23 @@ class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this modu
         buf = self.buffers
         return lambda: self.forward(buf.input_ids[:bucket], buf.positions[:bucket], buf.keep[:bucket])
 
-    def capture(self, key: GraphKey, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
-        """Capture the forward for key's rows; `run` sets the step's context (with its width) around the call.
+    def capture(self, bucket: int, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
+        """Capture the forward for `bucket` rows; `run` sets the step's context around the call.
 
         Why one output buffer: each graph's own logits [B, V] would stay allocated in the shared
-        pool for the graph's life (up to ~8 widths a bucket); copied into `out`, they are freed."""
-        bucket, call = key[0], self.step_call(key[0])
+        pool for the graph's life; copied into `out`, they are freed."""
+        call = self.step_call(bucket)
         warm = run(call)  # warm-up outside the graph (allocator, lazy inits, compiling)
-        if self.out is None:  # one model: the same vocabulary and dtype for every key
+        if self.out is None:  # one model: the same vocabulary and dtype for every bucket
             self.out = warm.new_empty(self.buffers.keep.shape[0], *warm.shape[1:])
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.out[:bucket].copy_(run(call))
         self.pool = graph.pool()
-        self.graphs[key] = graph
+        self.graphs[bucket] = graph
 
-    def replay(self, key: GraphKey, n: int) -> torch.Tensor:
-        self.graphs[key].replay()
+    def replay(self, bucket: int, n: int) -> torch.Tensor:
+        self.graphs[bucket].replay()
         return self.out[:n]  # type: ignore[index]  # set by the first capture
 
 
@@ -139,7 +139,6 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
     def __init__(
         self,
         forward: Callable[..., torch.Tensor],
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_num_seqs: int,
         max_blocks: int,
         block_size: int,
@@ -149,50 +148,52 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         self.buckets = decode_buckets(max_num_seqs)
         self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device)
         self.graphs = DecodeGraphs(forward, self.buffers)
-        # why: a graph's static gather holds rows x width blocks of one layer; up to the pool's own
-        # size it fits the gather headroom the KV budget keeps (memory.GATHER_LAYERS_HEADROOM), beyond
-        # it (one long row among many short ones) the step runs eagerly, gathering by length groups
-        self.max_gather_blocks = kv_caches[0][0].shape[0] - 1  # the pool's blocks, less the trash block
         self.disabled = False  # a capture failed (e.g. a model with data-dependent Python): eager from then on
         # why counted: each capture syncs the device and runs the forward twice, so a capture inside a
         # timed window (or mid-job) is a pause; the GPU check asserts none happen while it times
         self.captures = 0  # capture attempts, failed ones included
+        self.captures_after_start = 0  # of those, the ones a step made (capture_all leaves none to make)
+
+    def capture_all(self, run: Runner, make_context: ContextMaker) -> None:
+        """Every bucket's graph, largest first (smaller ones then reuse its memory in the shared pool)."""
+        self.buffers.fill(0, self.buckets[-1], *self._empty())
+        for bucket in reversed(self.buckets):
+            if not self._capture(bucket, run, make_context):
+                return
 
     def execute(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         tables: torch.Tensor,
-        run: Callable[[object, Callable[[], torch.Tensor]], torch.Tensor],
-        make_context: Callable[[torch.Tensor, StaticDecode, int], object],
+        run: Runner,
+        make_context: ContextMaker,
     ) -> torch.Tensor | None:
         """Device ids/positions [n], tables [n, w] (uploaded) -> logits [n, V], or None: no bucket fits."""
         n = input_ids.shape[0]
         bucket = pick_bucket(n, self.buckets)
         if self.disabled or bucket is None or tables.shape[1] > self.buffers.block_tables.shape[1]:
             return None
-        key = (bucket, pick_width(tables.shape[1], self.buffers.block_tables.shape[1]))
-        if key[0] * key[1] > self.max_gather_blocks:
-            return None
         self.buffers.fill(n, bucket, input_ids, positions, tables)
         self.buffers.set_slots(n, self.block_size)
-        if key not in self.graphs.graphs and not self._capture(key, run, make_context):
-            return None
-        return self.graphs.replay(key, n)
+        if bucket not in self.graphs.graphs:
+            self.captures_after_start += 1
+            if not self._capture(bucket, run, make_context):
+                return None
+        return self.graphs.replay(bucket, n)
 
-    def _capture(
-        self,
-        key: GraphKey,
-        run: Callable[[object, Callable[[], torch.Tensor]], torch.Tensor],
-        make_context: Callable[[torch.Tensor, StaticDecode, int], object],
-    ) -> bool:
-        bucket = key[0]
+    def _empty(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        device = self.buffers.input_ids.device
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        return none, none, none.view(0, 1)
+
+    def _capture(self, bucket: int, run: Runner, make_context: ContextMaker) -> bool:
         self.captures += 1
-        ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(*key), bucket)
+        ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(bucket), bucket)
         try:
-            self.graphs.capture(key, lambda call: run(ctx, call))
+            self.graphs.capture(bucket, lambda call: run(ctx, call))
         except RuntimeError as exc:
-            logger.warning("CUDA graph capture failed for %s; decode steps run without graphs: %s", key, exc)
+            logger.warning("CUDA graph capture failed for %d rows; decode steps run without graphs: %s", bucket, exc)
             self.disabled = True
             return False
         return True

@@ -44,14 +44,16 @@ def bucket(n: int, cap: int | None = None) -> int:
 
 
 def resolve_compile(setting: str | bool, device: torch.device) -> bool:
-    """ "auto" -> on for the CPU wherever inductor can build its kernels (a C compiler is found):
-    measured there (benchmarks/RESULTS.md, fourth pass), the whole forward compiled runs workload (a)
-    15% faster on the demo model (2.29 -> 1.94 s) and 3-6% on the 57M one, for 5-20 s of compiling
-    once per process. Off on other devices, where it is unmeasured. `true` turns it (and CUDA-graph
-    decode on CUDA) on anywhere; a failure to compile is then an error, not a fallback."""
+    """ "auto" -> on for CUDA, and for the CPU wherever inductor can build its kernels (a C compiler
+    is found): measured there (benchmarks/RESULTS.md, fourth pass), the whole forward compiled runs
+    workload (a) 15% faster on the demo model (2.29 -> 1.94 s) and 3-6% on the 57M one, for 5-20 s
+    of compiling once per process. On CUDA it also turns on decode steps replayed as CUDA graphs
+    (cuda/graphs), the launch overhead both remove being what bounds small decode batches there; a
+    model that fails to compile runs eager (the runner's fallback). `true` turns it on anywhere,
+    where a failure to compile is then an error, not a fallback."""
     if setting != "auto":
         return bool(setting)
-    return device.type == "cpu" and _has_compiler()
+    return device.type == "cuda" or (device.type == "cpu" and _has_compiler())
 
 
 def _has_compiler() -> bool:

@@ -5,8 +5,13 @@ Weights, the CUDA context and anything else already on the device are in use bef
 exists; one forward at the full token budget shows the activation peak above that. The pool
 gets what is left:
 
-    budget = utilization * total - in use now - activation peak - sampler headroom
+    budget = utilization * total - in use now - the runner's own - activation peak - sampler headroom
     (gather + SDPA path only: less the share a decode step's gathered K/V copy can take)
+
+The runner's own share ("the runner's own") is what the profiling runner keeps on the device
+while it lives, read from the device's counters before and after it goes: on CUDA with the triton
+backend it captured its decode graphs when it was made (cuda/graphs), so their memory pool is in
+it, as it will be in the real runner's.
 
 The profiling step is the worst one the scheduler can produce: max_num_batched_tokens tokens,
 max_num_seqs logit rows, one long chunk whose context ends at max_model_len (the gather path
@@ -65,6 +70,7 @@ class MemoryProfile:
     sampler_headroom: int
     utilization: float
     kv_budget: int  # bytes for the KV pool
+    runner_memory: int = 0  # what a runner keeps on the device while it lives: its CUDA graphs' pool, buffers
 
 
 def kv_budget(total: int, used: int, activation_peak: int, headroom: int, utilization: float) -> int:
@@ -106,21 +112,28 @@ def profile_kv_budget(
             "max_num_batched_tokens or max_model_len"
         ) from exc
     peak = probe.peak_allocated()
-    del logits, runner
+    del logits
+    probe.clear()
+    with_runner, _ = probe.used_and_total()
+    del runner
     probe.clear()
     used, total = probe.used_and_total()
+    # why: what the runner itself keeps on the device while it lives (its CUDA graphs' memory pool,
+    # captured when it was made: cuda/graphs; buffers; the scratch pool), which the real runner keeps too
+    runner_bytes = max(0, with_runner - used)
     rows = sum(c.needs_sample for c in batch.chunks)
     headroom = SAMPLER_COPIES * rows * vocab_size * 4
     activation_peak = max(0, peak - resting)
-    budget = kv_budget(total, used, activation_peak, headroom, utilization)
+    budget = kv_budget(total, used + runner_bytes, activation_peak, headroom, utilization)
     logger.info(
-        "memory profile: total %.2f GiB, in use %.2f GiB (before the scratch pool %.2f GiB), activation peak "
-        "%.2f GiB, sampler headroom %.2f GiB, utilization %.2f -> KV budget %.2f GiB",
-        *(x / 2**30 for x in (total, used, before, activation_peak, headroom)),
+        "memory profile: total %.2f GiB, in use %.2f GiB (before the scratch pool %.2f GiB), the runner's own "
+        "(CUDA graphs, buffers) %.2f GiB, activation peak %.2f GiB, sampler headroom %.2f GiB, utilization %.2f "
+        "-> KV budget %.2f GiB",
+        *(x / 2**30 for x in (total, used, before, runner_bytes, activation_peak, headroom)),
         utilization,
         budget / 2**30,
     )
-    return MemoryProfile(total, used, activation_peak, headroom, utilization, budget)
+    return MemoryProfile(total, used, activation_peak, headroom, utilization, budget, runner_bytes)
 
 
 def pool_budget(profile: MemoryProfile, num_layers: int, gather: bool, bytes_per_block: int) -> int:

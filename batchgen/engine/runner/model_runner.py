@@ -7,8 +7,9 @@ only for the chunks that need a sample, in batch order. It reads the scheduler's
 never live sequence state, and decides nothing: what runs, and when, is the scheduler's
 business. The step's metadata is staged in the runner's Transfers and sent in one upload (see
 transfers); the forward runs through StepForward (eager or compiled, tokens padded to a multiple
-of 8 when compiled), and on CUDA with compile, decode-only steps replay a CUDA graph per
-batch-size bucket (cuda/graphs). Which backend, and the model's device kernels, come from
+of 8 when compiled), and on CUDA with compile and the triton backend, decode-only steps replay
+the CUDA graph of their batch-size bucket, every one captured when the runner is made
+(cuda/graphs). Which backend, and the model's device kernels, come from
 runner/backends.
 
 It keeps the runner side's persistent state, updated only from the scheduler's diffs (`apply`,
@@ -67,7 +68,10 @@ class ModelRunner:
         compile: bool = False,
         max_num_batched_tokens: int | None = None,
         compile_fallback: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> None:
+        """`cuda_graphs`: decode steps replay graphs captured now, where the device and the backend
+        allow (CUDA, a backend that reads the pool in place); None: with `compile`."""
         self.model = model
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
@@ -107,11 +111,14 @@ class ModelRunner:
             take_raised=self.backend.take_raised,
             on_compiled=self.threads.forget,  # why: the load while compiling was ours, not the neighbours'
         )
-        # CUDA graphs for decode-only steps go with compile (both are about launch overhead)
+        # CUDA graphs for decode-only steps go with compile (both are about launch overhead), all
+        # captured now: none in the middle of a job (cuda/graphs)
         self.graphs: GraphDecode | None = None
-        if device.type == "cuda" and compile and not self.flash:  # pragma: no cover - CUDA only
+        wants_graphs = compile if cuda_graphs is None else cuda_graphs
+        if device.type == "cuda" and wants_graphs and self.backend.replays_static_decode:  # pragma: no cover - CUDA
             max_blocks = math.ceil(max_len / block_size)
-            self.graphs = GraphDecode(self.forward, self.kv_caches, max_num_seqs or 64, max_blocks, block_size, device)
+            self.graphs = GraphDecode(self.forward, max_num_seqs or 64, max_blocks, block_size, device)
+            self.graphs.capture_all(self._graph_run, self._graph_context)
         logger.info(
             "KV pool: %d blocks x %d tokens, %d layers (attention: %s, %s; backend: %s)",
             num_kv_blocks,
@@ -174,15 +181,15 @@ class ModelRunner:
         staged_tables = self.transfers.stage(tables)
         self.transfers.upload()
 
-        def run(ctx: object, call: Callable[[], torch.Tensor]) -> torch.Tensor:
-            with torch.inference_mode(), self.backend.running(ctx):  # type: ignore[arg-type]
-                return call()
-
-        def context(slots: torch.Tensor, static: StaticDecode, bucket: int) -> ForwardContext:
-            return ForwardContext(self.kv_caches, slots, None, [], num_tokens=bucket, static_decode=static)
-
-        logits = self.graphs.execute(ids, positions, staged_tables, run, context)
+        logits = self.graphs.execute(ids, positions, staged_tables, self._graph_run, self._graph_context)
         return None if logits is None else logits.float()
+
+    def _graph_run(self, ctx: object, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with torch.inference_mode(), self.backend.running(ctx):  # type: ignore[arg-type]
+            return call()
+
+    def _graph_context(self, slots: torch.Tensor, static: StaticDecode, bucket: int) -> ForwardContext:
+        return ForwardContext(self.kv_caches, slots, None, [], num_tokens=bucket, static_decode=static)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) block's K/V, in every layer."""

@@ -68,8 +68,10 @@ def kv_pool_blocks(
     device: torch.device,
     dtype: torch.dtype,
     probe: MemoryProbe | None = None,
+    backend: str = "torch",
 ) -> tuple[int, MemoryProfile | None]:
-    """(blocks, the memory profile when one was taken). `config` has its device defaults resolved."""
+    """(blocks, the memory profile when one was taken). `config` has its device defaults resolved;
+    `backend` is the attention backend the engine resolved (runner/backends)."""
     block_size = require_int(config.block_size, "block_size")
     max_num_seqs = require_int(config.max_num_seqs, "max_num_seqs")
     max_model_len = require_int(config.max_model_len, "max_model_len")
@@ -87,9 +89,24 @@ def kv_pool_blocks(
         )
         return blocks, None
 
+    # why torch for the others: the profiling step's decodes need no per-sequence state (triton keeps none)
+    profiled_backend = "triton" if backend == "triton" else "torch"
+
     def make_runner(num_blocks: int) -> ModelRunner:
-        # why torch: the profiling step's decodes need no per-sequence state
-        return ModelRunner(model, spec, block_size, num_blocks, device, dtype, max_num_seqs, max_model_len, "torch")
+        # why graphs, eager: the runner's CUDA graphs (triton only) are measured with it; compiling
+        # here would compile the forward twice
+        return ModelRunner(
+            model,
+            spec,
+            block_size,
+            num_blocks,
+            device,
+            dtype,
+            max_num_seqs,
+            max_model_len,
+            profiled_backend,
+            cuda_graphs=config.compile is not False,
+        )
 
     batch = profile_batch(
         require_int(config.max_num_batched_tokens, "max_num_batched_tokens"), max_num_seqs, max_model_len, block_size
@@ -99,5 +116,6 @@ def kv_pool_blocks(
     per_block = kv_block_bytes(spec, block_size, dtype)
     softcap = has_softcap(model.config)
     path = choose_attention_path(device.type, dtype, block_size, spec.head_dim, softcap, detect_support(device)).path
-    budget = pool_budget(profile, spec.num_layers, path != VARLEN, per_block)
+    gathers = profiled_backend == "torch" and path != VARLEN  # why: the triton kernel reads the pool in place
+    budget = pool_budget(profile, spec.num_layers, gathers, per_block)
     return budget // per_block, profile

@@ -33,6 +33,7 @@ from batchgen.engine.triton.support import check_device, check_interpreter, inte
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    replays_static_decode = True
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device, num_heads: int) -> None:
         check_device(device)

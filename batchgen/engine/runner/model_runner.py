@@ -119,6 +119,7 @@ class ModelRunner:
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
         self.threads.tick()
+        self.transfers.begin_step()
         self.apply(batch.update)
         self.copy_blocks(batch.copies)  # copy-on-write of forked samples' shared last block, before any write
         if self.graphs is not None and all(c.is_decode for c in chunks):  # pragma: no cover - CUDA only

@@ -50,19 +50,19 @@ def test_greedy_decode_step_is_one_upload_and_one_read(tiny_model: Callable[[str
     assert set(llm.engine.runner.transfers.counts.read_sites) == {"sampled_ids"}
 
 
-def test_sampling_features_that_cost_more_uploads(tiny_model: Callable[[str], Path]) -> None:
-    """The listed exceptions: per-row sampling parameters (+1 upload, only in a step whose rows are
-    not the last step's: the sampling batch keeps them), min_tokens masking (+1); still one read."""
+def test_sampling_features_cost_no_more_uploads(tiny_model: Callable[[str], Path]) -> None:
+    """Per-row sampling parameters and min_tokens masks are staged with the step's metadata: one
+    upload, one read, whatever the features (tests/engine/test_one_sync.py checks every feature)."""
     sampled = _decode_step_counts(_llm(tiny_model), SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=4))
-    assert set(sampled) == {(1, 1)}, sampled  # the same three rows each decode step: parameters uploaded before
+    assert set(sampled) == {(1, 1)}, sampled
     ragged = _decode_step_counts(
         _llm(tiny_model), SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=4, min_tokens=4)
     )
-    assert set(ragged) == {(2, 1)}, ragged  # min_tokens masks every step; the parameters stay
+    assert set(ragged) == {(1, 1)}, ragged
     masked = _decode_step_counts(
         _llm(tiny_model), SamplingParams(temperature=0.0, min_tokens=3, max_tokens=3, ignore_eos=True)
     )
-    assert set(masked) == {(2, 1)}, masked
+    assert set(masked) == {(1, 1)}, masked
 
 
 def test_staging_buffer_path_gives_the_same_tokens(tiny_model: Callable[[str], Path]) -> None:
@@ -73,7 +73,7 @@ def test_staging_buffer_path_gives_the_same_tokens(tiny_model: Callable[[str], P
     runner = llm.engine.runner
     runner.transfers = Transfers(torch.device("cpu"), copy=True, capacity=16)  # too small: grows in the first step
     runner.decode_kv.stage = runner.transfers.stage
-    llm.engine.sampler.transfers = runner.transfers
+    runner.batch.transfers = runner.transfers
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
     assert runner.transfers._arenas[0].host.numel() > 16
 

@@ -132,14 +132,6 @@ class Transfers:
         self._done = None  # why: a read waits for all earlier work, the last upload included
         return out
 
-    def to_device(self, values: torch.Tensor) -> torch.Tensor:
-        """A one-off upload outside the step's staging (counted): for features that need more than one."""
-        self.counts.uploads += 1
-        if not self.copy:
-            return values
-        host = values.pin_memory() if self.pin else values
-        return host.to(self.device, non_blocking=self.pin)
-
     def _place(self, values: torch.Tensor) -> torch.Tensor:
         """Copy `values` into the host buffer; its device twin's view, of `values`' dtype and shape."""
         data = values.reshape(-1).view(torch.uint8)

@@ -159,6 +159,8 @@ def test_each_feature_costs_no_sync_beyond_the_one_read(tiny_model_dir: Path, ca
     assert all(reads == 1 for _, reads, sampled in steps if sampled), steps
     assert _tokens(got, params) == _tokens(want, params)
     assert llm.engine.runner.batch.num_rows == 0
+    tables = llm.engine.runner.batch.features.tables  # type: ignore[union-attr]  # the engine sets features
+    assert tables is None or tables.num_slots == 0  # every penalized row gave its history slot back
 
 
 def test_the_counter_sees_each_kind_of_sync() -> None:

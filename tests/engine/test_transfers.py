@@ -50,19 +50,19 @@ def test_greedy_decode_step_is_one_upload_and_one_read(tiny_model: Callable[[str
     assert set(llm.engine.runner.transfers.counts.read_sites) == {"sampled_ids"}
 
 
-def test_sampling_features_that_cost_more_uploads(tiny_model: Callable[[str], Path]) -> None:
-    """The listed exceptions: per-row sampling parameters (+1 upload, only in a step whose rows are
-    not the last step's: the sampling batch keeps them), min_tokens masking (+1); still one read."""
+def test_sampling_features_cost_no_more_uploads(tiny_model: Callable[[str], Path]) -> None:
+    """Per-row sampling parameters and min_tokens masks are staged with the step's metadata: one
+    upload, one read, whatever the features (tests/engine/test_one_sync.py checks every feature)."""
     sampled = _decode_step_counts(_llm(tiny_model), SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=4))
-    assert set(sampled) == {(1, 1)}, sampled  # the same three rows each decode step: parameters uploaded before
+    assert set(sampled) == {(1, 1)}, sampled
     ragged = _decode_step_counts(
         _llm(tiny_model), SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=4, min_tokens=4)
     )
-    assert set(ragged) == {(2, 1)}, ragged  # min_tokens masks every step; the parameters stay
+    assert set(ragged) == {(1, 1)}, ragged
     masked = _decode_step_counts(
         _llm(tiny_model), SamplingParams(temperature=0.0, min_tokens=3, max_tokens=3, ignore_eos=True)
     )
-    assert set(masked) == {(2, 1)}, masked
+    assert set(masked) == {(1, 1)}, masked
 
 
 def test_staging_buffer_path_gives_the_same_tokens(tiny_model: Callable[[str], Path]) -> None:
@@ -73,7 +73,7 @@ def test_staging_buffer_path_gives_the_same_tokens(tiny_model: Callable[[str], P
     runner = llm.engine.runner
     runner.transfers = Transfers(torch.device("cpu"), copy=True, capacity=16)  # too small: grows in the first step
     runner.decode_kv.stage = runner.transfers.stage
-    llm.engine.sampler.transfers = runner.transfers
+    runner.batch.transfers = runner.transfers
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
     assert runner.transfers._arenas[0].host.numel() > 16
 
@@ -85,6 +85,7 @@ def test_staged_values_arrive_with_the_upload() -> None:
     transfers.upload()
     assert a.tolist() == [1, 2, 3] and b.tolist() == [[4, 5], [6, 7]]
     assert transfers.counts.uploads == 2  # one copy per buffer in the step that grew
+    transfers.begin_step()
     c = transfers.stage(torch.tensor([8, 9, 10, 11, 12, 13, 14]))
     transfers.upload()
     assert c.tolist() == [8, 9, 10, 11, 12, 13, 14] and transfers.counts.uploads == 3  # one buffer again
@@ -92,10 +93,44 @@ def test_staged_values_arrive_with_the_upload() -> None:
 
 @pytest.mark.parametrize("copy", [False, True])
 def test_read_is_one_transfer_for_several_tensors(copy: bool) -> None:
+    """Integers, flags and floats (float32 exactly) come back from one read."""
     transfers = Transfers(torch.device("cpu"), copy=copy)
-    ids, flag = transfers.read("sampled_ids", torch.tensor([3, 1, 2]), torch.tensor(True))
+    values = torch.tensor([0.1, -2.5e-8, float("-inf")])
+    ids, flag, floats = transfers.read("sampled_ids", torch.tensor([3, 1, 2]), torch.tensor(True), values)
     assert (ids, flag) == ([3, 1, 2], [1])
+    assert floats == values.tolist()  # the float32 values, widened exactly
     assert transfers.counts.reads == 1 and transfers.counts.read_sites == {"sampled_ids": 1}
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_staged_floats_bools_and_kept_values(copy: bool) -> None:
+    """Floats and bools keep their dtype; a kept value outlives the step; device work queued with
+    on_upload runs right after the copy, in order."""
+    transfers = Transfers(torch.device("cpu"), copy=copy, capacity=2)
+    kept = transfers.stage(torch.tensor([[0.5, 2.0]]), keep=True)
+    flags = transfers.stage(torch.tensor([True, False, True]))
+    ints = transfers.stage(torch.tensor([7, 8], dtype=torch.int32))
+    done: list[str] = []
+    transfers.on_upload(lambda: done.append(f"{ints.tolist()}"))
+    transfers.upload()
+    assert kept.dtype == torch.float32 and flags.dtype == torch.bool and ints.dtype == torch.int64
+    assert kept.tolist() == [[0.5, 2.0]] and flags.tolist() == [True, False, True] and done == ["[7, 8]"]
+    transfers.begin_step()
+    transfers.stage(torch.tensor([9.0, 9.0]))  # the buffer is written from its start again
+    transfers.upload()
+    assert kept.tolist() == [[0.5, 2.0]]
+
+
+def test_a_second_upload_in_a_step_sends_only_what_came_after_the_first() -> None:
+    """A step that uploads twice (a CUDA graph that did not fit, then the general path) keeps the
+    views of its first upload valid."""
+    transfers = Transfers(torch.device("cpu"), copy=True)
+    first = transfers.stage(torch.tensor([1, 2, 3]))
+    transfers.upload()
+    second = transfers.stage(torch.tensor([4, 5]))
+    transfers.upload()
+    assert first.tolist() == [1, 2, 3] and second.tolist() == [4, 5]
+    assert transfers.counts.uploads == 2
 
 
 def test_int64_tensor_holds_the_values_after_the_list_is_gone() -> None:

@@ -117,8 +117,8 @@ class Scheduler:
     # ---------------------------------------------------------------- step
 
     def schedule(self) -> ScheduledBatch:
-        """This step's chunks, as a snapshot, with the diff since the last update. The caller runs
-        them, then calls `advance(batch)`, then hands the sampled tokens to `update_from_output`."""
+        """This step's chunks, as a snapshot, with the diff since the last update. The caller calls
+        `advance(batch)`, runs them, then hands the sampled tokens to `update_from_output`."""
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         budget = self._schedule_running(chunks, preempted, self.max_num_batched_tokens)
@@ -138,7 +138,9 @@ class Scheduler:
         return update
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: the scheduled chunks' K/V are now in the cache.
+        """The scheduled chunks' K/V are in the cache, or will be once this step's forward has run
+        (the engine advances before the forward, so that samples can fork before it; a failed
+        forward aborts every sequence).
 
         The scheduler is the only writer of `num_computed_tokens` (here, at admission, at preemption).
         """
@@ -174,7 +176,7 @@ class Scheduler:
     def fork(self, parent_id: int, child_id: int, params: SamplingParams) -> Sequence:
         """A new sample of `parent_id`'s prompt, run from now on and sharing its KV blocks.
 
-        The parent has just computed its whole prompt; the child is announced as new in the next
+        The parent's whole prompt is computed (advanced in this step); the child is announced as new in the next
         update (take it before sampling: the child draws in this step).
         """
         parent = self._seqs[parent_id]

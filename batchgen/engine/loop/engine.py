@@ -1,14 +1,16 @@
 """Engine: the step loop that ties scheduler, model runner, sampler and stop checks together.
 
 Each step: the scheduler picks chunks and says what changed (a frozen ScheduledBatch) -> the
-model runner applies the changes to its persistent state (sampling batch, decode rows) and runs
-the chunks in one forward -> the scheduler advances the computed counts -> prompt logprobs are
-taken -> a request with n > 1 whose prefill just ended forks its other samples (the scheduler
-makes them; the runner hears of them at once, they draw in this step) -> logprobs of the raw
-logits are taken -> the sampler picks a token for every sample that needs one, reading the
-runner's sampling batch -> the scheduler appends the tokens -> stop checks -> finished samples
-go through the scheduler (blocks released now; the runner hears of them in the next update);
-a request whose samples are all finished becomes a RequestOutput.
+model runner applies the changes to its persistent state (sampling batch, decode rows) -> the
+scheduler advances the computed counts -> a request with n > 1 whose prefill ends in this step
+forks its other samples (the scheduler makes them; the runner hears of them at once, they draw
+in this step) -> the draw's inputs are staged (sampling view, min_tokens masks, bans, grammar
+bitmasks, prompt-logprob targets: loop/step_outputs) -> the runner uploads them with the
+forward's metadata in one copy and runs the chunks in one forward -> raw logprobs are taken,
+the sampler draws on the device, the chosen tokens are scored -> ONE read brings back ids, the
+NaN flag and every logprob -> the runner's batch and the scheduler take the tokens -> stop
+checks -> finished samples go through the scheduler (blocks released now; the runner hears of
+them in the next update); a request whose samples are all finished becomes a RequestOutput.
 A request that can never fit becomes an "error" output on its own. When `generate()` fails,
 every owner drops its whole state at once (abort_all), so the engine can be used again.
 
@@ -33,8 +35,10 @@ from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.loop.generate_loop import run_to_completion
 from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState, fork_params
 from batchgen.engine.loop.stats import EngineStats
+from batchgen.engine.loop.step_outputs import PromptRows, StepOutputs, StepPlan, prompt_rows, read_outputs
 from batchgen.engine.runner.model_runner import ModelRunner
-from batchgen.engine.sampling.logprobs import TokenTexts, take_logprobs
+from batchgen.engine.sampling.batch import SamplingStep
+from batchgen.engine.sampling.logprobs import TokenTexts, entries
 from batchgen.engine.sampling.penalties import LogitsFeatures
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.stopping import StopChecker
@@ -61,12 +65,13 @@ class Engine:
         self.stats = EngineStats()
         self.texts = TokenTexts(tokenizer)
         self.requests = RequestTable()
-        sampler.transfers = runner.transfers
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
         self._ids = itertools.count()
         if sampler.features is None:
             sampler.features = LogitsFeatures(tokenizer, vocab_size, self.eos_token_ids)
         runner.batch.features = sampler.features  # the runner's rows hold each request's feature state
+        self._planned: StepPlan | None = None  # this step's plan, made inside runner.execute
+        runner.before_upload = self._plan
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> int:
         """Queue one request; returns its id. One that can never fit is answered with an error output."""
@@ -131,51 +136,57 @@ class Engine:
                 f"the scheduler scheduled nothing with {self.scheduler.num_waiting} waiting and "
                 f"{self.scheduler.num_running} running sequences"
             )
-        sampled = batch.sampled
         self.stats.count(batch)
-        logits = self.runner.execute(batch)  # [len(sampled) + prompt-logprob rows, vocab]; applies batch.update
+        # why before the forward: forks need their parent's prompt counted, and what the draw needs
+        # is staged before the runner's upload (a failed step aborts every request anyway)
         self.scheduler.advance(batch)
-        if logits.shape[0] > len(sampled):
-            self._take_prompt_logprobs(batch, logits[len(sampled) :])
-        rows = logits[: len(sampled)]
-        seq_ids, kept = self._expand(sampled, rows, finished)
-        # the NaN check covers every row; the sampler's own check covers the rows it is given
-        sampler_sees_all = bool(seq_ids) and kept is rows and len(sampled) == logits.shape[0]
-        nan = None
-        if logits.shape[0] and not sampler_sees_all:
-            nan = logits.amax().isnan()  # why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
-        if seq_ids:
-            self._sample(seq_ids, kept, nan, finished)
-        elif nan is not None:  # prompt-logprob rows only: their own read
-            self._check_nan(self.runner.transfers.read("nan_flag", nan)[0][0], sampled)
+        logits = self.runner.execute(batch)  # applies batch.update, calls _plan before its upload
+        plan, self._planned = self._planned, None
+        if plan is None:
+            raise RuntimeError("the model runner did not call the engine's before_upload hook")
+        outputs = read_outputs(plan, logits, self.sampler, self.runner.transfers)
+        if outputs is not None:
+            self._check_nan(outputs.nan, plan.seq_ids or plan.sampled)
+            if plan.prompt is not None and outputs.prompt is not None:
+                self._store_prompt_logprobs(plan.prompt, outputs.prompt)
+        for request in plan.ends:  # max_tokens 0: scored, never sampled
+            request.forked = True
+            self._finish_sample(request, request.samples[0], finished)
+        if plan.step is not None and outputs is not None:
+            self._accept(plan.seq_ids, plan.step, outputs, finished)
         self.stats.preemptions = self.scheduler.num_preemptions
         if not self.scheduler.has_unfinished():
             # why: the last finished sequences have no next step whose update would tell the runner
             self.runner.apply(self.scheduler.take_update())
         return finished
 
-    def _sample(
-        self, seq_ids: list[int], logits: torch.Tensor, nan: torch.Tensor | None, finished: list[RequestOutput]
+    def _plan(self, batch: ScheduledBatch) -> None:
+        """The runner's before_upload hook (the step's diff applied, nothing uploaded yet): fork what
+        must fork, and stage what the draw and the scoring need, so it rides in the step's upload."""
+        sampled = batch.sampled
+        seq_ids, rows, ends = self._expand(sampled)
+        plan = StepPlan(sampled, seq_ids, rows, ends)
+        if seq_ids:
+            plan.step = self.runner.batch.step(seq_ids)  # the rows' sampling state, kept while the batch is unchanged
+            self.sampler.prepare(plan.step)
+        chunks = [(self.requests.get(c.seq_id)[0], c.start, c.prompt_logits) for c in batch.chunks if c.prompt_logits]
+        plan.prompt = prompt_rows(chunks, self.runner.transfers)
+        self._planned = plan
+
+    def _accept(
+        self, seq_ids: list[int], step: SamplingStep, outputs: StepOutputs, finished: list[RequestOutput]
     ) -> None:
-        """Draw one token per row, with its raw logprobs when asked, and run the stop checks.
-        `nan`: the step's NaN flag, None when `logits` are all its rows (the sampler's flag then)."""
+        """The read tokens: state advances, logprobs are recorded, stop checks run."""
+        tokens = outputs.tokens
         rows = self.runner.batch
-        step = rows.step(seq_ids)  # the rows' sampling state, cached while the batch is unchanged
-        # why before the sampler: logprobs are of the raw distribution, whatever the sampler does
-        pending = take_logprobs(logits, step.logprobs) if step.logprobs is not None else None
-        if nan is None:
-            ids, nan = self.sampler.sample_ids_and_nan(logits, step)
-        else:
-            ids = self.sampler.sample_ids(logits, step)
-        # why one read: the NaN flag comes back with the sampled ids, one host sync per step
-        tokens, flag = self.runner.transfers.read("sampled_ids", ids, nan)
-        self._check_nan(flag[0], seq_ids)
-        rows.accept(step, tokens)  # penalty counts and grammar matchers advance on the same read
+        rows.accept(step, tokens)  # min_tokens counts, bad-word tails and grammar matchers advance
         self.scheduler.update_from_output(seq_ids, tokens)
         self.stats.output_tokens += len(tokens)
         taken = {}
-        if pending is not None:
-            taken = dict(zip(pending.rows, pending.resolve([tokens[i] for i in pending.rows], self.texts)))
+        if step.logprobs is not None and outputs.logprobs is not None:
+            asked = step.logprobs.rows
+            chosen = [tokens[i] for i in asked]
+            taken = dict(zip(asked, entries(outputs.logprobs, step.logprobs.ks, chosen, self.texts)))
         grammars = step.grammars  # why once: the loop runs per sequence
         lookup = self.requests.get
         for i, (seq_id, token) in enumerate(zip(seq_ids, tokens)):
@@ -185,34 +196,33 @@ class Engine:
             if sample.stop.append(token) or (grammars and rows.terminated(seq_id) and sample.stop.finish_now()):
                 self._finish_sample(request, sample, finished)
 
-    def _check_nan(self, flag: int, seq_ids: list[int]) -> None:
+    def _check_nan(self, flag: bool, seq_ids: list[int]) -> None:
         if flag:  # why: a NaN would be "sampled" into garbage silently; failing lets the job retry
             raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {seq_ids[:8]})")
 
-    def _expand(
-        self, sampled: list[int], logits: torch.Tensor, finished: list[RequestOutput]
-    ) -> tuple[list[int], torch.Tensor]:
-        """The rows to sample: a parent whose prefill ended forks (its row serves all n samples);
-        a max_tokens 0 request ends here, unsampled."""
+    def _expand(self, sampled: list[int]) -> tuple[list[int], torch.Tensor | None, list[RequestState]]:
+        """The rows to draw: a parent whose prefill ends now forks (its row serves all n samples);
+        a max_tokens 0 request ends after the forward, unsampled. -> (seq ids, their logits rows
+        staged (None: the sampled rows themselves), the requests to end)."""
         special = self.requests.special
         if not special or not any(s in special for s in sampled):
-            return sampled, logits
+            return sampled, None, []
         rows: list[int] = []
         seq_ids: list[int] = []
+        ends: list[RequestState] = []
         for i, seq_id in enumerate(sampled):
             request = special.pop(seq_id, None)
             if request is None:
                 rows.append(i)
                 seq_ids.append(seq_id)
             elif request.params.max_tokens == 0:
-                request.forked = True
-                self._finish_sample(request, request.samples[0], finished)
+                ends.append(request)
             else:
                 self._fork(request)
                 rows.extend([i] * len(request.samples))
                 seq_ids.extend(s.seq.seq_id for s in request.samples)
         self.runner.apply(self.scheduler.take_update())  # the forked samples draw in this step
-        return seq_ids, logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+        return seq_ids, self.runner.transfers.stage(torch.tensor(rows, dtype=torch.int64)), ends
 
     def _fork(self, request: RequestState) -> None:
         """Samples 1..n-1 of a request whose prompt is prefilled, sharing its KV blocks."""
@@ -222,14 +232,13 @@ class Engine:
             self.requests.add_sample(request, SampleState(index, child, self._stop_checker(child)))
         request.forked = True
 
-    def _take_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
-        """Logprobs of the prompt tokens whose predicting positions ran in this step (rows in chunk order)."""
+    def _store_prompt_logprobs(self, prompt: PromptRows, read: list[list]) -> None:
+        """The prompt rows' logprobs, as read, into their requests (rows in chunk order)."""
+        scored = entries(read, prompt.ks, prompt.targets, self.texts)
         row = 0
-        for chunk in batch.chunks:
-            if chunk.prompt_logits:
-                request, _ = self.requests.get(chunk.seq_id)
-                request.store_prompt_logprobs(chunk.start, logits[row : row + chunk.prompt_logits], self.texts)
-                row += chunk.prompt_logits
+        for request, start, count in prompt.chunks:
+            request.store_prompt_logprobs(start, [entry for entry, _ in scored[row : row + count]])
+            row += count
 
     def abort_all(self) -> None:
         """Drop every unfinished request (queued or running) and what it holds, reporting none of them.
@@ -246,6 +255,7 @@ class Engine:
         self.runner.drop_all()
         self.requests.clear()
         self._errors.clear()
+        self._planned = None
 
     def _finish_sample(self, request: RequestState, sample: SampleState, finished: list[RequestOutput]) -> None:
         """A sample is done: the scheduler finishes its sequence; the request's last one makes the output."""

@@ -16,12 +16,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from batchgen.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from batchgen.engine.api.params import SEED_MAX, SamplingParams
 from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.sampling.logprobs import TokenTexts, take_logprobs
 from batchgen.engine.sampling.stopping import StopChecker
 
 
@@ -87,15 +84,12 @@ class RequestState:
     def done(self) -> bool:
         return all(s.done for s in self.samples) and self.forked
 
-    def store_prompt_logprobs(self, start: int, logits: torch.Tensor, texts: TokenTexts) -> None:
-        """Logprobs of prompt tokens start+1 .. start+len(logits), from the logits at start .. (rows)."""
-        store, k = self.prompt_logprobs, self.params.prompt_logprobs
-        pending = take_logprobs(logits, [k] * logits.shape[0])
-        if pending is None or store is None:
+    def store_prompt_logprobs(self, start: int, scored: list[PositionLogprobs]) -> None:
+        """Logprobs of prompt tokens start+1 .. start+len(scored), scored at positions start .. (rows)."""
+        store = self.prompt_logprobs
+        if store is None:
             return
-        prompt = self.parent.prompt_token_ids
-        targets = prompt[start + 1 : start + 1 + logits.shape[0]]
-        for j, (entry, _) in enumerate(pending.resolve(targets, texts)):
+        for j, entry in enumerate(scored):
             if store[start + j + 1] is None:  # why: a recomputation after preemption repeats positions
                 store[start + j + 1] = entry
 

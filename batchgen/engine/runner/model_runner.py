@@ -6,10 +6,11 @@ attention modules are bound to that backend (attention/interface), and returns f
 only for the chunks that need a sample, in batch order. It reads the scheduler's frozen chunks,
 never live sequence state, and decides nothing: what runs, and when, is the scheduler's
 business. The step's metadata is staged in the runner's Transfers and sent in one upload (see
-transfers); the forward runs through StepForward (eager or compiled, tokens padded to a multiple
-of 8 when compiled), and on CUDA with compile and the triton backend, decode-only steps replay
-the CUDA graph of their batch-size bucket, every one captured when the runner is made
-(cuda/graphs). Which backend, and the model's device kernels, come from
+transfers), with what the engine stages for the step's draw (its `before_upload` hook); the
+forward runs through StepForward (eager or compiled, tokens padded to a multiple of 8 when
+compiled), and on CUDA with compile and the triton backend, decode-only steps replay the CUDA
+graph of their batch-size bucket, every one captured when the runner is made (cuda/graphs).
+Which backend, and the model's device kernels, come from
 runner/backends.
 
 It keeps the runner side's persistent state, updated only from the scheduler's diffs (`apply`,
@@ -99,8 +100,9 @@ class ModelRunner:
         self.transfers = Transfers(device)
         self.decode_kv = self.backend.decode_kv
         self.decode_kv.stage = self.transfers.stage  # type: ignore[attr-defined]
-        # why a lambda: a test may swap `transfers`; the batch's uploads follow it
-        self.batch = SamplingBatch(device, to_device=lambda t: self.transfers.to_device(t))
+        self.batch = SamplingBatch(device, transfers=self.transfers)  # its inputs ride in the step's upload
+        # set by the engine: called once the step's diff is applied, before its one upload
+        self.before_upload: Callable[[ScheduledBatch], None] | None = None
         self.native_linears = prepare_model(model, device, dtype)
         self.threads = step_hook_for(device)  # on the CPU: torch's threads follow the machine's load
         self.forward = StepForward(
@@ -137,8 +139,11 @@ class ModelRunner:
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
         self.threads.tick()
+        self.transfers.begin_step()
         self.apply(batch.update)
         self.copy_blocks(batch.copies)  # copy-on-write of forked samples' shared last block, before any write
+        if self.before_upload is not None:
+            self.before_upload(batch)  # the engine stages what the step's draw needs: it rides in this upload
         if self.graphs is not None and all(c.is_decode for c in chunks):  # pragma: no cover - CUDA only
             logits = self._graph_decode(chunks)
             if logits is not None:
@@ -192,13 +197,18 @@ class ModelRunner:
         return ForwardContext(self.kv_caches, slots, None, [], num_tokens=bucket, static_decode=static)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy-on-write: each (source, destination) block's K/V, in every layer."""
+        """Copy-on-write: each (source, destination) block's K/V, in every layer, right behind the
+        step's upload (the pairs ride in it) and so before the forward writes any K/V."""
         if not copies:
             return
-        pairs = self.transfers.to_device(torch.tensor(copies).T)  # [2, n] (source, destination); counted: one upload
-        for k, v in self.kv_caches:  # each [num_blocks, block_size, kv_heads, head_dim]
-            k[pairs[1]] = k[pairs[0]]
-            v[pairs[1]] = v[pairs[0]]
+        pairs = self.transfers.stage(torch.tensor(copies).T)  # [2, n] (source, destination)
+
+        def copy() -> None:
+            for k, v in self.kv_caches:  # each [num_blocks, block_size, kv_heads, head_dim]
+                k[pairs[1]] = k[pairs[0]]
+                v[pairs[1]] = v[pairs[0]]
+
+        self.transfers.on_upload(copy)
 
     def apply(self, update: BatchUpdate) -> None:
         """The scheduler's diff: finished and preempted sequences release their decode rows (a

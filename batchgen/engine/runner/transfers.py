@@ -1,11 +1,15 @@
 """Every host<->device transfer of an engine step goes through one Transfers object.
 
 Why: on a GPU each blocking copy from pageable memory, and each read of a device value, is a
-host sync that stalls the next step's launch. Here a step's metadata (input ids, positions, slot
-mapping, block tables, decode indices, logits indices) is staged into one reusable host buffer
-(pinned on CUDA) and sent in one `non_blocking` copy before the forward; what the host needs back
-(the sampled ids and the NaN flag) comes back in one read. Counting happens here too, so a CPU
-test can check the goal of one device->host read per decode step, and which features need more.
+host sync that stalls the next step's launch. Here everything the host sends in a step (the
+forward's metadata, the sampling parameters and masks, grammar bitmasks, copy-on-write block
+pairs, logprob targets) is staged into one reusable host buffer (pinned on CUDA) and sent in one
+`non_blocking` copy before the forward; device work that consumes staged values before the
+forward (block copies, persistent copies of kept values) is queued with `on_upload` and runs
+right behind that copy. What the host needs back (sampled ids, the NaN flag, logprob values)
+comes back in one read of several tensors. Counting happens here too, so a test can check the
+goal of one upload and at most one device->host read per step (tests/engine/test_one_sync.py
+also catches transfers that bypass this object).
 
 On CPU there is nothing to copy: staged tensors are used as they are, but counted the same way.
 `copy=True` forces the staging path on CPU, so tests exercise the buffer logic without a GPU.
@@ -13,11 +17,13 @@ On CPU there is nothing to copy: staged tensors are used as they are, but counte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-INITIAL_CAPACITY = 1 << 14  # int64 values; the buffer grows (and is then kept) when a step needs more
+INITIAL_CAPACITY = 1 << 14  # 8-byte words; the buffer grows (and is then kept) when a step needs more
+_ALIGN = 8  # every staged tensor starts on an 8-byte boundary, so any dtype can view its bytes
 
 
 @dataclass
@@ -33,82 +39,127 @@ class TransferCounts:
 
 
 class _Arena:
-    def __init__(self, capacity: int, device: torch.device, pin: bool) -> None:
-        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=pin)
-        self.dev = torch.empty(capacity, dtype=torch.int64, device=device)
-        self.used = 0
+    def __init__(self, nbytes: int, device: torch.device, pin: bool) -> None:
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.used = 0  # bytes staged in this step
+        self.sent = 0  # of which uploaded
 
 
 class Transfers:
-    """One engine's staging buffer and counters; one step at a time (stage..., upload, read)."""
+    """One engine's staging buffer and counters; one step at a time (begin_step, stage..., upload, read).
+
+    A staged view stays valid until the next `begin_step`, even when a step uploads twice (a CUDA
+    graph that turns out not to fit, then the general path): the second upload sends only what
+    was staged after the first.
+    """
 
     def __init__(self, device: torch.device, copy: bool | None = None, capacity: int = INITIAL_CAPACITY) -> None:
         self.device = device
         self.copy = device.type != "cpu" if copy is None else copy
         self.pin = device.type == "cuda"
         self.counts = TransferCounts()
-        self._arenas = [_Arena(capacity, device, self.pin)] if self.copy else []
+        self._arenas = [_Arena(capacity * _ALIGN, device, self.pin)] if self.copy else []
         self._staged = False  # something waits for upload()
+        self._after: list[Callable[[], object]] = []  # device work queued behind the next upload
         self._done: torch.cuda.Event | None = None  # pragma: no cover - CUDA: the last upload's completion
 
-    def stage(self, values: torch.Tensor) -> torch.Tensor:
-        """Host int64 `values` -> a device tensor of the same shape, valid once upload() has run."""
-        self._staged = True
-        if not self.copy:
-            return values.to(torch.int64)
-        self._wait_previous_upload()
-        n = values.numel()
-        arena = self._arenas[-1]
-        if arena.used + n > arena.host.numel():
-            arena = _Arena(max(2 * arena.host.numel(), n), self.device, self.pin)
-            self._arenas.append(arena)
-        a, arena.used = arena.used, arena.used + n
-        arena.host[a : arena.used].copy_(values.reshape(-1))
-        return arena.dev[a : arena.used].view(values.shape)
+    def stage(self, values: torch.Tensor, keep: bool = False) -> torch.Tensor:
+        """Host `values` -> a device tensor of the same shape, valid once upload() has run.
 
-    def upload(self) -> None:
-        """Send everything staged since the last upload: one non-blocking copy (one per arena if it grew)."""
-        if not self._staged:
-            return
-        self._staged = False
+        Integer values arrive as int64 (the step's metadata); floating and bool ones keep their
+        dtype. `keep`: the result is a tensor of its own that outlives the step (a plain staged
+        tensor is a view of the buffer, which the next step's upload overwrites); on the CPU
+        `values` itself, so pass a tensor nobody writes later.
+        """
+        self._staged = True
+        if not (values.is_floating_point() or values.dtype == torch.bool):
+            values = values.to(torch.int64)
         if not self.copy:
-            self.counts.uploads += 1
+            return values
+        self._wait_previous_upload()
+        view = self._place(values)
+        if not keep:
+            return view
+        kept = torch.empty(values.shape, dtype=values.dtype, device=self.device)
+        self._after.append(lambda: kept.copy_(view))
+        return kept
+
+    def begin_step(self) -> None:
+        """A new step: the buffer is written from its start again (the last step's views die), and
+        whatever a failed step left unsent is dropped."""
+        self._staged = False
+        self._after = []
+        if not self.copy:
             return
-        for arena in self._arenas:
-            if arena.used:
-                arena.dev[: arena.used].copy_(arena.host[: arena.used], non_blocking=True)
-                self.counts.uploads += 1
-        if len(self._arenas) > 1:  # why: the next steps get one buffer big enough for this one
+        if len(self._arenas) > 1:  # why: the next steps get one buffer big enough for the last one
             self._arenas = [_Arena(sum(a.host.numel() for a in self._arenas), self.device, self.pin)]
         for arena in self._arenas:
-            arena.used = 0
-        if self.device.type == "cuda":  # pragma: no cover - needs CUDA
-            self._done = torch.cuda.Event()
-            self._done.record()
+            arena.used = arena.sent = 0
 
-    def read(self, site: str, *tensors: torch.Tensor) -> list[list[int]]:
-        """Device integer/bool tensors -> their values as flat lists, in ONE device->host copy
-        (on the CPU, where nothing is copied, each tensor's own values: bools stay bools)."""
+    def on_upload(self, action: Callable[[], object]) -> None:
+        """Run `action` (device work on staged values) right after the next upload, in staging order."""
+        self._after.append(action)
+
+    def upload(self) -> None:
+        """Send everything staged since the last upload: one non-blocking copy (one per buffer if it
+        grew in this step), then the device work queued behind it."""
+        if self._staged:
+            self._staged = False
+            self._send()
+        after, self._after = self._after, []
+        for action in after:
+            action()
+
+    def read(self, site: str, *tensors: torch.Tensor) -> list[list[int] | list[float]]:
+        """Device tensors -> their values as flat lists, in ONE device->host copy: integer and bool
+        tensors give ints (bools on the CPU), floating ones floats (float32 values exactly).
+        On the CPU, where nothing is copied, each tensor's own values."""
         self.counts.reads += 1
         self.counts.read_sites[site] = self.counts.read_sites.get(site, 0) + 1
         if not self.copy:  # why: host tensors are read where they are, no concatenation (~40 us a step)
             return [t.reshape(-1).tolist() for t in tensors]
-        flat = [t.reshape(-1).to(torch.int64) for t in tensors]
-        values = (flat[0] if len(flat) == 1 else torch.cat(flat)).tolist()
-        out, a = [], 0
-        for t in flat:
-            out.append(values[a : a + t.numel()])
-            a += t.numel()
+        flat = [t.reshape(-1) for t in tensors]
+        # why 8-byte words: one dtype for one concatenated copy; float64 holds any float32 exactly
+        words = [f.to(torch.float64).view(torch.int64) if f.is_floating_point() else f.to(torch.int64) for f in flat]
+        host = (words[0] if len(words) == 1 else torch.cat(words)).cpu()
+        out: list[list[int] | list[float]] = []
+        a = 0
+        for f in flat:
+            part = host[a : a + f.numel()]
+            out.append((part.view(torch.float64) if f.is_floating_point() else part).tolist())
+            a += f.numel()
         self._done = None  # why: a read waits for all earlier work, the last upload included
         return out
 
-    def to_device(self, values: torch.Tensor) -> torch.Tensor:
-        """A one-off upload outside the step's staging (counted): for features that need more than one."""
-        self.counts.uploads += 1
+    def _place(self, values: torch.Tensor) -> torch.Tensor:
+        """Copy `values` into the host buffer; its device twin's view, of `values`' dtype and shape."""
+        data = values.reshape(-1).view(torch.uint8)
+        n = data.numel()
+        arena = self._arenas[-1]
+        a = -(-arena.used // _ALIGN) * _ALIGN
+        if a + n > arena.host.numel():
+            arena = _Arena(max(2 * arena.host.numel(), n), self.device, self.pin)
+            self._arenas.append(arena)
+            a = 0
+        arena.used = a + n
+        arena.host[a : a + n].copy_(data)
+        return arena.dev[a : a + n].view(values.dtype).view(values.shape)
+
+    def _send(self) -> None:
+        """The staged bytes to the device (the one sanctioned upload of a step)."""
         if not self.copy:
-            return values
-        host = values.pin_memory() if self.pin else values
-        return host.to(self.device, non_blocking=self.pin)
+            self.counts.uploads += 1
+            return
+        for arena in self._arenas:
+            if arena.used > arena.sent:
+                a, b = arena.sent, arena.used
+                arena.dev[a:b].copy_(arena.host[a:b], non_blocking=True)
+                arena.sent = b
+                self.counts.uploads += 1
+        if self.device.type == "cuda":  # pragma: no cover - needs CUDA
+            self._done = torch.cuda.Event()
+            self._done.record()
 
     def _wait_previous_upload(self) -> None:
         """Before rewriting the host buffer: the previous step's copy out of it must have finished.

@@ -7,24 +7,30 @@ dictionaries of their own, released one by one. Here one object holds all of it,
   * a row is made when its sequence is new (BatchUpdate.new) and dropped when it finishes
     (`apply`); a preempted sequence keeps its row, since its tokens and so its state are kept;
   * the parameters sit in a host tensor [rows, 4]; a step's view (`step`) gathers its rows'
-    parameters once and is kept while the step's sequences are the same as the last step's
-    (a decode step of an unchanged batch rebuilds and uploads nothing);
-  * sampled tokens advance the state (`accept`): output counts for min_tokens, and each
-    FeatureRow's penalty counts, tail and grammar matcher.
+    parameters once, with their indices and the logits features' inputs (sampling/feature_plan),
+    stages them in the runner's Transfers as kept device tensors, and is reused while the step's
+    sequences are the same as the last step's (a decode step of an unchanged batch rebuilds and
+    uploads nothing of it). The view is made before the forward: it rides in the step's one upload;
+  * seeded rows own a torch.Generator on the device (drawing from it needs no host value);
+    penalized rows own a slot of device-side token history (sampling/penalty_state);
+  * sampled tokens advance the host state (`accept`, after the step's one read): output counts for
+    min_tokens, and each FeatureRow's tail and grammar matcher.
 The ModelRunner owns one (its `batch`); the sampler and LogitsFeatures read it, never a Sequence.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence
-from batchgen.engine.sampling.penalties import FeatureRow, LogitsFeatures
+from batchgen.engine.runner.transfers import Transfers
+from batchgen.engine.sampling.logprobs import LogprobRows
+from batchgen.engine.sampling.penalties import FeaturePlan, FeatureRow, LogitsFeatures
 
 NO_TOP_K = float(1 << 30)  # a disabled top-k: above any vocabulary, so the filter keeps every token
 _PARAMS = 4  # temperature, top_k, top_p, min_p
@@ -32,7 +38,11 @@ _PARAMS = 4  # temperature, top_k, top_p, min_p
 
 @dataclass
 class SamplingStep:
-    """One step's rows as the sampler reads them; `seq_ids[i]` is row i of the step's logits."""
+    """One step's rows as the sampler reads them; `seq_ids[i]` is row i of the step's logits.
+
+    Its tensors are on the device and kept while the step's rows are unchanged; `banned` is the
+    step's own (staged each step by Sampler.prepare), as are the feature plan's bans and masks.
+    """
 
     seq_ids: list[int]
     rows: list[int]  # each one's row in the batch
@@ -45,11 +55,13 @@ class SamplingStep:
     seeded: list[int]  # positions in sample_rows whose row draws from its own generator
     generators: list[torch.Generator]  # theirs, in the same order
     unseeded_index: torch.Tensor | None  # positions in sample_rows of the others (when both kinds are there)
-    logprobs: list[int | None] | None  # each row's logprobs K; None: no row asks
-    features: list[tuple[int, FeatureRow]]  # (step row, state) of the rows with logits features
+    logprobs: LogprobRows | None  # the rows that ask for logprobs, and their K; None: no row asks
+    features: FeaturePlan | None  # the rows with logits features; None: no row has one
     grammars: bool  # some row has a grammar (it may end the request)
     min_tokens: list[tuple[int, int]]  # (step row, batch row) of rows with min_tokens > 0
+    may_read: bool  # a device value may be read mid-step for free (the CPU, where nothing is copied)
     batch: SamplingBatch = field(repr=False)  # whose rows these are (their counts and features)
+    banned: torch.Tensor | None = None  # this step's (step row, token) [2, n] masked for min_tokens
     _max_k: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -68,14 +80,13 @@ class SamplingBatch:
     """Rows of sampling state for the sequences the runner knows, by seq id."""
 
     def __init__(
-        self,
-        device: torch.device,
-        features: LogitsFeatures | None = None,
-        to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, device: torch.device, features: LogitsFeatures | None = None, transfers: Transfers | None = None
     ) -> None:
+        """`transfers`: where the rows' device inputs are staged (the runner's Transfers; a test may
+        swap it); by default one of the batch's own, for callers that upload themselves."""
         self.device = device
         self.features = features  # set by the engine; needed only by rows that use a feature
-        self.to_device = to_device or (lambda t: t.to(device))  # the runner routes it through its Transfers
+        self.transfers: Transfers = transfers if transfers is not None else Transfers(device)
         self._row_of: dict[int, int] = {}
         self._free: list[int] = []  # rows left by finished sequences, taken first (lowest first)
         self._table = torch.zeros((0, _PARAMS), dtype=torch.float32)  # [capacity, 4] host
@@ -124,7 +135,7 @@ class SamplingBatch:
         # why only with features: a caller without them (the hf backend's seeded draw) processes
         # the logits itself, and the engine always sets them
         if p.uses_logits_features and self.features is not None:
-            self._features[row] = self.features.row(new.seq_id, new.prompt_token_ids, p, self.device)
+            self._features[row] = self.features.row(new.seq_id, new.prompt_token_ids, p, self.device, self.transfers)
         self._last = None
         return row
 
@@ -134,6 +145,9 @@ class SamplingBatch:
             row = self._row_of.pop(seq_id, None)
             if row is None:
                 continue
+            feature = self._features[row]
+            if feature is not None and self.features is not None:
+                self.features.release(feature)
             self._params[row] = self._generators[row] = self._features[row] = None
             heapq.heappush(self._free, row)
             self._last = None
@@ -144,6 +158,8 @@ class SamplingBatch:
         self._free = []
         self._table = self._table[:0]
         self._params, self._generators, self._features, self._num_output = [], [], [], []
+        if self.features is not None:
+            self.features.clear()
 
     def _grow(self) -> int:
         row = len(self._params)
@@ -160,7 +176,8 @@ class SamplingBatch:
     # --------------------------------------------------------------- a step
 
     def step(self, seq_ids: list[int]) -> SamplingStep:
-        """The view of these rows (in this order); the last one when it was for the same ids and no row changed."""
+        """The view of these rows (in this order), staged for the next upload; the last one when it
+        was for the same ids and no row changed (its kept tensors are on the device already)."""
         last = self._last
         if last is not None and last.seq_ids == seq_ids:
             return last
@@ -168,13 +185,14 @@ class SamplingBatch:
         return self._last
 
     def accept(self, step: SamplingStep, tokens: list[int]) -> None:
-        """Each step row's sampled token (`tokens[i]` for row i): output counts and feature state advance."""
+        """Each step row's sampled token (`tokens[i]` for row i), as read: output counts and the
+        features' host state advance (their device history advanced with the draw)."""
         if step.min_tokens:
             num_output = self._num_output
             for _, row in step.min_tokens:
                 num_output[row] += 1
-        if step.features and self.features is not None:
-            self.features.accept(step.features, tokens)
+        if step.features is not None and self.features is not None:
+            self.features.accept(step.features.picked, tokens)
 
     def terminated(self, seq_id: int) -> bool:
         """The sequence's grammar has accepted a complete output."""
@@ -199,20 +217,22 @@ class SamplingBatch:
         params: list[SamplingParams] = [self._params[r] for r in rows]  # type: ignore[misc]  # live rows
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         sampled = [params[i] for i in sample_rows]
-        table = index = None
+        stage = self.transfers.stage
+        table = index = unseeded = None
         if sample_rows:
             picked = rows if len(sample_rows) == len(rows) else [rows[i] for i in sample_rows]
-            # why one tensor: a single host->device copy for all per-row parameters, once per batch
-            table = self.to_device(self._table[torch.tensor(picked)])  # [m, 4]
+            # why one tensor: all per-row parameters in one piece of the step's upload, once per batch
+            table = stage(self._table[torch.tensor(picked)], keep=True)  # [m, 4]
             if len(sample_rows) < len(rows):
-                index = self.to_device(torch.tensor(sample_rows))
+                index = stage(torch.tensor(sample_rows), keep=True)
         seeded = [j for j, i in enumerate(sample_rows) if self._generators[rows[i]] is not None]
-        unseeded = None
         if seeded and len(seeded) < len(sample_rows):
             others = sorted(set(range(len(sample_rows))) - set(seeded))
-            unseeded = torch.tensor(others, device=self.device)
-        features = [(i, f) for i, r in enumerate(rows) if (f := self._features[r]) is not None]
-        asks = [p.logprobs for p in params]
+            unseeded = stage(torch.tensor(others), keep=True)
+        picked_features = [(i, f) for i, r in enumerate(rows) if (f := self._features[r]) is not None]
+        plan = None
+        if picked_features and self.features is not None:
+            plan = self.features.plan(picked_features, self.transfers)
         return SamplingStep(
             seq_ids=seq_ids,
             rows=rows,
@@ -225,9 +245,17 @@ class SamplingBatch:
             seeded=seeded,
             generators=[self._generators[rows[sample_rows[j]]] for j in seeded],  # type: ignore[misc]
             unseeded_index=unseeded,
-            logprobs=asks if any(k is not None for k in asks) else None,
-            features=features,
-            grammars=any(f.matcher is not None for _, f in features),
+            logprobs=self._logprob_rows(params),
+            features=plan,
+            grammars=any(f.matcher is not None for _, f in picked_features),
             min_tokens=[(i, r) for i, (r, p) in enumerate(zip(rows, params)) if p.min_tokens > 0],
+            may_read=self.device.type == "cpu" and not self.transfers.copy,
             batch=self,
         )
+
+    def _logprob_rows(self, params: list[SamplingParams]) -> LogprobRows | None:
+        asks = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asks:
+            return None
+        index = None if len(asks) == len(params) else self.transfers.stage(torch.tensor(asks), keep=True)
+        return LogprobRows(asks, [int(params[i].logprobs) for i in asks], index)  # type: ignore[arg-type]  # asked

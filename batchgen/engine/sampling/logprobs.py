@@ -5,8 +5,10 @@ before min_tokens masks, penalties, biases, grammar masks, temperature and top-k
 sampled token's logprob says how likely the model found it, not how likely the filtered
 sampler made it, and greedy logprobs equal transformers' `compute_transition_scores` of
 `generate(output_logits=True)`'s raw logits. The engine takes them from the runner's logits
-before the sampler runs (the sampler may work on them), and resolves the chosen tokens after.
-Nothing here runs for rows that asked for none: no cost without the feature.
+before the sampler runs (`raw_logprobs`: the sampler may work on them), scores the chosen tokens
+on the device once they are drawn (`score`: the sampled ids never leave the device for it), and
+the values come back in the step's one read with the sampled ids (`entries` turns them into
+outputs). Nothing here runs for rows that asked for none: no cost without the feature.
 """
 
 from __future__ import annotations
@@ -34,49 +36,50 @@ class TokenTexts:
 
 
 @dataclass
-class PendingLogprobs:
-    """Log-softmax of some rows of a step's logits, waiting for the tokens whose logprob is wanted.
-
-    rows: indices into the step's logits rows; ks: each row's K; logprobs: [len(rows), V] float32;
-    top_values / top_ids: [len(rows), max K] (None when every K is 0).
-    """
+class LogprobRows:
+    """Rows of a step's logits whose logprobs are wanted, each with its K (top alternatives)."""
 
     rows: list[int]
     ks: list[int]
-    logprobs: torch.Tensor
-    top_values: torch.Tensor | None
-    top_ids: torch.Tensor | None
-
-    def resolve(self, targets: list[int], texts: TokenTexts) -> list[tuple[PositionLogprobs, float]]:
-        """For each row: ({target and top-K ids: Logprob}, the target's logprob). `targets[j]` is row j's."""
-        if len(targets) != len(self.rows):
-            raise ValueError(f"{len(targets)} target tokens for {len(self.rows)} logprob rows")
-        chosen = torch.tensor(targets, device=self.logprobs.device)[:, None]  # [r, 1]
-        chosen_lp = self.logprobs.gather(1, chosen)  # [r, 1]
-        ranks = ((self.logprobs > chosen_lp).sum(dim=-1) + 1).tolist()  # [r] 1-based, ties share
-        values = chosen_lp[:, 0].tolist()
-        top_v = self.top_values.tolist() if self.top_values is not None else [[] for _ in self.rows]
-        top_i = self.top_ids.tolist() if self.top_ids is not None else [[] for _ in self.rows]
-        out: list[tuple[PositionLogprobs, float]] = []
-        for j, token in enumerate(targets):
-            entry: PositionLogprobs = {token: Logprob(values[j], ranks[j], texts(token))}
-            for rank, (tid, value) in enumerate(zip(top_i[j][: self.ks[j]], top_v[j][: self.ks[j]]), start=1):
-                if tid not in entry:
-                    entry[tid] = Logprob(value, rank, texts(tid))
-            out.append((entry, values[j]))
-        return out
+    index: torch.Tensor | None  # `rows` on the device [r]; None: every row, in order
 
 
-def take_logprobs(logits: torch.Tensor, ks: list[int | None]) -> PendingLogprobs | None:
-    """Log-softmax of the rows whose K is not None (logits: [rows, V]); None when no row asks."""
-    rows = [i for i, k in enumerate(ks) if k is not None]
-    if not rows:
-        return None
-    wanted = [int(ks[i]) for i in rows]  # type: ignore[arg-type]  # not None: filtered above
-    index = torch.tensor(rows, device=logits.device)
-    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [r, V]
-    top_k = min(max(wanted), logprobs.shape[-1])
-    if top_k == 0:
-        return PendingLogprobs(rows, wanted, logprobs, None, None)
-    top_values, top_ids = logprobs.topk(top_k, dim=-1)  # [r, K] each, descending
-    return PendingLogprobs(rows, wanted, logprobs, top_values, top_ids)
+def raw_logprobs(logits: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [n, V] -> log_softmax of the rows `index` [r] (None: all), [r, V] float32."""
+    picked = logits if index is None else logits.index_select(0, index)
+    return torch.log_softmax(picked.float(), dim=-1)
+
+
+def score(logprobs: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[torch.Tensor]:
+    """On the device: each row's target logprob [r] and rank [r] (1-based, ties share), then, when
+    some K > 0, the top-K values and ids [r, K] (K the largest asked). What `entries` reads back."""
+    chosen = logprobs.gather(1, targets[:, None])  # [r, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [r]
+    out = [chosen[:, 0], ranks]
+    top_k = min(max(ks, default=0), logprobs.shape[-1])
+    if top_k:
+        top_values, top_ids = logprobs.topk(top_k, dim=-1)  # [r, K] each, descending
+        out += [top_values, top_ids]
+    return out
+
+
+def entries(
+    read: list[Any], ks: list[int], targets: list[int], texts: TokenTexts
+) -> list[tuple[PositionLogprobs, float]]:
+    """`score`'s tensors as read back (flat lists) -> for each row ({target and top-K ids: Logprob},
+    the target's logprob). `targets[j]` is row j's."""
+    if len(targets) != len(ks):
+        raise ValueError(f"{len(targets)} target tokens for {len(ks)} logprob rows")
+    values, ranks = read[0], read[1]
+    top_v: list[float] = read[2] if len(read) > 2 else []
+    top_i: list[int] = read[3] if len(read) > 2 else []
+    width = len(top_i) // len(targets) if targets else 0
+    out: list[tuple[PositionLogprobs, float]] = []
+    for j, token in enumerate(targets):
+        entry: PositionLogprobs = {token: Logprob(values[j], ranks[j], texts(token))}
+        a = j * width
+        for rank, (tid, value) in enumerate(zip(top_i[a : a + ks[j]], top_v[a : a + ks[j]]), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(value, rank, texts(tid))
+        out.append((entry, values[j]))
+    return out

@@ -1,6 +1,6 @@
 """Logits processing between the raw logits and temperature: penalties, biases, bans, grammars.
 
-The sampler makes one call, `LogitsFeatures.apply(logits, picked)`, for the step's rows that use a
+The sampler makes one call, `LogitsFeatures.apply(logits, plan)`, for the step's rows that use a
 feature (the sampling batch knows which; no call at all when none does). Order per row, as in vLLM:
 allowed_token_ids -> bad_words -> logit_bias -> repetition_penalty -> presence/frequency ->
 structured-output mask. Semantics:
@@ -13,40 +13,33 @@ structured-output mask. Semantics:
   * bad_words (transformers' bad_words_ids, vLLM's bad_words): each word is tokenized as written
     and with a leading space; a word's last token is banned when the tokens before it end the
     sequence (prompt + output), so a one-token word is never generated.
-Per-row state (seen tokens, output counts, the tail bad words look at, the grammar matcher) is a
-FeatureRow, held by the runner's sampling batch (sampling/batch): made from the prompt when the
-sequence is new (`row`), advanced by each sampled token (`accept`). Preemption cannot disturb it:
-a preempted sequence keeps its tokens. `check` refuses a request up front (ids outside the
-vocabulary, a grammar that does not compile), so making its row later cannot fail.
+Per-row host state (the tail bad words look at, the grammar matcher) is a FeatureRow, held by the
+runner's sampling batch (sampling/batch): made from the prompt when the sequence is new (`row`),
+advanced by each sampled token (`accept`). The token history penalties read lives on the device
+(sampling/penalty_state), counted from the sampled ids there (`count`). What a step sends up goes
+through the step's staged upload (feature_plan): no host value is read or sent mid-step.
+Preemption cannot disturb the state: a preempted sequence keeps its tokens. `check` refuses a
+request up front (ids outside the vocabulary, a grammar that does not compile), so making its row
+later cannot fail.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.sampling.structured import GrammarCache, StructuredError, mask_rows
+from batchgen.engine.runner.transfers import Transfers
+from batchgen.engine.sampling.feature_plan import FeaturePlan, FeatureRow, plan_features, stage_step_inputs
+from batchgen.engine.sampling.penalty_state import PenaltyTables
+from batchgen.engine.sampling.structured import GrammarCache, StructuredError, apply_bitmask
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class FeatureRow:
-    """One sequence's logits-processing state."""
-
-    seq_id: int
-    params: SamplingParams
-    bad_words: list[tuple[int, ...]]
-    matcher: Any = None  # xgrammar.GrammarMatcher for a structured row
-    seen: torch.Tensor | None = None  # [V] bool: token occurs in prompt + output (repetition)
-    counts: torch.Tensor | None = None  # [V] float32: occurrences in the output (presence/frequency)
-    tail: list[int] | None = None  # prompt + output tokens, kept only when bad words look back
-    terminated: bool = False  # the grammar has accepted a complete output
+__all__ = ["FeaturePlan", "FeatureRow", "LogitsFeatures", "bad_word_token_ids"]
 
 
 class LogitsFeatures:
@@ -56,6 +49,7 @@ class LogitsFeatures:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.grammars = GrammarCache(tokenizer, vocab_size, stop_token_ids)
+        self.tables: PenaltyTables | None = None  # made with the first penalized row, on its device
 
     def check(self, seq_id: int, params: SamplingParams) -> str | None:
         """Why a request's features cannot be served (its grammar is compiled now, once), or None."""
@@ -72,46 +66,68 @@ class LogitsFeatures:
         return None
 
     def row(
-        self, seq_id: int, prompt_token_ids: Sequence[int], params: SamplingParams, device: torch.device
+        self,
+        seq_id: int,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        device: torch.device,
+        staging: Transfers,
     ) -> FeatureRow:
-        """A new sequence's state, from its prompt (its request passed `check`)."""
+        """A new sequence's state, from its prompt (its request passed `check`); a penalized row's
+        device history is filled from the prompt after this step's upload."""
         row = FeatureRow(seq_id, params, bad_word_token_ids(self.tokenizer, params.bad_words))
         if params.structured is not None:
             row.matcher = self.grammars.matcher(params.structured)
-        if params.repetition_penalty != 1.0:
-            row.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
-            if prompt_token_ids:
-                row.seen[torch.tensor(list(prompt_token_ids), device=device)] = True
-        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
-            row.counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
+        if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            if self.tables is None:
+                self.tables = PenaltyTables(self.vocab_size, device)
+            row.slot = self.tables.take(prompt_token_ids, staging)
         if any(len(word) > 1 for word in row.bad_words):
             row.tail = list(prompt_token_ids)
         return row
 
-    def apply(self, logits: torch.Tensor, picked: list[tuple[int, FeatureRow]]) -> torch.Tensor:
-        """Processed logits (a new tensor); `picked`: (row of `logits`, its state) of every row with features."""
-        if not picked:
-            return logits
-        index = torch.tensor([i for i, _ in picked], device=logits.device)
-        sub = logits[index].float()  # [m, V] a copy: the caller's logits stay intact
-        rows = [row for _, row in picked]
-        self._mask_and_bias(sub, rows)
-        _penalize(sub, rows)
-        constrained = [j for j, row in enumerate(rows) if row.matcher is not None and not row.terminated]
-        if constrained:
-            mask_rows(sub, constrained, [rows[j].matcher for j in constrained])
+    def release(self, row: FeatureRow) -> None:
+        """A finished row's device history slot is free again."""
+        if row.slot is not None and self.tables is not None:
+            self.tables.release(row.slot)
+            row.slot = None
+
+    def clear(self) -> None:
+        """Every row is gone (an aborted generate)."""
+        if self.tables is not None:
+            self.tables.clear()
+
+    def plan(self, picked: list[tuple[int, FeatureRow]], staging: Transfers) -> FeaturePlan:
+        """The device tensors of these rows' features, kept while the step's rows are unchanged."""
+        return plan_features(picked, staging)
+
+    def prepare(self, plan: FeaturePlan, staging: Transfers) -> None:
+        """This step's own inputs (bad-word bans from the tails, grammar bitmasks), staged."""
+        stage_step_inputs(plan, staging, self.vocab_size)
+
+    def apply(self, logits: torch.Tensor, plan: FeaturePlan) -> torch.Tensor:
+        """Processed logits (a new tensor); the plan names the rows with features and holds their inputs."""
+        sub = logits[plan.index].float()  # [m, V] a copy: the caller's logits stay intact
+        _mask_and_bias(sub, plan)
+        if self.tables is not None:
+            _penalize(sub, plan, self.tables)
+        if plan.grammar is not None:
+            rows, bitmask = plan.grammar
+            apply_bitmask(sub, rows, bitmask.to(torch.int32))
         out = logits.float() if logits.dtype != torch.float32 else logits.clone()  # .float() copies already
-        out[index] = sub
+        out[plan.index] = sub
         return out
 
+    def count(self, plan: FeaturePlan, ids: torch.Tensor) -> None:
+        """On the device, after the draw: penalized rows' histories take their sampled ids ([n] step rows)."""
+        if plan.counted is not None and self.tables is not None:
+            rows, slots = plan.counted
+            self.tables.count(slots, ids[rows])
+
     def accept(self, picked: list[tuple[int, FeatureRow]], tokens: list[int]) -> None:
-        """After the draw: each row's state takes its token (`tokens[i]` for row i of the step)."""
+        """After the read: each row's host state takes its token (`tokens[i]` for row i of the step)."""
         for i, row in picked:
             token = tokens[i]
-            if row.seen is not None:
-                row.seen[token] = True
-            if row.counts is not None:
-                row.counts[token] += 1.0
             if row.tail is not None:
                 row.tail.append(token)
             if row.matcher is None or row.terminated:
@@ -121,32 +137,6 @@ class LogitsFeatures:
                 row.terminated = True
                 continue
             row.terminated = bool(row.matcher.is_terminated())
-
-    # ------------------------------------------------------------------ helpers
-
-    def _mask_and_bias(self, sub: torch.Tensor, rows: list[FeatureRow]) -> None:
-        """allowed_token_ids, bad_words (-inf) and logit_bias (added), each in one indexed write."""
-        allowed = [(j, row.params.allowed_token_ids) for j, row in enumerate(rows) if row.params.allowed_token_ids]
-        if allowed:
-            keep = torch.zeros((len(allowed), sub.shape[1]), dtype=torch.bool, device=sub.device)
-            for k, (_, ids) in enumerate(allowed):
-                keep[k, torch.tensor(ids, device=sub.device)] = True
-            index = torch.tensor([j for j, _ in allowed], device=sub.device)
-            sub[index] = sub[index].masked_fill(~keep, float("-inf"))
-        banned: list[tuple[int, int]] = []
-        for j, row in enumerate(rows):
-            for word in row.bad_words:
-                prefix = word[:-1]
-                if not prefix or (row.tail is not None and tuple(row.tail[-len(prefix) :]) == prefix):
-                    banned.append((j, word[-1]))
-        if banned:
-            r, c = zip(*banned)
-            sub[torch.tensor(r, device=sub.device), torch.tensor(c, device=sub.device)] = float("-inf")
-        biases = [(j, t, b) for j, row in enumerate(rows) for t, b in (row.params.logit_bias or {}).items()]
-        if biases:
-            r, c, v = zip(*biases)
-            at = (torch.tensor(r, device=sub.device), torch.tensor(c, device=sub.device))
-            sub.index_put_(at, torch.tensor(v, dtype=sub.dtype, device=sub.device), accumulate=True)
 
 
 def bad_word_token_ids(tokenizer: Any, words: list[str]) -> list[tuple[int, ...]]:
@@ -160,19 +150,29 @@ def bad_word_token_ids(tokenizer: Any, words: list[str]) -> list[tuple[int, ...]
     return list(out)
 
 
-def _penalize(sub: torch.Tensor, rows: list[FeatureRow]) -> None:
+def _mask_and_bias(sub: torch.Tensor, plan: FeaturePlan) -> None:
+    """allowed_token_ids, bad_words (-inf) and logit_bias (added), each in one indexed write."""
+    if plan.allowed is not None:
+        rows, pairs = plan.allowed  # [a], [2, n]: (k-th allowed row, token)
+        keep = torch.zeros((rows.shape[0], sub.shape[1]), dtype=torch.bool, device=sub.device)
+        keep[pairs[0], pairs[1]] = True
+        sub[rows] = sub[rows].masked_fill(~keep, float("-inf"))
+    if plan.bans is not None:
+        sub[plan.bans[0], plan.bans[1]] = float("-inf")
+    if plan.bias is not None:
+        pairs, values = plan.bias
+        sub.index_put_((pairs[0], pairs[1]), values.to(sub.dtype), accumulate=True)
+
+
+def _penalize(sub: torch.Tensor, plan: FeaturePlan, tables: PenaltyTables) -> None:
     """Repetition (transformers) then presence/frequency (OpenAI), vectorized over the rows that use them."""
-    rep = [j for j, row in enumerate(rows) if row.seen is not None]
-    if rep:
-        index = torch.tensor(rep, device=sub.device)
-        penalty = torch.tensor([rows[j].params.repetition_penalty for j in rep], device=sub.device)[:, None]
-        seen = torch.stack([rows[j].seen for j in rep])  # type: ignore[misc]  # [k, V]
-        x = sub[index]
-        sub[index] = torch.where(seen, torch.where(x < 0, x * penalty, x / penalty), x)
-    pf = [j for j, row in enumerate(rows) if row.counts is not None]
-    if pf:
-        index = torch.tensor(pf, device=sub.device)
-        presence = torch.tensor([rows[j].params.presence_penalty for j in pf], device=sub.device)[:, None]
-        frequency = torch.tensor([rows[j].params.frequency_penalty for j in pf], device=sub.device)[:, None]
-        counts = torch.stack([rows[j].counts for j in pf])  # type: ignore[misc]  # [k, V]
-        sub[index] = sub[index] - frequency * counts - presence * (counts > 0).float()
+    if plan.repetition is not None:
+        rows, penalty, slots = plan.repetition  # [k], [k], [k]
+        seen = tables.seen[slots]  # [k, V]
+        x = sub[rows]
+        p = penalty[:, None]
+        sub[rows] = torch.where(seen, torch.where(x < 0, x * p, x / p), x)
+    if plan.presence_frequency is not None:
+        rows, presence, frequency, slots = plan.presence_frequency
+        counts = tables.counts[slots]  # [k, V]
+        sub[rows] = sub[rows] - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()

@@ -1,4 +1,4 @@
-"""Sampler: one engine step's logits -> one next token id per sequence.
+"""Sampler: one engine step's logits -> one next token id per sequence, without reading anything back.
 
 Greedy rows (SamplingParams.greedy) take the exact argmax of the raw logits (what transformers' greedy `generate` does).
 Other rows go through temperature, top-k, top-p and min-p, vectorized over the batch with
@@ -7,14 +7,15 @@ p / q, q ~ Exp(1) i.i.d. per vocabulary entry, is an exact draw from p. A seeded
 its q from its own generator (V values per step, whatever else is in the batch), so its tokens
 do not depend on the batch it shares a step with. Every per-row input (parameters, generators,
 feature state, output counts) comes from a SamplingStep, the runner's SamplingBatch's view of
-the step's rows, built once while the batch is unchanged (sampling/batch).
+the step's rows (sampling/batch); what a step adds of its own (min_tokens masks, bans, grammar
+bitmasks) is staged by `prepare` before the forward, so it rides in the step's one upload.
+The ids stay on the device: the engine reads them, with the NaN flag and logprobs, in one read.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 import torch
 
@@ -48,8 +49,7 @@ class Sampler:
         self._shared: dict[torch.device, torch.Generator] = {}
         # penalties, biases, bans, grammars (batchgen/engine/sampling/penalties.py); rows hold their state
         self.features: LogitsFeatures | None = None
-        self.transfers: HostToDevice | None = None  # set by the engine: host->device copies are counted there
-        self._own: SamplingBatch | None = None  # __call__'s rows, for callers without a model runner
+        self._own: SamplingBatch | None = None  # __call__'s rows (and their Transfers), for callers without a runner
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` (row i belongs to seqs[i]), for callers that keep their own
@@ -57,14 +57,17 @@ class Sampler:
         `release`, and its output count is read from it. `logits` is not modified."""
         batch = self._own
         if batch is None:
-            to_device = (lambda t: self._to_device(t, logits.device)) if self.transfers is not None else None
-            batch = self._own = SamplingBatch(logits.device, self.features, to_device)
+            batch = self._own = SamplingBatch(logits.device, self.features)
+        transfers = batch.transfers
+        transfers.begin_step()
         for seq in seqs:
             if seq.seq_id not in batch:
                 batch.add(NewSequence(seq.seq_id, tuple(seq.prompt_token_ids), seq.params))
             batch.set_num_output(seq.seq_id, seq.num_output_tokens)
         step = batch.step([s.seq_id for s in seqs])
-        tokens: list[int] = self.sample_ids(logits, step).tolist()
+        self.prepare(step, logits.shape[-1])
+        transfers.upload()
+        tokens: list[int] = transfers.read("sampled_ids", self.sample_ids(logits, step))[0]  # type: ignore[assignment]
         batch.accept(step, tokens)
         return tokens
 
@@ -77,6 +80,26 @@ class Sampler:
     def num_seeded(self) -> int:
         """__call__'s rows that hold a generator (for tests and leak checks)."""
         return self._own.num_seeded if self._own is not None else 0
+
+    def prepare(self, step: SamplingStep, vocab: int | None = None) -> None:
+        """Before the step's upload: stage what this step's draw needs of its own (the min_tokens
+        mask from the output counts, the features' bans and grammar bitmasks). `vocab`: the logits'
+        width (default: the features' own)."""
+        staging = step.batch.transfers
+        vocab = vocab if vocab is not None else self._vocab(step)
+        step.banned = None
+        if step.min_tokens:
+            rows: list[int] = []
+            cols: list[int] = []
+            for i, stop_ids in step.batch.short_rows(step):
+                ids = [t for t in self.eos_token_ids.union(stop_ids) if t < vocab]
+                rows.extend([i] * len(ids))
+                cols.extend(ids)
+            if rows:
+                step.banned = staging.stage(torch.tensor([rows, cols]))  # [2, n]
+        features = step.batch.features
+        if step.features is not None and features is not None:
+            features.prepare(step.features, staging)
 
     def sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
         """One token id per row of `logits` ([len(step.seq_ids), V]), on the device ([n] int64),
@@ -95,16 +118,25 @@ class Sampler:
         # why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
         return ids, logits.amax().isnan() if nan is None else nan
 
+    def _vocab(self, step: SamplingStep) -> int:
+        features = step.batch.features
+        return features.vocab_size if features is not None else 1 << 62
+
     def _sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (ids [num_seqs], the raw logits' NaN flag when the draw took every row's maximum of them, else None)."""
         if logits.dim() != 2 or logits.shape[0] != len(step.seq_ids):
             raise ValueError(f"logits must be [len(seqs)={len(step.seq_ids)}, vocab], got {tuple(logits.shape)}")
         raw = logits
-        logits = self._mask_min_tokens(logits, step)
+        if step.banned is not None:
+            # why a copy: the caller's logits stay intact (a logprobs feature may read them later)
+            logits = logits.clone()
+            logits[step.banned[0], step.banned[1]] = float("-inf")
         features = step.batch.features
-        if step.features and features is not None:
+        if step.features is not None and features is not None:
             logits = features.apply(logits, step.features)
         ids, nan = self._draw(logits, step)
+        if step.features is not None and features is not None:
+            features.count(step.features, ids)  # penalty histories take the ids on the device
         return ids, nan if logits is raw else None
 
     def _draw(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -118,29 +150,6 @@ class Sampler:
             tokens[rows] = self._sample(logits[rows], step)
         return tokens, nan
 
-    def _to_device(self, values: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Through the engine's Transfers when it set one (counted), else a plain copy."""
-        return self.transfers.to_device(values) if self.transfers is not None else values.to(device)
-
-    def _mask_min_tokens(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
-        """EOS and stop ids get -inf while a request is short of min_tokens (even with ignore_eos)."""
-        if not step.min_tokens:
-            return logits
-        vocab = logits.shape[-1]
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, stop_ids in step.batch.short_rows(step):
-            ids = [t for t in self.eos_token_ids.union(stop_ids) if t < vocab]
-            rows.extend([i] * len(ids))
-            cols.extend(ids)
-        if not rows:
-            return logits
-        # why a copy: the caller's logits stay intact (a logprobs feature may read them later)
-        logits = logits.clone()
-        index = self._to_device(torch.tensor([rows, cols]), logits.device)  # [2, n]
-        logits[index[0], index[1]] = float("-inf")
-        return logits
-
     def _sample(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p and the exponential race on the sampled rows."""
         assert step.params is not None  # set whenever some row samples
@@ -148,7 +157,7 @@ class Sampler:
         probs = (logits.float() / temperature[:, None]).softmax(dim=-1)  # [n, V]
         max_k = step.max_k(logits.shape[-1])
         if max_k or step.need_p:
-            probs = _filter_top_k_top_p(probs, top_k.long(), top_p, max_k, step.need_p)
+            probs = _filter_top_k_top_p(probs, top_k.long(), top_p, max_k, step.need_p, step.may_read)
         if step.need_min_p:
             # min-p is relative to the most likely token, so renormalising after top-k/p is moot
             floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [n, 1]
@@ -167,7 +176,8 @@ class Sampler:
                 noise = torch.empty((rows.shape[0], shape[1]), dtype=torch.float32, device=device)
                 u[rows] = noise.uniform_(generator=self._shared_generator(device))
             for i, generator in zip(step.seeded, step.generators):
-                # why always V values: the generator's position must not depend on the batch
+                # why always V values: the generator's position must not depend on the batch; why a
+                # generator per row: on the device it draws without the host (no sync), in order
                 u[i].uniform_(generator=generator)
         # why -log(u) and not exponential_: 3x cheaper on CPU; u = 0 gives q = inf, a score of 0
         return u.log_().neg_()
@@ -182,12 +192,6 @@ class Sampler:
                 generator.manual_seed(self._seed)
             self._shared[device] = generator
         return generator
-
-
-class HostToDevice(Protocol):
-    """What the sampler needs of the runner's Transfers (runner/transfers): a counted host->device copy."""
-
-    def to_device(self, values: torch.Tensor) -> torch.Tensor: ...
 
 
 FastGreedy = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
@@ -207,18 +211,23 @@ def greedy_ids(logits: torch.Tensor, fast: FastGreedy | None = None) -> tuple[to
 
 
 def _filter_top_k_top_p(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_k: int, need_p: bool
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_k: int, need_p: bool, may_read: bool
 ) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k, then outside its nucleus of the top-k.
 
     Order as in transformers (top-k, then top-p on the renormalised top-k). Both keep a prefix
     of the descending order, so the best `width` tokens (one topk, far cheaper than a full sort
     on CPU) decide everything, unless a top-p row's nucleus reaches past them: then sort fully.
+    Knowing that takes a read of a device value, free only where nothing is copied (`may_read`,
+    the CPU); elsewhere (a GPU, where sorting is cheap and a read is a sync) top-p sorts fully.
+    Both give the same kept tokens (but for ties at the nucleus' edge, which a sort orders by id).
     probs: [n, V]; top_k: [n] (V when disabled); top_p: [n] (1.0 when disabled); max_k: the
     largest enabled k (0 when none); need_p: some row uses top-p.
     """
     vocab = probs.shape[-1]
-    width = min(vocab, max(max_k, NUCLEUS_WINDOW)) if need_p else max_k
+    width = max_k
+    if need_p:
+        width = min(vocab, max(max_k, NUCLEUS_WINDOW)) if may_read else vocab
     keep = _keep_in_window(probs, top_k, top_p, width, need_p)
     if keep is None:
         keep = _keep_in_window(probs, top_k, top_p, vocab, need_p)

@@ -6,7 +6,8 @@ the tokenizer once so that each step's mask costs microseconds per row. The piec
     cannot compile is found before any model work (job level) or per row (`invalid_structured`);
   * `GrammarCache` compiles against the tokenizer and the model's logits width, cached by the
     spec's canonical text (rows with the same schema share one compiled grammar);
-  * `mask_rows` fills one bitmask for all constrained rows of a step and applies it at once.
+  * `fill_bitmask` fills one bitmask for all constrained rows of a step on the host (it goes up in
+    the step's staged upload); `apply_bitmask` applies it on the device.
 JSON is generated without free whitespace (`any_whitespace=False`): a small model could otherwise
 emit blanks until max_tokens and never close the object. xgrammar 0.2.9 lets a length-bounded
 string (`maxLength`) hold raw control characters, which JSON forbids (json.loads refuses them);
@@ -149,30 +150,38 @@ class GrammarCache:
 _BATCH: Any = None  # one xgrammar.BatchGrammarMatcher (a thread pool) per process, made on first use
 
 
-def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """In place: every token a row's grammar forbids gets -inf; `rows[j]` is matched by `matchers[j]`.
+def fill_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
+    """On the host: each matcher's allowed next tokens -> one bitmask [len(matchers), ceil(V / 32)] int32.
 
-    One bitmask for all constrained rows, filled by xgrammar's batch matcher (its own threads,
-    without the GIL), and one apply. A row left with no finite logit (its grammar
-    allows only a stop token that min_tokens masks) gets the grammar's tokens back at logit 0:
-    the grammar wins over min_tokens.
+    Filled by xgrammar's batch matcher (its own threads, without the GIL) when there are several.
+    Why apart from the apply: the mask goes to the device in the step's one staged upload, so it
+    is filled before the forward (from the matchers' state after the last step's tokens).
     """
     global _BATCH
     xgr = load_xgrammar()
-    vocab = logits.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)  # [k, ceil(V / 32)] int32
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)  # [k, ceil(V / 32)] int32
     if len(matchers) == 1:
         matchers[0].fill_next_token_bitmask(bitmask, 0)
     else:
         if _BATCH is None:
             _BATCH = xgr.BatchGrammarMatcher()
         _BATCH.batch_fill_next_token_bitmask(matchers, bitmask)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: every token a row's grammar forbids gets -inf; row rows[j] is masked by bitmask[j].
+
+    rows: [k] on the device; bitmask: [k, ceil(V / 32)] int32 on the device. A row left with no
+    finite logit (its grammar allows only a stop token that min_tokens masks) gets the grammar's
+    tokens back at logit 0: the grammar wins over min_tokens.
+    """
+    xgr = load_xgrammar()
+    vocab = logits.shape[-1]
     sub = logits[rows]  # [k, V] a copy
-    # once: both applies below read it; why pinned: a copy from pageable memory is a host sync on CUDA
-    mask = bitmask.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
-    xgr.apply_token_bitmask_inplace(sub, mask, vocab_size=vocab)
+    xgr.apply_token_bitmask_inplace(sub, bitmask, vocab_size=vocab)
     dead = torch.isneginf(sub).all(dim=-1)  # [k]
     # why unconditionally, not behind `dead.any()`: that test would be a host sync per step on CUDA
     allowed = torch.zeros_like(sub)
-    xgr.apply_token_bitmask_inplace(allowed, mask, vocab_size=vocab)
+    xgr.apply_token_bitmask_inplace(allowed, bitmask, vocab_size=vocab)
     logits[rows] = torch.where(dead[:, None], allowed, sub)

@@ -129,8 +129,10 @@ def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Pa
     graphs.capture_all(runner._graph_run, runner._graph_context)  # what the runner does when it is made on CUDA
     assert graphs.captures == 2 and sorted(graphs.graphs.graphs) == [2, 4]
     runner.graphs = graphs
-    replayed = len(inputs)
+    replayed, counts, steps = len(inputs), runner.transfers.counts, llm.stats["steps"]
+    uploads = counts.uploads
     out = llm.generate(prompts, params)
+    assert counts.uploads - uploads == llm.stats["steps"] - steps  # graph steps too: one upload each
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
     assert len(inputs) > replayed  # decode steps did replay
     assert graphs.captures == 2 and graphs.captures_after_start == 0  # nothing captured once steps ran

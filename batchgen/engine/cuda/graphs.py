@@ -172,7 +172,7 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         """Device ids/positions [n], tables [n, w] (uploaded) -> logits [n, V], or None: no bucket fits."""
         n = input_ids.shape[0]
         bucket = pick_bucket(n, self.buckets)
-        if self.disabled or bucket is None or tables.shape[1] > self.buffers.block_tables.shape[1]:
+        if bucket is None or not self.fits(n, tables.shape[1]):
             return None
         self.buffers.fill(n, bucket, input_ids, positions, tables)
         self.buffers.set_slots(n, self.block_size)
@@ -181,6 +181,15 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
             if not self._capture(bucket, run, make_context):
                 return None
         return self.graphs.replay(bucket, n)
+
+    def fits(self, n: int, blocks: int) -> bool:
+        """Whether a decode step of n rows whose longest needs `blocks` blocks can replay a graph
+        (known on the host, before anything is staged)."""
+        return (
+            not self.disabled
+            and pick_bucket(n, self.buckets) is not None
+            and blocks <= self.buffers.block_tables.shape[1]
+        )
 
     def _empty(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         device = self.buffers.input_ids.device

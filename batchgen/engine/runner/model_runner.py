@@ -177,9 +177,9 @@ class ModelRunner:
 
     def _graph_decode(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:  # pragma: no cover - CUDA
         """A decode-only step through the CUDA graph of its batch-size bucket; None: it does not fit one."""
-        if self.graphs is None:
-            return None
         needed = [c.start // self.block_size + 1 for c in chunks]
+        if self.graphs is None or not self.graphs.fits(len(chunks), max(needed)):
+            return None  # why before staging: the eager step then stages and uploads once, not twice
         tables = padded_tables([c.block_table for c in chunks], needed, max(needed))
         ids = self.transfers.stage(int64_tensor([c.token_ids[-1] for c in chunks]))
         positions = self.transfers.stage(int64_tensor([c.start for c in chunks]))

@@ -137,6 +137,7 @@ def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Pa
     out = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
     keys = set(graphs.graphs.graphs)
+    assert graphs.captures == len(keys)  # one capture per key, counted (the GPU check asserts none while timing)
     static = {t.untyped_storage().data_ptr() for t in (graphs.buffers.input_ids, graphs.buffers.positions)}
     static.add(graphs.buffers.keep.untyped_storage().data_ptr())
     assert inputs and all(seen <= static for seen in inputs)  # a graph may read nothing a step frees

@@ -154,6 +154,9 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         # it (one long row among many short ones) the step runs eagerly, gathering by length groups
         self.max_gather_blocks = kv_caches[0][0].shape[0] - 1  # the pool's blocks, less the trash block
         self.disabled = False  # a capture failed (e.g. a model with data-dependent Python): eager from then on
+        # why counted: each capture syncs the device and runs the forward twice, so a capture inside a
+        # timed window (or mid-job) is a pause; the GPU check asserts none happen while it times
+        self.captures = 0  # capture attempts, failed ones included
 
     def execute(
         self,
@@ -184,6 +187,7 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         make_context: Callable[[torch.Tensor, StaticDecode, int], object],
     ) -> bool:
         bucket = key[0]
+        self.captures += 1
         ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(*key), bucket)
         try:
             self.graphs.capture(key, lambda call: run(ctx, call))

@@ -24,16 +24,18 @@ Sections, in this order (each records its own error and the next one still runs)
               output tokens/s and the ratio; a shared-prefix variant; bf16 greedy agreement; memory. Each
               engine run is timed after a warm-up of the same shapes (other tokens), and the section
               fails if the engine counts a recompile or a graph capture inside the timed run
+
 Status per section: ok, failed (a check failed: "failures" says which), error (an exception),
 skipped (why), or cut (the budget ran out: "cut" lists what was left out). Exit code 1 when any
 section failed or raised. Warnings and library log lines are printed once per kind and counted
 in the JSON ("warnings").
 
-Time (H200). Every section has a budget; past it a section skips its remaining optional parts
-(architectures, batch sizes, variants) and lists them under "cut", and no section starts after
-the 6-minute cap (each gets at most what is left of it). The estimate per section and how it was
-made is ESTIMATE_NOTES below; the CPU smoke's per-part seconds it starts from are in the smoke's
-JSON ("seconds" of each section, compile seconds, load and warm-up seconds of each engine run).
+Time (H200): about 5.2 minutes estimated (gpu_check_sizes.py says how, from the CPU smoke's measured
+parts). Each section has a budget; past it a section skips its remaining optional parts
+(architectures, batch sizes, variants) and lists them under "cut". A section's budget never eats
+into the estimates of the sections after it, no section starts after 330 s, and a watchdog ends
+the run at 360 s, writing the report with the running section marked cut (exit code 3). The plan
+(estimates, budgets, caps) is printed up front and is the JSON's "plan".
 
 Imports only torch, transformers (and its tokenizers), triton where present, and batchgen.engine:
 what the GPU image has (no pydantic, ray or xgrammar; the smoke test blocks them).
@@ -65,105 +67,9 @@ import torch  # noqa: E402
 
 from benchmarks.gpu_check_common import Budget, Ctx, Report, Sizes, start_watchdog  # noqa: E402
 from benchmarks.gpu_check_quiet import OWN_LOGGER, Quiet  # noqa: E402
+from benchmarks.gpu_check_sizes import FULL, SECTION_NAMES, SMOKE  # noqa: E402
 
 log = logging.getLogger(OWN_LOGGER)
-
-BIG_1B = dict(  # Llama-3.2-1B's shape: ~1.24B parameters
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=32768,
-    tie_word_embeddings=True,
-    rope_theta=500000.0,
-)
-ALL_ARCHS = ["llama", "gemma2", "mistral", "qwen2", "gemma3", "gpt2", "qwen3", "phi3", "gpt_neox"]  # by coverage
-SECTION_NAMES = ["env", "parity", "triton", "compiled", "graphs", "syncs", "throughput"]
-
-ESTIMATE_NOTES = """(filled in from the smoke's measured parts)"""
-
-FULL = Sizes(
-    device="cuda",
-    archs=ALL_ARCHS,
-    triton_archs=ALL_ARCHS,
-    triton_settings=["pressure", "relaxed"],
-    compiled_archs=["gemma2", "llama"],  # gemma2 first: soft-capping, sliding window and GQA at once
-    compiled_setting="pressure",  # preemption (a pool too small for decode graphs: bucket x 16 blocks)
-    graphs_setting="graphs",
-    parity_prompts=24,
-    parity_settings=["pressure", "relaxed"],
-    big=BIG_1B,
-    big_dtype="bfloat16",
-    n_prompts=256,
-    prompt_lens=(256, 768),
-    out_tokens=128,
-    hf_batches=[256, 128, 64],
-    shared_prefix=400,
-    sync_requests=8,
-    sync_steps=8,
-    estimate_s={
-        "env": 10,
-        "parity": 40,
-        "triton": 45,
-        "compiled": 40,
-        "graphs": 20,
-        "throughput": 150,
-        "throughput.compiled": 90,
-        "syncs": 20,
-    },
-    budget_s={"env": 15, "parity": 50, "triton": 50, "compiled": 50, "graphs": 25, "throughput": 150, "syncs": 20},
-    total_cap_s=330,
-    hard_cap_s=360,
-)
-SMOKE = Sizes(
-    device="cpu",
-    archs=["llama", "gemma2"],  # gemma2: soft-capping, checked against transformers' eager attention
-    triton_archs=["llama"],  # the Triton interpreter runs every program instance in Python: slow
-    triton_settings=["pressure"],
-    compiled_archs=["llama"],
-    compiled_setting="graphs",  # why one setting: one compile for both sections (tests/engine covers pressure)
-    graphs_setting="graphs",
-    parity_prompts=3,
-    # the tiny parity Llama's graph in float32: the compiled variant reuses the compiled sections' work
-    big=dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    ),
-    big_dtype="float32",
-    parity_settings=["pressure", "relaxed"],
-    n_prompts=6,
-    prompt_lens=(16, 40),
-    out_tokens=5,
-    hf_batches=[6],
-    shared_prefix=24,
-    sync_requests=3,
-    sync_steps=2,
-    estimate_s={
-        "env": 5,
-        "parity": 8,
-        "triton": 10,
-        "compiled": 15,
-        "graphs": 5,
-        "throughput": 20,
-        "throughput.compiled": 10,
-        "syncs": 10,
-    },
-    # why generous: on a busy CI machine a cut would hide the code it is there to keep alive
-    budget_s=dict.fromkeys(SECTION_NAMES, 600.0),
-    total_cap_s=3600,
-    hard_cap_s=3600,
-    engine={"max_num_batched_tokens": 96, "max_num_seqs": 8},
-    graph_backend="torch",
-    graph_standin=True,
-)
 
 
 def section_functions() -> dict[str, Callable[[Ctx, dict[str, Any]], None]]:
@@ -210,6 +116,17 @@ def run_section(ctx: Ctx, name: str, fn: Callable[[Ctx, dict[str, Any]], None], 
     ctx.save()
 
 
+def section_time(sizes: Sizes, names: list[str], elapsed: float) -> float:
+    """Seconds the section names[0] may take: its budget, less whatever would eat into the estimates
+    of the sections after it before the cap, but at least half its own estimate (within the cap).
+
+    Why reserve: the last section (throughput, the headline figure) must not be starved by earlier
+    ones running up to their budgets; what a section leaves unused flows on to the next."""
+    name, left = names[0], sizes.total_cap_s - elapsed
+    room = left - sum(sizes.estimate_s[n] for n in names[1:])
+    return min(sizes.budget_s[name], max(room, min(0.5 * sizes.estimate_s[name], left)))
+
+
 def plan(sizes: Sizes, names: list[str]) -> dict[str, Any]:
     return {
         "sections": names,
@@ -242,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = Quiet()
     quiet.install()
     sizes = SMOKE if args.smoke else FULL
+    if args.smoke:  # why: tiny models gain nothing from a second thread, and on a busy machine OpenMP's
+        torch.set_num_threads(1)  # spinning threads made transformers' generate 20x slower (measured)
     if sizes.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here; use --smoke for the CPU run", file=sys.stderr)
         return 2
@@ -263,13 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     start_watchdog(report, STARTED, sizes.hard_cap_s, lambda: running[0])
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         ctx = Ctx(sizes, Path(tmp), report)
-        for name in args.sections:
-            left = sizes.total_cap_s - (time.perf_counter() - STARTED)
-            if left <= 0:
+        for i, name in enumerate(args.sections):
+            elapsed = time.perf_counter() - STARTED
+            if elapsed >= sizes.total_cap_s:
                 report.data[name] = {"status": "skipped", "skipped": "the run's time cap was spent"}
                 continue
             running[0] = name
-            run_section(ctx, name, functions[name], min(sizes.budget_s[name], left))
+            run_section(ctx, name, functions[name], section_time(sizes, args.sections[i:], elapsed))
             running[0] = None
             report.data["warnings"] = quiet.summary()
             out = report.data[name]

@@ -151,6 +151,16 @@ def test_budget_cuts_optional_units_and_lists_them(tmp_path: Path) -> None:
     assert gpu_check.status_of({"skipped": "why"}) == "skipped" and gpu_check.status_of({}) == "ok"
 
 
+def test_a_section_gets_its_budget_less_what_the_later_sections_need_before_the_cap() -> None:
+    sizes = gpu_check.FULL
+    names = gpu_check.SECTION_NAMES
+    assert gpu_check.section_time(sizes, names, 0.0) == sizes.budget_s["env"]  # room for all
+    later = sum(sizes.estimate_s[n] for n in names[-2:][1:])
+    late = sizes.total_cap_s - later - 1.0  # syncs starts with 1 s of room before throughput's share
+    assert gpu_check.section_time(sizes, names[-2:], late) == 0.5 * sizes.estimate_s["syncs"]
+    assert gpu_check.section_time(sizes, names[-1:], sizes.total_cap_s - 60.0) == 60.0  # the last: what is left
+
+
 def test_sections_keep_their_order_and_unknown_ones_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert gpu_check.parse(["--sections", "syncs,env"]).sections == ["env", "syncs"]
     with pytest.raises(SystemExit):

@@ -30,8 +30,8 @@ skipped (why), or cut (the budget ran out: "cut" lists what was left out). Exit 
 section failed or raised. Warnings and library log lines are printed once per kind and counted
 in the JSON ("warnings").
 
-Time (H200): about 5.2 minutes estimated (gpu_check_sizes.py says how, from the CPU smoke's measured
-parts). Each section has a budget; past it a section skips its remaining optional parts
+Time (H200): about 5.2 minutes estimated (gpu_check_sizes.py says how: from CPU measurements of its
+parts at the full counts). Each section has a budget; past it a section skips its remaining optional parts
 (architectures, batch sizes, variants) and lists them under "cut". A section's budget never eats
 into the estimates of the sections after it, no section starts after 330 s, and a watchdog ends
 the run at 360 s, writing the report with the running section marked cut (exit code 3). The plan
@@ -138,6 +138,19 @@ def plan(sizes: Sizes, names: list[str]) -> dict[str, Any]:
     }
 
 
+def announce(p: dict[str, Any]) -> None:
+    """The plan, up front: what a cut-off run's JSON will be measured against."""
+    log.info(
+        "sections %s", ", ".join(f"{n} ~{p['estimate_s'][n]:.0f}s (cap {p['budget_s'][n]:.0f}s)" for n in p["sections"])
+    )
+    log.info(
+        "estimate %.0f s in all; no section starts after %.0f s; stopped at %.0f s whatever it is doing",
+        p["estimate_total_s"],
+        p["no_section_starts_after_s"],
+        p["hard_cap_s"],
+    )
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
@@ -166,21 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = Report(args.out)
     report.data.update(mode="smoke" if args.smoke else "full", plan=plan(sizes, args.sections))
-    p = report.data["plan"]
-    log.info(
-        "sections %s", ", ".join(f"{n} ~{p['estimate_s'][n]:.0f}s (cap {p['budget_s'][n]:.0f}s)" for n in p["sections"])
-    )
-    log.info(
-        "estimate %.0f s in all; no section starts after %.0f s; stopped at %.0f s whatever it is doing",
-        p["estimate_total_s"],
-        p["no_section_starts_after_s"],
-        p["hard_cap_s"],
-    )
+    announce(report.data["plan"])
     report.write()
     functions = section_functions()
     running: list[str | None] = [None]  # the section in progress, for the watchdog
-    start_watchdog(report, STARTED, sizes.hard_cap_s, lambda: running[0])
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        watchdog = start_watchdog(report, STARTED, sizes.hard_cap_s, lambda: running[0], Path(tmp))
         ctx = Ctx(sizes, Path(tmp), report)
         for i, name in enumerate(args.sections):
             elapsed = time.perf_counter() - STARTED
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             out = report.data[name]
             log.info("section %s: %s in %.1f s %s", name, out["status"], out["seconds"], out.get("failures", ""))
         report.data["script_syncs"] = ctx.script_syncs
+        watchdog.set()
     report.data["seconds"] = round(time.perf_counter() - STARTED, 1)
     report.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report.data["warnings"] = quiet.summary()

@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import sys
 import threading
 import time
@@ -83,13 +84,22 @@ class Budget:
         return self.left() >= estimate_s
 
 
-def start_watchdog(report: Report, started: float, seconds: float, current: Callable[[], str | None]) -> None:
-    """Past `seconds` from `started` (perf_counter), mark the running section cut, write the report
-    and end the process (exit code 3). Why: a unit of work cannot be interrupted (a compile, a
-    capture), so a budget alone cannot promise the run's length; this does."""
+def start_watchdog(
+    report: Report,
+    started: float,
+    seconds: float,
+    current: Callable[[], str | None],
+    work: Path | None = None,
+) -> threading.Event:
+    """Past `seconds` from `started` (perf_counter), mark the running section cut, write the report,
+    remove the scratch folder `work` (the saved models) and end the process (exit code 3).
+    Why: a unit of work cannot be interrupted (a compile, a capture), so a budget alone cannot
+    promise the run's length; this does. Setting the returned event stands it down."""
+    done = threading.Event()
 
     def fire() -> None:
-        time.sleep(max(0.0, started + seconds - time.perf_counter()))
+        if done.wait(max(0.0, started + seconds - time.perf_counter())):
+            return
         name = current()
         if name is not None:
             out = report.data.setdefault(name, {})
@@ -104,9 +114,12 @@ def start_watchdog(report: Report, started: float, seconds: float, current: Call
                 time.sleep(0.05)
         print(json.dumps({"hard_cap_reached": seconds, "section": name}), flush=True)
         sys.stderr.flush()
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         os._exit(3)
 
     threading.Thread(target=fire, name="gpu_check-watchdog", daemon=True).start()
+    return done
 
 
 @dataclass

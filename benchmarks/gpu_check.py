@@ -1,329 +1,211 @@
-"""The prepared GPU check: one script, under 7 minutes on one GPU, no downloads, JSON after each section.
+"""The prepared GPU check: one script, at most 6 minutes on one H200, no downloads, JSON after each section.
 
-    python benchmarks/gpu_check.py --out gpu_check.json          # on a CUDA machine
-    python benchmarks/gpu_check.py --smoke --out smoke.json      # tiny sizes on CPU (a test runs it)
+    python benchmarks/gpu_check.py --out gpu_check.json                 # on a CUDA machine
+    python benchmarks/gpu_check.py --sections parity,throughput         # some sections only
+    python benchmarks/gpu_check.py --smoke --out smoke.json             # tiny sizes on the CPU (a test runs it)
 
-Sections (each records its own error and the next one still runs):
-  0 versions, the GPU, the attention path per dtype / block size, and which kernels each call
-    shape (prefill, continuation chunk, decode, mixed) actually launches (torch profiler)
-  1 fp32 greedy parity vs transformers `generate` for the parity tests' architectures
-  2 a ~1B Llama-shaped random model in bf16: logits after prefill and greedy agreement length
-  3 throughput: 256 prompts of 256-768 tokens, 128 output tokens, ignore_eos, vs transformers
-    `generate` in bf16 at its best batch size; a shared-prefix variant; per-step breakdown; syncs
-  4 memory: KV pool vs free memory, peak allocated, one worst-case long chunk
-  5 section 3's workload with `compile=True` and 16-token blocks (on CUDA: decode steps replayed as
-    CUDA graphs), last because a CUDA error there can poison the process's CUDA context
-Every model is built from a config with random weights and saved to a temp dir. Imports only
-torch, transformers (and its tokenizers) and batchgen.engine: what the GPU image has. Sections 1-2
-live in gpu_check_parts.py, 3-4 in gpu_check_perf.py; this file is the one to run.
+Sections, in this order (each records its own error and the next one still runs):
+  env         versions, the GPU, the attention path and backend per setting, and which kernels
+              each call shape (prefill, continuation chunk, decode, mixed) launches (torch profiler)
+  parity      float32 greedy tokens of the eager engine (torch backend) == transformers `generate`
+              (eager attention: its default sdpa drops Gemma 2's soft-capping), nine tiny architectures,
+              under pressure (chunked prefill, prefix caching, preemption) and relaxed
+  triton      the same with attention_backend "triton", against transformers and the eager engine;
+              "skipped: attention_backend 'triton' not available: <the engine's reason>" where refused
+  compiled    the compiled forward (engine.compile true, CUDA graphs held off) under pressure, same
+              comparisons (gemma2, llama)
+  graphs      CUDA-graph decode steps (compiled; a pool where every decode-only step fits a graph),
+              same comparisons; fails if no step replayed a graph
+  syncs       per decode step, for each sampling feature, eager and compiled + graphs: the engine's
+              own counts (Transfers' reads and uploads, recompiles, captures, replays) beside the
+              profiler's synchronize calls; the script's own syncs are counted apart, never as the engine's
+  throughput  a 1.24B Llama-3.2-1B-shaped bf16 model (random weights, saved in bf16): transformers
+              `generate` at batch sizes 64/128/256 vs the engine eager and compiled (+ graphs), one process,
+              output tokens/s and the ratio; a shared-prefix variant; bf16 greedy agreement; memory. Each
+              engine run is timed after a warm-up of the same shapes (other tokens), and the section
+              fails if the engine counts a recompile or a graph capture inside the timed run
+
+Status per section: ok, failed (a check failed: "failures" says which), error (an exception),
+skipped (why), or cut (the budget ran out: "cut" lists what was left out). Exit code 1 when any
+section failed or raised. Warnings and library log lines are printed once per kind and counted
+in the JSON ("warnings").
+
+Time (H200): about 5.2 minutes estimated (gpu_check_sizes.py says how: from CPU measurements of its
+parts at the full counts). Each section has a budget; past it a section skips its remaining optional parts
+(architectures, batch sizes, variants) and lists them under "cut". A section's budget never eats
+into the estimates of the sections after it, no section starts after 330 s, and a watchdog ends
+the run at 360 s, writing the report with the running section marked cut (exit code 3). The plan
+(estimates, budgets, caps) is printed up front and is the JSON's "plan".
+
+Imports only torch, transformers (and its tokenizers), triton where present, and batchgen.engine:
+what the GPU image has (no pydantic, ray or xgrammar; the smoke test blocks them).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import logging
 import os
-import platform
-import random
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+STARTED = time.perf_counter()  # the hard cap counts from here: imports and CUDA's start-up are part of the run
+if "--smoke" in sys.argv:  # why before torch: the Triton backend runs on the CPU only in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# why: the profiler's library prints two lines per profiled window (start/stop) at every level below 6;
+# the sections check that the profiler saw CUDA activity instead of relying on its error lines
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-import transformers
+import torch  # noqa: E402
 
-from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.attention import path as attention_path
-from batchgen.engine.core.scheduler import ScheduledBatch
-from batchgen.engine.llm import LLM
-from batchgen.testing.tiny_models import EOS_ID, save_random_model
+from benchmarks.gpu_check_common import Budget, Ctx, Report, Sizes, start_watchdog  # noqa: E402
+from benchmarks.gpu_check_quiet import OWN_LOGGER, Quiet  # noqa: E402
+from benchmarks.gpu_check_sizes import FULL, SECTION_NAMES, SMOKE  # noqa: E402
 
-log = logging.getLogger("gpu_check")
-EOS = EOS_ID  # id 0 of the tiny word tokenizer
-ATTENTION_OPS = ("attention", "flash", "fmha", "varlen", "softmax", "index_select", "bmm", "cutlass")
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+log = logging.getLogger(OWN_LOGGER)
 
 
-@dataclass
-class Sizes:
-    device: str
-    archs: list[str]
-    parity_prompts: int
-    big: dict[str, Any]  # LlamaConfig kwargs of the bf16 model
-    agree_prompts: int
-    agree_tokens: int
-    n_prompts: int
-    prompt_lens: tuple[int, int]
-    out_tokens: int
-    hf_batches: list[int]
-    shared_prefix: int
-    breakdown_prompts: int
-    long_chunk: int  # prompt tokens of section 4's worst-case chunk (two chunks at the token budget)
-    engine: dict[str, Any] = field(default_factory=dict)  # extra engine settings (smoke: small CPU budgets)
+def section_functions() -> dict[str, Callable[[Ctx, dict[str, Any]], None]]:
+    from benchmarks import gpu_check_compiled as compiled
+    from benchmarks import gpu_check_env as env
+    from benchmarks import gpu_check_parity as parity
+    from benchmarks import gpu_check_perf as perf
+    from benchmarks import gpu_check_syncs as syncs
 
-
-BIG_1B = dict(  # Llama-3.2-1B's shape: ~1.24B parameters
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    max_position_embeddings=32768,
-    tie_word_embeddings=True,
-    rope_theta=500000.0,
-)
-ALL_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "gpt_neox"]
-# why a 400-token preamble: not a multiple of 256, so 256-token blocks share only 256 of it (the cost
-# of the varlen kernel's block size shows in section 3's shared-prefix rows)
-FULL = Sizes("cuda", ALL_ARCHS, 24, BIG_1B, 8, 64, 256, (256, 768), 128, [64, 128, 256], 400, 64, 16384)
-SMOKE = Sizes(
-    device="cpu",
-    archs=["llama", "gemma2"],  # gemma2: soft-capping, always the gather + SDPA path
-    parity_prompts=3,
-    big=dict(
-        BIG_1B,
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    ),
-    agree_prompts=2,
-    agree_tokens=6,
-    n_prompts=6,
-    prompt_lens=(16, 40),
-    out_tokens=5,
-    hf_batches=[6],
-    shared_prefix=24,
-    breakdown_prompts=4,
-    long_chunk=160,
-    engine={"max_num_batched_tokens": 96, "max_num_seqs": 8},
-)
-
-
-# ----------------------------------------------------------------------------- plumbing
-
-
-class Report:
-    """The JSON document, rewritten whole (atomically) after every section."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.data: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-    def section(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
-        start = time.perf_counter()
-        try:
-            result = fn()
-        except Exception as exc:  # why: one failing section must not cost the others' figures
-            log.exception("section %s failed", name)
-            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
-        result["seconds"] = round(time.perf_counter() - start, 1)
-        self.data[name] = result
-        self.write()
-
-    def write(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        os.replace(tmp, self.path)
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def save_model(config: Any, path: Path, device: str, seed: int = 0) -> Path:
-    """A random-weight model of `config` saved with its word tokenizer; device memory freed after."""
-    save_random_model(config, path, seed, device)
-    free_memory()
-    return path
-
-
-def random_prompts(
-    n: int, lens: tuple[int, int], vocab: int, seed: int, prefix: list[int] | None = None
-) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [(prefix or []) + [rng.randrange(1, vocab) for _ in range(rng.randint(*lens))] for _ in range(n)]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-# ----------------------------------------------------------------------------- section 0
-
-
-def step_shape(batch: ScheduledBatch) -> str:
-    decodes = [c.is_decode for c in batch.chunks]
-    if all(decodes):
-        return "decode"
-    if any(decodes):
-        return "mixed"
-    return "continuation" if any(c.start > 0 for c in batch.chunks) else "prefill"
-
-
-@contextlib.contextmanager
-def capture_batches(llm: LLM) -> Iterator[list[ScheduledBatch]]:
-    runner, seen = llm.engine.runner, []
-    real = runner.execute
-
-    def execute(batch: ScheduledBatch) -> torch.Tensor:
-        seen.append(batch)
-        return real(batch)
-
-    runner.execute = execute  # type: ignore[method-assign]
-    try:
-        yield seen
-    finally:
-        runner.execute = real  # type: ignore[method-assign]
-
-
-def profiled_step(llm: LLM, device: str) -> tuple[str, list[str], dict[str, int]]:
-    """One engine step under the torch profiler -> (its shape, attention-ish ops/kernels, sync calls)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with capture_batches(llm) as seen, torch.profiler.profile(activities=activities) as prof:
-        llm.engine.step()
-        sync(device)
-    names = {e.key: e.count for e in prof.key_averages()}
-    ops = sorted(k for k in names if any(p in k.lower() for p in ATTENTION_OPS))
-    syncs = {k: names.get(k, 0) for k in (*SYNC_CALLS, "cudaMemcpyAsync")}
-    return step_shape(seen[0]), ops[:16], syncs
-
-
-def call_shapes(path: Path, device: str, dtype: torch.dtype, block_size: int) -> dict[str, Any]:
-    """Run prefill / continuation / decode / mixed steps and record what each launched."""
-    llm = LLM(
-        str(path),
-        device=device,
-        dtype=dtype,
-        block_size=block_size,
-        max_num_batched_tokens=256,
-        max_num_seqs=4,
-        enable_prefix_caching=False,
-        num_kv_blocks=64,
-    )
-    runner = llm.engine.runner
-    shapes: dict[str, Any] = {}
-    for prompts in ([[5] * 100], [[7] * 600], [[9] * 100, [11] * 600]):
-        for p in prompts:
-            llm.engine.add_request(p, greedy(3))
-        while llm.engine.has_unfinished():
-            shape, ops, syncs = profiled_step(llm, device)
-            shapes.setdefault(shape, {"ops": ops, "sync_calls": syncs})
-    result = {"path": runner.attention.path, "reason": runner.attention.reason, "shapes": shapes}
-    del llm, runner
-    free_memory()
-    return result
-
-
-def section0(sizes: Sizes, work: Path) -> dict[str, Any]:
-    from batchgen.engine.runner.models import resolve_device
-
-    device = resolve_device(sizes.device)
-    gpu: dict[str, Any] | None = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        gpu = {
-            "name": props.name,
-            "capability": list(torch.cuda.get_device_capability(device)),
-            "total_gib": round(props.total_memory / 2**30, 1),
-        }
-    support = attention_path.detect_support(device)
-    choices = {
-        f"{str(dt).removeprefix('torch.')}/block{bs}": asdict(
-            attention_path.choose_attention_path(device.type, dt, bs, 64, False, support)
-        )
-        for dt in (torch.bfloat16, torch.float16, torch.float32)
-        for bs in (16, 256)
-    }
-    tiny = save_model(
-        transformers.LlamaConfig(**dict(SMOKE.big, vocab_size=256, max_position_embeddings=2048)),
-        work / "tiny-shapes",
-        sizes.device,
-    )
-    observed = {"float32/block16": call_shapes(tiny, sizes.device, torch.float32, 16)}
-    if device.type == "cuda":  # (the smoke run keeps to one: the CPU takes the same path for each)
-        observed["bfloat16/block16"] = call_shapes(tiny, sizes.device, torch.bfloat16, 16)
-        observed["bfloat16/block256"] = call_shapes(tiny, sizes.device, torch.bfloat16, 256)
     return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "gpu": gpu,
-        "varlen_paged_supported": support.varlen_paged,
-        "accelerate_installed": transformers.utils.is_accelerate_available(),
-        "path_choice": choices,
-        "observed": observed,
+        "env": env.run,
+        "parity": parity.section_parity,
+        "triton": parity.section_triton,
+        "compiled": compiled.section_compiled,
+        "graphs": compiled.section_graphs,
+        "throughput": perf.section_throughput,
+        "syncs": syncs.section_syncs,
     }
 
 
-def _hf_tok_s(report: Report) -> float | None:
-    """Section 3's best `generate` output tok/s, for section 5's ratio (None when section 3 did not run)."""
-    hf = report.data.get("3_throughput", {}).get("hf_generate_bf16")
-    return None if not isinstance(hf, dict) else hf.get("output_tok_s")
+def status_of(out: dict[str, Any]) -> str:
+    if "error" in out:
+        return "error"
+    if out.get("failures"):
+        return "failed"
+    if "skipped" in out:
+        return "skipped"
+    return "cut" if out.get("cut") else "ok"
+
+
+def run_section(ctx: Ctx, name: str, fn: Callable[[Ctx, dict[str, Any]], None], seconds: float) -> None:
+    """Run one section under its budget; what it recorded before an exception is kept."""
+    out: dict[str, Any] = {"budget_s": round(seconds, 1)}
+    ctx.report.data[name] = out
+    ctx.budget = Budget(seconds)
+    try:
+        fn(ctx, out)
+    except Exception as exc:  # why: one failing section must not cost the others' figures
+        log.exception("section %s raised", name)
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()[-4000:]
+    out["seconds"] = round(ctx.budget.spent(), 1)
+    out["status"] = status_of(out)
+    ctx.save()
+
+
+def section_time(sizes: Sizes, names: list[str], elapsed: float) -> float:
+    """Seconds the section names[0] may take: its budget, less whatever would eat into the estimates
+    of the sections after it before the cap, but at least half its own estimate (within the cap).
+
+    Why reserve: the last section (throughput, the headline figure) must not be starved by earlier
+    ones running up to their budgets; what a section leaves unused flows on to the next."""
+    name, left = names[0], sizes.total_cap_s - elapsed
+    room = left - sum(sizes.estimate_s[n] for n in names[1:])
+    return min(sizes.budget_s[name], max(room, min(0.5 * sizes.estimate_s[name], left)))
+
+
+def plan(sizes: Sizes, names: list[str]) -> dict[str, Any]:
+    return {
+        "sections": names,
+        "estimate_s": {n: sizes.estimate_s[n] for n in names},
+        "budget_s": {n: sizes.budget_s[n] for n in names},
+        "estimate_total_s": sum(sizes.estimate_s[n] for n in names),
+        "no_section_starts_after_s": sizes.total_cap_s,
+        "hard_cap_s": sizes.hard_cap_s,
+    }
+
+
+def announce(p: dict[str, Any]) -> None:
+    """The plan, up front: what a cut-off run's JSON will be measured against."""
+    log.info(
+        "sections %s", ", ".join(f"{n} ~{p['estimate_s'][n]:.0f}s (cap {p['budget_s'][n]:.0f}s)" for n in p["sections"])
+    )
+    log.info(
+        "estimate %.0f s in all; no section starts after %.0f s; stopped at %.0f s whatever it is doing",
+        p["estimate_total_s"],
+        p["no_section_starts_after_s"],
+        p["hard_cap_s"],
+    )
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes on the CPU, for the test that keeps this alive"
+    )
+    parser.add_argument("--sections", default=",".join(SECTION_NAMES), help="comma-separated, from: %(default)s")
+    args = parser.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in args.sections if s not in SECTION_NAMES]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; known: {', '.join(SECTION_NAMES)}")
+    args.sections = [s for s in SECTION_NAMES if s in args.sections]  # why: the order above, always
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, for the test that keeps this alive")
-    parser.add_argument("--sections", default="012345", help="which sections to run (default all)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse(argv)
+    quiet = Quiet()
+    quiet.install()
     sizes = SMOKE if args.smoke else FULL
+    if args.smoke:  # why: tiny models gain nothing from a second thread, and on a busy machine OpenMP's
+        torch.set_num_threads(1)  # spinning threads made transformers' generate 20x slower (measured)
     if sizes.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here; use --smoke for the CPU run", file=sys.stderr)
         return 2
-    from benchmarks import gpu_check_parts as parts
-    from benchmarks import gpu_check_perf as perf
-
     report = Report(args.out)
-    report.data["mode"] = "smoke" if args.smoke else "full"
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        work = Path(tmp)
-        runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-            ("0_environment", lambda: section0(sizes, work)),
-            ("1_fp32_parity", lambda: parts.section1(sizes, work)),
-            ("2_bf16_agreement", lambda: parts.section2(sizes, work)),
-            ("3_throughput", lambda: perf.section3(sizes, work)),
-            ("4_memory", lambda: perf.section4(sizes, work)),
-            ("5_compiled", lambda: perf.section5(sizes, work, _hf_tok_s(report))),
-        ]
-        for name, fn in runs:
-            if name[0] in args.sections:
-                report.section(name, fn)
-    report.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    report.data.update(mode="smoke" if args.smoke else "full", plan=plan(sizes, args.sections))
+    announce(report.data["plan"])
     report.write()
-    print(json.dumps({k: v.get("error", "ok") if isinstance(v, dict) else v for k, v in report.data.items()}))
-    return 0
+    functions = section_functions()
+    running: list[str | None] = [None]  # the section in progress, for the watchdog
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        watchdog = start_watchdog(report, STARTED, sizes.hard_cap_s, lambda: running[0], Path(tmp))
+        ctx = Ctx(sizes, Path(tmp), report)
+        for i, name in enumerate(args.sections):
+            elapsed = time.perf_counter() - STARTED
+            if elapsed >= sizes.total_cap_s:
+                report.data[name] = {"status": "skipped", "skipped": "the run's time cap was spent"}
+                continue
+            running[0] = name
+            run_section(ctx, name, functions[name], section_time(sizes, args.sections[i:], elapsed))
+            running[0] = None
+            report.data["warnings"] = quiet.summary()
+            out = report.data[name]
+            log.info("section %s: %s in %.1f s %s", name, out["status"], out["seconds"], out.get("failures", ""))
+        report.data["script_syncs"] = ctx.script_syncs
+        watchdog.set()
+    report.data["seconds"] = round(time.perf_counter() - STARTED, 1)
+    report.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    report.data["warnings"] = quiet.summary()
+    report.write()
+    statuses = {n: report.data[n]["status"] for n in args.sections}
+    print(json.dumps({"seconds": report.data["seconds"], **statuses}))
+    return 1 if any(s in ("failed", "error") for s in statuses.values()) else 0
 
 
 if __name__ == "__main__":

@@ -1,267 +1,229 @@
-"""Sections 3 (throughput) and 4 (memory) of benchmarks/gpu_check.py (run that script)."""
+"""Section "throughput" of benchmarks/gpu_check.py: a 1B-class bf16 Llama (random weights, built from
+Llama-3.2-1B's config; the smoke run: the tiny float32 Llama, so its compile reuses the earlier
+sections') through transformers `generate` at a few batch sizes and through the engine eager and
+compiled (with CUDA-graph decode), side by side in one process: output tokens/s, the ratio to
+generate's best batch size, greedy agreement (not exact in bf16: padding, kernels), memory, and
+the engine's own counters.
+
+Why a warm-up of the same shapes: before each engine variant is timed it runs the same workload
+once with other token values (the same lengths, so the same steps, token counts, decode batches,
+graph widths and staging offsets; other tokens, so nothing is a prefix-cache hit). Every graph
+the compiled forward needs and every CUDA graph the decodes replay are made then, and the timed
+run must make none: the section fails when the engine counts a recompile or a capture in it.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers as tf
 
 from batchgen.engine.llm import LLM
-from batchgen.engine.sampling.sampler import Sampler
-from batchgen.engine.sampling.stopping import StopChecker
-from benchmarks.gpu_check import (
-    SYNC_CALLS,
-    Sizes,
-    capture_batches,
+from benchmarks.gpu_check_common import (
+    EOS,
+    Ctx,
+    common_prefix,
+    counters_delta,
+    engine_counters,
     free_memory,
     greedy,
-    profiled_step,
+    hf_generate,
+    load_hf,
     random_prompts,
-    sync,
+    save_model,
+    tokens_of,
 )
-from benchmarks.gpu_check_parts import big_model, hf_generate, load_hf
+from benchmarks.gpu_check_compiled import drop_compiled, with_graphs
 
 GIB = 2**30
-MEMORY_NOTES: dict[str, Any] = {}  # what section 3's engine saw of memory, reported by section 4
+VARIANTS: dict[str, dict[str, Any]] = {"eager": {"compile": False}, "compiled": {"compile": True}}
 
 
-def _gib(n: int | float) -> float:
-    return round(n / GIB, 3)
+def big_model(ctx: Ctx) -> Path:
+    config = tf.LlamaConfig(**ctx.sizes.big, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS)
+    return save_model(config, ctx.work / "big", ctx.sizes.device, getattr(torch, ctx.sizes.big_dtype))
 
 
-# ----------------------------------------------------------------------------- section 3
+def workload(ctx: Ctx, token_seed: int | None = None, prefix: list[int] | None = None) -> list[list[int]]:
+    s = ctx.sizes
+    lens = s.prompt_lens if prefix is None else (s.prompt_lens[0] // 4, s.prompt_lens[0])
+    return random_prompts(s.n_prompts, lens, s.big["vocab_size"], 3, prefix, token_seed)
 
 
-def timed(fn: Any, device: str) -> tuple[Any, float]:
-    sync(device)
+def timed(ctx: Ctx, fn: Any) -> tuple[Any, float, int]:
+    """fn() between two of the script's own syncs -> (its result, seconds, script syncs made)."""
+    syncs = ctx.script_syncs
+    ctx.sync()
     start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - start
+    result = fn()
+    ctx.sync()
+    return result, time.perf_counter() - start, ctx.script_syncs - syncs
 
 
-def hf_sweep(model: Any, prompts: list[list[int]], sizes: Sizes, batches: list[int]) -> dict[str, Any]:
+def hf_sweep(ctx: Ctx, model: Any, prompts: list[list[int]], batches: list[int], out: dict[str, Any]) -> dict[str, Any]:
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    rows = {}
+    rows: dict[int, dict[str, Any]] = {}
+    tokens: dict[int, list[list[int]]] = {}
+    last = 0.0
     for bs in batches:
+        if rows and not ctx.unit(out, f"generate batch {bs}", 1.5 * last):  # smaller batches run longer
+            continue
 
-        def run(bs: int = bs) -> None:
+        def run(bs: int = bs) -> dict[int, list[int]]:
+            got = {}
             for b in range(0, len(order), bs):
-                hf_generate(model, [prompts[i] for i in order[b : b + bs]], sizes.out_tokens, sizes.device)
+                rows_of = order[b : b + bs]
+                outs = hf_generate(model, [prompts[i] for i in rows_of], ctx.sizes.out_tokens, ctx.sizes.device)
+                got.update(zip(rows_of, outs))
+            return got
 
-        _, seconds = timed(run, sizes.device)
-        rows[bs] = {"seconds": round(seconds, 2), "output_tok_s": round(len(prompts) * sizes.out_tokens / seconds, 1)}
+        got, seconds, _ = timed(ctx, run)
+        last = seconds
+        tokens[bs] = [got[i] for i in range(len(prompts))]
+        rows[bs] = {
+            "seconds": round(seconds, 2),
+            "output_tok_s": round(len(prompts) * ctx.sizes.out_tokens / seconds, 1),
+        }
     best = max(rows, key=lambda b: rows[b]["output_tok_s"])
-    return {"by_batch_size": rows, "best_batch_size": best, **rows[best]}
+    return {"by_batch_size": rows, "best_batch_size": best, **rows[best], "tokens": tokens[best]}
 
 
-def engine_run(llm: LLM, prompts: list[list[int]], sizes: Sizes) -> dict[str, Any]:
-    llm.generate([[5, 6, 7, 8]] * 2, greedy(4))  # warm-up
-    before = llm.stats
-    if sizes.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    outs, seconds = timed(lambda: llm.generate(prompts, greedy(sizes.out_tokens)), sizes.device)
-    delta = {k: v - before[k] for k, v in llm.stats.items()}
-    produced = sum(o.num_output_tokens for o in outs)
-    return {"seconds": round(seconds, 2), "output_tok_s": round(produced / seconds, 1), "stats": delta}
-
-
-@contextlib.contextmanager
-def timers(llm: LLM, device: str) -> Iterator[dict[str, float]]:
-    """Wall time per phase of engine.step (a CUDA sync closes each phase, so the split is honest)."""
-    totals = {"schedule": 0.0, "execute": 0.0, "metadata": 0.0, "sampler": 0.0, "stop_checks": 0.0}
-    patches = [
-        (llm.engine.scheduler, "schedule", "schedule"),
-        (llm.engine.runner, "execute", "execute"),
-        (llm.engine.runner.backend, "plan", "metadata"),
-        (Sampler, "__call__", "sampler"),
-        (StopChecker, "append", "stop_checks"),
-    ]
-    saved = []
-    for owner, name, label in patches:
-        real = getattr(owner, name)
-        saved.append((owner, name, owner.__dict__.get(name, real) if isinstance(owner, type) else real))
-
-        def wrapper(*args: Any, _real: Any = real, _label: str = label, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = _real(*args, **kwargs)
-            sync(device)
-            totals[_label] += time.perf_counter() - start
-            return out
-
-        setattr(owner, name, wrapper)
-    try:
-        yield totals
-    finally:
-        for owner, name, real in saved:
-            setattr(owner, name, real)
-
-
-def breakdown(llm: LLM, sizes: Sizes) -> dict[str, Any]:
-    vocab = sizes.big["vocab_size"]
-    for p in random_prompts(sizes.breakdown_prompts, sizes.prompt_lens, vocab, seed=5):
-        llm.engine.add_request(p, greedy(sizes.out_tokens))
-    with capture_batches(llm) as seen:
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.engine.scheduler.running) or (
-            llm.engine.scheduler.num_waiting
-        ):
-            llm.engine.step()
-    stats0 = llm.stats
-    decode_steps = 0
-    with timers(llm, sizes.device) as totals:
-        start = time.perf_counter()
-        for _ in range(min(16, sizes.out_tokens - 3)):
-            llm.engine.step()
-            decode_steps += 1
-        total = time.perf_counter() - start
-    profiled = [profiled_step(llm, sizes.device) for _ in range(2)]
-    counters = {k: v - stats0.get(k, 0) for k, v in llm.stats.items() if "sync" in k or "transfer" in k}
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    ms = {k: round(v / decode_steps * 1e3, 3) for k, v in totals.items()}
-    ms["forward"] = round(ms["execute"] - ms["metadata"], 3)
-    ms["step_total"] = round(total / decode_steps * 1e3, 3)
-    return {
-        "decode_batch": sizes.breakdown_prompts,
-        "prefill_steps": len(seen),
-        "decode_step_ms": ms,
-        "profiled_decode_shapes": [p[0] for p in profiled],
-        "sync_calls_per_decode_step_profiler": {k: profiled[-1][2].get(k, 0) for k in SYNC_CALLS},
-        "memcpy_calls_per_decode_step_profiler": profiled[-1][2].get("cudaMemcpyAsync", 0),
-        "sync_counters_per_decode_step": {k: v / decode_steps for k, v in counters.items()} or None,
-        "sync_counters_note": None if counters else "this build's EngineStats has no sync/transfer counter",
-    }
-
-
-def section3(sizes: Sizes, work: Path) -> dict[str, Any]:
-    path = big_model(sizes, work)
-    vocab = sizes.big["vocab_size"]
-    prompts = random_prompts(sizes.n_prompts, sizes.prompt_lens, vocab, seed=3)
-    prefix = random_prompts(1, (sizes.shared_prefix, sizes.shared_prefix), vocab, seed=4)[0]
-    shared = random_prompts(sizes.n_prompts, (sizes.prompt_lens[0] // 4, sizes.prompt_lens[0]), vocab, 6, prefix)
-    model = load_hf(path, sizes.device, torch.bfloat16)
-    hf_generate(model, prompts[:2], 2, sizes.device)  # warm-up
-    hf = hf_sweep(model, prompts, sizes, sizes.hf_batches)
-    hf_shared = hf_sweep(model, shared, sizes, [hf["best_batch_size"]])
-    del model
-    free_memory()
-    free_before = torch.cuda.mem_get_info() if sizes.device == "cuda" else None
-    llm = LLM(str(path), device=sizes.device, dtype="bfloat16", **sizes.engine)
+def memory_of(llm: LLM, free_before: int | None) -> dict[str, Any]:
     runner = llm.engine.runner
-    native = engine_run(llm, prompts, sizes)
-    MEMORY_NOTES.update(
-        free_before_gib=None if free_before is None else _gib(free_before[0]),
-        pool_gib=_gib(sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_caches)),
-        pool_blocks=runner.num_kv_blocks,
-        block_size=runner.block_size,
-        profile=None if llm.memory_profile is None else {k: v for k, v in vars(llm.memory_profile).items()},
-        peak_allocated_gib=_gib(torch.cuda.max_memory_allocated()) if sizes.device == "cuda" else None,
-    )
-    native_shared = engine_run(llm, shared, sizes)
-    steps = breakdown(llm, sizes)
-    config = {k: getattr(llm.config, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")}
-    attention = runner.attention.path
-    del llm, runner
-    free_memory()
-    llm = LLM(str(path), device=sizes.device, dtype="bfloat16", enable_prefix_caching=False, **sizes.engine)
-    native_shared_off = engine_run(llm, shared, sizes)
-    del llm
-    free_memory()
-    small_blocks = None
-    if config["block_size"] != 16:  # what the varlen kernel's 256-token blocks cost the prefix cache
-        llm = LLM(str(path), device=sizes.device, dtype="bfloat16", block_size=16, **sizes.engine)
-        small_blocks = engine_run(llm, shared, sizes) | {"attention": llm.engine.runner.attention.path}
-        del llm
-        free_memory()
+    cuda = runner.device.type == "cuda"
+    profile = llm.memory_profile
     return {
-        "workload": f"{len(prompts)} prompts of {sizes.prompt_lens} tokens, {sizes.out_tokens} output tokens each",
-        "engine_config": config,
-        "attention": attention,
-        "hf_generate_bf16": hf,
-        "native_bf16": native,
-        "native_over_hf_best": round(native["output_tok_s"] / hf["output_tok_s"], 2),
-        "shared_prefix": {
-            "workload": f"{sizes.shared_prefix}-token shared preamble + own tokens",
-            "hf_generate_bf16": hf_shared,
-            "native_caching_on": native_shared,
-            "native_caching_off": native_shared_off,
-            "native_caching_on_block16": small_blocks,
-            "native_on_over_hf": round(native_shared["output_tok_s"] / hf_shared["output_tok_s"], 2),
-        },
-        "per_step": steps,
+        "pool_blocks": runner.num_kv_blocks,
+        "block_size": runner.block_size,
+        "pool_gib": round(sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_caches) / GIB, 3),
+        "free_before_load_gib": None if free_before is None else round(free_before / GIB, 2),
+        # peak of the timed run; graphs' private pools count as allocated, so a graph pool that outgrew
+        # the KV budget shows as a peak near the total and little free memory after
+        "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 2) if cuda else None,
+        "reserved_gib": round(torch.cuda.memory_reserved() / GIB, 2) if cuda else None,
+        "free_after_gib": round(torch.cuda.mem_get_info()[0] / GIB, 2) if cuda else None,
+        "profile": None if profile is None else dict(vars(profile)),
     }
 
 
-# ----------------------------------------------------------------------------- section 4
-
-
-def long_chunk(path: Path, sizes: Sizes, block: int | None) -> dict[str, Any]:
-    """One prompt of sizes.long_chunk tokens: its second chunk attends over a whole budget of context."""
-    vocab = sizes.big["vocab_size"]
-    llm = LLM(
-        str(path),
-        device=sizes.device,
-        dtype="bfloat16",
-        block_size=block,
-        max_model_len=sizes.long_chunk + 8,
-        **sizes.engine,
-    )
-    cuda = sizes.device == "cuda"
+def timed_generate(ctx: Ctx, llm: LLM, prompts: list[list[int]], warm: list[list[int]]) -> dict[str, Any]:
+    """Warm up on `warm` (the same shapes), then time `prompts`; the engine's counters for each."""
+    s, cuda = ctx.sizes, ctx.sizes.device == "cuda"
+    start = engine_counters(llm)
+    _, warm_s, _ = timed(ctx, lambda: llm.generate(warm, greedy(s.out_tokens)))
+    before, stats0 = engine_counters(llm), llm.stats
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    resting = torch.cuda.memory_allocated() if cuda else 0
-    with capture_batches(llm) as seen:
-        llm.generate(random_prompts(1, (sizes.long_chunk, sizes.long_chunk), vocab, seed=11), greedy(1))
-    peak = torch.cuda.max_memory_allocated() - resting if cuda else None
-    runner = llm.engine.runner
-    result = {
-        "block_size": runner.block_size,
-        "attention": runner.attention.path,
-        "chunks": [[c.start, c.num_tokens] for b in seen for c in b.chunks],
-        "peak_above_resting_gib": None if peak is None else _gib(peak),
-    }
-    del llm, runner
-    free_memory()
-    return result
-
-
-def section4(sizes: Sizes, work: Path) -> dict[str, Any]:
-    path = big_model(sizes, work)
-    chunks = [long_chunk(path, sizes, None)]
-    if chunks[0]["block_size"] != 16:
-        chunks.append(long_chunk(path, sizes, 16))
-    total = torch.cuda.mem_get_info()[1] if sizes.device == "cuda" else None
+    outs, seconds, script_syncs = timed(ctx, lambda: llm.generate(prompts, greedy(s.out_tokens)))
+    produced = sum(o.num_output_tokens for o in outs)
     return {
-        "total_gib": None if total is None else _gib(total),
-        "section3_engine": dict(MEMORY_NOTES) or None,
-        "worst_case_long_chunk": chunks,
-        "note": None if sizes.device == "cuda" else "CPU run: device memory figures are CUDA-only (null)",
+        "seconds": round(seconds, 2),
+        "output_tok_s": round(produced / seconds, 1),
+        "warmup_seconds": round(warm_s, 1),
+        "stats": {k: v - stats0[k] for k, v in llm.stats.items()},
+        "engine_counters_timed": counters_delta(before, engine_counters(llm)),
+        "engine_counters_warmup": counters_delta(start, before),
+        "script_syncs_timed": script_syncs,
+        "tokens": tokens_of(outs),
     }
 
 
-# ----------------------------------------------------------------------------- section 5
-
-
-def section5(sizes: Sizes, work: Path, hf_tok_s: float | None) -> dict[str, Any]:
-    """Section 3's main workload with `compile=True` and 16-token blocks, so that on CUDA decode-only
-    steps replay CUDA graphs whichever attention path the default block size would pick. Last of
-    all: a CUDA error here can poison the process's CUDA context, which no try/except contains.
-    Compiling and the first capture of each (rows, width) graph fall inside the timed run."""
-    path = big_model(sizes, work)
-    prompts = random_prompts(sizes.n_prompts, sizes.prompt_lens, sizes.big["vocab_size"], seed=3)  # section 3's
-    engine = {**sizes.engine, "block_size": 16}
-    llm = LLM(str(path), device=sizes.device, dtype="bfloat16", compile=True, **engine)
-    result = engine_run(llm, prompts, sizes)
+def engine_variant(ctx: Ctx, path: Path, name: str, runs: dict[str, tuple[list[list[int]], ...]]) -> dict[str, Any]:
+    """Load the engine of variant `name` once and run each workload (prompts, warm-up prompts) on it."""
+    s = ctx.sizes
+    free_before = torch.cuda.mem_get_info()[0] if s.device == "cuda" else None
+    began = time.perf_counter()
+    settings = {**s.engine, **VARIANTS[name]}
+    if settings["compile"]:  # the backend the graphs run with (the CPU stand-in's: torch)
+        settings["attention_backend"] = s.graph_backend
+    llm = LLM(str(path), device=s.device, dtype=s.big_dtype, **settings)
+    if llm.engine.runner.forward.compile:
+        with_graphs(llm, s.graph_standin)
     runner = llm.engine.runner
-    result |= runner.forward.stats.as_dict()
-    result["compiled"] = runner.forward.compile  # still on after the run (no fallback to eager)
-    result["cuda_graphs_captured"] = None if runner.graphs is None else runner.graphs.num_graphs
-    result["attention"] = runner.attention.path
-    result["compiled_over_hf_best"] = None if not hf_tok_s else round(result["output_tok_s"] / hf_tok_s, 2)
+    result: dict[str, Any] = {
+        "load_seconds": round(time.perf_counter() - began, 1),
+        "backend": runner.backend.describe(),
+        "attention_path": runner.attention.path,
+        "compiled": runner.forward.compile,
+        "cuda_graphs": runner.graphs is not None,
+    }
+    for label, (prompts, warm) in runs.items():
+        result[label] = timed_generate(ctx, llm, prompts, warm)
+    result["memory"] = memory_of(llm, free_before)
     del llm, runner
     free_memory()
     return result
+
+
+def timing_clean(out: dict[str, Any], name: str, run: dict[str, Any]) -> None:
+    """Zero recompiles and zero graph captures in the timed run, or the section fails."""
+    counts = run["engine_counters_timed"]
+    dirty = {k: counts[k] for k in ("compiled_graphs", "captures") if counts.get(k)}
+    run["timing_clean"] = not dirty
+    if dirty:
+        out.setdefault("failures", []).append(f"{name}: {dirty} inside the timed run (its figure includes them)")
+
+
+def agreement(got: list[list[int]], want: list[list[int]]) -> dict[str, Any]:
+    lengths = [common_prefix(a, b) for a, b in zip(got, want)]
+    return {
+        "identical": sum(a == b for a, b in zip(got, want)),
+        "of": len(want),
+        "median_len": statistics.median(lengths),
+    }
+
+
+def section_throughput(ctx: Ctx, out: dict[str, Any]) -> None:
+    s = ctx.sizes
+    drop_compiled(ctx)  # the parity sections' engines: free their memory before the big model's
+    path = big_model(ctx)
+    prompts, warm = workload(ctx), workload(ctx, token_seed=1)
+    out["workload"] = f"{len(prompts)} prompts of {s.prompt_lens} tokens, {s.out_tokens} output tokens each, greedy"
+    out["dtype"] = s.big_dtype
+    model = load_hf(path, s.device, getattr(torch, s.big_dtype), "sdpa")
+    out["params"] = sum(p.numel() for p in model.parameters())
+    hf_generate(model, warm[:2], 2, s.device)  # warm-up
+    hf = hf_sweep(ctx, model, prompts, s.hf_batches, out)
+    hf_tokens = hf.pop("tokens")
+    out["hf_generate"] = hf
+    ctx.save()
+    runs: dict[str, tuple[list[list[int]], ...]] = {"main": (prompts, warm)}
+    if ctx.unit(out, "shared prefix", 2 * hf["seconds"]):
+        vocab = s.big["vocab_size"]
+        preambles = [random_prompts(1, (s.shared_prefix,) * 2, vocab, seed=4, token_seed=t)[0] for t in (4, 5)]
+        runs["shared_prefix"] = (workload(ctx, 2, preambles[0]), workload(ctx, 3, preambles[1]))
+        out["shared_prefix"] = {"workload": f"{s.shared_prefix}-token shared preamble + own tokens, eager engine"}
+        shared_hf = hf_sweep(ctx, model, runs["shared_prefix"][0], [hf["best_batch_size"]], out)
+        shared_hf.pop("tokens")
+        out["shared_prefix"]["hf_generate"] = shared_hf
+    del model
+    free_memory()
+    for name in VARIANTS:
+        if name != "eager" and not ctx.unit(out, f"engine {name}", s.estimate_s[f"throughput.{name}"]):
+            continue
+        run = engine_variant(ctx, path, name, runs if name == "eager" else {"main": runs["main"]})
+        main = run.pop("main")
+        tokens = main.pop("tokens")
+        run.update(main)
+        run["over_hf_best"] = round(run["output_tok_s"] / hf["output_tok_s"], 2)
+        run["greedy_agreement_vs_hf"] = agreement(tokens, hf_tokens)
+        if "eager" in ctx.cache.get("perf_tokens", {}):
+            run["greedy_agreement_vs_eager"] = agreement(tokens, ctx.cache["perf_tokens"]["eager"])
+        ctx.cache.setdefault("perf_tokens", {})[name] = tokens
+        timing_clean(out, name, run)
+        if "shared_prefix" in run:
+            shared_run = run.pop("shared_prefix")
+            shared_run.pop("tokens")
+            timing_clean(out, f"{name}/shared_prefix", shared_run)
+            out["shared_prefix"]["engine_eager"] = shared_run
+            out["shared_prefix"]["over_hf"] = round(
+                shared_run["output_tok_s"] / out["shared_prefix"]["hf_generate"]["output_tok_s"], 2
+            )
+        out[name] = run
+        ctx.save()
+    ctx.cache.pop("perf_tokens", None)
+    drop_compiled(ctx)

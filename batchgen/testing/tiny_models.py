@@ -85,9 +85,10 @@ def word_tokenizer(vocab: int = VOCAB) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
 
 
-def save_random_model(config: Any, path: Path, seed: int = 0, device: str = "cpu") -> Path:
-    """A random-weight model of `config` (built on `device`: fast on a GPU), saved to `path` with
-    word_tokenizer(config.vocab_size) and EOS = id 0 in its generation config."""
+def save_random_model(config: Any, path: Path, seed: int = 0, device: str = "cpu", dtype: Any = None) -> Path:
+    """A random-weight model of `config` (built on `device`: fast on a GPU), saved to `path` in `dtype`
+    (None: as built, float32) with word_tokenizer(config.vocab_size) and EOS = id 0 in its generation
+    config."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -96,6 +97,8 @@ def save_random_model(config: Any, path: Path, seed: int = 0, device: str = "cpu
         model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = EOS_ID
+    if dtype is not None:  # why: a 1B model saved in float32 is 5 GB to write and read back
+        model.to(dtype)
     model.save_pretrained(path)
     word_tokenizer(config.vocab_size).save_pretrained(path)
     return path

@@ -1,5 +1,5 @@
 """CudaMemory: memory.MemoryProbe over torch.cuda's counters. CUDA only: no CPU test runs this module
-(benchmarks/gpu_check.py does, section 4)."""
+(benchmarks/gpu_check.py does, in its throughput section)."""
 
 from __future__ import annotations
 

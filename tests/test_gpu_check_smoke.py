@@ -103,7 +103,8 @@ def test_parity_compiled_and_graph_paths_match_transformers_and_eager_torch(smok
         assert row["still_compiled"] and row["compiled_graphs_total"] >= 1
     assert smoke["compiled"]["llama"]["counters"]["replays"] is None  # graphs held off
     graphs = smoke["graphs"]["llama"]["counters"]
-    assert graphs["replays"] > 0 and graphs["captures"] > 0  # decode steps really went through graphs
+    assert graphs["replays"] > 0  # decode steps really went through graphs
+    assert graphs["captures"] == graphs["captures_after_start"] == 0  # every one was captured before the run
 
 
 @pytest.mark.slow
@@ -118,7 +119,8 @@ def test_throughput_times_no_recompile_and_no_capture(smoke: dict[str, Any]) -> 
     compiled = tp["compiled"]
     assert compiled["compiled"] and compiled["cuda_graphs"]  # the CPU stand-in's graphs
     warmup, timed = compiled["engine_counters_warmup"], compiled["engine_counters_timed"]
-    assert warmup["compiled_graphs"] >= 1 and warmup["captures"] >= 1 and timed["replays"] > 0
+    # graphs were captured when the engine was made: none in the warm-up, none timed
+    assert warmup["compiled_graphs"] >= 1 and warmup["captures"] == 0 and timed["replays"] > 0
     shared = tp["shared_prefix"]
     assert shared["engine_eager"]["stats"]["cached_tokens"] > 0 and shared["over_hf"] > 0
 

@@ -139,3 +139,29 @@ def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Pa
     static = {t.untyped_storage().data_ptr() for t in (graphs.buffers.input_ids, graphs.buffers.positions)}
     static.add(graphs.buffers.keep.untyped_storage().data_ptr())
     assert inputs and all(seen <= static for seen in inputs)  # a graph may read nothing a step frees
+
+
+def test_eager_and_graph_steps_run_one_compiled_forward(tiny_model: Callable[[str], Path]) -> None:
+    """On CUDA the forward's inputs are views of the staging buffer (eager steps) or of the graphs'
+    static buffers: dynamo specialises a view at storage offset 0 or 1, so neither may sit there, or
+    the forward compiles again in the middle of a job. Here with the staging copies made on the CPU
+    and the graphs stood in for: one compiled graph for every step."""
+    from batchgen.engine.runner.transfers import Transfers
+
+    path = str(tiny_model("llama"))
+    prompts = [[2 + (i * 5 + j) % 250 for j in range(n)] for i, n in enumerate([6, 19, 33])]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, device="cpu", compile=False).generate(prompts, params)]
+    llm = LLM(path, device="cpu", attention_backend="torch", max_num_seqs=4, compile=True)
+    runner = llm.engine.runner
+    runner.transfers = Transfers(torch.device("cpu"), copy=True)
+    runner.decode_kv.stage = runner.transfers.stage
+    runner.batch.transfers = runner.transfers
+    max_blocks = -(-llm.config.max_model_len // runner.block_size)
+    graphs = GraphDecode(runner.forward, 4, max_blocks, runner.block_size, runner.device)
+    graphs.graphs = _ReplayByRerun(runner.forward, graphs.buffers)
+    runner.graphs = graphs
+    llm.generate([[3, 4, 5, 6, 7, 8, 9, 10, 11]], params)  # eager steps compile the forward first
+    graphs.capture_all(runner._graph_run, runner._graph_context)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert runner.forward.stats.graphs == 1, runner.forward.stats.shapes

@@ -166,7 +166,7 @@ class StepForward:
         self.take_raised()
         revert = self._settings()
         try:
-            out = self._run(input_ids, positions, keep)
+            out = self._run(_at_storage_start(input_ids), _at_storage_start(positions), _at_storage_start(keep))
         except torch._dynamo.exc.TorchDynamoException as exc:  # raised while tracing or compiling
             if not self.fallback:
                 raise
@@ -211,6 +211,18 @@ def _cpu_options() -> dict[str, Any]:
     issue 30). Read at run time, the count follows the governor in the fused kernels too.
     """
     return {"cpp_wrapper": True, "cpp.dynamic_threads": True, "cpp.threads": torch.get_num_threads()}
+
+
+def _at_storage_start(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it where it is a view into a larger buffer.
+
+    Why: dynamo guards on a view input's base and storage offset, specialising offsets 0 and 1 and
+    tying other offsets to equal sizes (duck sizing). On CUDA the forward's inputs are views of the
+    staging buffer (runner/transfers) at offsets that change step by step, or of the CUDA graphs'
+    static buffers: each new layout compiled the forward again, mid-job (three graphs for one
+    model in tests/engine/test_cuda_graphs.py). A tensor of its own at offset 0 is one layout; the
+    copy is a few bytes (and inside a graph, a captured copy of its static buffer)."""
+    return t if t.storage_offset() == 0 and not t._is_view() else t.clone()
 
 
 class AmbientState:

@@ -16,9 +16,10 @@ No state lives in module globals: two engines in one process each have their own
 a layer finds its cache by the index it was bound to, never by counting calls.
 
 `TorchBackend` ("torch") attends with torch ops only, over blocks gathered from the pool
-(decode_gather); on CUDA it runs the paged varlen kernel where the runner chose it, and the
-CUDA-graph decode step. The other backends (cpu/backend.CpuBackend, triton/backend.TritonBackend)
-are tested against it.
+(decode_gather); on CUDA it runs the paged varlen kernel where the runner chose it. Its static
+attention of a CUDA-graph decode step (full-width gather) is the reference the triton backend's
+graph plan is tested against; the runner replays graphs over the triton backend only. The other
+backends (cpu/backend.CpuBackend, triton/backend.TritonBackend) are tested against it.
 """
 
 from __future__ import annotations
@@ -135,9 +136,7 @@ class AttentionBackend:
         else:
             slots = ctx.slot_mapping if decodes_store else None
             out = torch_paged_attention(ctx, layer, query, key, value, scale, window, softcap, slots)
-        if ctx.num_tokens < out.shape[0]:  # why: padding rows stay finite (they are never read, but are computed on)
-            out[ctx.num_tokens :] = 0
-        return out
+        return zero_padding(out, ctx)
 
     def begin_layer(self, layer: int, key: torch.Tensor) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
         """The checks every backend's run_layer starts with -> (the current step, the layer's K and V pool).
@@ -188,3 +187,11 @@ def _decodes_store_kv(ctx: ForwardContext, softcap: float | None) -> bool:
     """A decode-only step whose decode source stores the K/V itself (e.g. a native kernel, with its attention)."""
     plain = ctx.static_decode is None and ctx.flash is None and not ctx.prefills and softcap is None
     return plain and ctx.decodes is not None and ctx.decodes.writes_pool
+
+
+def zero_padding(out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """`out` [T, H, D] with its rows past the step's real tokens zeroed: padding rows are never read,
+    but the layers after compute on them, so they must stay finite."""
+    if ctx.num_tokens < out.shape[0]:
+        out[ctx.num_tokens :] = 0
+    return out

@@ -4,9 +4,9 @@ code meets the device-specific rooms.
 
 "auto" picks "cpu" on the CPU (decode rows, and the native kernel with its C++ front where it can
 attend the model); on CUDA "triton" (its paged kernel over 16-token blocks, triton/) where triton
-imports and the GPU is Ampere or newer; "torch" elsewhere (gathered blocks; on CUDA the paged
-varlen kernel and CUDA-graph decodes where chosen). "triton" on the CPU runs only under Triton's
-interpreter (TRITON_INTERPRET=1, for tests).
+imports and the GPU is Ampere or newer, the only backend CUDA-graph decodes replay over
+(cuda/graphs); "torch" elsewhere (gathered blocks; on CUDA the paged varlen kernel where chosen).
+"triton" on the CPU runs only under Triton's interpreter (TRITON_INTERPRET=1, for tests).
 """
 
 from __future__ import annotations

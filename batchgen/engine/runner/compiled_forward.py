@@ -241,17 +241,19 @@ class AmbientState:
     """
 
     def __init__(self) -> None:
+        guards = getattr(torch._C._dynamo, "guards", None)
+        # why looked up once: matches() runs every step; None where a build has no such guard
+        self._make_guard: Any = getattr(guards, "GlobalStateGuard", None)
         self._guard: Any = None  # dynamo's GlobalStateGuard of the traced state, at _threads threads
         self._threads = 0
         self._warned = False
 
     def matches(self) -> bool:
-        guards = getattr(torch._C._dynamo, "guards", None)
-        if guards is None or not hasattr(guards, "GlobalStateGuard"):  # why: not every build has it
+        if self._make_guard is None:
             return True
         threads = torch.get_num_threads()
         if self._guard is None:  # the first call: the state it traces under is the one to keep
-            self._guard, self._threads = guards.GlobalStateGuard(), threads
+            self._guard, self._threads = self._make_guard(), threads
         elif threads != self._threads:  # the same state at the governor's new count
             state = json.loads(self._guard.__getstate__())
             state["num_threads"] = threads

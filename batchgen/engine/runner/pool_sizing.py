@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.device_defaults import require_int
 from batchgen.engine.attention.path import VARLEN, choose_attention_path, detect_support, has_softcap
+from batchgen.engine.runner.compiled_forward import resolve_compile
 from batchgen.engine.runner.memory import MemoryProbe, MemoryProfile, pool_budget, profile_batch, profile_kv_budget
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import KVSpec
@@ -105,7 +106,7 @@ def kv_pool_blocks(
             max_num_seqs,
             max_model_len,
             profiled_backend,
-            cuda_graphs=config.compile is not False,
+            cuda_graphs=resolve_compile(config.compile, device),  # as the engine's runner decides them
         )
 
     batch = profile_batch(

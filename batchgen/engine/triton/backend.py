@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchgen.engine.attention.backend import AttentionBackend, Pools
+from batchgen.engine.attention.backend import AttentionBackend, Pools, zero_padding
 from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.planning import PlannedChunk, Stager
@@ -74,9 +74,7 @@ class TritonBackend(AttentionBackend):
         plan = self._kernel_plan(ctx)
         launch.store_kv(k_cache, v_cache, ctx.slot_mapping, key, value)
         out = launch.paged_attention(query, k_cache, v_cache, plan, scale, window, softcap)
-        if ctx.num_tokens < out.shape[0]:  # why: rows past the step's tokens belong to no tile
-            out[ctx.num_tokens :] = 0
-        return out
+        return zero_padding(out, ctx)  # why: rows past the step's tokens belong to no tile
 
     def _kernel_plan(self, ctx: ForwardContext) -> KernelPlan:
         if isinstance(ctx, TritonContext) and ctx.kernel is not None:

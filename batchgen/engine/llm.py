@@ -17,6 +17,7 @@ from batchgen.engine.attention.path import SMALL_BLOCK_SIZE, default_block_size,
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
+from batchgen.engine.parallel.group import start_tensor_parallel
 from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
 from batchgen.engine.runner.compiled_forward import resolve_compile
 from batchgen.engine.runner.model_runner import ModelRunner
@@ -68,7 +69,8 @@ class LLM:
         torch_dtype = resolve_dtype(dtype, torch_device)
         backend = resolve_backend(config.attention_backend, torch_device)  # why first: a bad one fails before loading
         prepare_process(torch_device)
-        hf_model = load_model(model, torch_device, torch_dtype)
+        self._tp = start_tensor_parallel(model, config, torch_device, torch_dtype)  # None: one device
+        hf_model = self._tp.model if self._tp is not None else load_model(model, torch_device, torch_dtype)
         self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
         config.max_model_len = self.max_model_len
         spec = kv_spec(hf_model.config)
@@ -81,7 +83,7 @@ class LLM:
         )
         config = resolve_engine_defaults(config, torch_device.type, block_size)
         blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, torch_device, torch_dtype, backend=backend)
-        runner = ModelRunner(
+        runner = (self._tp.make_runner if self._tp is not None else ModelRunner)(
             hf_model,
             spec,
             require_int(config.block_size, "block_size"),
@@ -107,6 +109,11 @@ class LLM:
         width = int(getattr(head, "out_features", 0) or vocab_size)
         sampler.features = LogitsFeatures(self.tokenizer, width, eos)
         self.engine = Engine(scheduler, runner, sampler, self.tokenizer, eos, vocab_size)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (also done when the LLM is collected)."""
+        if self._tp is not None:
+            self._tp.close()
 
     @property
     def stats(self) -> dict[str, int]:

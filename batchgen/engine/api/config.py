@@ -37,6 +37,9 @@ class EngineConfig:
     # torch.compile of the model around the paged attention op (compiled_forward), and CUDA graphs
     # for decode on CUDA: "auto" = where it was measured to win (see resolve_compile: the CPU)
     compile: Literal["auto"] | bool = "auto"
+    # ranks the model is split over (engine/parallel): heads, KV heads, MLP and LM head sharded, one
+    # process per rank (NCCL on CUDA, gloo on the CPU); 1: no split, no extra process
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in (
@@ -50,6 +53,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
                 raise SettingError("EngineConfig", name, "null or an integer >= 1", value)
+        size = self.tensor_parallel_size
+        if not is_int(size) or size < 1:
+            raise SettingError("EngineConfig", "tensor_parallel_size", "an integer >= 1", size)
         share = self.gpu_memory_utilization
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise SettingError("EngineConfig", "gpu_memory_utilization", "a number in (0, 1]", share)

@@ -70,9 +70,11 @@ class ModelRunner:
         max_num_batched_tokens: int | None = None,
         compile_fallback: bool = False,
         cuda_graphs: bool | None = None,
+        native_linears: bool = True,
     ) -> None:
         """`cuda_graphs`: decode steps replay graphs captured now, where the device and the backend
-        allow (CUDA, a backend that reads the pool in place); None: with `compile`."""
+        allow (CUDA, a backend that reads the pool in place); None: with `compile`. `native_linears`:
+        the CPU's measured linear kernels may be routed in (runner/backends.prepare_model)."""
         self.model = model
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
@@ -103,7 +105,7 @@ class ModelRunner:
         self.batch = SamplingBatch(device, transfers=self.transfers)  # its inputs ride in the step's upload
         # set by the engine: called once the step's diff is applied, before its one upload
         self.before_upload: Callable[[ScheduledBatch], None] | None = None
-        self.native_linears = prepare_model(model, device, dtype)
+        self.native_linears = prepare_model(model, device, dtype) if native_linears else 0
         self.threads = step_hook_for(device)  # on the CPU: torch's threads follow the machine's load
         self.forward = StepForward(
             model,

@@ -1,0 +1,219 @@
+"""The tensor-parallel group as rank 0 sees it: the worker processes, the process group, the pipes
+that carry each step to the workers, and a shutdown that leaves no process behind.
+
+Rank 0 is the engine's own process (scheduler, sampler, outputs); ranks 1..N-1 are processes it
+starts (`python -m batchgen.engine.parallel.worker`: a fresh interpreter, safe with threads and
+CUDA, and unlike multiprocessing's spawn it never re-imports the user's main script), joined
+by torch.distributed (NCCL on CUDA, gloo on the CPU) with a timeout on every collective. Steps
+travel over one pipe per worker rather than a broadcast: sending never waits for the worker, and
+a worker blocked on its pipe sees EOF the moment rank 0 is gone, however it died.
+
+Failure rules: before each message rank 0 checks every worker is alive, so a dead rank is named
+(rank, pid, exit code) instead of surfacing as a socket error or a timeout; a step that failed
+part-way leaves the ranks out of step, so the group is shut down and every later call says so.
+Shutdown (close, garbage collection, interpreter exit): stop message, join, then terminate and
+kill what is left, the process group destroyed, the rendezvous folder removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, PreTrainedModel
+
+from batchgen.engine.api.config import EngineConfig
+from batchgen.engine.parallel.loading import load_sharded_model
+from batchgen.engine.parallel.plan import ShardPlan, shard_plan
+from batchgen.engine.runner.model_runner import ModelRunner
+from batchgen.engine.runner.models import check_config
+
+logger = logging.getLogger(__name__)
+
+# Seconds a collective may wait for the other ranks. Why so long by default: a prefill step of a
+# large model on a busy CPU is slow on every rank alike; a dead rank is caught sooner (a closed
+# socket, or the liveness check before each step). BATCHGEN_TP_TIMEOUT_S overrides it.
+DEFAULT_TIMEOUT_S = 600.0
+JOIN_S = 10.0  # how long a stopped worker may take to exit before it is terminated
+
+
+class TensorParallelError(RuntimeError):
+    """A rank died, a collective failed or timed out, or the group was shut down."""
+
+
+def worker_device(device: torch.device, rank: int) -> str:
+    """Rank `rank`'s device: the next GPU after rank 0's on CUDA, the CPU otherwise."""
+    if device.type != "cuda":
+        return device.type
+    base = device.index if device.index is not None else torch.cuda.current_device()
+    if base + rank >= torch.cuda.device_count():
+        raise TensorParallelError(
+            f"tensor parallel rank {rank} needs cuda:{base + rank}; this machine has {torch.cuda.device_count()} GPUs"
+        )
+    return f"cuda:{base + rank}"
+
+
+class TensorParallelGroup:
+    def __init__(
+        self, path: str, world: int, device: torch.device, dtype: torch.dtype, timeout_s: float | None = None
+    ) -> None:
+        if dist.is_available() and dist.is_initialized():
+            raise TensorParallelError(
+                "tensor_parallel_size > 1: this process already has a torch.distributed default group "
+                "(another tensor-parallel LLM still open? close() it first)"
+            )
+        timeout_s = float(os.environ.get("BATCHGEN_TP_TIMEOUT_S", timeout_s or DEFAULT_TIMEOUT_S))
+        self.world = world
+        self.folder = tempfile.mkdtemp(prefix="batchgen-tp-")
+        init = f"file://{os.path.join(self.folder, 'rendezvous')}"
+        devices = [worker_device(device, rank) for rank in range(1, world)]
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.pipes: list[Connection] = []
+        self.broken: str | None = None  # why the group can no longer be used
+        self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.pipes, self.folder)
+        for rank, rank_device in enumerate(devices, start=1):
+            self._start(rank, rank_device, init, path, dtype, timeout_s)
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            self._wait_ready()
+            dist.init_process_group(
+                backend, init_method=init, rank=0, world_size=world, timeout=timedelta(seconds=timeout_s)
+            )
+            self.model: PreTrainedModel
+            self.plan: ShardPlan
+            self.model, self.plan = load_sharded_model(path, 0, world, device, dtype)
+        except BaseException as exc:
+            self.close()
+            raise TensorParallelError(f"tensor parallel start ({world} ranks) failed: {self.dead() or exc}") from exc
+        logger.info("tensor parallel group: %d ranks, workers %s", world, [p.pid for p in self.processes])
+
+    def _start(self, rank: int, device: str, init: str, path: str, dtype: torch.dtype, timeout_s: float) -> None:
+        """Worker `rank`: a fresh interpreter (nothing of this process's state, threads or CUDA context
+        inherited; the user's main module is not re-imported), its pipe end inherited as a descriptor."""
+        ours, theirs = mp.Pipe()
+        args = dict(rank=rank, world=self.world, init=init, fd=theirs.fileno(), path=path, device=device)
+        args.update(dtype=str(dtype).removeprefix("torch."), timeout_s=timeout_s)
+        command = [sys.executable, "-m", "batchgen.engine.parallel.worker", json.dumps(args)]
+        process = subprocess.Popen(command, pass_fds=[theirs.fileno()])
+        theirs.close()
+        self.processes.append(process)
+        self.pipes.append(ours)
+
+    def _wait_ready(self) -> None:
+        """Every worker imported and about to join the rendezvous, or the first that died, named."""
+        for rank, pipe in enumerate(self.pipes, start=1):
+            while not pipe.poll(0.2):
+                found = self.dead()
+                if found is not None:
+                    raise TensorParallelError(found)
+            try:
+                pipe.recv()
+            except (EOFError, OSError):
+                raise TensorParallelError(self.dead() or f"tensor parallel rank {rank} closed its pipe") from None
+
+    def make_runner(self, model: PreTrainedModel, *args: Any, **kwargs: Any) -> ModelRunner:
+        """Rank 0's runner (ModelRunner's arguments); the workers build theirs from the same ones."""
+        from batchgen.engine.parallel.sharded_runner import ShardedRunner  # why here: it imports this module
+
+        return ShardedRunner(self, model, *args, **kwargs)
+
+    def dead(self) -> str | None:
+        """A description of the first worker that is no longer running, or None."""
+        for rank, process in enumerate(self.processes, start=1):
+            code = process.poll()
+            if code is not None:
+                return f"tensor parallel rank {rank} (pid {process.pid}) exited with code {code}"
+        return None
+
+    def check(self) -> None:
+        """Raise if the group cannot run a step: shut down, out of step, or a worker gone."""
+        if self.broken is None:
+            found = self.dead()
+            if found is not None:
+                self.fail(found)
+        if self.broken is not None:
+            raise TensorParallelError(self.broken)
+
+    def send(self, message: tuple[object, ...]) -> None:
+        """`message` to every worker (checked alive first)."""
+        self.check()
+        try:
+            for pipe in self.pipes:
+                pipe.send(message)
+        except OSError as exc:  # a worker died between the check and the send
+            self.fail(f"{self.dead() or 'a tensor parallel worker'} ({exc})")
+            raise TensorParallelError(self.broken or str(exc)) from exc
+
+    def fail(self, why: str) -> None:
+        """Mark the group unusable and stop its workers (the others would otherwise wait in a collective)."""
+        if self.broken is None:
+            self.broken = f"{why}; the tensor-parallel engine is shut down (make a new LLM to continue)"
+            logger.error("%s", self.broken)
+        self.close()
+
+    def close(self) -> None:
+        """Stop every worker and release the process group; idempotent."""
+        if self.broken is None:
+            self.broken = "the tensor-parallel group was closed"
+        self._finalizer()
+
+
+def start_tensor_parallel(
+    path: str, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> TensorParallelGroup | None:
+    """The group for `config.tensor_parallel_size` > 1 (None for 1), its rank 0 shard loaded.
+
+    On CUDA without an explicit pool size, the KV budget is set here from rank 0's memory after
+    loading (every rank holds the same share): the profiling forward the single-GPU engine runs
+    cannot run on rank 0 alone, since its collectives need every rank."""
+    if config.tensor_parallel_size == 1:
+        return None
+    model_config = AutoConfig.from_pretrained(path)
+    check_config(model_config)
+    shard_plan(model_config, 0, config.tensor_parallel_size)  # why here: refuse before any process starts
+    group = TensorParallelGroup(path, config.tensor_parallel_size, device, dtype)
+    if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        reserve = max(1 << 30, total // 20)  # activations of a step and the gathered logits, roughly
+        budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - reserve
+        if budget <= 0:
+            group.close()
+            raise TensorParallelError(f"no GPU memory left for the KV cache on {device} after loading the shard")
+        config.kv_cache_memory_bytes = budget
+    return group
+
+
+def _shutdown(processes: list[subprocess.Popen[bytes]], pipes: list[Connection], folder: str) -> None:
+    """Stop, wait, terminate, kill: no worker outlives this call."""
+    for pipe in pipes:
+        try:
+            pipe.send(("stop",))
+        except OSError:
+            pass  # that worker is gone already
+        pipe.close()
+    for process in processes:
+        for stop in (None, process.terminate, process.kill):
+            if stop is not None:
+                stop()
+            try:
+                process.wait(JOIN_S)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,138 @@
+"""Loading one rank's share of a model: built from the rank's config with empty weights, then filled
+tensor by tensor from the safetensors files with only the rows and columns the rank holds.
+
+Why not `from_pretrained` and slicing after: every rank would read (and hold, for a moment) the
+whole model, which is exactly what does not fit when a model needs several GPUs. `safe_open` +
+`get_slice` read a slice of one tensor at a time from the memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from batchgen.engine.attention.interface import ATTN_IMPLEMENTATION
+from batchgen.engine.parallel import collectives
+from batchgen.engine.parallel.plan import HEAD, ROW, ShardPlan, rank_config, shard_plan
+from batchgen.engine.runner.models import check_config, check_model
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters created inside are empty (meta); buffers (RoPE frequencies) are real, as built."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{path}: tensor parallelism loads safetensors weights; no model.safetensors here")
+    with safe_open(str(single), "pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _read_share(handle: Any, name: str, plan: ShardPlan) -> torch.Tensor:
+    """The rows (and, for a row-parallel weight, the columns) of tensor `name` this rank holds."""
+    piece = handle.get_slice(name)
+    shape = piece.get_shape()
+    cols = plan.columns(name)
+    parts = []
+    for start, end in plan.rows(name, shape[0]):
+        parts.append(piece[start:end] if cols is None else piece[start:end, cols[0] : cols[1]])
+    tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if name.split(".")[-2:-1] == [HEAD] and tensor.shape[0] < plan.vocab_shard:  # the last share, padded
+        pad = tensor.new_zeros((plan.vocab_shard - tensor.shape[0], *tensor.shape[1:]))
+        tensor = torch.cat([tensor, pad])
+    return torch.zeros_like(tensor) if plan.zero_bias(name) else tensor
+
+
+def _fill(model: PreTrainedModel, path: Path, plan: ShardPlan, device: torch.device, dtype: torch.dtype) -> None:
+    """Every parameter of `model` (on meta) from the checkpoint's share; shapes checked."""
+    files = _weight_files(path)
+    tied = model.get_output_embeddings() is not None and bool(
+        getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    )
+    modules = dict(model.named_modules())
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for name, param in list(model.named_parameters()):
+            if tied and name.split(".")[-2] == HEAD:
+                continue  # tied: set to the embeddings below
+            if name not in files:
+                raise KeyError(f"{path}: the checkpoint has no tensor {name!r} (tensor parallel loading)")
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), "pt", device="cpu"))
+            tensor = _read_share(handles[file], name, plan)
+            is_head = name.split(".")[-2] == HEAD
+            if not is_head and tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{file.name}: tensor {name!r} share {tuple(tensor.shape)} does not fit the rank's "
+                    f"module {tuple(param.shape)} (tensor parallel rank {plan.rank} of {plan.world})"
+                )
+            owner, _, leaf = name.rpartition(".")
+            modules[owner]._parameters[leaf] = nn.Parameter(tensor.to(device, dtype), requires_grad=False)
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight  # type: ignore[union-attr]
+
+
+def load_sharded_model(
+    path: str, rank: int, world: int, device: torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, ShardPlan]:
+    """Rank `rank`'s share of the model at `path`, with its collectives installed (a process group
+    must exist before the first forward)."""
+    config = AutoConfig.from_pretrained(path)
+    check_config(config)
+    plan = shard_plan(config, rank, world)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(rank_config(config, plan), attn_implementation=ATTN_IMPLEMENTATION)
+    _fill(model, Path(path), plan, device, dtype)
+    model.to(device)  # the buffers
+    with contextlib.suppress(OSError):
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    check_model(model)
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    head_name = None if tied or head is None else next(n for n, m in model.named_modules() if m is head)
+    if head_name is not None:
+        head.out_features = plan.vocab  # type: ignore[union-attr]  # the width after the gather
+    row = [n for n, _ in model.named_modules() if n.rpartition(".")[2] in ROW]
+    collectives.install(model, row, head_name, plan.vocab)
+    model.eval()
+    logger.info(
+        "tensor parallel rank %d/%d: heads %s, KV heads %s, MLP %d, head %s",
+        rank,
+        world,
+        plan.heads,
+        plan.kv_heads,
+        plan.intermediate // world,
+        "replicated (tied)" if head_name is None else f"{plan.vocab_shard} rows, gathered",
+    )
+    return model, plan

@@ -1,0 +1,110 @@
+"""A tensor-parallel worker (ranks 1..N-1): loads its share of the model, then replays rank 0's steps.
+
+Why replay rather than think: rank 0 alone schedules and samples; a worker only has to run the
+same forward over its shard so the collectives meet. It receives, over its pipe from rank 0, the
+runner's construction arguments once, then each step's frozen batch (with any scheduler diff rank
+0 applied mid-step, so its attention state moves in the same order), the diffs between steps, and
+drop-all after an aborted generate. Its logits are discarded. It exits when told to stop, when the
+pipe closes (rank 0 is gone: EOF, whatever killed it), and with an error when a step fails (a
+collective timing out included), which rank 0 sees as a dead rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+EXIT_PARENT_GONE = 3  # the pipe to rank 0 closed without a stop message
+EXIT_FAILED = 1  # a step (or the load) raised
+
+
+def main(argv: list[str]) -> None:
+    """The worker process's entry point: `python -m batchgen.engine.parallel.worker ARGS_JSON`,
+    started by parallel/group with its end of the pipe as an inherited file descriptor."""
+    args = json.loads(argv[0])
+    rank = int(args["rank"])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # why: Ctrl-C reaches the whole group; rank 0 decides
+    logging.basicConfig(level=os.environ.get("BATCHGEN_TP_LOG", "WARNING"))
+    conn = Connection(int(args["fd"]))
+    try:
+        code = _serve(
+            rank,
+            int(args["world"]),
+            str(args["init"]),
+            conn,
+            str(args["path"]),
+            torch.device(args["device"]),
+            getattr(torch, args["dtype"]),
+            float(args["timeout_s"]),
+        )
+    except BaseException:  # noqa: BLE001 - why: any failure must end this process with a message
+        sys.stderr.write(f"batchgen tensor parallel rank {rank} failed:\n{traceback.format_exc()}")
+        code = EXIT_FAILED
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stderr.flush()
+    os._exit(code)  # why _exit: no atexit work (threads of a broken group could block a clean exit)
+
+
+def _serve(
+    rank: int,
+    world: int,
+    init_method: str,
+    conn: Connection,
+    path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    timeout_s: float,
+) -> int:
+    from batchgen.engine.parallel.loading import load_sharded_model
+    from batchgen.engine.runner.model_runner import ModelRunner
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    conn.send(("ready",))  # why: rank 0 waits for this (watching the process) before its own rendezvous
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+    model, _ = load_sharded_model(path, rank, world, device, dtype)
+    runner: ModelRunner | None = None
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return EXIT_PARENT_GONE
+        kind = message[0]
+        if kind == "stop":
+            return 0
+        if kind == "build":
+            _, spec, block_size, num_kv_blocks, run_dtype, rest, kwargs = message
+            runner = ModelRunner(model, spec, block_size, num_kv_blocks, device, run_dtype, *rest, **kwargs)
+            continue
+        if runner is None:
+            raise RuntimeError(f"rank {rank}: {kind!r} before the runner was built")
+        if kind == "execute":
+            _, batch, updates = message
+            runner.before_upload = lambda _batch, u=updates, r=runner: [r.apply(x) for x in u] and None
+            runner.execute(batch)
+        elif kind == "apply":
+            runner.apply(message[1])
+        elif kind == "drop":
+            runner.drop_all()
+        else:
+            raise RuntimeError(f"rank {rank}: unknown message {kind!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

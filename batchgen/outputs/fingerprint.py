@@ -32,6 +32,7 @@ _NEUTRAL_ENGINE = (
     "attention_backend",
     "gpu_memory_utilization",
     "compile",
+    "tensor_parallel_size",  # the same tokens on 1 or N ranks (tests/engine/test_tensor_parallel.py)
 )
 
 # Sampling settings added after outputs already existed: left out while at their default, so an

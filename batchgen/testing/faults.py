@@ -38,6 +38,7 @@ _KILL_POINTS = {
     "runtime_record_write",
     "success_temp_write",
     "lease_write",
+    "tp_rank_step",  # a tensor-parallel worker (rank >= 1), before it runs a step
 }
 _RAISE_POINTS = {"engine_exception"}
 PAUSE_SECONDS = 600.0  # a paused process nobody resumes fails rather than hanging a test run forever

@@ -17,6 +17,7 @@ kill what is left, the process group destroyed, the rendezvous folder removed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -26,15 +27,14 @@ import subprocess
 import sys
 import tempfile
 import weakref
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import AutoConfig, PreTrainedModel
 
 from batchgen.engine.api.config import EngineConfig
+from batchgen.engine.parallel.collectives import Collectives
 from batchgen.engine.parallel.loading import load_sharded_model
 from batchgen.engine.parallel.plan import ShardPlan, shard_plan
 from batchgen.engine.runner.model_runner import ModelRunner
@@ -69,43 +69,35 @@ class TensorParallelGroup:
     def __init__(
         self, path: str, world: int, device: torch.device, dtype: torch.dtype, timeout_s: float | None = None
     ) -> None:
-        if dist.is_available() and dist.is_initialized():
-            raise TensorParallelError(
-                "tensor_parallel_size > 1: this process already has a torch.distributed default group "
-                "(another tensor-parallel LLM still open? close() it first)"
-            )
         timeout_s = float(os.environ.get("BATCHGEN_TP_TIMEOUT_S", timeout_s or DEFAULT_TIMEOUT_S))
         self.world = world
         self.folder = tempfile.mkdtemp(prefix="batchgen-tp-")
-        init = f"file://{os.path.join(self.folder, 'rendezvous')}"
+        store = os.path.join(self.folder, "store")
         devices = [worker_device(device, rank) for rank in range(1, world)]
         self.processes: list[subprocess.Popen[bytes]] = []
         self.pipes: list[Connection] = []
         self.broken: str | None = None  # why the group can no longer be used
         self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.pipes, self.folder)
         for rank, rank_device in enumerate(devices, start=1):
-            self._start(rank, rank_device, init, path, dtype, timeout_s)
+            self._start(rank, rank_device, store, path, dtype, timeout_s)
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            backend = "nccl" if device.type == "cuda" else "gloo"
             self._wait_ready()
-            dist.init_process_group(
-                backend, init_method=init, rank=0, world_size=world, timeout=timedelta(seconds=timeout_s)
-            )
+            self.comm = Collectives(store, 0, world, device, timeout_s)
             self.model: PreTrainedModel
             self.plan: ShardPlan
-            self.model, self.plan = load_sharded_model(path, 0, world, device, dtype)
+            self.model, self.plan = load_sharded_model(path, self.comm, 0, device, dtype)
         except BaseException as exc:
             self.close()
             raise TensorParallelError(f"tensor parallel start ({world} ranks) failed: {self.dead() or exc}") from exc
         logger.info("tensor parallel group: %d ranks, workers %s", world, [p.pid for p in self.processes])
 
-    def _start(self, rank: int, device: str, init: str, path: str, dtype: torch.dtype, timeout_s: float) -> None:
+    def _start(self, rank: int, device: str, store: str, path: str, dtype: torch.dtype, timeout_s: float) -> None:
         """Worker `rank`: a fresh interpreter (nothing of this process's state, threads or CUDA context
         inherited; the user's main module is not re-imported), its pipe end inherited as a descriptor."""
         ours, theirs = mp.Pipe()
-        args = dict(rank=rank, world=self.world, init=init, fd=theirs.fileno(), path=path, device=device)
+        args = dict(rank=rank, world=self.world, store=store, fd=theirs.fileno(), path=path, device=device)
         args.update(dtype=str(dtype).removeprefix("torch."), timeout_s=timeout_s)
         command = [sys.executable, "-m", "batchgen.engine.parallel.worker", json.dumps(args)]
         process = subprocess.Popen(command, pass_fds=[theirs.fileno()])
@@ -200,10 +192,8 @@ def start_tensor_parallel(
 def _shutdown(processes: list[subprocess.Popen[bytes]], pipes: list[Connection], folder: str) -> None:
     """Stop, wait, terminate, kill: no worker outlives this call."""
     for pipe in pipes:
-        try:
+        with contextlib.suppress(OSError):  # that worker is gone already
             pipe.send(("stop",))
-        except OSError:
-            pass  # that worker is gone already
         pipe.close()
     for process in processes:
         for stop in (None, process.terminate, process.kill):
@@ -214,6 +204,4 @@ def _shutdown(processes: list[subprocess.Popen[bytes]], pipes: list[Connection],
                 break
             except subprocess.TimeoutExpired:
                 continue
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
     shutil.rmtree(folder, ignore_errors=True)

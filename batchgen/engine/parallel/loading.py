@@ -104,10 +104,10 @@ def _fill(model: PreTrainedModel, path: Path, plan: ShardPlan, device: torch.dev
 
 
 def load_sharded_model(
-    path: str, rank: int, world: int, device: torch.device, dtype: torch.dtype
+    path: str, comm: collectives.Collectives, rank: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[PreTrainedModel, ShardPlan]:
-    """Rank `rank`'s share of the model at `path`, with its collectives installed (a process group
-    must exist before the first forward)."""
+    """Rank `rank`'s share of the model at `path`, its all-reduces and gather going through `comm`."""
+    world = comm.world
     config = AutoConfig.from_pretrained(path)
     check_config(config)
     plan = shard_plan(config, rank, world)
@@ -124,7 +124,7 @@ def load_sharded_model(
     if head_name is not None:
         head.out_features = plan.vocab  # type: ignore[union-attr]  # the width after the gather
     row = [n for n, _ in model.named_modules() if n.rpartition(".")[2] in ROW]
-    collectives.install(model, row, head_name, plan.vocab)
+    collectives.install(model, comm, row, head_name, plan.vocab)
     model.eval()
     logger.info(
         "tensor parallel rank %d/%d: heads %s, KV heads %s, MLP %d, head %s",

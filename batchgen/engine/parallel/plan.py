@@ -124,7 +124,7 @@ def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
     intermediate = int(text.intermediate_size)
     checks = [
         (heads % world == 0, f"{heads} attention heads are not divisible by {world}"),
-        (kv_heads % world == 0 or world % kv_heads == 0, f"{kv_heads} KV heads neither divide nor are divisible by {world}"),
+        (kv_heads % world == 0 or world % kv_heads == 0, f"{kv_heads} KV heads do not divide {world} nor it them"),
         (intermediate % world == 0, f"intermediate_size {intermediate} is not divisible by {world}"),
     ]
     for ok, why in checks:

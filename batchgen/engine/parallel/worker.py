@@ -17,11 +17,9 @@ import os
 import signal
 import sys
 import traceback
-from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
-import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +39,16 @@ def main(argv: list[str]) -> None:
         code = _serve(
             rank,
             int(args["world"]),
-            str(args["init"]),
+            str(args["store"]),
             conn,
             str(args["path"]),
             torch.device(args["device"]),
             getattr(torch, args["dtype"]),
             float(args["timeout_s"]),
         )
-    except BaseException:  # noqa: BLE001 - why: any failure must end this process with a message
+    except BaseException:  # why: any failure must end this process with a message
         sys.stderr.write(f"batchgen tensor parallel rank {rank} failed:\n{traceback.format_exc()}")
         code = EXIT_FAILED
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     sys.stderr.flush()
     os._exit(code)  # why _exit: no atexit work (threads of a broken group could block a clean exit)
 
@@ -61,24 +56,23 @@ def main(argv: list[str]) -> None:
 def _serve(
     rank: int,
     world: int,
-    init_method: str,
+    store: str,
     conn: Connection,
     path: str,
     device: torch.device,
     dtype: torch.dtype,
     timeout_s: float,
 ) -> int:
+    from batchgen.engine.parallel.collectives import Collectives
     from batchgen.engine.parallel.loading import load_sharded_model
     from batchgen.engine.runner.model_runner import ModelRunner
+    from batchgen.testing.faults import fault_point
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
     conn.send(("ready",))  # why: rank 0 waits for this (watching the process) before its own rendezvous
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-    )
-    model, _ = load_sharded_model(path, rank, world, device, dtype)
+    comm = Collectives(store, rank, world, device, timeout_s)
+    model, _ = load_sharded_model(path, comm, rank, device, dtype)
     runner: ModelRunner | None = None
     while True:
         try:
@@ -95,6 +89,7 @@ def _serve(
         if runner is None:
             raise RuntimeError(f"rank {rank}: {kind!r} before the runner was built")
         if kind == "execute":
+            fault_point("tp_rank_step")
             _, batch, updates = message
             runner.before_upload = lambda _batch, u=updates, r=runner: [r.apply(x) for x in u] and None
             runner.execute(batch)

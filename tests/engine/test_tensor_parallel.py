@@ -139,3 +139,21 @@ def test_a_killed_rank_ends_generate_with_a_clear_error(
             _greedy(llm, PROMPTS[:2])
     finally:
         llm.close()
+
+
+def test_a_hung_rank_times_out_instead_of_hanging(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 stopped (SIGSTOP, as a wedged process): rank 0's next collective times out after
+    BATCHGEN_TP_TIMEOUT_S, the step fails with a clear error, and the stopped worker is killed."""
+    monkeypatch.setenv("BATCHGEN_TP_TIMEOUT_S", "3")
+    before = set(children())
+    llm = LLM(str(tiny_model("llama")), tensor_parallel_size=2, **SETTINGS)  # type: ignore[arg-type]
+    try:
+        (worker,) = set(children()) - before
+        os.kill(worker, signal.SIGSTOP)
+        with pytest.raises(TensorParallelError, match="Timed out"):
+            _greedy(llm, PROMPTS[:4])
+        assert set(children()) <= before
+    finally:
+        llm.close()

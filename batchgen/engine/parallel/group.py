@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from multiprocessing.connection import Connection
 from typing import Any
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 # socket, or the liveness check before each step). BATCHGEN_TP_TIMEOUT_S overrides it.
 DEFAULT_TIMEOUT_S = 600.0
 JOIN_S = 10.0  # how long a stopped worker may take to exit before it is terminated
+FAIL_WAIT_S = 2.0  # a failed group: how long a terminated worker may take before it is killed
+DEATH_WAIT_S = 3.0  # after a failed collective: how long to look for the rank that caused it
 
 
 class TensorParallelError(RuntimeError):
@@ -123,13 +126,18 @@ class TensorParallelGroup:
 
         return ShardedRunner(self, model, *args, **kwargs)
 
-    def dead(self) -> str | None:
-        """A description of the first worker that is no longer running, or None."""
-        for rank, process in enumerate(self.processes, start=1):
-            code = process.poll()
-            if code is not None:
-                return f"tensor parallel rank {rank} (pid {process.pid}) exited with code {code}"
-        return None
+    def dead(self, wait_s: float = 0.0) -> str | None:
+        """A description of the first worker that is no longer running, or None; `wait_s`: how long
+        to keep looking (after a failed collective, the dead rank's exit may not be reaped yet)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, process in enumerate(self.processes, start=1):
+                code = process.poll()
+                if code is not None:
+                    return f"tensor parallel rank {rank} (pid {process.pid}) exited with code {code}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def check(self) -> None:
         """Raise if the group cannot run a step: shut down, out of step, or a worker gone."""
@@ -155,6 +163,13 @@ class TensorParallelGroup:
         if self.broken is None:
             self.broken = f"{why}; the tensor-parallel engine is shut down (make a new LLM to continue)"
             logger.error("%s", self.broken)
+        for process in self.processes:  # why not a stop message: a failed rank may never read it
+            process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(FAIL_WAIT_S)
+            except subprocess.TimeoutExpired:  # stopped or stuck: SIGTERM is not acted on
+                process.kill()
         self.close()
 
     def close(self) -> None:

@@ -18,7 +18,8 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch
-from batchgen.engine.parallel.group import TensorParallelError, TensorParallelGroup
+from batchgen.engine.parallel.collectives import CollectiveError
+from batchgen.engine.parallel.group import DEATH_WAIT_S, TensorParallelError, TensorParallelGroup
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import KVSpec
 
@@ -68,7 +69,8 @@ class ShardedRunner(ModelRunner):
         try:
             return super().execute(batch)
         except BaseException as exc:
-            why = self.group.dead() or f"rank 0 failed in a step ({type(exc).__name__}: {exc})"
+            wait = DEATH_WAIT_S if isinstance(exc, CollectiveError) else 0.0
+            why = self.group.dead(wait) or f"rank 0 failed in a step ({type(exc).__name__}: {exc})"
             self.group.fail(why)
             if isinstance(exc, Exception) and not isinstance(exc, TensorParallelError):
                 raise TensorParallelError(why) from exc

@@ -121,7 +121,8 @@ class ExecutorSection(_Strict):
     kind: Literal["local", "ray"] = "local"
     address: str | None = None  # null: start a local Ray instance; "auto", "ray://host:port" or "host:port": join one
     num_workers: int | None = Field(default=None, ge=1)  # null: one per GPU in the cluster (no GPU: 1)
-    worker_gpus: int = Field(default=1, ge=0, le=1)  # more than 1 is reserved for tensor parallelism
+    # GPUs per worker: 1, or engine.tensor_parallel_size (a placement group per worker holds them together)
+    worker_gpus: int = Field(default=1, ge=0)
     worker_cpus: float | None = Field(default=None, gt=0)  # null: 1 with a GPU, else the cluster's CPUs / workers
 
     @field_validator("address")

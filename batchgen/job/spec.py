@@ -200,6 +200,25 @@ class JobSpec(_Strict):
             raise ValidationError.from_exception_data("JobSpec", details)
         return self
 
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> JobSpec:
+        """Before any work: a model split over N ranks runs on the native engine, and a Ray worker
+        holds exactly its N GPUs (executor.worker_gpus)."""
+        size, problems = self.engine.tensor_parallel_size, []
+        if size > 1 and self.engine.backend != "native":
+            problems.append((("engine", "backend"), f"tensor_parallel_size {size} needs engine.backend native"))
+        gpus = self.executor.worker_gpus
+        if self.executor.kind == "ray" and (gpus > 1 or size > 1) and gpus != size:
+            why = f"{gpus} GPUs per Ray worker must equal engine.tensor_parallel_size ({size})"
+            problems.append((("executor", "worker_gpus"), why))
+        if problems:
+            details = [
+                InitErrorDetails(type=PydanticCustomError("tensor_parallel", why), loc=loc, input=None)
+                for loc, why in problems
+            ]
+            raise ValidationError.from_exception_data("JobSpec", details)
+        return self
+
 
 _SECTIONS = ("model", "input", "output", "sampling", "engine", "executor")
 

@@ -34,6 +34,7 @@ from batchgen.outputs.totals import Totals
 from batchgen.run import interrupt
 from batchgen.run.executors.part_queue import PartQueue
 from batchgen.run.executors.ray_cluster import WorkerShape, connect, import_ray, plan_workers
+from batchgen.run.executors.ray_groups import in_group, release_groups, replica_group
 from batchgen.run.executors.ray_worker import PartWorker, ProgressBoard
 from batchgen.run.part_work import PartWork
 from batchgen.run.progress import RunProgress, row_token_budget
@@ -117,7 +118,10 @@ class _Dispatch:
         self.queue = PartQueue(todo, shape.count)
         self.duplicates = _duplicates_by_part(work.duplicates, todo)
         self.board = ray.remote(num_cpus=0)(ProgressBoard).remote()
-        self.actor = ray.remote(PartWorker).options(num_cpus=shape.cpus, num_gpus=shape.gpus, max_restarts=0)
+        self.actor_options: dict[str, Any] = dict(num_cpus=shape.cpus, num_gpus=shape.gpus, max_restarts=0)
+        self.actor_class = ray.remote(PartWorker)
+        self.actor = self.actor_class.options(**self.actor_options)
+        self.groups: dict[int, Any] = {}  # slot -> its placement group (tensor parallel workers)
         self.workers: dict[int, Any] = {}
         self.inflight: dict[Any, tuple[int, Shard, int]] = {}  # object ref -> (slot, part, attempt)
         self.attempts: dict[int, int] = {}  # part index -> workers that died on it
@@ -131,7 +135,7 @@ class _Dispatch:
         try:
             with bar, interrupt.cooperative():
                 for slot in range(self.shape.count):
-                    self.workers[slot] = self.actor.remote(*self.args, self.board)
+                    self.workers[slot] = self._new_worker(slot)
                 if self.work.replacing_output:  # --overwrite: the old output goes once the models load
                     self._wait_loaded()
                     self.work.take_over_output()
@@ -147,6 +151,7 @@ class _Dispatch:
             for worker in self.workers.values():
                 self.ray.kill(worker, no_restart=True)  # an abandoned part stays uncommitted
             self.ray.kill(self.board, no_restart=True)
+            release_groups(self.ray, self.groups)
 
     def _wait_loaded(self) -> None:
         """Until every worker has loaded its model; a load that fails stops the job (its error:
@@ -165,8 +170,19 @@ class _Dispatch:
                 except self.ray.exceptions.RayError as exc:
                     raise EngineFailure(f"a Ray worker died loading the model ({type(exc).__name__})") from None
 
+    def _new_worker(self, slot: int) -> Any:
+        """The engine actor of `slot`; with tensor parallelism inside the slot's placement group
+        (made once: a replacement worker gets the same reserved GPUs)."""
+        size = self.work.spec.engine.tensor_parallel_size
+        if size == 1:
+            return self.actor.remote(*self.args, self.board)
+        if slot not in self.groups:
+            self.groups[slot] = replica_group(self.ray, self.shape, size)
+        placed = self.actor_class.options(**self.actor_options, scheduling_strategy=in_group(self.groups[slot]))
+        return placed.remote(*self.args, self.board)
+
     def _start(self, slot: int) -> None:
-        self.workers[slot] = self.actor.remote(*self.args, self.board)
+        self.workers[slot] = self._new_worker(slot)
         self._submit(slot)
 
     def _submit(self, slot: int) -> None:

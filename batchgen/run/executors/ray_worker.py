@@ -11,11 +11,13 @@ committed part, as a local run.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from batchgen.backends.base import Backend
+from batchgen.errors import EngineFailure
 from batchgen.inputs.dataset import InputFile, Shard, read_shards
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.inputs.prepare import RowPreparer
@@ -106,5 +108,14 @@ class PartWorker:
         work = PartWork(self.spec, duplicates)
         f = self.files[shard.file_index]
         reporter = _Reporter(self.board, (shard.index, attempt))
-        totals = work.process_part(f, shard, table, self.carried, self.writer, backend, preparer, reporter)
+        try:
+            totals = work.process_part(f, shard, table, self.carried, self.writer, backend, preparer, reporter)
+        except EngineFailure as exc:
+            # (by name: importing the engine's parallel room here would load torch into the driver)
+            if type(exc.__cause__).__name__ == "TensorParallelError":
+                # why exit: a rank of this worker's group died, so the group is gone; the driver
+                # sees a dead worker, starts a new one (a new group) and hands it this part again
+                sys.stderr.write(f"batchgen: tensor-parallel worker group lost ({exc}); exiting\n")
+                os._exit(1)
+            raise
         return PartDone(shard.index, totals, os.getpid())

@@ -78,6 +78,7 @@ def section_functions() -> dict[str, Callable[[Ctx, dict[str, Any]], None]]:
     from benchmarks import gpu_check_parity as parity
     from benchmarks import gpu_check_perf as perf
     from benchmarks import gpu_check_syncs as syncs
+    from benchmarks import gpu_check_tp as tp
 
     return {
         "env": env.run,
@@ -87,6 +88,7 @@ def section_functions() -> dict[str, Callable[[Ctx, dict[str, Any]], None]]:
         "graphs": compiled.section_graphs,
         "throughput": perf.section_throughput,
         "syncs": syncs.section_syncs,
+        "tp": tp.section_tp,
     }
 
 

@@ -36,13 +36,15 @@ Estimates (seconds):
                   captures) + runs
   syncs       10  2 configs x 7 features x 2 runs of ~13 steps, profiled; the compiled engine is the
                   graphs section's
+  tp          25  only with 2+ GPUs (one GPU: skipped at once, saying so): 2 archs x (a worker
+                  process's start, imports and NCCL's ~8 + a pressure run ~3)
   throughput 130  save 2.5 GB of bf16 ~8; generate: load 3, three batch sizes ~15 (prefill 131k
                   tokens = 3e14 FLOPs, < 1 s; 128 decode steps a batch at 5-10 ms, launch-bound),
                   shared prefix 3; eager engine: load and memory profile 5, two runs of ~150 steps
                   at ~25 ms (a 256-row gather + SDPA a layer, Python per row) 8, shared prefix 6;
                   compiled engine 85: load 5, a cold 16-layer compile ~30 (the CPU's 56 s of host
                   work at ~2x + kernel builds), two recompiles ~40, ~30 captures 5, two runs 5
-  in all     300 + ~10 of imports and CUDA's start: about 5.2 minutes
+  in all     300 (+25 with 2+ GPUs) + ~10 of imports and CUDA's start: about 5.2 minutes
 The first GPU run's JSON says how far off each is: every section's "seconds", the compile and
 warm-up seconds of each engine.
 """
@@ -63,7 +65,7 @@ BIG_1B = dict(  # Llama-3.2-1B's shape: ~1.24B parameters
     rope_theta=500000.0,
 )
 ALL_ARCHS = ["llama", "gemma2", "mistral", "qwen2", "gemma3", "gpt2", "qwen3", "phi3", "gpt_neox"]  # by coverage
-SECTION_NAMES = ["env", "parity", "triton", "compiled", "graphs", "syncs", "throughput"]
+SECTION_NAMES = ["env", "parity", "triton", "compiled", "graphs", "syncs", "tp", "throughput"]
 
 FULL = Sizes(
     device="cuda",
@@ -91,10 +93,20 @@ FULL = Sizes(
         "compiled": 35,
         "graphs": 40,
         "syncs": 10,
+        "tp": 25,  # 2+ GPUs only (else skipped at once): 2 x (worker start ~8 + a pressure run ~3)
         "throughput": 130,
         "throughput.compiled": 85,  # the compiled variant within it (its load, compile, warm-up, run)
     },
-    budget_s={"env": 15, "parity": 50, "triton": 45, "compiled": 45, "graphs": 50, "syncs": 20, "throughput": 150},
+    budget_s={
+        "env": 15,
+        "parity": 50,
+        "triton": 45,
+        "compiled": 45,
+        "graphs": 50,
+        "syncs": 20,
+        "tp": 35,
+        "throughput": 150,
+    },
     total_cap_s=330,
     hard_cap_s=360,
 )
@@ -134,6 +146,7 @@ SMOKE = Sizes(
         "compiled": 12,
         "graphs": 15,
         "syncs": 4,
+        "tp": 15,  # gloo: 2 x (a worker process's start ~6 + a run)
         "throughput": 8,
         "throughput.compiled": 5,
     },

@@ -158,8 +158,8 @@ def test_a_section_gets_its_budget_less_what_the_later_sections_need_before_the_
     names = gpu_check.SECTION_NAMES
     assert gpu_check.section_time(sizes, names, 0.0) == sizes.budget_s["env"]  # room for all
     later = sum(sizes.estimate_s[n] for n in names[-2:][1:])
-    late = sizes.total_cap_s - later - 1.0  # syncs starts with 1 s of room before throughput's share
-    assert gpu_check.section_time(sizes, names[-2:], late) == 0.5 * sizes.estimate_s["syncs"]
+    late = sizes.total_cap_s - later - 1.0  # the next to last starts with 1 s of room before throughput's share
+    assert gpu_check.section_time(sizes, names[-2:], late) == 0.5 * sizes.estimate_s[names[-2]]
     assert gpu_check.section_time(sizes, names[-1:], sizes.total_cap_s - 60.0) == 60.0  # the last: what is left
 
 

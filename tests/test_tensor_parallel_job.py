@@ -112,3 +112,22 @@ def test_rank0_stopped_by_a_signal_leaves_no_worker(tmp_path: Path, signame: str
     assert stopped.returncode in (-signal.SIGKILL, 128 + signal.SIGTERM), stopped.stderr
     assert stopped.returncode == (-signal.SIGKILL if signame == "SIGKILL" else 128 + signal.SIGTERM)
     assert _gone(marker), _processes_with(marker)
+
+
+@pytest.mark.parametrize(
+    ("sets", "why"),
+    [
+        (["engine.tensor_parallel_size=0"], "engine.tensor_parallel_size"),
+        (["engine.tensor_parallel_size=2", "engine.backend=hf"], "needs engine.backend native"),
+        (["engine.tensor_parallel_size=2", "executor.kind=ray"], "must equal engine.tensor_parallel_size (2)"),
+        (["executor.worker_gpus=4", "engine.tensor_parallel_size=2"], "executor.worker_gpus: 4 GPUs"),
+    ],
+)
+def test_tensor_parallel_job_settings_are_checked_before_any_work(sets: list[str], why: str) -> None:
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
+    args = ["validate", str(REPO / "jobs/quickstart.yaml"), *[a for s in sets for a in ("--set", s)]]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and why in result.output, result.output

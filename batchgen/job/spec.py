@@ -208,7 +208,7 @@ class JobSpec(_Strict):
         if size > 1 and self.engine.backend != "native":
             problems.append((("engine", "backend"), f"tensor_parallel_size {size} needs engine.backend native"))
         gpus = self.executor.worker_gpus
-        if self.executor.kind == "ray" and (gpus > 1 or size > 1) and gpus != size:
+        if gpus != size and (gpus > 1 or (self.executor.kind == "ray" and size > 1)):
             why = f"{gpus} GPUs per Ray worker must equal engine.tensor_parallel_size ({size})"
             problems.append((("executor", "worker_gpus"), why))
         if problems:

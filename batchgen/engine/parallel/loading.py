@@ -33,10 +33,10 @@ def _parameters_on_meta() -> Iterator[None]:
     """Parameters created inside are empty (meta); buffers (RoPE frequencies) are real, as built."""
     original = nn.Module.register_parameter
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
+        original(self, name, param)
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
@@ -100,7 +100,7 @@ def _fill(model: PreTrainedModel, path: Path, plan: ShardPlan, device: torch.dev
             owner, _, leaf = name.rpartition(".")
             modules[owner]._parameters[leaf] = nn.Parameter(tensor.to(device, dtype), requires_grad=False)
     if tied:
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight  # type: ignore[union-attr]
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
 
 def load_sharded_model(
@@ -122,7 +122,7 @@ def load_sharded_model(
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     head_name = None if tied or head is None else next(n for n, m in model.named_modules() if m is head)
     if head_name is not None:
-        head.out_features = plan.vocab  # type: ignore[union-attr]  # the width after the gather
+        head.out_features = plan.vocab  # the width after the gather
     row = [n for n, _ in model.named_modules() if n.rpartition(".")[2] in ROW]
     collectives.install(model, comm, row, head_name, plan.vocab)
     model.eval()

@@ -22,8 +22,8 @@ from batchgen.engine.runner.model_limits import UnsupportedModelError
 # model_type -> its attention/MLP projection names follow the Llama layout (q/k/v/o, gate/up/down,
 # or Phi-3's fused qkv_proj / gate_up_proj), and every per-head norm in it is over head_dim only.
 # Why a list, not a guess: a model whose norm spans all heads (OLMo 2's q_norm over H * D) would
-# run sharded without an error and produce wrong text; only checked layouts are accepted.
-SHARDABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text"})
+# run sharded without an error and produce wrong text; only layouts the tests check are accepted.
+SHARDABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"})
 WHY_NOT = {
     "gpt2": "its fused c_attn projection (Conv1D) has no sharding plan yet",
     "gpt_neox": "its fused query_key_value projection has no sharding plan yet",

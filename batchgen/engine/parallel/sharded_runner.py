@@ -45,7 +45,7 @@ class ShardedRunner(ModelRunner):
         group.send(("build", spec, block_size, num_kv_blocks, dtype, rest, kwargs))
         super().__init__(model, spec, block_size, num_kv_blocks, device, dtype, *rest, **kwargs)
 
-    @property  # type: ignore[override]
+    @property
     def before_upload(self) -> Callable[[ScheduledBatch], None]:
         return self._send_step
 

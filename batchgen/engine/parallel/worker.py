@@ -17,9 +17,15 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch
+    from batchgen.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +97,7 @@ def _serve(
         if kind == "execute":
             fault_point("tp_rank_step")
             _, batch, updates = message
-            runner.before_upload = lambda _batch, u=updates, r=runner: [r.apply(x) for x in u] and None
+            runner.before_upload = _replay(runner, updates)
             runner.execute(batch)
         elif kind == "apply":
             runner.apply(message[1])
@@ -103,3 +109,13 @@ def _serve(
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def _replay(runner: ModelRunner, updates: tuple[BatchUpdate, ...]) -> Callable[[ScheduledBatch], None]:
+    """The before-upload hook of a replayed step: the diffs rank 0's engine applied at that point."""
+
+    def hook(batch: ScheduledBatch) -> None:
+        for update in updates:
+            runner.apply(update)
+
+    return hook

@@ -107,10 +107,6 @@ def _serve(
             raise RuntimeError(f"rank {rank}: unknown message {kind!r}")
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
-
-
 def _replay(runner: ModelRunner, updates: tuple[BatchUpdate, ...]) -> Callable[[ScheduledBatch], None]:
     """The before-upload hook of a replayed step: the diffs rank 0's engine applied at that point."""
 
@@ -119,3 +115,7 @@ def _replay(runner: ModelRunner, updates: tuple[BatchUpdate, ...]) -> Callable[[
             runner.apply(update)
 
     return hook
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

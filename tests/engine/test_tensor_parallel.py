@@ -112,6 +112,15 @@ def test_seeded_sampling_and_logprobs_equal_tp1(pair: tuple[LLM, LLM]) -> None:
             assert all(abs(want[t].logprob - got[t].logprob) < 1e-4 for t in want if t in got)
 
 
+def test_forked_samples_equal_tp1(pair: tuple[LLM, LLM]) -> None:
+    """n > 1: the samples fork mid-step on rank 0 (a scheduler diff inside the step, replayed by
+    the worker at the same point); each sample's tokens equal TP=1's."""
+    one, two = pair
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3)
+    a, b = one.generate(PROMPTS[20:26], params), two.generate(PROMPTS[20:26], params)
+    assert [[s.token_ids for s in o.outputs] for o in a] == [[s.token_ids for s in o.outputs] for o in b]
+
+
 def test_an_exception_on_rank0_aborts_and_the_engine_goes_on(pair: tuple[LLM, LLM]) -> None:
     one, two = pair
 

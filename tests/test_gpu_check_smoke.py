@@ -232,3 +232,17 @@ def test_the_hard_cap_stops_the_run_and_writes_what_it_had(tmp_path: Path) -> No
     assert proc.returncode == 3, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["hard_cap_reached"] and report["env"]["status"] == "cut" and report["env"]["first"] == 1
+
+
+def test_the_tp_section_says_why_it_is_skipped_on_one_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Today's GPU machine has one GPU: the section records the count and the reason, and runs nothing."""
+    import torch
+
+    from benchmarks import gpu_check_tp
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ctx = Ctx(gpu_check.FULL, tmp_path, Report(tmp_path / "r.json"))
+    out: dict[str, Any] = {}
+    gpu_check_tp.section_tp(ctx, out)
+    assert out["gpus"] == 1 and "needs 2 or more" in out["skipped"] and gpu_check.status_of(out) == "skipped"
+    assert not list(tmp_path.iterdir())  # no model saved, no engine made

@@ -58,9 +58,10 @@ def _weight_files(path: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def _read_share(handle: Any, name: str, plan: ShardPlan) -> torch.Tensor:
-    """The rows (and, for a row-parallel weight, the columns) of tensor `name` this rank holds."""
-    piece = handle.get_slice(name)
+def _read_share(handle: Any, key: str, name: str, plan: ShardPlan) -> torch.Tensor:
+    """The rows (and, for a row-parallel weight, the columns) of parameter `name` (saved as `key`)
+    this rank holds."""
+    piece = handle.get_slice(key)
     shape = piece.get_shape()
     cols = plan.columns(name)
     parts = []
@@ -85,14 +86,17 @@ def _fill(model: PreTrainedModel, path: Path, plan: ShardPlan, device: torch.dev
         for name, param in list(model.named_parameters()):
             if tied and name.split(".")[-2] == HEAD:
                 continue  # tied: set to the embeddings below
-            if name not in files:
+            key = next((k for k in (name, *SAVED_AS.get(name, ())) if k in files), None)
+            if key is None:
                 raise KeyError(f"{path}: the checkpoint has no tensor {name!r} (tensor parallel loading)")
-            file = files[name]
+            file = files[key]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), "pt", device="cpu"))
-            tensor = _read_share(handles[file], name, plan)
-            is_head = name.split(".")[-2] == HEAD
-            if not is_head and tuple(tensor.shape) != tuple(param.shape):
+            tensor = _read_share(handles[file], key, name, plan)
+            # the head (padded vocabulary rows) and GPT-NeoX's attention projections, sized by the
+            # module from hidden_size, not from its heads, take the share the plan cut
+            resized = name.split(".")[-2] in (HEAD, *RESIZED)
+            if not resized and tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(
                     f"{file.name}: tensor {name!r} share {tuple(tensor.shape)} does not fit the rank's "
                     f"module {tuple(param.shape)} (tensor parallel rank {plan.rank} of {plan.world})"
@@ -101,6 +105,24 @@ def _fill(model: PreTrainedModel, path: Path, plan: ShardPlan, device: torch.dev
             modules[owner]._parameters[leaf] = nn.Parameter(tensor.to(device, dtype), requires_grad=False)
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
+# Parameters that checkpoints store under another name (transformers renames them when it loads).
+SAVED_AS = {"lm_head.weight": ("embed_out.weight",)}  # GPT-NeoX
+RESIZED = ("query_key_value", "dense")  # GPT-NeoX: Linear(hidden, 3 * hidden) and Linear(hidden, hidden)
+
+
+def _fix_head_size(model: PreTrainedModel, plan: ShardPlan) -> None:
+    """GPT-NeoX derives its head size as hidden_size // num_attention_heads at init, which the
+    rank's smaller head count doubles: put the true head size (and what follows from it) back."""
+    for module in model.modules():
+        size = getattr(module, "head_size", None)
+        if isinstance(size, int) and hasattr(module, "rotary_ndims") and size != plan.head_dim:
+            rope = getattr(model.config.get_text_config(), "rope_parameters", None) or {}
+            factor = float(rope.get("partial_rotary_factor", 1.0))
+            fixed = {"head_size": plan.head_dim, "rotary_ndims": int(plan.head_dim * factor)}
+            for attribute, value in {**fixed, "scaling": plan.head_dim**-0.5}.items():
+                setattr(module, attribute, value)
 
 
 def load_sharded_model(
@@ -114,6 +136,7 @@ def load_sharded_model(
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(rank_config(config, plan), attn_implementation=ATTN_IMPLEMENTATION)
     _fill(model, Path(path), plan, device, dtype)
+    _fix_head_size(model, plan)
     model.to(device)  # the buffers
     with contextlib.suppress(OSError):
         model.generation_config = GenerationConfig.from_pretrained(path)

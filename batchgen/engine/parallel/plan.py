@@ -20,19 +20,20 @@ from transformers import PretrainedConfig
 from batchgen.engine.runner.model_limits import UnsupportedModelError
 
 # model_type -> its attention/MLP projection names follow the Llama layout (q/k/v/o, gate/up/down,
-# or Phi-3's fused qkv_proj / gate_up_proj), and every per-head norm in it is over head_dim only.
+# or Phi-3's fused qkv_proj / gate_up_proj) or GPT-NeoX's (query_key_value per head, dense,
+# dense_h_to_4h / dense_4h_to_h), and every per-head norm in it is over head_dim only.
 # Why a list, not a guess: a model whose norm spans all heads (OLMo 2's q_norm over H * D) would
 # run sharded without an error and produce wrong text; only layouts the tests check are accepted.
-SHARDABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"})
+SHARDABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gpt_neox"})
 WHY_NOT = {
     "gpt2": "its fused c_attn projection (Conv1D) has no sharding plan yet",
-    "gpt_neox": "its fused query_key_value projection has no sharding plan yet",
     "olmo2": "its q_norm/k_norm normalise over all heads at once, which a head split would change",
 }
 
-COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})  # output rows split
-ROW = frozenset({"o_proj", "down_proj"})  # input columns split; outputs all-reduced
-FUSED = frozenset({"qkv_proj", "gate_up_proj"})  # Phi-3: several column-parallel parts stacked
+COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "dense_h_to_4h"})  # output rows split
+ROW = frozenset({"o_proj", "down_proj", "dense", "dense_4h_to_h"})  # input columns split; outputs all-reduced
+# fused: Phi-3's qkv_proj / gate_up_proj (parts stacked), GPT-NeoX's query_key_value (q, k, v per head)
+FUSED = frozenset({"qkv_proj", "gate_up_proj", "query_key_value"})
 HEAD = "lm_head"
 
 
@@ -80,8 +81,10 @@ class ShardPlan:
             return [q]
         if kind in ("k_proj", "v_proj"):
             return [kv]
-        if kind in ("gate_proj", "up_proj"):
+        if kind in ("gate_proj", "up_proj", "dense_h_to_4h"):
             return [mlp]
+        if kind == "query_key_value":  # [H * 3D]: each head's q, k and v rows together
+            return [(self.heads.start * 3 * d, self.heads.stop * 3 * d)]
         if kind == "qkv_proj":
             k0, v0 = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
             return [q, (k0 + kv[0], k0 + kv[1]), (v0 + kv[0], v0 + kv[1])]
@@ -97,9 +100,9 @@ class ShardPlan:
         kind = name.split(".")[-2] if "." in name else ""
         if not name.endswith(".weight"):
             return None
-        if kind == "o_proj":
+        if kind in ("o_proj", "dense"):
             return (self.heads.start * self.head_dim, self.heads.stop * self.head_dim)
-        if kind == "down_proj":
+        if kind in ("down_proj", "dense_4h_to_h"):
             inter = self.intermediate // self.world
             return (self.rank * inter, (self.rank + 1) * inter)
         return None

@@ -17,6 +17,14 @@ from batchgen.engine.attention.path import SMALL_BLOCK_SIZE, default_block_size,
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
+from batchgen.engine.pooling import api as pooling_api
+from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
+from batchgen.engine.pooling.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    ScoringRequestOutput,
+)
 from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
 from batchgen.engine.runner.compiled_forward import resolve_compile
 from batchgen.engine.runner.model_runner import ModelRunner
@@ -59,13 +67,27 @@ class LLM:
         tokenizer: Any = None,
         device: str = "auto",
         dtype: str | torch.dtype = "auto",
+        task: str = "generate",
+        pooler_config: dict[str, Any] | None = None,
         **settings: Any,
     ) -> None:
         """`settings` are EngineConfig's fields (block_size, max_num_seqs, ...); an unknown name is a
-        TypeError and a bad value a ValueError, both naming the setting."""
+        TypeError and a bad value a ValueError, both naming the setting. `task`: generate, embed,
+        classify or score (vLLM's); `pooler_config`: {"pooling_type": "LAST" | "MEAN" | "CLS",
+        "normalize": bool} over the model folder's own (engine/pooling/config)."""
         config = engine_config(**settings)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        self.task, self._model_path, self._pooler_config = task, model, pooler_config
+        self._pooling: PoolingModel | None = None
+        if not runs_on_engine(model, task):  # encoders and classifier heads run through transformers
+            self.config, self.tokenizer = config, tokenizer or AutoTokenizer.from_pretrained(model)
+            budget = token_budget(config.max_num_batched_tokens, torch_device)
+            self._pooling = PoolingModel.build(model, task, torch_device, torch_dtype, budget, None, pooler_config)
+            self.max_model_len = config.max_model_len or self._pooling.hf.max_model_len  # type: ignore[union-attr]
+            return
         backend = resolve_backend(config.attention_backend, torch_device)  # why first: a bad one fails before loading
         prepare_process(torch_device)
         hf_model = load_model(model, torch_device, torch_dtype)
@@ -190,3 +212,38 @@ class LLM:
             f"prompt {index} must be a string, a list of token ids, or a dict with 'prompt' or "
             f"'prompt_token_ids', got {type(prompt).__name__}"
         )
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+        lora_request: object = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (vLLM's `LLM.embed`): `.outputs.embedding`."""
+        model = self._pooling_model()
+        return pooling_api.embed(model, self.tokenizer, self.max_model_len, prompts, pooling_params)
+
+    def classify(
+        self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False, lora_request: object = None
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (vLLM's `LLM.classify`): `.outputs.probs` (and `.label`)."""
+        return pooling_api.classify(self._pooling_model(), self.tokenizer, self.max_model_len, prompts)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = False,
+        lora_request: object = None,
+    ) -> list[ScoringRequestOutput]:
+        """A score per (data_1, data_2) pair, 1:N, N:1 or N:N (vLLM's `LLM.score`): a cross-encoder's
+        sigmoid, or the cosine of two embeddings for an embedding model."""
+        return pooling_api.score(self._pooling_model(), self.tokenizer, self.max_model_len, data_1, data_2)
+
+    def _pooling_model(self) -> PoolingModel:
+        """The pooling side of this LLM; on a generate LLM, embeddings through its engine."""
+        if self._pooling is None:
+            task = "embed" if self.task == "generate" else self.task
+            self._pooling = on_engine(self._model_path, task, self, self._pooler_config)
+        return self._pooling

@@ -221,14 +221,14 @@ class LLM:
         lora_request: object = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (vLLM's `LLM.embed`): `.outputs.embedding`."""
-        model = self._pooling_model()
+        model = self.pooling_model()
         return pooling_api.embed(model, self.tokenizer, self.max_model_len, prompts, pooling_params)
 
     def classify(
         self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False, lora_request: object = None
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (vLLM's `LLM.classify`): `.outputs.probs` (and `.label`)."""
-        return pooling_api.classify(self._pooling_model(), self.tokenizer, self.max_model_len, prompts)
+        return pooling_api.classify(self.pooling_model(), self.tokenizer, self.max_model_len, prompts)
 
     def score(
         self,
@@ -239,9 +239,9 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """A score per (data_1, data_2) pair, 1:N, N:1 or N:N (vLLM's `LLM.score`): a cross-encoder's
         sigmoid, or the cosine of two embeddings for an embedding model."""
-        return pooling_api.score(self._pooling_model(), self.tokenizer, self.max_model_len, data_1, data_2)
+        return pooling_api.score(self.pooling_model(), self.tokenizer, self.max_model_len, data_1, data_2)
 
-    def _pooling_model(self) -> PoolingModel:
+    def pooling_model(self) -> PoolingModel:
         """The pooling side of this LLM; on a generate LLM, embeddings through its engine."""
         if self._pooling is None:
             task = "embed" if self.task == "generate" else self.task

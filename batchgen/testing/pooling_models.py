@@ -18,7 +18,7 @@ _ST_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens
 
 def bert_tokenizer(path: Path) -> Any:
     """A BertTokenizerFast over a small WordPiece vocabulary, saved in `path`."""
-    from transformers import BertTokenizerFast
+    from transformers import BertTokenizerFast  # type: ignore[attr-defined]  # transformers 5: an alias
 
     path.mkdir(parents=True, exist_ok=True)
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(".,!?'")
@@ -70,9 +70,9 @@ def save_llama_classifier(path: Path, tokenizer: Any, num_labels: int, seed: int
         num_key_value_heads=2,
         max_position_embeddings=256,
         pad_token_id=tokenizer.pad_token_id,
-        num_labels=num_labels,
         initializer_range=0.2,
     )
+    config.num_labels = num_labels
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

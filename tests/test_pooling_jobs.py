@@ -1,0 +1,108 @@
+"""Pooling jobs end to end through `batchgen run`: task embed / classify / score write their
+columns (values equal to the LLM API's, which tests/test_pooling checks against transformers),
+usage (input and cached tokens, output 0), per-row errors, resume, and job-file errors that
+name the key before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from batchgen.engine.llm import LLM
+from batchgen.testing.pooling_models import save_tiny_bert
+from tests.conftest import write_job, write_parquet
+
+PREFIX = "once upon a time there was a little cat who liked to play in the sun "
+PROMPTS = [PREFIX * 2 + "dog", "the sun", None, "  ", PREFIX * 2 + "with her friend", "cat"]
+DOCS = ["the cat", "a dog", "sun", "x", None, "friend"]
+
+
+def _job(tmp_path: Path, model: Path, task: str, **extra: Any) -> Path:
+    inputs = write_parquet(tmp_path / "in.parquet", {"id": list(range(6)), "prompt": PROMPTS, "doc": DOCS})
+    job: dict[str, Any] = {
+        "task": task,
+        "model": {"path": str(model)},
+        "input": {"path": str(inputs), "id_column": "id"},
+        "output": {"path": str(tmp_path / "out")},
+        "engine": {"window_rows": 4},  # two parts
+    }
+    job.update(extra)
+    return write_job(tmp_path / "job.yaml", job)
+
+
+def _run(job: Path) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    return result.exit_code, result.output
+
+
+def _table(tmp_path: Path) -> pa.Table:
+    return ds.dataset(tmp_path / "out", format="parquet").to_table().sort_by("id")
+
+
+def test_embed_job_on_the_engine(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = _job(tmp_path, tiny_model_dir, "embed", pooling={"embedding_dtype": "float16"})
+    code, output = _run(job)
+    assert code == 0, output
+    table = _table(tmp_path)
+    assert table.schema.field("embedding").type == pa.list_(pa.float16(), 64)
+    assert table.column("error_code").to_pylist() == [None, None, "empty_prompt", "empty_prompt", None, None]
+    assert table.column("output_tokens").to_pylist() == [0] * 6
+    ok = [0, 1, 4, 5]
+    expected = LLM(str(tiny_model_dir), task="embed").embed([PROMPTS[i] for i in ok])
+    got = table.column("embedding").to_pylist()
+    for i, out in zip(ok, expected):
+        np.testing.assert_allclose(got[i], out.outputs.embedding, atol=2e-3)  # float16 storage
+        assert table.column("input_tokens")[i].as_py() == len(out.prompt_token_ids)
+    assert got[2] is None and table.column("finish_reason").to_pylist()[0] == "pooled"
+    assert sum(table.column("cached_tokens").to_pylist()) > 0  # rows 0 and 4 share a prefix (the cache outlives a part)
+    code, output = _run(job)  # everything committed: the rerun resumes with nothing to do
+    assert code == 0, output
+    assert _table(tmp_path).equals(table)
+
+
+def test_classify_and_pair_score_jobs(tmp_path: Path) -> None:
+    model = save_tiny_bert(tmp_path / "clf", num_labels=2)
+    code, output = _run(_job(tmp_path / "a", model, "classify"))
+    assert code == 0, output
+    table = _table(tmp_path / "a")
+    expected = LLM(str(model), task="classify").classify([PROMPTS[i] for i in (0, 1, 4, 5)])
+    probs, labels = table.column("probs").to_pylist(), table.column("label").to_pylist()
+    for i, out in zip((0, 1, 4, 5), expected):
+        np.testing.assert_allclose(probs[i], out.outputs.probs, atol=1e-6)
+        assert labels[i] == out.outputs.label
+    assert probs[2] is None and labels[3] is None
+
+    scorer = save_tiny_bert(tmp_path / "ce", num_labels=1)
+    pooling = {"score": "pair", "document_column": "doc"}
+    code, output = _run(_job(tmp_path / "b", scorer, "score", pooling=pooling))
+    assert code == 0, output
+    table = _table(tmp_path / "b")
+    llm = LLM(str(scorer), task="score")
+    scores = table.column("score").to_pylist()
+    for i in (0, 1, 5):
+        assert scores[i] == pytest.approx(llm.score(PROMPTS[i], DOCS[i])[0].outputs.score, abs=1e-6)
+    assert table.column("error_code").to_pylist()[4] == "empty_document" and scores[4] is None
+
+
+@pytest.mark.parametrize(
+    ("task", "extra", "key"),
+    [
+        ("embed", {"sampling": {"max_tokens": 4}}, "sampling.max_tokens"),
+        ("score", {}, "pooling.score"),
+        ("score", {"pooling": {"score": "pair"}}, "pooling"),
+        ("generate", {"pooling": {"normalize": False}}, "pooling"),
+        ("classify", {"pooling": {"dimensions": 8}}, "pooling.dimensions"),
+    ],
+)
+def test_job_file_errors_name_the_key(tmp_path: Path, tiny_model_dir: Path, task: str, extra: Any, key: str) -> None:
+    code, output = _run(_job(tmp_path, tiny_model_dir, task, **extra))
+    assert code != 0
+    assert key in output
+    assert not (tmp_path / "out").exists()  # refused before any work

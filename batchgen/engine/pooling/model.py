@@ -164,3 +164,12 @@ def on_engine(path: str | Path, task: str, llm: Any, pooler_config: dict[str, An
     )
     device, dtype = engine.runner.device, next(engine.runner.model.parameters()).dtype
     return PoolingModel.build(path, task, device, dtype, runner.token_budget, runner, pooler_config)
+
+
+def prefix_cache_applies(path: str | Path, task: str, pooling_type: str | None) -> bool:
+    """Whether a pooling task's rows can be served from the prefix cache: embeddings of a decoder
+    model on the engine with last-token pooling (see engine_runner); never mean / CLS pooling,
+    encoders or classifier heads."""
+    if task != "embed" or not runs_on_engine(path, task):
+        return False
+    return resolve_pooling(path, True, pooling_type).method == "last"

@@ -78,7 +78,9 @@ def save_llama_classifier(path: Path, tokenizer: Any, num_labels: int, seed: int
     return path
 
 
-def write_sentence_transformers(path: Path, method: str, normalize: bool, hidden_size: int) -> Path:
+def write_sentence_transformers(
+    path: Path, method: str, normalize: bool, hidden_size: int, max_seq_length: int = 256
+) -> Path:
     """The files that make the model folder `path` a sentence-transformers model: Transformer
     (the folder itself), Pooling (`method`), and Normalize when asked."""
     modules = [
@@ -94,5 +96,5 @@ def write_sentence_transformers(path: Path, method: str, normalize: bool, hidden
     pooling.update(pooling_mode_max_tokens=False, pooling_mode_mean_sqrt_len_tokens=False)
     (path / "1_Pooling").mkdir(exist_ok=True)
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2), encoding="utf-8")
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256}), encoding="utf-8")
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}), encoding="utf-8")
     return path

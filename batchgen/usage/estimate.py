@@ -189,7 +189,7 @@ def _cache_assumption(est: Estimate, spec: JobSpec) -> str:
         return scope
     why = "the hf backend has no prefix cache" if spec.engine.backend == "hf" else "engine.enable_prefix_caching is off"
     if spec.task != "generate" and spec.engine.enable_prefix_caching:
-        why = f"task {spec.task} with this model and pooling reuses no prefix (only last-token embeddings on the engine do)"
+        why = f"task {spec.task} with this model and pooling reuses no prefix (only last-token embeddings do)"
     return f"{why}, so 0 tokens will be cached; the native backend with caching would serve shareable_tokens ({scope})"
 
 

@@ -106,3 +106,20 @@ def test_job_file_errors_name_the_key(tmp_path: Path, tiny_model_dir: Path, task
     assert code != 0
     assert key in output
     assert not (tmp_path / "out").exists()  # refused before any work
+
+
+def test_embed_job_in_static_shards_equals_one_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    whole = _job(tmp_path / "whole", tiny_model_dir, "embed", pooling={"pooling_type": "mean"})
+    assert _run(whole)[0] == 0
+    sharded = _job(tmp_path / "sharded", tiny_model_dir, "embed", pooling={"pooling_type": "mean"})
+    for shard in ("0/2", "1/2"):
+        result = CliRunner().invoke(main, ["run", str(sharded), "--quiet", "--shard", shard])
+        assert result.exit_code == 0, result.output
+    assert CliRunner().invoke(main, ["finalize", str(tmp_path / "sharded" / "out")]).exit_code == 0
+    one, two = _table(tmp_path / "whole"), _table(tmp_path / "sharded")
+    assert one.column("error_code").equals(two.column("error_code"))
+    np.testing.assert_allclose(
+        np.array([v for v in one.column("embedding").to_pylist() if v is not None]),
+        np.array([v for v in two.column("embedding").to_pylist() if v is not None]),
+        atol=1e-6,
+    )

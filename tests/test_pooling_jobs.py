@@ -123,3 +123,26 @@ def test_embed_job_in_static_shards_equals_one_run(tmp_path: Path, tiny_model_di
         np.array([v for v in two.column("embedding").to_pylist() if v is not None]),
         atol=1e-6,
     )
+
+
+@pytest.mark.slow
+def test_embed_job_on_ray_equals_a_local_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    ray = pytest.importorskip("ray")
+    local = _job(tmp_path / "local", tiny_model_dir, "embed", pooling={"pooling_type": "mean"})
+    assert _run(local)[0] == 0
+    executor = {"kind": "ray", "num_workers": 2, "worker_cpus": 1}
+    on_ray = _job(tmp_path / "ray", tiny_model_dir, "embed", pooling={"pooling_type": "mean"}, executor=executor)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        code, output = _run(on_ray)
+    finally:
+        ray.shutdown()
+    assert code == 0, output
+    one, two = _table(tmp_path / "local"), _table(tmp_path / "ray")
+    assert one.column("error_code").equals(two.column("error_code"))
+    assert one.column("input_tokens").equals(two.column("input_tokens"))
+    np.testing.assert_allclose(
+        np.array([v for v in one.column("embedding").to_pylist() if v is not None]),
+        np.array([v for v in two.column("embedding").to_pylist() if v is not None]),
+        atol=1e-6,
+    )

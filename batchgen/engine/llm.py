@@ -82,6 +82,8 @@ class LLM:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
         self._pooling: PoolingModel | None = None
+        if task != "generate":  # why: pooling forwards run eager; compiling (and CUDA graphs) would serve nothing
+            config.compile = False
         if not runs_on_engine(model, task):  # encoders and classifier heads run through transformers
             self.config, self.tokenizer = config, tokenizer or AutoTokenizer.from_pretrained(model)
             budget = token_budget(config.max_num_batched_tokens, torch_device)
@@ -153,6 +155,8 @@ class LLM:
         """
         if lora_request is not None:
             raise NotImplementedError("LLM.generate: lora_request is not supported by batchgen")
+        if not hasattr(self, "engine"):
+            raise ValueError(f"LLM(task={self.task!r}) on {self._model_path} is a pooling model: it cannot generate")
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise TypeError("prompts: a flat list of ints is ambiguous; pass [[...ids]] or {'prompt_token_ids': [...]}")

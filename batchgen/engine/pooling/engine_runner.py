@@ -7,7 +7,8 @@ Why not the generate loop: a pooling request samples nothing, so it needs no sam
 or decode steps; what it shares with generation is admission under a token budget and the KV
 block pool (chunked prefill of long prompts, prefix reuse), and the model runner's attention path.
 The admission rule is the scheduler's (`_schedule_waiting`): match the cached prefix, admit only
-when the whole remaining prompt fits the pool, allocate chunk by chunk.
+when the whole remaining prompt fits the pool, allocate chunk by chunk. Its Sequences are its
+own (never in the scheduler's queues), so it is their one writer, as the scheduler is of its own.
 
 Prefix cache: last-token pooling over a causal model needs only the last position's hidden
 state, and a cached prefix's K/V is exactly what that position attends to, so a shared prefix is

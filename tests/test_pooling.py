@@ -102,19 +102,34 @@ def test_matryoshka_dimensions_truncate_then_normalize(bert_dir: Path) -> None:
 
 
 def test_classify_probs_match_transformers(tmp_path: Path) -> None:
-    for path in (
-        save_tiny_bert(tmp_path / "bert", num_labels=3),
-        save_llama_classifier(tmp_path / "llama", build_tokenizer(), 3),
-    ):
+    bert = save_tiny_bert(tmp_path / "bert", num_labels=3)
+    llama = save_llama_classifier(tmp_path / "llama", build_tokenizer(), 3)
+    for path, on_engine in ((bert, False), (llama, True)):
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
-        outs = LLM(str(path), task="classify", max_num_batched_tokens=64).classify(TEXTS)
+        llm = LLM(str(path), task="classify", max_num_batched_tokens=64)
+        # a decoder's head runs over the engine's last-token hidden state; an encoder runs in transformers
+        assert (llm.pooling_model().engine is not None) is on_engine
+        outs = llm.classify(TEXTS)
         for text, out in zip(TEXTS, outs):
             with torch.no_grad():
                 logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
             probs = torch.softmax(logits, -1)
             np.testing.assert_allclose(out.outputs.probs, probs.numpy(), atol=1e-5)
             assert out.outputs.label == model.config.id2label[int(probs.argmax())]
+        if on_engine:  # TEXTS[1] shares whole blocks with TEXTS[0]: served from the prefix cache
+            assert outs[1].num_cached_tokens > 0
+
+
+def test_decoder_reward_model_pair_scores(tmp_path: Path) -> None:
+    path = save_llama_classifier(tmp_path / "rm", build_tokenizer(), 1)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    outs = LLM(str(path), task="score").score(PREFIX, ["cat", "the sun dog"])
+    for doc, out in zip(["cat", "the sun dog"], outs):
+        with torch.no_grad():
+            logit = model(**tokenizer(PREFIX, doc, return_tensors="pt")).logits[0, 0]
+        assert out.outputs.score == pytest.approx(float(torch.sigmoid(logit)), abs=1e-5)
 
 
 def test_cross_encoder_pair_scores(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.engine.llm import LLM
-from batchgen.testing.pooling_models import save_tiny_bert
-from tests.conftest import write_job, write_parquet
+from batchgen.testing.pooling_models import save_llama_classifier, save_tiny_bert
+from tests.conftest import build_tokenizer, write_job, write_parquet
 
 PREFIX = "once upon a time there was a little cat who liked to play in the sun "
 PROMPTS = [PREFIX * 2 + "dog", "the sun", None, "  ", PREFIX * 2 + "with her friend", "cat"]
@@ -146,3 +146,15 @@ def test_embed_job_on_ray_equals_a_local_run(tmp_path: Path, tiny_model_dir: Pat
         np.array([v for v in two.column("embedding").to_pylist() if v is not None]),
         atol=1e-6,
     )
+
+
+def test_reward_model_row_scores_on_the_engine(tmp_path: Path) -> None:
+    model = save_llama_classifier(tmp_path / "rm", build_tokenizer(), 1)
+    code, output = _run(_job(tmp_path, model, "score", pooling={"score": "row"}))
+    assert code == 0, output
+    table = _table(tmp_path)
+    expected = LLM(str(model), task="classify").classify([PROMPTS[i] for i in (0, 1, 4, 5)])
+    scores = table.column("score").to_pylist()
+    for i, out in zip((0, 1, 4, 5), expected):
+        assert scores[i] == pytest.approx(out.outputs.probs[0], abs=1e-6)
+    assert sum(table.column("cached_tokens").to_pylist()) > 0  # last-token heads reuse shared prefixes

@@ -1,11 +1,9 @@
-"""Pooling batches through transformers' own forward: encoder models (BERT-style, bidirectional
-attention, which batchgen's causal paged attention cannot run) for embeddings, and sequence
-classification heads (encoder or decoder) for classify and score.
+"""Pooling batches through transformers' own forward, for encoder models (BERT-style,
+bidirectional attention, which batchgen's causal paged attention cannot run): embeddings
+(AutoModel + our pooling) and sequence-classification heads (the model's own pooler and head).
 
 Batches are length-ordered and bounded by a token budget on their padded size (rows x longest
 row), so the padding a batch carries stays small: neighbours in length order differ little.
-Decoder classifiers pool their last real token (what transformers does, found here from the
-attention mask rather than by searching for the pad id, which a prompt may itself contain).
 """
 
 from __future__ import annotations
@@ -56,7 +54,6 @@ class HFPoolingRunner:
         self, path: str | Path, kind: str, device: torch.device, dtype: torch.dtype, budget: int, max_rows: int = 256
     ) -> None:
         self.config = AutoConfig.from_pretrained(path)
-        self.encoder = is_encoder(self.config)
         loader: Any = AutoModel if kind == "embed" else AutoModelForSequenceClassification
         self.model = loader.from_pretrained(path, dtype=dtype).to(device).eval()
         self.kind, self.device, self.budget, self.max_rows = kind, device, budget, max_rows
@@ -94,14 +91,4 @@ class HFPoolingRunner:
             if self.kind == "embed":
                 hidden = self.model(**args).last_hidden_state  # [B, L, H]
                 return pool_padded(hidden, args["attention_mask"], method)
-            if self.encoder:
-                return self.model(**args).logits  # [B, C]: the model's own pooler and head
-            return self._decoder_logits(args)
-
-    def _decoder_logits(self, args: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A decoder classifier: its head over the last real token's hidden state -> [B, C]."""
-        head = getattr(self.model, "score", None)
-        if head is None:
-            raise ValueError(f"{type(self.model).__name__}: no `score` head found to classify with")
-        hidden = self.model.base_model(**args).last_hidden_state  # [B, L, H]
-        return head(pool_padded(hidden, args["attention_mask"], "last").to(hidden.dtype))
+            return self.model(**args).logits  # [B, C]: the model's own pooler and head

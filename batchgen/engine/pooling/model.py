@@ -1,7 +1,8 @@
 """PoolingModel: one model set up for a pooling task (embed, classify, score), whichever runner
-it needs: batchgen's engine for the decoder models it runs (embeddings), transformers' forward
-for encoders and classification heads. The Python API (`LLM.embed/classify/score`) and the job
-runner both call it with token ids and get one RowResult per input, in order.
+it needs: batchgen's engine for decoder models (embeddings, and classifier heads over its
+last-token hidden states), transformers' forward for encoders (BERT-style). The Python API
+(`LLM.embed/classify/score`) and the job runner both call it with token ids and get one
+RowResult per input, in order.
 
 Score: a model with a sequence-classification head (a cross-encoder or a reward model) scores
 one input (a row, or a (query, document) pair tokenized together) with its single-label head
@@ -20,6 +21,7 @@ from transformers import AutoConfig
 
 from batchgen.engine.pooling.config import PoolingConfig, resolve_pooling
 from batchgen.engine.pooling.engine_runner import EnginePoolingRunner
+from batchgen.engine.pooling.heads import load_score_head
 from batchgen.engine.pooling.hf_runner import Encoded, HFPoolingRunner, is_encoder
 from batchgen.engine.pooling.outputs import PoolingParams
 from batchgen.engine.pooling.poolers import cosine, finish_embeddings, head_probs
@@ -43,14 +45,11 @@ def has_classifier(path: str | Path) -> bool:
 
 
 def runs_on_engine(path: str | Path, task: str) -> bool:
-    """Whether `task` on this model runs through batchgen's engine: generation, and embeddings of
-    decoder models (our causal paged attention cannot run a bidirectional encoder, and the engine
-    loads no classification head)."""
-    if task == "generate":
-        return True
-    if task == "classify" or (task == "score" and has_classifier(path)):
-        return False
-    return not is_encoder(AutoConfig.from_pretrained(path))
+    """Whether `task` on this model runs through batchgen's engine: generation, and every pooling
+    task of a decoder model (a classifier's head is applied to the engine's last-token hidden
+    state, see heads); encoders run through transformers (our causal paged attention cannot run
+    bidirectional attention)."""
+    return task == "generate" or not is_encoder(AutoConfig.from_pretrained(path))
 
 
 class PoolingModel:
@@ -60,11 +59,13 @@ class PoolingModel:
         pooling: PoolingConfig,
         engine: EnginePoolingRunner | None = None,
         hf: HFPoolingRunner | None = None,
+        head: torch.nn.Linear | None = None,
+        id2label: dict[int, str] | None = None,
     ) -> None:
-        self.task, self.pooling, self.engine, self.hf = task, pooling, engine, hf
-        self.classifier = hf is not None and hf.kind == "classify"
-        labels: dict[int, str] = (getattr(hf.config, "id2label", None) or {}) if hf is not None else {}
-        self.id2label = {int(k): str(v) for k, v in labels.items()}
+        """`head`: a decoder classifier's head over the engine's last-token hidden states."""
+        self.task, self.pooling, self.engine, self.hf, self.head = task, pooling, engine, hf, head
+        self.classifier = head is not None or (hf is not None and hf.kind == "classify")
+        self.id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
 
     @classmethod
     def build(
@@ -89,10 +90,15 @@ class PoolingModel:
             method.lower() if isinstance(method, str) else None,
             normalize,
         )
+        wants_head = task == "classify" or (task == "score" and has_classifier(path))
+        labels = getattr(AutoConfig.from_pretrained(path), "id2label", None) if wants_head else None
+        if engine is not None and wants_head:
+            head = load_score_head(path, device, dtype)
+            return cls(task, PoolingConfig("last", False), engine=engine, head=head, id2label=labels)
         if engine is not None:
             return cls(task, pooling, engine=engine)
-        kind = "classify" if task == "classify" or (task == "score" and has_classifier(path)) else "embed"
-        return cls(task, pooling, hf=HFPoolingRunner(path, kind, device, dtype, budget))
+        kind = "classify" if wants_head else "embed"
+        return cls(task, pooling, hf=HFPoolingRunner(path, kind, device, dtype, budget), id2label=labels)
 
     def embed(self, inputs: list[Encoded], params: PoolingParams | None = None) -> list[RowResult]:
         """Each input's embedding [D] float32: pooled, truncated to `dimensions`, normalized."""
@@ -114,11 +120,29 @@ class PoolingModel:
 
     def classify(self, inputs: list[Encoded]) -> list[RowResult]:
         """Each input's class probabilities [C] (softmax; sigmoid for one label)."""
-        if self.hf is None or not self.classifier:
+        if not self.classifier:
             raise ValueError(
                 "classify needs a model with a sequence-classification head (architectures *ForSequenceClassification)"
             )
-        return [RowResult(head_probs(logits[None])[0]) for logits in self.hf.run(inputs)]
+        if self.hf is not None:
+            return [RowResult(head_probs(logits[None])[0]) for logits in self.hf.run(inputs)]
+        return self._engine_classify(inputs)
+
+    def _engine_classify(self, inputs: list[Encoded]) -> list[RowResult]:
+        """A decoder classifier on the engine: its head over each input's last-token hidden state."""
+        if self.engine is None or self.head is None:
+            raise RuntimeError("no engine classifier set up")
+        pooled = self.engine.pool([e.input_ids for e in inputs], "last")
+        results: list[RowResult] = []
+        for p in pooled:
+            if p.vector is None:
+                results.append(RowResult(None, p.cached_tokens, p.error))
+                continue
+            weight = self.head.weight
+            with torch.inference_mode():
+                logits = self.head(p.vector.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
+            results.append(RowResult(head_probs(logits)[0].cpu(), p.cached_tokens))
+        return results
 
     def score(self, inputs: list[Encoded], pairs: list[tuple[Encoded, Encoded]] | None = None) -> list[RowResult]:
         """Classifier models: the single-label head's sigmoid of each input (a row, or a pair
@@ -167,9 +191,11 @@ def on_engine(path: str | Path, task: str, llm: Any, pooler_config: dict[str, An
 
 
 def prefix_cache_applies(path: str | Path, task: str, pooling_type: str | None) -> bool:
-    """Whether a pooling task's rows can be served from the prefix cache: embeddings of a decoder
-    model on the engine with last-token pooling (see engine_runner); never mean / CLS pooling,
-    encoders or classifier heads."""
-    if task != "embed" or not runs_on_engine(path, task):
+    """Whether a pooling task's rows can be served from the prefix cache: decoder models on the
+    engine with last-token pooling (embeddings, classifier heads; see engine_runner); never mean
+    or CLS pooling, nor encoders."""
+    if task == "generate" or not runs_on_engine(path, task):
         return False
+    if task == "classify" or (task == "score" and has_classifier(path)):
+        return True  # a decoder classifier's head reads the last token's hidden state
     return resolve_pooling(path, True, pooling_type).method == "last"

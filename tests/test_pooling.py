@@ -167,3 +167,25 @@ def test_unsupported_sentence_transformers_module_is_named(bert_dir: Path, tmp_p
         resolve_pooling(tmp_path, is_decoder=False)
     assert resolve_pooling(bert_dir, is_decoder=False).method == "cls"
     assert resolve_pooling(bert_dir, is_decoder=True, method="mean", normalize=False).normalize is False
+
+
+def test_an_aborted_pool_gives_its_blocks_back_and_forgets_its_hashes(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), task="embed", max_num_batched_tokens=48)
+    model = llm.pooling_model()
+    assert model.engine is not None
+    blocks = model.engine.block_manager
+    free = blocks.num_free_blocks
+    steps: list[int] = []
+
+    def stop_at_second_step() -> None:  # what the job runner's interrupt check does on a signal
+        steps.append(1)
+        if len(steps) == 2:
+            raise KeyboardInterrupt
+
+    model.on_step = stop_at_second_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.embed(TEXTS)
+    assert blocks.num_free_blocks == free and blocks.num_tables == 0
+    assert blocks.hash_to_block == {}  # nothing half-computed can be matched later
+    model.on_step = None
+    np.testing.assert_allclose(embeddings(llm.embed(TEXTS)), reference(llama_dir, TEXTS, "last"), atol=1e-5)

@@ -158,3 +158,9 @@ def test_reward_model_row_scores_on_the_engine(tmp_path: Path) -> None:
     for i, out in zip((0, 1, 4, 5), expected):
         assert scores[i] == pytest.approx(out.outputs.probs[0], abs=1e-6)
     assert sum(table.column("cached_tokens").to_pylist()) > 0  # last-token heads reuse shared prefixes
+
+
+def test_row_scores_need_a_classifier_head(tmp_path: Path, tiny_model_dir: Path) -> None:
+    code, output = _run(_job(tmp_path, tiny_model_dir, "score", pooling={"score": "row"}))
+    assert code != 0 and "pooling.score row needs a sequence-classification head" in output
+    assert not list((tmp_path / "out").glob("part-*"))  # refused when the model loads, before any part

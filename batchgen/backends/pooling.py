@@ -38,6 +38,11 @@ class PoolingBackend:
             self.model: PoolingModel = self.llm.pooling_model()
         except (OSError, ValueError, PoolingConfigError) as exc:
             raise ModelError(f"model.path {spec.model.path}: {exc}") from exc
+        if spec.task == "score" and pooling is not None and pooling.score == "row" and not self.model.classifier:
+            raise ModelError(
+                f"model.path {spec.model.path}: pooling.score row needs a sequence-classification head "
+                "(a reward model or cross-encoder); an embedding model scores pairs only (pooling.score: pair)"
+            )
         runner = "engine" if self.model.engine is not None else "transformers"
         self.runtime = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "pooling_runner": runner}
         self.max_model_len = self.llm.max_model_len

@@ -133,6 +133,7 @@ class PartWork:
         if not isinstance(backend, PoolingBackend):
             raise TypeError(f"task {self.spec.task} needs the pooling backend, got {backend.name}")
         interrupt.check()
+        backend.model.on_step = interrupt.check  # between forwards: the part in flight is abandoned uncommitted
         try:
             cols = pooled_columns(self.spec, rows, table, backend, self.result_fields)
         except BatchgenError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,11 +63,15 @@ class EnginePoolingRunner:
         self._ids = itertools.count(1 << 40)  # why far off: never an id the generate loop hands out
         self._params = SamplingParams(max_tokens=0)
 
-    def pool(self, prompts: list[list[int]], method: str) -> list[PooledResult]:
-        """Pooled hidden states of every prompt, in the given order (callers order by length)."""
+    def pool(
+        self, prompts: list[list[int]], method: str, on_step: Callable[[], None] | None = None
+    ) -> list[PooledResult]:
+        """Pooled hidden states of every prompt, in the given order (callers order by length).
+        `on_step` runs after every forward (the job runner stops there on a signal)."""
         results: list[PooledResult | None] = [None] * len(prompts)
         waiting = deque(range(len(prompts)))
         running: list[_Running] = []
+        done = False
         try:
             while waiting or running:
                 chunks = self._schedule(prompts, method, waiting, running, results)
@@ -78,9 +83,14 @@ class EnginePoolingRunner:
                     results[r.index] = PooledResult(r.acc.result(), r.cached)
                     self._release(r)
                     running.remove(r)
+                if on_step is not None:
+                    on_step()
+            done = True
         finally:
             for r in running:  # an aborted batch gives its blocks back
                 self._release(r)
+            if not done:  # why: a failed forward may have left blocks registered with K/V never written
+                self.block_manager.reset_prefix_cache()
         return [r if r is not None else PooledResult(None, error="not run") for r in results]
 
     def _schedule(

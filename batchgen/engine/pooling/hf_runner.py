@@ -8,6 +8,7 @@ row), so the padding a batch carries stays small: neighbours in length order dif
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,14 +65,18 @@ class HFPoolingRunner:
         limit = getattr(self.config, "max_position_embeddings", None)
         return int(limit) if limit else 2048
 
-    def run(self, inputs: list[Encoded], method: str = "cls") -> list[torch.Tensor]:
+    def run(
+        self, inputs: list[Encoded], method: str = "cls", on_step: Callable[[], None] | None = None
+    ) -> list[torch.Tensor]:
         """Per input, in order: its pooled hidden state [H] (embed) or its head's logits [C]
-        (classify), float32 on the CPU."""
+        (classify), float32 on the CPU. `on_step` runs after every batch."""
         out: list[torch.Tensor | None] = [None] * len(inputs)
         for batch in token_batches([len(e.input_ids) for e in inputs], self.budget, self.max_rows):
             rows = self._forward([inputs[i] for i in batch], method)  # [B, H] or [B, C]
             for i, row in zip(batch, rows.float().cpu()):
                 out[i] = row
+            if on_step is not None:
+                on_step()
         return [t for t in out if t is not None]
 
     def _forward(self, rows: list[Encoded], method: str) -> torch.Tensor:

@@ -12,6 +12,7 @@ rule for embedding models).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ class PoolingModel:
         """`head`: a decoder classifier's head over the engine's last-token hidden states."""
         self.task, self.pooling, self.engine, self.hf, self.head = task, pooling, engine, hf, head
         self.classifier = head is not None or (hf is not None and hf.kind == "classify")
+        self.on_step: Callable[[], None] | None = None  # after every forward (the job runner's stop point)
         self.id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
 
     @classmethod
@@ -107,10 +109,10 @@ class PoolingModel:
             normalize = config.normalize if params.normalize is None else params.normalize
             config = PoolingConfig(config.method, normalize, params.dimensions or config.dimensions)
         if self.engine is not None:
-            pooled = self.engine.pool([e.input_ids for e in inputs], config.method)
+            pooled = self.engine.pool([e.input_ids for e in inputs], config.method, self.on_step)
             results = [RowResult(p.vector, p.cached_tokens, p.error) for p in pooled]
         elif self.hf is not None and not self.classifier:
-            results = [RowResult(v) for v in self.hf.run(inputs, config.method)]
+            results = [RowResult(v) for v in self.hf.run(inputs, config.method, self.on_step)]
         else:
             raise ValueError("this model has a classification head: use classify or score, not embed")
         for r in results:
@@ -125,14 +127,14 @@ class PoolingModel:
                 "classify needs a model with a sequence-classification head (architectures *ForSequenceClassification)"
             )
         if self.hf is not None:
-            return [RowResult(head_probs(logits[None])[0]) for logits in self.hf.run(inputs)]
+            return [RowResult(head_probs(logits[None])[0]) for logits in self.hf.run(inputs, on_step=self.on_step)]
         return self._engine_classify(inputs)
 
     def _engine_classify(self, inputs: list[Encoded]) -> list[RowResult]:
         """A decoder classifier on the engine: its head over each input's last-token hidden state."""
         if self.engine is None or self.head is None:
             raise RuntimeError("no engine classifier set up")
-        pooled = self.engine.pool([e.input_ids for e in inputs], "last")
+        pooled = self.engine.pool([e.input_ids for e in inputs], "last", self.on_step)
         results: list[RowResult] = []
         for p in pooled:
             if p.vector is None:

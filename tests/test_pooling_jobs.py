@@ -164,3 +164,20 @@ def test_row_scores_need_a_classifier_head(tmp_path: Path, tiny_model_dir: Path)
     code, output = _run(_job(tmp_path, tiny_model_dir, "score", pooling={"score": "row"}))
     assert code != 0 and "pooling.score row needs a sequence-classification head" in output
     assert not list((tmp_path / "out").glob("part-*"))  # refused when the model loads, before any part
+
+
+def test_classify_job_to_a_bucket_equals_a_local_run(tmp_path: Path) -> None:
+    from tests.s3_server import moto_s3, options
+
+    model = save_tiny_bert(tmp_path / "clf", num_labels=2)
+    assert _run(_job(tmp_path / "local", model, "classify"))[0] == 0
+    with moto_s3() as s3:
+        job = _job(
+            tmp_path / "s3", model, "classify", output={"path": "s3://outputs/clf", "storage_options": options(s3)}
+        )
+        code, output = _run(job)
+        assert code == 0, output
+        remote = ds.dataset("outputs/clf", format="parquet", filesystem=s3["fs"]).to_table().sort_by("id")
+    local = _table(tmp_path / "local")
+    for name in ("label", "probs", "error_code", "input_tokens", "finish_reason"):
+        assert remote.column(name).equals(local.column(name)), name

@@ -16,8 +16,11 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.engine.llm import LLM
+from batchgen.job.spec import load_job
+from batchgen.outputs.fingerprint import job_fingerprint
 from batchgen.testing.pooling_models import save_llama_classifier, save_tiny_bert
 from tests.conftest import build_tokenizer, write_job, write_parquet
+from tests.s3_server import moto_s3, options
 
 PREFIX = "once upon a time there was a little cat who liked to play in the sun "
 PROMPTS = [PREFIX * 2 + "dog", "the sun", None, "  ", PREFIX * 2 + "with her friend", "cat"]
@@ -167,8 +170,6 @@ def test_row_scores_need_a_classifier_head(tmp_path: Path, tiny_model_dir: Path)
 
 
 def test_classify_job_to_a_bucket_equals_a_local_run(tmp_path: Path) -> None:
-    from tests.s3_server import moto_s3, options
-
     model = save_tiny_bert(tmp_path / "clf", num_labels=2)
     assert _run(_job(tmp_path / "local", model, "classify"))[0] == 0
     with moto_s3() as s3:
@@ -181,3 +182,10 @@ def test_classify_job_to_a_bucket_equals_a_local_run(tmp_path: Path) -> None:
     local = _table(tmp_path / "local")
     for name in ("label", "probs", "error_code", "input_tokens", "finish_reason"):
         assert remote.column(name).equals(local.column(name)), name
+
+
+def test_fingerprint_names_the_task_and_keeps_generate_outputs_resumable(tmp_path: Path, tiny_model_dir: Path) -> None:
+    generate = job_fingerprint(load_job(_job(tmp_path / "g", tiny_model_dir, "generate")), [])["settings"]
+    assert "task" not in generate and "pooling" not in generate  # as before pooling jobs existed
+    embed = job_fingerprint(load_job(_job(tmp_path / "e", tiny_model_dir, "embed", pooling={"dimensions": 8})), [])
+    assert embed["settings"]["task"] == "embed" and embed["settings"]["pooling"]["dimensions"] == 8

@@ -189,3 +189,14 @@ def test_an_aborted_pool_gives_its_blocks_back_and_forgets_its_hashes(llama_dir:
     assert blocks.hash_to_block == {}  # nothing half-computed can be matched later
     model.on_step = None
     np.testing.assert_allclose(embeddings(llm.embed(TEXTS)), reference(llama_dir, TEXTS, "last"), atol=1e-5)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(bert_dir: Path) -> None:
+    llm = LLM(str(bert_dir), task="embed")
+    ids = llm.tokenizer(TEXTS[3])["input_ids"]
+    assert len(ids) > 40
+    cut = llm.embed(TEXTS[3], truncate_prompt_tokens=40)[0]
+    assert cut.prompt_token_ids == ids[-40:]  # vLLM's left truncation
+    np.testing.assert_allclose(cut.outputs.embedding, llm.embed([ids[-40:]])[0].outputs.embedding, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="lora_request"):
+        llm.embed("cat", lora_request=object())

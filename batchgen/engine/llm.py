@@ -17,14 +17,8 @@ from batchgen.engine.attention.path import SMALL_BLOCK_SIZE, default_block_size,
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
-from batchgen.engine.pooling import api as pooling_api
+from batchgen.engine.pooling.methods import PoolingMethods
 from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
-from batchgen.engine.pooling.outputs import (
-    ClassificationRequestOutput,
-    EmbeddingRequestOutput,
-    PoolingParams,
-    ScoringRequestOutput,
-)
 from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
 from batchgen.engine.runner.compiled_forward import resolve_compile
 from batchgen.engine.runner.model_runner import ModelRunner
@@ -57,7 +51,7 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Offline batch generation with a paged KV cache, prefix caching and continuous batching."""
 
     def __init__(
@@ -216,34 +210,6 @@ class LLM:
             f"prompt {index} must be a string, a list of token ids, or a dict with 'prompt' or "
             f"'prompt_token_ids', got {type(prompt).__name__}"
         )
-
-    def embed(
-        self,
-        prompts: PromptInput | Sequence[PromptInput],
-        pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = False,
-        lora_request: object = None,
-    ) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt, in order (vLLM's `LLM.embed`): `.outputs.embedding`."""
-        model = self.pooling_model()
-        return pooling_api.embed(model, self.tokenizer, self.max_model_len, prompts, pooling_params)
-
-    def classify(
-        self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = False, lora_request: object = None
-    ) -> list[ClassificationRequestOutput]:
-        """Class probabilities per prompt (vLLM's `LLM.classify`): `.outputs.probs` (and `.label`)."""
-        return pooling_api.classify(self.pooling_model(), self.tokenizer, self.max_model_len, prompts)
-
-    def score(
-        self,
-        data_1: str | Sequence[str],
-        data_2: str | Sequence[str],
-        use_tqdm: bool = False,
-        lora_request: object = None,
-    ) -> list[ScoringRequestOutput]:
-        """A score per (data_1, data_2) pair, 1:N, N:1 or N:N (vLLM's `LLM.score`): a cross-encoder's
-        sigmoid, or the cosine of two embeddings for an embedding model."""
-        return pooling_api.score(self.pooling_model(), self.tokenizer, self.max_model_len, data_1, data_2)
 
     def pooling_model(self) -> PoolingModel:
         """The pooling side of this LLM; on a generate LLM, embeddings through its engine."""

@@ -43,6 +43,21 @@ def encode_pair(tokenizer: Any, first: str, second: str) -> Encoded:
     return Encoded(list(enc["input_ids"]), list(types) if types is not None else None)
 
 
+def refuse_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise NotImplementedError("lora_request is not supported by batchgen")
+
+
+def truncate(encoded: Encoded, keep: int | None) -> Encoded:
+    """The last `keep` tokens (vLLM's truncate_prompt_tokens: left truncation); None keeps all."""
+    if keep is None or len(encoded.input_ids) <= keep:
+        return encoded
+    if keep < 1:
+        raise ValueError(f"truncate_prompt_tokens must be null or >= 1, got {keep}")
+    types = encoded.token_type_ids[-keep:] if encoded.token_type_ids is not None else None
+    return Encoded(encoded.input_ids[-keep:], types)
+
+
 def _items(prompts: object) -> list[object]:
     return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[call-overload]
 
@@ -69,9 +84,14 @@ def _run(inputs: list[Encoded], max_model_len: int, call: Any) -> list[RowResult
 
 
 def embed(
-    model: PoolingModel, tokenizer: Any, max_model_len: int, prompts: object, params: PoolingParams | None
+    model: PoolingModel,
+    tokenizer: Any,
+    max_model_len: int,
+    prompts: object,
+    params: PoolingParams | None,
+    keep: int | None = None,
 ) -> list[EmbeddingRequestOutput]:
-    inputs = [Encoded(encode_prompt(tokenizer, i, p)) for i, p in enumerate(_items(prompts))]
+    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)), keep) for i, p in enumerate(_items(prompts))]
     results = _run(inputs, max_model_len, lambda batch: model.embed(batch, params))
     return [
         _output(i, e, r, None if r.values is None else EmbeddingOutput(r.values.tolist()))
@@ -80,9 +100,9 @@ def embed(
 
 
 def classify(
-    model: PoolingModel, tokenizer: Any, max_model_len: int, prompts: object
+    model: PoolingModel, tokenizer: Any, max_model_len: int, prompts: object, keep: int | None = None
 ) -> list[ClassificationRequestOutput]:
-    inputs = [Encoded(encode_prompt(tokenizer, i, p)) for i, p in enumerate(_items(prompts))]
+    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)), keep) for i, p in enumerate(_items(prompts))]
     results = _run(inputs, max_model_len, model.classify)
     outputs = []
     for i, (e, r) in enumerate(zip(inputs, results)):
@@ -92,7 +112,12 @@ def classify(
 
 
 def score(
-    model: PoolingModel, tokenizer: Any, max_model_len: int, data_1: str | Sequence[str], data_2: str | Sequence[str]
+    model: PoolingModel,
+    tokenizer: Any,
+    max_model_len: int,
+    data_1: str | Sequence[str],
+    data_2: str | Sequence[str],
+    keep: int | None = None,
 ) -> list[ScoringRequestOutput]:
     """vLLM's pairing: one text against many (either side), or N against N."""
     left = [data_1] if isinstance(data_1, str) else list(data_1)
@@ -104,13 +129,12 @@ def score(
     if len(left) != len(right):
         raise ValueError(f"score: {len(left)} texts in data_1 against {len(right)} in data_2 (1:N, N:1 or N:N)")
     if model.classifier:
-        inputs = [encode_pair(tokenizer, a, b) for a, b in zip(left, right)]
+        inputs = [truncate(encode_pair(tokenizer, a, b), keep) for a, b in zip(left, right)]
         results = _run(inputs, max_model_len, model.score)
     else:
-        pairs = [
-            (Encoded(encode_prompt(tokenizer, 0, a)), Encoded(encode_prompt(tokenizer, 0, b)))
-            for a, b in zip(left, right)
-        ]
+        one = [truncate(Encoded(encode_prompt(tokenizer, 0, a)), keep) for a in left]
+        two = [truncate(Encoded(encode_prompt(tokenizer, 0, b)), keep) for b in right]
+        pairs = list(zip(one, two))
         inputs = [Encoded(a.input_ids + b.input_ids) for a, b in pairs]  # only for the usage counts
         _, errors = _checked([e for pair in pairs for e in pair], max_model_len)
         results = [RowResult(None, error=errors[2 * i] or errors[2 * i + 1]) for i in range(len(pairs))]

@@ -43,6 +43,7 @@ def test_threads_are_the_cpus_other_processes_leave(limit: int, cpus: int, other
     assert threads_for(limit, cpus, *_window(others)) == threads
 
 
+@pytest.mark.serial
 def test_busy_neighbours_take_threads_away_and_the_count_is_within_the_processes_cpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -69,6 +70,7 @@ def test_a_governor_that_is_off_never_changes_the_count() -> None:
     assert governor._last is None and torch.get_num_threads() == 1
 
 
+@pytest.mark.serial
 def test_forgetting_a_window_of_our_own_compiling_keeps_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile's workers are other processes: a window that held a compile would read as busy
     neighbours. After forget() the next tick measures only what came after."""

@@ -61,7 +61,7 @@ def _derived_fields(cls: type, section: str) -> dict[str, Any]:
     defaults = JOB_DEFAULTS.get(section, {})
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if f.name in _JOB_SPELLED:
+        if f.name in _JOB_SPELLED or f.metadata.get("job") is False:  # Python-API-only settings (PYTHON_ONLY)
             continue
         if f.name in defaults:
             out[f.name] = (hints[f.name], defaults[f.name])

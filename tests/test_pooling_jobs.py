@@ -189,3 +189,9 @@ def test_fingerprint_names_the_task_and_keeps_generate_outputs_resumable(tmp_pat
     assert "task" not in generate and "pooling" not in generate  # as before pooling jobs existed
     embed = job_fingerprint(load_job(_job(tmp_path / "e", tiny_model_dir, "embed", pooling={"dimensions": 8})), [])
     assert embed["settings"]["task"] == "embed" and embed["settings"]["pooling"]["dimensions"] == 8
+
+
+def test_dimensions_beyond_the_hidden_size_fail_at_load(tmp_path: Path, tiny_model_dir: Path) -> None:
+    code, output = _run(_job(tmp_path, tiny_model_dir, "embed", pooling={"dimensions": 65}))
+    assert code != 0 and "pooling.dimensions 65 exceeds the model's hidden size 64" in output
+    assert not list((tmp_path / "out").glob("part-*"))

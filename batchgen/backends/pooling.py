@@ -14,6 +14,7 @@ from batchgen.engine.pooling.model import PoolingModel, RowResult
 from batchgen.engine.pooling.outputs import PoolingParams
 from batchgen.errors import ModelError
 from batchgen.job.spec import JobSpec
+from batchgen.outputs.pooled import embedding_width
 
 
 class PoolingBackend:
@@ -43,6 +44,10 @@ class PoolingBackend:
                 f"model.path {spec.model.path}: pooling.score row needs a sequence-classification head "
                 "(a reward model or cross-encoder); an embedding model scores pairs only (pooling.score: pair)"
             )
+        if spec.task == "embed" and pooling is not None and pooling.dimensions is not None:
+            hidden = embedding_width(spec.model.path, None)
+            if pooling.dimensions > hidden:
+                raise ModelError(f"pooling.dimensions {pooling.dimensions} exceeds the model's hidden size {hidden}")
         runner = "engine" if self.model.engine is not None else "transformers"
         self.runtime = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "pooling_runner": runner}
         self.max_model_len = self.llm.max_model_len

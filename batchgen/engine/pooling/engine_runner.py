@@ -80,7 +80,7 @@ class EnginePoolingRunner:
                 if chunks:
                     self._run(chunks, running)
                 for r in [r for r in running if r.seq.num_computed_tokens == r.seq.num_tokens]:
-                    results[r.index] = PooledResult(r.acc.result(), r.cached)
+                    results[r.index] = PooledResult(r.acc.result().cpu(), r.cached)  # [H] float32 on the host
                     self._release(r)
                     running.remove(r)
                 if on_step is not None:

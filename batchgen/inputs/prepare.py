@@ -50,6 +50,8 @@ def input_columns(spec: JobSpec) -> list[str]:
     """Columns the job must read from every input file."""
     i = spec.input
     names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
+    if spec.pooling is not None and spec.pooling.document_column is not None:  # score pairs' second text
+        names.append(spec.pooling.document_column)
     return [n for n in dict.fromkeys(names) if n is not None]
 
 

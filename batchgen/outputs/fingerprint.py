@@ -56,6 +56,9 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     settings = spec.model_dump(mode="json", exclude=_NEUTRAL)  # type: ignore[arg-type]
     for name in _NEUTRAL_ENGINE:
         settings["engine"].pop(name, None)
+    if spec.task == "generate":  # task and pooling came later: a generate output made before keeps its fingerprint
+        settings.pop("task", None)
+        settings.pop("pooling", None)
     defaults = SamplingParams()
     for name in _LATER_SAMPLING:
         if getattr(spec.sampling, name) == getattr(defaults, name):

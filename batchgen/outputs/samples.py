@@ -38,11 +38,14 @@ class ColumnPlan:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    pooled: tuple[pa.Field, ...] = ()  # a pooling task's own columns (outputs/pooled)
 
     @classmethod
     def of(cls, spec: JobSpec) -> ColumnPlan:
+        from batchgen.outputs.pooled import pooled_fields
+
         s = spec.sampling
-        return cls(n=s.n, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs)
+        return cls(n=s.n, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, pooled=tuple(pooled_fields(spec)))
 
     def extra_fields(self) -> list[pa.Field]:
         """Columns beyond the base ones, in output order."""
@@ -55,7 +58,7 @@ class ColumnPlan:
             fields.append(pa.field("logprobs", self._per_sample(per)))
         if self.prompt_logprobs is not None:
             fields.append(pa.field("prompt_logprobs", pa.list_(TOKEN_LOGPROB)))
-        return fields
+        return fields + list(self.pooled)
 
     def fields(self, base: list[pa.Field]) -> list[pa.Field]:
         """The job's result columns: `base` with per-sample columns as lists when n > 1, then the extras."""

@@ -55,6 +55,12 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     settings = spec.model_dump(mode="json", exclude=_NEUTRAL)  # type: ignore[arg-type]
     for name in _NEUTRAL_ENGINE:
         settings["engine"].pop(name, None)
+    # Later settings, left out at their default so that older outputs keep their fingerprint:
+    # input.format (auto reads what older batchgen read), output.reasoning (it shapes the parts).
+    if spec.input.format == "auto":
+        settings["input"].pop("format", None)
+    if spec.output.reasoning != "none":
+        settings["output"] = {"reasoning": spec.output.reasoning}
     defaults = SamplingParams()
     for name in _LATER_SAMPLING:
         if getattr(spec.sampling, name) == getattr(defaults, name):

@@ -152,7 +152,11 @@ def validate_inputs(spec: JobSpec) -> list[InputFile]:
     exists. Why apart: it imports neither torch nor transformers, so `run` answers a finished job
     or a held lock after it in well under a second (the fingerprint still covers the model files)."""
     files = open_inputs(
-        spec.input.path, input_columns(spec), exclude=spec.output.path, options=spec.input.storage_options
+        spec.input.path,
+        input_columns(spec),
+        exclude=spec.output.path,
+        options=spec.input.storage_options,
+        fmt=spec.input.format,
     )
     check_read_types(spec, files)
     check_sampling_columns(spec, files)

@@ -92,6 +92,9 @@ def complete_from_parts(state: OutputState, record: dict[str, Any]) -> tuple[dic
     started = float(record["run"]["started"])
     manifest = build_manifest(totals, record, started, time.time() - started, totals.output_tokens)
     write_success(state.storage, manifest)
+    from batchgen.outputs.openai_batch import write_batch_output  # why here: it imports the job spec
+
+    write_batch_output(state.storage, record)
     return manifest, []
 
 

@@ -99,7 +99,9 @@ def _open_dataset_folder(pattern: str, options: dict[str, Any]) -> list[InputFil
                 rows, schema = hf_dataset.stream_facts(fh, str(path))
         except (FileNotFoundError, OSError) as exc:
             raise InputDataError(f"{path}: listed in state.json but cannot be read: {exc}") from exc
-        files.append(InputFile(path, rows, schema, key, fs if remote else None, fs_path if remote else "", "hf_dataset"))
+        files.append(
+            InputFile(path, rows, schema, key, fs if remote else None, fs_path if remote else "", "hf_dataset")
+        )
     if not files:
         raise InputDataError(f"input.path {pattern}: the dataset lists no data files")
     return files
@@ -113,7 +115,9 @@ def read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> I
             return
         with f.open_binary() as fh:
             for shard in sorted(shards, key=lambda s: s.start):
-                rows = [row for _, row in text_formats.read_rows(f.format, fh, f.index, f.schema, shard.start, shard.stop)]
+                rows = [
+                    row for _, row in text_formats.read_rows(f.format, fh, f.index, f.schema, shard.start, shard.stop)
+                ]
                 if len(rows) < shard.num_rows:
                     raise InputDataError(f"{f.path}: file ended before row {shard.stop} (changed since it was opened?)")
                 yield shard, text_formats.rows_table(rows, f.schema, columns)

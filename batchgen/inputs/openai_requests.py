@@ -86,7 +86,9 @@ def request_row(text: str) -> dict[str, Any]:
 def _request(line: dict[str, Any], custom_id: str) -> dict[str, Any]:
     unknown = sorted(set(line) - {"custom_id", "method", "url", "body"})
     if unknown:
-        raise RequestProblem("invalid_request", f"unknown key(s) {unknown} (a request has custom_id, method, url, body)")
+        raise RequestProblem(
+            "invalid_request", f"unknown key(s) {unknown} (a request has custom_id, method, url, body)"
+        )
     if line.get("method", "POST") != "POST":
         raise RequestProblem("invalid_request", f"method must be POST, got {line.get('method')!r}")
     url, body = line.get("url"), line.get("body")
@@ -125,7 +127,9 @@ def _prompt(value: Any) -> str:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
     if not isinstance(value, str):
-        raise RequestProblem("invalid_request", "body.prompt must be one string (lists of prompts or token ids: one line each)")
+        raise RequestProblem(
+            "invalid_request", "body.prompt must be one string (lists of prompts or token ids: one line each)"
+        )
     return value
 
 

@@ -166,7 +166,9 @@ class RowPreparer:
                 encoded = self.tokenizer([texts[i] for i in order], add_special_tokens=add_special)["input_ids"]
                 self._check_lengths(order, encoded, rows, labels)
 
-    def _check_lengths(self, order: list[int], encoded: list[list[int]], rows: list[PreparedRow], labels: list[str]) -> None:
+    def _check_lengths(
+        self, order: list[int], encoded: list[list[int]], rows: list[PreparedRow], labels: list[str]
+    ) -> None:
         for i, ids in zip(order, encoded):
             if not ids:
                 rows[i].fail("empty_prompt", f"{labels[i]}: prompt has no tokens")

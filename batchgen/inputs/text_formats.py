@@ -77,7 +77,9 @@ def _header(record: Record | None, where: str) -> list[str]:
     names = [str(name).strip() for name in record.text]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated or not all(names):
-        raise InputDataError(f"{where}: the CSV header must name each column once (repeated: {repeated or 'an empty name'})")
+        raise InputDataError(
+            f"{where}: the CSV header must name each column once (repeated: {repeated or 'an empty name'})"
+        )
     return names
 
 
@@ -90,7 +92,7 @@ class _JsonTypes:
 
     def add(self, record: Record) -> None:
         try:
-            value = json.loads(record.text)
+            value = json.loads(str(record.text))
         except json.JSONDecodeError:
             return
         if isinstance(value, dict):
@@ -115,7 +117,9 @@ class _JsonTypes:
         for key, kind in self.types.items():
             if key == PROBLEM_COLUMN:
                 continue
-            fields.append(pa.field(key, pa.string(), metadata={JSON_TEXT: b"1"}) if kind is None else pa.field(key, kind))
+            fields.append(
+                pa.field(key, pa.string(), metadata={JSON_TEXT: b"1"}) if kind is None else pa.field(key, kind)
+            )
         return pa.schema(fields)
 
 
@@ -157,7 +161,9 @@ class _CsvTypes:
         return pa.schema([pa.field(n, _KINDS[k]) for n, k in zip(self.header, self.kinds)])
 
 
-def read_rows(fmt: str, fh: Any, index: RecordIndex, schema: pa.Schema, start: int, stop: int) -> Iterator[tuple[int, dict[str, Any] | _Row]]:
+def read_rows(
+    fmt: str, fh: Any, index: RecordIndex, schema: pa.Schema, start: int, stop: int
+) -> Iterator[tuple[int, dict[str, Any] | _Row]]:
     """(row number, values by column or the row's problem) of rows [start, stop)."""
     first, offset, line = index.start_for(start)
     row = first

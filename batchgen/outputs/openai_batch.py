@@ -30,7 +30,15 @@ from batchgen.storage.base import Storage
 
 OUTPUT_NAME = BATCH_OUTPUT_NAME
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-_RESULTS = ["generated_text", "finish_reason", "input_tokens", "cached_tokens", "output_tokens", "error_code", "error_message"]
+_RESULTS = [
+    "generated_text",
+    "finish_reason",
+    "input_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "error_code",
+    "error_message",
+]
 _OPTIONAL = ["url", "model", "reasoning_text", "reasoning_tokens"]
 
 
@@ -60,7 +68,9 @@ class BatchFacts:
         return cls(**facts) if isinstance(facts, dict) else None
 
 
-def write_batch_output(storage: Storage, record: dict[str, Any], facts: BatchFacts | None = None, again: bool = False) -> bool:
+def write_batch_output(
+    storage: Storage, record: dict[str, Any], facts: BatchFacts | None = None, again: bool = False
+) -> bool:
     """Write the output file from every committed part when the job asks for it (`facts`, else the
     record's); with `again`, only when it is missing. True when written. `created` in every body is
     the job's start (the record's), so a rewrite gives the same bytes."""

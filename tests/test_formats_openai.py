@@ -1,0 +1,181 @@
+"""OpenAI Batch API compatibility end to end: a file of OpenAI batch requests (chat and completions,
+with body sampling fields, and bad lines of every kind) runs as a job, and `output.format:
+openai_batch` writes the OpenAI batch output file, checked field by field against the parts and
+against the same prompts run as a plain Parquet job. Bad lines become error lines, never a crash."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from tests.conftest import make_job, write_job, write_parquet
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def _line(custom_id: str | None, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    line = {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+    return line if custom_id is not None else {k: v for k, v in line.items() if k != "custom_id"}
+
+
+TEXT_PARTS = [{"type": "text", "text": "the little "}, {"type": "text", "text": "cat"}]
+LINES: list[tuple[Any, str | None]] = [  # (line, the error code it must give; None: served)
+    (_line("c1", CHAT, {"model": "gpt-x", "messages": [{"role": "user", "content": "once upon a time"}]}), None),
+    ("this is not json", "invalid_json"),
+    (_line("p1", COMPLETIONS, {"model": "m", "prompt": "the little cat", "max_tokens": 5}), None),
+    (_line(None, COMPLETIONS, {"prompt": "no id"}), "invalid_request"),
+    (_line("u1", "/v1/images/generations", {"prompt": "x"}), "unsupported_url"),
+    (_line("b1", CHAT, {"messages": "hi"}), "invalid_request"),
+    (_line("t1", CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": []}), "unsupported_parameter"),
+    (_line("n1", COMPLETIONS, {"prompt": "hi", "n": 2}), "unsupported_parameter"),
+    (_line("e1", "/v1/embeddings", {"model": "m", "input": "hello"}), "unsupported_url"),
+    (_line("c2", CHAT, {"messages": [{"role": "user", "content": TEXT_PARTS}], "max_completion_tokens": 5}), None),
+    (_line("p2", COMPLETIONS, {"prompt": "her friend", "max_tokens": 2, "temperature": 0.0, "stop": "zzz"}), None),
+    (_line("c1", COMPLETIONS, {"prompt": "again"}), "duplicate_id"),
+]
+
+
+def _write_requests(path: Path) -> Path:
+    text = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line, _ in LINES)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _job(model: Path, inputs: str, out: Path, **input_keys: Any) -> dict[str, Any]:
+    job = make_job(model, inputs, out, engine={"backend": "native", "window_rows": 4}, sampling={"max_tokens": 5})
+    job["input"] = {"path": inputs, **input_keys}
+    job["output"]["format"] = "openai_batch"
+    return job
+
+
+def _run(tmp: Path, job: dict[str, Any]) -> None:
+    result = CliRunner().invoke(main, ["run", str(write_job(tmp / "job.yaml", job)), "--quiet"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+
+
+def _output_lines(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "_batch_output.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def batch_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    tmp = tmp_path_factory.mktemp("openai")
+    _run(tmp, _job(tiny_model_dir, str(_write_requests(tmp / "requests.jsonl")), tmp / "out", format="openai_batch"))
+    return tmp / "out"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, str]:
+    """The same prompts as plain Parquet jobs (a prompt column; a messages column): custom_id -> text."""
+    tmp = tmp_path_factory.mktemp("reference")
+    write_parquet(tmp / "p.parquet", {"id": ["p1"], "prompt": ["the little cat"]})
+    messages = [[{"role": "user", "content": "once upon a time"}], [{"role": "user", "content": "the little cat"}]]
+    write_parquet(tmp / "m.parquet", {"id": ["c1", "c2"], "messages": messages})
+    texts: dict[str, str] = {}
+    for name, keys in (("p", {"prompt_column": "prompt"}), ("m", {"messages_column": "messages"})):
+        _run(tmp, _job(tiny_model_dir, str(tmp / f"{name}.parquet"), tmp / name, id_column="id", **keys))
+        table = ds.dataset(tmp / name, format="parquet").to_table()
+        texts.update(zip(table.column("id").to_pylist(), table.column("generated_text").to_pylist()))
+        for line in _output_lines(tmp / name):  # a Parquet input's output file: custom_id is the id column
+            assert line["response"]["body"]["object"] == ("chat.completion" if name == "m" else "text_completion")
+    return texts
+
+
+def test_every_request_gets_a_line_in_input_order(batch_run: Path) -> None:
+    lines = _output_lines(batch_run)
+    assert len(lines) == len(LINES)
+    expected_ids = [None if isinstance(line, str) else line.get("custom_id") for line, _ in LINES]
+    assert [line["custom_id"] for line in lines] == expected_ids
+    codes = [None if line["error"] is None else line["error"]["code"] for line in lines]
+    assert codes == [code for _, code in LINES]
+    assert len({line["id"] for line in lines}) == len(lines)  # ids unique
+
+
+def test_served_lines_have_the_openai_shape_and_the_parts_usage(
+    batch_run: Path, reference: dict[str, str], tiny_model_dir: Path
+) -> None:
+    parts = ds.dataset(batch_run, format="parquet").to_table().to_pylist()
+    for line, row in zip(_output_lines(batch_run), parts):
+        if line["error"] is not None:
+            continue
+        assert set(line) == {"id", "custom_id", "response", "error"} and line["id"].startswith("batch_req_")
+        response = line["response"]
+        assert set(response) == {"status_code", "request_id", "body"} and response["status_code"] == 200
+        body = response["body"]
+        assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
+        assert isinstance(body["created"], int) and body["created"] > 0
+        (choice,) = body["choices"]
+        assert choice["index"] == 0 and choice["logprobs"] is None and choice["finish_reason"] == row["finish_reason"]
+        if row["url"] == CHAT:
+            assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+            assert set(choice) == {"index", "message", "logprobs", "finish_reason"}
+            assert choice["message"] == {"role": "assistant", "content": row["generated_text"]}
+        else:
+            assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+            assert (
+                set(choice) == {"index", "text", "logprobs", "finish_reason"}
+                and choice["text"] == row["generated_text"]
+            )
+        assert body["model"] == (row["model"] or tiny_model_dir.name)  # the body's model, else the model folder's name
+        usage = body["usage"]
+        assert usage == {
+            "prompt_tokens": row["input_tokens"],
+            "completion_tokens": row["output_tokens"],
+            "total_tokens": row["input_tokens"] + row["output_tokens"],
+            "prompt_tokens_details": {"cached_tokens": row["cached_tokens"]},
+        }
+        assert row["input_tokens"] > 0 and row["output_tokens"] > 0
+        if line["custom_id"] in reference:  # the same prompt as a plain job: the same text
+            assert row["generated_text"] == reference[line["custom_id"]], line["custom_id"]
+    by_id = {line["custom_id"]: line for line in reversed(_output_lines(batch_run))}  # first use of an id wins
+    assert by_id["p2"]["response"]["body"]["usage"]["completion_tokens"] <= 2  # body.max_tokens per request
+    assert by_id["c1"]["response"]["body"]["model"] == "gpt-x"
+
+
+def test_bad_lines_are_error_lines_naming_the_line(batch_run: Path) -> None:
+    lines = _output_lines(batch_run)
+    for number, (line, (_, code)) in enumerate(zip(lines, LINES), start=1):
+        if code is None:
+            continue
+        response = line["response"]
+        assert response["status_code"] == 400 and set(response) == {"status_code", "request_id", "body"}
+        error = response["body"]["error"]
+        assert error["code"] == code and error["type"] == "invalid_request_error"
+        assert line["error"] == {"code": code, "message": error["message"]}
+        assert "requests.jsonl" in error["message"]
+        if code != "duplicate_id":
+            assert f"line {number}:" in error["message"], error["message"]
+    messages = {line["custom_id"]: line["error"]["message"] for line in lines if line["error"]}
+    assert "needs task: embed" in messages["e1"] and "body.tools is not supported" in messages["t1"]
+    assert "duplicate id 'c1': first used by" in lines[-1]["error"]["message"]
+
+
+def test_a_rerun_of_the_completed_job_writes_a_missing_file_again(tmp_path: Path, batch_run: Path) -> None:
+    original = (batch_run / "_batch_output.jsonl").read_bytes()
+    (batch_run / "_batch_output.jsonl").unlink()
+    result = CliRunner().invoke(main, ["run", str(batch_run.parent / "job.yaml"), "--quiet"])
+    assert result.exit_code == 0 and "already finished" in result.output
+    assert (batch_run / "_batch_output.jsonl").read_bytes() == original  # same ids, same created
+
+
+def test_an_openai_batch_job_may_not_name_its_own_columns(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = _job(tiny_model_dir, str(_write_requests(tmp_path / "r.jsonl")), tmp_path / "out", format="openai_batch")
+    job["input"]["prompt_column"] = "text"
+    result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / "job.yaml", job)), "--quiet"])
+    assert result.exit_code == 2 and "openai_batch sets prompt_column" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_parts_stay_a_plain_batchgen_output(batch_run: Path) -> None:
+    table = ds.dataset(batch_run, format="parquet").to_table()
+    assert table.column("custom_id").to_pylist()[:3] == ["c1", None, "p1"]
+    assert table.schema.field("messages").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    manifest = json.loads((batch_run / "_SUCCESS").read_text())
+    assert manifest["rows"] == {"total": len(LINES), "ok": 4, "error": len(LINES) - 4}

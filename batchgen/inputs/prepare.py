@@ -14,7 +14,7 @@ from typing import Any, get_type_hints
 import pyarrow as pa
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.errors import InputDataError, ModelError
+from batchgen.errors import ModelError
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
@@ -247,43 +247,6 @@ def _whole(name: str, value: Any) -> Any:
     if name in _INTEGER_FIELDS and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
-
-
-def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
-    """Before any work: each per-row sampling column holds numbers (or only nulls) in every file."""
-    for f in files:
-        for name, column in spec.input.sampling_columns.items():
-            kind = f.schema.field(column).type
-            if name == "stop":
-                if not (_is_text(kind) or _is_text_list(kind) or pa.types.is_null(kind)):
-                    raise InputDataError(
-                        f"{f.path}: column {column!r} (input.sampling_columns.stop) holds {kind}; "
-                        "stop needs a string or a list of strings"
-                    )
-                continue
-            if name == SCHEMA_COLUMN_KEY:
-                text = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
-                if not (text or pa.types.is_null(kind)):
-                    raise InputDataError(
-                        f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
-                        "it needs JSON schema text (a string column)"
-                    )
-                continue
-            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_null(kind)):
-                raise InputDataError(
-                    f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
-                    f"{name} needs numbers (an integer or float column)"
-                )
-
-
-def _is_text(kind: pa.DataType) -> bool:
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
-
-
-def _is_text_list(kind: pa.DataType) -> bool:
-    return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and (
-        _is_text(kind.value_type) or pa.types.is_null(kind.value_type)
-    )
 
 
 def _line_problems(table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> None:

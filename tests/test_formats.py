@@ -167,6 +167,29 @@ def test_late_parts_read_from_seek_points_equal_a_read_from_the_start(
         assert alone.column("id").to_pylist() == list(range(shard.start, shard.stop))
 
 
+def test_lines_longer_than_a_chunk_keep_their_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    monkeypatch.setattr(text_lines, "CHUNK_BYTES", 3)
+    data = b"ab\r\ncdefghij\n\nxyz"
+    assert list(text_lines.read_lines(io.BytesIO(data))) == [
+        (1, 0, b"ab\r"),
+        (2, 4, b"cdefghij"),
+        (3, 13, b""),
+        (4, 14, b"xyz"),
+    ]
+    assert next(text_lines.read_lines(io.BytesIO(data), 4, 2)) == (2, 4, b"cdefghij")  # from a seek point
+    records = list(text_lines.jsonl_records(io.BytesIO(data)))
+    assert [(r.line, r.offset, r.text) for r in records] == [(1, 0, "ab"), (2, 4, "cdefghij"), (4, 14, "xyz")]
+    two_line = b'a,b\n1,"x\ny"\n2,z\n'
+    rows = list(text_lines.csv_records(io.BytesIO(two_line)))
+    assert [(r.line, r.offset, r.text) for r in rows] == [
+        (1, 0, ["a", "b"]),
+        (2, 4, ["1", "x\ny"]),
+        (4, 12, ["2", "z"]),
+    ]
+
+
 def test_resume_and_shards_of_a_jsonl_input(tmp_path: Path, tiny_model_dir: Path) -> None:
     path = str(_write_jsonl(tmp_path / "in.jsonl", _rows()))
     _run(tmp_path, tiny_model_dir, path, tmp_path / "full")

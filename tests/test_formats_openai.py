@@ -179,3 +179,25 @@ def test_the_parts_stay_a_plain_batchgen_output(batch_run: Path) -> None:
     assert table.schema.field("messages").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     manifest = json.loads((batch_run / "_SUCCESS").read_text())
     assert manifest["rows"] == {"total": len(LINES), "ok": 4, "error": len(LINES) - 4}
+
+
+def test_the_output_file_on_an_object_store(tmp_path: Path, tiny_model_dir: Path, batch_run: Path) -> None:
+    from tests.s3_server import moto_s3, options
+
+    with moto_s3() as s3:
+        job = _job(tiny_model_dir, str(_write_requests(tmp_path / "r.jsonl")), tmp_path / "x", format="openai_batch")
+        job["output"] = {"path": "s3://outputs/batch", "storage_options": options(s3), "format": "openai_batch"}
+        _run(tmp_path, job)
+        with s3["fs"].open_input_stream("outputs/batch/_batch_output.jsonl") as fh:
+            lines = [json.loads(x) for x in fh.read().decode().splitlines()]
+        s3["fs"].delete_file("outputs/batch/_batch_output.jsonl")  # a rerun of the completed job puts it back
+        _run(tmp_path, job)
+        with s3["fs"].open_input_stream("outputs/batch/_batch_output.jsonl") as fh:
+            again = [json.loads(x) for x in fh.read().decode().splitlines()]
+    local = _output_lines(batch_run)
+    assert again == lines and len(lines) == len(local)
+    for remote_line, local_line in zip(lines, local):
+        assert remote_line["custom_id"] == local_line["custom_id"]
+        assert (remote_line["error"] or {}).get("code") == (local_line["error"] or {}).get("code")  # (paths differ)
+        body, reference = remote_line["response"]["body"], local_line["response"]["body"]
+        assert body.get("choices") == reference.get("choices") and body.get("usage") == reference.get("usage")

@@ -34,19 +34,23 @@ class Record:
 def read_lines(fh: Any, offset: int = 0, line: int = 1) -> Iterator[tuple[int, int, bytes]]:
     """(line number, byte offset, bytes without the newline) of each line from `offset` on."""
     fh.seek(offset)
-    pending, pos = b"", offset
+    held: list[bytes] = []  # the chunks of a line not yet ended (why a list: joined once, not per chunk)
+    pos = offset
     while True:
         chunk = fh.read(CHUNK_BYTES)
         if not chunk:
             break
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
+        held.append(chunk)
+        if b"\n" not in chunk:
+            continue
+        *lines, rest = b"".join(held).split(b"\n")
+        held = [rest] if rest else []
         for raw in lines:
             yield line, pos, raw
             pos += len(raw) + 1
             line += 1
-    if pending:
-        yield line, pos, pending
+    if held:
+        yield line, pos, b"".join(held)
 
 
 def _decode(raw: bytes) -> tuple[str, bool]:
@@ -86,6 +90,8 @@ def csv_records(fh: Any, offset: int = 0, line: int = 1) -> Iterator[Record]:
     """One record per CSV record (a quoted field may span lines); blank lines are no records.
     A record csv cannot parse becomes a Record with `csv_error`, and reading goes on after it."""
     feed = _Feed(read_lines(fh, offset, line))
+    # why: csv's default field limit (128 KiB) would fail a long document; a field is bounded by the file
+    csv.field_size_limit(max(csv.field_size_limit(), 1 << 30))
     reader = csv.reader(feed, strict=True)
     while True:
         try:

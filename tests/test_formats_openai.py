@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
@@ -25,6 +26,13 @@ def _line(custom_id: str | None, url: str, body: dict[str, Any]) -> dict[str, An
     return line if custom_id is not None else {k: v for k, v in line.items() if k != "custom_id"}
 
 
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "big"]}},
+    "required": ["ok", "size"],
+    "additionalProperties": False,
+}
+RF = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
 TEXT_PARTS = [{"type": "text", "text": "the little "}, {"type": "text", "text": "cat"}]
 LINES: list[tuple[Any, str | None]] = [  # (line, the error code it must give; None: served)
     (_line("c1", CHAT, {"model": "gpt-x", "messages": [{"role": "user", "content": "once upon a time"}]}), None),
@@ -38,6 +46,15 @@ LINES: list[tuple[Any, str | None]] = [  # (line, the error code it must give; N
     (_line("e1", "/v1/embeddings", {"model": "m", "input": "hello"}), "unsupported_url"),
     (_line("c2", CHAT, {"messages": [{"role": "user", "content": TEXT_PARTS}], "max_completion_tokens": 5}), None),
     (_line("p2", COMPLETIONS, {"prompt": "her friend", "max_tokens": 2, "temperature": 0.0, "stop": "zzz"}), None),
+    (
+        _line(
+            "j1",
+            COMPLETIONS,
+            {"prompt": "the cat", "max_tokens": 40, "temperature": 1.0, "seed": 5, "response_format": RF},
+        ),
+        None,
+    ),
+    (_line("j2", COMPLETIONS, {"prompt": "the cat", "response_format": {"type": "json_schema"}}), "invalid_request"),
     (_line("c1", COMPLETIONS, {"prompt": "again"}), "duplicate_id"),
 ]
 
@@ -137,6 +154,9 @@ def test_served_lines_have_the_openai_shape_and_the_parts_usage(
     by_id = {line["custom_id"]: line for line in reversed(_output_lines(batch_run))}  # first use of an id wins
     assert by_id["p2"]["response"]["body"]["usage"]["completion_tokens"] <= 2  # body.max_tokens per request
     assert by_id["c1"]["response"]["body"]["model"] == "gpt-x"
+    structured = by_id["j1"]["response"]["body"]["choices"][0]  # body.response_format: structured output
+    jsonschema.validate(json.loads(structured["text"]), SCHEMA)
+    assert structured["finish_reason"] == "stop"
 
 
 def test_bad_lines_are_error_lines_naming_the_line(batch_run: Path) -> None:
@@ -178,7 +198,7 @@ def test_the_parts_stay_a_plain_batchgen_output(batch_run: Path) -> None:
     assert table.column("custom_id").to_pylist()[:3] == ["c1", None, "p1"]
     assert table.schema.field("messages").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     manifest = json.loads((batch_run / "_SUCCESS").read_text())
-    assert manifest["rows"] == {"total": len(LINES), "ok": 4, "error": len(LINES) - 4}
+    assert manifest["rows"] == {"total": len(LINES), "ok": 5, "error": len(LINES) - 5}
 
 
 def test_the_output_file_on_an_object_store(tmp_path: Path, tiny_model_dir: Path, batch_run: Path) -> None:
@@ -201,3 +221,23 @@ def test_the_output_file_on_an_object_store(tmp_path: Path, tiny_model_dir: Path
         assert (remote_line["error"] or {}).get("code") == (local_line["error"] or {}).get("code")  # (paths differ)
         body, reference = remote_line["response"]["body"], local_line["response"]["body"]
         assert body.get("choices") == reference.get("choices") and body.get("usage") == reference.get("usage")
+
+
+def test_without_xgrammar_a_response_format_is_an_error_line(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchgen.engine.sampling import structured
+
+    def missing() -> None:
+        raise structured.StructuredError("No module named 'xgrammar'")
+
+    monkeypatch.setattr(structured, "load_xgrammar", missing)  # as on a machine without the structured extra
+    lines = [
+        _line("j1", COMPLETIONS, {"prompt": "the cat", "response_format": RF}),
+        _line("p1", COMPLETIONS, {"prompt": "the cat", "response_format": {"type": "text"}}),
+    ]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    _run(tmp_path, _job(tiny_model_dir, str(tmp_path / "r.jsonl"), tmp_path / "out", format="openai_batch"))
+    j1, p1 = _output_lines(tmp_path / "out")
+    assert j1["error"]["code"] == "unsupported_parameter" and "batchgen[structured]" in j1["error"]["message"]
+    assert p1["error"] is None and p1["response"]["status_code"] == 200

@@ -52,6 +52,7 @@ SCHEMA = pa.schema(
         ("presence_penalty", pa.float64()),
         ("frequency_penalty", pa.float64()),
         ("stop", pa.list_(pa.string())),
+        ("json_schema", pa.string()),  # body.response_format: a JSON schema's text (structured output)
     ]
 )
 
@@ -167,10 +168,31 @@ def _sampling(body: dict[str, Any], fields: set[str]) -> dict[str, Any]:
                     f"body.{name}={json.dumps(value)} cannot be set per request (the job's {where} applies to all)",
                 )
             continue
+        if name == "response_format":
+            schema = _response_format(value)
+            if schema is not None:
+                values["json_schema"] = schema
+            continue
         if name not in SAMPLING_FIELDS:
             raise RequestProblem("unsupported_parameter", f"body.{name} is not supported")
         values[SAMPLING_FIELDS[name]] = _sampling_value(name, value)
     return values
+
+
+def _response_format(value: Any) -> str | None:
+    """body.response_format as JSON schema text: a json_schema's schema, `{"type": "object"}` for
+    json_object; None for text (or null)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    schema = value.get("json_schema", {}).get("schema") if kind == "json_schema" else None
+    if not isinstance(schema, dict):
+        raise RequestProblem(
+            "invalid_request", "body.response_format must be text, json_object, or json_schema with a schema object"
+        )
+    return json.dumps(schema)
 
 
 def _sampling_value(name: str, value: Any) -> Any:

@@ -52,7 +52,7 @@ def input_columns(spec: JobSpec) -> list[str]:
     i = spec.input
     names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
     if i.format == "openai_batch":  # a chat request's messages, a completion's prompt, and which it is
-        names += ["messages", "url"]
+        names += ["messages", "url", "json_schema"]
     return [n for n in dict.fromkeys(names) if n is not None]
 
 
@@ -130,6 +130,11 @@ class RowPreparer:
         """OpenAI batch rows: a chat request's messages through the chat template, else its prompt."""
         prompts = _column_values(table.column("prompt"), as_bytes=True)
         messages = table.column("messages").to_pylist()
+        if SCHEMA_COLUMN_KEY not in self.spec.input.sampling_columns:  # xgrammar missing (sections.py)
+            for i, schema in enumerate(table.column("json_schema").to_pylist()):
+                if schema is not None and rows[i].ok:
+                    why = "body.response_format needs structured output: pip install 'batchgen[structured]'"
+                    rows[i].fail("unsupported_parameter", f"{labels[i]}: {why}")
         texts: dict[int, str] = {}
         self._templated = set()
         for i, row in enumerate(rows):

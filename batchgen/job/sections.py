@@ -104,6 +104,13 @@ class InputSection(_Strict):
             raise ValueError(f"input.format openai_batch sets {', '.join(chosen)} itself; remove them")
         self.prompt_column, self.id_column = "prompt", "custom_id"
         self.sampling_columns = dict(SAMPLING_COLUMNS)
+        from batchgen.engine.sampling.structured import StructuredError, load_xgrammar
+
+        try:  # why: without xgrammar a request with a response_format is an error row (prepare.py), not the job
+            load_xgrammar()
+            self.sampling_columns[SCHEMA_COLUMN_KEY] = "json_schema"
+        except StructuredError:
+            pass
 
 
 class OutputSection(_Strict):

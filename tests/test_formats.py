@@ -108,11 +108,11 @@ def test_bad_jsonl_lines_become_error_rows_naming_file_and_line(tmp_path: Path, 
     assert [r["error_code"] for r in rows] == [None, "invalid_json", "invalid_json", None, "invalid_utf8"]
     assert [r["id"] for r in rows] == ["a", None, None, "b", None]
     where = str(tmp_path / "in.jsonl")
+    assert rows[1]["error_message"].startswith(f"{where} row 1 (line 2) (id None): not valid JSON")
     assert (
-        rows[1]["error_message"].startswith(f"{where} row 1") and "line 2: not valid JSON" in rows[1]["error_message"]
-    )
-    assert "line 4: a row must be a JSON object, got list" in rows[2]["error_message"]  # line 3 is blank: no row
-    assert "line 6: not valid UTF-8" in rows[4]["error_message"]
+        "row 2 (line 4) (id None): a row must be a JSON object, got list" in rows[2]["error_message"]
+    )  # line 3 is blank: no row
+    assert "row 4 (line 6) (id None): not valid UTF-8" in rows[4]["error_message"]
     assert rows[0]["output_tokens"] > 0 and rows[3]["output_tokens"] > 0
 
 
@@ -131,8 +131,10 @@ def test_malformed_csv_records_become_error_rows(tmp_path: Path, tiny_model_dir:
     # id stays text (007 is not the number 7); an empty field is null; a quoted field spans lines
     assert [r["id"] for r in rows] == ["1", "2", None, None, "007"]
     assert rows[1]["prompt"] == "two\nlines" and rows[1]["temperature"] is None and rows[0]["temperature"] == 0.5
-    assert "line 5: 4 fields, the header has 3" in rows[2]["error_message"]  # line 3-4 is the two-line record
-    assert "line 6: malformed CSV record" in rows[3]["error_message"]
+    assert (
+        "row 2 (line 5) (id None): 4 fields, the header has 3" in rows[2]["error_message"]
+    )  # line 3-4 is the two-line record
+    assert "row 3 (line 6) (id None): malformed CSV record" in rows[3]["error_message"]
 
 
 def test_a_dataset_dict_folder_is_refused_naming_its_splits(tmp_path: Path, tiny_model_dir: Path) -> None:

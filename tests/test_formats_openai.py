@@ -55,6 +55,7 @@ LINES: list[tuple[Any, str | None]] = [  # (line, the error code it must give; N
         None,
     ),
     (_line("j2", COMPLETIONS, {"prompt": "the cat", "response_format": {"type": "json_schema"}}), "invalid_request"),
+    (_line("l1", CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}), "unsupported_parameter"),
     (_line("c1", COMPLETIONS, {"prompt": "again"}), "duplicate_id"),
 ]
 
@@ -170,8 +171,7 @@ def test_bad_lines_are_error_lines_naming_the_line(batch_run: Path) -> None:
         assert error["code"] == code and error["type"] == "invalid_request_error"
         assert line["error"] == {"code": code, "message": error["message"]}
         assert "requests.jsonl" in error["message"]
-        if code != "duplicate_id":
-            assert f"line {number}:" in error["message"], error["message"]
+        assert f"(line {number})" in error["message"], error["message"]  # every row's message names its line
     messages = {line["custom_id"]: line["error"]["message"] for line in lines if line["error"]}
     assert "needs task: embed" in messages["e1"] and "body.tools is not supported" in messages["t1"]
     assert "duplicate id 'c1': first used by" in lines[-1]["error"]["message"]
@@ -241,3 +241,33 @@ def test_without_xgrammar_a_response_format_is_an_error_line(
     j1, p1 = _output_lines(tmp_path / "out")
     assert j1["error"]["code"] == "unsupported_parameter" and "batchgen[structured]" in j1["error"]["message"]
     assert p1["error"] is None and p1["response"]["status_code"] == 200
+
+
+def test_logprobs_in_the_endpoints_shapes(tmp_path: Path, tiny_model_dir: Path) -> None:
+    hello = [{"role": "user", "content": "once upon a time"}]
+    lines = [
+        _line("chat", CHAT, {"messages": hello, "logprobs": True, "top_logprobs": 2}),
+        _line("text", COMPLETIONS, {"prompt": "the little cat", "logprobs": 1}),
+        _line("none", CHAT, {"messages": hello}),
+        _line("more", CHAT, {"messages": hello, "logprobs": True, "top_logprobs": 5}),
+        _line("mixed", COMPLETIONS, {"prompt": "the cat", "top_logprobs": 1}),
+    ]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    job = _job(tiny_model_dir, str(tmp_path / "r.jsonl"), tmp_path / "out", format="openai_batch")
+    job["sampling"]["logprobs"] = 2  # the job computes the top 2; a request may ask for up to that
+    _run(tmp_path, job)
+    chat, text, none, more, mixed = _output_lines(tmp_path / "out")
+    parts = ds.dataset(tmp_path / "out", format="parquet").to_table(columns=["logprobs"]).column("logprobs").to_pylist()
+    content = chat["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["response"]["body"]["usage"]["completion_tokens"] == len(parts[0])
+    for token, stored in zip(content, parts[0]):
+        assert (token["token"], token["logprob"]) == (stored["token"], stored["logprob"])
+        assert token["bytes"] == list(stored["token"].encode("utf-8"))
+        assert [t["logprob"] for t in token["top_logprobs"]] == [t["logprob"] for t in stored["top"][:2]]
+    completion = text["response"]["body"]["choices"][0]["logprobs"]
+    assert completion["token_logprobs"] == [e["logprob"] for e in parts[1]]
+    assert [len(top) for top in completion["top_logprobs"]] == [1] * len(parts[1])
+    assert completion["text_offset"][0] == 0 and completion["text_offset"] == sorted(completion["text_offset"])
+    assert none["response"]["body"]["choices"][0]["logprobs"] is None
+    assert more["error"]["code"] == "unsupported_parameter" and "sampling.logprobs: 5" in more["error"]["message"]
+    assert mixed["error"]["code"] == "invalid_request"

@@ -115,12 +115,11 @@ def read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> I
             return
         with f.open_binary() as fh:
             for shard in sorted(shards, key=lambda s: s.start):
-                rows = [
-                    row for _, row in text_formats.read_rows(f.format, fh, f.index, f.schema, shard.start, shard.stop)
-                ]
-                if len(rows) < shard.num_rows:
+                read = list(text_formats.read_rows(f.format, fh, f.index, f.schema, shard.start, shard.stop))
+                if len(read) < shard.num_rows:
                     raise InputDataError(f"{f.path}: file ended before row {shard.stop} (changed since it was opened?)")
-                yield shard, text_formats.rows_table(rows, f.schema, columns)
+                lines, rows = [line for line, _ in read], [row for _, row in read]
+                yield shard, text_formats.rows_table(rows, lines, f.schema, columns)
     except (pa.ArrowException, OSError) as exc:
         if is_transient(exc):
             raise StoreUnavailable(f"{f.path}: reading rows failed on a transient store error: {exc}") from exc

@@ -35,7 +35,7 @@ SAMPLING_COLUMNS = {name: name for name in dict.fromkeys(SAMPLING_FIELDS.values(
 # Body fields that change nothing batchgen computes (the model is the job's; nothing streams).
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # Body fields with a neutral value that is the only one batchgen serves per request.
-_NEUTRAL = {"stream": (False, None), "n": (1, None), "logprobs": (False, None, 0), "top_logprobs": (None, 0)}
+_NEUTRAL = {"stream": (False, None), "n": (1, None)}
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 SCHEMA = pa.schema(
@@ -53,6 +53,7 @@ SCHEMA = pa.schema(
         ("frequency_penalty", pa.float64()),
         ("stop", pa.list_(pa.string())),
         ("json_schema", pa.string()),  # body.response_format: a JSON schema's text (structured output)
+        ("logprobs_requested", pa.int64()),  # top logprobs the request asks for (0: the token's own); null: none
     ]
 )
 
@@ -162,12 +163,14 @@ def _sampling(body: dict[str, Any], fields: set[str]) -> dict[str, Any]:
             continue
         if name in _NEUTRAL:
             if value not in _NEUTRAL[name]:
-                where = "sampling.n" if name == "n" else "sampling.logprobs" if "logprobs" in name else "nothing"
+                where = "sampling.n" if name == "n" else "nothing"
                 raise RequestProblem(
                     "unsupported_parameter",
                     f"body.{name}={json.dumps(value)} cannot be set per request (the job's {where} applies to all)",
                 )
             continue
+        if name in ("logprobs", "top_logprobs"):
+            continue  # (read together below)
         if name == "response_format":
             schema = _response_format(value)
             if schema is not None:
@@ -176,7 +179,32 @@ def _sampling(body: dict[str, Any], fields: set[str]) -> dict[str, Any]:
         if name not in SAMPLING_FIELDS:
             raise RequestProblem("unsupported_parameter", f"body.{name} is not supported")
         values[SAMPLING_FIELDS[name]] = _sampling_value(name, value)
+    values["logprobs_requested"] = _logprobs(body, chat="messages" in body)
     return values
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top logprobs the request asks for: chat `logprobs: true` (+ `top_logprobs: k`),
+    completions `logprobs: k`; None when it asks for none. The job's sampling.logprobs computes them
+    (prepare.py refuses a request asking more than the job computes)."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if top is not None:
+            raise RequestProblem(
+                "invalid_request", "body.top_logprobs is for chat completions; completions take logprobs: k"
+            )
+        top, asked = asked, asked is not None
+    elif asked not in (None, True, False):
+        raise RequestProblem("invalid_request", "body.logprobs must be true or false")
+    if not asked:
+        if top not in (None, 0):
+            raise RequestProblem("invalid_request", "body.top_logprobs needs logprobs: true")
+        return None
+    if top is None:
+        return 0
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise RequestProblem("invalid_request", "the number of top logprobs must be an integer >= 0")
+    return top
 
 
 def _response_format(value: Any) -> str | None:

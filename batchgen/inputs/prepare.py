@@ -52,7 +52,7 @@ def input_columns(spec: JobSpec) -> list[str]:
     i = spec.input
     names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
     if i.format == "openai_batch":  # a chat request's messages, a completion's prompt, and which it is
-        names += ["messages", "url", "json_schema"]
+        names += ["messages", "url", "json_schema", "logprobs_requested"]
     return [n for n in dict.fromkeys(names) if n is not None]
 
 
@@ -135,6 +135,13 @@ class RowPreparer:
                 if schema is not None and rows[i].ok:
                     why = "body.response_format needs structured output: pip install 'batchgen[structured]'"
                     rows[i].fail("unsupported_parameter", f"{labels[i]}: {why}")
+        computed = self.spec.sampling.logprobs
+        for i, asked in enumerate(table.column("logprobs_requested").to_pylist()):
+            if asked is not None and (computed is None or asked > computed) and rows[i].ok:
+                why = (
+                    f"the request asks for logprobs (top {asked}); set sampling.logprobs: {asked} (or more) in the job"
+                )
+                rows[i].fail("unsupported_parameter", f"{labels[i]}: {why}")
         texts: dict[int, str] = {}
         self._templated = set()
         for i, row in enumerate(rows):
@@ -267,8 +274,12 @@ def _line_problems(table: pa.Table, rows: list[PreparedRow], labels: list[str]) 
 
 
 def row_labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
-    """Row names in error messages: file, row index, and id when the job has one."""
+    """Row names in error messages: file, row index (and line, for text formats), and id when the job has one."""
+    from batchgen.inputs.text_formats import LINE_COLUMN
+
     base = [f"{f.path} row {i}" for i in range(shard.start, shard.stop)]
+    if LINE_COLUMN in table.column_names:
+        base = [f"{b} (line {n})" for b, n in zip(base, table.column(LINE_COLUMN).to_pylist())]
     if spec.input.id_column is None:
         return base
     return [f"{b} (id {v})" for b, v in zip(base, table.column(spec.input.id_column).to_pylist())]

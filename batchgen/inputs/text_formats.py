@@ -7,7 +7,8 @@ float; values of types that cannot mix are kept as JSON text, marked in the fiel
 columns are int64 when every value is an integer, float64 when every value is a number, else
 string; an empty CSV field is null. A line that does not parse (or a CSV record whose field count
 differs from the header's) is still a row: its values are null and the hidden PROBLEM_COLUMN says
-what is wrong and on which line, so it becomes an error row and the job goes on.
+what is wrong, so it becomes an error row and the job goes on. The hidden LINE_COLUMN gives every
+row's line number, which the row's messages name.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from batchgen.inputs import openai_requests
 from batchgen.inputs.text_lines import INDEX_STRIDE, Record, RecordIndex, csv_records, jsonl_records
 
 PROBLEM_COLUMN = "_batchgen_row_problem"  # hidden: never carried, never in InputFile.schema
+LINE_COLUMN = "_batchgen_line"  # hidden too: each row's first line, for messages (prepare.row_labels)
 PROBLEM_TYPE = pa.struct([("code", pa.string()), ("message", pa.string())])
 JSON_TEXT = b"batchgen.json_text"  # field metadata: values of mixed types, kept as JSON text
 _INT = re.compile(r"[+-]?(0|[1-9][0-9]*)")
@@ -164,7 +166,7 @@ class _CsvTypes:
 def read_rows(
     fmt: str, fh: Any, index: RecordIndex, schema: pa.Schema, start: int, stop: int
 ) -> Iterator[tuple[int, dict[str, Any] | _Row]]:
-    """(row number, values by column or the row's problem) of rows [start, stop)."""
+    """(first line, values by column or the row's problem) of rows [start, stop)."""
     first, offset, line = index.start_for(start)
     row = first
     for record in _records(fmt, fh, offset, line):
@@ -172,29 +174,28 @@ def read_rows(
             return
         if row >= start:
             try:
-                yield row, _values(fmt, record, schema)
+                yield record.line, _values(fmt, record, schema)
             except _Row as problem:
-                yield row, problem
+                yield record.line, problem
         row += 1
 
 
 def _values(fmt: str, record: Record, schema: pa.Schema) -> dict[str, Any]:
-    at = f"line {record.line}"
     if record.bad_utf8:
-        raise _Row("invalid_utf8", f"{at}: not valid UTF-8")
+        raise _Row("invalid_utf8", "not valid UTF-8")
     if fmt == "openai_batch":
         try:
             return openai_requests.request_row(str(record.text))
         except openai_requests.RequestProblem as exc:
-            raise _RequestRow(exc.code, f"{at}: {exc}", exc.custom_id) from None
+            raise _RequestRow(exc.code, str(exc), exc.custom_id) from None
     if fmt == "csv":
-        return _csv_values(record, schema, at)
+        return _csv_values(record, schema)
     try:
         value = json.loads(str(record.text))
     except json.JSONDecodeError as exc:
-        raise _Row("invalid_json", f"{at}: not valid JSON: {exc}") from None
+        raise _Row("invalid_json", f"not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise _Row("invalid_json", f"{at}: a row must be a JSON object, got {type(value).__name__}")
+        raise _Row("invalid_json", f"a row must be a JSON object, got {type(value).__name__}")
     for field in schema:
         if field.metadata and JSON_TEXT in field.metadata and field.name in value:
             v = value[field.name]
@@ -210,11 +211,11 @@ class _RequestRow(_Row):
         self.custom_id = custom_id
 
 
-def _csv_values(record: Record, schema: pa.Schema, at: str) -> dict[str, Any]:
+def _csv_values(record: Record, schema: pa.Schema) -> dict[str, Any]:
     if record.csv_error:
-        raise _Row("invalid_csv", f"{at}: malformed CSV record: {record.csv_error}")
+        raise _Row("invalid_csv", f"malformed CSV record: {record.csv_error}")
     if len(record.text) != len(schema):
-        raise _Row("invalid_csv", f"{at}: {len(record.text)} fields, the header has {len(schema)}")
+        raise _Row("invalid_csv", f"{len(record.text)} fields, the header has {len(schema)}")
     values: dict[str, Any] = {}
     for field, text in zip(schema, record.text):
         if text == "":
@@ -228,8 +229,8 @@ def _csv_values(record: Record, schema: pa.Schema, at: str) -> dict[str, Any]:
     return values
 
 
-def rows_table(rows: list[dict[str, Any] | _Row], schema: pa.Schema, columns: list[str]) -> pa.Table:
-    """The table of `rows` with `columns` (in the file's types) and the PROBLEM_COLUMN."""
+def rows_table(rows: list[dict[str, Any] | _Row], lines: list[int], schema: pa.Schema, columns: list[str]) -> pa.Table:
+    """The table of `rows` with `columns` (in the file's types), the PROBLEM_COLUMN and the LINE_COLUMN."""
     wanted = pa.schema([schema.field(c) for c in columns])
     values: list[dict[str, Any]] = []
     problems: list[dict[str, str] | None] = []
@@ -245,7 +246,8 @@ def rows_table(rows: list[dict[str, Any] | _Row], schema: pa.Schema, columns: li
         table = pa.Table.from_pylist(values, schema=wanted)
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         table = _row_by_row(values, problems, wanted)
-    return table.append_column(pa.field(PROBLEM_COLUMN, PROBLEM_TYPE), pa.array(problems, PROBLEM_TYPE))
+    table = table.append_column(pa.field(PROBLEM_COLUMN, PROBLEM_TYPE), pa.array(problems, PROBLEM_TYPE))
+    return table.append_column(pa.field(LINE_COLUMN, pa.int64()), pa.array(lines, pa.int64()))
 
 
 def _row_by_row(values: list[dict[str, Any]], problems: list[dict[str, str] | None], wanted: pa.Schema) -> pa.Table:

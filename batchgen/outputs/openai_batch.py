@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.job.spec import JobSpec
+from batchgen.outputs.openai_logprobs import choice_logprobs
 from batchgen.outputs.state import BATCH_OUTPUT_NAME
 from batchgen.outputs.table import ROW_ID_COLUMN
 from batchgen.storage.base import Storage
@@ -39,7 +40,7 @@ _RESULTS = [
     "error_code",
     "error_message",
 ]
-_OPTIONAL = ["url", "model", "reasoning_text", "reasoning_tokens"]
+_OPTIONAL = ["url", "model", "reasoning_text", "reasoning_tokens", "logprobs", "logprobs_requested"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,15 @@ def batch_line(values: dict[str, Any], facts: BatchFacts, row: int, created: int
     return line
 
 
+def _sample_logprobs(values: dict[str, Any], n: int, chat: bool) -> list[dict[str, Any] | None]:
+    """Each sample's choice logprobs when the request asked for them (and the job computed them)."""
+    asked, entries = values.get("logprobs_requested"), values.get("logprobs")
+    if asked is None or entries is None:
+        return [None] * n
+    per_sample = entries if n > 1 else [entries]
+    return [choice_logprobs(e, asked, chat) for e in per_sample]
+
+
 def _body(values: dict[str, Any], facts: BatchFacts, key: str, created: int) -> dict[str, Any]:
     chat = (values.get("url") or facts.default_url) == CHAT_URL
     texts, reasons = values["generated_text"], values["finish_reason"]
@@ -132,15 +142,16 @@ def _body(values: dict[str, Any], facts: BatchFacts, key: str, created: int) -> 
     many = isinstance(texts, list)
     texts, reasons = (texts, reasons) if many else ([texts], [reasons])
     reasoning = reasoning if isinstance(reasoning, list) else [reasoning] * len(texts)
+    logprobs = _sample_logprobs(values, len(texts), chat)
     choices = []
     for k, (text, reason) in enumerate(zip(texts, reasons)):
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if "reasoning_text" in values:
                 message["reasoning_content"] = reasoning[k]
-            choices.append({"index": k, "message": message, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": k, "message": message, "logprobs": logprobs[k], "finish_reason": reason})
         else:
-            choices.append({"index": k, "text": text, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": k, "text": text, "logprobs": logprobs[k], "finish_reason": reason})
     usage: dict[str, Any] = {
         "prompt_tokens": values["input_tokens"],
         "completion_tokens": values["output_tokens"],

@@ -130,11 +130,6 @@ class RowPreparer:
         """OpenAI batch rows: a chat request's messages through the chat template, else its prompt."""
         prompts = _column_values(table.column("prompt"), as_bytes=True)
         messages = table.column("messages").to_pylist()
-        if SCHEMA_COLUMN_KEY not in self.spec.input.sampling_columns:  # xgrammar missing (sections.py)
-            for i, schema in enumerate(table.column("json_schema").to_pylist()):
-                if schema is not None and rows[i].ok:
-                    why = "body.response_format needs structured output: pip install 'batchgen[structured]'"
-                    rows[i].fail("unsupported_parameter", f"{labels[i]}: {why}")
         computed = self.spec.sampling.logprobs
         for i, asked in enumerate(table.column("logprobs_requested").to_pylist()):
             if asked is not None and (computed is None or asked > computed) and rows[i].ok:

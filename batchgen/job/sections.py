@@ -87,7 +87,9 @@ class InputSection(_Strict):
                     f"input.sampling_columns: {name!r} cannot be set per row "
                     f"(allowed: {', '.join((*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY))})"
                 )
-        if SCHEMA_COLUMN_KEY in self.sampling_columns:
+        # why not for OpenAI batch files: only the requests with a response_format need xgrammar; without
+        # it those are error rows (invalid_structured, naming the install), not a refused job
+        if SCHEMA_COLUMN_KEY in self.sampling_columns and self.format != "openai_batch":
             from batchgen.engine.sampling.structured import StructuredError, load_xgrammar
 
             try:  # why here: without xgrammar every row would fail one by one
@@ -103,14 +105,7 @@ class InputSection(_Strict):
         if chosen and (self.prompt_column, self.id_column) != ("prompt", "custom_id"):  # (a re-validated dump)
             raise ValueError(f"input.format openai_batch sets {', '.join(chosen)} itself; remove them")
         self.prompt_column, self.id_column = "prompt", "custom_id"
-        self.sampling_columns = dict(SAMPLING_COLUMNS)
-        from batchgen.engine.sampling.structured import StructuredError, load_xgrammar
-
-        try:  # why: without xgrammar a request with a response_format is an error row (prepare.py), not the job
-            load_xgrammar()
-            self.sampling_columns[SCHEMA_COLUMN_KEY] = "json_schema"
-        except StructuredError:
-            pass
+        self.sampling_columns = {**SAMPLING_COLUMNS, SCHEMA_COLUMN_KEY: "json_schema"}
 
 
 class OutputSection(_Strict):

@@ -6,9 +6,20 @@ from typing import Any
 
 from batchgen.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.api.structured_outputs import StructuredOutputsParams
+from batchgen.engine.pooling.outputs import PoolingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

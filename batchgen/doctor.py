@@ -10,6 +10,7 @@ bootstrap, into $BATCHGEN_CACHE_DIR; without --build it only reports, building n
 from __future__ import annotations
 
 import subprocess
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import transformers
 
 from batchgen.engine.cpu import front as attention_front
 from batchgen.engine.cpu import host, native, native_linear, native_ops
+from batchgen.engine.runner.backends import resolve_backend
 
 
 def report(build: bool = False) -> dict[str, Any]:
@@ -26,11 +28,14 @@ def report(build: bool = False) -> dict[str, Any]:
         native.argmax()
         attention_front.load()
         native_linear.load_op()  # builds the linear library, then its operator
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     return {
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "device": device,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "triton": _installed("triton"),
+        "attention_backend": resolve_backend("auto", torch.device(device)),
         "host": host.describe(),
         "compilers": {"c": _compiler("CC", "cc", "gcc"), "c++": _compiler("CXX", "c++", "g++")},
         "cache_dir": str(native.cache_dir()),
@@ -43,6 +48,14 @@ def kernel_state(name: str) -> dict[str, Any]:
     """One kernel's state (native_ops.state) as the report shows it."""
     done = native_ops.state(name)
     return {"name": name, "state": done.state, "path": str(done.path or ""), "why": done.reason}
+
+
+def _installed(package: str) -> str | None:
+    """A package's installed version, read without importing it (importing triton is slow)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _compiler(env: str, *names: str) -> dict[str, str | None]:
@@ -64,6 +77,8 @@ def lines(facts: dict[str, Any]) -> list[str]:
         f"device        {facts['device']}{' (' + facts['gpu'] + ')' if facts['gpu'] else ''}",
         f"torch         {facts['torch']} (BLAS: {h['blas']}, CPU capability: {h['torch_cpu_capability']})",
         f"transformers  {facts['transformers']}",
+        f"triton        {facts['triton'] or 'not installed'}",
+        f"attention     {facts['attention_backend']} (engine.attention_backend: auto)",
         f"cpu           {h['cpu']} [{flags}]",
         f"threads       {h['torch_threads']} (affinity {h['affinity_cpus']} CPUs, quota {h['quota_cpus'] or 'none'})",
     ]

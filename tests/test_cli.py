@@ -58,3 +58,21 @@ def test_a_closed_stdout_ends_quietly(tmp_path: Path) -> None:
         os.close(write)
     assert done.stderr == ""  # no BrokenPipeError traceback
     assert done.returncode == 128 + signal.SIGPIPE
+
+
+def test_doctor_reports_the_attention_backend_auto_picks_and_the_triton_it_would_use() -> None:
+    """What a user pastes into a bug report: without CUDA, auto is the CPU backend; triton is named
+    by its installed version (read without importing it), or `not installed`."""
+    import importlib.metadata
+
+    done = subprocess.run(
+        [sys.executable, "-m", "batchgen", "doctor", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout)
+    assert facts["attention_backend"] == "cpu"
+    try:
+        installed: str | None = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    assert facts["triton"] == installed

@@ -20,6 +20,10 @@ SMALLEST_DEFAULT_SEQS = 64  # engine.max_num_seqs's default on the CPU (256 on C
 
 
 def load_backend(spec: JobSpec, tokenizer: Any) -> Backend:
+    if spec.task != "generate":
+        from batchgen.backends.pooling import PoolingBackend
+
+        return PoolingBackend(spec, tokenizer)  # type: ignore[return-value]  # pooling parts call .run
     if spec.engine.backend == "hf":
         from batchgen.backends.hf import HFBackend
 

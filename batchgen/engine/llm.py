@@ -3,25 +3,31 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from batchgen.engine.api.config import engine_config
 from batchgen.engine.api.device_defaults import require_int, resolve_engine_defaults
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.api.vllm_keywords import adapt_vllm_keywords, check_seed, vllm_dtype
+from batchgen.engine.api.vllm_views import LLMEngineView, ModelConfig
 from batchgen.engine.attention.path import SMALL_BLOCK_SIZE, default_block_size, detect_support, has_softcap
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
+from batchgen.engine.pooling.methods import PoolingMethods
+from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
 from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
 from batchgen.engine.runner.compiled_forward import resolve_compile
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import kv_spec, load_model, resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.runner.pool_sizing import kv_pool_blocks
+from batchgen.engine.runner.tokenizer import load_tokenizer
 from batchgen.engine.sampling.penalties import LogitsFeatures
 from batchgen.engine.sampling.sampler import Sampler
 
@@ -49,7 +55,7 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Offline batch generation with a paged KV cache, prefix caching and continuous batching."""
 
     def __init__(
@@ -59,13 +65,38 @@ class LLM:
         tokenizer: Any = None,
         device: str = "auto",
         dtype: str | torch.dtype = "auto",
+        seed: int | None = None,
+        task: str = "generate",
+        pooler_config: dict[str, Any] | None = None,
         **settings: Any,
     ) -> None:
-        """`settings` are EngineConfig's fields (block_size, max_num_seqs, ...); an unknown name is a
-        TypeError and a bad value a ValueError, both naming the setting."""
-        config = engine_config(**settings)
+        """`settings` are EngineConfig's fields (block_size, max_num_seqs, ...) and vLLM's constructor
+        keywords (batchgen/engine/api/vllm_keywords.py: neutral values accepted, others refused);
+        an unknown name is a TypeError and a bad value a ValueError, both naming the setting.
+        `tokenizer`: None (the model folder's), a folder path, or a fast tokenizer object. `seed`
+        seeds the draws of requests without their own seed (None: the OS's entropy). `task`:
+        generate ("auto" too), embed, classify or score (vLLM's); `pooler_config`: {"pooling_type":
+        "LAST" | "MEAN" | "CLS", "normalize": bool} over the model folder's own (engine/pooling)."""
+        config = engine_config(**adapt_vllm_keywords(settings))
+        seed = check_seed(seed)
         torch_device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, torch_device)
+        torch_dtype = resolve_dtype(vllm_dtype(dtype), torch_device)
+        task = "generate" if task == "auto" else task
+        if task not in TASKS:
+            raise ValueError(f"LLM(task={task!r}): must be one of 'auto', {', '.join(map(repr, TASKS))}")
+        self.task, self._model_path, self._pooler_config = task, model, pooler_config
+        self._pooling: PoolingModel | None = None
+        if task != "generate":  # why: pooling forwards run eager; compiling (and CUDA graphs) would serve nothing
+            config.compile = False
+        if not runs_on_engine(model, task):  # encoders run through transformers
+            self.config, self.tokenizer = config, load_tokenizer(tokenizer, model)
+            budget = token_budget(config.max_num_batched_tokens, torch_device)
+            self._pooling = PoolingModel.build(model, task, torch_device, torch_dtype, budget, None, pooler_config)
+            hf = self._pooling.hf
+            self.max_model_len = config.max_model_len or hf.max_model_len  # type: ignore[union-attr]
+            model_config = ModelConfig(model, model, self.max_model_len, torch_dtype, seed, hf.config)  # type: ignore[union-attr]
+            self.llm_engine = LLMEngineView(model_config, self.tokenizer)
+            return
         backend = resolve_backend(config.attention_backend, torch_device)  # why first: a bad one fails before loading
         prepare_process(torch_device)
         hf_model = load_model(model, torch_device, torch_dtype)
@@ -97,16 +128,29 @@ class LLM:
         )
         block_manager = BlockManager(blocks, runner.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(config, block_manager, self.max_model_len)
-        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model)
+        self.tokenizer = load_tokenizer(tokenizer, model)
         eos = eos_token_ids(hf_model, self.tokenizer)
         self.config = config
         vocab_size = int(hf_model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
-        sampler = Sampler(eos, fast_greedy=fast_greedy_for(torch_device))
+        sampler = Sampler(eos, seed=seed, fast_greedy=fast_greedy_for(torch_device))
         # why the logits' width: penalties and grammar masks index logits, which may be wider than the embeddings
         head = hf_model.get_output_embeddings()
         width = int(getattr(head, "out_features", 0) or vocab_size)
         sampler.features = LogitsFeatures(self.tokenizer, width, eos)
         self.engine = Engine(scheduler, runner, sampler, self.tokenizer, eos, vocab_size)
+        tokenizer_name = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else model
+        model_config = ModelConfig(model, tokenizer_name, self.max_model_len, torch_dtype, seed, hf_model.config)
+        self.llm_engine = LLMEngineView(model_config, self.tokenizer)  # what vLLM clients read (context length)
+
+    def get_tokenizer(self, lora_request: object = None) -> Any:
+        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`)."""
+        if lora_request is not None:
+            raise NotImplementedError("LLM.get_tokenizer: lora_request is not supported by batchgen")
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate(sampling_params=None) uses: SamplingParams() (vLLM's generation_config='vllm')."""
+        return SamplingParams()
 
     @property
     def stats(self) -> dict[str, int]:
@@ -131,6 +175,8 @@ class LLM:
         """
         if lora_request is not None:
             raise NotImplementedError("LLM.generate: lora_request is not supported by batchgen")
+        if not hasattr(self, "engine"):
+            raise ValueError(f"LLM(task={self.task!r}) on {self._model_path} is a pooling model: it cannot generate")
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise TypeError("prompts: a flat list of ints is ambiguous; pass [[...ids]] or {'prompt_token_ids': [...]}")
@@ -190,3 +236,10 @@ class LLM:
             f"prompt {index} must be a string, a list of token ids, or a dict with 'prompt' or "
             f"'prompt_token_ids', got {type(prompt).__name__}"
         )
+
+    def pooling_model(self) -> PoolingModel:
+        """The pooling side of this LLM; on a generate LLM, embeddings through its engine."""
+        if self._pooling is None:
+            task = "embed" if self.task == "generate" else self.task
+            self._pooling = on_engine(self._model_path, task, self, self._pooler_config)
+        return self._pooling

@@ -53,6 +53,8 @@ def input_columns(spec: JobSpec) -> list[str]:
     names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
     if i.format == "openai_batch":  # a chat request's messages, a completion's prompt, and which it is
         names += ["messages", "url", "json_schema", "logprobs_requested"]
+    if spec.pooling is not None and spec.pooling.document_column is not None:  # score pairs' second text
+        names.append(spec.pooling.document_column)
     return [n for n in dict.fromkeys(names) if n is not None]
 
 

@@ -17,6 +17,7 @@ from batchgen.engine.api.params import SamplingParams, SettingError
 from batchgen.errors import JobFileError
 from batchgen.job.errors import ErrorKeys, Origins, describe, error_keys
 from batchgen.job.parsing import DuplicateKey, ParsedYaml, apply_override, parse_yaml
+from batchgen.job.pooling_section import PoolingSection, Task, task_errors
 from batchgen.job.sections import (
     SCHEMA_COLUMN_KEY,
     ExecutorSection,
@@ -60,7 +61,7 @@ def _derived_fields(cls: type, section: str) -> dict[str, Any]:
     defaults = JOB_DEFAULTS.get(section, {})
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if f.name in _JOB_SPELLED:
+        if f.name in _JOB_SPELLED or f.metadata.get("job") is False:  # Python-API-only settings (PYTHON_ONLY)
             continue
         if f.name in defaults:
             out[f.name] = (hints[f.name], defaults[f.name])
@@ -151,11 +152,13 @@ else:
 
 
 class JobSpec(_Strict):
+    task: Task = "generate"  # embed | classify | score: a pooling job (job/pooling_section)
     model: ModelSection
     input: InputSection
     output: OutputSection
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     engine: EngineSection = Field(default_factory=EngineSection)
+    pooling: PoolingSection | None = None  # task embed | classify | score only
     # Why excluded from dumps: prices change no generated text, so they stay out of the fingerprint.
     pricing: PricingSection | None = Field(default=None, exclude=True)
     # Why excluded too: where the parts run changes no output; a job started locally may resume on Ray.
@@ -180,6 +183,14 @@ class JobSpec(_Strict):
         return {k: {} if v is None and k in _SECTIONS else v for k, v in data.items()}
 
     @model_validator(mode="after")
+    def _task_keys(self) -> JobSpec:
+        """Before any work: the job's keys fit its task (job/pooling_section)."""
+        details = task_errors(self.task, self.pooling, self)
+        if details:
+            raise ValidationError.from_exception_data("JobSpec", details)
+        return self
+
+    @model_validator(mode="after")
     def _hf_features(self) -> JobSpec:
         """Before any work: the hf backend refuses the features transformers' generate lacks."""
         if self.engine.backend != "hf":
@@ -201,7 +212,7 @@ class JobSpec(_Strict):
         return self
 
 
-_SECTIONS = ("model", "input", "output", "sampling", "engine", "executor")
+_SECTIONS = ("model", "input", "output", "sampling", "engine", "executor", "pooling")
 
 
 def load_job(path: str | Path, overrides: list[str] | None = None) -> JobSpec:

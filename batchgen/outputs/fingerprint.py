@@ -55,6 +55,9 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     settings = spec.model_dump(mode="json", exclude=_NEUTRAL)  # type: ignore[arg-type]
     for name in _NEUTRAL_ENGINE:
         settings["engine"].pop(name, None)
+    if spec.task == "generate":  # task and pooling came later: a generate output made before keeps its fingerprint
+        settings.pop("task", None)
+        settings.pop("pooling", None)
     # Later settings, left out at their default so that older outputs keep their fingerprint:
     # input.format (auto reads what older batchgen read), output.reasoning (it shapes the parts).
     if spec.input.format == "auto":

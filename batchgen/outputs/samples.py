@@ -42,12 +42,16 @@ class ColumnPlan:
     prompt_logprobs: int | None = None
     reasoning: bool = False  # output.reasoning auto: the reasoning columns exist
     splitter: ReasoningSplitter | None = None  # known once the tokenizer is (None: nothing to split)
+    pooled: tuple[pa.Field, ...] = ()  # a pooling task's own columns (outputs/pooled)
 
     @classmethod
     def of(cls, spec: JobSpec) -> ColumnPlan:
+        from batchgen.outputs.pooled import pooled_fields
+
         s = spec.sampling
         reasoning = spec.output.reasoning == "auto"
-        return cls(n=s.n, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, reasoning=reasoning)
+        pooled = tuple(pooled_fields(spec))
+        return cls(s.n, s.logprobs, s.prompt_logprobs, reasoning=reasoning, pooled=pooled)
 
     def with_tokenizer(self, tokenizer: Any) -> ColumnPlan:
         """This plan with the reasoning splitter of `tokenizer` (when the job splits reasoning)."""
@@ -69,7 +73,7 @@ class ColumnPlan:
         if self.reasoning:
             fields.append(pa.field("reasoning_text", self._per_sample(pa.string())))
             fields.append(pa.field("reasoning_tokens", pa.int64()))
-        return fields
+        return fields + list(self.pooled)
 
     def fields(self, base: list[pa.Field]) -> list[pa.Field]:
         """The job's result columns: `base` with per-sample columns as lists when n > 1, then the extras."""

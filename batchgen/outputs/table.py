@@ -115,7 +115,8 @@ def part_table(
     for name in carried:
         arrays[name] = _valid_text(table.column(name))
     for f in RESULT_FIELDS if fields is None else fields:
-        arrays[f.name] = pa.array(results[f.name], f.type)
+        value = results[f.name]  # a pooling task's columns come built (outputs/pooled.pooled_array)
+        arrays[f.name] = value if isinstance(value, pa.Array) else pa.array(value, f.type)
     return pa.table(arrays)
 
 

@@ -101,6 +101,8 @@ class PartWork:
         self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, preparer: RowPreparer, bar: RowCounter
     ) -> dict[str, list[Any]]:
         rows = preparer.prepare_shard(f, shard, table, self.duplicates)
+        if self.spec.task != "generate":  # embed, classify, score: the one branch (run/pooling_work)
+            return self._pool_shard(shard, table, f, backend, rows, bar)
         requests = {i: r.request() for i, r in enumerate(rows) if r.ok}
         ok = list(requests)
         bar.update(len(rows) - len(ok))  # error rows are done already
@@ -122,6 +124,27 @@ class PartWork:
             raise EngineFailure(f"engine failed on rows {shard.start}-{shard.stop - 1} of {f.path}: {exc}") from exc
         self.columns = self.columns.with_tokenizer(preparer.tokenizer)
         return result_columns(rows, dict(zip(order, outs)), self.columns)
+
+    def _pool_shard(
+        self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, rows: list[Any], bar: RowCounter
+    ) -> dict[str, list[Any]]:
+        from batchgen.backends.pooling import PoolingBackend
+        from batchgen.run.pooling_work import pooled_columns
+
+        if not isinstance(backend, PoolingBackend):
+            raise TypeError(f"task {self.spec.task} needs the pooling backend, got {backend.name}")
+        interrupt.check()
+        backend.model.on_step = interrupt.check  # between forwards: the part in flight is abandoned uncommitted
+        try:
+            cols = pooled_columns(self.spec, rows, table, backend, self.result_fields)
+        except BatchgenError:
+            raise
+        except Exception as exc:  # as generation's: the part is abandoned uncommitted, a rerun resumes
+            raise EngineFailure(f"engine failed on rows {shard.start}-{shard.stop - 1} of {f.path}: {exc}") from exc
+        fault_point("mid_engine")
+        interrupt.check()
+        bar.update(len(rows))
+        return cols
 
 
 class RowCounter(Protocol):

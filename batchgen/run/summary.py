@@ -36,11 +36,14 @@ class Summary:
         note = f" | {self.note}" if self.note else ""
         t = self.totals
         rate = self.run_output_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+        speed = f"{rate:.1f} output tok/s"
+        if "pooled" in t.finish_reasons and self.wall_seconds > 0:  # a pooling job generates nothing: rows/s
+            speed = f"{t.rows / self.wall_seconds:.1f} rows/s"
         resumed = f" | resumed: {self.skipped_parts} part(s) kept" if self.skipped_parts else ""
         return (
             f"{prefix}{t.ok_rows} rows ok, {t.error_rows} failed | tokens: {t.input_tokens} in "
             f"({t.cached_tokens} cached), {t.output_tokens} out | {self.wall_seconds:.1f}s, "
-            f"{rate:.1f} output tok/s{resumed}{redone_note(self.redone)}{self._runtimes()}{note}"
+            f"{speed}{resumed}{redone_note(self.redone)}{self._runtimes()}{note}"
         )
 
 

@@ -44,6 +44,7 @@ class Estimate:
     error_codes: dict[str, int] = field(default_factory=dict)
     error_examples: list[str] = field(default_factory=list)
     input_lengths: IntHistogram = field(default_factory=IntHistogram)
+    generates: bool = True  # False for a pooling task (embed, classify, score): no output tokens
 
     @property
     def cached_tokens(self) -> int:
@@ -56,7 +57,8 @@ class Estimate:
         lengths = [len(ids) for ids, _ in ok]
         self.input_tokens += sum(lengths)
         self.input_lengths.add_many(np.array(lengths, np.int64))
-        self.max_output_tokens += sum((params.max_tokens or 0) * params.n for _, params in ok)
+        if self.generates:
+            self.max_output_tokens += sum((params.max_tokens or 0) * params.n for _, params in ok)
         for r in rows:
             if r.error_code is not None:
                 self.error_codes[r.error_code] = self.error_codes.get(r.error_code, 0) + 1
@@ -94,7 +96,13 @@ def estimate_job(spec: JobSpec) -> Estimate:
     tokenizer = load_tokenizer(spec.model.path)
     max_len = _context_length(spec)
     engine = spec.engine
-    est = Estimate(context_length=max_len, cache_enabled=engine.backend == "native" and engine.enable_prefix_caching)
+    cache = engine.backend == "native" and engine.enable_prefix_caching
+    if spec.task != "generate":  # only last-token embeddings of a decoder reuse a prefix (engine/pooling)
+        from batchgen.engine.pooling.model import prefix_cache_applies
+
+        pooling_type = spec.pooling.pooling_type if spec.pooling is not None else None
+        cache = cache and prefix_cache_applies(spec.model.path, spec.task, pooling_type)
+    est = Estimate(context_length=max_len, cache_enabled=cache, generates=spec.task == "generate")
     preparer = RowPreparer(spec, tokenizer, max_len)
     shards = plan_shards(files, engine.window_rows, spec.input.limit)
     duplicates = find_duplicate_ids(files, shards, spec.input.id_column) if spec.input.id_column else {}
@@ -180,6 +188,8 @@ def _cache_assumption(est: Estimate, spec: JobSpec) -> str:
     if est.cache_enabled:
         return scope
     why = "the hf backend has no prefix cache" if spec.engine.backend == "hf" else "engine.enable_prefix_caching is off"
+    if spec.task != "generate" and spec.engine.enable_prefix_caching:
+        why = f"task {spec.task} with this model and pooling reuses no prefix (only last-token embeddings do)"
     return f"{why}, so 0 tokens will be cached; the native backend with caching would serve shareable_tokens ({scope})"
 
 

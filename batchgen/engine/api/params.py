@@ -1,7 +1,10 @@
 """SamplingParams: what one request asks of the engine, validated where users type it.
 
 This dataclass is the one definition of the sampling settings: the job file's `sampling` section
-and its per-row columns are derived from it (batchgen/job.py), so a field is added here once.
+and its per-row columns are derived from it (batchgen/job/spec.py), so a field is added here once.
+A field marked PYTHON_ONLY is vLLM's Python API only and no job-file key: `detokenize` (a job
+writes text), `spaces_between_special_tokens` (no effect here, see the field) and
+`structured_outputs` (the job file spells it `structured`).
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from batchgen.engine.api.structured_outputs import StructuredOutputsParams
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
@@ -30,6 +35,9 @@ def is_int(value: Any) -> bool:
 def is_finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
+# Field metadata of the settings that are not job-file keys (see the module docstring).
+PYTHON_ONLY = {"job": False}
 
 # Below this temperature a request is greedy: logits / ~0 overflow float32 (vLLM's cut-off).
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -69,8 +77,17 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None
     structured: dict[str, Any] | None = None
+    # vLLM's Python API. detokenize False: token ids only (text "", logprobs' decoded_token None);
+    # stop strings need the text, so they are refused with it (as vLLM does).
+    detokenize: bool = field(default=True, metadata=PYTHON_ONLY)
+    # Accepted either way: text comes from the fast tokenizer's own decoder, which writes what it
+    # writes between special tokens (as transformers' fast tokenizers and vLLM's fast detokenizer).
+    spaces_between_special_tokens: bool = field(default=True, metadata=PYTHON_ONLY)
+    # vLLM's spelling of `structured`: set, it becomes the equivalent `structured` spec.
+    structured_outputs: StructuredOutputsParams | None = field(default=None, metadata=PYTHON_ONLY)
 
     def __post_init__(self) -> None:
+        self._take_structured_outputs()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -111,12 +128,34 @@ class SamplingParams:
         ]
         checks += [
             (name, isinstance(getattr(s, name), bool), "true or false")
-            for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+            for name in (
+                "include_stop_str_in_output",
+                "ignore_eos",
+                "skip_special_tokens",
+                "detokenize",
+                "spaces_between_special_tokens",
+            )
         ]
+        if s.detokenize is False and s.stop:
+            checks.append(("detokenize", False, "true when stop strings are set (they are matched in the text)"))
         checks += _feature_checks(s)
         for name, ok, expected in checks:
             if not ok:
                 raise SettingError("SamplingParams", name, expected, getattr(self, name))
+
+    def _take_structured_outputs(self) -> None:
+        """vLLM's `structured_outputs` -> `structured` (a copy made by dataclasses.replace has both, equal)."""
+        given = self.structured_outputs
+        if given is None:
+            return
+        if not isinstance(given, StructuredOutputsParams):
+            raise SettingError("SamplingParams", "structured_outputs", "null or a StructuredOutputsParams", given)
+        spec = given.to_spec()
+        if self.structured is not None and self.structured != spec:
+            raise SettingError(
+                "SamplingParams", "structured", "null when structured_outputs is set (they are one setting)", spec
+            )
+        self.structured = spec
 
     @property
     def uses_logits_features(self) -> bool:

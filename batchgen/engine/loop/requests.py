@@ -97,6 +97,8 @@ class RequestState:
         completions = [s.completion() for s in self.samples]
         if self.params.max_tokens == 0:  # scoring only: n empty samples, none was forked
             completions = [dataclasses.replace(completions[0], index=i) for i in range(self.params.n)]
+        if not self.params.detokenize:  # vLLM's token-ids-only request: no text in its logprobs either
+            _drop_token_texts(self.prompt_logprobs, *(c.logprobs for c in completions))
         return RequestOutput(
             request_id=str(self.request_id),
             prompt=self.prompt,
@@ -105,6 +107,14 @@ class RequestState:
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.parent.num_cached_tokens,
         )
+
+
+def _drop_token_texts(*positions: list[PositionLogprobs | None] | list[PositionLogprobs] | None) -> None:
+    """Set every Logprob's decoded_token to None (each entry is this request's own object)."""
+    for entries in positions:
+        for entry in entries or []:
+            for logprob in (entry or {}).values():
+                logprob.decoded_token = None
 
 
 class RequestTable:

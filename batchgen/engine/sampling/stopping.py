@@ -73,8 +73,12 @@ class StopChecker:
         self.stop_reason: str | int | None = None
         # ids given to the stream that produced no text yet, and the ids just before them
         self._pending: list[int] = []
-        self._context: list[int] = self._prime_ids(prompt_token_ids or [])
-        self._stream: DecodeStream | None = DecodeStream(ids=self._context, skip_special_tokens=self._skip_special)
+        # detokenize False (vLLM's token-ids-only request): no text, so no stream and no stop strings
+        self._detokenize = params.detokenize
+        self._context: list[int] = self._prime_ids(prompt_token_ids or []) if self._detokenize else []
+        self._stream: DecodeStream | None = (
+            DecodeStream(ids=self._context, skip_special_tokens=self._skip_special) if self._detokenize else None
+        )
 
     @property
     def text(self) -> str:
@@ -148,7 +152,9 @@ class StopChecker:
         return True
 
     def _step(self, token_id: int) -> str:
-        """New complete text for `token_id` ('' while a character is incomplete)."""
+        """New complete text for `token_id` ('' while a character is incomplete, or without detokenize)."""
+        if not self._detokenize:
+            return ""
         if self._stream is not None:
             try:
                 chunk = self._stream.step(self._backend, token_id)

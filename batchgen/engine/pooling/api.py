@@ -1,0 +1,157 @@
+"""The pooling calls behind `LLM.embed`, `LLM.classify` and `LLM.score` (vLLM's shapes): prompts
+(text, token ids, or vLLM's prompt dicts) to token ids, the PoolingModel's results to vLLM-shaped
+outputs. Kept here so that llm.py only forwards to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from batchgen.engine.pooling.hf_runner import Encoded
+from batchgen.engine.pooling.model import PoolingModel, RowResult
+from batchgen.engine.pooling.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+
+
+def encode_prompt(tokenizer: Any, index: int, prompt: object) -> list[int]:
+    """Token ids of one prompt: a string (tokenized with special tokens), a list of ids, or a
+    `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dict."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [int(t) for t in prompt]
+    raise TypeError(
+        f"prompt {index} must be a string, a list of token ids, or a prompt dict, got {type(prompt).__name__}"
+    )
+
+
+def encode_pair(tokenizer: Any, first: str, second: str) -> Encoded:
+    """A (query, document) pair as the tokenizer joins two texts (BERT: [CLS] a [SEP] b [SEP] and segment ids)."""
+    enc = tokenizer(first, second)
+    types = enc.get("token_type_ids")
+    return Encoded(list(enc["input_ids"]), list(types) if types is not None else None)
+
+
+def refuse_lora(lora_request: object) -> None:
+    if lora_request is not None:
+        raise NotImplementedError("lora_request is not supported by batchgen")
+
+
+def truncate(encoded: Encoded, keep: int | None) -> Encoded:
+    """The last `keep` tokens (vLLM's truncate_prompt_tokens: left truncation); None keeps all."""
+    if keep is None or len(encoded.input_ids) <= keep:
+        return encoded
+    if keep < 1:
+        raise ValueError(f"truncate_prompt_tokens must be null or >= 1, got {keep}")
+    types = encoded.token_type_ids[-keep:] if encoded.token_type_ids is not None else None
+    return Encoded(encoded.input_ids[-keep:], types)
+
+
+def _items(prompts: object) -> list[object]:
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[call-overload]
+
+
+def _checked(inputs: list[Encoded], max_model_len: int) -> tuple[list[int], list[str | None]]:
+    """Indices that may run, and each input's refusal (empty or longer than the context)."""
+    errors: list[str | None] = []
+    for i, e in enumerate(inputs):
+        if not e.input_ids:
+            errors.append(f"request {i}: prompt has no tokens")
+        elif len(e.input_ids) > max_model_len:
+            errors.append(f"request {i}: prompt has {len(e.input_ids)} tokens; the model's context is {max_model_len}")
+        else:
+            errors.append(None)
+    return [i for i, e in enumerate(errors) if e is None], errors
+
+
+def _run(inputs: list[Encoded], max_model_len: int, call: Any) -> list[RowResult]:
+    ok, errors = _checked(inputs, max_model_len)
+    results = [RowResult(None, error=e) for e in errors]
+    for i, r in zip(ok, call([inputs[i] for i in ok])):
+        results[i] = r
+    return results
+
+
+def embed(
+    model: PoolingModel,
+    tokenizer: Any,
+    max_model_len: int,
+    prompts: object,
+    params: PoolingParams | None,
+    keep: int | None = None,
+) -> list[EmbeddingRequestOutput]:
+    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)), keep) for i, p in enumerate(_items(prompts))]
+    results = _run(inputs, max_model_len, lambda batch: model.embed(batch, params))
+    return [
+        _output(i, e, r, None if r.values is None else EmbeddingOutput(r.values.tolist()))
+        for i, (e, r) in enumerate(zip(inputs, results))
+    ]
+
+
+def classify(
+    model: PoolingModel, tokenizer: Any, max_model_len: int, prompts: object, keep: int | None = None
+) -> list[ClassificationRequestOutput]:
+    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)), keep) for i, p in enumerate(_items(prompts))]
+    results = _run(inputs, max_model_len, model.classify)
+    outputs = []
+    for i, (e, r) in enumerate(zip(inputs, results)):
+        value = None if r.values is None else ClassificationOutput(r.values.tolist(), model.label_of(r.values))
+        outputs.append(_output(i, e, r, value))
+    return outputs
+
+
+def score(
+    model: PoolingModel,
+    tokenizer: Any,
+    max_model_len: int,
+    data_1: str | Sequence[str],
+    data_2: str | Sequence[str],
+    keep: int | None = None,
+) -> list[ScoringRequestOutput]:
+    """vLLM's pairing: one text against many (either side), or N against N."""
+    left = [data_1] if isinstance(data_1, str) else list(data_1)
+    right = [data_2] if isinstance(data_2, str) else list(data_2)
+    if len(left) == 1:
+        left = left * len(right)
+    elif len(right) == 1:
+        right = right * len(left)
+    if len(left) != len(right):
+        raise ValueError(f"score: {len(left)} texts in data_1 against {len(right)} in data_2 (1:N, N:1 or N:N)")
+    if model.classifier:
+        inputs = [truncate(encode_pair(tokenizer, a, b), keep) for a, b in zip(left, right)]
+        results = _run(inputs, max_model_len, model.score)
+    else:
+        one = [truncate(Encoded(encode_prompt(tokenizer, 0, a)), keep) for a in left]
+        two = [truncate(Encoded(encode_prompt(tokenizer, 0, b)), keep) for b in right]
+        pairs = list(zip(one, two))
+        inputs = [Encoded(a.input_ids + b.input_ids) for a, b in pairs]  # only for the usage counts
+        _, errors = _checked([e for pair in pairs for e in pair], max_model_len)
+        results = [RowResult(None, error=errors[2 * i] or errors[2 * i + 1]) for i in range(len(pairs))]
+        good = [i for i in range(len(pairs)) if results[i].error is None]
+        for i, r in zip(good, model.score([], [pairs[i] for i in good])):
+            results[i] = r
+    return [
+        _output(i, e, r, None if r.values is None else ScoringOutput(float(r.values)))
+        for i, (e, r) in enumerate(zip(inputs, results))
+    ]
+
+
+def _output(index: int, encoded: Encoded, result: RowResult, value: Any) -> PoolingRequestOutput[Any]:
+    return PoolingRequestOutput(
+        request_id=str(index),
+        outputs=value,
+        prompt_token_ids=encoded.input_ids,
+        num_cached_tokens=result.cached_tokens,
+        error=result.error,
+    )

@@ -1,0 +1,96 @@
+"""How a model's hidden states become one vector: the pooling method, normalization and Matryoshka
+dimensions, resolved from a sentence-transformers folder (modules.json, its Pooling module's
+config.json, a Normalize module) or else from defaults by model kind (decoder: last token,
+encoder: CLS), with the caller's explicit choices on top.
+
+Why its own module: the Python API and the job file both resolve pooling the same way, and the
+runners only read the result.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+PoolingMethod = Literal["last", "mean", "cls"]
+POOLING_METHODS: tuple[str, ...] = ("last", "mean", "cls")
+
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+# sentence-transformers Pooling config keys -> our method; any other mode set is refused
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+
+class PoolingConfigError(ValueError):
+    """A pooling setting or a sentence-transformers folder batchgen cannot follow (names the file / key)."""
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    method: PoolingMethod
+    normalize: bool
+    dimensions: int | None = None  # Matryoshka: keep the first `dimensions` values (then normalize)
+
+
+def resolve_pooling(
+    model_path: str | Path,
+    is_decoder: bool,
+    method: str | None = None,
+    normalize: bool | None = None,
+    dimensions: int | None = None,
+) -> PoolingConfig:
+    """The pooling of `model_path`: explicit arguments win over the folder's sentence-transformers
+    modules, which win over the defaults (decoder: last token, encoder: CLS; normalize: true, as
+    vLLM's embedding default)."""
+    folder = read_sentence_transformers(Path(model_path))
+    chosen = method or folder.get("method") or ("last" if is_decoder else "cls")
+    if chosen not in POOLING_METHODS:
+        raise PoolingConfigError(f"pooling method {chosen!r}: must be one of {', '.join(POOLING_METHODS)}")
+    norm = normalize if normalize is not None else folder.get("normalize", True)
+    if dimensions is not None and dimensions < 1:
+        raise PoolingConfigError(f"dimensions must be >= 1, got {dimensions}")
+    return PoolingConfig(method=chosen, normalize=bool(norm), dimensions=dimensions)  # type: ignore[arg-type]
+
+
+def read_sentence_transformers(folder: Path) -> dict[str, Any]:
+    """{"method": ..., "normalize": ...} from a sentence-transformers folder's modules.json; {} when
+    the folder has none. A module batchgen does not apply (Dense, max pooling, ...) is an error:
+    silently skipping it would give other vectors than sentence-transformers does."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return {}
+    try:
+        modules = json.loads(modules_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PoolingConfigError(f"{modules_file}: cannot read: {exc}") from exc
+    found: dict[str, Any] = {"normalize": False}
+    for module in modules:
+        kind = module.get("type")
+        if kind == _ST_TRANSFORMER:
+            if module.get("path", "") not in ("", "."):
+                raise PoolingConfigError(f"{modules_file}: the Transformer module must be the folder itself (path '')")
+        elif kind == _ST_POOLING:
+            found["method"] = _st_pooling_method(folder / module.get("path", "1_Pooling") / "config.json")
+        elif kind == _ST_NORMALIZE:
+            found["normalize"] = True
+        else:
+            raise PoolingConfigError(f"{modules_file}: module type {kind!r} is not supported by batchgen")
+    return found
+
+
+def _st_pooling_method(config_file: Path) -> str:
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PoolingConfigError(f"{config_file}: cannot read: {exc}") from exc
+    on = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+    if len(on) != 1 or on[0] not in _ST_MODES:
+        raise PoolingConfigError(
+            f"{config_file}: pooling modes {on} are not supported (one of {', '.join(_ST_MODES)} must be true)"
+        )
+    if on[0] == "pooling_mode_mean_tokens" and config.get("include_prompt", True) is False:
+        raise PoolingConfigError(f"{config_file}: include_prompt false (instruction-excluded mean) is not supported")
+    return _ST_MODES[on[0]]

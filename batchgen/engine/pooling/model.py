@@ -1,0 +1,203 @@
+"""PoolingModel: one model set up for a pooling task (embed, classify, score), whichever runner
+it needs: batchgen's engine for decoder models (embeddings, and classifier heads over its
+last-token hidden states), transformers' forward for encoders (BERT-style). The Python API
+(`LLM.embed/classify/score`) and the job runner both call it with token ids and get one
+RowResult per input, in order.
+
+Score: a model with a sequence-classification head (a cross-encoder or a reward model) scores
+one input (a row, or a (query, document) pair tokenized together) with its single-label head
+through a sigmoid; any other model scores a pair by the cosine of the two embeddings (vLLM's
+rule for embedding models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from batchgen.engine.pooling.config import PoolingConfig, resolve_pooling
+from batchgen.engine.pooling.engine_runner import EnginePoolingRunner
+from batchgen.engine.pooling.heads import load_score_head
+from batchgen.engine.pooling.hf_runner import Encoded, HFPoolingRunner, is_encoder
+from batchgen.engine.pooling.outputs import PoolingParams
+from batchgen.engine.pooling.poolers import cosine, finish_embeddings, head_probs
+
+TASKS = ("generate", "embed", "classify", "score")
+
+
+@dataclass
+class RowResult:
+    """One input's result: embedding [D], probabilities [C] or a score [] (None: `error` says why)."""
+
+    values: torch.Tensor | None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+def has_classifier(path: str | Path) -> bool:
+    """Whether the folder's model is a sequence classifier (a cross-encoder, reward model, ...)."""
+    architectures = getattr(AutoConfig.from_pretrained(path), "architectures", None) or []
+    return any(name.endswith("ForSequenceClassification") for name in architectures)
+
+
+def runs_on_engine(path: str | Path, task: str) -> bool:
+    """Whether `task` on this model runs through batchgen's engine: generation, and every pooling
+    task of a decoder model (a classifier's head is applied to the engine's last-token hidden
+    state, see heads); encoders run through transformers (our causal paged attention cannot run
+    bidirectional attention)."""
+    return task == "generate" or not is_encoder(AutoConfig.from_pretrained(path))
+
+
+class PoolingModel:
+    def __init__(
+        self,
+        task: str,
+        pooling: PoolingConfig,
+        engine: EnginePoolingRunner | None = None,
+        hf: HFPoolingRunner | None = None,
+        head: torch.nn.Linear | None = None,
+        id2label: dict[int, str] | None = None,
+    ) -> None:
+        """`head`: a decoder classifier's head over the engine's last-token hidden states."""
+        self.task, self.pooling, self.engine, self.hf, self.head = task, pooling, engine, hf, head
+        self.classifier = head is not None or (hf is not None and hf.kind == "classify")
+        self.on_step: Callable[[], None] | None = None  # after every forward (the job runner's stop point)
+        self.id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
+
+    @classmethod
+    def build(
+        cls,
+        path: str | Path,
+        task: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        budget: int,
+        engine: EnginePoolingRunner | None = None,
+        pooler_config: dict[str, Any] | None = None,
+    ) -> PoolingModel:
+        """`engine`: the engine's pooling runner for a decoder model (runs_on_engine); else transformers."""
+        options = dict(pooler_config or {})
+        method = options.pop("pooling_type", None)
+        normalize = options.pop("normalize", None)
+        if options:
+            raise TypeError(f"pooler_config: unknown key(s) {sorted(options)} (known: pooling_type, normalize)")
+        pooling = resolve_pooling(
+            path,
+            engine is not None or not is_encoder(AutoConfig.from_pretrained(path)),
+            method.lower() if isinstance(method, str) else None,
+            normalize,
+        )
+        wants_head = task == "classify" or (task == "score" and has_classifier(path))
+        labels = getattr(AutoConfig.from_pretrained(path), "id2label", None) if wants_head else None
+        if engine is not None and wants_head:
+            head = load_score_head(path, device, dtype)
+            return cls(task, PoolingConfig("last", False), engine=engine, head=head, id2label=labels)
+        if engine is not None:
+            return cls(task, pooling, engine=engine)
+        kind = "classify" if wants_head else "embed"
+        return cls(task, pooling, hf=HFPoolingRunner(path, kind, device, dtype, budget), id2label=labels)
+
+    def embed(self, inputs: list[Encoded], params: PoolingParams | None = None) -> list[RowResult]:
+        """Each input's embedding [D] float32: pooled, truncated to `dimensions`, normalized."""
+        config = self.pooling
+        if params is not None:
+            normalize = config.normalize if params.normalize is None else params.normalize
+            config = PoolingConfig(config.method, normalize, params.dimensions or config.dimensions)
+        if self.engine is not None:
+            pooled = self.engine.pool([e.input_ids for e in inputs], config.method, self.on_step)
+            results = [RowResult(p.vector, p.cached_tokens, p.error) for p in pooled]
+        elif self.hf is not None and not self.classifier:
+            results = [RowResult(v) for v in self.hf.run(inputs, config.method, self.on_step)]
+        else:
+            raise ValueError("this model has a classification head: use classify or score, not embed")
+        for r in results:
+            if r.values is not None:
+                r.values = finish_embeddings(r.values[None], config)[0]
+        return results
+
+    def classify(self, inputs: list[Encoded]) -> list[RowResult]:
+        """Each input's class probabilities [C] (softmax; sigmoid for one label)."""
+        if not self.classifier:
+            raise ValueError(
+                "classify needs a model with a sequence-classification head (architectures *ForSequenceClassification)"
+            )
+        if self.hf is not None:
+            return [RowResult(head_probs(logits[None])[0]) for logits in self.hf.run(inputs, on_step=self.on_step)]
+        return self._engine_classify(inputs)
+
+    def _engine_classify(self, inputs: list[Encoded]) -> list[RowResult]:
+        """A decoder classifier on the engine: its head over each input's last-token hidden state."""
+        if self.engine is None or self.head is None:
+            raise RuntimeError("no engine classifier set up")
+        pooled = self.engine.pool([e.input_ids for e in inputs], "last", self.on_step)
+        results: list[RowResult] = []
+        for p in pooled:
+            if p.vector is None:
+                results.append(RowResult(None, p.cached_tokens, p.error))
+                continue
+            weight = self.head.weight
+            with torch.inference_mode():
+                logits = self.head(p.vector.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
+            results.append(RowResult(head_probs(logits)[0].cpu(), p.cached_tokens))
+        return results
+
+    def score(self, inputs: list[Encoded], pairs: list[tuple[Encoded, Encoded]] | None = None) -> list[RowResult]:
+        """Classifier models: the single-label head's sigmoid of each input (a row, or a pair
+        tokenized together). Embedding models: the cosine of each pair's two embeddings."""
+        if self.classifier:
+            results = self.classify(inputs)
+            for r in results:
+                if r.values is not None and r.values.numel() != 1:
+                    raise ValueError(f"score needs a single-label head; this model has {r.values.numel()} labels")
+                r.values = r.values[0] if r.values is not None else None
+            return results
+        if pairs is None:
+            raise ValueError("an embedding model scores (query, document) pairs only (cosine similarity)")
+        left = self.embed([a for a, _ in pairs])
+        right = self.embed([b for _, b in pairs])
+        out: list[RowResult] = []
+        for a, b in zip(left, right):
+            if a.values is None or b.values is None:
+                out.append(RowResult(None, error=a.error or b.error))
+            else:
+                out.append(RowResult(cosine(a.values[None], b.values[None])[0], a.cached_tokens + b.cached_tokens))
+        return out
+
+    def label_of(self, probs: torch.Tensor) -> str:
+        best = int(probs.argmax())
+        return self.id2label.get(best, str(best))
+
+
+def token_budget(configured: int | None, device: torch.device) -> int:
+    """Padded tokens per transformers batch: the engine's max_num_batched_tokens, else its device default."""
+    return configured or (8192 if device.type == "cuda" else 2048)
+
+
+def on_engine(path: str | Path, task: str, llm: Any, pooler_config: dict[str, Any] | None) -> PoolingModel:
+    """The PoolingModel of an LLM whose engine is built: pooling batches through its model runner
+    and KV pool, under its token budget and sequence limit."""
+    engine = llm.engine
+    runner = EnginePoolingRunner(
+        engine.runner,
+        engine.scheduler.block_manager,
+        int(llm.config.max_num_batched_tokens),
+        int(llm.config.max_num_seqs),
+    )
+    device, dtype = engine.runner.device, next(engine.runner.model.parameters()).dtype
+    return PoolingModel.build(path, task, device, dtype, runner.token_budget, runner, pooler_config)
+
+
+def prefix_cache_applies(path: str | Path, task: str, pooling_type: str | None) -> bool:
+    """Whether a pooling task's rows can be served from the prefix cache: decoder models on the
+    engine with last-token pooling (embeddings, classifier heads; see engine_runner); never mean
+    or CLS pooling, nor encoders."""
+    if task == "generate" or not runs_on_engine(path, task):
+        return False
+    if task == "classify" or (task == "score" and has_classifier(path)):
+        return True  # a decoder classifier's head reads the last token's hidden state
+    return resolve_pooling(path, True, pooling_type).method == "last"

@@ -268,3 +268,40 @@ def test_logprobs_in_the_endpoints_shapes(tmp_path: Path, tiny_model_dir: Path) 
     assert none["response"]["body"]["choices"][0]["logprobs"] is None
     assert more["error"]["code"] == "unsupported_parameter" and "sampling.logprobs: 5" in more["error"]["message"]
     assert mixed["error"]["code"] == "invalid_request"
+
+
+def test_embeddings_requests_in_an_embed_job(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import numpy as np
+
+    from batchgen.engine.llm import LLM
+
+    embed = "/v1/embeddings"
+    lines = [
+        _line("e1", embed, {"model": "emb", "input": "the little cat"}),
+        _line("e2", embed, {"input": ["once upon a time"], "encoding_format": "float"}),
+        _line("dim", embed, {"input": "the cat", "dimensions": 8}),
+        _line("b64", embed, {"input": "the cat", "encoding_format": "base64"}),
+        _line("chat", CHAT, {"messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    job = {
+        "task": "embed",
+        "model": {"path": str(tiny_model_dir)},
+        "input": {"path": str(tmp_path / "r.jsonl"), "format": "openai_batch"},
+        "output": {"path": str(tmp_path / "out"), "format": "openai_batch"},
+    }
+    _run(tmp_path, job)
+    e1, e2, dim, b64, chat = _output_lines(tmp_path / "out")
+    expected = LLM(str(tiny_model_dir), task="embed").embed(["the little cat", "once upon a time"])
+    for line, reference in zip((e1, e2), expected):
+        body = line["response"]["body"]
+        assert line["error"] is None and body["object"] == "list" and set(body) == {"object", "data", "model", "usage"}
+        (item,) = body["data"]
+        assert item["object"] == "embedding" and item["index"] == 0
+        np.testing.assert_allclose(item["embedding"], reference.outputs.embedding, rtol=1e-5, atol=1e-6)
+        tokens = len(reference.prompt_token_ids)
+        assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert e1["response"]["body"]["model"] == "emb" and e2["response"]["body"]["model"] == tiny_model_dir.name
+    assert dim["error"]["code"] == "unsupported_parameter" and "pooling.dimensions is None" in dim["error"]["message"]
+    assert b64["error"]["code"] == "unsupported_parameter"
+    assert chat["error"]["code"] == "unsupported_url" and "needs task: generate" in chat["error"]["message"]

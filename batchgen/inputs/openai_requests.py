@@ -54,6 +54,7 @@ SCHEMA = pa.schema(
         ("stop", pa.list_(pa.string())),
         ("json_schema", pa.string()),  # body.response_format: a JSON schema's text (structured output)
         ("logprobs_requested", pa.int64()),  # top logprobs the request asks for (0: the token's own); null: none
+        ("dimensions", pa.int64()),  # an embeddings request's dimensions (the job's pooling.dimensions must match)
     ]
 )
 
@@ -112,13 +113,25 @@ def _request(line: dict[str, Any], custom_id: str) -> dict[str, Any]:
 
 
 def _embedding_row(row: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
-    """An embeddings request: its input text is read (so a malformed one is reported as such), then
-    refused, since this job generates. The hook for embed jobs: serve `row["prompt"]` there."""
+    """An embeddings request: its `input` (one text) is the row's prompt. Which task serves it is the
+    job's (prepare.py: an embed job serves these rows, a generating job the others)."""
     text = body.get("input")
     if isinstance(text, list) and len(text) == 1:
         text = text[0]
-    row["prompt"] = _prompt(text)
-    raise RequestProblem("unsupported_url", f"{EMBEDDINGS_URL} needs task: embed; this job generates text")
+    if not isinstance(text, str):
+        raise RequestProblem(
+            "invalid_request", "body.input must be one string (lists of texts or token ids: one line each)"
+        )
+    row["prompt"] = text
+    for name in sorted(set(body) - {"input", "model", "user", "encoding_format", "dimensions"}):
+        raise RequestProblem("unsupported_parameter", f"body.{name} is not supported for {EMBEDDINGS_URL}")
+    if body.get("encoding_format", "float") not in ("float", None):
+        raise RequestProblem("unsupported_parameter", "body.encoding_format: only float is supported")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)):
+        raise RequestProblem("invalid_request", "body.dimensions must be an integer")
+    row["dimensions"] = dimensions
+    return row
 
 
 def _text_or_none(value: Any) -> str | None:

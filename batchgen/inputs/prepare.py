@@ -52,7 +52,7 @@ def input_columns(spec: JobSpec) -> list[str]:
     i = spec.input
     names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
     if i.format == "openai_batch":  # a chat request's messages, a completion's prompt, and which it is
-        names += ["messages", "url", "json_schema", "logprobs_requested"]
+        names += ["messages", "url", "json_schema", "logprobs_requested", "dimensions"]
     if spec.pooling is not None and spec.pooling.document_column is not None:  # score pairs' second text
         names.append(spec.pooling.document_column)
     return [n for n in dict.fromkeys(names) if n is not None]
@@ -132,13 +132,11 @@ class RowPreparer:
         """OpenAI batch rows: a chat request's messages through the chat template, else its prompt."""
         prompts = _column_values(table.column("prompt"), as_bytes=True)
         messages = table.column("messages").to_pylist()
-        computed = self.spec.sampling.logprobs
-        for i, asked in enumerate(table.column("logprobs_requested").to_pylist()):
-            if asked is not None and (computed is None or asked > computed) and rows[i].ok:
-                why = (
-                    f"the request asks for logprobs (top {asked}); set sampling.logprobs: {asked} (or more) in the job"
-                )
-                rows[i].fail("unsupported_parameter", f"{labels[i]}: {why}")
+        from batchgen.inputs.openai_rows import request_problems
+
+        for i, problem in enumerate(request_problems(self.spec, table)):
+            if problem is not None and rows[i].ok:
+                rows[i].fail(problem[0], f"{labels[i]}: {problem[1]}")
         texts: dict[int, str] = {}
         self._templated = set()
         for i, row in enumerate(rows):

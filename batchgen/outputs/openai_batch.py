@@ -30,7 +30,7 @@ from batchgen.outputs.table import ROW_ID_COLUMN
 from batchgen.storage.base import Storage
 
 OUTPUT_NAME = BATCH_OUTPUT_NAME
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 _RESULTS = [
     "generated_text",
     "finish_reason",
@@ -40,7 +40,7 @@ _RESULTS = [
     "error_code",
     "error_message",
 ]
-_OPTIONAL = ["url", "model", "reasoning_text", "reasoning_tokens", "logprobs", "logprobs_requested"]
+_OPTIONAL = ["url", "model", "reasoning_text", "reasoning_tokens", "logprobs", "logprobs_requested", "embedding"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class BatchFacts:
         if spec.output.format != "openai_batch":
             return None
         url = CHAT_URL if spec.input.messages_column is not None else COMPLETIONS_URL
+        url = EMBEDDINGS_URL if spec.task == "embed" else url
         return cls(spec.input.id_column or ROW_ID_COLUMN, url, Path(spec.model.path).name, fingerprint)
 
     def to_record(self) -> dict[str, str]:
@@ -136,6 +137,8 @@ def _sample_logprobs(values: dict[str, Any], n: int, chat: bool) -> list[dict[st
 
 
 def _body(values: dict[str, Any], facts: BatchFacts, key: str, created: int) -> dict[str, Any]:
+    if (values.get("url") or facts.default_url) == EMBEDDINGS_URL:
+        return _embedding_body(values, facts)
     chat = (values.get("url") or facts.default_url) == CHAT_URL
     texts, reasons = values["generated_text"], values["finish_reason"]
     reasoning = values.get("reasoning_text")
@@ -167,4 +170,16 @@ def _body(values: dict[str, Any], facts: BatchFacts, key: str, created: int) -> 
         "model": values.get("model") or facts.model,
         "choices": choices,
         "usage": usage,
+    }
+
+
+def _embedding_body(values: dict[str, Any], facts: BatchFacts) -> dict[str, Any]:
+    """An embeddings response: one input, so one `data` item (floats); usage counts input tokens."""
+    vector = values.get("embedding")
+    embedding = None if vector is None else [float(x) for x in vector]
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": embedding}],
+        "model": values.get("model") or facts.model,
+        "usage": {"prompt_tokens": values["input_tokens"], "total_tokens": values["input_tokens"]},
     }

@@ -17,6 +17,7 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
+from batchgen.inputs.row_names import line_problems, row_keys, row_labels
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
 
@@ -89,7 +90,7 @@ class RowPreparer:
         """`labels[i]` names row i in messages (file, row index, id); `keys[i]` identifies it
         across runs (see row_keys): the run seed is combined with it."""
         rows = [PreparedRow(label=label) for label in labels]
-        _line_problems(table, rows, labels)
+        line_problems(table, rows, labels)
         texts = self._texts(table, rows, labels)
         self._tokenize(texts, rows, labels)
         self._sampling(table, rows, labels, keys)
@@ -238,13 +239,6 @@ def row_seed(run_seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
-def row_keys(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
-    """What identifies each row across runs: its id_column value, else its row_id."""
-    if spec.input.id_column is not None:
-        return [f"id:{v}" for v in table.column(spec.input.id_column).to_pylist()]
-    return [f"row:{row_id}" for row_id in f.row_ids(shard.start, shard.stop)]
-
-
 _INTEGER_FIELDS = {name for name, kind in get_type_hints(SamplingParams).items() if kind in (int, int | None)}
 
 
@@ -254,30 +248,6 @@ def _whole(name: str, value: Any) -> Any:
     if name in _INTEGER_FIELDS and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
-
-
-def _line_problems(table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> None:
-    """Rows whose input line did not parse (text formats' hidden problem column) fail first."""
-    from batchgen.inputs.text_formats import PROBLEM_COLUMN
-
-    if PROBLEM_COLUMN not in table.column_names:
-        return
-    for i, problem in enumerate(table.column(PROBLEM_COLUMN).to_pylist()):
-        if problem is not None:
-            rows[i].fail(problem["code"], f"{labels[i]}: {problem['message']}")
-            rows[i].unreadable = True
-
-
-def row_labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
-    """Row names in error messages: file, row index (and line, for text formats), and id when the job has one."""
-    from batchgen.inputs.text_formats import LINE_COLUMN
-
-    base = [f"{f.path} row {i}" for i in range(shard.start, shard.stop)]
-    if LINE_COLUMN in table.column_names:
-        base = [f"{b} (line {n})" for b, n in zip(base, table.column(LINE_COLUMN).to_pylist())]
-    if spec.input.id_column is None:
-        return base
-    return [f"{b} (id {v})" for b, v in zip(base, table.column(spec.input.id_column).to_pylist())]
 
 
 class RowError(Exception):

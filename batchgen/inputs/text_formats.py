@@ -26,7 +26,7 @@ from batchgen.inputs import openai_requests
 from batchgen.inputs.text_lines import INDEX_STRIDE, Record, RecordIndex, csv_records, jsonl_records
 
 PROBLEM_COLUMN = "_batchgen_row_problem"  # hidden: never carried, never in InputFile.schema
-LINE_COLUMN = "_batchgen_line"  # hidden too: each row's first line, for messages (prepare.row_labels)
+LINE_COLUMN = "_batchgen_line"  # hidden too: each row's first line, for messages (row_names.row_labels)
 PROBLEM_TYPE = pa.struct([("code", pa.string()), ("message", pa.string())])
 JSON_TEXT = b"batchgen.json_text"  # field metadata: values of mixed types, kept as JSON text
 _INT = re.compile(r"[+-]?(0|[1-9][0-9]*)")

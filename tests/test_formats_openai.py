@@ -185,6 +185,15 @@ def test_a_rerun_of_the_completed_job_writes_a_missing_file_again(tmp_path: Path
     assert (batch_run / "_batch_output.jsonl").read_bytes() == original  # same ids, same created
 
 
+def test_an_openai_batch_file_read_as_plain_jsonl_says_which_format_reads_it(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    job = make_job(tiny_model_dir, str(_write_requests(tmp_path / "r.jsonl")), tmp_path / "out")
+    result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / "job.yaml", job)), "--quiet"])
+    assert result.exit_code == 3 and "a file of OpenAI batch requests; set input.format: openai_batch" in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_openai_batch_job_may_not_name_its_own_columns(tmp_path: Path, tiny_model_dir: Path) -> None:
     job = _job(tiny_model_dir, str(_write_requests(tmp_path / "r.jsonl")), tmp_path / "out", format="openai_batch")
     job["input"]["prompt_column"] = "text"

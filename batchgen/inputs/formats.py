@@ -70,9 +70,20 @@ def open_any(pattern: str, declared: str, options: dict[str, Any], exclude: Path
         return open_text(path, key, fmt, fs, fs_path)
 
     if is_remote(pattern):
-        return open_objects(pattern, options, exclude, opener, SUFFIXES[fmt], _NAMES[fmt])
+        found = open_objects(pattern, options, exclude, opener, SUFFIXES[fmt], _NAMES[fmt])
+        return _not_openai_batch(found) if declared == "auto" else found
     local_exclude = exclude if isinstance(exclude, Path) else None
-    return [opener(p, key) for p, key in discover(pattern, local_exclude, SUFFIXES[fmt], _NAMES[fmt])]
+    files = [opener(p, key) for p, key in discover(pattern, local_exclude, SUFFIXES[fmt], _NAMES[fmt])]
+    return _not_openai_batch(files) if declared == "auto" else files
+
+
+def _not_openai_batch(files: list[InputFile]) -> list[InputFile]:
+    """Why: a file of OpenAI batch requests read as plain JSONL would fail on its missing prompt
+    column with no hint of what it is; say which format reads it."""
+    for f in files:
+        if f.format == "jsonl" and {"custom_id", "url", "body"} <= set(f.schema.names):
+            raise InputDataError(f"{f.path}: a file of OpenAI batch requests; set input.format: openai_batch")
+    return files
 
 
 def open_text(path: Path | str, key: str, fmt: str, fs: Any = None, fs_path: str = "") -> InputFile:

@@ -94,6 +94,8 @@ def run(
         click.echo(f"batchgen: {summary.line()}")
         if not quiet:
             click.echo(f"batchgen: output in {display_uri(spec.output.path)}")
+            if spec.output.format == "openai_batch" and summary.manifest:  # (written once the job is complete)
+                click.echo(f"batchgen: OpenAI batch output in {display_uri(spec.output.path)}/_batch_output.jsonl")
 
     _guarded(work)
 

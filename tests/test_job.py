@@ -72,8 +72,9 @@ def test_missing_section_and_both_prompt_sources(tmp_path: Path) -> None:
 
 
 def test_sampling_columns_only_for_overridable_fields(tmp_path: Path) -> None:
-    text = GOOD.replace("  prompt_column: prompt", "  prompt_column: prompt\n  sampling_columns: {stop: s}")
-    with pytest.raises(JobFileError, match="'stop' cannot be set per row"):
+    # (n shapes the output columns, so it is one value for the whole job; stop may be set per row)
+    text = GOOD.replace("  prompt_column: prompt", "  prompt_column: prompt\n  sampling_columns: {n: s}")
+    with pytest.raises(JobFileError, match="'n' cannot be set per row"):
         load_job(_write(tmp_path, text))
 
 

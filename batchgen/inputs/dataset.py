@@ -1,4 +1,6 @@
-"""Parquet input: find the files, check their schemas, plan shards, stream the rows of each shard.
+"""Input files: find them, check their schemas, plan shards, stream the rows of each shard.
+Parquet is read here; the other formats (JSONL, CSV, OpenAI batch, `datasets` folders) are opened
+and streamed by batchgen.inputs.formats through the same InputFile, Shard and read_shards.
 
 Each input file is named by its path relative to the input's root (`InputFile.key`): the folder
 for a folder input, the fixed leading directories of a glob, the file's own folder for a single
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +38,16 @@ class InputFile:
     key: str = ""  # the path relative to the input's root, with "/" separators (see module doc)
     filesystem: Any = None  # an object store's pyarrow FileSystem; None: a local file
     fs_path: str = ""  # the object's path in `filesystem` ("bucket/key")
+    format: str = "parquet"  # parquet | jsonl | csv | openai_batch | hf_dataset (see batchgen.inputs.formats)
+    index: Any = None  # text formats: the RecordIndex of seek points made by the scan
 
     def source(self) -> Any:
         """What pyarrow reads: the local path, or the object opened for random access."""
         return self.path if self.filesystem is None else self.filesystem.open_input_file(self.fs_path)
+
+    def open_binary(self) -> Any:
+        """The file opened for reading bytes with seek (local or object store)."""
+        return open(self.path, "rb") if self.filesystem is None else self.filesystem.open_input_file(self.fs_path)
 
     def row_ids(self, start: int, stop: int) -> list[str]:
         """`row_id` of rows [start, stop): "<key>:<row index>", unique within a job."""
@@ -60,8 +68,10 @@ class Shard:
         return self.stop - self.start
 
 
-def discover(pattern: str, exclude: Path | None = None) -> list[tuple[Path, str]]:
-    """(path, key) of a Parquet file, a folder's *.parquet files (recursively) or a glob's files;
+def discover(
+    pattern: str, exclude: Path | None = None, suffixes: tuple[str, ...] = (".parquet",), kind: str = "Parquet"
+) -> list[tuple[Path, str]]:
+    """(path, key) of a file, a folder's files ending in `suffixes` (recursively) or a glob's files;
     sorted, never empty. Files under `exclude` (the job's output folder) are left out."""
     pattern = os.path.normpath(os.path.abspath(pattern))
     path = Path(pattern)
@@ -69,7 +79,7 @@ def discover(pattern: str, exclude: Path | None = None) -> list[tuple[Path, str]
         return [(path, path.name)]
     if path.is_dir():
         root, where = path, f"folder {path}"
-        found = [p for p in path.rglob("*.parquet") if p.is_file() and not p.name.startswith(".")]
+        found = [p for p in path.rglob("*") if p.name.endswith(suffixes) and p.is_file() and not p.name.startswith(".")]
     else:
         root = _glob_root(pattern)
         where = f"glob {pattern!r}" if glob.has_magic(pattern) else f"path {pattern}"
@@ -79,7 +89,7 @@ def discover(pattern: str, exclude: Path | None = None) -> list[tuple[Path, str]
     files = skip_nested_outputs(files, records, str(root))
     if not files:
         skipped = f" (the output folder {exclude} is not read as input)" if found else ""
-        raise InputDataError(f"input.path: no Parquet files found at {where}{skipped}")
+        raise InputDataError(f"input.path: no {kind} files found at {where}{skipped}")
     return files
 
 
@@ -95,15 +105,18 @@ def _inside(path: Path, folder: Path | None) -> bool:
 
 
 def open_inputs(
-    pattern: str, required: list[str], exclude: Path | str | None = None, options: dict[str, Any] | None = None
+    pattern: str,
+    required: list[str],
+    exclude: Path | str | None = None,
+    options: dict[str, Any] | None = None,
+    fmt: str = "auto",
 ) -> list[InputFile]:
-    """Read every file's footer; check the required columns exist with one type across files.
-    `options`: the input's storage_options when `pattern` is an object-store URI."""
-    if is_remote(pattern):
-        files = _open_objects(pattern, options or {}, exclude)
-    else:
-        local_exclude = exclude if isinstance(exclude, Path) else None
-        files = [_open_one(p, key) for p, key in discover(pattern, local_exclude)]
+    """Open every file (Parquet: its footer; other formats: see batchgen.inputs.formats); check the
+    required columns exist with one type across files. `options`: the input's storage_options when
+    `pattern` is an object-store URI; `fmt`: input.format."""
+    from batchgen.inputs.formats import open_any
+
+    files = open_any(pattern, fmt, options or {}, exclude)
     for column in required:
         check_column(files, column)
     return files
@@ -125,8 +138,26 @@ def _open_one(path: Path | str, key: str, filesystem: Any = None, fs_path: str =
     return InputFile(path, num_rows, schema, key, filesystem, fs_path)
 
 
-def _open_objects(uri: str, options: dict[str, Any], exclude: Path | str | None) -> list[InputFile]:
-    """The input objects of an `s3://` / `gs://` URI (a prefix, an object or a glob), footers read."""
+Opener = Callable[[Path | str, str, Any, str], InputFile]  # (path, key, filesystem, fs path) -> opened file
+
+
+def open_parquet(pattern: str, exclude: Path | str | None, options: dict[str, Any]) -> list[InputFile]:
+    """Parquet inputs: a file, a folder's *.parquet, a glob, or the same on an object store."""
+    if is_remote(pattern):
+        return open_objects(pattern, options, exclude, _open_one)
+    local_exclude = exclude if isinstance(exclude, Path) else None
+    return [_open_one(p, key) for p, key in discover(pattern, local_exclude)]
+
+
+def open_objects(
+    uri: str,
+    options: dict[str, Any],
+    exclude: Path | str | None,
+    opener: Opener,
+    suffixes: tuple[str, ...] = (".parquet",),
+    kind: str = "Parquet",
+) -> list[InputFile]:
+    """The input objects of an `s3://` / `gs://` URI (a prefix, an object or a glob), each opened."""
     from batchgen.inputs.objects import discover_objects
     from batchgen.storage.objectstore import bucket_problem, fs_path, make_filesystem
 
@@ -135,7 +166,9 @@ def _open_objects(uri: str, options: dict[str, Any], exclude: Path | str | None)
         uri, checked = options_from_uri(uri, options, "input")
         fs, pattern = make_filesystem(uri, checked, "input.path", policy.attempts)
         skip = fs_path(exclude) if isinstance(exclude, str) and is_remote(exclude) else None
-        found = with_retries(lambda: discover_objects(fs, pattern, uri, skip), uri, "list the input objects", policy)
+        found = with_retries(
+            lambda: discover_objects(fs, pattern, uri, skip, suffixes), uri, "list the input objects", policy
+        )
     except StoreUnavailable:
         raise
     except OutputError as exc:
@@ -144,9 +177,9 @@ def _open_objects(uri: str, options: dict[str, Any], exclude: Path | str | None)
         raise InputDataError(f"input.path {uri}: cannot list the objects: {exc}") from exc
     if not found:
         problem = with_retries(lambda: bucket_problem(fs, pattern, uri), uri, "look up the bucket", policy)
-        raise InputDataError(f"input.path {problem}" if problem else f"input.path: no Parquet objects found at {uri}")
+        raise InputDataError(f"input.path {problem}" if problem else f"input.path: no {kind} objects found at {uri}")
     scheme = uri.split("://", 1)[0]
-    return [_open_one(f"{scheme}://{p}", key, fs, p) for p, key in found]
+    return [opener(f"{scheme}://{p}", key, fs, p) for p, key in found]
 
 
 def check_column(files: list[InputFile], column: str, why: str = "") -> None:
@@ -211,7 +244,13 @@ def read_shards(files: list[InputFile], shards: list[Shard], columns: list[str])
     for shard in shards:
         by_file.setdefault(shard.file_index, []).append(shard)
     for file_index in sorted(by_file):
-        yield from _read_file_shards(files[file_index], by_file[file_index], columns)
+        f = files[file_index]
+        if f.format == "parquet":
+            yield from _read_file_shards(f, by_file[file_index], columns)
+        else:
+            from batchgen.inputs.formats import read_file_shards
+
+            yield from read_file_shards(f, by_file[file_index], columns)
 
 
 def _row_group_of(meta: pq.FileMetaData, row: int) -> tuple[int, int]:

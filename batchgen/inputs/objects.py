@@ -12,8 +12,10 @@ from batchgen.inputs.nested_outputs import skip_nested_outputs
 from batchgen.storage.uris import uri_scheme
 
 
-def discover_objects(fs: pafs.FileSystem, pattern: str, uri: str, exclude: str | None) -> list[tuple[str, str]]:
-    """(path in `fs`, key) of an object, the .parquet objects under a prefix (recursively), or a
+def discover_objects(
+    fs: pafs.FileSystem, pattern: str, uri: str, exclude: str | None, suffixes: tuple[str, ...] = (".parquet",)
+) -> list[tuple[str, str]]:
+    """(path in `fs`, key) of an object, the objects ending in `suffixes` under a prefix (recursively), or a
     glob's objects (`*`, `?`, `[..]` within a name, `**` across folders); keys are relative to the
     prefix (or the glob's leading parts without a wildcard, or the object's own folder)."""
     info = fs.get_file_info(pattern)
@@ -22,7 +24,7 @@ def discover_objects(fs: pafs.FileSystem, pattern: str, uri: str, exclude: str |
     if info.type == pafs.FileType.Directory:
         root = pattern
         listing = _files_under(fs, root)
-        found = [p for p in listing if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(".")]
+        found = [p for p in listing if p.endswith(suffixes) and not p.rsplit("/", 1)[-1].startswith(".")]
     else:
         segments = pattern.split("/")
         fixed = next((i for i, s in enumerate(segments) if _has_magic(s)), len(segments))

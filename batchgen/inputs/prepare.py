@@ -14,9 +14,10 @@ from typing import Any, get_type_hints
 import pyarrow as pa
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.errors import InputDataError, ModelError
+from batchgen.errors import ModelError
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
+from batchgen.inputs.row_names import line_problems, row_keys, row_labels
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
 
@@ -30,6 +31,7 @@ class PreparedRow:
     error_code: str | None = None
     error_message: str | None = None
     label: str = ""  # names the row in messages: file, row index, id (see row_labels)
+    unreadable: bool = False  # its input line did not parse: that, not its (null) id, is its error
 
     @property
     def ok(self) -> bool:
@@ -50,6 +52,8 @@ def input_columns(spec: JobSpec) -> list[str]:
     """Columns the job must read from every input file."""
     i = spec.input
     names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
+    if i.format == "openai_batch":  # a chat request's messages, a completion's prompt, and which it is
+        names += ["messages", "url", "json_schema", "logprobs_requested", "dimensions"]
     if spec.pooling is not None and spec.pooling.document_column is not None:  # score pairs' second text
         names.append(spec.pooling.document_column)
     return [n for n in dict.fromkeys(names) if n is not None]
@@ -80,11 +84,13 @@ class RowPreparer:
         self.max_model_len = max_model_len
         self.base_params = spec.sampling.model_dump()
         self._schemas: dict[str, Any] = {}  # schema text -> structured spec, or the RowError it makes
+        self._templated: set[int] = set()  # OpenAI batch rows of this table rendered by the chat template
 
     def prepare(self, table: pa.Table, labels: list[str], keys: list[str]) -> list[PreparedRow]:
         """`labels[i]` names row i in messages (file, row index, id); `keys[i]` identifies it
         across runs (see row_keys): the run seed is combined with it."""
         rows = [PreparedRow(label=label) for label in labels]
+        line_problems(table, rows, labels)
         texts = self._texts(table, rows, labels)
         self._tokenize(texts, rows, labels)
         self._sampling(table, rows, labels, keys)
@@ -98,13 +104,15 @@ class RowPreparer:
         rows = self.prepare(table, labels, row_keys(self.spec, f, shard, table))
         for i, row in enumerate(rows):
             problem = duplicates.get((shard.file_index, shard.start + i))
-            if problem is not None:
+            if problem is not None and not row.unreadable:
                 row.fail(problem.code, f"{labels[i]}: {problem.message}")
                 row.prompt_ids = None
         return rows
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
         spec = self.spec.input
+        if spec.format == "openai_batch":
+            return self._request_texts(table, rows, labels)
         if spec.prompt_column is not None:
             raw = _column_values(table.column(spec.prompt_column), as_bytes=True)
             render = _decode_prompt
@@ -113,10 +121,36 @@ class RowPreparer:
             render = self._render_messages
         texts: dict[int, str] = {}
         for i, value in enumerate(raw):
+            if not rows[i].ok:
+                continue
             try:
                 texts[i] = render(value)
             except RowError as exc:
                 rows[i].fail(exc.code, f"{labels[i]}: {exc}")
+        return texts
+
+    def _request_texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
+        """OpenAI batch rows: a chat request's messages through the chat template, else its prompt."""
+        prompts = _column_values(table.column("prompt"), as_bytes=True)
+        messages = table.column("messages").to_pylist()
+        from batchgen.inputs.openai_rows import request_problems
+
+        for i, problem in enumerate(request_problems(self.spec, table)):
+            if problem is not None and rows[i].ok:
+                rows[i].fail(problem[0], f"{labels[i]}: {problem[1]}")
+        texts: dict[int, str] = {}
+        self._templated = set()
+        for i, row in enumerate(rows):
+            if not row.ok:
+                continue
+            try:
+                if messages[i] is not None:
+                    texts[i] = self._render_messages(messages[i])
+                    self._templated.add(i)
+                else:
+                    texts[i] = _decode_prompt(prompts[i])
+            except RowError as exc:
+                row.fail(exc.code, f"{labels[i]}: {exc}")
         return texts
 
     def _render_messages(self, value: Any) -> str:
@@ -129,10 +163,20 @@ class RowPreparer:
     def _tokenize(self, texts: dict[int, str], rows: list[PreparedRow], labels: list[str]) -> None:
         if not texts:
             return
-        order = list(texts)
         # Why: a rendered chat template already holds its special tokens (BOS etc.).
-        add_special = self.spec.input.prompt_column is not None
-        encoded = self.tokenizer([texts[i] for i in order], add_special_tokens=add_special)["input_ids"]
+        if self.spec.input.format == "openai_batch":
+            templated = self._templated
+            groups = [([i for i in texts if i not in templated], True), ([i for i in texts if i in templated], False)]
+        else:
+            groups = [(list(texts), self.spec.input.prompt_column is not None)]
+        for order, add_special in groups:
+            if order:
+                encoded = self.tokenizer([texts[i] for i in order], add_special_tokens=add_special)["input_ids"]
+                self._check_lengths(order, encoded, rows, labels)
+
+    def _check_lengths(
+        self, order: list[int], encoded: list[list[int]], rows: list[PreparedRow], labels: list[str]
+    ) -> None:
         for i, ids in zip(order, encoded):
             if not ids:
                 rows[i].fail("empty_prompt", f"{labels[i]}: prompt has no tokens")
@@ -195,13 +239,6 @@ def row_seed(run_seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
-def row_keys(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
-    """What identifies each row across runs: its id_column value, else its row_id."""
-    if spec.input.id_column is not None:
-        return [f"id:{v}" for v in table.column(spec.input.id_column).to_pylist()]
-    return [f"row:{row_id}" for row_id in f.row_ids(shard.start, shard.stop)]
-
-
 _INTEGER_FIELDS = {name for name, kind in get_type_hints(SamplingParams).items() if kind in (int, int | None)}
 
 
@@ -211,34 +248,6 @@ def _whole(name: str, value: Any) -> Any:
     if name in _INTEGER_FIELDS and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
-
-
-def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
-    """Before any work: each per-row sampling column holds numbers (or only nulls) in every file."""
-    for f in files:
-        for name, column in spec.input.sampling_columns.items():
-            kind = f.schema.field(column).type
-            if name == SCHEMA_COLUMN_KEY:
-                text = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
-                if not (text or pa.types.is_null(kind)):
-                    raise InputDataError(
-                        f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
-                        "it needs JSON schema text (a string column)"
-                    )
-                continue
-            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_null(kind)):
-                raise InputDataError(
-                    f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
-                    f"{name} needs numbers (an integer or float column)"
-                )
-
-
-def row_labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
-    """Row names in error messages: file, row index, and id when the job has one."""
-    base = [f"{f.path} row {i}" for i in range(shard.start, shard.stop)]
-    if spec.input.id_column is None:
-        return base
-    return [f"{b} (id {v})" for b, v in zip(base, table.column(spec.input.id_column).to_pylist())]
 
 
 class RowError(Exception):

@@ -57,7 +57,7 @@ def task_errors(task: str, pooling: PoolingSection | None, spec: Any) -> list[In
         return errors
     for name in sorted(spec.sampling.model_fields_set):
         add(("sampling", name), f"task {task} generates nothing: remove the sampling section's keys")
-    for name in spec.input.sampling_columns:
+    for name in spec.input.sampling_columns if spec.input.format != "openai_batch" else ():  # (set by the format)
         add(("input", "sampling_columns", name), f"task {task} generates nothing: no per-row sampling columns")
     if spec.engine.backend != "native":
         add(("engine", "backend"), f"task {task} picks its own runner (the engine, or transformers for encoders)")

@@ -29,6 +29,7 @@ SAMPLING_OVERRIDABLE = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "stop",  # a list of strings (or one string) per row
 )
 # A per-row column that is not a SamplingParams number: JSON schema text, one row's structured output.
 SCHEMA_COLUMN_KEY = "json_schema"
@@ -53,8 +54,15 @@ class ModelSection(_Strict):
         return value
 
 
+INPUT_FORMATS = ("auto", "parquet", "jsonl", "csv", "hf_dataset", "openai_batch")
+# What an OpenAI batch file's rows are made of (batchgen/inputs/openai_requests.py): set by the format.
+_OPENAI_SET = ("prompt_column", "messages_column", "id_column", "sampling_columns")
+
+
 class InputSection(_Strict):
-    path: str  # a Parquet file, a folder of them, or a glob; or an s3:// / gs:// URI of one
+    path: str  # a file, a folder of them, or a glob; or an s3:// / gs:// URI of one
+    # auto: a `datasets` folder by its state files, else by extension (.jsonl, .csv, .parquet), else Parquet
+    format: Literal["auto", "parquet", "jsonl", "csv", "hf_dataset", "openai_batch"] = "auto"
     storage_options: dict[str, Any] = Field(default_factory=dict)  # object stores: endpoint, region, keys
 
     prompt_column: str | None = None  # None: "prompt", unless messages_column is set
@@ -67,6 +75,8 @@ class InputSection(_Strict):
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
         self.storage_options = check_storage_options(self.path, self.storage_options, "input")
+        if self.format == "openai_batch":
+            self._openai_columns()
         if self.prompt_column is not None and self.messages_column is not None:
             raise ValueError("set exactly one of input.prompt_column or input.messages_column")
         if self.messages_column is None and self.prompt_column is None:
@@ -77,7 +87,9 @@ class InputSection(_Strict):
                     f"input.sampling_columns: {name!r} cannot be set per row "
                     f"(allowed: {', '.join((*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY))})"
                 )
-        if SCHEMA_COLUMN_KEY in self.sampling_columns:
+        # why not for OpenAI batch files: only the requests with a response_format need xgrammar; without
+        # it those are error rows (invalid_structured, naming the install), not a refused job
+        if SCHEMA_COLUMN_KEY in self.sampling_columns and self.format != "openai_batch":
             from batchgen.engine.sampling.structured import StructuredError, load_xgrammar
 
             try:  # why here: without xgrammar every row would fail one by one
@@ -86,6 +98,15 @@ class InputSection(_Strict):
                 raise ValueError(f"input.sampling_columns.{SCHEMA_COLUMN_KEY}: {exc}") from None
         return self
 
+    def _openai_columns(self) -> None:
+        from batchgen.inputs.openai_requests import SAMPLING_COLUMNS
+
+        chosen = [k for k in _OPENAI_SET if getattr(self, k)]
+        if chosen and (self.prompt_column, self.id_column) != ("prompt", "custom_id"):  # (a re-validated dump)
+            raise ValueError(f"input.format openai_batch sets {', '.join(chosen)} itself; remove them")
+        self.prompt_column, self.id_column = "prompt", "custom_id"
+        self.sampling_columns = {**SAMPLING_COLUMNS, SCHEMA_COLUMN_KEY: "json_schema"}
+
 
 class OutputSection(_Strict):
     path: Path | str  # a local folder (made a Path), or an s3:// / gs:// URI (kept as text)
@@ -93,6 +114,10 @@ class OutputSection(_Strict):
     # Object stores only: true declares that one run at a time writes this output, so a store
     # without conditional writes may be used (check-then-put); the run lock still stands.
     single_writer: bool = False
+    # openai_batch: also write `_batch_output.jsonl`, the OpenAI batch output file, when the job completes
+    format: Literal["parquet", "openai_batch"] = "parquet"
+    # auto: split a reasoning model's <think>...</think> into reasoning_text / reasoning_tokens
+    reasoning: Literal["auto", "none"] = "none"
 
     @field_validator("path")
     @classmethod

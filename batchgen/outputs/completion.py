@@ -48,11 +48,14 @@ def run_facts(spec: JobSpec, files: list[InputFile], num_parts: int, started: fl
 def build_manifest(totals: Totals, record: dict[str, Any], started: float, wall: float, tokens: int) -> dict[str, Any]:
     """The `_SUCCESS` content; `tokens` output tokens over `wall` seconds give the rate."""
     facts = record["run"]
+    counts = {"input": totals.input_tokens, "cached": totals.cached_tokens, "output": totals.output_tokens}
+    if totals.reasoning_tokens:  # why only then: manifests of jobs without reasoning stay as they were
+        counts["reasoning"] = totals.reasoning_tokens
     return {
         "rows": {"total": totals.rows, "ok": totals.ok_rows, "error": totals.error_rows},
         "finish_reasons": totals.finish_reasons,
         "error_codes": totals.error_codes,
-        "tokens": {"input": totals.input_tokens, "cached": totals.cached_tokens, "output": totals.output_tokens},
+        "tokens": counts,
         "parts": facts["parts"],
         "inputs": facts["inputs"],
         "fingerprint": record["id"],
@@ -92,6 +95,9 @@ def complete_from_parts(state: OutputState, record: dict[str, Any]) -> tuple[dic
     started = float(record["run"]["started"])
     manifest = build_manifest(totals, record, started, time.time() - started, totals.output_tokens)
     write_success(state.storage, manifest)
+    from batchgen.outputs.openai_batch import write_batch_output  # why here: it imports the job spec
+
+    write_batch_output(state.storage, record)
     return manifest, []
 
 

@@ -59,6 +59,12 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     if spec.task == "generate":  # task and pooling came later: a generate output made before keeps its fingerprint
         settings.pop("task", None)
         settings.pop("pooling", None)
+    # Later settings, left out at their default so that older outputs keep their fingerprint:
+    # input.format (auto reads what older batchgen read), output.reasoning (it shapes the parts).
+    if spec.input.format == "auto":
+        settings["input"].pop("format", None)
+    if spec.output.reasoning != "none":
+        settings["output"] = {"reasoning": spec.output.reasoning}
     defaults = SamplingParams()
     for name in _LATER_SAMPLING:
         if getattr(spec.sampling, name) == getattr(defaults, name):

@@ -5,18 +5,20 @@ always; with `n > 1` `generated_text`, `finish_reason` and `stop_reason` are lis
 order) and `sample_output_tokens` lists each sample's output tokens, while `input_tokens`,
 `cached_tokens` and `output_tokens` stay scalar (output_tokens sums the samples: the bill).
 `logprobs` / `cumulative_logprob` exist when the job sets `sampling.logprobs`, `prompt_logprobs`
-when it sets `sampling.prompt_logprobs`; they are null on error rows.
+when it sets `sampling.prompt_logprobs`; they are null on error rows. `reasoning_text` (per sample)
+and `reasoning_tokens` (summed over samples, 0 on error rows) exist with `output.reasoning: auto`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
 
 from batchgen.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from batchgen.job.spec import JobSpec
+from batchgen.outputs.reasoning import ReasoningSplitter, Split
 
 PER_SAMPLE = ("generated_text", "finish_reason", "stop_reason")
 ALTERNATIVE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
@@ -38,6 +40,8 @@ class ColumnPlan:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    reasoning: bool = False  # output.reasoning auto: the reasoning columns exist
+    splitter: ReasoningSplitter | None = None  # known once the tokenizer is (None: nothing to split)
     pooled: tuple[pa.Field, ...] = ()  # a pooling task's own columns (outputs/pooled)
 
     @classmethod
@@ -45,7 +49,15 @@ class ColumnPlan:
         from batchgen.outputs.pooled import pooled_fields
 
         s = spec.sampling
-        return cls(n=s.n, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, pooled=tuple(pooled_fields(spec)))
+        reasoning = spec.output.reasoning == "auto"
+        pooled = tuple(pooled_fields(spec))
+        return cls(s.n, s.logprobs, s.prompt_logprobs, reasoning=reasoning, pooled=pooled)
+
+    def with_tokenizer(self, tokenizer: Any) -> ColumnPlan:
+        """This plan with the reasoning splitter of `tokenizer` (when the job splits reasoning)."""
+        if not self.reasoning or self.splitter is not None:
+            return self
+        return replace(self, splitter=ReasoningSplitter.of(tokenizer))
 
     def extra_fields(self) -> list[pa.Field]:
         """Columns beyond the base ones, in output order."""
@@ -58,6 +70,9 @@ class ColumnPlan:
             fields.append(pa.field("logprobs", self._per_sample(per)))
         if self.prompt_logprobs is not None:
             fields.append(pa.field("prompt_logprobs", pa.list_(TOKEN_LOGPROB)))
+        if self.reasoning:
+            fields.append(pa.field("reasoning_text", self._per_sample(pa.string())))
+            fields.append(pa.field("reasoning_tokens", pa.int64()))
         return fields + list(self.pooled)
 
     def fields(self, base: list[pa.Field]) -> list[pa.Field]:
@@ -74,10 +89,14 @@ class ColumnPlan:
             values: dict[str, Any] = {f.name: None for f in self.extra_fields()}
             values.update(generated_text=None, stop_reason=None)
             values["finish_reason"] = ["error"] * self.n if self.n > 1 else "error"
+            if self.reasoning:
+                values["reasoning_tokens"] = 0
             return values
         samples = out.outputs
+        splits = [self._split(s, out.prompt_token_ids) for s in samples]
         columns: dict[str, list[Any]] = {
-            "generated_text": [s.text for s in samples],
+            "generated_text": [sp.text for sp in splits],
+            "reasoning_text": [sp.reasoning for sp in splits],
             "finish_reason": [s.finish_reason for s in samples],
             "stop_reason": [None if s.stop_reason is None else str(s.stop_reason) for s in samples],
             "sample_output_tokens": [len(s.token_ids) for s in samples],
@@ -85,10 +104,16 @@ class ColumnPlan:
             "logprobs": [self._sample_logprobs(s) for s in samples],
         }
         values = {name: (v if self.n > 1 or name == "sample_output_tokens" else v[0]) for name, v in columns.items()}
+        values["reasoning_tokens"] = sum(sp.reasoning_tokens for sp in splits)
         if self.prompt_logprobs is not None:
             values["prompt_logprobs"] = _prompt_structs(out, self.prompt_logprobs)
         wanted = set(PER_SAMPLE) | {f.name for f in self.extra_fields()}
         return {k: v for k, v in values.items() if k in wanted}
+
+    def _split(self, sample: CompletionOutput, prompt_ids: list[int]) -> Split:
+        if self.splitter is None:
+            return Split(None, sample.text, 0)
+        return self.splitter.split(sample.token_ids, sample.text, prompt_ids)
 
     def _sample_logprobs(self, sample: CompletionOutput) -> list[dict[str, Any]] | None:
         if sample.logprobs is None or self.logprobs is None:

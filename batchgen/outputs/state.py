@@ -29,6 +29,7 @@ from batchgen.storage.open import open_storage
 log = logging.getLogger(__name__)
 LOCK_NAME = ".batchgen.lock"
 SUCCESS_NAME = "_SUCCESS"
+BATCH_OUTPUT_NAME = "_batch_output.jsonl"  # output.format openai_batch (outputs/openai_batch.py)
 # Record keys that runs of one job add to as they go (part_record, runtime_record): a refreshed record keeps them.
 ACCUMULATED = ("part_checks", "runtimes")
 
@@ -145,7 +146,7 @@ class OutputState:
         the number of parts removed. Why this order: stopped half way, the folder never holds a
         `_SUCCESS` beside missing parts, nor parts without the record of the job that made them."""
         parts = list(self.committed_parts().values())
-        for name in [SUCCESS_NAME, *parts, *self.storage.temp_names(), RECORD_NAME]:
+        for name in [BATCH_OUTPUT_NAME, SUCCESS_NAME, *parts, *self.storage.temp_names(), RECORD_NAME]:
             self.storage.delete(name)
         return len(parts)
 

@@ -20,6 +20,7 @@ class Totals:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    reasoning_tokens: int = 0  # of output_tokens: thinking (output.reasoning auto), billed as output
     finish_reasons: dict[str, int] = field(default_factory=dict)
     error_codes: dict[str, int] = field(default_factory=dict)
 
@@ -40,9 +41,10 @@ class Totals:
         self.input_tokens += sum(columns["input_tokens"])
         self.cached_tokens += sum(columns["cached_tokens"])
         self.output_tokens += sum(columns["output_tokens"])
+        self.reasoning_tokens += sum(columns.get("reasoning_tokens") or [])
 
     def merge(self, other: Totals) -> None:
-        for name in ("rows", "ok_rows", "input_tokens", "cached_tokens", "output_tokens"):
+        for name in ("rows", "ok_rows", "input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         add_counts(self.finish_reasons, other.finish_reasons)
         add_counts(self.error_codes, other.error_codes)

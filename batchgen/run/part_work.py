@@ -122,6 +122,7 @@ class PartWork:
         except Exception as exc:
             # Why: the part in flight is abandoned uncommitted; committed parts stay, a rerun resumes.
             raise EngineFailure(f"engine failed on rows {shard.start}-{shard.stop - 1} of {f.path}: {exc}") from exc
+        self.columns = self.columns.with_tokenizer(preparer.tokenizer)
         return result_columns(rows, dict(zip(order, outs)), self.columns)
 
     def _pool_shard(

@@ -16,6 +16,7 @@ from batchgen.inputs.sharding import ShardSpec
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.completion import build_manifest, complete_from_parts, run_facts
 from batchgen.outputs.fingerprint import job_fingerprint
+from batchgen.outputs.openai_batch import BatchFacts, write_batch_output
 from batchgen.outputs.part_record import audit_parts, redo_bad_parts
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.state import OutputLock, OutputState
@@ -77,14 +78,19 @@ class JobRunner:
     def _run_locked(self, files: list[InputFile], carried: list[str], writer: PartWriter, start: float) -> Summary:
         state = OutputState(writer.storage)
         fingerprint = job_fingerprint(self.spec, files)
+        batch_facts = BatchFacts.of(self.spec, fingerprint["id"])
         if not self.overwrite and state.check_record(fingerprint):
             manifest = state.read_success()
+            # why: the output file is derived from the parts; a completed job whose file is gone gets it back
+            write_batch_output(writer.storage, state.read_record() or {}, batch_facts, again=True)
             return Summary(Totals(), 0.0, manifest, already_done=True)
         self._validate_model()  # fails here, before any weights load, on a bad model folder or device
         self._open_executor()  # kind ray: Ray reached before any work; never for a finished job
         owns = self.shard.owns if self.shard is not None else None
         shards = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
         record = {**fingerprint, "run": run_facts(self.spec, files, max(len(shards), 1), start)}
+        if batch_facts is not None:
+            record["run"]["openai_batch"] = batch_facts.to_record()
         if self.overwrite:
             # Why deferred: a job that fails to start (weights missing, a bad row type, Ray gone)
             # must not cost the old output; it goes only when the first new part is ready to commit.
@@ -122,6 +128,7 @@ class JobRunner:
         with interrupt.cooperative():
             interrupt.check()
             writer.write_success(manifest)
+            write_batch_output(writer.storage, state.read_record() or record, batch_facts)
         summary.manifest = manifest
         return summary
 

@@ -13,7 +13,8 @@ import pyarrow as pa
 
 from batchgen.errors import InputDataError, JobFileError, ModelError
 from batchgen.inputs.dataset import InputFile, check_column, open_inputs
-from batchgen.inputs.prepare import check_sampling_columns, input_columns, load_tokenizer
+from batchgen.inputs.prepare import input_columns, load_tokenizer
+from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.table import carried_columns
 
@@ -76,6 +77,43 @@ def _is_text(t: pa.DataType) -> bool:
             pa.types.is_binary_view,
             pa.types.is_fixed_size_binary,
         )
+    )
+
+
+def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
+    """Before any work: each per-row sampling column holds numbers (or only nulls) in every file."""
+    for f in files:
+        for name, column in spec.input.sampling_columns.items():
+            kind = f.schema.field(column).type
+            if name == "stop":
+                if not (_is_string(kind) or _is_text_list(kind) or pa.types.is_null(kind)):
+                    raise InputDataError(
+                        f"{f.path}: column {column!r} (input.sampling_columns.stop) holds {kind}; "
+                        "stop needs a string or a list of strings"
+                    )
+                continue
+            if name == SCHEMA_COLUMN_KEY:
+                text = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+                if not (text or pa.types.is_null(kind)):
+                    raise InputDataError(
+                        f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
+                        "it needs JSON schema text (a string column)"
+                    )
+                continue
+            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_null(kind)):
+                raise InputDataError(
+                    f"{f.path}: column {column!r} (input.sampling_columns.{name}) holds {kind}; "
+                    f"{name} needs numbers (an integer or float column)"
+                )
+
+
+def _is_string(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+
+
+def _is_text_list(kind: pa.DataType) -> bool:
+    return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and (
+        _is_string(kind.value_type) or pa.types.is_null(kind.value_type)
     )
 
 
@@ -152,7 +190,11 @@ def validate_inputs(spec: JobSpec) -> list[InputFile]:
     exists. Why apart: it imports neither torch nor transformers, so `run` answers a finished job
     or a held lock after it in well under a second (the fingerprint still covers the model files)."""
     files = open_inputs(
-        spec.input.path, input_columns(spec), exclude=spec.output.path, options=spec.input.storage_options
+        spec.input.path,
+        input_columns(spec),
+        exclude=spec.output.path,
+        options=spec.input.storage_options,
+        fmt=spec.input.format,
     )
     check_read_types(spec, files)
     check_sampling_columns(spec, files)

@@ -25,7 +25,9 @@ PART_NAME = re.compile(r"part-(\d{6})\.parquet")  # only these are ours; a stray
 # a user's own hidden `.notes.tmp` in the output folder must never be taken for ours and deleted.
 # (Older batchgen wrote ".<final>.<hex>.tmp": still matched, so its leftovers are cleaned too.)
 _TEMP_PREFIX = ".batchgen."
-TEMP_NAME = re.compile(r"\.(?:batchgen\.)?(part-\d{6}\.parquet|_SUCCESS|_JOB\.json|probe)\.[0-9a-f]{32}\.tmp")
+TEMP_NAME = re.compile(
+    r"\.(?:batchgen\.)?(part-\d{6}\.parquet|_SUCCESS|_JOB\.json|_batch_output\.jsonl|probe)\.[0-9a-f]{32}\.tmp"
+)
 
 
 def temp_name(final: str) -> str:

@@ -93,11 +93,14 @@ def _or_dash(value: Decimal | None) -> str:
 
 
 def _usage_table(rows: list[dict[str, Any]]) -> str:
-    head = "".join(f"<th>{escape(label)}</th>" for _, label in _COLUMNS)
+    columns = list(_COLUMNS)
+    if rows and "reasoning_tokens" in rows[0]:  # output.reasoning auto: the output tokens spent thinking
+        columns.insert(columns.index(("output_tokens", "output tokens")) + 1, ("reasoning_tokens", "reasoning tokens"))
+    head = "".join(f"<th>{escape(label)}</th>" for _, label in columns)
     lines = [f"<table><tr>{head}</tr>"]
     for i, row in enumerate(rows):
         cells = []
-        for key, _ in _COLUMNS:
+        for key, _ in columns:
             value = row[key]
             text = money_display(value) if key.endswith("cost") else ("-" if value is None else str(value))
             cells.append(f"<td>{escape(text)}</td>" if key == "group" else f'<td class="n">{escape(text)}</td>')

@@ -12,36 +12,43 @@ from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display,
 from batchgen.usage.report import GroupStats, Report
 
 
-def record(name: str, stats: GroupStats, prices: Prices, per_sample: bool = False) -> dict[str, Any]:
+def record(
+    name: str, stats: GroupStats, prices: Prices, per_sample: bool = False, reasoning: bool = False
+) -> dict[str, Any]:
     """One group's (or the totals') figures; money as exact Decimal. `per_sample` (a job with
-    n > 1): a `samples` figure, and finish reasons and output lengths count samples."""
+    n > 1): a `samples` figure, and finish reasons and output lengths count samples. `reasoning`
+    (output.reasoning auto): `reasoning_tokens`, the part of output_tokens spent thinking."""
     in_cost = input_cost(prices, stats.input_tokens, stats.cached_tokens)
     out_cost = output_cost(prices, stats.output_tokens)
     mean = stats.output_lengths.mean()
-    return {
-        "group": name,
-        "rows": stats.rows,
-        "ok_rows": stats.ok_rows,
-        "error_rows": stats.error_rows,
-        "error_codes": dict(sorted(stats.error_codes.items())),
-        "input_tokens": stats.input_tokens,
-        "cached_tokens": stats.cached_tokens,
-        "output_tokens": stats.output_tokens,
-        "finish_reasons": dict(sorted(stats.finish_reasons.items())),
-        "output_tokens_mean": None if mean is None else round(mean, 2),
-        "output_tokens_p95": stats.output_lengths.percentile(95),
-        "input_tokens_p95": stats.input_lengths.percentile(95),
-        "input_cost": in_cost,
-        "output_cost": out_cost,
-        "cost": add_costs(in_cost, out_cost),
-    } | ({"samples": stats.samples} if per_sample else {})
+    return (
+        {
+            "group": name,
+            "rows": stats.rows,
+            "ok_rows": stats.ok_rows,
+            "error_rows": stats.error_rows,
+            "error_codes": dict(sorted(stats.error_codes.items())),
+            "input_tokens": stats.input_tokens,
+            "cached_tokens": stats.cached_tokens,
+            "output_tokens": stats.output_tokens,
+            "finish_reasons": dict(sorted(stats.finish_reasons.items())),
+            "output_tokens_mean": None if mean is None else round(mean, 2),
+            "output_tokens_p95": stats.output_lengths.percentile(95),
+            "input_tokens_p95": stats.input_lengths.percentile(95),
+            "input_cost": in_cost,
+            "output_cost": out_cost,
+            "cost": add_costs(in_cost, out_cost),
+        }
+        | ({"samples": stats.samples} if per_sample else {})
+        | ({"reasoning_tokens": stats.reasoning_tokens} if reasoning else {})
+    )
 
 
 def records(report: Report, prices: Prices) -> list[dict[str, Any]]:
     """The totals first (group "(total)"), then one record per group."""
-    per = report.per_sample
-    groups = [record(n, s, prices, per) for n, s in report.groups.items()]
-    return [record("(total)", report.totals, prices, per), *groups]
+    per, thinking = report.per_sample, report.reasoning
+    groups = [record(n, s, prices, per, thinking) for n, s in report.groups.items()]
+    return [record("(total)", report.totals, prices, per, thinking), *groups]
 
 
 def to_json(report: Report, prices: Prices) -> str:
@@ -86,6 +93,7 @@ def to_text(report: Report, prices: Prices) -> str:
         "input",
         "cached",
         "output",
+        *(["reasoning"] if report.reasoning else []),
         "out mean",
         "out p95",
         "cost",
@@ -103,6 +111,7 @@ def to_text(report: Report, prices: Prices) -> str:
                 r["input_tokens"],
                 r["cached_tokens"],
                 r["output_tokens"],
+                *([r["reasoning_tokens"]] if report.reasoning else []),
                 r["output_tokens_mean"],
                 r["output_tokens_p95"],
                 money_display(r["cost"]),

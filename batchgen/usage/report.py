@@ -33,6 +33,7 @@ from batchgen.storage.open import open_storage
 log = logging.getLogger(__name__)
 USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
 SAMPLE_TOKENS = "sample_output_tokens"  # n > 1: each sample's output tokens
+REASONING_TOKENS = "reasoning_tokens"  # output.reasoning auto: the output tokens spent thinking
 SCAN_BATCH_ROWS = 65536
 NULL_NAME = "(null)"
 
@@ -79,6 +80,7 @@ class Report:
     totals: GroupStats
     status: OutputStatus
     per_sample: bool = False  # a job with n > 1: finish reasons and output lengths are per sample
+    reasoning: bool = False  # the output has reasoning_tokens (output.reasoning auto)
 
 
 def read_report(out_dir: str | Path, by: str | None = None) -> Report:
@@ -94,12 +96,13 @@ def read_report(out_dir: str | Path, by: str | None = None) -> Report:
     if not parts and not started:
         raise InputDataError(f"{out}: no committed part-*.parquet files (has the run started?)")
     groups: dict[str, GroupStats] = {}
-    numeric = per_sample = False
+    numeric = per_sample = reasoning = False
     if parts:  # a run that started but committed nothing yet has empty totals
         schema = _dataset(storage, parts).schema
         numeric = _is_numeric(schema, by)
         per_sample = "finish_reason" in schema.names and pa.types.is_list(schema.field("finish_reason").type)
-        for table in _scan(storage, parts, by, per_sample):
+        reasoning = REASONING_TOKENS in schema.names
+        for table in _scan(storage, parts, by, per_sample, reasoning):
             _add_table(groups, table, by)
     totals = GroupStats()
     for stats in groups.values():
@@ -108,7 +111,7 @@ def read_report(out_dir: str | Path, by: str | None = None) -> Report:
     if status.mismatches:
         log.error("%s: %s", out, status.line())
     ordered = {name: groups[name] for name in sorted(groups, key=_sort_key if numeric else None)} if by else {}
-    return Report(path=out, by=by, groups=ordered, totals=totals, status=status, per_sample=per_sample)
+    return Report(out, by, ordered, totals, status, per_sample=per_sample, reasoning=reasoning)
 
 
 def _dataset(storage: Storage, parts: list[str]) -> ds.Dataset:
@@ -136,7 +139,9 @@ def _sort_key(name: str) -> tuple[int, Decimal]:
     return (2, Decimal(0)) if value.is_nan() else (1, value)
 
 
-def _scan(storage: Storage, parts: list[str], by: str | None, per_sample: bool = False) -> Iterator[pa.Table]:
+def _scan(
+    storage: Storage, parts: list[str], by: str | None, per_sample: bool = False, reasoning: bool = False
+) -> Iterator[pa.Table]:
     out_dir = storage.where
     dataset = _dataset(storage, parts)
     names = dataset.schema.names
@@ -147,7 +152,7 @@ def _scan(storage: Storage, parts: list[str], by: str | None, per_sample: bool =
         raise InputDataError(f"--by {by!r}: {out_dir} has no such column (columns: {', '.join(names)})")
     if by is not None and pa.types.is_nested(dataset.schema.field(by).type):
         raise InputDataError(f"--by {by!r}: column type {dataset.schema.field(by).type} cannot be grouped on")
-    columns = USAGE_COLUMNS + ([SAMPLE_TOKENS] if per_sample else [])
+    columns = USAGE_COLUMNS + ([SAMPLE_TOKENS] if per_sample else []) + ([REASONING_TOKENS] if reasoning else [])
     columns += [by] if by is not None and by not in columns else []
     try:
         for batch in dataset.scanner(columns=columns, batch_size=SCAN_BATCH_ROWS).to_batches():
@@ -162,8 +167,11 @@ def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -
     keys = [by] if by is not None else []
     per_sample = pa.types.is_list(table.schema.field("finish_reason").type)
     reasons = [] if per_sample else ["finish_reason"]
+    sums = ["input_tokens", "cached_tokens", "output_tokens"] + [
+        c for c in [REASONING_TOKENS] if c in table.schema.names
+    ]
     outcome = table.group_by(list(dict.fromkeys(keys + reasons + ["error_code"])), use_threads=False).aggregate(
-        [("input_tokens", "sum"), ("cached_tokens", "sum"), ("output_tokens", "sum"), ([], "count_all")]
+        [*((c, "sum") for c in sums), ([], "count_all")]
     )
     for row in outcome.to_pylist():
         stats = groups.setdefault(_group_name(row, by), GroupStats())
@@ -176,6 +184,7 @@ def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -
         stats.input_tokens += row["input_tokens_sum"] or 0
         stats.cached_tokens += row["cached_tokens_sum"] or 0
         stats.output_tokens += row["output_tokens_sum"] or 0
+        stats.reasoning_tokens += row.get(f"{REASONING_TOKENS}_sum") or 0
     if per_sample:
         _add_sample_reasons(groups, table, by)
     ok = table.filter(pc.is_null(table.column("error_code")))
@@ -269,6 +278,7 @@ def _mismatches(manifest: dict[str, Any], num_parts: int, totals: GroupStats) ->
         ("tokens.input", tokens.get("input"), totals.input_tokens),
         ("tokens.cached", tokens.get("cached"), totals.cached_tokens),
         ("tokens.output", tokens.get("output"), totals.output_tokens),
+        ("tokens.reasoning", tokens.get("reasoning", 0), totals.reasoning_tokens),
         ("parts", manifest.get("parts"), num_parts),
         ("error_codes", manifest.get("error_codes"), totals.error_codes),
         ("finish_reasons", manifest.get("finish_reasons"), totals.finish_reasons),

@@ -1,0 +1,39 @@
+"""What an OpenAI batch request asks that only the job can judge: whether its endpoint is the job's
+task (`/v1/embeddings` needs task embed; chat and completions need task generate), whether the job
+computes the logprobs it asks for, and whether an embeddings request's `dimensions` is the job's.
+
+Why apart from openai_requests.py: a line is parsed without the job; these rules read the job."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from batchgen.inputs.openai_requests import EMBEDDINGS_URL
+from batchgen.job.spec import JobSpec
+
+
+def request_problems(spec: JobSpec, table: pa.Table) -> list[tuple[str, str] | None]:
+    """Per row: (error code, why) when the job cannot serve the request as asked, else None."""
+    urls = table.column("url").to_pylist()
+    asked = table.column("logprobs_requested").to_pylist()
+    dimensions = table.column("dimensions").to_pylist()
+    return [_problem(spec, url, k, d) for url, k, d in zip(urls, asked, dimensions)]
+
+
+def _problem(spec: JobSpec, url: str | None, asked: int | None, dimensions: int | None) -> tuple[str, str] | None:
+    if url is None:  # the line did not parse: its own problem is reported
+        return None
+    embeds = spec.task == "embed"
+    if (url == EMBEDDINGS_URL) != embeds:
+        need = "task: embed" if url == EMBEDDINGS_URL else "task: generate"
+        return "unsupported_url", f"{url} needs {need}; this job's task is {spec.task}"
+    if embeds:
+        job = spec.pooling.dimensions if spec.pooling is not None else None
+        if dimensions is not None and dimensions != job:
+            return "unsupported_parameter", f"body.dimensions={dimensions}; the job's pooling.dimensions is {job}"
+        return None
+    computed = spec.sampling.logprobs
+    if asked is not None and (computed is None or asked > computed):
+        why = f"the request asks for logprobs (top {asked}); set sampling.logprobs: {asked} (or more) in the job"
+        return "unsupported_parameter", why
+    return None

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -195,3 +196,28 @@ def test_dimensions_beyond_the_hidden_size_fail_at_load(tmp_path: Path, tiny_mod
     code, output = _run(_job(tmp_path, tiny_model_dir, "embed", pooling={"dimensions": 65}))
     assert code != 0 and "pooling.dimensions 65 exceeds the model's hidden size 64" in output
     assert not list((tmp_path / "out").glob("part-*"))
+
+
+def test_embed_job_over_messages_embeds_the_conversation_without_an_assistant_opening(tmp_path: Path) -> None:
+    """A chat row is embedded as the conversation itself: the template rendered without the
+    generation prompt (the assistant turn's opening tokens are no content of the row)."""
+    demo = Path(__file__).resolve().parents[1] / "sample_data" / "demo-model"
+    conversation = [{"role": "user", "content": "Tell me about the little cat in the sun."}]
+    inputs = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [0], "messages": [conversation]}), inputs)
+    job = {
+        "task": "embed",
+        "model": {"path": str(demo)},
+        "input": {"path": str(inputs), "id_column": "id", "messages_column": "messages"},
+        "output": {"path": str(tmp_path / "out")},
+    }
+    code, output = _run(write_job(tmp_path / "job.yaml", job))
+    assert code == 0, output
+    llm = LLM(str(demo), task="embed")
+    plain = llm.tokenizer.apply_chat_template(conversation, add_generation_prompt=False, tokenize=False)
+    opened = llm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert plain != opened  # the demo template has an assistant opening, so the test can tell them apart
+    want = llm.embed([plain])[0]
+    table = _table(tmp_path)
+    assert table.column("input_tokens")[0].as_py() == len(want.prompt_token_ids)
+    np.testing.assert_allclose(table.column("embedding")[0].as_py(), want.outputs.embedding, atol=1e-6)

@@ -156,7 +156,10 @@ class RowPreparer:
     def _render_messages(self, value: Any) -> str:
         messages = _check_messages(value)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # why only for generate: a pooling model reads the conversation as it is; the assistant
+            # turn's opening tokens would be pooled as if they were content
+            reply = self.spec.task == "generate"
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=reply, tokenize=False)
         except Exception as exc:  # the template is user data too: any failure is this row's
             raise RowError("invalid_messages", f"chat template failed: {exc}") from exc
 

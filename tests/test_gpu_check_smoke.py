@@ -193,6 +193,10 @@ def test_warnings_and_log_lines_print_once_per_kind_and_are_counted(
     stream = (tmp_path / "err.txt").open("w")
     root = logging.getLogger()
     saved = (root.handlers[:], root.level, warnings.showwarning, warnings.filters[:])
+    verbosity = tf_logging.get_verbosity()
+    # why: the check runs in a fresh process, where transformers warns; a CLI run earlier in this
+    # test process (batchgen's own, through CliRunner) may have set it to errors only
+    tf_logging.set_verbosity_warning()
     try:
         quiet = Quiet(stream)
         quiet.install()
@@ -207,6 +211,7 @@ def test_warnings_and_log_lines_print_once_per_kind_and_are_counted(
         tf_logging.enable_default_handler()
         tf_logging.disable_propagation()
         tf_logging.enable_progress_bar()
+        tf_logging.set_verbosity(verbosity)
         stream.close()
     text = (tmp_path / "err.txt").read_text()
     assert text.count("same thing") == 1 and text.count("pad token again") == 1 and text.count("own line") == 2

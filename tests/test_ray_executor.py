@@ -97,6 +97,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
     return rows
 
 
+@pytest.mark.serial  # "auto" would find a Ray that a test in another pytest worker started
 def test_address_auto_without_a_cluster_fails_before_any_work(
     tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -79,7 +79,7 @@ def test_set_error_does_not_cite_the_files_line(tmp_path: Path, tiny_model_dir: 
         ("samplng.max_tokens=4", "samplng: unknown key (did you mean sampling?)", {}),
         ("sampling.max_tokenz=4", "sampling.max_tokenz: unknown key (did you mean max_tokens?)", {}),
         ("input.prompt_column=id", "input: set exactly one of", {"messages_column": "m"}),
-        ("input.sampling_columns={stop: id}", "input: input.sampling_columns: 'stop' cannot", {}),
+        ("input.sampling_columns={n: id}", "input: input.sampling_columns: 'n' cannot", {}),
     ],
 )
 def test_an_error_a_set_causes_names_the_set_not_a_line_of_the_file(

@@ -10,7 +10,7 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel
 
-from batchgen.engine.api.config import engine_config
+from batchgen.engine.api.config import EngineConfig, engine_config
 from batchgen.engine.api.device_defaults import require_int, resolve_engine_defaults
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
@@ -20,7 +20,7 @@ from batchgen.engine.attention.path import SMALL_BLOCK_SIZE, default_block_size,
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
-from batchgen.engine.parallel.group import start_tensor_parallel
+from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.pooling.methods import PoolingMethods
 from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
 from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
@@ -56,6 +56,20 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
+def make_sampler(
+    model: PreTrainedModel, tokenizer: Any, seed: int | None, device: torch.device
+) -> tuple[Sampler, list[int], int]:
+    """The sampler for `model`'s logits, its EOS ids and the model's vocabulary size."""
+    eos = eos_token_ids(model, tokenizer)
+    vocab_size = int(model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
+    sampler = Sampler(eos, seed=seed, fast_greedy=fast_greedy_for(device))
+    # why the logits' width: penalties and grammar masks index logits, which may be wider than the embeddings
+    head = model.get_output_embeddings()
+    width = int(getattr(head, "out_features", 0) or vocab_size)
+    sampler.features = LogitsFeatures(tokenizer, width, eos)
+    return sampler, eos, vocab_size
+
+
 class LLM(PoolingMethods):
     """Offline batch generation with a paged KV cache, prefix caching and continuous batching."""
 
@@ -87,64 +101,79 @@ class LLM(PoolingMethods):
             raise ValueError(f"LLM(task={task!r}): must be one of 'auto', {', '.join(map(repr, TASKS))}")
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
         self._pooling: PoolingModel | None = None
+        self._tp: TensorParallelGroup | None = None
         if task != "generate":  # why: pooling forwards run eager; compiling (and CUDA graphs) would serve nothing
             config.compile = False
             if config.tensor_parallel_size > 1:
                 raise ValueError(f"LLM(task={task!r}): tensor_parallel_size > 1 serves task 'generate' only")
-        if not runs_on_engine(model, task):  # encoders run through transformers
-            self.config, self.tokenizer = config, load_tokenizer(tokenizer, model)
-            budget = token_budget(config.max_num_batched_tokens, torch_device)
-            self._pooling = PoolingModel.build(model, task, torch_device, torch_dtype, budget, None, pooler_config)
-            hf = self._pooling.hf
-            self.max_model_len = config.max_model_len or hf.max_model_len  # type: ignore[union-attr]
-            model_config = ModelConfig(model, model, self.max_model_len, torch_dtype, seed, hf.config)  # type: ignore[union-attr]
-            self.llm_engine = LLMEngineView(model_config, self.tokenizer)
-            return
-        backend = resolve_backend(config.attention_backend, torch_device)  # why first: a bad one fails before loading
-        prepare_process(torch_device)
-        self._tp = start_tensor_parallel(model, config, torch_device, torch_dtype)  # None: one device
-        hf_model = self._tp.model if self._tp is not None else load_model(model, torch_device, torch_dtype)
+        if runs_on_engine(model, task):
+            hf_config = self._init_engine(model, tokenizer, config, torch_device, torch_dtype, seed)
+        else:  # encoders run through transformers
+            hf_config = self._init_encoder(model, tokenizer, config, torch_device, torch_dtype)
+        tokenizer_name = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else model
+        model_config = ModelConfig(model, tokenizer_name, self.max_model_len, torch_dtype, seed, hf_config)
+        self.llm_engine = LLMEngineView(model_config, self.tokenizer)  # what vLLM clients read (context length)
+
+    def _init_encoder(
+        self, model: str, tokenizer: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype
+    ) -> Any:
+        """A pooling LLM over an encoder (BERT-style), run by transformers; its model config."""
+        self.config, self.tokenizer = config, load_tokenizer(tokenizer, model)
+        budget = token_budget(config.max_num_batched_tokens, device)
+        self._pooling = PoolingModel.build(model, self.task, device, dtype, budget, None, self._pooler_config)
+        hf = self._pooling.hf
+        if hf is None:  # build() runs every model the engine cannot through transformers
+            raise RuntimeError(f"{model}: no transformers model was built for task {self.task!r}")
+        self.max_model_len = config.max_model_len or hf.max_model_len
+        return hf.config
+
+    def _init_engine(
+        self,
+        model: str,
+        tokenizer: Any,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int | None,
+    ) -> Any:
+        """The engine (runner, KV pool, scheduler, sampler) over the model's weights; its model config."""
+        backend = resolve_backend(config.attention_backend, device)  # why first: a bad one fails before loading
+        prepare_process(device)
+        self._tp = start_tensor_parallel(model, config, device, dtype)  # None: one device
+        hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype)
         self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
         config.max_model_len = self.max_model_len
         spec = kv_spec(hf_model.config)
-        support = detect_support(torch_device)
-        softcap = has_softcap(hf_model.config)
         block_size = (  # the triton kernel reads small blocks in place; only torch's varlen kernel wants 256
             SMALL_BLOCK_SIZE
             if backend == "triton"
-            else default_block_size(torch_device.type, torch_dtype, spec.head_dim, softcap, support)
+            else default_block_size(
+                device.type, dtype, spec.head_dim, has_softcap(hf_model.config), detect_support(device)
+            )
         )
-        config = resolve_engine_defaults(config, torch_device.type, block_size)
-        blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, torch_device, torch_dtype, backend=backend)
+        config = resolve_engine_defaults(config, device.type, block_size)
+        blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, device, dtype, backend=backend)
         runner = (self._tp.make_runner if self._tp is not None else ModelRunner)(
             hf_model,
             spec,
             require_int(config.block_size, "block_size"),
             blocks,
-            torch_device,
-            torch_dtype,
+            device,
+            dtype,
             config.max_num_seqs,
             self.max_model_len,
             backend,
-            compile=resolve_compile(config.compile, torch_device),
+            compile=resolve_compile(config.compile, device),
             max_num_batched_tokens=config.max_num_batched_tokens,
             compile_fallback=config.compile == "auto",
         )
         block_manager = BlockManager(blocks, runner.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(config, block_manager, self.max_model_len)
         self.tokenizer = load_tokenizer(tokenizer, model)
-        eos = eos_token_ids(hf_model, self.tokenizer)
         self.config = config
-        vocab_size = int(hf_model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
-        sampler = Sampler(eos, seed=seed, fast_greedy=fast_greedy_for(torch_device))
-        # why the logits' width: penalties and grammar masks index logits, which may be wider than the embeddings
-        head = hf_model.get_output_embeddings()
-        width = int(getattr(head, "out_features", 0) or vocab_size)
-        sampler.features = LogitsFeatures(self.tokenizer, width, eos)
+        sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, seed, device)
         self.engine = Engine(scheduler, runner, sampler, self.tokenizer, eos, vocab_size)
-        tokenizer_name = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else model
-        model_config = ModelConfig(model, tokenizer_name, self.max_model_len, torch_dtype, seed, hf_model.config)
-        self.llm_engine = LLMEngineView(model_config, self.tokenizer)  # what vLLM clients read (context length)
+        return hf_model.config
 
     def get_tokenizer(self, lora_request: object = None) -> Any:
         """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`)."""

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams, StructuredOutputsParams
-from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SettingError
 from batchgen.engine.api.structured_outputs import StructuredOutputsError
 
@@ -60,7 +59,7 @@ def test_lm_eval_keywords_construct_an_llm(tiny_model_dir: Path) -> None:
         ("quantization", "awq", "dtype"),
         ("kv_cache_dtype", "fp8", "model's dtype"),
         ("enable_lora", True, "merge the LoRA"),
-        ("pipeline_parallel_size", 2, "one device"),
+        ("pipeline_parallel_size", 2, "tensor_parallel_size only"),
         ("cpu_offload_gb", 4, "on the device"),
         ("skip_tokenizer_init", True, "detokenize=False"),
         ("max_logprobs", 50, "at most 20"),
@@ -76,11 +75,11 @@ def test_a_non_neutral_vllm_keyword_is_refused_before_loading(name: str, value: 
     assert says in str(info.value)
 
 
-def test_tensor_parallel_size_one_device() -> None:
-    if "tensor_parallel_size" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        pytest.skip("EngineConfig has tensor_parallel_size: it checks the value itself")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*shards or ray"):
-        LLM("/no/such/model", device="cpu", tensor_parallel_size=2)
+@pytest.mark.parametrize("size", [0, "2", 1.5])
+def test_a_bad_tensor_parallel_size_is_refused_before_loading(size: Any) -> None:
+    """tensor_parallel_size goes to EngineConfig (engine/parallel runs N > 1): a bad value names it."""
+    with pytest.raises((ValueError, SettingError), match="tensor_parallel_size"):
+        LLM("/no/such/model", device="cpu", tensor_parallel_size=size)
 
 
 def test_mapped_keywords(tiny_model_dir: Path) -> None:

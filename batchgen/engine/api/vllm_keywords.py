@@ -37,7 +37,10 @@ def _number_at_least(low: float) -> Callable[[Any], bool]:
 _bool = _is(True, False)
 _none_or_bool = _is(None, True, False)
 _LOCAL_ONLY = "batchgen reads a local model folder as it is and downloads nothing"
-_ONE_DEVICE = "one engine runs on one device; scale out with the shards or ray executors (one engine per GPU)"
+_ONE_DEVICE = (
+    "batchgen splits a model over devices with tensor_parallel_size only; "
+    "scale out with the shards or ray executors (one engine per replica)"
+)
 
 # keyword -> (is it accepted, what is accepted, what batchgen does instead)
 _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
@@ -134,7 +137,6 @@ def adapt_vllm_keywords(keywords: dict[str, Any]) -> dict[str, Any]:
     for name in _NONE_IS_DEFAULT:
         if name in settings and settings[name] is None:
             del settings[name]
-    _tensor_parallel(settings)
     _enforce_eager(settings)
     if "num_gpu_blocks_override" in settings:
         blocks = settings.pop("num_gpu_blocks_override")
@@ -143,15 +145,6 @@ def adapt_vllm_keywords(keywords: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError("LLM(): num_gpu_blocks_override and num_kv_blocks are one setting; pass one of them")
             settings["num_kv_blocks"] = blocks
     return settings
-
-
-def _tensor_parallel(settings: dict[str, Any]) -> None:
-    """Passed through where EngineConfig has the setting; else only 1 (this engine's one device)."""
-    if "tensor_parallel_size" in _ENGINE_FIELDS or "tensor_parallel_size" not in settings:
-        return
-    size = settings.pop("tensor_parallel_size")
-    if size != 1 or not is_int(size):
-        raise ValueError(f"LLM(tensor_parallel_size={size!r}) is not supported (accepted: 1): {_ONE_DEVICE}")
 
 
 def _enforce_eager(settings: dict[str, Any]) -> None:

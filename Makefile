@@ -40,7 +40,7 @@ quickstart: $(STAMP)
 # load themselves (the thread governor's), so they run after, alone.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(AIRFLOW_STAMP)
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not serial"
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --durations=25 -m "not serial"
 	$(VENV)/bin/python -m pytest -m serial
 
 # Lint, format check and types; CI runs it before the tests.

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import InputDataError, OutputError, StoreUnavailable
 from batchgen.inputs.nested_outputs import skip_nested_outputs
+from batchgen.inputs.shard_cut import cut_shards
 from batchgen.storage.retry import RetryPolicy, is_transient, with_retries
 from batchgen.storage.uris import is_remote, options_from_uri
 
@@ -266,7 +267,6 @@ def _row_group_of(meta: pq.FileMetaData, row: int) -> tuple[int, int]:
 
 def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
     pending = sorted(shards, key=lambda s: s.start)
-    buffered: list[pa.RecordBatch] = []
     try:
         # Why buffered, not pre-buffered: a huge row group is then read page by page, not whole.
         reader = pq.ParquetFile(f.source(), buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
@@ -275,23 +275,7 @@ def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> 
         first_group, offset = _row_group_of(reader.metadata, pending[0].start)
         groups = range(first_group, reader.metadata.num_row_groups)
         batches = reader.iter_batches(batch_size=READ_BATCH_ROWS, columns=columns, row_groups=groups)
-        end = offset  # file row index just past the buffered rows; offset: of buffered[0]'s first row
-        for batch in batches:
-            buffered.append(batch)
-            end += batch.num_rows
-            while pending and end >= pending[0].stop:
-                shard = pending.pop(0)
-                table = pa.Table.from_batches(buffered, schema=buffered[0].schema)
-                yield shard, table.slice(shard.start - offset, shard.num_rows)
-                buffered, offset = table.slice(shard.stop - offset).to_batches(), shard.stop
-            if not pending:
-                return
-            # Why: rows before the next wanted shard (committed ones a resumed run skips) are
-            # dropped as they arrive, so memory stays one window plus one batch.
-            keep_from = min(pending[0].start, end)
-            if keep_from > offset:
-                table = pa.Table.from_batches(buffered, schema=batch.schema)
-                buffered, offset = table.slice(keep_from - offset).to_batches(), keep_from
+        yield from cut_shards(batches, pending, offset)
     except (pa.ArrowException, OSError) as exc:
         if is_transient(exc):  # the store's retries were spent mid-stream: not the data's fault
             raise StoreUnavailable(f"{f.path}: reading rows failed on a transient store error: {exc}") from exc

@@ -18,6 +18,7 @@ import pyarrow.fs as pafs
 from batchgen.errors import InputDataError, StoreUnavailable
 from batchgen.inputs import hf_dataset, text_formats
 from batchgen.inputs.dataset import READ_BATCH_ROWS, InputFile, Shard, discover, open_objects, open_parquet
+from batchgen.inputs.shard_cut import cut_shards
 from batchgen.storage.retry import is_transient
 from batchgen.storage.uris import is_remote
 
@@ -142,24 +143,9 @@ def _arrow_shards(f: InputFile, pending: list[Shard], columns: list[str]) -> Ite
     dropped as they arrive, so memory stays one part plus one batch."""
     fs = f.filesystem if f.filesystem is not None else pafs.LocalFileSystem()
     where = f.fs_path if f.filesystem is not None else str(f.path)
-    buffered: list[pa.RecordBatch] = []
-    offset = end = 0
     with fs.open_input_file(where) as fh:
-        for batch in hf_dataset.stream_batches(fh, columns):
-            for piece in _split(batch):
-                buffered.append(piece)
-                end += piece.num_rows
-                while pending and end >= pending[0].stop:
-                    shard = pending.pop(0)
-                    table = pa.Table.from_batches(buffered, schema=piece.schema)
-                    yield shard, table.slice(shard.start - offset, shard.num_rows)
-                    buffered, offset = table.slice(shard.stop - offset).to_batches(), shard.stop
-                if not pending:
-                    return
-                keep_from = min(pending[0].start, end)
-                if keep_from > offset:
-                    table = pa.Table.from_batches(buffered, schema=piece.schema)
-                    buffered, offset = table.slice(keep_from - offset).to_batches(), keep_from
+        batches = (piece for batch in hf_dataset.stream_batches(fh, columns) for piece in _split(batch))
+        yield from cut_shards(batches, pending)
     if pending:
         raise InputDataError(f"{f.path}: file ended before row {pending[0].stop} (changed since it was opened?)")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -21,6 +22,7 @@ from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
 from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_parallel
+from batchgen.engine.parallel.sharded_runner import ShardedRunner
 from batchgen.engine.pooling.methods import PoolingMethods
 from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
 from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
@@ -153,7 +155,8 @@ class LLM(PoolingMethods):
         )
         config = resolve_engine_defaults(config, device.type, block_size)
         blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, device, dtype, backend=backend)
-        runner = (self._tp.make_runner if self._tp is not None else ModelRunner)(
+        make_runner = partial(ShardedRunner, self._tp) if self._tp is not None else ModelRunner  # rank 0's
+        runner = make_runner(
             hf_model,
             spec,
             require_int(config.block_size, "block_size"),

@@ -9,12 +9,23 @@ plus one batch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 import pyarrow as pa
 
-if TYPE_CHECKING:  # why: dataset.py, which defines Shard, cuts its files with this module
-    from batchgen.inputs.dataset import Shard
+
+class RowRange(Protocol):
+    """What is cut: a contiguous range of file rows (inputs.dataset.Shard)."""
+
+    @property
+    def start(self) -> int: ...
+    @property
+    def stop(self) -> int: ...
+    @property
+    def num_rows(self) -> int: ...
+
+
+Shard = TypeVar("Shard", bound=RowRange)
 
 
 def cut_shards(

@@ -29,7 +29,6 @@ import tempfile
 import time
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 from transformers import AutoConfig, PreTrainedModel
@@ -38,7 +37,6 @@ from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.parallel.collectives import Collectives
 from batchgen.engine.parallel.loading import load_sharded_model
 from batchgen.engine.parallel.plan import ShardPlan, shard_plan
-from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import check_config
 
 logger = logging.getLogger(__name__)
@@ -119,12 +117,6 @@ class TensorParallelGroup:
                 pipe.recv()
             except (EOFError, OSError):
                 raise TensorParallelError(self.dead() or f"tensor parallel rank {rank} closed its pipe") from None
-
-    def make_runner(self, model: PreTrainedModel, *args: Any, **kwargs: Any) -> ModelRunner:
-        """Rank 0's runner (ModelRunner's arguments); the workers build theirs from the same ones."""
-        from batchgen.engine.parallel.sharded_runner import ShardedRunner  # why here: it imports this module
-
-        return ShardedRunner(self, model, *args, **kwargs)
 
     def dead(self, wait_s: float = 0.0) -> str | None:
         """A description of the first worker that is no longer running, or None; `wait_s`: how long

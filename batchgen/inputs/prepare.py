@@ -17,7 +17,8 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
-from batchgen.inputs.row_names import line_problems, row_keys, row_labels
+from batchgen.inputs.row_names import row_keys, row_labels
+from batchgen.inputs.text_formats import line_problems
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
 
@@ -90,7 +91,9 @@ class RowPreparer:
         """`labels[i]` names row i in messages (file, row index, id); `keys[i]` identifies it
         across runs (see row_keys): the run seed is combined with it."""
         rows = [PreparedRow(label=label) for label in labels]
-        line_problems(table, rows, labels)
+        for i, code, message in line_problems(table):  # a line that did not parse fails first
+            rows[i].fail(code, f"{labels[i]}: {message}")
+            rows[i].unreadable = True
         texts = self._texts(table, rows, labels)
         self._tokenize(texts, rows, labels)
         self._sampling(table, rows, labels, keys)

@@ -4,16 +4,11 @@ line did not parse, failed first with what the reader found."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pyarrow as pa
 
 from batchgen.inputs.dataset import InputFile, Shard
-from batchgen.inputs.text_formats import LINE_COLUMN, PROBLEM_COLUMN
+from batchgen.inputs.text_formats import LINE_COLUMN
 from batchgen.job.spec import JobSpec
-
-if TYPE_CHECKING:
-    from batchgen.inputs.prepare import PreparedRow
 
 
 def row_keys(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> list[str]:
@@ -31,13 +26,3 @@ def row_labels(spec: JobSpec, f: InputFile, shard: Shard, table: pa.Table) -> li
     if spec.input.id_column is None:
         return base
     return [f"{b} (id {v})" for b, v in zip(base, table.column(spec.input.id_column).to_pylist())]
-
-
-def line_problems(table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> None:
-    """Rows whose input line did not parse (text formats' hidden problem column) fail first."""
-    if PROBLEM_COLUMN not in table.column_names:
-        return
-    for i, problem in enumerate(table.column(PROBLEM_COLUMN).to_pylist()):
-        if problem is not None:
-            rows[i].fail(problem["code"], f"{labels[i]}: {problem['message']}")
-            rows[i].unreadable = True

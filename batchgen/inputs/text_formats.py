@@ -260,3 +260,12 @@ def _row_by_row(values: list[dict[str, Any]], problems: list[dict[str, str] | No
             tables.append(pa.Table.from_pylist([{}], schema=wanted))
             problems[i] = {"code": "invalid_value", "message": f"a value does not fit its column's type: {exc}"}
     return pa.concat_tables(tables) if tables else wanted.empty_table()
+
+
+def line_problems(table: pa.Table) -> Iterator[tuple[int, str, str]]:
+    """(row, error code, message) of each row of `table` whose input line did not parse."""
+    if PROBLEM_COLUMN not in table.column_names:
+        return
+    for i, problem in enumerate(table.column(PROBLEM_COLUMN).to_pylist()):
+        if problem is not None:
+            yield i, problem["code"], problem["message"]

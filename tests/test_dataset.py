@@ -9,17 +9,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.inputs import dataset
+from batchgen.inputs import dataset, reading
 
 
 def test_reading_a_subset_of_shards_yields_exactly_their_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dataset, "READ_BATCH_ROWS", 7)  # batches that straddle shard edges
     path = tmp_path / "a.parquet"
     pq.write_table(pa.table({"x": list(range(100))}), path, row_group_size=30)
-    files = dataset.open_inputs(str(path), ["x"])
+    files = reading.open_inputs(str(path), ["x"])
     shards = dataset.plan_shards(files, 10)
     wanted = [shards[i] for i in (0, 3, 4, 8, 9)]  # gaps: the committed parts a rerun skips
-    got = [(s.index, t.column("x").to_pylist()) for s, t in dataset.read_shards(files, wanted, ["x"])]
+    got = [(s.index, t.column("x").to_pylist()) for s, t in reading.read_shards(files, wanted, ["x"])]
     assert got == [(s.index, list(range(s.start, s.stop))) for s in wanted]
 
 
@@ -29,7 +29,7 @@ def test_a_late_part_is_read_from_its_own_row_group(
 ) -> None:
     path = tmp_path / "a.parquet"
     pq.write_table(pa.table({"x": list(range(100))}), path, row_group_size=30)  # groups start 0, 30, 60, 90
-    files = dataset.open_inputs(str(path), ["x"])
+    files = reading.open_inputs(str(path), ["x"])
     shards = [dataset.plan_shards(files, 10)[i] for i in wanted]
     read_groups: list[list[int]] = []
     real = pq.ParquetFile.iter_batches
@@ -39,7 +39,7 @@ def test_a_late_part_is_read_from_its_own_row_group(
         return real(self, *args, row_groups=row_groups, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
-    got = [t.column("x").to_pylist() for _, t in dataset.read_shards(files, shards, ["x"])]
+    got = [t.column("x").to_pylist() for _, t in reading.read_shards(files, shards, ["x"])]
     assert got == [list(range(s.start, s.stop)) for s in shards]
     assert read_groups == [list(range(first_group, 4))]
 

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.inputs import text_lines
-from batchgen.inputs.dataset import open_inputs, plan_shards, read_shards
+from batchgen.inputs.dataset import plan_shards
+from batchgen.inputs.reading import open_inputs, read_shards
 from tests.conftest import make_job, write_job, write_parquet
 from tests.s3_server import moto_s3, options
 

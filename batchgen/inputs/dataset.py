@@ -1,6 +1,6 @@
 """Input files: find them, check their schemas, plan shards, stream the rows of each shard.
 Parquet is read here; the other formats (JSONL, CSV, OpenAI batch, `datasets` folders) are opened
-and streamed by batchgen.inputs.formats through the same InputFile, Shard and read_shards.
+and streamed by batchgen.inputs.formats through the same InputFile and Shard (inputs/reading chooses).
 
 Each input file is named by its path relative to the input's root (`InputFile.key`): the folder
 for a folder input, the fixed leading directories of a glob, the file's own folder for a single
@@ -103,24 +103,6 @@ def _glob_root(pattern: str) -> Path:
 
 def _inside(path: Path, folder: Path | None) -> bool:
     return folder is not None and path.resolve().is_relative_to(folder.resolve())
-
-
-def open_inputs(
-    pattern: str,
-    required: list[str],
-    exclude: Path | str | None = None,
-    options: dict[str, Any] | None = None,
-    fmt: str = "auto",
-) -> list[InputFile]:
-    """Open every file (Parquet: its footer; other formats: see batchgen.inputs.formats); check the
-    required columns exist with one type across files. `options`: the input's storage_options when
-    `pattern` is an object-store URI; `fmt`: input.format."""
-    from batchgen.inputs.formats import open_any
-
-    files = open_any(pattern, fmt, options or {}, exclude)
-    for column in required:
-        check_column(files, column)
-    return files
 
 
 def planned_rows(files: list[InputFile], limit: int | None) -> int:
@@ -239,21 +221,6 @@ def plan_shards(files: list[InputFile], window_rows: int, limit: int | None = No
     return shards
 
 
-def read_shards(files: list[InputFile], shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
-    """Yield (shard, table of its rows), streaming each file once in record batches."""
-    by_file: dict[int, list[Shard]] = {}
-    for shard in shards:
-        by_file.setdefault(shard.file_index, []).append(shard)
-    for file_index in sorted(by_file):
-        f = files[file_index]
-        if f.format == "parquet":
-            yield from _read_file_shards(f, by_file[file_index], columns)
-        else:
-            from batchgen.inputs.formats import read_file_shards
-
-            yield from read_file_shards(f, by_file[file_index], columns)
-
-
 def _row_group_of(meta: pq.FileMetaData, row: int) -> tuple[int, int]:
     """(index of the row group holding file row `row`, that group's first row); (0, 0) for none."""
     first = 0
@@ -265,7 +232,8 @@ def _row_group_of(meta: pq.FileMetaData, row: int) -> tuple[int, int]:
     return 0, 0
 
 
-def _read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
+def read_parquet_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
+    """(shard, its rows) of one Parquet file, streamed from the row group of the first wanted row."""
     pending = sorted(shards, key=lambda s: s.start)
     try:
         # Why buffered, not pre-buffered: a huge row group is then read page by page, not whole.

@@ -16,7 +16,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchgen.inputs.dataset import InputFile, Shard, read_shards
+from batchgen.inputs.dataset import InputFile, Shard
+from batchgen.inputs.reading import read_shards
 
 
 class IdProblem(NamedTuple):

@@ -10,8 +10,9 @@ from typing import Any
 
 from batchgen.backends import for_rows
 from batchgen.backends.base import Backend
-from batchgen.inputs.dataset import InputFile, Shard, column_field, plan_shards, read_shards
+from batchgen.inputs.dataset import InputFile, Shard, column_field, plan_shards
 from batchgen.inputs.duplicate_ids import find_duplicate_ids
+from batchgen.inputs.reading import read_shards
 from batchgen.inputs.sharding import ShardSpec
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.completion import build_manifest, complete_from_parts, run_facts

@@ -12,8 +12,9 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import InputDataError, JobFileError, ModelError
-from batchgen.inputs.dataset import InputFile, check_column, open_inputs
+from batchgen.inputs.dataset import InputFile, check_column
 from batchgen.inputs.prepare import input_columns, load_tokenizer
+from batchgen.inputs.reading import open_inputs
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.table import carried_columns

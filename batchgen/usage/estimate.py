@@ -17,10 +17,11 @@ import numpy as np
 from batchgen.engine.attention.path import SMALL_BLOCK_SIZE
 from batchgen.engine.runner.models import resolve_max_model_len
 from batchgen.errors import ModelError
-from batchgen.inputs.dataset import plan_shards, read_shards
+from batchgen.inputs.dataset import plan_shards
 from batchgen.inputs.duplicate_ids import find_duplicate_ids
 from batchgen.inputs.ordering import Strategy, order_requests
 from batchgen.inputs.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
+from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.totals import IntHistogram
 from batchgen.run.validate import validate_job

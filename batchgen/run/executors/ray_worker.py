@@ -18,9 +18,10 @@ from typing import Any
 
 from batchgen.backends.base import Backend
 from batchgen.errors import EngineFailure
-from batchgen.inputs.dataset import InputFile, Shard, read_shards
+from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.inputs.prepare import RowPreparer
+from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.totals import Totals

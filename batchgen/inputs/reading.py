@@ -1,0 +1,45 @@
+"""The inputs' two entry points, over every format: open the files of `input.path`, and stream
+the rows of the wanted shards.
+
+Why a module above dataset and formats: Parquet is opened and read in dataset, the other formats
+in formats (which builds on dataset's InputFile and Shard); the choice between them is made here,
+so neither imports the other back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.inputs.dataset import InputFile, Shard, check_column, read_parquet_shards
+from batchgen.inputs.formats import open_any, read_file_shards
+
+
+def open_inputs(
+    pattern: str,
+    required: list[str],
+    exclude: Path | str | None = None,
+    options: dict[str, Any] | None = None,
+    fmt: str = "auto",
+) -> list[InputFile]:
+    """Open every file (Parquet: its footer; other formats: see batchgen.inputs.formats); check the
+    required columns exist with one type across files. `options`: the input's storage_options when
+    `pattern` is an object-store URI; `fmt`: input.format."""
+    files = open_any(pattern, fmt, options or {}, exclude)
+    for column in required:
+        check_column(files, column)
+    return files
+
+
+def read_shards(files: list[InputFile], shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
+    """Yield (shard, table of its rows), streaming each file once in record batches."""
+    by_file: dict[int, list[Shard]] = {}
+    for shard in shards:
+        by_file.setdefault(shard.file_index, []).append(shard)
+    for file_index in sorted(by_file):
+        f = files[file_index]
+        read = read_parquet_shards if f.format == "parquet" else read_file_shards
+        yield from read(f, by_file[file_index], columns)

@@ -31,7 +31,7 @@ from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler_output import ScheduledChunk
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.pooling.poolers import PoolAccumulator
-from batchgen.engine.runner.model_runner import ModelRunner
+from batchgen.engine.runner.model_runner import ModelRunner, pack_chunks
 
 
 @dataclass
@@ -158,20 +158,12 @@ class EnginePoolingRunner:
         runner.threads.tick()
         runner.transfers.begin_step()
         ctx, positions, order = runner.backend.plan(chunks, runner.transfers, None)
-        token_ids: list[int] = []
-        ends = [0] * len(chunks)
-        for i in order:
-            token_ids.extend(chunks[i].token_ids)
-            ends[i] = len(token_ids)
+        token_ids, ends = pack_chunks(chunks, order)
         input_ids = runner.transfers.stage(int64_tensor(token_ids))  # [T]
         runner.transfers.upload()
         with torch.inference_mode(), runner.backend.running(ctx):
             out = self.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-        if ctx.num_attention_calls != len(runner.kv_caches):
-            raise RuntimeError(
-                f"the model called batchgen's attention {ctx.num_attention_calls} times for "
-                f"{len(runner.kv_caches)} layers; it does not route all attention through the interface"
-            )
+        runner.check_attention_calls(ctx)
         return out.last_hidden_state[0], ends  # [T, H]
 
     def _release(self, r: _Running) -> None:

@@ -54,6 +54,16 @@ from batchgen.engine.sampling.batch import SamplingBatch
 logger = logging.getLogger(__name__)
 
 
+def pack_chunks(chunks: Sequence[ScheduledChunk], order: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The chunks' token ids in the backend's `order` as one packed row, and each chunk's end in it."""
+    token_ids: list[int] = []
+    packed_end = [0] * len(chunks)
+    for i in order:
+        token_ids.extend(chunks[i].token_ids)
+        packed_end[i] = len(token_ids)
+    return token_ids, packed_end
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -152,11 +162,7 @@ class ModelRunner:
                 return logits
         padded = self.forward.padded_tokens(sum(c.num_tokens for c in chunks))
         ctx, positions, order = self.backend.plan(chunks, self.transfers, padded)
-        token_ids: list[int] = []
-        packed_end = [0] * len(chunks)
-        for i in order:
-            token_ids.extend(chunks[i].token_ids)
-            packed_end[i] = len(token_ids)
+        token_ids, packed_end = pack_chunks(chunks, order)
         keep = [packed_end[i] - 1 for i, c in enumerate(chunks) if c.needs_sample]
         for i, c in enumerate(chunks):
             if c.prompt_logits:  # prompt_logprobs: positions start .. start + prompt_logits - 1
@@ -170,12 +176,16 @@ class ModelRunner:
         self.transfers.upload()
         with torch.inference_mode(), self.backend.running(ctx):
             logits = self.forward(input_ids, positions, keep_idx)
+        self.check_attention_calls(ctx)
+        return logits[:num_keep].float()  # [num sampled + prompt-logit rows, vocab]
+
+    def check_attention_calls(self, ctx: ForwardContext) -> None:
+        """A forward must have run batchgen's attention once per layer (else K/V went unwritten)."""
         if ctx.num_attention_calls != len(self.kv_caches):
             raise RuntimeError(
                 f"the model called batchgen's attention {ctx.num_attention_calls} times for "
                 f"{len(self.kv_caches)} layers; it does not route all attention through the interface"
             )
-        return logits[:num_keep].float()  # [num sampled + prompt-logit rows, vocab]
 
     def _graph_decode(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:  # pragma: no cover - CUDA
         """A decode-only step through the CUDA graph of its batch-size bucket; None: it does not fit one."""

@@ -31,7 +31,7 @@ def report(build: bool = False) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return {
         "device": device,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "triton": _installed("triton"),

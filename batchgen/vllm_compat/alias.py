@@ -68,7 +68,8 @@ def install() -> None:
     """Make `import vllm...` resolve to batchgen (see ALIASES). Refused where a real vLLM is imported."""
     present = sys.modules.get("vllm")
     if present is not None and present.__name__ != ALIASES["vllm"]:
-        raise RuntimeError("a real vllm module is already imported; batchgen's aliases would shadow it")
+        where = getattr(present, "__file__", None) or repr(present)
+        raise RuntimeError(f"a real vllm module is already imported ({where}); batchgen's aliases would shadow it")
     for alias, target in ALIASES.items():
         sys.modules[alias] = importlib.import_module(target)
     if _FINDER not in sys.meta_path:

@@ -28,6 +28,14 @@ class SettingError(ValueError):
         self.expected = expected
 
 
+SEED_EXPECTED = f"null or an integer that fits 64 bits ({SEED_MIN} .. {SEED_MAX})"
+
+
+def is_seed(value: object) -> bool:
+    """None (draws from the OS's entropy) or a 64-bit integer: a request's or an LLM's seed."""
+    return value is None or (is_int(value) and SEED_MIN <= value <= SEED_MAX)  # type: ignore[operator]
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -114,11 +122,7 @@ class SamplingParams:
                 f"an integer in [0, max_tokens={s.max_tokens}]",
             ),
             ("n", is_int(s.n) and s.n >= 1, "an integer >= 1"),
-            (
-                "seed",
-                s.seed is None or (is_int(s.seed) and SEED_MIN <= s.seed <= SEED_MAX),
-                f"null or an integer that fits 64 bits ({SEED_MIN} .. {SEED_MAX})",
-            ),
+            ("seed", is_seed(s.seed), SEED_EXPECTED),
             ("stop", all(isinstance(x, str) and x for x in s.stop), "a list of non-empty strings"),
             ("stop_token_ids", all(is_int(t) and t >= 0 for t in s.stop_token_ids), "a list of non-negative token ids"),
         ]
@@ -153,7 +157,10 @@ class SamplingParams:
         spec = given.to_spec()
         if self.structured is not None and self.structured != spec:
             raise SettingError(
-                "SamplingParams", "structured", "null when structured_outputs is set (they are one setting)", spec
+                "SamplingParams",
+                "structured",
+                f"null or {spec!r} when structured_outputs is set (they are one setting)",
+                self.structured,
             )
         self.structured = spec
 

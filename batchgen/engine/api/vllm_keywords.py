@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batchgen.engine.api.config import EngineConfig
-from batchgen.engine.api.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SettingError, is_int
+from batchgen.engine.api.params import MAX_LOGPROBS, SEED_EXPECTED, SettingError, is_int, is_seed
 
 
 def _is(*values: object) -> Callable[[Any], bool]:
@@ -142,7 +142,10 @@ def adapt_vllm_keywords(keywords: dict[str, Any]) -> dict[str, Any]:
         blocks = settings.pop("num_gpu_blocks_override")
         if blocks is not None:
             if settings.get("num_kv_blocks") not in (None, blocks):
-                raise ValueError("LLM(): num_gpu_blocks_override and num_kv_blocks are one setting; pass one of them")
+                raise ValueError(
+                    f"LLM(num_gpu_blocks_override={blocks!r}, num_kv_blocks={settings['num_kv_blocks']!r}): "
+                    "they are one setting; pass one of them"
+                )
             settings["num_kv_blocks"] = blocks
     return settings
 
@@ -162,8 +165,8 @@ def _enforce_eager(settings: dict[str, Any]) -> None:
 
 def check_seed(seed: Any) -> int | None:
     """LLM's `seed`: None (the OS's entropy) or a 64-bit integer."""
-    if seed is not None and not (is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
-        raise SettingError("LLM", "seed", f"null or an integer that fits 64 bits ({SEED_MIN} .. {SEED_MAX})", seed)
+    if not is_seed(seed):
+        raise SettingError("LLM", "seed", SEED_EXPECTED, seed)
     return seed
 
 

@@ -190,9 +190,8 @@ class LLM(PoolingMethods):
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (also done when the LLM is collected)."""
-        group = getattr(self, "_tp", None)  # why getattr: a pooling LLM returns before it is set
-        if group is not None:
-            group.close()
+        if self._tp is not None:
+            self._tp.close()
 
     @property
     def stats(self) -> dict[str, int]:
@@ -282,6 +281,8 @@ class LLM(PoolingMethods):
     def pooling_model(self) -> PoolingModel:
         """The pooling side of this LLM; on a generate LLM, embeddings through its engine."""
         if self._pooling is None:
+            if self._tp is not None:  # why: rank 0 alone would wait in the shards' all-reduce until it timed out
+                raise ValueError("LLM.embed/classify/score: tensor_parallel_size > 1 serves task 'generate' only")
             task = "embed" if self.task == "generate" else self.task
             self._pooling = on_engine(self._model_path, task, self, self._pooler_config)
         return self._pooling

@@ -123,6 +123,15 @@ def test_forked_samples_equal_tp1(pair: tuple[LLM, LLM]) -> None:
     assert [[s.token_ids for s in o.outputs] for o in a] == [[s.token_ids for s in o.outputs] for o in b]
 
 
+def test_embedding_through_a_tp_engine_is_refused_not_left_waiting(pair: tuple[LLM, LLM]) -> None:
+    """A generate LLM embeds through its own engine; sharded, rank 0 alone would wait in the
+    all-reduce until the timeout, so it is refused, and the engine still generates."""
+    one, two = pair
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        two.embed(PROMPTS[:2])
+    assert _greedy(two, PROMPTS[:4]) == _greedy(one, PROMPTS[:4])
+
+
 def test_an_exception_on_rank0_aborts_and_the_engine_goes_on(pair: tuple[LLM, LLM]) -> None:
     one, two = pair
 

@@ -14,7 +14,6 @@ from batchgen.engine.pooling.model import PoolingModel, RowResult
 from batchgen.engine.pooling.outputs import PoolingParams
 from batchgen.errors import ModelError
 from batchgen.job.spec import JobSpec
-from batchgen.outputs.pooled import embedding_width
 
 
 class PoolingBackend:
@@ -45,7 +44,7 @@ class PoolingBackend:
                 "(a reward model or cross-encoder); an embedding model scores pairs only (pooling.score: pair)"
             )
         if spec.task == "embed" and pooling is not None and pooling.dimensions is not None:
-            hidden = embedding_width(spec.model.path, None)
+            hidden = int(self.llm.llm_engine.model_config.hf_config.get_text_config().hidden_size)  # loaded: no re-read
             if pooling.dimensions > hidden:
                 raise ModelError(f"pooling.dimensions {pooling.dimensions} exceeds the model's hidden size {hidden}")
         runner = "engine" if self.model.engine is not None else "transformers"

@@ -22,8 +22,6 @@ from batchgen.inputs.shard_cut import cut_shards
 from batchgen.storage.retry import is_transient
 from batchgen.storage.uris import is_remote
 
-FORMATS = ("auto", "parquet", "jsonl", "csv", "hf_dataset", "openai_batch")
-TEXT_FORMATS = ("jsonl", "csv", "openai_batch")
 SUFFIXES = {
     "parquet": (".parquet", ".pq"),
     "jsonl": (".jsonl", ".ndjson"),
@@ -141,9 +139,7 @@ def read_file_shards(f: InputFile, shards: list[Shard], columns: list[str]) -> I
 def _arrow_shards(f: InputFile, pending: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:
     """Shards of an Arrow stream file: batches arrive in order; rows before a wanted shard are
     dropped as they arrive, so memory stays one part plus one batch."""
-    fs = f.filesystem if f.filesystem is not None else pafs.LocalFileSystem()
-    where = f.fs_path if f.filesystem is not None else str(f.path)
-    with fs.open_input_file(where) as fh:
+    with f.open_binary() as fh:
         batches = (piece for batch in hf_dataset.stream_batches(fh, columns) for piece in _split(batch))
         yield from cut_shards(batches, pending)
     if pending:

@@ -54,7 +54,6 @@ class ModelSection(_Strict):
         return value
 
 
-INPUT_FORMATS = ("auto", "parquet", "jsonl", "csv", "hf_dataset", "openai_batch")
 # What an OpenAI batch file's rows are made of (batchgen/inputs/openai_requests.py): set by the format.
 _OPENAI_SET = ("prompt_column", "messages_column", "id_column", "sampling_columns")
 

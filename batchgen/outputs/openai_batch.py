@@ -23,6 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from batchgen.inputs.openai_requests import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.openai_logprobs import choice_logprobs
 from batchgen.outputs.state import BATCH_OUTPUT_NAME
@@ -30,7 +31,6 @@ from batchgen.outputs.table import ROW_ID_COLUMN
 from batchgen.storage.base import Storage
 
 OUTPUT_NAME = BATCH_OUTPUT_NAME
-CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 _RESULTS = [
     "generated_text",
     "finish_reason",
@@ -137,9 +137,10 @@ def _sample_logprobs(values: dict[str, Any], n: int, chat: bool) -> list[dict[st
 
 
 def _body(values: dict[str, Any], facts: BatchFacts, key: str, created: int) -> dict[str, Any]:
-    if (values.get("url") or facts.default_url) == EMBEDDINGS_URL:
+    url = values.get("url") or facts.default_url
+    if url == EMBEDDINGS_URL:
         return _embedding_body(values, facts)
-    chat = (values.get("url") or facts.default_url) == CHAT_URL
+    chat = url == CHAT_URL
     texts, reasons = values["generated_text"], values["finish_reason"]
     reasoning = values.get("reasoning_text")
     many = isinstance(texts, list)

@@ -45,14 +45,14 @@ def data_files(fs: pafs.FileSystem, folder: str, where: str) -> list[str]:
 
 
 def _read_json(fs: pafs.FileSystem, path: str) -> Any:
+    """The JSON in `path`; None when there is no such file (asked of the filesystem, as
+    is_dataset_folder does, not read from an error's wording)."""
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
     try:
         with fs.open_input_stream(path) as fh:
             return json.loads(fh.read().decode("utf-8"))
-    except FileNotFoundError:
-        return None
     except (OSError, pa.ArrowException, ValueError) as exc:
-        if "not found" in str(exc).lower() or "does not exist" in str(exc).lower():
-            return None
         raise InputDataError(f"{path}: cannot read: {exc}") from exc
 
 

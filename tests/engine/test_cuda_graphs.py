@@ -146,7 +146,7 @@ def test_eager_and_graph_steps_run_one_compiled_forward(tiny_model: Callable[[st
     static buffers: dynamo specialises a view at storage offset 0 or 1, so neither may sit there, or
     the forward compiles again in the middle of a job. Here with the staging copies made on the CPU
     and the graphs stood in for: one compiled graph for every step."""
-    from batchgen.engine.runner.transfers import Transfers
+    from batchgen.engine.staging.transfers import Transfers
 
     path = str(tiny_model("llama"))
     prompts = [[2 + (i * 5 + j) % 250 for j in range(n)] for i, n in enumerate([6, 19, 33])]

@@ -20,7 +20,7 @@ import torch
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.llm import LLM
-from batchgen.engine.runner.transfers import Transfers
+from batchgen.engine.staging.transfers import Transfers
 from tests.engine.sync_counter import SyncCounter
 
 PROMPTS = ["once upon a time", "the cat liked to play", "a little dog who liked the sun"]

@@ -15,7 +15,7 @@ import torch
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.llm import LLM
-from batchgen.engine.runner.transfers import Transfers
+from batchgen.engine.staging.transfers import Transfers
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
 

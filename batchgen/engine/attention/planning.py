@@ -4,7 +4,7 @@ Why a module: a backend plans each step once, from the scheduler's chunks, befor
 every layer then reads the plan (a ForwardContext). The decodes are packed first, in the order
 their K/V source planned them (so the attention can treat them as a few padded groups), then the
 other chunks in batch order. Every tensor is staged in the runner's Transfers and sent in one
-upload before the forward (see runner/transfers).
+upload before the forward (see staging/transfers).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class PlannedChunk(Protocol):
 
 
 class Stager(Protocol):
-    """Where a step's host tensors go to the device (runner/transfers.Transfers is one)."""
+    """Where a step's host tensors go to the device (staging/transfers.Transfers is one)."""
 
     def stage(self, values: torch.Tensor) -> torch.Tensor: ...
 

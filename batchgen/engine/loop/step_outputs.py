@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.loop.requests import RequestState
-from batchgen.engine.runner.transfers import Transfers
 from batchgen.engine.sampling.batch import SamplingStep
 from batchgen.engine.sampling.logprobs import raw_logprobs, score
 from batchgen.engine.sampling.sampler import Sampler
+from batchgen.engine.staging.transfers import Transfers
 
 
 @dataclass

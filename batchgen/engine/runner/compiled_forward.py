@@ -218,7 +218,7 @@ def _at_storage_start(t: torch.Tensor) -> torch.Tensor:
 
     Why: dynamo guards on a view input's base and storage offset, specialising offsets 0 and 1 and
     tying other offsets to equal sizes (duck sizing). On CUDA the forward's inputs are views of the
-    staging buffer (runner/transfers) at offsets that change step by step, or of the CUDA graphs'
+    staging buffer (staging/transfers) at offsets that change step by step, or of the CUDA graphs'
     static buffers: each new layout compiled the forward again, mid-job (three graphs for one
     model in tests/engine/test_cuda_graphs.py). A tensor of its own at offset 0 is one layout; the
     copy is a few bytes (and inside a graph, a captured copy of its static buffer)."""

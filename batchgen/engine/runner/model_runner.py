@@ -48,8 +48,8 @@ from batchgen.engine.cuda.graphs import GraphDecode
 from batchgen.engine.runner.backends import make_backend, prepare_model, resolve_backend, step_hook_for
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
-from batchgen.engine.runner.transfers import Transfers
 from batchgen.engine.sampling.batch import SamplingBatch
+from batchgen.engine.staging.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ import torch
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence
-from batchgen.engine.runner.transfers import Transfers
 from batchgen.engine.sampling.logprobs import LogprobRows
 from batchgen.engine.sampling.penalties import FeaturePlan, FeatureRow, LogitsFeatures
+from batchgen.engine.staging.transfers import Transfers
 
 NO_TOP_K = float(1 << 30)  # a disabled top-k: above any vocabulary, so the filter keeps every token
 _PARAMS = 4  # temperature, top_k, top_p, min_p

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.runner.transfers import Transfers
 from batchgen.engine.sampling.structured import fill_bitmask
+from batchgen.engine.staging.transfers import Transfers
 
 
 @dataclass

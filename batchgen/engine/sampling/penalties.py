@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.runner.transfers import Transfers
 from batchgen.engine.sampling.feature_plan import FeaturePlan, FeatureRow, plan_features, stage_step_inputs
 from batchgen.engine.sampling.penalty_state import PenaltyTables
 from batchgen.engine.sampling.structured import GrammarCache, StructuredError, apply_bitmask
+from batchgen.engine.staging.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 

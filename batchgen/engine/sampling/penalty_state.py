@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchgen.engine.runner.transfers import Transfers
+from batchgen.engine.staging.transfers import Transfers
 
 
 class PenaltyTables:

@@ -4,9 +4,10 @@ The floor is transformers' own model forward for B sequences of equal context de
 token each (SDPA, DynamicCache, logits for the last token only, argmax): what the hardware
 costs with no engine around it. The native side is a whole `Engine.step()` on the same B
 sequences (scheduling, metadata, paged attention, sampling, detokenization, stop checks), and
-its `ModelRunner.execute` alone. Raw and native steps alternate so both see the same machine
-noise and the same growing context. A second, instrumented pass splits the native step into
-phases by wrapping the engine's functions with timers (the wrappers cost a little themselves).
+its `ModelRunner.execute` alone (the forward, and the draw with its one read). Raw and native
+steps alternate so both see the same machine noise and the same growing context. A second,
+instrumented pass splits the native step into phases by wrapping the engine's functions with
+timers (the wrappers cost a little themselves).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention import backend as attention_backend
 from batchgen.engine.attention import gather as decode_gather
 from batchgen.engine.attention import torch_math as attention
+from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.cpu.decode_native import NativeStep
 from batchgen.engine.cpu.rows_view import RowsView
 from batchgen.engine.llm import LLM
@@ -84,7 +86,7 @@ def measure(path: Path, batch: int = 64, context: int = 256, steps: int = 30) ->
     real_execute = runner.execute
     execute_times: list[float] = []
 
-    def execute(batch_: Any) -> torch.Tensor:
+    def execute(batch_: Any) -> ModelRunnerOutput:
         start = time.perf_counter()
         out = real_execute(batch_)
         execute_times.append(time.perf_counter() - start)
@@ -154,7 +156,6 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     targets = [
         (engine.scheduler, "schedule", "scheduling"),
-        (engine.scheduler, "advance", "scheduling"),
         # metadata: packing the step, the decode K/V source's plan() included (it runs inside)
         (engine.runner.backend, "plan", "metadata"),
         (engine.runner, "execute", "execute_total"),

@@ -15,6 +15,7 @@ import transformers
 
 from batchgen.engine.api.config import engine_config
 from batchgen.engine.attention import path as attention_path
+from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.core.scheduler import ScheduledBatch
 from batchgen.engine.llm import LLM
 from batchgen.engine.runner.backends import resolve_backend
@@ -49,7 +50,7 @@ def capture_batches(llm: LLM) -> Iterator[list[ScheduledBatch]]:
     runner, seen = llm.engine.runner, []
     real = runner.execute
 
-    def execute(batch: ScheduledBatch) -> torch.Tensor:
+    def execute(batch: ScheduledBatch) -> ModelRunnerOutput:
         seen.append(batch)
         return real(batch)
 

@@ -26,7 +26,7 @@ PROSE = r"[A-Za-z ,.!']*"
 
 def _run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, float, int]:
     """(wall seconds, seconds inside logits processing, output tokens)."""
-    features = llm.engine.sampler.features
+    features = llm.engine.runner.sampler.features  # type: ignore[union-attr]  # the engine's runner samples
     assert features is not None
     spent = [0.0]
     apply, accept = features.apply, features.accept

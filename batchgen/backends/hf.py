@@ -18,11 +18,13 @@ from batchgen.backends.base import OnOutput
 from batchgen.backends.weights import weight_errors_as_model_errors
 from batchgen.engine.api.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.core.scheduler_output import NewSequence
 from batchgen.engine.llm import eos_token_ids
 from batchgen.engine.runner.models import resolve_device, resolve_dtype, resolve_max_model_len
+from batchgen.engine.sampling.batch import SamplingBatch
 from batchgen.engine.sampling.penalties import bad_word_token_ids
 from batchgen.engine.sampling.sampler import Sampler
+from batchgen.engine.sampling.step_draw import draw_now
 from batchgen.engine.sampling.stopping import StopChecker
 from batchgen.errors import ModelError
 from batchgen.job.spec import HF_UNSUPPORTED, JobSpec
@@ -113,7 +115,7 @@ class HFBackend:
         kwargs = self._generate_kwargs(p, max(q.max_tokens or 0 for q in params))  # resolved: never None
         if p.seed is not None and not p.greedy:  # the batch key puts seeded rows together
             # why greedy decoding: the processor leaves one finite logit per row, its own draw
-            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([_SeededDraw(prompts, params, width)]))
+            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([_SeededDraw(prompts, params)]))
             for name in ("temperature", "top_p", "top_k", "min_p"):
                 kwargs.pop(name, None)
         generated = self.model.generate(
@@ -171,24 +173,24 @@ class _SeededDraw(LogitsProcessor):
     """Seeded rows draw with the native engine's Sampler, each from its own generator.
 
     Why: transformers samples every row of a batch from torch's one global generator, so a row's
-    tokens would depend on the rows beside it. Here each row keeps a Sequence and a generator
-    seeded with its own seed (the Sampler's), the draw is made with the native engine's
-    temperature, top-k, top-p, min-p and exponential race, and every other logit is set to -inf
-    so that transformers' greedy step takes exactly that token.
+    tokens would depend on the rows beside it. Here each row has a row of the native engine's
+    sampling state (a SamplingBatch, as the model runner keeps: a generator seeded with the row's
+    own seed), the draw is made with its temperature, top-k, top-p, min-p and exponential race,
+    and every other logit is set to -inf so that transformers' greedy step takes exactly that token.
     """
 
-    def __init__(self, prompts: list[list[int]], params: list[SamplingParams], width: int) -> None:
+    def __init__(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
         # why no eos ids: transformers' own min_new_tokens processor has already masked them
         self.sampler = Sampler(eos_token_ids=())
-        self.seqs = [
-            Sequence(seq_id=b, prompt_token_ids=ids, params=p) for b, (ids, p) in enumerate(zip(prompts, params))
-        ]
-        self.width = width
+        self.rows: SamplingBatch | None = None  # made on the logits' device, at the first draw
+        self.new = [NewSequence(b, tuple(ids), p) for b, (ids, p) in enumerate(zip(prompts, params))]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        # input_ids: [B, width + generated]; scores: [B, V]
-        for b, seq in enumerate(self.seqs):
-            seq.token_ids = seq.prompt_token_ids + input_ids[b, self.width :].tolist()
-        tokens = torch.tensor(self.sampler(scores, self.seqs), device=scores.device)  # [B]
+        # scores: [B, V]
+        if self.rows is None:
+            self.rows = SamplingBatch(scores.device)
+            for new in self.new:
+                self.rows.add(new)
+        tokens = torch.tensor(draw_now(self.sampler, self.rows, scores, list(range(len(self.new)))))  # [B]
         chosen = torch.full_like(scores, float("-inf"))
-        return chosen.scatter_(1, tokens[:, None], 0.0)  # type: ignore[return-value]
+        return chosen.scatter_(1, tokens[:, None].to(scores.device), 0.0)  # type: ignore[return-value]

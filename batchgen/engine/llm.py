@@ -61,15 +61,14 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
 def make_sampler(
     model: PreTrainedModel, tokenizer: Any, seed: int | None, device: torch.device
 ) -> tuple[Sampler, list[int], int]:
-    """The sampler for `model`'s logits, its EOS ids and the model's vocabulary size."""
+    """The sampler for `model`'s logits (the runner's), its EOS ids and the model's vocabulary size."""
     eos = eos_token_ids(model, tokenizer)
     vocab_size = int(model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
-    sampler = Sampler(eos, seed=seed, fast_greedy=fast_greedy_for(device))
     # why the logits' width: penalties and grammar masks index logits, which may be wider than the embeddings
     head = model.get_output_embeddings()
     width = int(getattr(head, "out_features", 0) or vocab_size)
-    sampler.features = LogitsFeatures(tokenizer, width, eos)
-    return sampler, eos, vocab_size
+    features = LogitsFeatures(tokenizer, width, eos)
+    return Sampler(eos, seed=seed, fast_greedy=fast_greedy_for(device), features=features), eos, vocab_size
 
 
 class LLM(PoolingMethods):
@@ -155,6 +154,8 @@ class LLM(PoolingMethods):
         )
         config = resolve_engine_defaults(config, device.type, block_size)
         blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, device, dtype, backend=backend)
+        self.tokenizer = load_tokenizer(tokenizer, model)
+        sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, seed, device)
         make_runner = partial(ShardedRunner, self._tp) if self._tp is not None else ModelRunner  # rank 0's
         runner = make_runner(
             hf_model,
@@ -169,13 +170,12 @@ class LLM(PoolingMethods):
             compile=resolve_compile(config.compile, device),
             max_num_batched_tokens=config.max_num_batched_tokens,
             compile_fallback=config.compile == "auto",
+            sampler=sampler,
         )
         block_manager = BlockManager(blocks, runner.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(config, block_manager, self.max_model_len)
-        self.tokenizer = load_tokenizer(tokenizer, model)
         self.config = config
-        sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, seed, device)
-        self.engine = Engine(scheduler, runner, sampler, self.tokenizer, eos, vocab_size)
+        self.engine = Engine(scheduler, runner, self.tokenizer, eos, vocab_size)
         return hf_model.config
 
     def get_tokenizer(self, lora_request: object = None) -> Any:

@@ -114,16 +114,17 @@ def test_nan_logits_raise_instead_of_sampling_garbage(
     llm: LLM, monkeypatch: pytest.MonkeyPatch, params: SamplingParams
 ) -> None:
     runner = llm.engine.runner
-    real = runner.execute
+    real = runner._logits  # the forward's logits, before the draw
     column = min(llm.engine.eos_token_ids)
 
-    def poisoned(batch):  # type: ignore[no-untyped-def]
-        logits = real(batch).clone()
+    def poisoned(chunks):  # type: ignore[no-untyped-def]
+        logits, num_sampled = real(chunks)
+        logits = logits.clone()
         logits[-1, column] = float("nan")  # one entry of the last row: the check must see any single NaN
-        return logits
+        return logits, num_sampled
 
     with monkeypatch.context() as patch:
-        patch.setattr(runner, "execute", poisoned)
+        patch.setattr(runner, "_logits", poisoned)
         with pytest.raises(RuntimeError, match="NaN logits"):
             llm.generate([[1, 2, 3], [4, 5]], params)
     # the same engine serves the next call, with nothing of the failed one left over

@@ -91,7 +91,7 @@ def _gpu_like(llm: LLM, counter: SyncCounter) -> None:
     runner.backend.running = _paused(runner.backend.running, counter)  # type: ignore[method-assign]
     runner.forward = _Forward(runner.forward, counter)  # type: ignore[assignment]
     # why: the CPU's native argmax is that device's own greedy pass; a GPU has none
-    llm.engine.sampler.fast_greedy = None
+    llm.engine.runner.sampler.fast_greedy = None  # type: ignore[union-attr]  # the engine's runner samples
     counter.mark(runner.kv_caches)
 
 

@@ -43,8 +43,8 @@ def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
     for chunk in batch.chunks:
         seq, n = sched.get(chunk.seq_id), chunk.num_tokens
         assert n >= 1 and seq.status is SequenceStatus.RUNNING
-        assert seq.num_computed_tokens + n <= seq.num_tokens
-        assert len(bm.block_table(seq.seq_id)) == bm.blocks_needed(seq.num_computed_tokens + n)
+        assert seq.num_computed_tokens == chunk.start + n <= seq.num_tokens  # advanced by schedule()
+        assert len(bm.block_table(seq.seq_id)) == bm.blocks_needed(chunk.start + n)
         assert chunk.block_table == tuple(bm.block_table(seq.seq_id))  # a copy, as data
     refs = [0] * bm.num_blocks
     for seq in sched.running:
@@ -57,10 +57,9 @@ def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
 
 
 def step(sched: Scheduler, finished: list[Sequence] | None = None) -> ScheduledBatch:
-    """A fake engine step: schedule, 'forward', advance, sample a token, finish at max_tokens."""
+    """A fake engine step: schedule (which advances), 'forward', sample a token, finish at max_tokens."""
     batch = sched.schedule()
     check_invariants(sched, batch)
-    sched.advance(batch)
     sampled = batch.sampled
     sched.update_from_output(sampled, [1000 + seq_id for seq_id in sampled])
     for seq_id in sampled:
@@ -250,7 +249,7 @@ def test_prefix_hits_counted_in_num_cached_tokens_from_first_admission() -> None
     batch = step(sched)
     assert batch.seq_ids == ids(a, b) and batch.num_new_tokens == [1, 3]
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
-    assert b.num_computed_tokens == 8 + 3  # the scheduler set 8 at admission, advance() added the chunk
+    assert b.num_computed_tokens == 8 + 3  # the scheduler set 8 at admission, schedule() added the chunk
     run_to_completion(sched)
 
 
@@ -305,7 +304,6 @@ def test_200_sequences_behind_a_shared_prefix_compute_it_about_once() -> None:
             batch = sched.schedule()
             for chunk in batch.chunks:
                 prefix_computed += max(0, min(chunk.start + chunk.num_tokens, prefix_len) - chunk.start)
-            sched.advance(batch)
             sched.update_from_output(batch.sampled, [1] * len(batch.sampled))
             for seq_id in batch.sampled:
                 seq = sched.get(seq_id)
@@ -320,7 +318,7 @@ def test_200_sequences_behind_a_shared_prefix_compute_it_about_once() -> None:
 # ----------------------------------------------------------------- engine-facing contract
 
 
-def test_finish_aborts_a_waiting_sequence_and_advance_twice_raises() -> None:
+def test_finish_aborts_a_waiting_sequence_and_schedule_advances_what_it_scheduled() -> None:
     sched = make_scheduler(num_blocks=8, budget=4)
     a, b = make_seq(0, [1] * 6), make_seq(1, [2] * 3)
     sched.add(a)
@@ -329,17 +327,14 @@ def test_finish_aborts_a_waiting_sequence_and_advance_twice_raises() -> None:
     assert batch.seq_ids == ids(a) and batch.num_new_tokens == [4] and not batch.chunks[0].needs_sample
     sched.finish(b.seq_id)  # aborted before admission
     assert b.status is SequenceStatus.FINISHED and sched.num_waiting == 0
-    sched.advance(batch)
-    assert a.num_computed_tokens == 4
-    with pytest.raises(RuntimeError, match="advance"):
-        sched.advance(batch)
-    assert a.num_computed_tokens == 4
+    assert a.num_computed_tokens == 4  # advanced when scheduled: the scheduler is its only writer
+    assert sched.schedule().chunks[0].start == 4  # the next step goes on from there
 
 
 # ----------------------------------------------------------------- the batch is a snapshot
 
 
-def test_batch_is_a_frozen_snapshot_that_advance_and_sampling_do_not_change() -> None:
+def test_batch_is_a_frozen_snapshot_that_sampling_does_not_change() -> None:
     sched = make_scheduler(num_blocks=16, budget=8)
     a, b = make_seq(0, [1, 2, 3]), make_seq(1, list(range(10, 20)))
     sched.add(a)
@@ -350,7 +345,6 @@ def test_batch_is_a_frozen_snapshot_that_advance_and_sampling_do_not_change() ->
         (0, (1, 2, 3), tuple(table(sched, a)), True, False),
         (0, (10, 11, 12, 13, 14), tuple(table(sched, b)), False, False),
     ]
-    sched.advance(batch)
     sched.update_from_output([a.seq_id], [7])  # what the engine does with a's sample
     assert [(c.start, c.token_ids, c.block_table, c.needs_sample, c.is_decode) for c in batch.chunks] == before
     with pytest.raises(AttributeError):
@@ -370,7 +364,6 @@ def test_what_counts_as_a_decode() -> None:
     sched.add(chunked)
     first = sched.schedule()  # the one-token prompt, and 3 tokens of the chunked one
     assert [(c.num_tokens, c.needs_sample, c.is_decode) for c in first.chunks] == [(1, True, False), (3, False, False)]
-    sched.advance(first)
     sched.update_from_output([one.seq_id], [6])
     second = sched.schedule()  # one's first decode; chunked's last prompt token
     assert [(c.num_tokens, c.needs_sample, c.is_decode) for c in second.chunks] == [(1, True, True), (1, True, False)]
@@ -385,3 +378,49 @@ def test_block_manager_leaves_computed_counts_to_the_scheduler() -> None:
     computed, cached = sched.block_manager.get_computed_blocks(b)
     assert cached == 8 and sched.block_manager.allocate_slots(b, 1, computed)
     assert b.num_computed_tokens == 0  # allocation alone never moves it
+
+
+# ----------------------------------------------------------------- n > 1: forks inside schedule()
+
+
+def test_a_request_forks_in_the_step_its_prompt_ends_sharing_blocks_and_its_row() -> None:
+    """schedule() hands over everything the step needs: the samples of an n > 1 request are made
+    when its prompt's last chunk is scheduled (not before, and not by the caller), share its blocks
+    and draw from its logits row; the parent alone keeps the prompt logprobs."""
+    sched = make_scheduler(num_blocks=16, block_size=4, budget=5)
+    other = make_seq(0, [9, 9], max_tokens=3)
+    params = SamplingParams(max_tokens=3, n=3, seed=7, prompt_logprobs=1, temperature=0.8)
+    parent = Sequence(1, list(range(1, 7)), params)  # 6 tokens: two chunks of 3 under a budget of 5
+    sched.add(other)
+    sched.add(parent)
+    first = sched.schedule()  # other's 2 tokens, 3 of the parent's prompt: no fork yet
+    assert first.draws == (0,) and first.draw_rows is None and not first.forks
+    sched.update_from_output(first.draws, [5])
+    second = sched.schedule()  # other decodes; the parent's last 3 prompt tokens: it forks now
+    assert [c.seq_id for c in second.chunks] == [0, 1]
+    ((forked_from, children),) = second.forks
+    assert forked_from == 1 and len(children) == 2 and not {0, 1} & set(children)
+    assert second.draws == (0, 1, *children) and second.draw_rows == (0, 1, 1, 1)
+    assert [n.seq_id for n in second.update.new] == list(children)  # the runner hears of them in this step
+    bm = sched.block_manager
+    assert all(bm.block_table(c) == bm.block_table(1) for c in children)  # shared, not copied
+    assert all(bm.ref_counts[b] == 3 for b in bm.block_table(1))
+    kids = [sched.get(c) for c in children]
+    assert [k.params.seed for k in kids] == [8, 9] and all(k.params.n == 1 for k in kids)
+    assert all(k.params.prompt_logprobs is None for k in kids) and parent.params.prompt_logprobs == 1
+    assert all(k.num_computed_tokens == parent.num_computed_tokens == 6 for k in kids)
+    sched.update_from_output(second.draws, [5, 11, 12, 13])
+    third = sched.schedule()  # every sample decodes its own token: the shared block is copied first
+    assert sorted(c.seq_id for c in third.chunks) == sorted([0, 1, *children]) and not third.forks
+    # the shared half-full block: the first two of its three writers copy it, the last owns it
+    assert third.draw_rows is None and len(third.copies) == 2
+
+
+def test_a_max_tokens_0_request_ends_after_its_prompt_without_a_draw() -> None:
+    sched = make_scheduler(num_blocks=16, block_size=4, budget=64)
+    scored = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=0, n=2, prompt_logprobs=0))
+    sched.add(scored)
+    sched.add(make_seq(1, [4, 5]))
+    batch = sched.schedule()
+    assert batch.sampled == [0, 1] and batch.ends == (0,) and batch.draws == (1,) and batch.draw_rows == (1,)
+    assert not batch.forks and sched.num_running == 2  # never forked: its n outputs are all empty

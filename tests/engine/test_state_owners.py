@@ -31,9 +31,8 @@ def _diff(update: BatchUpdate) -> Diff:
 
 
 def _step(sched: Scheduler) -> ScheduledBatch:
-    """An engine step without a model: schedule, advance, one token per sampled chunk, finish at max_tokens."""
+    """An engine step without a model: schedule (which advances), one token per sampled chunk, finish at max_tokens."""
     batch = sched.schedule()
-    sched.advance(batch)
     sampled = batch.sampled
     sched.update_from_output(sampled, [100 + s for s in sampled])
     for seq_id in sampled:
@@ -189,7 +188,7 @@ def test_abort_all_leaves_every_owner_empty(llm: LLM) -> None:
     assert not sched.has_unfinished() and not sched._seqs and not sched.take_update()
     assert bm.num_tables == 0 and bm.num_free_blocks == bm.num_blocks and not bm.hash_to_block
     assert engine.runner.batch.num_rows == 0 and engine.runner.decode_kv.num_rows == 0
-    assert len(engine.requests) == 0 and engine.requests.num_samples == 0 and not engine.requests.special
+    assert len(engine.requests) == 0 and engine.requests.num_samples == 0 and not sched._special
     out = llm.generate(_prompts(2), SamplingParams(temperature=0.0, max_tokens=4))  # usable again
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
@@ -197,7 +196,8 @@ def test_abort_all_leaves_every_owner_empty(llm: LLM) -> None:
 def test_a_sampler_without_features_leaves_feature_rows_to_its_caller() -> None:
     """The hf backend's seeded draw: transformers applies the penalty, the sampler only draws."""
     from batchgen.engine.sampling.sampler import Sampler
+    from batchgen.engine.sampling.step_draw import draw_now
 
-    sampler = Sampler([0])
-    seq = Sequence(4, [1, 2], SamplingParams(temperature=1.0, seed=9, repetition_penalty=1.5))
-    assert len(sampler(torch.zeros(1, 16), [seq])) == 1 and sampler.num_seeded == 1
+    rows = SamplingBatch(torch.device("cpu"))  # no features
+    rows.add(NewSequence(4, (1, 2), SamplingParams(temperature=1.0, seed=9, repetition_penalty=1.5)))
+    assert len(draw_now(Sampler([0]), rows, torch.zeros(1, 16), [4])) == 1 and rows.num_seeded == 1

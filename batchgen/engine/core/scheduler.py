@@ -11,21 +11,24 @@ its `num_tokens`; a decode is (nearly) a chunk of one token, see `is_decode`. Ea
 The scheduler touches no tensors and no hashes; memory goes through the BlockManager.
 
 It owns every sequence (vLLM v1's split): it is the only writer of a sequence's progress and
-status, computed tokens (`advance`), output tokens (`update_from_output`), status (`finish`,
-preemption, admission), and, through the block manager, its blocks. Its output is an immutable
-ScheduledBatch (scheduler_output) that names sequences by id and carries what changed since the
-last step (new, finished, preempted, resumed) as a BatchUpdate, from which the runner side keeps
-its own state. `drop_all` forgets every sequence at once (an aborted generate).
+status, computed tokens (advanced when scheduled: a failed step aborts every sequence), output
+tokens (`update_from_output`), status (`finish`, preemption, admission), and, through the block
+manager, its blocks. A request with n > 1 forks in the step whose chunk ends its prompt: the
+prompt is prefilled once, samples 1..n-1 share its blocks (copy on write) and its logits row. Its
+output is an immutable ScheduledBatch (scheduler_output) that names sequences by id and carries
+what changed since the last step (new, finished, preempted, resumed) as a BatchUpdate, from
+which the runner side keeps its own state, and who draws from which row. `drop_all` forgets
+every sequence at once (an aborted generate).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence as Sequence_
 
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.device_defaults import require_int
-from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler_output import (
     BatchUpdate,
@@ -34,11 +37,37 @@ from batchgen.engine.core.scheduler_output import (
     ScheduledChunk,
     is_decode,
 )
-from batchgen.engine.core.sequence import Sequence, SequenceStatus
+from batchgen.engine.core.sequence import Sequence, SequenceStatus, fork_params
 
-__all__ = ["BatchUpdate", "NewSequence", "ScheduledBatch", "ScheduledChunk", "Scheduler", "is_decode"]
+__all__ = ["BatchUpdate", "NewSequence", "ScheduledBatch", "ScheduledChunk", "Scheduler", "admit_prompt", "is_decode"]
 
 logger = logging.getLogger(__name__)
+
+Forks = tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def admit_prompt(
+    bm: BlockManager, seq: Sequence, budget: int, use_cache: bool, reserve: int | None = None
+) -> int | None:
+    """The admission rule (the scheduler's, and pooling's): reuse the longest cached prefix (when
+    `use_cache`), admit only when the whole remaining prompt fits the pool now (and, with
+    `reserve`, leaves that many blocks free as well: what a caller that never preempts has
+    promised its running sequences), then allocate the first chunk, at most `budget` tokens.
+    -> that chunk's tokens, with `seq.num_computed_tokens` set to the cached ones; None: it does not fit.
+    """
+    computed, cached = bm.get_computed_blocks(seq) if use_cache else ([], 0)
+    remaining = seq.num_tokens - cached
+    # Admit only if the whole remaining prompt fits now, not just this chunk: a sequence
+    # that can only start would soon be preempted and recomputed.
+    if not bm.can_allocate(seq, remaining, computed):
+        return None
+    if reserve is not None and bm.blocks_needed(seq.num_tokens) - len(computed) + reserve > bm.num_free_blocks:
+        return None
+    n = min(remaining, budget)
+    if not bm.allocate_slots(seq, n, computed):
+        raise RuntimeError(f"seq {seq.seq_id}: allocation failed after can_allocate said it fits")
+    seq.num_computed_tokens = cached  # the matched blocks hold these tokens' K/V
+    return n
 
 
 class Scheduler:
@@ -59,6 +88,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: newest last (first to be preempted)
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, waiting or running
+        self._special: dict[int, Sequence] = {}  # prompts whose end forks (n > 1) or ends (max_tokens 0)
+        self._next_id = 0  # above every sequence id seen: forked samples take theirs from here
         self.num_preemptions = 0
         # the diff since the last update was taken (schedule() or take_update())
         self._new: list[NewSequence] = []
@@ -98,6 +129,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._seqs[seq.seq_id] = seq
+        self._next_id = max(self._next_id, seq.seq_id + 1)
+        if seq.params.n > 1 or seq.params.max_tokens == 0:
+            self._special[seq.seq_id] = seq
+
+    def new_seq_id(self) -> int:
+        """An id no sequence of this scheduler has had (a request's; its forked samples take more)."""
+        self._next_id += 1
+        return self._next_id - 1
 
     def get(self, seq_id: int) -> Sequence:
         """The unfinished sequence `seq_id` (KeyError when there is none): read it, never write it."""
@@ -117,44 +156,56 @@ class Scheduler:
     # ---------------------------------------------------------------- step
 
     def schedule(self) -> ScheduledBatch:
-        """This step's chunks, as a snapshot, with the diff since the last update. The caller calls
-        `advance(batch)`, runs them, then hands the sampled tokens to `update_from_output`."""
+        """This step's chunks, as a snapshot, with the diff since the last update and the step's
+        draws; the chunks' sequences are advanced now (their K/V is in the cache once the step has
+        run). The caller runs the batch, then hands the drawn tokens to `update_from_output`."""
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         budget = self._schedule_running(chunks, preempted, self.max_num_batched_tokens)
         if not preempted:
             # why: after a preemption the pool is under pressure; admitting now would thrash.
             self._schedule_waiting(chunks, budget)
-        copies = self.block_manager.take_copies()
-        return ScheduledBatch(tuple(chunks), tuple(copies), self.take_update())
+        seqs = self._seqs
+        for chunk in chunks:  # the only writer of computed counts, once per scheduled chunk
+            seqs[chunk.seq_id].num_computed_tokens = chunk.start + chunk.num_tokens
+        sampled = tuple(c.seq_id for c in chunks if c.needs_sample)
+        copies = tuple(self.block_manager.take_copies())
+        if self._special and any(s in self._special for s in sampled):
+            draws, rows, ends, forks = self._expand(sampled)
+            return ScheduledBatch(tuple(chunks), copies, self.take_update(), draws, rows, ends, forks)
+        return ScheduledBatch(tuple(chunks), copies, self.take_update(), sampled)
 
     def take_update(self) -> BatchUpdate:
         """The diff since the last one was taken, and a fresh one begins. schedule() takes it for its
-        batch; the engine takes it between steps when the runner must know sooner (forked samples
-        that draw in this step; the last finished sequences of a run)."""
+        batch; the engine takes it after a run's last step (the last finished sequences have no
+        next step to tell the runner)."""
         update = BatchUpdate(tuple(self._new), tuple(self._finished), tuple(self._preempted), tuple(self._resumed))
         if update:
             self._new, self._finished, self._preempted, self._resumed = [], [], [], []
         return update
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """The scheduled chunks' K/V are in the cache, or will be once this step's forward has run
-        (the engine advances before the forward, so that samples can fork before it; a failed
-        forward aborts every sequence).
+    def _expand(self, sampled: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], Forks]:
+        """The draws when a special prompt ends in this step: a parent forks (its row serves all n
+        samples, parent first); a max_tokens 0 request ends unsampled. -> (draws, their rows, ends, forks)."""
+        draws: list[int] = []
+        rows: list[int] = []
+        ends: list[int] = []
+        forks: list[tuple[int, tuple[int, ...]]] = []
+        for i, seq_id in enumerate(sampled):
+            seq = self._special.pop(seq_id, None)
+            if seq is None:
+                draws.append(seq_id)
+                rows.append(i)
+            elif seq.params.max_tokens == 0:
+                ends.append(seq_id)
+            else:
+                children = tuple(self._fork(seq, index) for index in range(1, seq.params.n))
+                forks.append((seq_id, children))
+                draws.extend((seq_id, *children))
+                rows.extend([i] * (1 + len(children)))
+        return tuple(draws), tuple(rows), tuple(ends), tuple(forks)
 
-        The scheduler is the only writer of `num_computed_tokens` (here, at admission, at preemption).
-        """
-        seqs = self._seqs
-        for chunk in batch.chunks:
-            seq = seqs[chunk.seq_id]
-            if seq.num_computed_tokens != chunk.start:
-                raise RuntimeError(
-                    f"seq {seq.seq_id}: {seq.num_computed_tokens} computed tokens but its chunk starts at "
-                    f"{chunk.start}; advance() called twice for one batch, or for a stale one?"
-                )
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
-
-    def update_from_output(self, seq_ids: list[int], tokens: list[int]) -> None:
+    def update_from_output(self, seq_ids: Sequence_[int], tokens: Sequence_[int]) -> None:
         """The step's sampled tokens: `tokens[i]` is appended to sequence `seq_ids[i]` (the sampled
         chunks' sequences in batch order, and any samples forked from them)."""
         seqs = self._seqs
@@ -165,6 +216,7 @@ class Scheduler:
         """Mark finished (or aborted), drop it from the queues and release its blocks; the runner
         hears of it in the next update."""
         seq = self._seqs.pop(seq_id)
+        self._special.pop(seq_id, None)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -172,24 +224,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq_id)
         self._finished.append(seq_id)
-
-    def fork(self, parent_id: int, child_id: int, params: SamplingParams) -> Sequence:
-        """A new sample of `parent_id`'s prompt, run from now on and sharing its KV blocks.
-
-        The parent's whole prompt is computed (advanced in this step); the child is announced as new in the next
-        update (take it before sampling: the child draws in this step).
-        """
-        parent = self._seqs[parent_id]
-        if parent.num_computed_tokens != parent.num_tokens or parent.num_output_tokens:
-            raise ValueError(f"seq {child_id} cannot fork from seq {parent_id}: its prompt is not just computed")
-        child = Sequence(child_id, list(parent.prompt_token_ids), params)
-        self.block_manager.fork(parent_id, child_id)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = SequenceStatus.RUNNING
-        self.running.append(child)
-        self._seqs[child_id] = child
-        self._new.append(NewSequence(child_id, tuple(child.prompt_token_ids), params))
-        return child
 
     def drop_all(self) -> int:
         """Forget every sequence and the whole pool state (an aborted generate); returns how many.
@@ -202,6 +236,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self._seqs.clear()
+        self._special.clear()
         self._new, self._finished, self._preempted, self._resumed = [], [], [], []
         self.block_manager.reset()
         return dropped
@@ -247,33 +282,37 @@ class Scheduler:
         logger.debug("preempted seq %d (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
     def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
-        bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.running and len(self.running) + seq.seats > self.max_num_seqs:
                 break  # why: its samples will fork into seats of their own
             # why no cache for prompt logprobs: cached positions have no logits to take them from
-            wants_logits = seq.params.prompt_logprobs is not None
-            computed, num_cached = ([], 0) if wants_logits else bm.get_computed_blocks(seq)
-            remaining = seq.num_tokens - num_cached
-            # Admit only if the whole remaining prompt fits now, not just this chunk: a sequence
-            # that can only start would soon be preempted and recomputed.
-            if not bm.can_allocate(seq, remaining, computed):
+            n = admit_prompt(self.block_manager, seq, budget, use_cache=seq.params.prompt_logprobs is None)
+            if n is None:
                 break  # keep FCFS order: nobody overtakes the head
-            n = min(remaining, budget)
-            if not bm.allocate_slots(seq, n, computed):
-                raise RuntimeError(f"seq {seq.seq_id}: allocation failed after can_allocate said it fits")
             self.waiting.popleft()
-            seq.num_computed_tokens = num_cached  # the matched blocks hold these tokens' K/V
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached  # the bill counts the first admission only
-                self._new.append(NewSequence(seq.seq_id, tuple(seq.prompt_token_ids), seq.params))
+                seq.num_cached_tokens = seq.num_computed_tokens  # the bill counts the first admission only
+                self._new.append(NewSequence(seq.seq_id, tuple(seq.prompt_token_ids), seq.params, seq.extras))
             else:
                 self._resumed.append(seq.seq_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._snapshot(seq, n))
             budget -= n
+
+    def _fork(self, parent: Sequence, index: int) -> int:
+        """Sample `index` of `parent`'s just-computed prompt, running from now on and sharing its
+        KV blocks; announced as new in this step's update (it draws in this step). -> its id."""
+        child = Sequence(self.new_seq_id(), list(parent.prompt_token_ids), fork_params(parent.params, index))
+        child.extras = parent.extras
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        self._seqs[child.seq_id] = child
+        self._new.append(NewSequence(child.seq_id, tuple(child.prompt_token_ids), child.params, child.extras))
+        return child.seq_id
 
     def _snapshot(self, seq: Sequence, n: int) -> ScheduledChunk:
         """The next `n` tokens of `seq` as a frozen chunk (its blocks must already be allocated)."""

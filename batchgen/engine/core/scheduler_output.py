@@ -1,11 +1,14 @@
-"""What the scheduler hands the rest of the engine each step: chunks and a diff, as data only.
+"""What the scheduler hands the rest of the engine each step: chunks, draws and a diff, as data only.
 
 Why a module of its own (vLLM v1's SchedulerOutput): this is the whole contract between the
 scheduler, which owns every sequence, and the runner side, which keeps its own persistent state
 (the sampling batch, the decode rows). Nothing here is a live Sequence: a chunk names its
 sequence by id and carries a snapshot of what the runner needs (tokens, positions, block table),
-and a BatchUpdate says which sequences the runner must start, stop or refill knowing, so that
-state is updated from changes, never rediscovered by comparing one step with the last.
+a BatchUpdate says which sequences the runner must start, stop or refill knowing (a new one with
+its request's extras: an adapter slot, images, rotary positions), so that state is updated from
+changes, never rediscovered by comparing one step with the last, and the draws say which
+sequences take a token from which logits row (the samples forked in this step among them).
+Everything a step needs is here when `schedule()` returns: nothing below the loop calls back up.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
 
 
 class ScheduledChunk(NamedTuple):
@@ -61,6 +65,7 @@ class NewSequence(NamedTuple):
     seq_id: int
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    extras: RequestExtras = NO_EXTRAS  # what else the runner keeps for it (see RequestExtras)
 
 
 @dataclass(frozen=True)
@@ -89,11 +94,23 @@ class BatchUpdate:
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """One step's work, immutable: the chunks in batch order, the copies to make first, and the diff."""
+    """One step's work, immutable: the chunks in batch order, the copies to make first, the diff,
+    and who draws a token from which of the sampled chunks' logits rows.
+
+    `draws` are the sequences that take a token in this step; `draw_rows[i]` is the logits row
+    (an index into `sampled`) draw i samples from, None when draw i takes row i (no fork, no
+    end). A request with n > 1 whose prompt ends in this step forks there: its samples (in
+    `forks`, new in `update`) share its blocks and its row. `ends` were scored, not sampled
+    (max_tokens 0): their requests end after the step.
+    """
 
     chunks: tuple[ScheduledChunk, ...] = ()
     copies: tuple[tuple[int, int], ...] = ()  # (source, destination) KV blocks to copy first (copy on write)
     update: BatchUpdate = BatchUpdate()
+    draws: tuple[int, ...] = ()
+    draw_rows: tuple[int, ...] | None = None
+    ends: tuple[int, ...] = ()
+    forks: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (parent, its samples forked in this step)
 
     @property
     def preempted(self) -> tuple[int, ...]:

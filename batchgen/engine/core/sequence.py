@@ -13,10 +13,40 @@ the scheduler's output, never as this object.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
-from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.api.params import SEED_MAX, SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestExtras:
+    """What a request adds to its tokens for the runner, as data that rides in the scheduler's
+    output (NewSequence), never a callback. Empty today; the places are kept for per-row adapters
+    (the slot of the request's LoRA), images (each one's content hash, for the block hashes, and the
+    positions its embeddings fill) and multi-axis rotary positions (M-RoPE: [axes][prompt tokens])."""
+
+    adapter_slot: int | None = None
+    image_hashes: tuple[bytes, ...] = ()
+    image_positions: tuple[tuple[int, int], ...] = ()  # (first position, count) per image
+    rotary_positions: tuple[tuple[int, ...], ...] = ()
+
+
+NO_EXTRAS = RequestExtras()
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed: seed + index (vLLM's rule), wrapped into 64 bits."""
+    if seed is None:
+        return None
+    value = seed + index
+    return value - (1 << 64) if value > SEED_MAX else value
+
+
+def fork_params(params: SamplingParams, index: int) -> SamplingParams:
+    """A forked sample's params: its own seed, one sample, no prompt logprobs (the parent takes them)."""
+    return dataclasses.replace(params, seed=sample_seed(params.seed, index), n=1, prompt_logprobs=None)
 
 
 class SequenceStatus(Enum):
@@ -35,6 +65,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the paged cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0
+    extras: RequestExtras = NO_EXTRAS
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

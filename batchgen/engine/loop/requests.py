@@ -2,9 +2,9 @@
 checker and logprobs) and its prompt logprobs, and the RequestOutput they become.
 
 Why apart from the step loop: a request is no longer one sequence. With `n > 1` the prompt is
-prefilled once by sample 0; when that prefill ends, the engine forks samples 1..n-1 from it
-(`fork_params`: each with its own seed, seed + i, so sample i of a seeded request draws the same
-tokens whatever runs beside it), and they share the prompt's KV blocks (BlockManager.fork).
+prefilled once by sample 0; when that prefill ends, the scheduler forks samples 1..n-1 from it
+(core/sequence.fork_params: each with its own seed, seed + i, so sample i of a seeded request
+draws the same tokens whatever runs beside it), and they share the prompt's KV blocks.
 
 This is the engine's output side (vLLM's output processor): text, stop checks, logprobs. Each
 sample reads its Sequence (owned and written by the scheduler) and never writes it; the
@@ -17,22 +17,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from batchgen.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from batchgen.engine.api.params import SEED_MAX, SamplingParams
+from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.sampling.stopping import StopChecker
-
-
-def sample_seed(seed: int | None, index: int) -> int | None:
-    """Sample `index`'s seed: seed + index (vLLM's rule), wrapped into 64 bits."""
-    if seed is None:
-        return None
-    value = seed + index
-    return value - (1 << 64) if value > SEED_MAX else value
-
-
-def fork_params(params: SamplingParams, index: int) -> SamplingParams:
-    """A forked sample's params: its own seed, one sample, no prompt logprobs (the parent takes them)."""
-    return dataclasses.replace(params, seed=sample_seed(params.seed, index), n=1, prompt_logprobs=None)
 
 
 @dataclass
@@ -74,7 +61,6 @@ class RequestState:
     params: SamplingParams
     samples: list[SampleState]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    forked: bool = False  # samples 1..n-1 exist (always true for n == 1)
 
     @property
     def parent(self) -> Sequence:
@@ -82,7 +68,9 @@ class RequestState:
 
     @property
     def done(self) -> bool:
-        return all(s.done for s in self.samples) and self.forked
+        # why the count: samples 1..n-1 come only when the prompt is prefilled (none for max_tokens 0)
+        forked = len(self.samples) == self.params.n or self.params.max_tokens == 0
+        return forked and all(s.done for s in self.samples)
 
     def store_prompt_logprobs(self, start: int, scored: list[PositionLogprobs]) -> None:
         """Logprobs of prompt tokens start+1 .. start+len(scored), scored at positions start .. (rows)."""
@@ -118,16 +106,11 @@ def _drop_token_texts(*positions: list[PositionLogprobs | None] | list[PositionL
 
 
 class RequestTable:
-    """The requests in flight, by request id and by each sample's sequence id.
-
-    `special` holds parents whose prefill end needs more than a sample: a fork (n > 1) or an end
-    (max_tokens 0); the engine looks at it only when some sampled sequence is in it.
-    """
+    """The requests in flight, by request id and by each sample's sequence id."""
 
     def __init__(self) -> None:
         self._requests: dict[int, RequestState] = {}
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
-        self.special: dict[int, RequestState] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -141,8 +124,6 @@ class RequestTable:
         """A new request, with its first sample."""
         self._requests[request.request_id] = request
         self.add_sample(request, request.samples[0])
-        if request.params.n > 1 or request.params.max_tokens == 0:
-            self.special[request.request_id] = request
 
     def add_sample(self, request: RequestState, sample: SampleState) -> None:
         if sample is not request.samples[-1]:
@@ -164,4 +145,3 @@ class RequestTable:
     def clear(self) -> None:
         self._requests.clear()
         self._by_seq.clear()
-        self.special.clear()

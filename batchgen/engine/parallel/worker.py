@@ -1,10 +1,10 @@
-"""A tensor-parallel worker (ranks 1..N-1): loads its share of the model, then replays rank 0's steps.
+"""A tensor-parallel worker (ranks 1..N-1): loads its share of the model, then runs rank 0's steps.
 
-Why replay rather than think: rank 0 alone schedules and samples; a worker only has to run the
+Why no thinking of its own: rank 0 alone schedules and samples; a worker only has to run the
 same forward over its shard so the collectives meet. It receives, over its pipe from rank 0, the
-runner's construction arguments once, then each step's frozen batch (with any scheduler diff rank
-0 applied mid-step, so its attention state moves in the same order), the diffs between steps, and
-drop-all after an aborted generate. Its logits are discarded. It exits when told to stop, when the
+runner's construction arguments once (no sampler: it keeps no sampling or grammar state), then
+each step's frozen batch, the very one rank 0 executes, the diffs between steps, and drop-all
+after an aborted generate. Its runner runs the forward and draws nothing. It exits when told to stop, when the
 pipe closes (rank 0 is gone: EOF, whatever killed it), and with an error when a step fails (a
 collective timing out included), which rank 0 sees as a dead rank.
 """
@@ -17,14 +17,12 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch
     from batchgen.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -96,25 +94,13 @@ def _serve(
             raise RuntimeError(f"rank {rank}: {kind!r} before the runner was built")
         if kind == "execute":
             fault_point("tp_rank_step")
-            _, batch, updates = message
-            runner.before_upload = _replay(runner, updates)
-            runner.execute(batch)
+            runner.execute(message[1])
         elif kind == "apply":
             runner.apply(message[1])
         elif kind == "drop":
             runner.drop_all()
         else:
             raise RuntimeError(f"rank {rank}: unknown message {kind!r}")
-
-
-def _replay(runner: ModelRunner, updates: tuple[BatchUpdate, ...]) -> Callable[[ScheduledBatch], None]:
-    """The before-upload hook of a replayed step: the diffs rank 0's engine applied at that point."""
-
-    def hook(batch: ScheduledBatch) -> None:
-        for update in updates:
-            runner.apply(update)
-
-    return hook
 
 
 if __name__ == "__main__":

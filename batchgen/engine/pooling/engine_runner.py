@@ -6,9 +6,11 @@ instead of logits.
 Why not the generate loop: a pooling request samples nothing, so it needs no sampler, stop checks
 or decode steps; what it shares with generation is admission under a token budget and the KV
 block pool (chunked prefill of long prompts, prefix reuse), and the model runner's attention path.
-The admission rule is the scheduler's (`_schedule_waiting`): match the cached prefix, admit only
-when the whole remaining prompt fits the pool, allocate chunk by chunk. Its Sequences are its
-own (never in the scheduler's queues), so it is their one writer, as the scheduler is of its own.
+The admission rule is the scheduler's own (core/scheduler.admit_prompt): match the cached prefix,
+admit only when the whole remaining prompt fits the pool, allocate chunk by chunk; here with the
+blocks its running sequences still need held back, since pooling never preempts. The forward is
+the model runner's packed one (`pool_forward`). Its Sequences are its own (never in the
+scheduler's queues), so it is their one writer, as the scheduler is of its own.
 
 Prefix cache: last-token pooling over a causal model needs only the last position's hidden
 state, and a cached prefix's K/V is exactly what that position attends to, so a shared prefix is
@@ -26,12 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.core.block_manager import BlockManager
+from batchgen.engine.core.scheduler import admit_prompt
 from batchgen.engine.core.scheduler_output import ScheduledChunk
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.pooling.poolers import PoolAccumulator
-from batchgen.engine.runner.model_runner import ModelRunner, pack_chunks
+from batchgen.engine.runner.model_runner import ModelRunner
 
 
 @dataclass
@@ -59,7 +61,6 @@ class EnginePoolingRunner:
         self.block_manager = block_manager
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
-        self.base_model = runner.model.base_model  # the decoder stack without its LM head
         self._ids = itertools.count(1 << 40)  # why far off: never an id the generate loop hands out
         self._params = SamplingParams(max_tokens=0)
 
@@ -112,31 +113,25 @@ class EnginePoolingRunner:
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             index = waiting[0]
             seq = Sequence(next(self._ids), list(prompts[index]), self._params)
-            computed, cached = bm.get_computed_blocks(seq) if method == "last" else ([], 0)
-            remaining = seq.num_tokens - cached
-            if not self._fits(seq, remaining, computed, running):
+            admitted = admit_prompt(bm, seq, budget, use_cache=method == "last", reserve=self._promised(running))
+            if admitted is None:
                 if running or chunks:
                     break  # wait for running sequences to free blocks (FCFS: nobody overtakes)
                 waiting.popleft()
                 results[index] = PooledResult(None, error=f"prompt of {seq.num_tokens} tokens does not fit the KV pool")
                 continue
-            n = min(remaining, budget)
-            bm.allocate_slots(seq, n, computed)
             waiting.popleft()
-            seq.num_computed_tokens = cached
-            r = _Running(index, seq, PoolAccumulator(method, seq.num_tokens), cached)
+            r = _Running(index, seq, PoolAccumulator(method, seq.num_tokens), seq.num_computed_tokens)
             running.append(r)
-            chunks.append((r, n))
-            budget -= n
+            chunks.append((r, admitted))
+            budget -= admitted
         return chunks
 
-    def _fits(self, seq: Sequence, remaining: int, computed: list[int], running: list[_Running]) -> bool:
-        """Whether `seq`'s whole remaining prompt fits now, leaving the blocks running sequences
-        still need for their later chunks (so no running sequence ever waits on a block)."""
+    def _promised(self, running: list[_Running]) -> int:
+        """Blocks running sequences still need for their later chunks (held back: no running
+        sequence ever waits on a block, since pooling never preempts)."""
         bm = self.block_manager
-        promised = sum(bm.blocks_needed(r.seq.num_tokens) - len(bm.block_table(r.seq.seq_id)) for r in running)
-        fresh = bm.blocks_needed(seq.num_tokens) - len(computed)
-        return bm.can_allocate(seq, remaining, computed) and fresh + promised <= bm.num_free_blocks
+        return sum(bm.blocks_needed(r.seq.num_tokens) - len(bm.block_table(r.seq.seq_id)) for r in running)
 
     def _run(self, scheduled: list[tuple[_Running, int]], running: list[_Running]) -> None:
         """One packed forward of the chunks; each chunk's hidden states go to its accumulator."""
@@ -147,26 +142,12 @@ class EnginePoolingRunner:
             ids = tuple(r.seq.token_ids[start : start + n])
             done = start + n == r.seq.num_tokens
             snapshots.append(ScheduledChunk(r.seq.seq_id, start, ids, table, done, False, 0, r.seq.num_tokens))
-        hidden, ends = self._forward(snapshots)  # [T, H], each chunk's end in the packed row
+        hidden, ends = self.runner.pool_forward(snapshots)  # [T, H], each chunk's end in the packed row
         for (r, n), end in zip(scheduled, ends):
             r.acc.add(r.seq.num_computed_tokens, hidden[end - n : end])
             r.seq.num_computed_tokens += n
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
-        """The base model over the packed chunks -> (hidden states [T, H], each chunk's packed end)."""
-        runner = self.runner
-        runner.threads.tick()
-        runner.transfers.begin_step()
-        ctx, positions, order = runner.backend.plan(chunks, runner.transfers, None)
-        token_ids, ends = pack_chunks(chunks, order)
-        input_ids = runner.transfers.stage(int64_tensor(token_ids))  # [T]
-        runner.transfers.upload()
-        with torch.inference_mode(), runner.backend.running(ctx):
-            out = self.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-        runner.check_attention_calls(ctx)
-        return out.last_hidden_state[0], ends  # [T, H]
-
     def _release(self, r: _Running) -> None:
         """Blocks back to the pool (their hashes stay for reuse), the backend's rows too."""
         self.block_manager.free(r.seq.seq_id)
-        self.runner.backend.release([r.seq.seq_id])
+        self.runner.release([r.seq.seq_id])

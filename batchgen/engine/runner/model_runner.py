@@ -1,23 +1,20 @@
-"""ModelRunner: owns the HF model, the paged KV pool and the attention backend; runs one packed forward per step.
+"""ModelRunner: owns the HF model, the paged KV pool, the attention backend and the sampler; runs a step.
 
-It packs every scheduled chunk into one [1, T] row as its attention backend plans the step
-(decodes first, in the order their K/V source planned them), runs the unchanged HF model, whose
-attention modules are bound to that backend (attention/interface), and returns float32 logits
-only for the chunks that need a sample, in batch order. It reads the scheduler's frozen chunks,
-never live sequence state, and decides nothing: what runs, and when, is the scheduler's
-business. The step's metadata is staged in the runner's Transfers and sent in one upload (see
-transfers), with what the engine stages for the step's draw (its `before_upload` hook); the
-forward runs through StepForward (eager or compiled, tokens padded to a multiple of 8 when
-compiled), and on CUDA with compile and the triton backend, decode-only steps replay the CUDA
-graph of their batch-size bucket, every one captured when the runner is made (cuda/graphs).
-Which backend, and the model's device kernels, come from
-runner/backends.
+A step is one call down and one result back (vLLM v1): `execute(batch)` takes the scheduler's
+frozen ScheduledBatch and returns a ModelRunnerOutput; nothing it calls calls back up. It applies
+the batch's diff to its persistent state, stages the forward's metadata and the draw's inputs
+(sampling/step_draw) for one upload, packs every chunk into one [1, T] row in the order its
+attention backend plans, runs the unchanged HF model (its attention bound to that backend:
+attention/interface), keeps float32 logits only for the sampled chunks and prompt-logprob
+positions, draws, and reads everything back in one copy. It decides nothing: what runs, and who
+draws from which row, is the scheduler's business. The forward runs through StepForward (eager
+or compiled); on CUDA with compile and the triton backend, decode-only steps replay the CUDA
+graph of their batch-size bucket (cuda/graphs). Pooling runs the same packed forward
+(`pool_forward`) and gets the base model's hidden states.
 
-It keeps the runner side's persistent state, updated only from the scheduler's diffs (`apply`,
-which `execute` runs first): the sampling batch (`batch`, per-row sampling state the engine's
-sampler reads) and the attention backend's per-sequence state (decode rows), released when their
-sequences finish or are preempted. `drop_all` drops both, and zeroes the pool, after an aborted
-generate.
+Persistent state, updated only from the scheduler's diffs: the sampling rows (`batch`, with the
+sampler; a runner made without one, a tensor-parallel worker's or the memory profile's, only
+runs the forward) and the backend's decode rows. `drop_all` drops both and zeroes the pool.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.decode_kv import padded_tables
 from batchgen.engine.attention.interface import bind_layers
 from batchgen.engine.attention.kv_store import pool_blocks
@@ -43,12 +41,15 @@ from batchgen.engine.attention.path import (
 )
 from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
+from batchgen.engine.core.runner_output import EMPTY_OUTPUT, ModelRunnerOutput
 from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch, ScheduledChunk
 from batchgen.engine.cuda.graphs import GraphDecode
 from batchgen.engine.runner.backends import make_backend, prepare_model, resolve_backend, step_hook_for
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
 from batchgen.engine.sampling.batch import SamplingBatch
+from batchgen.engine.sampling.sampler import Sampler
+from batchgen.engine.sampling.step_draw import finish_draw, prepare_draw
 from batchgen.engine.staging.transfers import Transfers
 
 logger = logging.getLogger(__name__)
@@ -81,10 +82,12 @@ class ModelRunner:
         compile_fallback: bool = False,
         cuda_graphs: bool | None = None,
         native_linears: bool = True,
+        sampler: Sampler | None = None,
     ) -> None:
         """`cuda_graphs`: decode steps replay graphs captured now, where the device and the backend
         allow (CUDA, a backend that reads the pool in place); None: with `compile`. `native_linears`:
-        the CPU's measured linear kernels may be routed in (runner/backends.prepare_model)."""
+        the CPU's measured linear kernels may be routed in (runner/backends.prepare_model).
+        `sampler`: the step's draws (None: a runner that only runs the forward)."""
         self.model = model
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
@@ -112,9 +115,9 @@ class ModelRunner:
         self.transfers = Transfers(device)
         self.decode_kv = self.backend.decode_kv
         self.decode_kv.stage = self.transfers.stage  # type: ignore[attr-defined]
-        self.batch = SamplingBatch(device, transfers=self.transfers)  # its inputs ride in the step's upload
-        # set by the engine: called once the step's diff is applied, before its one upload
-        self.before_upload: Callable[[ScheduledBatch], None] | None = None
+        self.sampler = sampler
+        # the rows' sampling state; its inputs ride in the step's upload
+        self.batch = SamplingBatch(device, sampler.features, self.transfers) if sampler is not None else None
         self.native_linears = prepare_model(model, device, dtype) if native_linears else 0
         self.threads = step_hook_for(device)  # on the CPU: torch's threads follow the machine's load
         self.forward = StepForward(
@@ -143,41 +146,79 @@ class ModelRunner:
             self.backend.describe(),
         )
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """One forward over the batch -> float32 logits [num sampled chunks + prompt-logit rows, vocab]:
-        the sampled chunks' last positions in batch order, then each chunk's `prompt_logits` first
-        positions (chunks in batch order)."""
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """One step: the diff applied, the draw's inputs staged, one upload, one forward over the
+        chunks, the draw, one read. Without a sampler, the forward alone (an empty output)."""
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
         self.threads.tick()
         self.transfers.begin_step()
-        self.apply(batch.update)
+        self._apply(batch.update)
         self.copy_blocks(batch.copies)  # copy-on-write of forked samples' shared last block, before any write
-        if self.before_upload is not None:
-            self.before_upload(batch)  # the engine stages what the step's draw needs: it rides in this upload
+        draw = None
+        if self.sampler is not None and self.batch is not None:
+            draw = prepare_draw(batch, self.batch, self.sampler, self.transfers)  # rides in this step's upload
+        logits, num_sampled = self._logits(chunks)
+        if draw is None or self.sampler is None:
+            return EMPTY_OUTPUT
+        return finish_draw(draw, logits, num_sampled, self.sampler, self.transfers)
+
+    def _logits(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, int]:
+        """The upload and the forward -> (float32 logits [num sampled chunks + prompt-logit rows, vocab],
+        the number of sampled chunks): the sampled chunks' last positions in batch order, then each
+        chunk's `prompt_logits` first positions (chunks in batch order)."""
         if self.graphs is not None and all(c.is_decode for c in chunks):  # pragma: no cover - CUDA only
             logits = self._graph_decode(chunks)
             if logits is not None:
-                return logits
+                return logits, len(chunks)
         padded = self.forward.padded_tokens(sum(c.num_tokens for c in chunks))
-        ctx, positions, order = self.backend.plan(chunks, self.transfers, padded)
-        token_ids, packed_end = pack_chunks(chunks, order)
+        ctx, input_ids, positions, packed_end = self._pack(chunks, padded)
         keep = [packed_end[i] - 1 for i, c in enumerate(chunks) if c.needs_sample]
+        num_sampled = len(keep)
         for i, c in enumerate(chunks):
             if c.prompt_logits:  # prompt_logprobs: positions start .. start + prompt_logits - 1
                 first = packed_end[i] - c.num_tokens
                 keep.extend(range(first, first + c.prompt_logits))
         num_keep = len(keep)
-        token_ids.extend([0] * (padded - len(token_ids)))
         keep.extend([0] * (self.forward.padded_rows(num_keep) - num_keep))
-        input_ids = self.transfers.stage(int64_tensor(token_ids))  # [T]
         keep_idx = self.transfers.stage(int64_tensor(keep))  # [num sampled + prompt-logit rows (+ padding)]
         self.transfers.upload()
         with torch.inference_mode(), self.backend.running(ctx):
             logits = self.forward(input_ids, positions, keep_idx)
         self.check_attention_calls(ctx)
-        return logits[:num_keep].float()  # [num sampled + prompt-logit rows, vocab]
+        return logits[:num_keep].float(), num_sampled  # [num sampled + prompt-logit rows, vocab]
+
+    def _pack(
+        self, chunks: Sequence[ScheduledChunk], padded: int | None
+    ) -> tuple[ForwardContext, torch.Tensor, torch.Tensor, list[int]]:
+        """The one packed-forward entry of generation and pooling: the backend plans the step and
+        the chunks' tokens are packed in its order, staged for the upload -> (its context, input ids
+        [T] (padded to `padded`), positions [T], each chunk's end in the packed row)."""
+        ctx, positions, order = self.backend.plan(chunks, self.transfers, padded)
+        token_ids, packed_end = pack_chunks(chunks, order)
+        if padded is not None:
+            token_ids.extend([0] * (padded - len(token_ids)))
+        return ctx, self.transfers.stage(int64_tensor(token_ids)), positions, packed_end
+
+    def pool_forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+        """Pooling's step: the base model (no LM head) over the packed chunks, eager -> (hidden
+        states [T, H], each chunk's end in the packed row)."""
+        self.threads.tick()
+        self.transfers.begin_step()
+        ctx, input_ids, positions, ends = self._pack(chunks, None)
+        self.transfers.upload()
+        with torch.inference_mode(), self.backend.running(ctx):
+            out = self.model.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        self.check_attention_calls(ctx)
+        return out.last_hidden_state[0], ends  # [T, H]
+
+    def check_request(self, seq_id: int, params: SamplingParams) -> str | None:
+        """Why the sampler cannot serve a request's logits features (ids, grammar), or None."""
+        features = self.sampler.features if self.sampler is not None else None
+        if features is None or not params.uses_logits_features:
+            return None
+        return features.check(seq_id, params)
 
     def check_attention_calls(self, ctx: ForwardContext) -> None:
         """A forward must have run batchgen's attention once per layer (else K/V went unwritten)."""
@@ -223,15 +264,23 @@ class ModelRunner:
         self.transfers.on_upload(copy)
 
     def apply(self, update: BatchUpdate) -> None:
+        """A diff taken between steps (the last finished sequences of a run); a step's own comes in its batch."""
+        self._apply(update)
+
+    def _apply(self, update: BatchUpdate) -> None:
         """The scheduler's diff: finished and preempted sequences release their decode rows (a
         preempted one's K/V is recomputed, so its row is refilled) and finished ones their sampling
         rows; new ones get sampling rows."""
         if not update:
             return
-        self.batch.apply(update)
-        released = update.released
-        if released:
-            self.backend.release(released)
+        if self.batch is not None:
+            self.batch.apply(update)
+        if update.released:
+            self.release(update.released)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        """The attention backend forgets these sequences (their decode rows)."""
+        self.backend.release(seq_ids)
 
     def drop_all(self) -> None:
         """After an aborted generate: zero the pool, drop the sampling batch and the backend's sequences.
@@ -243,4 +292,5 @@ class ModelRunner:
             k.zero_()
             v.zero_()
         self.backend.reset()
-        self.batch.clear()
+        if self.batch is not None:
+            self.batch.clear()

@@ -15,13 +15,15 @@ dictionaries of their own, released one by one. Here one object holds all of it,
     penalized rows own a slot of device-side token history (sampling/penalty_state);
   * sampled tokens advance the host state (`accept`, after the step's one read): output counts for
     min_tokens, and each FeatureRow's tail and grammar matcher.
-The ModelRunner owns one (its `batch`); the sampler and LogitsFeatures read it, never a Sequence.
+  * a row that asks for prompt logprobs keeps its prompt, the targets they score (`prompt`).
+The ModelRunner owns one (its `batch`) with the sampler; the sampler and LogitsFeatures read it,
+never a Sequence.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +46,7 @@ class SamplingStep:
     step's own (staged each step by Sampler.prepare), as are the feature plan's bans and masks.
     """
 
-    seq_ids: list[int]
+    seq_ids: tuple[int, ...]
     rows: list[int]  # each one's row in the batch
     sample_rows: list[int]  # step rows that sample (not greedy), ascending
     params: torch.Tensor | None  # [len(sample_rows), 4] on the device (see _PARAMS); None: all greedy
@@ -83,9 +85,10 @@ class SamplingBatch:
         self, device: torch.device, features: LogitsFeatures | None = None, transfers: Transfers | None = None
     ) -> None:
         """`transfers`: where the rows' device inputs are staged (the runner's Transfers; a test may
-        swap it); by default one of the batch's own, for callers that upload themselves."""
+        swap it); by default one of the batch's own, for callers that upload themselves.
+        `features`: needed only by rows that use one (none: such rows draw without them)."""
         self.device = device
-        self.features = features  # set by the engine; needed only by rows that use a feature
+        self.features = features
         self.transfers: Transfers = transfers if transfers is not None else Transfers(device)
         self._row_of: dict[int, int] = {}
         self._free: list[int] = []  # rows left by finished sequences, taken first (lowest first)
@@ -94,6 +97,7 @@ class SamplingBatch:
         self._generators: list[torch.Generator | None] = []
         self._features: list[FeatureRow | None] = []
         self._num_output: list[int] = []  # tokens accepted per row (min_tokens)
+        self._prompts: dict[int, tuple[int, ...]] = {}  # by seq id, of the rows that score their prompt
         self._last: SamplingStep | None = None  # the last step's view, reused while nothing changes
 
     # ------------------------------------------------------------- the diff
@@ -132,8 +136,10 @@ class SamplingBatch:
             generator.manual_seed(int(p.seed))
             self._generators[row] = generator
         self._features[row] = None
+        if p.prompt_logprobs is not None:
+            self._prompts[new.seq_id] = new.prompt_token_ids
         # why only with features: a caller without them (the hf backend's seeded draw) processes
-        # the logits itself, and the engine always sets them
+        # the logits itself; an engine's runner always has them
         if p.uses_logits_features and self.features is not None:
             self._features[row] = self.features.row(new.seq_id, new.prompt_token_ids, p, self.device, self.transfers)
         self._last = None
@@ -145,6 +151,7 @@ class SamplingBatch:
             row = self._row_of.pop(seq_id, None)
             if row is None:
                 continue
+            self._prompts.pop(seq_id, None)
             feature = self._features[row]
             if feature is not None and self.features is not None:
                 self.features.release(feature)
@@ -175,13 +182,14 @@ class SamplingBatch:
 
     # --------------------------------------------------------------- a step
 
-    def step(self, seq_ids: list[int]) -> SamplingStep:
+    def step(self, seq_ids: Sequence[int]) -> SamplingStep:
         """The view of these rows (in this order), staged for the next upload; the last one when it
         was for the same ids and no row changed (its kept tensors are on the device already)."""
         last = self._last
-        if last is not None and last.seq_ids == seq_ids:
+        ids = tuple(seq_ids)  # why a tuple: the scheduler's draws are one, so this costs nothing
+        if last is not None and last.seq_ids == ids:
             return last
-        self._last = self._build(list(seq_ids))
+        self._last = self._build(ids)
         return self._last
 
     def accept(self, step: SamplingStep, tokens: list[int]) -> None:
@@ -208,11 +216,12 @@ class SamplingBatch:
                 out.append((i, p.stop_token_ids))
         return out
 
-    def set_num_output(self, seq_id: int, count: int) -> None:
-        """For a caller that tracks tokens itself (Sampler.__call__): the row's output count."""
-        self._num_output[self._row_of[seq_id]] = count
+    def prompt(self, seq_id: int) -> tuple[tuple[int, ...], int]:
+        """The prompt of a row that asked for prompt logprobs, and its K."""
+        p = self._params[self._row_of[seq_id]]
+        return self._prompts[seq_id], int(p.prompt_logprobs or 0) if p is not None else 0
 
-    def _build(self, seq_ids: list[int]) -> SamplingStep:
+    def _build(self, seq_ids: tuple[int, ...]) -> SamplingStep:
         rows = [self._row_of[s] for s in seq_ids]
         params: list[SamplingParams] = [self._params[r] for r in rows]  # type: ignore[misc]  # live rows
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -9,7 +9,8 @@ do not depend on the batch it shares a step with. Every per-row input (parameter
 feature state, output counts) comes from a SamplingStep, the runner's SamplingBatch's view of
 the step's rows (sampling/batch); what a step adds of its own (min_tokens masks, bans, grammar
 bitmasks) is staged by `prepare` before the forward, so it rides in the step's one upload.
-The ids stay on the device: the engine reads them, with the NaN flag and logprobs, in one read.
+The ids stay on the device: the runner reads them, with the NaN flag and logprobs, in one read
+(sampling/step_draw).
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from batchgen.engine.core.scheduler_output import NewSequence
-from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.sampling.batch import SamplingBatch, SamplingStep
+from batchgen.engine.sampling.batch import SamplingStep
 from batchgen.engine.sampling.penalties import LogitsFeatures
 
 logger = logging.getLogger(__name__)
@@ -40,46 +39,19 @@ class Sampler:
     """
 
     def __init__(
-        self, eos_token_ids: Iterable[int], seed: int | None = None, fast_greedy: FastGreedy | None = None
+        self,
+        eos_token_ids: Iterable[int],
+        seed: int | None = None,
+        fast_greedy: FastGreedy | None = None,
+        features: LogitsFeatures | None = None,
     ) -> None:
-        """`fast_greedy`: the device's own greedy pass, where it has one (see greedy_ids)."""
+        """`fast_greedy`: the device's own greedy pass, where it has one (see greedy_ids).
+        `features`: penalties, biases, bans, grammars (sampling/penalties); the rows hold their state."""
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
         self.fast_greedy = fast_greedy
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
-        # penalties, biases, bans, grammars (batchgen/engine/sampling/penalties.py); rows hold their state
-        self.features: LogitsFeatures | None = None
-        self._own: SamplingBatch | None = None  # __call__'s rows (and their Transfers), for callers without a runner
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row of `logits` (row i belongs to seqs[i]), for callers that keep their own
-        Sequences (tests, the hf backend): a sequence seen for the first time gets a row, kept until
-        `release`, and its output count is read from it. `logits` is not modified."""
-        batch = self._own
-        if batch is None:
-            batch = self._own = SamplingBatch(logits.device, self.features)
-        transfers = batch.transfers
-        transfers.begin_step()
-        for seq in seqs:
-            if seq.seq_id not in batch:
-                batch.add(NewSequence(seq.seq_id, tuple(seq.prompt_token_ids), seq.params))
-            batch.set_num_output(seq.seq_id, seq.num_output_tokens)
-        step = batch.step([s.seq_id for s in seqs])
-        self.prepare(step, logits.shape[-1])
-        transfers.upload()
-        tokens: list[int] = transfers.read("sampled_ids", self.sample_ids(logits, step))[0]  # type: ignore[assignment]
-        batch.accept(step, tokens)
-        return tokens
-
-    def release(self, seq_id: int) -> None:
-        """Forget a sequence __call__ has seen (its generator too); a no-op for unknown ones."""
-        if self._own is not None:
-            self._own.remove([seq_id])
-
-    @property
-    def num_seeded(self) -> int:
-        """__call__'s rows that hold a generator (for tests and leak checks)."""
-        return self._own.num_seeded if self._own is not None else 0
+        self.features = features
 
     def prepare(self, step: SamplingStep, vocab: int | None = None) -> None:
         """Before the step's upload: stage what this step's draw needs of its own (the min_tokens

@@ -1,0 +1,141 @@
+"""A step's draw, planned before the forward and read back in ONE device->host copy.
+
+Why a module: on a GPU every read of a device value is a host sync, and features used to add
+their own (logprobs read their values, ranks and top-K one by one, prompt logprobs again, a
+prompt-only step its NaN flag). The model runner, which owns the sampler and the per-row
+sampling state, calls `prepare_draw` once the step's diff is applied and before its one upload:
+which rows draw (forked samples share their parent's row: the scheduler's `draw_rows`), their
+sampling view, the sampler's own inputs (min_tokens masks, bans, grammar bitmasks) and the prompt
+tokens to score are staged so they ride in that upload. After the forward `finish_draw` computes
+on the device everything the host needs (the drawn ids, the NaN flag, every logprob value, rank
+and top-K id), reads it in one `Transfers.read`, advances the rows' host state with the tokens,
+and returns the step's ModelRunnerOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.core.runner_output import EMPTY_OUTPUT, LogprobLists, ModelRunnerOutput, PromptLogprobLists
+from batchgen.engine.core.scheduler_output import ScheduledBatch
+from batchgen.engine.sampling.batch import SamplingBatch, SamplingStep
+from batchgen.engine.sampling.logprobs import raw_logprobs, score
+from batchgen.engine.sampling.sampler import Sampler
+from batchgen.engine.staging.transfers import Transfers
+
+
+@dataclass
+class PromptRows:
+    """A step's prompt-logprob rows (the logits after the sampled ones): per chunk (its sequence,
+    its first position, its rows), each row's target prompt token and K."""
+
+    chunks: list[tuple[int, int, int]]
+    targets: list[int]
+    ks: list[int]
+    staged: torch.Tensor  # targets on the device [rows]
+
+
+@dataclass
+class StepDraw:
+    """What was staged before the upload for the step's draw and scoring."""
+
+    step: SamplingStep | None  # the drawing rows' sampling state; None: nothing draws
+    rows: torch.Tensor | None  # [len(draws)] the logits row each draws from; None: rows 0.. in order
+    prompt: PromptRows | None
+
+
+def prepare_draw(batch: ScheduledBatch, rows: SamplingBatch, sampler: Sampler, transfers: Transfers) -> StepDraw:
+    """Stage the draw's inputs (the step's diff must be applied to `rows` already)."""
+    step = None
+    if batch.draws:
+        step = rows.step(batch.draws)  # kept while the batch is unchanged
+        sampler.prepare(step)
+    staged = None if batch.draw_rows is None else transfers.stage(torch.tensor(batch.draw_rows, dtype=torch.int64))
+    return StepDraw(step, staged, _prompt_rows(batch, rows, transfers))
+
+
+def _prompt_rows(batch: ScheduledBatch, rows: SamplingBatch, transfers: Transfers) -> PromptRows | None:
+    """Targets and K of each prompt-logprob row: row j of a chunk starting at `start` predicts prompt
+    token start + j + 1."""
+    chunks = [(c.seq_id, c.start, c.prompt_logits) for c in batch.chunks if c.prompt_logits]
+    if not chunks:
+        return None
+    targets: list[int] = []
+    ks: list[int] = []
+    for seq_id, start, count in chunks:
+        prompt, k = rows.prompt(seq_id)
+        targets.extend(prompt[start + 1 : start + 1 + count])
+        ks.extend([k] * count)
+    staged = transfers.stage(torch.tensor(targets, dtype=torch.int64))
+    return PromptRows(chunks, targets, ks, staged)
+
+
+def finish_draw(
+    draw: StepDraw, logits: torch.Tensor, num_sampled: int, sampler: Sampler, transfers: Transfers
+) -> ModelRunnerOutput:
+    """Draw, score logprobs and read it all back in one copy. `logits`: [num_sampled + prompt rows, V]."""
+    step = draw.step
+    sampled_rows = logits[:num_sampled]
+    drawn = sampled_rows if draw.rows is None else sampled_rows.index_select(0, draw.rows)
+    # the NaN check covers every row; the sampler's own check covers the rows it is given
+    sees_all = step is not None and draw.rows is None and num_sampled == logits.shape[0]
+    nan = logits.amax().isnan() if logits.shape[0] and not sees_all else None
+    head: list[torch.Tensor] = []
+    logprobs: list[torch.Tensor] = []
+    if step is not None:
+        # why before the sampler: logprobs are of the raw distribution, whatever the sampler does
+        raw = raw_logprobs(drawn, step.logprobs.index) if step.logprobs is not None else None
+        if nan is None:
+            ids, nan = sampler.sample_ids_and_nan(drawn, step)
+        else:
+            ids = sampler.sample_ids(drawn, step)
+        head = [ids, nan]
+        if raw is not None and step.logprobs is not None:
+            index = step.logprobs.index
+            logprobs = score(raw, ids if index is None else ids[index], step.logprobs.ks)
+    elif nan is not None:
+        head = [nan]
+    if not head:
+        return EMPTY_OUTPUT
+    prompt: list[torch.Tensor] = []
+    if draw.prompt is not None:
+        scored = raw_logprobs(logits[num_sampled:])  # [prompt rows, V]
+        prompt = score(scored, draw.prompt.staged, draw.prompt.ks)
+    # why one read: the NaN flag and every logprob come back with the drawn ids, one host sync per step
+    values = transfers.read("sampled_ids" if step is not None else "nan_flag", *head, *logprobs, *prompt)
+    rest = values[len(head) :]
+    nan_flag = bool(values[len(head) - 1][0])
+    if step is None:
+        return ModelRunnerOutput(nan=nan_flag, prompt_logprobs=_prompt_lists(draw.prompt, rest))
+    tokens: list[int] = values[0]  # type: ignore[assignment]
+    batch = step.batch
+    batch.accept(step, tokens)  # min_tokens counts, bad-word tails and grammar matchers advance
+    lists = None
+    if step.logprobs is not None and logprobs:
+        asked = step.logprobs.rows
+        lists = LogprobLists(asked, step.logprobs.ks, [tokens[i] for i in asked], rest[: len(logprobs)])
+    done = frozenset(s for s in step.seq_ids if batch.terminated(s)) if step.grammars else frozenset()
+    return ModelRunnerOutput(tokens, nan_flag, lists, _prompt_lists(draw.prompt, rest[len(logprobs) :]), done)
+
+
+def _prompt_lists(prompt: PromptRows | None, read: list) -> PromptLogprobLists | None:
+    if prompt is None:
+        return None
+    rows = list(range(len(prompt.targets)))
+    return PromptLogprobLists(prompt.chunks, LogprobLists(rows, prompt.ks, prompt.targets, read))
+
+
+def draw_now(sampler: Sampler, rows: SamplingBatch, logits: torch.Tensor, seq_ids: list[int]) -> list[int]:
+    """One draw outside an engine step (the hf backend's seeded rows, tests): `logits` row i is
+    `seq_ids[i]`'s (each must have a row). The same path as a step's: staged, uploaded, drawn, read
+    once; the rows' state advances with the tokens. `logits` is not modified."""
+    transfers = rows.transfers
+    transfers.begin_step()
+    step = rows.step(seq_ids)
+    sampler.prepare(step, logits.shape[-1])
+    transfers.upload()
+    tokens: list[int] = transfers.read("sampled_ids", sampler.sample_ids(logits, step))[0]  # type: ignore[assignment]
+    rows.accept(step, tokens)
+    return tokens

@@ -28,7 +28,6 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.runner_output import ModelRunnerOutput, PromptLogprobLists
 from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
 from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.loop.generate_loop import run_to_completion
 from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState
 from batchgen.engine.loop.stats import EngineStats
 from batchgen.engine.runner.model_runner import ModelRunner
@@ -211,8 +210,32 @@ class Engine:
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         try:
-            return run_to_completion(self, prompts, params, on_output, texts or [None] * len(prompts))
+            return self._run(prompts, params, on_output, texts or [None] * len(prompts))
         except BaseException:
             # why BaseException: a KeyboardInterrupt mid-step orphans requests just the same
             self.abort_all()
             raise
+
+    def _run(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        on_output: Callable[[RequestOutput], None] | None,
+        texts: list[str | None],
+    ) -> list[RequestOutput]:
+        """Add every prompt, step until all are answered; each output's request_id becomes its index."""
+        position = {str(self.add_request(p, sp, t)): i for i, (p, sp, t) in enumerate(zip(prompts, params, texts))}
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        while self.has_unfinished():
+            for output in self.step():
+                index = position.get(output.request_id)
+                if index is None:
+                    continue  # a request added outside this call
+                output.request_id = str(index)
+                results[index] = output
+                if on_output is not None:
+                    on_output(output)
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"the engine stopped with requests {missing[:10]} unanswered")
+        return results  # type: ignore[return-value]

@@ -39,3 +39,21 @@ def test_a_byte_order_mark_is_skipped_in_csv_and_jsonl(tmp_path: Path, tiny_mode
     assert code == 0, output
     rows = _table(tmp_path / "jsonl" / "out").select(["id", "error_code"]).to_pylist()
     assert rows == [{"id": "a", "error_code": None}, {"id": "b", "error_code": None}]
+
+
+def test_a_numeric_column_typed_int_in_one_csv_and_double_in_another_is_widened(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.csv").write_text("id,prompt,temp,n\n1,the cat,0,7\n2,the sun,1,8\n")
+    (tmp_path / "in" / "b.csv").write_text("id,prompt,temp,n\n3,the dog,0.5,9.5\n")
+    keys = {"format": "csv", "sampling_columns": {"temperature": "temp"}}
+    code, output = _run(tmp_path, tiny_model_dir, tmp_path / "in", **keys)
+    assert code == 0, output
+    table = _table(tmp_path / "out")
+    assert table.schema.field("temp").type == pa.float64() and table.schema.field("n").type == pa.float64()
+    assert table.select(["id", "temp", "n", "error_code"]).to_pylist() == [
+        {"id": 1, "temp": 0.0, "n": 7.0, "error_code": None},
+        {"id": 2, "temp": 1.0, "n": 8.0, "error_code": None},
+        {"id": 3, "temp": 0.5, "n": 9.5, "error_code": None},
+    ]

@@ -190,13 +190,22 @@ _FAMILIES = (
 def common_type(types: list[pa.DataType]) -> pa.DataType | None:
     """The one type a column has across files: the type itself when all are equal; for a mix of
     string-like (or of binary-like) variants the large one, which holds every value of the others;
-    None when the types differ otherwise."""
+    for a mix of numbers int64 (integers only) or double (any floating point: a CSV or JSONL file
+    whose column holds whole numbers next to one whose column holds decimals); None otherwise."""
     if all(t == types[0] for t in types):
         return types[0]
     for members, widest in _FAMILIES:
         if all(any(member(t) for member in members) for t in types):
             return widest
-    return None
+    return _common_number(types)
+
+
+def _common_number(types: list[pa.DataType]) -> pa.DataType | None:
+    if not all(pa.types.is_integer(t) or pa.types.is_floating(t) for t in types):
+        return None
+    if any(pa.types.is_floating(t) for t in types):
+        return pa.float64()
+    return None if any(t == pa.uint64() for t in types) else pa.int64()  # why: uint64 does not fit int64
 
 
 def column_field(files: list[InputFile], column: str) -> pa.Field:

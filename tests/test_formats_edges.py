@@ -57,3 +57,33 @@ def test_a_numeric_column_typed_int_in_one_csv_and_double_in_another_is_widened(
         {"id": 2, "temp": 1.0, "n": 8.0, "error_code": None},
         {"id": 3, "temp": 0.5, "n": 9.5, "error_code": None},
     ]
+
+
+def test_text_inputs_with_no_rows_give_one_empty_part(tmp_path: Path, tiny_model_dir: Path) -> None:
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "blank.jsonl").write_bytes(b"\n  \n\n")
+    (tmp_path / "header.csv").write_text("id,prompt\n")
+    for name in ("empty.jsonl", "blank.jsonl", "header.csv"):
+        code, output = _run(tmp_path / name.replace(".", "_"), tiny_model_dir, tmp_path / name)
+        assert code == 0, (name, output)
+        out = tmp_path / name.replace(".", "_") / "out"
+        assert sorted(p.name for p in out.glob("part-*")) == ["part-000000.parquet"]
+        table = _table(out)
+        assert table.num_rows == 0 and {"id", "prompt", "generated_text"} <= set(table.column_names)
+
+
+def test_an_empty_file_beside_others_neither_lacks_columns_nor_changes_types(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    for kind, rows in (("jsonl", '{"id": 1, "prompt": "the cat", "n": 3}\n'), ("csv", "id,prompt,n\n1,the cat,3\n")):
+        folder = tmp_path / kind / "in"
+        folder.mkdir(parents=True)
+        (folder / f"a.{kind}").write_text("" if kind == "jsonl" else "id,prompt,n\n")
+        (folder / f"b.{kind}").write_text(rows)
+        code, output = _run(tmp_path / kind, tiny_model_dir, folder, format=kind)
+        assert code == 0, (kind, output)
+        table = _table(tmp_path / kind / "out")
+        assert table.select(["id", "prompt", "n", "error_code"]).to_pylist() == [
+            {"id": 1, "prompt": "the cat", "n": 3, "error_code": None}
+        ]
+        assert table.schema.field("n").type == pa.int64()

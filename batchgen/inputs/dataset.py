@@ -165,13 +165,26 @@ def open_objects(
     return [opener(f"{scheme}://{p}", key, fs, p) for p, key in found]
 
 
+def with_rows(files: list[InputFile]) -> list[InputFile]:
+    """The files whose column types say something: those with rows (all of them when none has).
+    Why: a file with no rows holds no value of any type (a header-only CSV types nothing, an empty
+    JSONL file names no keys), so its types never refuse or change the job's."""
+    return [f for f in files if f.num_rows > 0] or files
+
+
 def check_column(files: list[InputFile], column: str, why: str = "") -> None:
     """`column` exists in every file with one type; else an InputDataError naming file and column.
-    `why` is appended to a missing-column message (e.g. that the column is carried)."""
+    `why` is appended to a missing-column message (e.g. that the column is carried). An empty JSONL
+    file (no keys) lacks no column; files with no rows take no part in the type check."""
     first_type = None
     for f in files:
         if column not in f.schema.names:
+            if f.num_rows == 0 and f.format == "jsonl":
+                continue
             raise InputDataError(f"{f.path}: no column {column!r}{why} (columns: {', '.join(f.schema.names)})")
+    for f in with_rows(files):
+        if column not in f.schema.names:
+            continue
         col_type = f.schema.field(column).type
         if first_type is None:
             first_type = (f.path, col_type)
@@ -211,8 +224,9 @@ def _common_number(types: list[pa.DataType]) -> pa.DataType | None:
 def column_field(files: list[InputFile], column: str) -> pa.Field:
     """`column`'s field for the output: the first file's, with the type every file's values fit
     (see common_type; check_column has refused types that do not agree)."""
-    field = files[0].schema.field(column)
-    unified = common_type([f.schema.field(column).type for f in files])
+    typed = [f for f in with_rows(files) if column in f.schema.names]
+    field = typed[0].schema.field(column)
+    unified = common_type([f.schema.field(column).type for f in typed])
     return field if unified is None or unified == field.type else field.with_type(unified)
 
 

@@ -149,13 +149,12 @@ def _body(values: dict[str, Any], facts: BatchFacts, key: str, created: int) -> 
     logprobs = _sample_logprobs(values, len(texts), chat)
     choices = []
     for k, (text, reason) in enumerate(zip(texts, reasons)):
+        thought = {"reasoning_content": reasoning[k]} if "reasoning_text" in values else {}
         if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if "reasoning_text" in values:
-                message["reasoning_content"] = reasoning[k]
+            message: dict[str, Any] = {"role": "assistant", "content": text, **thought}
             choices.append({"index": k, "message": message, "logprobs": logprobs[k], "finish_reason": reason})
-        else:
-            choices.append({"index": k, "text": text, "logprobs": logprobs[k], "finish_reason": reason})
+        else:  # why the choice carries it: a completion has no message, and the answer alone may be ""
+            choices.append({"index": k, "text": text, **thought, "logprobs": logprobs[k], "finish_reason": reason})
     usage: dict[str, Any] = {
         "prompt_tokens": values["input_tokens"],
         "completion_tokens": values["output_tokens"],

@@ -60,3 +60,71 @@ def test_classify_and_score_jobs_write_vllm_pooling_bodies(tmp_path: Path, task:
         else:
             assert item == {"index": 0, "object": "score", "score": row["score"]} and row["score"] is not None
     assert [line["error"] is None for line in lines] == [True, True, False, True]  # "" is an empty_prompt row
+
+
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+HELLO = [{"role": "user", "content": "once upon a time"}]
+
+
+def _requests(tmp: Path, lines: list[tuple[str, str, dict[str, Any]]]) -> Path:
+    rows = [{"custom_id": c, "method": "POST", "url": url, "body": {"model": "m", **body}} for c, url, body in lines]
+    (tmp / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return tmp / "r.jsonl"
+
+
+def _client_types(lines: list[dict[str, Any]]) -> list[Any]:
+    """Each served line's body as the `openai` package reads it (its own pydantic types)."""
+    from openai.types import Completion, CreateEmbeddingResponse
+    from openai.types.chat import ChatCompletion
+
+    kinds = {"chat.completion": ChatCompletion, "text_completion": Completion, "list": CreateEmbeddingResponse}
+    return [
+        kinds[x["response"]["body"]["object"]].model_validate(x["response"]["body"]) for x in lines if not x["error"]
+    ]
+
+
+def test_an_openai_batch_file_asking_for_logprobs_runs_unchanged(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """No sampling.logprobs in the job: each request that asks gets its own k; others get none."""
+    path = _requests(
+        tmp_path,
+        [
+            ("chat3", CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 4}),
+            ("text2", COMPLETIONS, {"prompt": "the little cat", "logprobs": 2, "max_tokens": 4}),
+            ("plain", CHAT, {"messages": HELLO, "max_tokens": 4}),
+            ("chat0", CHAT, {"messages": HELLO, "logprobs": True, "max_tokens": 3}),
+            ("many", COMPLETIONS, {"prompt": "the cat", "logprobs": 21}),
+        ],
+    )
+    job = {
+        "model": {"path": str(tiny_model_dir)},
+        "input": {"path": str(path), "format": "openai_batch"},
+        "output": {"path": str(tmp_path / "out"), "format": "openai_batch"},
+        "engine": {"backend": "native"},
+    }
+    _, lines = _run(tmp_path, job)
+    chat3, text2, plain, chat0 = _client_types(lines)
+    assert [len(t.top_logprobs) for t in chat3.choices[0].logprobs.content] == [3] * 4
+    assert chat3.choices[0].logprobs.content[0].logprob <= 0
+    assert [len(t) for t in text2.choices[0].logprobs.top_logprobs] == [2] * 4
+    assert len(text2.choices[0].logprobs.token_logprobs) == text2.usage.completion_tokens == 4
+    assert plain.choices[0].logprobs is None
+    assert [len(t.top_logprobs) for t in chat0.choices[0].logprobs.content] == [0] * 3
+    many = lines[4]
+    assert many["response"]["status_code"] == 400 and many["error"]["code"] == "invalid_request"
+    assert "body.logprobs=21: at most 20 top logprobs" in many["error"]["message"]
+
+
+def test_embeddings_lines_read_as_the_client_reads_them(tmp_path: Path, tiny_model_dir: Path) -> None:
+    path = _requests(tmp_path, [("e1", EMBEDDINGS, {"input": "the little cat"}), ("e2", EMBEDDINGS, {"input": "x"})])
+    job = {
+        "task": "embed",
+        "model": {"path": str(tiny_model_dir)},
+        "input": {"path": str(path), "format": "openai_batch"},
+        "output": {"path": str(tmp_path / "out"), "format": "openai_batch"},
+    }
+    rows, lines = _run(tmp_path, job)
+    responses = _client_types(lines)
+    assert len(responses) == 2
+    for response, row in zip(responses, rows, strict=True):
+        assert response.data[0].embedding == pytest.approx(row["embedding"], abs=1e-7)
+        assert response.usage.prompt_tokens == row["input_tokens"]

@@ -315,6 +315,6 @@ def test_embeddings_requests_in_an_embed_job(tmp_path: Path, tiny_model_dir: Pat
         tokens = len(reference.prompt_token_ids)
         assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
     assert e1["response"]["body"]["model"] == "emb" and e2["response"]["body"]["model"] == tiny_model_dir.name
-    assert dim["error"]["code"] == "unsupported_parameter" and "pooling.dimensions is None" in dim["error"]["message"]
+    assert dim["error"]["code"] == "unsupported_parameter" and "pooling.dimensions is null" in dim["error"]["message"]
     assert b64["error"]["code"] == "unsupported_parameter"
     assert chat["error"]["code"] == "unsupported_url" and "needs task: generate" in chat["error"]["message"]

@@ -5,6 +5,7 @@ package's own response types."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +129,18 @@ def test_embeddings_lines_read_as_the_client_reads_them(tmp_path: Path, tiny_mod
     for response, row in zip(responses, rows, strict=True):
         assert response.data[0].embedding == pytest.approx(row["embedding"], abs=1e-7)
         assert response.usage.prompt_tokens == row["input_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"prompt": "hi", "stream": True}, "body.stream=true is not supported: a batch answers each request whole"),
+        ({"prompt": "hi", "n": 2}, "body.n=2 cannot be set per request (the job's sampling.n applies to every line)"),
+    ],
+)
+def test_refused_request_fields_say_why_in_words(body: dict[str, Any], says: str) -> None:
+    from batchgen.inputs.openai_requests import RequestProblem, request_row
+
+    line = {"custom_id": "x", "method": "POST", "url": COMPLETIONS, "body": body}
+    with pytest.raises(RequestProblem, match=re.escape(says)):
+        request_row(json.dumps(line))

@@ -32,7 +32,8 @@ def _problem(spec: JobSpec, url: str | None, asked: int | None, dimensions: int 
     if embeds:
         job = spec.pooling.dimensions if spec.pooling is not None else None
         if dimensions is not None and dimensions != job:
-            return "unsupported_parameter", f"body.dimensions={dimensions}; the job's pooling.dimensions is {job}"
+            said = "null (the model's full size)" if job is None else job
+            return "unsupported_parameter", f"body.dimensions={dimensions}; the job's pooling.dimensions is {said}"
         return None
     if asked is None:
         return None

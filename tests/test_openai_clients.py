@@ -144,3 +144,14 @@ def test_refused_request_fields_say_why_in_words(body: dict[str, Any], says: str
     line = {"custom_id": "x", "method": "POST", "url": COMPLETIONS, "body": body}
     with pytest.raises(RequestProblem, match=re.escape(says)):
         request_row(json.dumps(line))
+
+
+def test_finalize_of_a_finished_output_writes_a_deleted_output_file_again(tmp_path: Path, tiny_model_dir: Path) -> None:
+    job = _pooling_job(tmp_path, tiny_model_dir, "embed")
+    _run(tmp_path, job)
+    output_file = tmp_path / "out" / "_batch_output.jsonl"
+    original = output_file.read_bytes()
+    output_file.unlink()
+    result = CliRunner().invoke(main, ["finalize", str(tmp_path / "out")])
+    assert result.exit_code == 0 and "already finalized" in result.output, result.output
+    assert output_file.read_bytes() == original  # same ids, same created

@@ -1,7 +1,8 @@
 """Checks that run before any work: the columns a job reads (present and of a usable type in every
 file), the columns it carries (present with one type in every file), that the model folder has a
 loadable config and tokenizer, with a chat template when the job has messages, and that the job's
-values fit the model (context length, token ids), all without loading weights."""
+values fit the model (context length, token ids, and what run/model_fit checks: pooling heads and
+sizes, tensor-parallel splits), all without loading weights."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from batchgen.inputs.reading import open_inputs
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.table import carried_columns
+from batchgen.run.model_fit import check_model_fit
 
 log = logging.getLogger(__name__)
 LISTED_FILES = 20  # `validate` names this many input files, then counts the rest
@@ -217,6 +219,7 @@ def validate_model(spec: JobSpec) -> None:
     against the job (engine.max_model_len, token ids) and the device."""
     config = check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     check_model_limits(spec, config)
+    check_model_fit(spec, config)
     if spec.model.device not in ("auto", "cpu"):  # why: those two always resolve; skip importing the engine
         from batchgen.engine.runner.models import DeviceError, resolve_device  # why lazy: torch, transformers
 

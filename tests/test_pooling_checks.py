@@ -1,6 +1,7 @@
 """What `validate` says about a job the model cannot serve, read from the model's config before any
 work: a job value that does not fit the model is exit 2 naming the key, a folder that cannot serve
-the task is exit 4; `run` refuses the same way before writing a part."""
+the task is exit 4; `run` refuses the same way before writing a part. And an explicit
+`pooling.pooling_type` replaces a sentence-transformers Pooling module batchgen cannot apply."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
@@ -79,3 +82,19 @@ def test_validate_refuses_what_run_would_and_run_refuses_before_any_part(
         got, output = _cli(command, str(job))
         assert (got, says in output) == (code, True), (command, output)
     assert not list((tmp_path / "out").glob("part-*"))
+
+
+def test_an_explicit_pooling_type_replaces_the_folders_pooling_module(tmp_path: Path, models: dict[str, Path]) -> None:
+    pooling = {"pooling_type": "mean", "normalize": False}
+    job = _job(tmp_path / "st", models["max_pooling"], "embed", pooling=pooling)
+    assert _cli("validate", str(job))[0] == 0
+    code, output = _cli("run", str(job), "--quiet")
+    assert code == 0, output
+    plain = save_tiny_bert(tmp_path / "plain")  # the same weights (seed 0) without sentence-transformers files
+    code, output = _cli("run", str(_job(tmp_path / "plain-job", plain, "embed", pooling=pooling)), "--quiet")
+    assert code == 0, output
+    got, expected = (
+        ds.dataset(p / "out").to_table().column("embedding").to_pylist()
+        for p in (tmp_path / "st", tmp_path / "plain-job")
+    )
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-6)

@@ -155,3 +155,26 @@ def test_finalize_of_a_finished_output_writes_a_deleted_output_file_again(tmp_pa
     result = CliRunner().invoke(main, ["finalize", str(tmp_path / "out")])
     assert result.exit_code == 0 and "already finalized" in result.output, result.output
     assert output_file.read_bytes() == original  # same ids, same created
+
+
+def test_n_samples_with_per_line_logprobs_read_as_the_client_reads_them(tmp_path: Path, tiny_model_dir: Path) -> None:
+    path = _requests(
+        tmp_path,
+        [
+            ("chat", CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 1, "max_tokens": 3}),
+            ("text", COMPLETIONS, {"prompt": "the cat", "max_tokens": 3}),
+        ],
+    )
+    job = {
+        "model": {"path": str(tiny_model_dir)},
+        "input": {"path": str(path), "format": "openai_batch"},
+        "output": {"path": str(tmp_path / "out"), "format": "openai_batch"},
+        "sampling": {"n": 2, "temperature": 1.0, "seed": 3},
+        "engine": {"backend": "native"},
+    }
+    _, lines = _run(tmp_path, job)
+    chat, text = _client_types(lines)
+    assert [c.index for c in chat.choices] == [0, 1] and [c.index for c in text.choices] == [0, 1]
+    for choice in chat.choices:
+        assert [len(t.top_logprobs) for t in choice.logprobs.content] == [1] * len(choice.logprobs.content)
+    assert all(c.logprobs is None for c in text.choices)

@@ -23,6 +23,7 @@ from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
 from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.parallel.sharded_runner import ShardedRunner
+from batchgen.engine.pooling.auto_task import auto_task
 from batchgen.engine.pooling.methods import PoolingMethods
 from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
 from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
@@ -83,7 +84,7 @@ class LLM(PoolingMethods):
         device: str = "auto",
         dtype: str | torch.dtype = "auto",
         seed: int | None = None,
-        task: str = "generate",
+        task: str = "auto",
         pooler_config: dict[str, Any] | None = None,
         **settings: Any,
     ) -> None:
@@ -92,13 +93,14 @@ class LLM(PoolingMethods):
         an unknown name is a TypeError and a bad value a ValueError, both naming the setting.
         `tokenizer`: None (the model folder's), a folder path, or a fast tokenizer object. `seed`
         seeds the draws of requests without their own seed (None: the OS's entropy). `task`:
-        generate ("auto" too), embed, classify or score (vLLM's); `pooler_config`: {"pooling_type":
+        generate, embed, classify or score (vLLM's); "auto" reads it from the folder's
+        architectures as vLLM does (engine/pooling/auto_task); `pooler_config`: {"pooling_type":
         "LAST" | "MEAN" | "CLS", "normalize": bool} over the model folder's own (engine/pooling)."""
         config = engine_config(**adapt_vllm_keywords(settings))
         seed = check_seed(seed)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(vllm_dtype(dtype), torch_device)
-        task = "generate" if task == "auto" else task
+        task = auto_task(model) if task == "auto" else task
         if task not in TASKS:
             raise ValueError(f"LLM(task={task!r}): must be one of 'auto', {', '.join(map(repr, TASKS))}")
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
@@ -142,7 +144,8 @@ class LLM(PoolingMethods):
         backend = resolve_backend(config.attention_backend, device)  # why first: a bad one fails before loading
         prepare_process(device)
         self._tp = start_tensor_parallel(model, config, device, dtype)  # None: one device
-        hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype)
+        pooling = self.task != "generate"
+        hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype, pooling)
         self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
         config.max_model_len = self.max_model_len
         spec = kv_spec(hf_model.config)

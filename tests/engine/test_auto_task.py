@@ -41,9 +41,12 @@ class _Records(logging.Handler):
 def reports() -> Iterator[_Records]:
     """What transformers logs (its load report among it), whatever its own handlers print to."""
     handler, root = _Records(), logging.getLogger("transformers")
+    level = root.level  # why set: an in-process `batchgen run --quiet` earlier in the session raises it
+    root.setLevel(logging.WARNING)
     root.addHandler(handler)
     yield handler
     root.removeHandler(handler)
+    root.setLevel(level)
 
 
 def _classifier(tmp_path: Path, labels: int) -> Path:

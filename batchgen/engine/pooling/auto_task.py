@@ -45,3 +45,14 @@ def auto_task(path: str | Path) -> str:
         return "embed"
     architectures = getattr(AutoConfig.from_pretrained(path), "architectures", None) or []
     return task_of_architectures(list(architectures))
+
+
+def resolve_task(path: str | Path, task: str) -> str:
+    """LLM's task: "auto" as auto_task says, "pooling" (vLLM's runner="pooling") the folder's
+    pooling task (classify for a classifier, else embed), any other name as given."""
+    if task == "auto":
+        return auto_task(path)
+    if task == "pooling":
+        found = auto_task(path)
+        return "embed" if found == "generate" else found
+    return task

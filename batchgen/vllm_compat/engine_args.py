@@ -10,6 +10,7 @@ default (engine/api/vllm_engine_args). The fields and defaults: engine/api/vllm_
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 from typing import Any
@@ -41,7 +42,7 @@ def add_cli_args(parser: Any) -> Any:
         if kind == "bool":
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=default)
         else:
-            parser.add_argument(*flags, dest=name, type=_TYPES[kind], default=default)
+            parser.add_argument(*flags, dest=name, type=_TYPES[kind], default=copy.deepcopy(default))
     return parser
 
 

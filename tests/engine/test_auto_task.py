@@ -17,7 +17,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from batchgen.engine.llm import LLM
 from batchgen.engine.pooling.auto_task import auto_task, task_of_architectures
-from batchgen.testing.pooling_models import save_llama_classifier, save_tiny_bert, write_sentence_transformers
+from testkit.pooling_models import save_llama_classifier, save_tiny_bert, write_sentence_transformers
 from tests.conftest import build_tokenizer, save_tiny_llama
 
 TEXTS = ["once upon a time", "the cat liked to play in the sun", "a little dog"]

@@ -19,7 +19,7 @@ import torch
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.llm import LLM
-from batchgen.testing.pooling_models import save_llama_classifier
+from testkit.pooling_models import save_llama_classifier
 from tests.conftest import build_tokenizer
 
 PROMPTS = ["once upon a time", "the little cat", "a dog who liked"]

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.testing.pooling_models import save_tiny_bert
+from testkit.pooling_models import save_tiny_bert
 from tests.conftest import write_job, write_parquet
 
 PROMPTS = ["the cat", "once upon a time", "", "a dog"]

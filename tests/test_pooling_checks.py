@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.testing.pooling_models import save_llama_classifier, save_tiny_bert, write_sentence_transformers
+from testkit.pooling_models import save_llama_classifier, save_tiny_bert, write_sentence_transformers
 from tests.conftest import build_tokenizer, write_job, write_parquet
 
 

@@ -200,6 +200,8 @@ def validate_inputs(spec: JobSpec) -> list[InputFile]:
     check_read_types(spec, files)
     check_sampling_columns(spec, files)
     check_carried_in_every_file(spec, files, carried_columns(spec, files[0].schema))
+    if spec.input.group_column is not None:
+        check_column(files, spec.input.group_column, " (input.group_column)")
     if not Path(spec.model.path).is_dir():
         raise ModelError(f"model.path {spec.model.path}: no such folder")
     return files

@@ -32,12 +32,20 @@ from batchgen.job.spec import JobSpec
 log = logging.getLogger(__name__)
 KEY_BLOCKS = 64  # leading KV blocks a key holds (at block size 16: the first 1024 tokens)
 READ_ROWS = 8192  # rows tokenized at a time in the key pass
+# Why a character budget: only the first KEY_BLOCKS blocks make a key, so a long prompt (a RAG
+# context of thousands of tokens) is tokenized only so far. Budget / tokens: 8 characters a token
+# at least, plenty for natural text; a text denser than that only gets a shorter key.
+CHARS_PER_KEY_TOKEN = 8
+CUT_MARGIN = 32  # tokens dropped before a cut: a token there may have continued past it
 
 
 def grouped(spec: JobSpec) -> bool:
-    """Whether the job's parts follow a prefix plan: `input.grouping: auto`, for generation (the
-    pooling tasks keep no prefix cache: their parts stay contiguous)."""
-    return spec.input.grouping == "auto" and spec.task == "generate"
+    """Whether a new output of the job has its parts from a prefix plan: `input.grouping: auto`
+    where a prefix cache would use it (generation on the native engine with prefix caching; the
+    hf backend and the pooling tasks keep none, so their parts stay in input order)."""
+    engine = spec.engine
+    caches = engine.backend == "native" and engine.enable_prefix_caching
+    return spec.input.grouping == "auto" and spec.task == "generate" and caches
 
 
 def key_columns(spec: JobSpec) -> list[str]:
@@ -52,13 +60,16 @@ def key_columns(spec: JobSpec) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def prompt_key(prompt_ids: list[int] | None, block_size: int) -> bytes:
+def prompt_key(prompt_ids: list[int] | None, block_size: int, cut: bool = False) -> bytes:
     """The first HASH_BYTES of the chained hash of each of the prompt's leading full blocks (at
     most KEY_BLOCKS; the last token is always computed, so a block ending on it is left out, as
-    the block manager leaves it); empty for a row that is no request."""
+    the block manager leaves it); empty for a row that is no request. `cut`: the ids are of the
+    prompt's first MAX_CHARS characters, so the last CUT_MARGIN tokens (which the rest of the text
+    could have tokenized otherwise) are left out too."""
     if not prompt_ids:
         return b""
-    blocks = min((len(prompt_ids) - 1) // block_size, KEY_BLOCKS)
+    usable = len(prompt_ids) - (CUT_MARGIN if cut else 1)
+    blocks = max(0, min(usable // block_size, KEY_BLOCKS))
     return b"".join(h[:HASH_BYTES] for h in chain_block_hashes(prompt_ids, block_size, blocks, []))
 
 
@@ -78,9 +89,9 @@ def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: 
         for f in files:
             offsets.append(offsets[-1] + f.num_rows)
         chunks = plan_shards(files, READ_ROWS, spec.input.limit)
+        max_chars = (KEY_BLOCKS * block_size + CUT_MARGIN) * CHARS_PER_KEY_TOKEN
         for shard, table in read_shards(files, chunks, key_columns(spec)):
-            ids = preparer.prompt_ids(table)
-            keys = [prompt_key(p, block_size) for p in ids]
+            keys = [prompt_key(ids, block_size, cut) for ids, cut in preparer.prompt_ids(table, max_chars)]
             if group is not None:
                 keys = [group_key(v) + k for v, k in zip(table.column(group).to_pylist(), keys)]
             sorter.add(keys, offsets[shard.file_index] + shard.start)

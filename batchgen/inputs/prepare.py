@@ -114,20 +114,24 @@ class RowPreparer:
                 row.prompt_ids = None
         return rows
 
-    def prompt_ids(self, table: pa.Table) -> list[list[int] | None]:
-        """Each row's prompt token ids exactly as `prepare` makes them (chat template, special
-        tokens), whatever its length; None for a row that cannot be a request. Only the prompt's
-        columns are read: the prefix plan (batchgen.inputs.grouping) keys every row by them."""
+    def prompt_ids(self, table: pa.Table, max_chars: int) -> list[tuple[list[int] | None, bool]]:
+        """(token ids, cut) of each row's prompt as `prepare` makes it (chat template, special
+        tokens), whatever its length; ids None for a row that cannot be a request. Only the
+        prompt's columns are read: the prefix plan (batchgen.inputs.grouping) keys every row by
+        them, and needs only their first blocks: a rendered prompt longer than `max_chars`
+        characters is tokenized that far only (`cut` True; the caller drops the tokens near the cut)."""
         rows = [PreparedRow() for _ in range(table.num_rows)]
         for i, code, message in line_problems(table):
             rows[i].fail(code, message)
         texts = self._texts(table, rows, [""] * table.num_rows)
+        cut = {i for i, text in texts.items() if len(text) > max_chars}
+        texts = {i: text[:max_chars] for i, text in texts.items()}
         limit, self.max_model_len = self.max_model_len, 1 << 62
         try:
             self._tokenize(texts, rows, [""] * table.num_rows)
         finally:
             self.max_model_len = limit
-        return [row.prompt_ids if row.ok else None for row in rows]
+        return [(row.prompt_ids if row.ok else None, i in cut) for i, row in enumerate(rows)]
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
         spec = self.spec.input

@@ -36,14 +36,20 @@ def make_cut(spec: JobSpec, files: list[InputFile]) -> Cut:
 
 
 def decide_layout(spec: JobSpec, files: list[InputFile], state: OutputState, job_id: str, fresh: bool) -> Layout:
-    """The layout of this run: an output made before prefix plans resumes as it was made; else
-    contiguous parts (`grouping: none`, pooling tasks) or the plan (stored one, else computed).
+    """The layout of this run: an output made before prefix plans resumes as it was made, one
+    made since by the layout its record names; a new one gets contiguous parts (`grouping:
+    none`, no prefix cache: see grouped) or the plan (the stored one, else computed).
     `fresh`: the output is being replaced (--overwrite), so nothing in it counts."""
     old = None if fresh else state.read_record()
-    if old is not None and old.get("id") == job_id and "grouping" not in old:
-        log.info("an output made before prefix plans: its parts stay contiguous, as they were made")
-        return contiguous(spec, files, input_row=False)
-    if not grouped(spec):
+    mode = "auto" if grouped(spec) else "none"
+    if old is not None and old.get("id") == job_id:
+        if "grouping" not in old:
+            log.info("an output made before prefix plans: its parts stay in input order, as they were made")
+            return contiguous(spec, files, input_row=False)
+        # why the record's: a setting outside the fingerprint (enable_prefix_caching) may have
+        # changed since; the parts must stay the ones this output was started with
+        mode = old["grouping"].get("mode", mode)
+    if mode == "none":
         return contiguous(spec, files, input_row=True)
     cut = None if fresh else read_plan(state.storage, job_id)
     if cut is not None:

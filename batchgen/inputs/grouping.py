@@ -39,20 +39,22 @@ CHARS_PER_KEY_TOKEN = 8
 CUT_MARGIN = 32  # tokens dropped before a cut: a token there may have continued past it
 
 
-def grouped(spec: JobSpec) -> bool:
+def grouped(spec: JobSpec, with_cache: bool = False) -> bool:
     """Whether a new output of the job has its parts from a prefix plan: `input.grouping: auto`
     where a prefix cache would use it (generation on the native engine with prefix caching; the
-    hf backend and the pooling tasks keep none, so their parts stay in input order)."""
+    hf backend and the pooling tasks keep none, so their parts stay in input order).
+    `with_cache`: as if the job had the native engine's prefix cache (what `estimate` says it
+    would serve)."""
     engine = spec.engine
-    caches = engine.backend == "native" and engine.enable_prefix_caching
+    caches = with_cache or (engine.backend == "native" and engine.enable_prefix_caching)
     return spec.input.grouping == "auto" and spec.task == "generate" and caches
 
 
 def key_columns(spec: JobSpec) -> list[str]:
     """The columns the key pass reads: what the prompt is made of, and the group column."""
     i = spec.input
-    if i.format == "openai_batch":  # a request's prompt comes from messages or prompt, by its url
-        names = [c for c in input_columns(spec) if c not in i.sampling_columns.values() or c == "url"]
+    if i.format == "openai_batch":  # a request's prompt and whether it can be served: its request columns
+        names = input_columns(spec)
     else:
         names = [c for c in (i.prompt_column or i.messages_column,) if c is not None]
     if i.group_column is not None:

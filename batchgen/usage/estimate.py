@@ -116,7 +116,7 @@ def estimate_job(spec: JobSpec) -> Estimate:
     preparer = RowPreparer(spec, tokenizer, max_len)
     shards = plan_shards(files, engine.window_rows, spec.input.limit)
     duplicates = find_duplicate_ids(files, shards, spec.input.id_column) if spec.input.id_column else {}
-    parts = shards if not grouped(spec) else _plan_parts(spec, files)
+    parts = shards if not grouped(spec, with_cache=True) else _plan_parts(spec, files)
     kept: dict[Any, int] = {}
     for part in read_parts(files, list(parts), input_columns(spec)):
         if not (isinstance(part.part, GroupedPart) and part.part.joined):
@@ -176,7 +176,7 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
             "block_size": block_size_of(spec),
             "ordering": engine.ordering,
             "window_rows": engine.window_rows,
-            "grouping": "prefix plan" if grouped(spec) else "none",
+            "grouping": "prefix plan" if grouped(spec, with_cache=True) else "none",
             "parts": est.parts,
             "assumption": _cache_assumption(est, spec),
         },
@@ -207,7 +207,7 @@ def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
 def _cache_assumption(est: Estimate, spec: JobSpec) -> str:
     parts = (
         f"the job's {est.parts} parts of the prefix plan (rows sharing a prefix together, whole input)"
-        if grouped(spec)
+        if grouped(spec, with_cache=True)
         else f"{est.parts} parts of {spec.engine.window_rows} input rows in input order"
     )
     scope = (

@@ -14,13 +14,12 @@ from decimal import Decimal
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.usage.estimate import prefix_cache_hits
-from tests.conftest import make_job, write_job, write_parquet
+from tests.conftest import make_job, output_table, write_job, write_parquet
 
 WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()
 PREAMBLE = "you are a story teller. " + " ".join(WORDS * 2) + ". now answer: "
@@ -67,7 +66,7 @@ def test_estimate_agrees_with_the_run(tmp_path: Path, tiny_model_dir: Path) -> N
     est = _estimate(job_path)
     code, _, err = _cli("run", str(job_path), "--quiet")
     assert code == 0, err
-    table = ds.dataset(tmp_path / "out").to_table()
+    table = output_table(tmp_path / "out")
     run_codes = [c for c in table.column("error_code").to_pylist() if c is not None]
     assert est["rows"] == {"total": 20, "ok": 20 - len(run_codes), "error": len(run_codes)}
     assert est["error_codes"] == {c: run_codes.count(c) for c in set(run_codes)}

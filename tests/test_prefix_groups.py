@@ -268,3 +268,23 @@ def test_ray_workers_cover_every_row_once_with_whole_groups(tmp_path: Path, tiny
     parts = _parts(out)
     assert sorted(r for rows in parts.values() for r in rows) == list(range(DOCS * QUESTIONS))
     assert stats is not None and sorted(i for done in stats.parts for i in done) == sorted(parts)
+
+
+def test_ray_queue_keeps_a_group_on_one_worker_and_steals_whole_groups() -> None:
+    import numpy as np
+
+    from batchgen.inputs.part_rows import GroupedPart
+    from batchgen.run.executors.part_queue import PartQueue
+
+    # groups: [0], [1 2 3], [4], [5 6], [7]  (a joined part continues the previous part's group)
+    joined = [False, False, True, True, False, False, True, False]
+    parts = [GroupedPart(i, np.array([i]), j) for i, j in enumerate(joined)]
+    queue = PartQueue(parts, 2)
+    assert [[p.index for p in run] for run in queue.runs] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # not cut inside 1-3
+    taken: dict[int, list[int]] = {0: [], 1: []}
+    for _ in range(3):  # worker 1 is fast: it empties its run and steals
+        taken[1].append(queue.next_for(1).index)  # type: ignore[union-attr]
+    taken[0].append(queue.next_for(0).index)  # type: ignore[union-attr]
+    while (part := queue.next_for(1)) is not None:
+        taken[1].append(part.index)
+    assert taken == {0: [0], 1: [4, 5, 6, 7, 1, 2, 3]}  # the last group 1-3 stolen whole, in order

@@ -288,3 +288,26 @@ def test_ray_queue_keeps_a_group_on_one_worker_and_steals_whole_groups() -> None
     while (part := queue.next_for(1)) is not None:
         taken[1].append(part.index)
     assert taken == {0: [0], 1: [4, 5, 6, 7, 1, 2, 3]}  # the last group 1-3 stolen whole, in order
+
+
+def test_groups_span_files_and_each_row_keeps_its_row_id(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = _rows_data(seed=3)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    half = len(data["id"]) // 2
+    for name, rows in (("a.jsonl", range(half)), ("b.jsonl", range(half, len(data["id"])))):
+        lines = [json.dumps({"prompt": data["prompt"][i], "doc": data["doc"][i]}) for i in rows]
+        (folder / name).write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    job = make_job(tiny_model_dir, str(folder), out, engine=ENGINE, sampling={"max_tokens": 2})
+    job["input"].pop("id_column")  # row_id: "<file>:<row in that file>"
+    job["input"]["format"] = "jsonl"
+    result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / "job.yaml", job)), "--quiet"])
+    assert result.exit_code == 0, result.output
+    table = _table(out).sort_by("input_row")
+    expected = [f"a.jsonl:{i}" for i in range(half)] + [f"b.jsonl:{i}" for i in range(len(data["id"]) - half)]
+    assert table.column("row_id").to_pylist() == expected  # every row once, named by its own file
+    assert table.column("doc").to_pylist() == data["doc"]
+    for doc in set(data["doc"]):  # a document's questions in both files still share one part
+        rows = {r for r, d in enumerate(data["doc"]) if d == doc}
+        assert sum(1 for part in _parts(out).values() if rows & set(part)) == 1, doc

@@ -311,3 +311,20 @@ def test_groups_span_files_and_each_row_keeps_its_row_id(tmp_path: Path, tiny_mo
     for doc in set(data["doc"]):  # a document's questions in both files still share one part
         rows = {r for r, d in enumerate(data["doc"]) if d == doc}
         assert sum(1 for part in _parts(out).values() if rows & set(part)) == 1, doc
+
+
+def test_a_long_shared_system_prompt_does_not_make_one_group_of_every_row(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = _rows_data(seed=5)
+    system = " ".join(WORDS * 8)  # 80 words, several blocks: in every row, after the chat template's header
+    messages = [
+        [{"role": "system", "content": system}, {"role": "user", "content": prompt}] for prompt in data["prompt"]
+    ]
+    path = write_parquet(tmp_path / "chat.parquet", {"id": data["id"], "messages": messages})
+    job = make_job(tiny_model_dir, str(path), tmp_path / "out", engine=ENGINE)
+    job["input"] = {"path": str(path), "messages_column": "messages", "id_column": "id"}
+    spec = load_job(write_job(tmp_path / "job.yaml", job))
+    cut = make_cut(spec, open_inputs(spec.input.path, ["messages"]))
+    part_of = {r: p for p in range(len(cut.starts) - 1) for r in cut.rows[cut.starts[p] : cut.starts[p + 1]].tolist()}
+    for doc in set(data["doc"]):  # the key goes on past the shared header: each document's rows together
+        assert len({part_of[r] for r, d in enumerate(data["doc"]) if d == doc}) == 1, doc
+    assert not any(cut.joined)  # no group is larger than a part: the header is every row's, not a group

@@ -1,0 +1,62 @@
+"""CudaPlatform: a CUDA GPU's answers to the device questions (api/platform).
+
+The attention backend `auto` means "triton" (its paged kernel over 16-token blocks, triton/) where
+triton imports and the GPU is Ampere or newer, the only backend CUDA-graph decodes replay over
+(graphs); "torch" elsewhere, with 256-token blocks where that makes torch's paged varlen kernel
+apply (attention/path). compile `auto` is on, and with it decode steps replayed as CUDA graphs:
+the launch overhead both remove is what bounds small decode batches here; a model that fails to
+compile runs eager. Device memory is read through torch.cuda's counters (memory).
+
+The step defaults:
+- max_num_seqs 256: a decode step reads all weights once whatever the batch, so decode throughput
+  grows almost linearly with the batch until the sequences' K/V reads rival the weight reads;
+  for a 1-8B model at ~1k-token contexts that is a few hundred sequences (vLLM's long-standing
+  default is 256, nano-vllm's 512), and it lets the GPU check's 256-prompt workload run as one batch;
+- max_num_batched_tokens 8192: a prefill chunk of a few thousand tokens already keeps a
+  datacenter GPU's matrix units busy for a 1B+ model; beyond that a step only gets longer while
+  the decodes in it wait (vLLM uses 8192-16384), and the profiling forward at this budget stays
+  small next to the KV pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from batchgen.engine.api.platform import SMALL_BLOCK_SIZE, GraphReplay, MemoryProbe, Platform, check_backend_name
+from batchgen.engine.attention.path import default_block_size, detect_support
+from batchgen.engine.cuda.graphs import GraphDecode
+from batchgen.engine.cuda.memory import CudaMemory
+from batchgen.engine.triton import support as triton_support
+
+
+class CudaPlatform(Platform):
+    max_num_seqs = 256
+    max_num_batched_tokens = 8192
+
+    def attention_backend(self, setting: str) -> str:
+        check_backend_name(setting)
+        if setting == "auto":
+            return "triton" if triton_support.prefers_triton(self.device) else "torch"
+        if setting == "cpu":
+            raise ValueError("attention_backend 'cpu' runs on the CPU, not on cuda")
+        if setting == "triton":
+            triton_support.check_device(self.device)
+        return setting
+
+    def block_size(self, backend: str, dtype: torch.dtype, head_dim: int, softcap: bool) -> int:
+        if backend == "triton":  # its kernel reads small blocks in place; only torch's varlen kernel wants 256
+            return SMALL_BLOCK_SIZE
+        return default_block_size("cuda", dtype, head_dim, softcap, detect_support(self.device))
+
+    def compiles_by_default(self) -> bool:
+        return True
+
+    def memory_probe(self) -> MemoryProbe | None:
+        return CudaMemory(self.device)
+
+    def decode_graphs(
+        self, forward: Callable[..., torch.Tensor], max_rows: int, max_blocks: int, block_size: int
+    ) -> GraphReplay | None:
+        return GraphDecode(forward, max_rows, max_blocks, block_size, self.device)  # pragma: no cover - CUDA

@@ -99,6 +99,10 @@ class Platform:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def default_dtype(self) -> torch.dtype:
+        """What dtype `auto` means: float32 (exactness; CPU matmuls gain little from bf16)."""
+        return torch.float32
+
     def attention_backend(self, setting: str) -> str:
         """The backend's name for `setting` here; a name that cannot run here is a ValueError."""
         check_backend_name(setting)

@@ -32,26 +32,15 @@ def kv_block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
-def num_kv_blocks_for(
-    spec: KVSpec,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    num_kv_blocks: int | None,
-    budget_bytes: int | None,
-    max_num_seqs: int,
-    max_model_len: int,
-) -> int:
+def num_kv_blocks_for(spec: KVSpec, config: ResolvedConfig, dtype: torch.dtype, budget_bytes: int | None) -> int:
     """Pool size: explicit blocks, else a byte budget (on CUDA, by default, memory.py's), else a CPU default."""
-    if num_kv_blocks is not None:
-        return num_kv_blocks
-    bytes_per_block = kv_block_bytes(spec, block_size, dtype)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    bytes_per_block = kv_block_bytes(spec, config.block_size, dtype)
     if budget_bytes is None:
-        budget_bytes = 1 << 30
         # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks
-        cap = CPU_CAPACITY_FACTOR * max_num_seqs * math.ceil(max_model_len / block_size)
-        return max(1, min(budget_bytes // bytes_per_block, cap))
+        cap = CPU_CAPACITY_FACTOR * config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
+        return max(1, min((1 << 30) // bytes_per_block, cap))
     blocks = budget_bytes // bytes_per_block
     if blocks < 1:
         raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({bytes_per_block} bytes)")
@@ -74,17 +63,7 @@ def kv_pool_blocks(
     if config.num_kv_blocks is None and budget is None:
         probe = probe or platform_for(device).memory_probe()
     if config.num_kv_blocks is not None or budget is not None or probe is None:
-        blocks = num_kv_blocks_for(
-            spec,
-            block_size,
-            dtype,
-            device,
-            num_kv_blocks=config.num_kv_blocks,
-            budget_bytes=budget,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-        )
-        return blocks, None
+        return num_kv_blocks_for(spec, config, dtype, budget), None
 
     # why torch for the others: the profiling step's decodes need no per-sequence state (triton keeps none)
     profiled_backend = "triton" if config.attention_backend == "triton" else "torch"

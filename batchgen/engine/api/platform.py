@@ -19,8 +19,16 @@ from typing import Any, Protocol
 
 import torch
 
+from batchgen.engine.attention.path import (
+    SMALL_BLOCK_SIZE,
+    TRITON_CHOICE,
+    AttentionChoice,
+    choose_attention_path,
+    default_block_size,
+    detect_support,
+)
+
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
-SMALL_BLOCK_SIZE = 16  # KV block tokens wherever no kernel wants larger blocks (finer prefix sharing)
 GreedyIds = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]  # logits [n, V] -> (ids, NaN flag)
 
 
@@ -113,8 +121,21 @@ class Platform:
         return "torch"
 
     def block_size(self, backend: str, dtype: torch.dtype, head_dim: int, softcap: bool) -> int:
-        """The default KV block size for the resolved `backend` and the model's attention."""
-        return SMALL_BLOCK_SIZE
+        """The default KV block size for the resolved `backend` and the model's attention: 16, but
+        256 where that makes torch's paged varlen kernel apply (the triton kernel reads small blocks)."""
+        if backend == "triton":
+            return SMALL_BLOCK_SIZE
+        return default_block_size(self.device.type, dtype, head_dim, softcap, detect_support(self.device))
+
+    def attention_path(
+        self, backend: str, dtype: torch.dtype, block_size: int, head_dim: int, softcap: bool
+    ) -> AttentionChoice:
+        """How the resolved `backend` attends here (attention/path), with the reason."""
+        if backend == "triton":
+            return TRITON_CHOICE
+        return choose_attention_path(
+            self.device.type, dtype, block_size, head_dim, softcap, detect_support(self.device)
+        )
 
     def compiles_by_default(self) -> bool:
         """What engine.compile `auto` means here: only where compiling was measured to win."""

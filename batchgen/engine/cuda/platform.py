@@ -24,8 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.engine.api.platform import SMALL_BLOCK_SIZE, GraphReplay, MemoryProbe, Platform, check_backend_name
-from batchgen.engine.attention.path import default_block_size, detect_support
+from batchgen.engine.api.platform import GraphReplay, MemoryProbe, Platform, check_backend_name
 from batchgen.engine.cuda.graphs import GraphDecode
 from batchgen.engine.cuda.memory import CudaMemory
 from batchgen.engine.triton import support as triton_support
@@ -47,11 +46,6 @@ class CudaPlatform(Platform):
         if setting == "triton":
             triton_support.check_device(self.device)
         return setting
-
-    def block_size(self, backend: str, dtype: torch.dtype, head_dim: int, softcap: bool) -> int:
-        if backend == "triton":  # its kernel reads small blocks in place; only torch's varlen kernel wants 256
-            return SMALL_BLOCK_SIZE
-        return default_block_size("cuda", dtype, head_dim, softcap, detect_support(self.device))
 
     def compiles_by_default(self) -> bool:
         return True

@@ -35,11 +35,8 @@ from batchgen.engine.attention.interface import bind_layers
 from batchgen.engine.attention.kv_store import pool_blocks
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.path import (
-    TRITON_CHOICE,
     VARLEN,
     AttentionChoice,
-    choose_attention_path,
-    detect_support,
     has_softcap,
 )
 from batchgen.engine.attention.planning import int64_tensor
@@ -96,13 +93,8 @@ class ModelRunner:
         ]
         self.platform = platform_for(device)
         name = self.platform.attention_backend(attention_backend)
-        self.attention: AttentionChoice = (
-            TRITON_CHOICE
-            if name == "triton"
-            else choose_attention_path(
-                device.type, dtype, block_size, spec.head_dim, has_softcap(model.config), detect_support(device)
-            )
-        )
+        softcap = has_softcap(model.config)
+        self.attention: AttentionChoice = self.platform.attention_path(name, dtype, block_size, spec.head_dim, softcap)
         self.flash = self.attention.path == VARLEN
         max_len = max_model_len or num_kv_blocks * block_size
         self.backend = make_backend(name, model, self.kv_caches, block_size, device, dtype, max_len, max_num_seqs)

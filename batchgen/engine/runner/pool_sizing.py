@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.api.platform import MemoryProbe
-from batchgen.engine.attention.path import VARLEN, choose_attention_path, detect_support, has_softcap
+from batchgen.engine.attention.path import SDPA, has_softcap
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner.memory import MemoryProfile, pool_budget, profile_batch, profile_kv_budget
 from batchgen.engine.runner.model_runner import ModelRunner
@@ -88,8 +88,9 @@ def kv_pool_blocks(
     vocab = int(model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
     profile = profile_kv_budget(make_runner, batch, probe, vocab, config.gpu_memory_utilization)
     per_block = kv_block_bytes(spec, block_size, dtype)
-    softcap = has_softcap(model.config)
-    path = choose_attention_path(device.type, dtype, block_size, spec.head_dim, softcap, detect_support(device)).path
-    gathers = profiled_backend == "torch" and path != VARLEN  # why: the triton kernel reads the pool in place
+    path = platform_for(device).attention_path(
+        profiled_backend, dtype, block_size, spec.head_dim, has_softcap(model.config)
+    )
+    gathers = path.path == SDPA  # why: the triton kernel and torch's varlen one read the pool in place
     budget = pool_budget(profile, spec.num_layers, gathers, per_block)
     return budget // per_block, profile

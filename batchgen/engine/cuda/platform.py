@@ -5,7 +5,8 @@ triton imports and the GPU is Ampere or newer, the only backend CUDA-graph decod
 (graphs); "torch" elsewhere, with 256-token blocks where that makes torch's paged varlen kernel
 apply (attention/path). compile `auto` is on, and with it decode steps replayed as CUDA graphs:
 the launch overhead both remove is what bounds small decode batches here; a model that fails to
-compile runs eager. Device memory is read through torch.cuda's counters (memory).
+compile runs eager. Device memory is read through torch.cuda's counters (CudaMemory; no CPU test
+runs it: benchmarks/gpu_check.py does, in its throughput section).
 
 The step defaults:
 - max_num_seqs 256: a decode step reads all weights once whatever the batch, so decode throughput
@@ -26,7 +27,6 @@ import torch
 
 from batchgen.engine.api.platform import GraphReplay, MemoryProbe, Platform, check_backend_name
 from batchgen.engine.cuda.graphs import GraphDecode
-from batchgen.engine.cuda.memory import CudaMemory
 from batchgen.engine.triton import support as triton_support
 
 
@@ -57,3 +57,26 @@ class CudaPlatform(Platform):
         self, forward: Callable[..., torch.Tensor], max_rows: int, max_blocks: int, block_size: int
     ) -> GraphReplay | None:
         return GraphDecode(forward, max_rows, max_blocks, block_size, self.device)  # pragma: no cover - CUDA
+
+
+class CudaMemory:  # pragma: no cover - needs CUDA
+    """api/platform.MemoryProbe over torch.cuda's counters."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def clear(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def peak_allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def used_and_total(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(total - free), int(total)

@@ -17,7 +17,7 @@ The profiling step is the worst one the scheduler can produce: max_num_batched_t
 max_num_seqs logit rows, one long chunk whose context ends at max_model_len (the gather path
 copies and masks a whole context) and single-token decodes. Its block table points at a
 two-block scratch pool (the step's shapes, not its values, set the peak), so profiling costs
-almost no memory itself. The device is read through a MemoryProbe (the Platform's: cuda/memory.CudaMemory on
+almost no memory itself. The device is read through a MemoryProbe (the Platform's: cuda/platform.CudaMemory on
 a GPU, a fake in the CPU tests), so everything here runs on CPU.
 """
 

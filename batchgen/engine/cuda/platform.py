@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.engine.api.platform import GraphReplay, MemoryProbe, Platform, check_backend_name
+from batchgen.engine.api.platform import GraphReplay, MemoryProbe, Platform
 from batchgen.engine.cuda.graphs import GraphDecode
 from batchgen.engine.triton import support as triton_support
 
@@ -38,14 +38,12 @@ class CudaPlatform(Platform):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
     def attention_backend(self, setting: str) -> str:
-        check_backend_name(setting)
         if setting == "auto":
             return "triton" if triton_support.prefers_triton(self.device) else "torch"
-        if setting == "cpu":
-            raise ValueError("attention_backend 'cpu' runs on the CPU, not on cuda")
         if setting == "triton":
             triton_support.check_device(self.device)
-        return setting
+            return setting
+        return super().attention_backend(setting)  # "torch"; "cpu" and unknown names refused
 
     def compiles_by_default(self) -> bool:
         return True

@@ -328,3 +328,14 @@ def test_a_long_shared_system_prompt_does_not_make_one_group_of_every_row(tmp_pa
     for doc in set(data["doc"]):  # the key goes on past the shared header: each document's rows together
         assert len({part_of[r] for r, d in enumerate(data["doc"]) if d == doc}) == 1, doc
     assert not any(cut.joined)  # no group is larger than a part: the header is every row's, not a group
+
+
+def test_prefix_ordering_inside_a_part_skips_the_header_every_row_shares() -> None:
+    from batchgen.inputs.ordering import order_requests
+
+    header = list(range(100, 180))  # 80 tokens every prompt starts with: more than the 64 the order looks at
+    docs = {"a": [1] * 40, "b": [2] * 40}
+    rows = [("a", 3), ("b", 9), ("a", 7), ("b", 1), ("a", 5)]  # (document, question length)
+    prompts = [header + docs[d] + [7] * n for d, n in rows]
+    order = order_requests(prompts, "prefix")
+    assert [rows[i][0] for i in order] == ["a", "a", "a", "b", "b"]  # each document's rows together

@@ -19,6 +19,7 @@ import transformers
 from batchgen.engine.cpu import front as attention_front
 from batchgen.engine.cpu import host, native, native_linear, native_ops
 from batchgen.engine.runner.backends import resolve_backend
+from batchgen.engine.runner.dtype_rule import host_rule, resolve_auto
 
 
 def report(build: bool = False) -> dict[str, Any]:
@@ -36,12 +37,20 @@ def report(build: bool = False) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "triton": _installed("triton"),
         "attention_backend": resolve_backend("auto", torch.device(device)),
+        "dtype_auto": _dtype_auto(device),
         "host": host.describe(),
         "compilers": {"c": _compiler("CC", "cc", "gcc"), "c++": _compiler("CXX", "c++", "g++")},
         "cache_dir": str(native.cache_dir()),
         "native_cflags": " ".join(native.extra_flags()),
         "kernels": [kernel_state(name) for name in native_ops.KERNELS],
     }
+
+
+def _dtype_auto(device: str) -> str:
+    """What model.dtype auto resolves to here, and why (engine/runner/dtype_rule)."""
+    if device == "cuda":
+        return "CUDA: " + resolve_auto("cuda", None, torch.cuda.is_bf16_supported()).dtype
+    return host_rule()
 
 
 def kernel_state(name: str) -> dict[str, Any]:
@@ -79,6 +88,7 @@ def lines(facts: dict[str, Any]) -> list[str]:
         f"transformers  {facts['transformers']}",
         f"triton        {facts['triton'] or 'not installed'}",
         f"attention     {facts['attention_backend']} (engine.attention_backend: auto)",
+        f"dtype auto    {facts['dtype_auto']}",
         f"cpu           {h['cpu']} [{flags}]",
         f"threads       {h['torch_threads']} (affinity {h['affinity_cpus']} CPUs, quota {h['quota_cpus'] or 'none'})",
     ]

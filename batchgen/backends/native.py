@@ -25,7 +25,7 @@ class NativeBackend:
             # Why resolved here: the engine is handed the very device and dtype the job record names,
             # and its attention backend is resolved by the engine's own rule for that device.
             device = resolve_device(spec.model.device)
-            dtype = resolve_dtype(spec.model.dtype, device)
+            dtype = resolve_dtype(spec.model.dtype, device, str(spec.model.path))
             attention = resolve_backend(settings["attention_backend"], device)
             with weight_errors_as_model_errors(spec.model.path):
                 self.llm = LLM(str(spec.model.path), tokenizer=tokenizer, device=str(device), dtype=dtype, **settings)

@@ -20,6 +20,7 @@ from batchgen.outputs.fingerprint import job_fingerprint
 from batchgen.outputs.openai_batch import BatchFacts, write_batch_output
 from batchgen.outputs.part_record import audit_parts, redo_bad_parts
 from batchgen.outputs.parts import PartWriter
+from batchgen.outputs.runtime_record import recorded_dtype
 from batchgen.outputs.state import OutputLock, OutputState
 from batchgen.outputs.table import carried_columns, output_schema
 from batchgen.outputs.totals import Totals
@@ -100,6 +101,7 @@ class JobRunner:
         else:
             self._claim_output(state, record)
             committed = state.committed_parts()
+        self._resolve_dtype({} if self.overwrite else state.read_record() or {})
         mine = [s for s in shards if owns is None or owns(s.index)]
         # Why read whole: a kept part is trusted only when it is the one this job committed (part_record).
         audit = audit_parts(writer.storage, committed, {s.index: s.num_rows for s in mine}, state.read_record() or {})
@@ -137,6 +139,20 @@ class JobRunner:
         if not self._model_checked:
             validate_model(self.spec)
             self._model_checked = True
+
+    def _resolve_dtype(self, record: dict[str, Any]) -> None:
+        """Log what model.dtype resolves to and why; `auto` on an output whose parts were all made in
+        one dtype is pinned to it (runtime_record.recorded_dtype), here and on every worker."""
+        from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it imports torch to ask for CUDA
+
+        model = self.spec.model
+        held = recorded_dtype(record) if model.dtype == "auto" else None
+        if held is None:
+            log.info("model %s: %s", model.path, for_job(model.dtype, model.device, str(model.path)).line(model.dtype))
+            return
+        log.info("model %s: dtype auto -> %s (resuming an output whose parts were made in %s)", model.path, held, held)
+        self.spec = self.spec.model_copy(update={"model": model.model_copy(update={"dtype": held})})
+        self.work.spec = self.spec
 
     def _open_executor(self) -> None:
         if self.executor is None:

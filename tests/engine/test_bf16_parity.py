@@ -55,6 +55,29 @@ def test_bf16_engine_meets_the_reduced_precision_policy(
     assert verdict["ok"], f"{arch}/{backend}: {verdict['failures']}"
 
 
+@pytest.mark.parametrize("transposed", [True, False], ids=["batched", "sdpa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_both_measured_decode_layouts_meet_the_policy(
+    arch: str, transposed: bool, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whichever key layout decode_layout measures faster here, the other one is right too (a
+    machine elsewhere takes it): the measurement is replaced by each answer in turn."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.cpu import backend
+
+    monkeypatch.setattr(backend, "keys_transposed", lambda *shape: transposed)
+    path = tiny_model(arch)
+    if arch not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        _REFERENCE[arch] = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", attention_backend="cpu", compile=False, block_size=16)
+    assert llm.engine.runner.backend.rows.keys_transposed is transposed
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
+    verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
+    assert verdict["ok"], f"{arch}/transposed={transposed}: {verdict['failures']}"
+
+
 def test_the_policy_fails_a_divergence_before_any_near_tie_and_a_wrong_top1() -> None:
     assert not policy.check_greedy([5, 6, 9], [5, 6, 7], [2.0, 2.0, 2.0, 0.01]).ok
     assert policy.check_greedy([5, 6, 9], [5, 6, 7], [2.0, 0.05, 2.0]).ok  # the tie at 1 came first

@@ -16,6 +16,7 @@ from batchgen.cli import main
 from batchgen.engine.runner.dtype_rule import FLAGS_ENV
 from batchgen.testing import faults
 from batchgen.testing.tiny_models import save_random_model, tiny_configs
+from tests.conftest import make_job, write_job, write_parquet
 from tests.test_part_checks import _job, _record, _run
 
 NATIVE, AVX2 = "avx2 avx512_bf16", "avx2 fma"
@@ -79,3 +80,14 @@ def test_validate_and_estimate_say_what_auto_resolves_to(
     assert estimated.exit_code == 0, estimated.output
     dtype = json.loads(estimated.output)["dtype"]
     assert dtype["setting"] == "auto" and dtype["resolved"] == "float32" and "no amx_bf16" in dtype["why"]
+
+
+@pytest.mark.parametrize(("flags", "dtype"), [(NATIVE, "bfloat16"), (AVX2, "float32")])
+def test_the_hf_backend_follows_the_same_rule(
+    flags: str, dtype: str, tmp_path: Path, bf16_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = write_parquet(tmp_path / "in.parquet", {"id": ["a", "b"], "prompt": ["w5 w6 w7", "w8 w9"]})
+    job = write_job(tmp_path / "job.yaml", make_job(bf16_model, str(data), tmp_path / "out"))  # engine.backend hf
+    monkeypatch.setenv(FLAGS_ENV, flags)
+    assert _run(job)[0] == 0
+    assert [r["dtype"] for r in _record(tmp_path / "out")["runtimes"]] == [dtype]

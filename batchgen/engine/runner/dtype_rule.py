@@ -144,8 +144,11 @@ def choose(
 
 
 def for_job(setting: str, device_setting: str, model_path: str | os.PathLike[str] | None) -> DtypeChoice:
-    """`choose` for a job's model.dtype and model.device ("auto": CUDA when present, else the CPU)."""
-    import torch  # why here: `validate` and `estimate` import this module before they need torch
+    """`choose` for a job's model.dtype and model.device ("auto": CUDA when present, else the CPU).
+    torch is imported only where CUDA must be asked (device auto or cuda, dtype auto)."""
+    if setting != "auto" or device_setting == "cpu":
+        return choose(setting, device_setting.split(":")[0] if device_setting != "auto" else "cpu", model_path)
+    import torch  # why here: `validate` and `estimate` of a CPU job need no torch
 
     cuda = torch.cuda.is_available()
     device_type = ("cuda" if cuda else "cpu") if device_setting == "auto" else device_setting.split(":")[0]

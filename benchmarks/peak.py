@@ -54,6 +54,18 @@ def peaks() -> dict[str, Any]:
     }
 
 
+def best_of(start: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
+    """The run's peaks: the higher of each dtype's start and end figure (a busy spell at either end
+    lowers one), with both kept."""
+    keys = ("float32_gflops", "bfloat16_gflops")
+    return {
+        **start,
+        **{k: max(start[k], end[k]) for k in keys},
+        "at_start": {k: start[k] for k in keys},
+        "at_end": {k: end[k] for k in keys},
+    }
+
+
 def model_flops(config: Any, prompts: Sequence[int], max_tokens: int) -> float:
     """Model FLOPs of a greedy workload: prompts of these lengths, each generating max_tokens."""
     hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size

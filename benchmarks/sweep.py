@@ -167,7 +167,7 @@ def measure(
             row[system] = max(row[system], result["tok_s"])
             row["host"] = result["host"]
     if peak is not None:
-        return {**row, **precision_figures(shape, row, peak, work)}
+        return row  # its figures come at the end of the run (precision_figures), against the best peak
     row["native_vs_off"] = round(row["native"] / row["off"], 2)
     row["native_vs_transformers"] = round(row["native"] / row["transformers"], 2)
     return row
@@ -231,11 +231,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         peak = peaks()  # measured now, beside the runs it judges
     with tempfile.TemporaryDirectory(prefix="batchgen-sweep-") as tmp:
         rows = [measure(by_name[name], Path(tmp), threads, args.contended, args.repeats, peak) for name in names]
-    if peak is not None:  # measured again at the end: a fraction of the best the host showed in this run
-        from benchmarks.peak import peaks
+        if peak is not None:  # measured again at the end: fractions of the best the host showed in this run
+            from benchmarks.peak import best_of, peaks
 
-        end = peaks()
-        peak["at_end"] = {k: end[k] for k in ("float32_gflops", "bfloat16_gflops")}
+            peak = best_of(peak, peaks())
+            rows = [{**r, **precision_figures(by_name[r["shape"]["name"]], r, peak, Path(tmp))} for r in rows]
     report = {
         "command": " ".join(["benchmarks/sweep.py", *(argv if argv is not None else sys.argv[1:])]),
         "contended": args.contended,

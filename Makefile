@@ -45,13 +45,13 @@ test: $(STAMP) $(AIRFLOW_STAMP)
 
 # Lint, format check and types; CI runs it before the tests.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check batchgen tests benchmarks scripts examples
-	$(VENV)/bin/ruff format --check batchgen tests benchmarks scripts examples
+	$(VENV)/bin/ruff check batchgen testkit tests benchmarks scripts examples
+	$(VENV)/bin/ruff format --check batchgen testkit tests benchmarks scripts examples
 	$(VENV)/bin/mypy
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix batchgen tests benchmarks scripts examples
-	$(VENV)/bin/ruff format batchgen tests benchmarks scripts examples
+	$(VENV)/bin/ruff check --fix batchgen testkit tests benchmarks scripts examples
+	$(VENV)/bin/ruff format batchgen testkit tests benchmarks scripts examples
 
 clean-venv:
 	rm -rf $(VENV) $(AIRFLOW_VENV)

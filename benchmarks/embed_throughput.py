@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from batchgen.testing.pooling_models import bert_tokenizer, write_sentence_transformers  # noqa: E402
+from testkit.pooling_models import bert_tokenizer, write_sentence_transformers  # noqa: E402
 
 BATCH_SIZES = (8, 32, 128)
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.llm import LLM
-from batchgen.testing.tiny_models import EOS_ID, save_random_model
+from testkit.tiny_models import EOS_ID, save_random_model
 
 EOS = EOS_ID  # id 0 of the tiny word tokenizer
 

@@ -19,7 +19,6 @@ import torch
 
 from batchgen.engine.llm import LLM
 from batchgen.engine.runner.models import resolve_device
-from batchgen.testing.tiny_models import tiny_configs
 from benchmarks.gpu_check_common import (
     Ctx,
     compare,
@@ -32,6 +31,7 @@ from benchmarks.gpu_check_common import (
     tokens_of,
 )
 from benchmarks.gpu_check_env import backend_refusal
+from testkit.tiny_models import tiny_configs
 
 REFERENCE_ATTENTION = "eager"
 PARITY_SETTINGS: dict[str, dict[str, Any]] = {

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from batchgen.engine.parallel.plan import SHARDABLE
-from batchgen.testing.tiny_models import tiny_configs
 from benchmarks.gpu_check_common import Ctx, compare, free_memory
 from benchmarks.gpu_check_parity import eager_torch, engine_llm, run_parity
+from testkit.tiny_models import tiny_configs
 
 SIZE = 2
 

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from batchgen import faults
 from batchgen.cli import main
-from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 
 

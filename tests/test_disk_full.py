@@ -1,4 +1,4 @@
-"""A local output disk that fills up mid-run (an injected ENOSPC, batchgen/testing/faults.py `disk_full`:
+"""A local output disk that fills up mid-run (an injected ENOSPC, batchgen/faults.py `disk_full`:
 the n-th atomic write fails after its temp file holds the data, as a real full disk fails):
 exit 5 with a message saying so, nothing half-written visible, and a rerun with space completes
 to the same rows as a clean run."""
@@ -12,9 +12,9 @@ import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
+from batchgen import faults
 from batchgen.cli import main
 from batchgen.outputs.parts import part_name
-from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 
 COLUMNS = ["row_id", "generated_text", "finish_reason", "input_tokens", "cached_tokens", "output_tokens"]

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from batchgen import faults
 from batchgen.cli import main
 from batchgen.errors import OutputError
 from batchgen.outputs.parts import PartWriter
@@ -27,7 +28,6 @@ from batchgen.outputs.table import RESULT_NAMES, output_schema
 from batchgen.storage import local
 from batchgen.storage.base import temp_name
 from batchgen.storage.local import LocalStorage
-from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 
 

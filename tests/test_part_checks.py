@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from batchgen import faults
 from batchgen.backends.native import NativeBackend
 from batchgen.cli import main
 from batchgen.errors import FingerprintMismatch
 from batchgen.outputs.runtime_record import claim_runtime
 from batchgen.storage.local import LocalStorage
-from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 16  # window 4: 4 parts

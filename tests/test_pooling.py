@@ -16,7 +16,7 @@ from transformers import AutoModel, AutoModelForSequenceClassification, AutoToke
 from batchgen.engine.llm import LLM
 from batchgen.engine.pooling.config import PoolingConfigError, resolve_pooling
 from batchgen.engine.pooling.outputs import PoolingParams
-from batchgen.testing.pooling_models import (
+from testkit.pooling_models import (
     save_llama_classifier,
     save_tiny_bert,
     write_sentence_transformers,

@@ -19,7 +19,7 @@ from batchgen.cli import main
 from batchgen.engine.llm import LLM
 from batchgen.job.spec import load_job
 from batchgen.outputs.fingerprint import job_fingerprint
-from batchgen.testing.pooling_models import save_llama_classifier, save_tiny_bert
+from testkit.pooling_models import save_llama_classifier, save_tiny_bert
 from tests.conftest import build_tokenizer, write_job, write_parquet
 from tests.s3_server import moto_s3, options
 

@@ -20,6 +20,7 @@ import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
+from batchgen import faults
 from batchgen.cli import main
 from batchgen.errors import EngineFailure, ExecutorError
 from batchgen.inputs.dataset import Shard
@@ -34,7 +35,6 @@ from batchgen.run.runner import JobRunner
 from batchgen.run.summary import Summary
 from batchgen.run.validate import validate_job
 from batchgen.storage.local import LocalStorage
-from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 200  # window 20: 10 parts

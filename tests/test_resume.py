@@ -21,9 +21,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from batchgen import faults
 from batchgen.cli import main
 from batchgen.outputs.state import OutputLock
-from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 24

@@ -14,11 +14,11 @@ from typing import Any
 import pyarrow.dataset as ds
 import pytest
 
+from batchgen import faults
 from batchgen.job.spec import load_job
 from batchgen.outputs.state import SUCCESS_NAME
 from batchgen.run.runner import JobRunner
 from batchgen.storage.local import LocalStorage
-from batchgen.testing import faults
 from tests.conftest import make_job, write_job, write_parquet
 
 ROWS = 40  # window 10: 4 parts

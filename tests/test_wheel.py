@@ -53,6 +53,15 @@ def test_the_wheel_carries_every_kernel_source(wheel: Path) -> None:
     assert "batchgen/cli.py" in names and any(n.endswith("entry_points.txt") for n in names)
 
 
+def test_the_wheel_ships_no_test_helpers(wheel: Path) -> None:
+    """The tiny-model builders (testkit/) serve tests and benchmarks; users install none of them."""
+    names = zipfile.ZipFile(wheel).namelist()
+    assert (REPO / "testkit" / "tiny_models.py").is_file(), "the check looks for what the checkout has"
+    strays = [n for n in names if n.split("/")[0] in ("testkit", "tests", "benchmarks") or "/testing/" in n]
+    assert not strays, f"the wheel carries test helpers: {strays}"
+    assert "batchgen/faults.py" in names  # the fault points are a feature, not a test helper
+
+
 def test_a_job_runs_from_a_wheel_in_a_fresh_venv_with_every_kernel(wheel: Path, tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)

@@ -28,7 +28,8 @@ class NativeBackend:
             dtype = resolve_dtype(spec.model.dtype, device, str(spec.model.path))
             attention = resolve_backend(settings["attention_backend"], device)
             with weight_errors_as_model_errors(spec.model.path):
-                self.llm = LLM(str(spec.model.path), tokenizer=tokenizer, device=str(device), dtype=dtype, **settings)
+                path, task = str(spec.model.path), "generate"  # a generate job, whatever the folder holds
+                self.llm = LLM(path, tokenizer=tokenizer, device=str(device), dtype=dtype, task=task, **settings)
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: {exc}") from exc
         dtype_name = str(dtype).removeprefix("torch.")

@@ -15,7 +15,8 @@ from batchgen.engine.api.config import EngineConfig, engine_config
 from batchgen.engine.api.device_defaults import require_int, resolve_engine_defaults
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.api.vllm_keywords import adapt_vllm_keywords, check_seed, vllm_dtype
+from batchgen.engine.api.vllm_engine_args import generation_defaults, generation_mode, task_of
+from batchgen.engine.api.vllm_keywords import adapt_vllm_keywords, check_seed, render_options, vllm_dtype
 from batchgen.engine.api.vllm_views import LLMEngineView, ModelConfig
 from batchgen.engine.attention.path import SMALL_BLOCK_SIZE, default_block_size, detect_support, has_softcap
 from batchgen.engine.core.block_manager import BlockManager
@@ -23,6 +24,7 @@ from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
 from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.parallel.sharded_runner import ShardedRunner
+from batchgen.engine.pooling.auto_task import resolve_task
 from batchgen.engine.pooling.methods import PoolingMethods
 from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
 from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
@@ -83,7 +85,7 @@ class LLM(PoolingMethods):
         device: str = "auto",
         dtype: str | torch.dtype = "auto",
         seed: int | None = None,
-        task: str = "generate",
+        task: str = "auto",
         pooler_config: dict[str, Any] | None = None,
         **settings: Any,
     ) -> None:
@@ -92,13 +94,16 @@ class LLM(PoolingMethods):
         an unknown name is a TypeError and a bad value a ValueError, both naming the setting.
         `tokenizer`: None (the model folder's), a folder path, or a fast tokenizer object. `seed`
         seeds the draws of requests without their own seed (None: the OS's entropy). `task`:
-        generate ("auto" too), embed, classify or score (vLLM's); `pooler_config`: {"pooling_type":
+        generate, embed, classify or score (vLLM's); "auto" reads it from the folder's
+        architectures as vLLM does (engine/pooling/auto_task); `pooler_config`: {"pooling_type":
         "LAST" | "MEAN" | "CLS", "normalize": bool} over the model folder's own (engine/pooling)."""
+        settings = dict(settings)
+        task, self._generation_config = task_of(task, settings), generation_mode(settings)  # vLLM's runner, ...
         config = engine_config(**adapt_vllm_keywords(settings))
         seed = check_seed(seed)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(vllm_dtype(dtype), torch_device, model)
-        task = "generate" if task == "auto" else task
+        task = resolve_task(model, task)
         if task not in TASKS:
             raise ValueError(f"LLM(task={task!r}): must be one of 'auto', {', '.join(map(repr, TASKS))}")
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
@@ -142,7 +147,8 @@ class LLM(PoolingMethods):
         backend = resolve_backend(config.attention_backend, device)  # why first: a bad one fails before loading
         prepare_process(device)
         self._tp = start_tensor_parallel(model, config, device, dtype)  # None: one device
-        hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype)
+        pooling = self.task != "generate"
+        hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype, pooling)
         self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
         config.max_model_len = self.max_model_len
         spec = kv_spec(hf_model.config)
@@ -185,7 +191,10 @@ class LLM(PoolingMethods):
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What generate(sampling_params=None) uses: SamplingParams() (vLLM's generation_config='vllm')."""
+        """What generate(sampling_params=None) uses: SamplingParams(), with generation_config="auto"
+        the sampling values of the folder's generation_config.json on top (as vLLM does)."""
+        if self._generation_config == "auto":
+            return SamplingParams(**generation_defaults(self._model_path))
         return SamplingParams()
 
     def close(self) -> None:
@@ -223,7 +232,7 @@ class LLM(PoolingMethods):
             raise TypeError("prompts: a flat list of ints is ambiguous; pass [[...ids]] or {'prompt_token_ids': [...]}")
         encoded = [self._encode(i, p) for i, p in enumerate(items)]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(encoded)
         else:
@@ -235,27 +244,35 @@ class LLM(PoolingMethods):
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: object = None,
         *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {role, content}) or a list of them,
-        rendered with the tokenizer's chat template (as vLLM's `LLM.chat`)."""
+        rendered with the tokenizer's chat template or `chat_template` (as vLLM's `LLM.chat`):
+        `continue_final_message` continues the last message (with add_generation_prompt=False),
+        `tools` and `chat_template_kwargs` (e.g. {"enable_thinking": False}) go to the template."""
         conversations = cast(
-            "list[list[dict[str, str]]]", [messages] if messages and isinstance(messages[0], dict) else messages
+            "list[list[dict[str, Any]]]", [messages] if messages and isinstance(messages[0], dict) else messages
+        )
+        options = render_options(
+            chat_template, add_generation_prompt, continue_final_message, tools, chat_template_kwargs
         )
         prompts: list[PromptInput] = []
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
             # why no special tokens: a rendered template already holds them (BOS etc.)
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm, on_output=on_output)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, on_output=on_output)
 
     def _encode(self, index: int, prompt: object) -> tuple[list[int], str | None]:
         """(token ids, prompt text or None) of one prompt."""

@@ -14,11 +14,11 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import OutputError
+from batchgen.faults import fault_point
 from batchgen.outputs.part_record import PartFacts, describe_parts
 from batchgen.outputs.runtime_record import claim_runtime
 from batchgen.storage.base import Storage
 from batchgen.storage.open import open_storage
-from batchgen.testing.faults import fault_point
 
 
 def part_name(index: int) -> str:

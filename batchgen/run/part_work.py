@@ -18,6 +18,7 @@ from batchgen.backends import load_backend
 from batchgen.backends.base import Backend
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.errors import BatchgenError, EngineFailure
+from batchgen.faults import fault_point
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.inputs.ordering import order_requests
@@ -29,7 +30,6 @@ from batchgen.outputs.state import OutputState
 from batchgen.outputs.table import RESULT_FIELDS, part_table, result_columns
 from batchgen.outputs.totals import Totals
 from batchgen.run import interrupt
-from batchgen.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 

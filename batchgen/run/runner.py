@@ -10,6 +10,7 @@ from typing import Any
 
 from batchgen.backends import for_rows
 from batchgen.backends.base import Backend
+from batchgen.faults import fault_point
 from batchgen.inputs.dataset import InputFile, Shard, column_field, plan_shards
 from batchgen.inputs.duplicate_ids import find_duplicate_ids
 from batchgen.inputs.reading import read_shards
@@ -30,7 +31,6 @@ from batchgen.run.part_work import PartWork, load_engine, read_columns
 from batchgen.run.progress import LoadingStatus, RunProgress, loading_what, row_token_budget
 from batchgen.run.summary import Summary
 from batchgen.run.validate import validate_inputs, validate_model
-from batchgen.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 

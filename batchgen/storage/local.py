@@ -16,8 +16,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchgen.errors import OutputError
+from batchgen.faults import fault_point
 from batchgen.storage.base import Storage, temp_name, temp_target
-from batchgen.testing.faults import fault_point
 
 
 class LocalStorage(Storage):

@@ -27,12 +27,12 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from batchgen.errors import OutputError
+from batchgen.faults import fault_point
 from batchgen.storage.base import Storage
 from batchgen.storage.gcs import GcsConditional, gcs_client
 from batchgen.storage.retry import RetryPolicy, is_transient, with_retries
 from batchgen.storage.s3 import S3Conditional, s3_client
 from batchgen.storage.uris import REMOTE_SCHEMES, uri_scheme
-from batchgen.testing.faults import fault_point
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,22 +18,37 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-VLLM_API_VERSION = "0.11.0"
+VLLM_API_VERSION = "0.34.0"  # the vLLM release on PyPI when this was last checked against it
 
 # vLLM's module -> ours (the names clients import from; see the package docstring)
 ALIASES = {
     "vllm": "batchgen.vllm_compat",
+    "vllm.attention": "batchgen.vllm_compat.platforms",
+    "vllm.attention.backends": "batchgen.vllm_compat.platforms",
+    "vllm.attention.backends.registry": "batchgen.vllm_compat.platforms",
+    "vllm.config": "batchgen.vllm_compat.platforms",
+    "vllm.engine": "batchgen.vllm_compat.engine_args",
+    "vllm.engine.arg_utils": "batchgen.vllm_compat.engine_args",
     "vllm.entrypoints": "batchgen.vllm_compat.chat_utils",
     "vllm.entrypoints.chat_utils": "batchgen.vllm_compat.chat_utils",
     "vllm.entrypoints.llm": "batchgen.engine.llm",
     "vllm.inputs": "batchgen.vllm_compat.inputs",
     "vllm.lora": "batchgen.vllm_compat.lora",
     "vllm.lora.request": "batchgen.vllm_compat.lora",
-    "vllm.outputs": "batchgen.engine.api.outputs",
+    "vllm.outputs": "batchgen.vllm_compat.outputs",
+    "vllm.platforms": "batchgen.vllm_compat.platforms",
+    "vllm.pooling_params": "batchgen.engine.pooling.outputs",
     "vllm.sampling_params": "batchgen.engine.api.params",
     "vllm.tokenizers": "batchgen.vllm_compat.tokenizers",
     "vllm.transformers_utils": "batchgen.vllm_compat.tokenizers",
     "vllm.transformers_utils.tokenizer": "batchgen.vllm_compat.tokenizers",
+    "vllm.utils": "batchgen.vllm_compat.argparse_utils",
+    "vllm.utils.argparse_utils": "batchgen.vllm_compat.argparse_utils",
+    "vllm.utils.print_utils": "batchgen.vllm_compat.print_utils",
+    "vllm.v1": "batchgen.vllm_compat.platforms",
+    "vllm.v1.attention": "batchgen.vllm_compat.platforms",
+    "vllm.v1.attention.backends": "batchgen.vllm_compat.platforms",
+    "vllm.v1.attention.backends.registry": "batchgen.vllm_compat.platforms",
 }
 
 
@@ -62,6 +77,7 @@ class _VllmFinder(MetaPathFinder):
 
 
 _FINDER = _VllmFinder()
+_SET: list[str] = []  # the submodule attributes install() set on the top package (removed by uninstall)
 
 
 def install() -> None:
@@ -72,12 +88,23 @@ def install() -> None:
         raise RuntimeError(f"a real vllm module is already imported ({where}); batchgen's aliases would shadow it")
     for alias, target in ALIASES.items():
         sys.modules[alias] = importlib.import_module(target)
+    top = sys.modules["vllm"]
+    for alias in ALIASES:  # why: `import vllm.pooling_params` then reads `vllm.pooling_params`
+        name = alias.removeprefix("vllm.")
+        if "." not in name and alias != "vllm" and not hasattr(top, name):
+            setattr(top, name, sys.modules[alias])
+            _SET.append(name)
     if _FINDER not in sys.meta_path:
         sys.meta_path.append(_FINDER)
 
 
 def uninstall() -> None:
     """Remove every alias install() made (and the version answer)."""
+    top = sys.modules.get("vllm")
+    while _SET:
+        name = _SET.pop()
+        if top is not None and hasattr(top, name):
+            delattr(top, name)
     for alias, target in ALIASES.items():
         module: ModuleType | None = sys.modules.get(alias)
         if module is not None and module.__name__ == target:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.testing.tiny_models import save_random_model, tiny_configs
+from testkit.tiny_models import save_random_model, tiny_configs
 
 
 def failing_compiler(folder: Path, name: str) -> Path:

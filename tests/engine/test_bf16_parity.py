@@ -1,5 +1,5 @@
 """The engine in bf16 against transformers in bf16 on every parity architecture, under the reduced-
-precision policy (batchgen/testing/precision_policy): teacher-forced prompt logprobs agree at clear
+precision policy (testkit/precision_policy): teacher-forced prompt logprobs agree at clear
 positions, greedy tokens agree up to transformers' own first near-tie. The float32 parity tests
 (test_parity) stay token-exact and pin float32."""
 
@@ -16,8 +16,8 @@ import torch
 from batchgen.engine.api.outputs import Logprob
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.llm import LLM
-from batchgen.testing import precision_policy as policy
-from batchgen.testing.tiny_models import EOS_ID, VOCAB
+from testkit import precision_policy as policy
+from testkit.tiny_models import EOS_ID, VOCAB
 
 from .conftest import ARCHITECTURES
 

@@ -56,11 +56,11 @@ def test_decode_fills_a_block_then_takes_a_new_one() -> None:
     seq = make_seq(0, [1, 2, 3])
     assert bm.allocate_slots(seq, 3)
     seq.num_computed_tokens = 3
-    seq.append_token(4)
+    seq.token_ids.append(4)
     assert bm.allocate_slots(seq, 1)  # the decode fills block 0: it gets a hash now
     assert bm.block_table(seq.seq_id) == [0] and bm.block_hashes[0] is not None
     seq.num_computed_tokens = 4
-    seq.append_token(5)
+    seq.token_ids.append(5)
     assert bm.allocate_slots(seq, 1)
     assert bm.block_table(seq.seq_id) == [0, 1] and bm.block_hashes[1] is None
 

@@ -82,7 +82,7 @@ def test_each_compiled_model_runs_its_own_graph(tiny_model: Callable[[str], Path
 
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from batchgen.testing.tiny_models import save_random_model, tiny_configs
+    from testkit.tiny_models import save_random_model, tiny_configs
 
     config = copy.deepcopy(tiny_configs()["llama"])
     config.num_hidden_layers = 3

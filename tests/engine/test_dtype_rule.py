@@ -14,7 +14,7 @@ import torch
 from batchgen.engine.llm import LLM
 from batchgen.engine.runner import dtype_rule
 from batchgen.engine.runner.models import resolve_dtype
-from batchgen.testing.tiny_models import save_random_model, tiny_configs
+from testkit.tiny_models import save_random_model, tiny_configs
 
 NATIVE = "fpu avx2 fma avx512f avx512_bf16"  # a Zen 4 / Sapphire Rapids host
 AMX = "avx2 amx_tile amx_bf16"

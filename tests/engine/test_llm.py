@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from batchgen import LLM, RequestOutput, SamplingParams
-from batchgen.testing.tiny_models import EOS_ID
+from testkit.tiny_models import EOS_ID
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.llm import LLM
-from batchgen.testing.tiny_models import EOS_ID, VOCAB
+from testkit.tiny_models import EOS_ID, VOCAB
 
 MAX_TOKENS = 24
 

@@ -206,7 +206,7 @@ def _seeded_stream(steps: list[torch.Tensor], batch_size: int, order_seed: int) 
         logits = torch.randn(len(batch), VOCAB, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
         logits[batch.index(target)] = logits_row
         token = sampler(logits, batch)[batch.index(target)]
-        target.append_token(token)
+        target.token_ids.append(token)
         out.append(token)
     return out
 

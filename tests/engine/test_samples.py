@@ -39,7 +39,7 @@ def test_fork_shares_blocks_and_copies_the_partial_one_on_write() -> None:
     child.num_computed_tokens = 6
     assert bm.block_table(child.seq_id) == bm.block_table(parent.seq_id) == [0, 1] and bm.ref_counts[:2] == [2, 2]
     for seq in (parent, child):
-        seq.append_token(9)
+        seq.token_ids.append(9)
     assert bm.allocate_slots(child, 1)  # writes position 6, inside the shared partial block 1
     assert bm.block_table(child.seq_id) == [0, 2] and bm.take_copies() == [(1, 2)]
     assert bm.ref_counts[:3] == [2, 1, 1]
@@ -58,7 +58,7 @@ def test_a_full_last_block_is_never_copied() -> None:
     child = Sequence(1, [1, 2, 3, 4], SamplingParams(max_tokens=4))
     bm.fork(parent.seq_id, child.seq_id)
     child.num_computed_tokens = 4
-    child.append_token(9)
+    child.token_ids.append(9)
     assert bm.allocate_slots(child, 1) and bm.block_table(child.seq_id) == [0, 1] and bm.take_copies() == []
 
 

@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.api.structured_outputs import StructuredOutputsParams
 from batchgen.engine.llm import LLM
 from batchgen.engine.sampling.structured import check_structured
 
@@ -143,3 +144,36 @@ def test_every_sample_of_an_n_request_follows_the_schema(llm: LLM) -> None:
             assert sample.finish_reason == "stop"
     texts = {s.text for out in outs for s in out.outputs}
     assert len(texts) > 1  # temperature 1.0, distinct per-sample seeds: not one text repeated
+
+
+def _blanks_outside_strings(text: str) -> list[int]:
+    """Offsets of whitespace outside JSON strings, except the one space xgrammar writes after , and :."""
+    found, in_string, escaped = [], False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            in_string, escaped = (escaped or ch != '"'), (not escaped and ch == "\\")
+        elif ch == '"':
+            in_string = True
+        elif ch.isspace() and not (ch == " " and i > 0 and text[i - 1] in ",:"):
+            found.append(i)
+    return found
+
+
+def test_json_object_forces_an_object_without_free_whitespace(llm: LLM) -> None:
+    # vLLM compiles json_object as the schema {"type": "object"}: an array, a string or a number is
+    # not an object, and blanks between tokens are not allowed (a small model would write them forever).
+    prompts = PROMPTS * 4
+    api = StructuredOutputsParams(json_object=True)  # the vLLM spelling, half the rows
+    params = [
+        _params({"json_object": True}, max_tokens=120, seed=i)
+        if i % 2
+        else SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured_outputs=api)
+        for i in range(len(prompts))
+    ]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    finished = [o.text for o in outs if o.finish_reason == "stop"]
+    assert len(finished) >= len(outs) // 2, [o.text for o in outs]
+    for text in finished:
+        assert isinstance(json.loads(text), dict), text
+    for out in outs:  # a cut output too is the start of an object with no free blanks
+        assert out.text.startswith("{") and not _blanks_outside_strings(out.text), out.text

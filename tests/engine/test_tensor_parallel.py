@@ -22,7 +22,7 @@ from batchgen.engine.llm import LLM
 from batchgen.engine.parallel.group import TensorParallelError
 from batchgen.engine.parallel.plan import SHARDABLE
 from batchgen.engine.runner.models import UnsupportedModelError
-from batchgen.testing.tiny_models import tiny_configs
+from testkit.tiny_models import tiny_configs
 
 from .conftest import ARCHITECTURES
 from .test_parity import MAX_TOKENS, PRESSURE, PROMPTS

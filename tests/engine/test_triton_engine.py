@@ -23,7 +23,7 @@ from batchgen.engine.cpu import linear_calibration
 from batchgen.engine.llm import LLM
 from batchgen.engine.runner.backends import resolve_backend
 from batchgen.engine.triton import support
-from batchgen.testing.tiny_models import EOS_ID
+from testkit.tiny_models import EOS_ID
 
 PROMPTS = [[(5 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate((45, 18, 3))]
 LATER = PROMPTS[0][:36] + [7, 9, 11]  # its first two blocks are the first prompt's: cached

@@ -13,7 +13,8 @@ Clients pass vLLM's constructor keywords with neutral values (lm-evaluation-harn
     LoRA is off; `enable_chunked_prefill`: prefills are always chunked, as in vLLM V1);
   * accepted only with its neutral value and refused otherwise, with a message saying what
     batchgen does instead (`trust_remote_code=True`, a `revision`, `quantization`, LoRA, ...).
-Anything else goes on to EngineConfig, which refuses an unknown name.
+Every other field of vLLM's EngineArgs is accepted at vLLM's default and refused otherwise
+(vllm_engine_args); anything else goes on to EngineConfig, which refuses an unknown name.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import MAX_LOGPROBS, SEED_EXPECTED, SettingError, is_int, is_seed
+from batchgen.engine.api.vllm_engine_args import DEFAULTS, check_unused
 
 
 def _is(*values: object) -> Callable[[Any], bool]:
@@ -77,21 +79,11 @@ _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "enable_expert_parallel": (_is(False), "False", _ONE_DEVICE),
     "compilation_config": (_is(None), "None", "use enforce_eager=True (or compile=True/False)"),
     "speculative_config": (_is(None), "None", "batchgen has no speculative decoding"),
-    # (`task` is LLM's own parameter: generate, embed, classify or score; engine/pooling)
-    "runner": (
-        _is("auto", "generate"),
-        "'auto' or 'generate'",
-        "pass task='embed', 'classify' or 'score' for a pooling model",
-    ),
+    # (`task` is LLM's own parameter; `runner`, `convert` and `generation_config`: vllm_engine_args)
     "allowed_local_media_path": (_is(""), "''", "batchgen runs text-only models"),
     "mm_processor_kwargs": (_is(None), "None", "batchgen runs text-only models"),
     "limit_mm_per_prompt": (_is(None), "None", "batchgen runs text-only models"),
     "logits_processors": (_is(None), "None", "use SamplingParams' penalties, logit_bias, bad_words or structured"),
-    "generation_config": (
-        _is("vllm"),
-        "'vllm'",
-        "generate(sampling_params=None) uses SamplingParams()'s defaults (vLLM's own); pass SamplingParams",
-    ),
     "guided_decoding_backend": (_is(None, "auto", "xgrammar"), "'auto' or 'xgrammar'", "batchgen uses xgrammar"),
     "structured_outputs_config": (_is(None), "None", "batchgen uses xgrammar with its defaults"),
     "enable_sleep_mode": (_is(False), "False", "batchgen frees memory when the LLM is dropped"),
@@ -116,7 +108,8 @@ _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
 }
 
 # EngineConfig settings whose None means "our default" in vLLM's spelling too (dropped when None).
-_NONE_IS_DEFAULT = ("enable_prefix_caching",)
+_NONE_IS_DEFAULT = ("enable_prefix_caching", "gpu_memory_utilization", "attention_backend")
+_MAPPED = ("enforce_eager", "num_gpu_blocks_override")
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
@@ -131,9 +124,11 @@ def adapt_vllm_keywords(keywords: dict[str, Any]) -> dict[str, Any]:
     for name, (accepted, allowed, instead) in _KEYWORDS.items():
         if name in settings and name not in _ENGINE_FIELDS:
             value = settings.pop(name)
-            if not accepted(value):
+            if not accepted(value) and not (name in DEFAULTS and value == DEFAULTS[name]):
                 why = f": {instead}" if instead else ""
                 raise ValueError(f"LLM({name}={value!r}) is not supported (accepted: {allowed}){why}")
+    for name in [n for n in settings if n in DEFAULTS and n not in _ENGINE_FIELDS and n not in _MAPPED]:
+        check_unused(name, settings.pop(name))  # the other fields of vLLM's EngineArgs
     for name in _NONE_IS_DEFAULT:
         if name in settings and settings[name] is None:
             del settings[name]
@@ -177,3 +172,25 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 def vllm_dtype(dtype: Any) -> Any:
     """vLLM's `dtype` name as ours ('half' -> 'float16', 'float' -> 'float32'); others unchanged."""
     return _DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+
+
+def render_options(
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list[dict[str, Any]] | None,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """LLM.chat's keywords for the tokenizer's apply_chat_template (vLLM's names); a key of
+    chat_template_kwargs that is one of the named keywords is a TypeError (pass it by name)."""
+    named: dict[str, Any] = {
+        "chat_template": chat_template,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "tools": tools,
+    }
+    extra = dict(chat_template_kwargs or {})
+    clash = sorted(set(extra) & (set(named) | {"tokenize", "conversation"}))
+    if clash:
+        raise TypeError(f"LLM.chat(chat_template_kwargs=...): {clash} are LLM.chat keywords; pass them by name")
+    return {**extra, **{k: v for k, v in named.items() if v is not None}}

@@ -69,6 +69,3 @@ class Sequence:
         """Running seats this sequence takes: n while its samples are still to be forked from it."""
         n = self.params.n
         return n if n > 1 and self.num_output_tokens == 0 and self.params.max_tokens != 0 else 1
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)

@@ -206,7 +206,3 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
             self.disabled = True
             return False
         return True
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self.graphs.graphs)

@@ -72,7 +72,7 @@ def _serve(
     from batchgen.engine.parallel.collectives import Collectives
     from batchgen.engine.parallel.loading import load_sharded_model
     from batchgen.engine.runner.model_runner import ModelRunner
-    from batchgen.testing.faults import fault_point
+    from batchgen.faults import fault_point
 
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -119,17 +120,37 @@ def kv_spec(config: PretrainedConfig) -> KVSpec:
     return KVSpec(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim)
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+# A pooling run never calls the causal LM's head, and a classifier's own head (`score`) is read
+# apart (pooling/heads): transformers' load report of these keys is expected there, not a fault.
+_POOLING_MISSING = (r"^lm_head\.",)
+_POOLING_UNEXPECTED = (r"^score\.",)
+
+
+def _loader(config: PretrainedConfig, pooling: bool) -> Any:
+    """AutoModelForCausalLM; for a pooling run, the config's causal-LM class told that the LM head
+    may be missing (an embedding backbone, a classifier) and a `score` head unused. Every other
+    missing or unexpected key is still reported."""
+    if not pooling:
+        return AutoModelForCausalLM
+    cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # one class: check_config refused the rest
+    missing = set(cls._keys_to_ignore_on_load_missing or ()) | set(_POOLING_MISSING)
+    unexpected = set(cls._keys_to_ignore_on_load_unexpected or ()) | set(_POOLING_UNEXPECTED)
+    attrs = {"_keys_to_ignore_on_load_missing": missing, "_keys_to_ignore_on_load_unexpected": unexpected}
+    return type(cls.__name__, (cls,), {**attrs, "__module__": cls.__module__})
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype, pooling: bool = False) -> PreTrainedModel:
     """Load a local checkpoint with our attention implementation, refusing what we cannot run.
 
     Off the CPU the weights go straight to the device (`device_map`) when accelerate is installed,
     which transformers requires for that; else they are read into host memory and moved.
+    `pooling`: the model serves embed / classify / score only (its LM head is never used).
     """
     config = AutoConfig.from_pretrained(path)
     check_config(config)
     direct = device.type != "cpu" and is_accelerate_available()
     placement = {"device_map": {"": device}} if direct else {}
-    model = AutoModelForCausalLM.from_pretrained(
+    model: PreTrainedModel = _loader(config, pooling).from_pretrained(
         path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, **placement
     )
     check_model(model)

@@ -86,8 +86,8 @@ def build_grammar(spec: dict[str, Any]) -> Any:
     try:
         if kind == "json_schema":
             return _json_schema_grammar(xgr, value)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # as vLLM compiles it: any object (not any JSON value), no free blanks
+            return _json_schema_grammar(xgr, {"type": "object"})
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "choice":

@@ -18,6 +18,7 @@ from typing import Any
 
 from batchgen.backends.base import Backend
 from batchgen.errors import EngineFailure
+from batchgen.faults import fault_point
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.inputs.prepare import RowPreparer
@@ -26,7 +27,6 @@ from batchgen.job.spec import JobSpec
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.totals import Totals
 from batchgen.run.part_work import PartWork, load_engine, read_columns
-from batchgen.testing.faults import fault_point
 
 REPORT_SECONDS = 0.5  # how often a worker tells the board its rows done in the part at hand
 

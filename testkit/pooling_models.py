@@ -3,7 +3,8 @@ WordPiece tokenizer (with or without a classification head), a Llama classifier,
 sentence-transformers files (modules.json, 1_Pooling/config.json, Normalize) that turn a model
 folder into one sentence-transformers loads.
 
-Why in the package: the tests and benchmarks/embed_throughput.py build the same models.
+Why here (testkit/, beside the package, not in the wheel): the tests and
+benchmarks/embed_throughput.py build the same models.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Named fault-injection points for crash-safety tests.
+"""Named fault points: places where a run can be made to die, fail or pause on purpose.
+
+Why a production module: the crash-safety tests stop a run at these exact lines, and an operator
+can too (rehearsing a kill -9 mid-part, a full disk, a dead store before trusting resume).
 
 Set BATCHGEN_FAULT=<point> (or <point>:<n> to fire on the n-th pass) in a test's subprocess.
 `kill` points SIGKILL the process, exactly like the OOM killer would (BATCHGEN_FAULT_SIGNAL=SIGTERM

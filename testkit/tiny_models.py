@@ -1,8 +1,9 @@
 """Tiny random-weight configs of every architecture the parity tests cover (no downloads), the
 word-level tokenizer they are saved with, and the function that saves a random-weight model.
 
-Why in the package: the tests build their models from these, and so does the prepared GPU check
-(benchmarks/gpu_check.py), which runs where pytest and the tests' conftest are not importable.
+Why here (testkit/, beside the package, not in the wheel): the tests build their models from these,
+and so does the prepared GPU check (benchmarks/gpu_check.py), which runs where pytest and the
+tests' conftest are not importable.
 2 layers, hidden 64, a 256-token vocabulary whose id 0 is EOS; a large initializer range so greedy
 logits are not near-tied; sliding windows <= 48, so 300-token prompts really exercise them.
 """

@@ -12,7 +12,7 @@ from decimal import Decimal, InvalidOperation
 
 import click
 
-from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED_BASE, BatchgenError, Interrupted
+from batchgen.errors import EXIT_INTERNAL, EXIT_INTERRUPTED_BASE, EXIT_KERNELS_UNBUILT, BatchgenError, Interrupted
 from batchgen.inputs.sharding import ShardSpec
 from batchgen.job.spec import load_job
 from batchgen.run import interrupt
@@ -257,8 +257,14 @@ def doctor(build: bool, as_json: bool) -> None:
 
         facts = checks.report(build=build)
         click.echo(json.dumps(facts, indent=2) if as_json else "\n".join(checks.lines(facts)))
-        if build and any(k["state"] == "unavailable" for k in facts["kernels"]):
-            click.echo("some kernels could not be built: the engine uses torch's own path for those", err=True)
+        failed = [k["name"] for k in facts["kernels"] if k["state"] == "unavailable"]
+        if build and failed:  # why an exit code: `RUN batchgen doctor --build` must fail the image build
+            click.echo(
+                f"batchgen: {len(failed)} of {len(facts['kernels'])} kernels could not be built ({', '.join(failed)}; "
+                "see above why): the engine would use torch's own path for those",
+                err=True,
+            )
+            sys.exit(EXIT_KERNELS_UNBUILT)
 
     _guarded(work)
 

@@ -82,4 +82,5 @@ class Interrupted(BaseException):
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
+EXIT_KERNELS_UNBUILT = 11  # `doctor --build`: a native kernel could not be built on this machine
 EXIT_INTERRUPTED_BASE = 128  # + the signal number: 130 for SIGINT, 143 for SIGTERM

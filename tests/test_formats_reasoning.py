@@ -118,3 +118,21 @@ def test_the_end_marker_ends_the_reasoning_and_counts_in_it(tmp_path: Path, thin
         }
         assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 1}
         assert body["usage"]["completion_tokens"] == row["output_tokens"] == 4
+
+
+def test_completions_lines_keep_the_reasoning(tmp_path: Path, thinking_model: Path) -> None:
+    """A prompt (a /v1/completions line) that opens a thinking block: the answer is empty, and the
+    output line's choice still carries the thinking, as a chat line's message does."""
+    write_parquet(tmp_path / "in.parquet", {"id": ["a", "b"], "prompt": ["once upon a time<think>", "the cat<think>"]})
+    job = make_job(thinking_model, str(tmp_path / "in.parquet"), tmp_path / "out", sampling={"max_tokens": 4})
+    job["output"].update({"reasoning": "auto", "format": "openai_batch"})
+    result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / "job.yaml", job)), "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()
+    lines = [json.loads(x) for x in (tmp_path / "out" / "_batch_output.jsonl").read_text().splitlines()]
+    for line, row in zip(lines, rows, strict=True):
+        body = line["response"]["body"]
+        assert body["object"] == "text_completion" and row["reasoning_text"]
+        assert body["choices"][0]["text"] == row["generated_text"] == ""
+        assert body["choices"][0]["reasoning_content"] == row["reasoning_text"]
+        assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}

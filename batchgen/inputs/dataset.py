@@ -165,13 +165,26 @@ def open_objects(
     return [opener(f"{scheme}://{p}", key, fs, p) for p, key in found]
 
 
+def with_rows(files: list[InputFile]) -> list[InputFile]:
+    """The files whose column types say something: those with rows (all of them when none has).
+    Why: a file with no rows holds no value of any type (a header-only CSV types nothing, an empty
+    JSONL file names no keys), so its types never refuse or change the job's."""
+    return [f for f in files if f.num_rows > 0] or files
+
+
 def check_column(files: list[InputFile], column: str, why: str = "") -> None:
     """`column` exists in every file with one type; else an InputDataError naming file and column.
-    `why` is appended to a missing-column message (e.g. that the column is carried)."""
+    `why` is appended to a missing-column message (e.g. that the column is carried). An empty JSONL
+    file (no keys) lacks no column; files with no rows take no part in the type check."""
     first_type = None
     for f in files:
         if column not in f.schema.names:
+            if f.num_rows == 0 and f.format == "jsonl":
+                continue
             raise InputDataError(f"{f.path}: no column {column!r}{why} (columns: {', '.join(f.schema.names)})")
+    for f in with_rows(files):
+        if column not in f.schema.names:
+            continue
         col_type = f.schema.field(column).type
         if first_type is None:
             first_type = (f.path, col_type)
@@ -190,20 +203,30 @@ _FAMILIES = (
 def common_type(types: list[pa.DataType]) -> pa.DataType | None:
     """The one type a column has across files: the type itself when all are equal; for a mix of
     string-like (or of binary-like) variants the large one, which holds every value of the others;
-    None when the types differ otherwise."""
+    for a mix of numbers int64 (integers only) or double (any floating point: a CSV or JSONL file
+    whose column holds whole numbers next to one whose column holds decimals); None otherwise."""
     if all(t == types[0] for t in types):
         return types[0]
     for members, widest in _FAMILIES:
         if all(any(member(t) for member in members) for t in types):
             return widest
-    return None
+    return _common_number(types)
+
+
+def _common_number(types: list[pa.DataType]) -> pa.DataType | None:
+    if not all(pa.types.is_integer(t) or pa.types.is_floating(t) for t in types):
+        return None
+    if any(pa.types.is_floating(t) for t in types):
+        return pa.float64()
+    return None if any(t == pa.uint64() for t in types) else pa.int64()  # why: uint64 does not fit int64
 
 
 def column_field(files: list[InputFile], column: str) -> pa.Field:
     """`column`'s field for the output: the first file's, with the type every file's values fit
     (see common_type; check_column has refused types that do not agree)."""
-    field = files[0].schema.field(column)
-    unified = common_type([f.schema.field(column).type for f in files])
+    typed = [f for f in with_rows(files) if column in f.schema.names]
+    field = typed[0].schema.field(column)
+    unified = common_type([f.schema.field(column).type for f in typed])
     return field if unified is None or unified == field.type else field.with_type(unified)
 
 

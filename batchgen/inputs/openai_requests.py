@@ -176,11 +176,12 @@ def _sampling(body: dict[str, Any], fields: set[str]) -> dict[str, Any]:
             continue
         if name in _NEUTRAL:
             if value not in _NEUTRAL[name]:
-                where = "sampling.n" if name == "n" else "nothing"
-                raise RequestProblem(
-                    "unsupported_parameter",
-                    f"body.{name}={json.dumps(value)} cannot be set per request (the job's {where} applies to all)",
+                why = (
+                    "cannot be set per request (the job's sampling.n applies to every line)"
+                    if name == "n"
+                    else "is not supported: a batch answers each request whole (nothing streams)"
                 )
+                raise RequestProblem("unsupported_parameter", f"body.{name}={json.dumps(value)} {why}")
             continue
         if name in ("logprobs", "top_logprobs"):
             continue  # (read together below)

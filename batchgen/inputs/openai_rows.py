@@ -1,6 +1,7 @@
 """What an OpenAI batch request asks that only the job can judge: whether its endpoint is the job's
-task (`/v1/embeddings` needs task embed; chat and completions need task generate), whether the job
-computes the logprobs it asks for, and whether an embeddings request's `dimensions` is the job's.
+task (`/v1/embeddings` needs task embed; chat and completions need task generate), whether the
+logprobs it asks for can be served (at most MAX_LOGPROBS, on the native engine: each row's own k is
+computed for it, see prepare), and whether an embeddings request's `dimensions` is the job's.
 
 Why apart from openai_requests.py: a line is parsed without the job; these rules read the job."""
 
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from batchgen.inputs.openai_requests import EMBEDDINGS_URL
+from batchgen.engine.api.params import MAX_LOGPROBS
+from batchgen.inputs.openai_requests import CHAT_URL, EMBEDDINGS_URL
 from batchgen.job.spec import JobSpec
 
 
@@ -30,10 +32,14 @@ def _problem(spec: JobSpec, url: str | None, asked: int | None, dimensions: int 
     if embeds:
         job = spec.pooling.dimensions if spec.pooling is not None else None
         if dimensions is not None and dimensions != job:
-            return "unsupported_parameter", f"body.dimensions={dimensions}; the job's pooling.dimensions is {job}"
+            said = "null (the model's full size)" if job is None else job
+            return "unsupported_parameter", f"body.dimensions={dimensions}; the job's pooling.dimensions is {said}"
         return None
-    computed = spec.sampling.logprobs
-    if asked is not None and (computed is None or asked > computed):
-        why = f"the request asks for logprobs (top {asked}); set sampling.logprobs: {asked} (or more) in the job"
-        return "unsupported_parameter", why
+    if asked is None:
+        return None
+    field = "body.top_logprobs" if url == CHAT_URL else "body.logprobs"
+    if asked > MAX_LOGPROBS:
+        return "invalid_request", f"{field}={asked}: at most {MAX_LOGPROBS} top logprobs per token are served"
+    if spec.engine.backend == "hf":
+        return "unsupported_parameter", "logprobs need engine.backend native; this job runs the hf backend"
     return None

@@ -195,6 +195,7 @@ class RowPreparer:
     def _sampling(self, table: pa.Table, rows: list[PreparedRow], labels: list[str], keys: list[str]) -> None:
         columns = self.spec.input.sampling_columns
         per_row = {name: table.column(col).to_pylist() for name, col in columns.items()}
+        asked = _asked_logprobs(table)
         run_seed = self.base_params["seed"]
         for i, row in enumerate(rows):
             if not row.ok:
@@ -207,6 +208,9 @@ class RowPreparer:
                     values["structured"] = self._row_schema(column_values[i])
                 elif column_values[i] is not None:
                     values[name] = _whole(name, column_values[i])
+            k = asked[i]
+            if k is not None:  # an OpenAI request's own logprobs (k; the job's when it computes more)
+                values["logprobs"] = max(k, values.get("logprobs") or 0)
             if isinstance(values.get("structured"), RowError):
                 column = columns[SCHEMA_COLUMN_KEY]
                 row.fail("invalid_structured", f"{labels[i]}: column {column!r}: {values['structured']}")
@@ -236,6 +240,13 @@ class RowPreparer:
             known = spec if problem is None else RowError("invalid_structured", problem)
             self._schemas[text] = known
         return known
+
+
+def _asked_logprobs(table: pa.Table) -> list[int | None]:
+    """Per row: the top logprobs an OpenAI batch request asks for (None: none, or not such a file)."""
+    if "logprobs_requested" not in table.column_names:
+        return [None] * table.num_rows
+    return table.column("logprobs_requested").to_pylist()
 
 
 def row_seed(run_seed: int, key: str) -> int:

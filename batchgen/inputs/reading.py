@@ -9,6 +9,7 @@ so neither imports the other back.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,25 @@ def open_inputs(
     exclude: Path | str | None = None,
     options: dict[str, Any] | None = None,
     fmt: str = "auto",
+    named: list[str] | None = None,
 ) -> list[InputFile]:
     """Open every file (Parquet: its footer; other formats: see batchgen.inputs.formats); check the
     required columns exist with one type across files. `options`: the input's storage_options when
-    `pattern` is an object-store URI; `fmt`: input.format."""
-    files = open_any(pattern, fmt, options or {}, exclude)
+    `pattern` is an object-store URI; `fmt`: input.format; `named`: further columns the job names
+    (carried ones), which an empty JSONL file is given as the required ones are."""
+    files = [_named_columns(f, [*required, *(named or [])]) for f in open_any(pattern, fmt, options or {}, exclude)]
     for column in required:
         check_column(files, column)
     return files
+
+
+def _named_columns(f: InputFile, names: list[str]) -> InputFile:
+    """An empty JSONL file names no keys: give it the job's columns, typed null (no values), so a
+    job whose input has no rows still knows its columns and writes its one empty part."""
+    if f.format != "jsonl" or f.num_rows > 0:
+        return f
+    missing = [pa.field(n, pa.null()) for n in dict.fromkeys(names) if n not in f.schema.names]
+    return replace(f, schema=pa.schema([*f.schema, *missing]))
 
 
 def read_shards(files: list[InputFile], shards: list[Shard], columns: list[str]) -> Iterator[tuple[Shard, pa.Table]]:

@@ -69,6 +69,8 @@ def scan(fmt: str, fh: Any, where: str) -> TextScan:
             types.add(record)
         rows += 1
     schema = openai_requests.SCHEMA if fmt == "openai_batch" else types.schema()
+    if fmt == "csv" and rows == 0:  # a header-only file: no values to type its columns, and CSV is text
+        schema = pa.schema([pa.field(name, pa.string()) for name in schema.names])
     return TextScan(rows, schema, RecordIndex(tuple(points)))
 
 

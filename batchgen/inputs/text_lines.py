@@ -31,9 +31,20 @@ class Record:
     csv_error: str | None = None
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def read_lines(fh: Any, offset: int = 0, line: int = 1) -> Iterator[tuple[int, int, bytes]]:
-    """(line number, byte offset, bytes without the newline) of each line from `offset` on."""
+    """(line number, byte offset, bytes without the newline) of each line from `offset` on.
+
+    A UTF-8 byte-order mark at the file's start (Excel's "CSV UTF-8" writes one) is skipped, so
+    it never becomes part of the first header name or the first JSON line."""
     fh.seek(offset)
+    if offset == 0:
+        if fh.read(len(UTF8_BOM)) == UTF8_BOM:
+            offset = len(UTF8_BOM)
+        else:
+            fh.seek(0)
     held: list[bytes] = []  # the chunks of a line not yet ended (why a list: joined once, not per chunk)
     pos = offset
     while True:

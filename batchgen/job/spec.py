@@ -213,11 +213,14 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _tensor_parallel(self) -> JobSpec:
-        """Before any work: a model split over N ranks runs on the native engine, and a Ray worker
-        holds exactly its N GPUs (executor.worker_gpus)."""
+        """Before any work: a model split over N ranks runs on the native engine and generates (a
+        pooling task runs on one device), and a Ray worker holds exactly its N GPUs (executor.worker_gpus)."""
         size, problems = self.engine.tensor_parallel_size, []
         if size > 1 and self.engine.backend != "native":
             problems.append((("engine", "backend"), f"tensor_parallel_size {size} needs engine.backend native"))
+        if size > 1 and self.task != "generate":
+            why = f"{size}: task {self.task} runs on one device (tensor parallelism serves task generate only); set 1"
+            problems.append((("engine", "tensor_parallel_size"), why))
         gpus = self.executor.worker_gpus
         if gpus != size and (gpus > 1 or (self.executor.kind == "ray" and size > 1)):
             why = f"{gpus} GPUs per Ray worker must equal engine.tensor_parallel_size ({size})"

@@ -102,7 +102,8 @@ def complete_from_parts(state: OutputState, record: dict[str, Any]) -> tuple[dic
 
 
 def finalize(out_dir: str | Path, single_writer: bool = False) -> tuple[dict[str, Any], bool]:
-    """`batchgen finalize`: (manifest, whether _SUCCESS was already there). Idempotent.
+    """`batchgen finalize`: (manifest, whether _SUCCESS was already there). Idempotent; on a finished
+    output it writes the OpenAI batch output file again when the job asks for one and it is missing.
     `out_dir` may be an object-store URI (options in its query or the store's environment).
 
     Refuses (IncompleteOutput, exit 8) naming the missing parts when some are not committed.
@@ -121,6 +122,9 @@ def finalize(out_dir: str | Path, single_writer: bool = False) -> tuple[dict[str
     lock.acquire()
     try:
         if storage.exists(SUCCESS_NAME):
+            from batchgen.outputs.openai_batch import write_batch_output  # why here: it imports the job spec
+
+            write_batch_output(storage, record, again=True)  # a deleted OpenAI output file, as a rerun does
             return state.read_success(), True
         manifest, missing = complete_from_parts(state, record)
     finally:

@@ -7,7 +7,8 @@ JSON line per input row in input order, written atomically as `_batch_output.jso
 folder (the leading "_" keeps Parquet readers of the folder off it). A rerun of a completed job
 writes it again when it is missing. Each line: `id`, `custom_id`, `response` {status_code,
 request_id, body} and `error`. A served row has status 200, a body shaped like the endpoint's
-(chat.completion or text_completion, with `usage`) and `error: null`; a failed row has status 400
+(chat.completion or text_completion, with `usage`; an embedding list; vLLM's /classify or /score
+list for a classify or score job) and `error: null`; a failed row has status 400
 (500 for an engine failure), `body.error`, and the same `error` {code, message} at the top level.
 """
 
@@ -40,7 +41,23 @@ _RESULTS = [
     "error_code",
     "error_message",
 ]
-_OPTIONAL = ["url", "model", "reasoning_text", "reasoning_tokens", "logprobs", "logprobs_requested", "embedding"]
+_OPTIONAL = [
+    "url",
+    "model",
+    "reasoning_text",
+    "reasoning_tokens",
+    "logprobs",
+    "logprobs_requested",
+    "embedding",
+    "label",
+    "probs",
+    "score",
+]
+# Why these two: no OpenAI endpoint classifies or scores; vLLM's server does, at these paths, and
+# its response bodies are what a client of a pooling model reads (they name no request line's url).
+CLASSIFY_URL = "/classify"
+SCORE_URL = "/score"
+_POOLED_URLS = {"embed": EMBEDDINGS_URL, "classify": CLASSIFY_URL, "score": SCORE_URL}
 
 
 @dataclass(frozen=True)
@@ -58,7 +75,7 @@ class BatchFacts:
         if spec.output.format != "openai_batch":
             return None
         url = CHAT_URL if spec.input.messages_column is not None else COMPLETIONS_URL
-        url = EMBEDDINGS_URL if spec.task == "embed" else url
+        url = _POOLED_URLS.get(spec.task, url)
         return cls(spec.input.id_column or ROW_ID_COLUMN, url, Path(spec.model.path).name, fingerprint)
 
     def to_record(self) -> dict[str, str]:
@@ -140,6 +157,8 @@ def _body(values: dict[str, Any], facts: BatchFacts, key: str, created: int) -> 
     url = values.get("url") or facts.default_url
     if url == EMBEDDINGS_URL:
         return _embedding_body(values, facts)
+    if url in (CLASSIFY_URL, SCORE_URL):
+        return _pooled_body(values, facts, url, key, created)
     chat = url == CHAT_URL
     texts, reasons = values["generated_text"], values["finish_reason"]
     reasoning = values.get("reasoning_text")
@@ -149,13 +168,12 @@ def _body(values: dict[str, Any], facts: BatchFacts, key: str, created: int) -> 
     logprobs = _sample_logprobs(values, len(texts), chat)
     choices = []
     for k, (text, reason) in enumerate(zip(texts, reasons)):
+        thought = {"reasoning_content": reasoning[k]} if "reasoning_text" in values else {}
         if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if "reasoning_text" in values:
-                message["reasoning_content"] = reasoning[k]
+            message: dict[str, Any] = {"role": "assistant", "content": text, **thought}
             choices.append({"index": k, "message": message, "logprobs": logprobs[k], "finish_reason": reason})
-        else:
-            choices.append({"index": k, "text": text, "logprobs": logprobs[k], "finish_reason": reason})
+        else:  # why the choice carries it: a completion has no message, and the answer alone may be ""
+            choices.append({"index": k, "text": text, **thought, "logprobs": logprobs[k], "finish_reason": reason})
     usage: dict[str, Any] = {
         "prompt_tokens": values["input_tokens"],
         "completion_tokens": values["output_tokens"],
@@ -183,4 +201,27 @@ def _embedding_body(values: dict[str, Any], facts: BatchFacts) -> dict[str, Any]
         "data": [{"object": "embedding", "index": 0, "embedding": embedding}],
         "model": values.get("model") or facts.model,
         "usage": {"prompt_tokens": values["input_tokens"], "total_tokens": values["input_tokens"]},
+    }
+
+
+def _pooled_body(values: dict[str, Any], facts: BatchFacts, url: str, key: str, created: int) -> dict[str, Any]:
+    """vLLM's /classify (label, probs, num_classes) or /score (score) response of one input."""
+    if url == CLASSIFY_URL:
+        probs = [float(p) for p in values.get("probs") or []]
+        item: dict[str, Any] = {"index": 0, "label": values.get("label"), "probs": probs, "num_classes": len(probs)}
+    else:
+        item = {"index": 0, "object": "score", "score": values.get("score")}
+    tokens = values["input_tokens"]
+    return {
+        "id": f"{url.strip('/')}-{key}",
+        "object": "list",
+        "created": created,
+        "model": values.get("model") or facts.model,
+        "data": [item],
+        "usage": {
+            "prompt_tokens": tokens,
+            "total_tokens": tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": {"cached_tokens": values["cached_tokens"]},
+        },
     }

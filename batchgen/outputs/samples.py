@@ -4,7 +4,8 @@ Column types follow the job, never the data: with `n: 1` the per-sample columns 
 always; with `n > 1` `generated_text`, `finish_reason` and `stop_reason` are lists of n (sample
 order) and `sample_output_tokens` lists each sample's output tokens, while `input_tokens`,
 `cached_tokens` and `output_tokens` stay scalar (output_tokens sums the samples: the bill).
-`logprobs` / `cumulative_logprob` exist when the job sets `sampling.logprobs`, `prompt_logprobs`
+`logprobs` / `cumulative_logprob` exist when the job sets `sampling.logprobs` (or reads an OpenAI
+batch file, whose requests ask for their own k: null where a request asks none), `prompt_logprobs`
 when it sets `sampling.prompt_logprobs`; they are null on error rows. `reasoning_text` (per sample)
 and `reasoning_tokens` (summed over samples, 0 on error rows) exist with `output.reasoning: auto`.
 """
@@ -17,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from batchgen.engine.api.params import MAX_LOGPROBS
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.reasoning import ReasoningSplitter, Split
 
@@ -51,7 +53,10 @@ class ColumnPlan:
         s = spec.sampling
         reasoning = spec.output.reasoning == "auto"
         pooled = tuple(pooled_fields(spec))
-        return cls(s.n, s.logprobs, s.prompt_logprobs, reasoning=reasoning, pooled=pooled)
+        logprobs = s.logprobs
+        if logprobs is None and spec.input.format == "openai_batch" and spec.task == "generate":
+            logprobs = MAX_LOGPROBS  # why: any request line may ask for them (each row keeps its own k)
+        return cls(s.n, logprobs, s.prompt_logprobs, reasoning=reasoning, pooled=pooled)
 
     def with_tokenizer(self, tokenizer: Any) -> ColumnPlan:
         """This plan with the reasoning splitter of `tokenizer` (when the job splits reasoning)."""
@@ -83,8 +88,9 @@ class ColumnPlan:
     def _per_sample(self, kind: pa.DataType) -> pa.DataType:
         return pa.list_(kind) if self.n > 1 else kind
 
-    def values(self, out: RequestOutput | None) -> dict[str, Any]:
-        """Per-sample and extra column values of one row (`out` None: an error row)."""
+    def values(self, out: RequestOutput | None, logprobs: int | None = None) -> dict[str, Any]:
+        """Per-sample and extra column values of one row (`out` None: an error row); `logprobs`:
+        the row's own top K (an OpenAI request's), else the job's."""
         if out is None:
             values: dict[str, Any] = {f.name: None for f in self.extra_fields()}
             values.update(generated_text=None, stop_reason=None)
@@ -101,7 +107,7 @@ class ColumnPlan:
             "stop_reason": [None if s.stop_reason is None else str(s.stop_reason) for s in samples],
             "sample_output_tokens": [len(s.token_ids) for s in samples],
             "cumulative_logprob": [s.cumulative_logprob for s in samples],
-            "logprobs": [self._sample_logprobs(s) for s in samples],
+            "logprobs": [self._sample_logprobs(s, logprobs) for s in samples],
         }
         values = {name: (v if self.n > 1 or name == "sample_output_tokens" else v[0]) for name, v in columns.items()}
         values["reasoning_tokens"] = sum(sp.reasoning_tokens for sp in splits)
@@ -115,10 +121,11 @@ class ColumnPlan:
             return Split(None, sample.text, 0)
         return self.splitter.split(sample.token_ids, sample.text, prompt_ids)
 
-    def _sample_logprobs(self, sample: CompletionOutput) -> list[dict[str, Any]] | None:
+    def _sample_logprobs(self, sample: CompletionOutput, k: int | None) -> list[dict[str, Any]] | None:
         if sample.logprobs is None or self.logprobs is None:
             return None
-        return [_struct(token, entry, self.logprobs) for token, entry in zip(sample.token_ids, sample.logprobs)]
+        k = self.logprobs if k is None else k
+        return [_struct(token, entry, k) for token, entry in zip(sample.token_ids, sample.logprobs)]
 
 
 def _prompt_structs(out: RequestOutput, k: int) -> list[dict[str, Any] | None] | None:

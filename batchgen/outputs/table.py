@@ -96,7 +96,7 @@ def _append(cols: dict[str, list[Any]], row: PreparedRow, out: RequestOutput | N
             "error_code": None,
             "error_message": None,
         }
-    values.update(plan.values(out))
+    values.update(plan.values(out, row.params.logprobs if row.params is not None else None))
     for name, value in values.items():
         cols[name].append(value)
 

@@ -11,7 +11,7 @@ from typing import Any
 from batchgen.backends import for_rows
 from batchgen.backends.base import Backend
 from batchgen.faults import fault_point
-from batchgen.inputs.dataset import InputFile, Shard, column_field, plan_shards
+from batchgen.inputs.dataset import InputFile, Shard, column_field, plan_shards, with_rows
 from batchgen.inputs.duplicate_ids import find_duplicate_ids
 from batchgen.inputs.reading import read_shards
 from batchgen.inputs.sharding import ShardSpec
@@ -58,7 +58,7 @@ class JobRunner:
     def run(self) -> Summary:
         start = time.time()
         files = validate_inputs(self.spec)  # fails here, before the output is touched, on bad inputs
-        carried = carried_columns(self.spec, files[0].schema)
+        carried = carried_columns(self.spec, with_rows(files)[0].schema)
         add_row_id = self.spec.input.id_column is None
         schema = output_schema([column_field(files, c) for c in carried], add_row_id, self.work.result_fields)
         out = self.spec.output

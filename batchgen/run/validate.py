@@ -1,7 +1,8 @@
 """Checks that run before any work: the columns a job reads (present and of a usable type in every
 file), the columns it carries (present with one type in every file), that the model folder has a
 loadable config and tokenizer, with a chat template when the job has messages, and that the job's
-values fit the model (context length, token ids), all without loading weights."""
+values fit the model (context length, token ids, and what run/model_fit checks: pooling heads and
+sizes, tensor-parallel splits), all without loading weights."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.errors import InputDataError, JobFileError, ModelError
-from batchgen.inputs.dataset import InputFile, check_column
+from batchgen.inputs.dataset import InputFile, check_column, with_rows
 from batchgen.inputs.prepare import input_columns, load_tokenizer
 from batchgen.inputs.reading import open_inputs
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.table import carried_columns
+from batchgen.run.model_fit import check_model_fit
 
 log = logging.getLogger(__name__)
 LISTED_FILES = 20  # `validate` names this many input files, then counts the rest
@@ -28,10 +30,10 @@ def check_carried_in_every_file(spec: JobSpec, files: list[InputFile], carried: 
 
     Policy: no union schema. With carry_columns null (carry everything) every file must have the
     first file's columns, no more, no fewer; a named carry column must be in every file."""
-    first = files[0]
+    first = with_rows(files)[0]
     if spec.input.carry_columns is None:
         why = f" (input.carry_columns is null, so every column of {first.path} is carried; name the columns to carry)"
-        for f in files[1:]:
+        for f in files:
             extra = [c for c in f.schema.names if c not in first.schema.names]
             if extra:
                 raise InputDataError(f"{f.path}: column(s) {extra} are not in {first.path}{why}")
@@ -43,8 +45,12 @@ def check_carried_in_every_file(spec: JobSpec, files: list[InputFile], carried: 
 
 def check_read_types(spec: JobSpec, files: list[InputFile]) -> None:
     """The prompt, messages and id columns have a type the job can use (one type in every file is
-    checked when the files are opened, so the first file's type is every file's)."""
-    schema, where = files[0].schema, files[0].path
+    checked when the files are opened, so the first file's type is every file's). A file with no
+    rows has no values to check, and an empty JSONL file's columns no type (null)."""
+    first = with_rows(files)[0]
+    if first.num_rows == 0:
+        return
+    schema, where = first.schema, first.path
     i = spec.input
     if i.prompt_column is not None and not _is_text(schema.field(i.prompt_column).type):
         raise InputDataError(
@@ -83,7 +89,9 @@ def _is_text(t: pa.DataType) -> bool:
 
 def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
     """Before any work: each per-row sampling column holds numbers (or only nulls) in every file."""
-    for f in files:
+    for f in with_rows(files):
+        if f.num_rows == 0:
+            continue
         for name, column in spec.input.sampling_columns.items():
             kind = f.schema.field(column).type
             if name == "stop":
@@ -196,10 +204,11 @@ def validate_inputs(spec: JobSpec) -> list[InputFile]:
         exclude=spec.output.path,
         options=spec.input.storage_options,
         fmt=spec.input.format,
+        named=spec.input.carry_columns,
     )
     check_read_types(spec, files)
     check_sampling_columns(spec, files)
-    check_carried_in_every_file(spec, files, carried_columns(spec, files[0].schema))
+    check_carried_in_every_file(spec, files, carried_columns(spec, with_rows(files)[0].schema))
     if not Path(spec.model.path).is_dir():
         raise ModelError(f"model.path {spec.model.path}: no such folder")
     return files
@@ -210,6 +219,7 @@ def validate_model(spec: JobSpec) -> None:
     against the job (engine.max_model_len, token ids) and the device."""
     config = check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     check_model_limits(spec, config)
+    check_model_fit(spec, config)
     if spec.model.device not in ("auto", "cpu"):  # why: those two always resolve; skip importing the engine
         from batchgen.engine.runner.models import DeviceError, resolve_device  # why lazy: torch, transformers
 

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 DISABLE_ENV = "BATCHGEN_NATIVE"  # "0": never build or load native kernels
 CACHE_ENV = "BATCHGEN_CACHE_DIR"
+NO_C_COMPILER = "no C compiler found (cc, gcc or $CC)"
 FLAGS_ENV = "BATCHGEN_NATIVE_CFLAGS"  # extra compiler flags, after the others (e.g. -mno-avx512f: an AVX2 build)
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 # tried in order: the CPU's own vector units first. Why the vector width: gcc's default on
@@ -207,7 +208,7 @@ def _load(lib: Library) -> ctypes.CDLL | None:
         return None
     compiler = find_compiler("CC", "cc", "gcc")
     if compiler is None:
-        _refuse(lib.name, "no C compiler found (cc, gcc or $CC)")
+        _refuse(lib.name, NO_C_COMPILER)
         return None
     try:
         path = build(f"batchgen_{lib.name}", lib.paths, compiler, c_flag_sets(), LINK_FLAGS, lib.key(), lib.name)
@@ -287,15 +288,22 @@ def compiler_version(compiler: str) -> str:
 
 def is_cached(name: str) -> bool:
     """Whether C library `name` is already built for this machine (any of its flag sets), without building."""
+    return cached_state(name).state == "cached"
+
+
+def cached_state(name: str) -> BuildState:
+    """C library `name` as a run would find it, without building: `cached` (with its path), `not
+    built`, or `unavailable` where a run could not build it (no compiler, or one that cannot run)."""
     compiler = find_compiler("CC", "cc", "gcc")
-    if compiler is None or os.environ.get(DISABLE_ENV) == "0":
-        return True  # nothing would be built
+    if compiler is None:
+        return BuildState(name, "unavailable", reason=NO_C_COMPILER)
     lib = LIBRARIES[name]
     try:
         targets = cache_targets(f"batchgen_{name}", lib.paths, compiler, c_flag_sets(), LINK_FLAGS, lib.key())
-    except (OSError, subprocess.SubprocessError):
-        return True
-    return any(target.is_file() for target in targets)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return BuildState(name, "unavailable", reason=f"the C compiler {compiler} cannot run: {exc}")
+    found = next((target for target in targets if target.is_file()), None)
+    return BuildState(name, "cached", found) if found is not None else BuildState(name, "not built")
 
 
 def _compile(compiler: str, sources: Sequence[Path], flags: list[str], link: list[str], target: Path) -> str | None:

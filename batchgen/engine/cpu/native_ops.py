@@ -30,6 +30,9 @@ OPERATORS = {
     "batchgen_linear_op": native.CSRC / "linear_op.cpp",
 }
 
+_NEEDS = {"batchgen_attention_op": "attention", "batchgen_linear_op": "linear"}  # the C library each calls
+NO_CXX_COMPILER = "no C++ compiler found (c++, g++ or $CXX)"
+
 
 def load_op(name: str, source: Path, what: str, needs: str) -> ctypes.CDLL | None:
     """The operator library built from `source` and loaded into torch (its ctypes handle, for the
@@ -40,7 +43,7 @@ def load_op(name: str, source: Path, what: str, needs: str) -> ctypes.CDLL | Non
         return None
     compiler = native.find_compiler("CXX", "c++", "g++")
     if compiler is None:
-        refuse(name, f"no C++ compiler found (c++, g++ or $CXX): {what}")
+        refuse(name, f"{NO_CXX_COMPILER}: {what}")
         return None
     try:
         path = native.build(name, (source,), compiler, [_flags()], _link(), _key())
@@ -61,15 +64,21 @@ def _key() -> bytes:
     return torch.__version__.encode() + b"".join(header.read_bytes() for header in HEADERS)
 
 
-def _operator_cached(name: str) -> bool:
-    """Whether operator `name` is already built for this machine and torch, without building it."""
+def _operator_state(name: str) -> native.BuildState:
+    """Operator `name` as a run would find it, without building (see native.cached_state): it
+    needs the C library it calls and a C++ compiler that runs."""
+    needs = _NEEDS[name]
+    library = state(needs)
+    if library.state == "unavailable":
+        return native.BuildState(name, "unavailable", reason=f"the native {needs} kernel is unavailable")
     compiler = native.find_compiler("CXX", "c++", "g++")
     if compiler is None:
-        return True  # nothing would be built
+        return native.BuildState(name, "unavailable", reason=NO_CXX_COMPILER)
     try:
-        return native.cache_targets(name, (OPERATORS[name],), compiler, [_flags()], _link(), _key())[0].is_file()
-    except (OSError, subprocess.SubprocessError):
-        return True
+        target = native.cache_targets(name, (OPERATORS[name],), compiler, [_flags()], _link(), _key())[0]
+    except (OSError, subprocess.SubprocessError) as exc:
+        return native.BuildState(name, "unavailable", reason=f"the C++ compiler {compiler} cannot run: {exc}")
+    return native.BuildState(name, "cached", target) if target.is_file() else native.BuildState(name, "not built")
 
 
 def _flags() -> list[str]:
@@ -97,8 +106,7 @@ def state(name: str) -> native.BuildState:
         return native.STATES[name]
     if os.environ.get(native.DISABLE_ENV) == "0":
         return native.BuildState(name, "off", reason=f"{native.DISABLE_ENV}=0")
-    cached = native.is_cached(name) if name in native.LIBRARIES else _operator_cached(name)
-    return native.BuildState(name, "cached" if cached else "not built")
+    return native.cached_state(name) if name in native.LIBRARIES else _operator_state(name)
 
 
 def pending() -> list[str]:

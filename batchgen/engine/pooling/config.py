@@ -44,8 +44,9 @@ def resolve_pooling(
 ) -> PoolingConfig:
     """The pooling of `model_path`: explicit arguments win over the folder's sentence-transformers
     modules, which win over the defaults (decoder: last token, encoder: CLS; normalize: true, as
-    vLLM's embedding default)."""
-    folder = read_sentence_transformers(Path(model_path))
+    vLLM's embedding default). An explicit `method` is not checked against the folder's Pooling
+    module: it replaces it, so a folder whose pooling batchgen cannot apply (max) runs with it."""
+    folder = read_sentence_transformers(Path(model_path), pooling_module=method is None)
     chosen = method or folder.get("method") or ("last" if is_decoder else "cls")
     if chosen not in POOLING_METHODS:
         raise PoolingConfigError(f"pooling method {chosen!r}: must be one of {', '.join(POOLING_METHODS)}")
@@ -55,10 +56,11 @@ def resolve_pooling(
     return PoolingConfig(method=chosen, normalize=bool(norm), dimensions=dimensions)  # type: ignore[arg-type]
 
 
-def read_sentence_transformers(folder: Path) -> dict[str, Any]:
+def read_sentence_transformers(folder: Path, pooling_module: bool = True) -> dict[str, Any]:
     """{"method": ..., "normalize": ...} from a sentence-transformers folder's modules.json; {} when
     the folder has none. A module batchgen does not apply (Dense, max pooling, ...) is an error:
-    silently skipping it would give other vectors than sentence-transformers does."""
+    silently skipping it would give other vectors than sentence-transformers does. Without
+    `pooling_module` (the caller chose the method) the Pooling module's config is not read."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return {}
@@ -73,7 +75,8 @@ def read_sentence_transformers(folder: Path) -> dict[str, Any]:
             if module.get("path", "") not in ("", "."):
                 raise PoolingConfigError(f"{modules_file}: the Transformer module must be the folder itself (path '')")
         elif kind == _ST_POOLING:
-            found["method"] = _st_pooling_method(folder / module.get("path", "1_Pooling") / "config.json")
+            if pooling_module:
+                found["method"] = _st_pooling_method(folder / module.get("path", "1_Pooling") / "config.json")
         elif kind == _ST_NORMALIZE:
             found["normalize"] = True
         else:

@@ -116,7 +116,7 @@ def estimate_job(spec: JobSpec) -> Estimate:
 
 def block_size_of(spec: JobSpec) -> int:
     """engine.block_size, else 16: the engine's default except on CUDA, where it may take 256
-    (device_defaults); set engine.block_size to estimate for that."""
+    (its Platform, engine/cuda/platform.py); set engine.block_size to estimate for that."""
     return int(spec.engine.block_size or SMALL_BLOCK_SIZE)
 
 

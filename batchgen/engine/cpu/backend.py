@@ -46,8 +46,6 @@ class CpuBackend(AttentionBackend):
         max_len: int,
         max_rows: int | None,
     ) -> None:
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
         if missing := native_ops.pending():
             logger.warning(
                 "building the native CPU kernels for this machine before the first step (%s; %s, once per machine;"

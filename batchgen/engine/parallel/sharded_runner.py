@@ -41,7 +41,7 @@ class ShardedRunner(ModelRunner):
         self._engine_hook: Callable[[ScheduledBatch], None] | None = None
         self._captured: list[BatchUpdate] | None = None  # diffs the engine's hook applies mid-step
         self._in_step = False
-        kwargs = {**kwargs, "compile": False, "native_linears": False}  # why: see README, tensor parallelism
+        kwargs = {**kwargs, "compile": False}  # why: see README, tensor parallelism
         group.send(("build", spec, block_size, num_kv_blocks, dtype, rest, kwargs))
         super().__init__(model, spec, block_size, num_kv_blocks, device, dtype, *rest, **kwargs)
 

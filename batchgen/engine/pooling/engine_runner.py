@@ -155,7 +155,7 @@ class EnginePoolingRunner:
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """The base model over the packed chunks -> (hidden states [T, H], each chunk's packed end)."""
         runner = self.runner
-        runner.threads.tick()
+        runner.step_hook.tick()
         runner.transfers.begin_step()
         ctx, positions, order = runner.backend.plan(chunks, runner.transfers, None)
         token_ids, ends = pack_chunks(chunks, order)

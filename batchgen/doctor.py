@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from batchgen.engine.platforms import platform_for
+from batchgen.engine.runner.dtype_rule import host_rule, resolve_auto
 
 
 def report(build: bool = False) -> dict[str, Any]:
@@ -31,8 +32,16 @@ def report(build: bool = False) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "triton": _installed("triton"),
         "attention_backend": platform_for(device).attention_backend("auto"),
+        "dtype_auto": _dtype_auto(device),
         **platform_for("cpu").facts(build),
     }
+
+
+def _dtype_auto(device: str) -> str:
+    """What model.dtype auto resolves to here, and why (engine/runner/dtype_rule)."""
+    if device == "cuda":
+        return "CUDA: " + resolve_auto("cuda", None, torch.cuda.is_bf16_supported()).dtype
+    return host_rule()
 
 
 def _installed(package: str) -> str | None:
@@ -53,6 +62,7 @@ def lines(facts: dict[str, Any]) -> list[str]:
         f"transformers  {facts['transformers']}",
         f"triton        {facts['triton'] or 'not installed'}",
         f"attention     {facts['attention_backend']} (engine.attention_backend: auto)",
+        f"dtype auto    {facts['dtype_auto']}",
         f"cpu           {h['cpu']} [{flags}]",
         f"threads       {h['torch_threads']} (affinity {h['affinity_cpus']} CPUs, quota {h['quota_cpus'] or 'none'})",
     ]

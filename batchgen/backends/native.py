@@ -25,7 +25,7 @@ class NativeBackend:
             # Why resolved here: the engine is handed the very device and dtype the job record names,
             # and its attention backend is resolved by the engine's own rule for that device.
             device = resolve_device(spec.model.device)
-            dtype = resolve_dtype(spec.model.dtype, device)
+            dtype = resolve_dtype(spec.model.dtype, device, str(spec.model.path))
             attention = platform_for(device).attention_backend(settings["attention_backend"])
             with weight_errors_as_model_errors(spec.model.path):
                 path, task = str(spec.model.path), "generate"  # a generate job, whatever the folder holds

@@ -107,7 +107,7 @@ class LLM(PoolingMethods):
         config = engine_config(**adapt_vllm_keywords(settings))
         seed = check_seed(seed)
         torch_device = resolve_device(device)
-        torch_dtype = resolve_dtype(vllm_dtype(dtype), torch_device)
+        torch_dtype = resolve_dtype(vllm_dtype(dtype), torch_device, model)
         task = resolve_task(model, task)
         if task not in TASKS:
             raise ValueError(f"LLM(task={task!r}): must be one of 'auto', {', '.join(map(repr, TASKS))}")

@@ -22,6 +22,7 @@ from batchgen.outputs.openai_batch import BatchFacts, write_batch_output
 from batchgen.outputs.part_record import audit_parts, redo_bad_parts
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.plan_file import Layout, grouped_layout, record_of, store_plan
+from batchgen.outputs.runtime_record import recorded_dtype
 from batchgen.outputs.state import OutputLock, OutputState
 from batchgen.outputs.table import carried_columns, output_schema
 from batchgen.outputs.totals import Totals
@@ -108,6 +109,7 @@ class JobRunner:
         else:
             self._claim_output(state, record)
             committed = state.committed_parts()
+        self._resolve_dtype({} if self.overwrite else state.read_record() or {})
         layout = self.layout  # (_claim_output may have taken another run's stored plan)
         shards = layout.parts
         owns = shard_owns(layout, self.shard)
@@ -149,6 +151,20 @@ class JobRunner:
         if not self._model_checked:
             validate_model(self.spec)
             self._model_checked = True
+
+    def _resolve_dtype(self, record: dict[str, Any]) -> None:
+        """Log what model.dtype resolves to and why; `auto` on an output whose parts were all made in
+        one dtype is pinned to it (runtime_record.recorded_dtype), here and on every worker."""
+        from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it imports torch to ask for CUDA
+
+        model = self.spec.model
+        held = recorded_dtype(record) if model.dtype == "auto" else None
+        if held is None:
+            log.info("model %s: %s", model.path, for_job(model.dtype, model.device, str(model.path)).line(model.dtype))
+            return
+        log.info("model %s: dtype auto -> %s (resuming an output whose parts were made in %s)", model.path, held, held)
+        self.spec = self.spec.model_copy(update={"model": model.model_copy(update={"dtype": held})})
+        self.work.spec = self.spec
 
     def _open_executor(self) -> None:
         if self.executor is None:

@@ -231,6 +231,13 @@ def validate_model(spec: JobSpec) -> None:
             raise ModelError(str(exc)) from exc
 
 
+def dtype_line(spec: JobSpec) -> str:
+    """ "model.dtype auto -> bfloat16 (why)": what the job's dtype resolves to on this machine."""
+    from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it asks torch for CUDA
+
+    return "model." + for_job(spec.model.dtype, spec.model.device, str(spec.model.path)).line(spec.model.dtype)
+
+
 def input_listing(files: list[InputFile], limit: int | None, most: int = LISTED_FILES) -> list[str]:
     """A line per input file the job reads, in reading order, with its rows (and how many of them
     input.limit leaves); at most `most` such lines, then one for the rest, and one for the files

@@ -159,6 +159,7 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
     return {
         "job": str(spec.source),
         "context_length": est.context_length,
+        "dtype": _dtype(spec),
         "rows": {"total": est.rows, "ok": est.ok_rows, "error": est.rows - est.ok_rows},
         "error_codes": dict(sorted(est.error_codes.items())),
         "error_examples": est.error_examples,
@@ -238,6 +239,14 @@ def _token_stats(tok: dict[str, Any]) -> str:
     return "  ".join(f"{k} {tok[k]}" for k in ("total", "mean", "p50", "p95", "max"))
 
 
+def _dtype(spec: JobSpec) -> dict[str, str]:
+    """What model.dtype resolves to on this machine and why (the engine's dtype rule)."""
+    from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it asks torch for CUDA
+
+    choice = for_job(spec.model.dtype, spec.model.device, str(spec.model.path))
+    return {"setting": spec.model.dtype, "resolved": choice.dtype, "why": choice.why}
+
+
 def to_json(est: Estimate, spec: JobSpec, prices: Prices) -> str:
     return json.dumps(summary(est, spec, prices), indent=2) + "\n"  # why: text output ends with a newline
 
@@ -248,6 +257,7 @@ def to_text(est: Estimate, spec: JobSpec, prices: Prices) -> str:
     errors = ", ".join(f"{k} {v}" for k, v in s["error_codes"].items()) or "none"
     lines = [
         ("job", f"{s['job']} (context {est.context_length} tokens)"),
+        ("dtype", f"{s['dtype']['setting']} -> {s['dtype']['resolved']} ({s['dtype']['why']})"),
         ("rows", f"{est.rows} ({est.ok_rows} ok; would fail: {errors})"),
         ("input tokens", _token_stats(tok)),
         ("prefix cache", f"{pc['cached_tokens']} of {tok['total']} input tokens served from cache"),

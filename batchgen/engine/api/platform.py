@@ -107,8 +107,8 @@ class Platform:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def default_dtype(self) -> torch.dtype:
-        """What dtype `auto` means: float32 (exactness; CPU matmuls gain little from bf16)."""
+    def default_dtype(self, model_path: str | None = None) -> torch.dtype:
+        """What dtype `auto` means for the checkpoint at `model_path`: float32 (exactness)."""
         return torch.float32
 
     def attention_backend(self, setting: str) -> str:

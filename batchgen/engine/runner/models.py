@@ -72,12 +72,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """ "auto": the device's Platform's (float32 but on CUDA); else the dtype named."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_path: str | None = None) -> torch.dtype:
+    """ "auto": the device's Platform's for the checkpoint at `model_path` (CUDA: bf16 where supported;
+    CPU: engine/runner/dtype_rule: bf16 for a bf16/fp16 checkpoint on a CPU with native bf16, else
+    float32); else the dtype named."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return platform_for(device).default_dtype()
+        return platform_for(device).default_dtype(model_path)
     names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if dtype not in names:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")

@@ -107,7 +107,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE, its inputs and the model folder without loading weights or running anything."""
     _setup_logging(logging.WARNING)
     from batchgen.inputs.dataset import planned_rows
-    from batchgen.run.validate import input_listing, validate_job
+    from batchgen.run.validate import dtype_line, input_listing, validate_job
 
     def work() -> None:
         spec = load_job(job_file, list(overrides))
@@ -116,6 +116,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         click.echo(f"batchgen: {job_file} is valid: {len(files)} input file(s), {rows} rows, model {spec.model.path}")
         for line in input_listing(files, spec.input.limit):
             click.echo(f"  {line}")
+        click.echo(f"  {dtype_line(spec)}")
 
     _guarded(work)
 

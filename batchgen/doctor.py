@@ -9,25 +9,21 @@ bootstrap, into $BATCHGEN_CACHE_DIR; without --build it only reports, building n
 
 from __future__ import annotations
 
-import subprocess
 from importlib import metadata
 from typing import Any
 
 import torch
 import transformers
 
-from batchgen.engine.cpu import front as attention_front
-from batchgen.engine.cpu import host, native, native_linear, native_ops
-from batchgen.engine.runner.backends import resolve_backend
+from batchgen.engine.platforms import platform_for
+from batchgen.engine.runner.dtype_rule import host_rule, resolve_auto
 
 
 def report(build: bool = False) -> dict[str, Any]:
-    """The machine's facts and each kernel's state; with `build`, the missing kernels built first."""
-    if build:
-        native.load()
-        native.argmax()
-        attention_front.load()
-        native_linear.load_op()  # builds the linear library, then its operator
+    """The machine's facts and each kernel's state; with `build`, the missing kernels built first.
+
+    The CPU's facts (host, compilers, native kernels) come on every machine: a CUDA box runs CPU
+    engines too (a tensor-parallel gloo test, `device: cpu` jobs)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return {
         "device": device,
@@ -35,19 +31,17 @@ def report(build: bool = False) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "triton": _installed("triton"),
-        "attention_backend": resolve_backend("auto", torch.device(device)),
-        "host": host.describe(),
-        "compilers": {"c": _compiler("CC", "cc", "gcc"), "c++": _compiler("CXX", "c++", "g++")},
-        "cache_dir": str(native.cache_dir()),
-        "native_cflags": " ".join(native.extra_flags()),
-        "kernels": [kernel_state(name) for name in native_ops.KERNELS],
+        "attention_backend": platform_for(device).attention_backend("auto"),
+        "dtype_auto": _dtype_auto(device),
+        **platform_for("cpu").facts(build),
     }
 
 
-def kernel_state(name: str) -> dict[str, Any]:
-    """One kernel's state (native_ops.state) as the report shows it."""
-    done = native_ops.state(name)
-    return {"name": name, "state": done.state, "path": str(done.path or ""), "why": done.reason}
+def _dtype_auto(device: str) -> str:
+    """What model.dtype auto resolves to here, and why (engine/runner/dtype_rule)."""
+    if device == "cuda":
+        return "CUDA: " + resolve_auto("cuda", None, torch.cuda.is_bf16_supported()).dtype
+    return host_rule()
 
 
 def _installed(package: str) -> str | None:
@@ -56,17 +50,6 @@ def _installed(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _compiler(env: str, *names: str) -> dict[str, str | None]:
-    path = native.find_compiler(env, *names)
-    if path is None:
-        return {"path": None, "version": None}
-    try:
-        version = native.compiler_version(path).splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        version = None
-    return {"path": path, "version": version}
 
 
 def lines(facts: dict[str, Any]) -> list[str]:
@@ -79,6 +62,7 @@ def lines(facts: dict[str, Any]) -> list[str]:
         f"transformers  {facts['transformers']}",
         f"triton        {facts['triton'] or 'not installed'}",
         f"attention     {facts['attention_backend']} (engine.attention_backend: auto)",
+        f"dtype auto    {facts['dtype_auto']}",
         f"cpu           {h['cpu']} [{flags}]",
         f"threads       {h['torch_threads']} (affinity {h['affinity_cpus']} CPUs, quota {h['quota_cpus'] or 'none'})",
     ]
@@ -87,7 +71,7 @@ def lines(facts: dict[str, Any]) -> list[str]:
         out.append(f"{lang + ' compiler':<14}{found['path'] or 'none found'}{version}")
     out.append(f"kernel cache  {facts['cache_dir']}")
     if facts["native_cflags"]:
-        out.append(f"extra cflags  {facts['native_cflags']} ({native.FLAGS_ENV})")
+        out.append(f"extra cflags  {facts['native_cflags']} ({facts['native_cflags_env']})")
     for k in facts["kernels"]:
         detail = k["why"] or k["path"]
         out.append(f"  {k['name']:<24}{k['state']}{'  ' + detail if detail else ''}")

@@ -41,6 +41,7 @@ _KILL_POINTS = {
     "runtime_record_write",
     "success_temp_write",
     "lease_write",
+    "plan_temp_write",  # the part plan (outputs/plan_file), written but not yet committed
     "tp_rank_step",  # a tensor-parallel worker (rank >= 1), before it runs a step
 }
 _RAISE_POINTS = {"engine_exception"}

@@ -18,7 +18,7 @@ from batchgen.engine.attention import path as attention_path
 from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.core.scheduler import ScheduledBatch
 from batchgen.engine.llm import LLM
-from batchgen.engine.runner.backends import resolve_backend
+from batchgen.engine.platforms import platform_for
 from benchmarks.gpu_check_common import Ctx, free_memory, greedy, save_model
 
 ATTENTION_OPS = ("attention", "flash", "fmha", "varlen", "softmax", "index_select", "bmm", "cutlass", "triton", "_attn")
@@ -30,7 +30,7 @@ def backend_refusal(name: str, device: torch.device) -> str | None:
     """Why the engine refuses attention_backend `name` on `device` (None: it takes it)."""
     try:
         engine_config(attention_backend=name)
-        resolve_backend(name, device)
+        platform_for(device).attention_backend(name)
     except (ValueError, TypeError) as exc:
         return str(exc)
     return None
@@ -152,7 +152,9 @@ def run(ctx: Ctx, out: dict[str, Any]) -> None:
     out["backends"] = {}
     for name in ("auto", "torch", "triton"):
         why = backend_refusal(name, device)
-        out["backends"][name] = {"refused": why} if why else {"resolves_to": resolve_backend(name, device)}
+        out["backends"][name] = (
+            {"refused": why} if why else {"resolves_to": platform_for(device).attention_backend(name)}
+        )
     ctx.save()
     tiny = save_model(
         transformers.LlamaConfig(

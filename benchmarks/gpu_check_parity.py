@@ -115,11 +115,13 @@ def section_parity(ctx: Ctx, out: dict[str, Any]) -> None:
 
 
 def refused_by_engine(exc: BaseException) -> bool:
-    """Whether `exc` is the engine refusing a backend (raised in runner/backends' resolve/make)."""
+    """Whether `exc` is the engine refusing a backend (raised by a Platform's attention_backend or by
+    engine/platforms.make_backend)."""
     if not isinstance(exc, (ValueError, ImportError, NotImplementedError)):
         return False
     frames = traceback.extract_tb(exc.__traceback__)
-    return any(f.name in ("resolve_backend", "make_backend") and f.filename.endswith("backends.py") for f in frames)
+    names, files = ("attention_backend", "make_backend"), ("platform.py", "platforms.py")
+    return any(f.name in names and f.filename.endswith(files) for f in frames)
 
 
 def section_triton(ctx: Ctx, out: dict[str, Any]) -> None:

@@ -151,7 +151,7 @@ def run_native(
             "steps": delta["steps"],
             **compiled,
             "compiled_graphs_in_run": llm.engine.runner.forward.stats.graphs - compiled["compiled_graphs"],
-            "native_linears": llm.engine.runner.native_linears,
+            "native_linears": llm.native_linears,
         },
         cpu_wait=cpu_wait,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -112,3 +113,12 @@ def make_job(model: Path, inputs: str, out: Path, **sections: dict[str, Any]) ->
     for name, values in sections.items():
         job[name].update(values)
     return job
+
+
+def output_table(out: Path, columns: list[str] | None = None) -> pa.Table:
+    """An output folder's rows in input order (README, "The output": parts follow the prefix plan,
+    `input_row` gives input order back; an output without it is in input order already)."""
+    table = ds.dataset(out, format="parquet").to_table()
+    if "input_row" in table.column_names:
+        table = table.sort_by("input_row")
+    return table if columns is None else table.select(columns)

@@ -82,5 +82,6 @@ def test_airflow_dags_test_runs_the_example_dag_on_three_shards(tmp_path: Path, 
     assert ran.returncode == 0
     assert _rows(out) == _rows(plain)  # every row once; cached_tokens aside (README: under shards)
     sharded, whole = json.loads((out / "_SUCCESS").read_text()), json.loads((plain / "_SUCCESS").read_text())
-    assert sharded["rows"] == whole["rows"] and sharded["parts"] == whole["parts"] == 6
+    # parts of the prefix plan: at most 4 rows, at least 2, the same in every run of the job
+    assert sharded["rows"] == whole["rows"] and 6 <= sharded["parts"] == whole["parts"] <= 12
     assert 0 < sharded["tokens"]["cached"] <= whole["tokens"]["cached"]

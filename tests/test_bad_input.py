@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from batchgen import faults
 from batchgen.cli import main
-from tests.conftest import make_job, write_job, write_parquet
+from tests.conftest import make_job, output_table, write_job, write_parquet
 
 
 def _run(job: Path, *args: str) -> tuple[int, str]:
@@ -59,7 +59,7 @@ def test_duplicate_ids_and_bad_per_row_settings_become_error_rows(tmp_path: Path
     )
     code, text = _run(write_job(tmp_path / "job.yaml", job))
     assert code == 0, text
-    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    rows = output_table(out).to_pylist()
     assert [r["id"] for r in rows] == ["x", "y", "x", "y", "z", "w"]  # every row, exactly once
     assert [r["error_code"] for r in rows] == [None, "invalid_sampling", "duplicate_id", "duplicate_id", None, None]
     assert f"first used by {tmp_path / 'a.parquet'} row 0" in rows[2]["error_message"]
@@ -164,7 +164,7 @@ def test_an_engine_refusal_names_the_file_row_and_id(tmp_path: Path, tiny_model_
     )
     code, text = _run(write_job(tmp_path / "job.yaml", job))
     assert code == 0, text
-    rows = {r["id"]: r for r in ds.dataset(out).to_table().to_pylist()}
+    rows = {r["id"]: r for r in output_table(out).to_pylist()}
     assert [rows[i]["error_code"] for i in "abcd"] == [None, "engine_error", None, "engine_error"]
     for row_index, row_id in ((1, "b"), (3, "d")):
         message = rows[row_id]["error_message"]

@@ -11,12 +11,11 @@ from typing import Any
 
 import jsonschema
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from tests.conftest import make_job, write_job, write_parquet
+from tests.conftest import make_job, output_table, write_job, write_parquet
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -102,7 +101,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
     texts: dict[str, str] = {}
     for name, keys in (("p", {"prompt_column": "prompt"}), ("m", {"messages_column": "messages"})):
         _run(tmp, _job(tiny_model_dir, str(tmp / f"{name}.parquet"), tmp / name, id_column="id", **keys))
-        table = ds.dataset(tmp / name, format="parquet").to_table()
+        table = output_table(tmp / name)
         texts.update(zip(table.column("id").to_pylist(), table.column("generated_text").to_pylist()))
         for line in _output_lines(tmp / name):  # a Parquet input's output file: custom_id is the id column
             assert line["response"]["body"]["object"] == ("chat.completion" if name == "m" else "text_completion")
@@ -122,7 +121,7 @@ def test_every_request_gets_a_line_in_input_order(batch_run: Path) -> None:
 def test_served_lines_have_the_openai_shape_and_the_parts_usage(
     batch_run: Path, reference: dict[str, str], tiny_model_dir: Path
 ) -> None:
-    parts = ds.dataset(batch_run, format="parquet").to_table().to_pylist()
+    parts = output_table(batch_run).to_pylist()
     for line, row in zip(_output_lines(batch_run), parts):
         if line["error"] is not None:
             continue
@@ -206,7 +205,7 @@ def test_an_openai_batch_job_may_not_name_its_own_columns(tmp_path: Path, tiny_m
 
 
 def test_the_parts_stay_a_plain_batchgen_output(batch_run: Path) -> None:
-    table = ds.dataset(batch_run, format="parquet").to_table()
+    table = output_table(batch_run)
     assert table.column("custom_id").to_pylist()[:3] == ["c1", None, "p1"]
     assert table.schema.field("messages").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     manifest = json.loads((batch_run / "_SUCCESS").read_text())
@@ -266,7 +265,7 @@ def test_logprobs_in_the_endpoints_shapes(tmp_path: Path, tiny_model_dir: Path) 
     job["sampling"]["logprobs"] = 2  # the job computes the top 2 for every row; a request asking more gets its own k
     _run(tmp_path, job)
     chat, text, none, more, mixed = _output_lines(tmp_path / "out")
-    parts = ds.dataset(tmp_path / "out", format="parquet").to_table(columns=["logprobs"]).column("logprobs").to_pylist()
+    parts = output_table(tmp_path / "out", ["logprobs"]).column("logprobs").to_pylist()
     content = chat["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["response"]["body"]["usage"]["completion_tokens"] == len(parts[0])
     for token, stored in zip(content, parts[0]):

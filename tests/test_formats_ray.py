@@ -9,13 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
 import pytest
 
 from batchgen.inputs import text_formats
 from batchgen.job.spec import load_job
 from batchgen.run.runner import JobRunner
-from tests.conftest import make_job, write_job
+from tests.conftest import make_job, output_table, write_job
 
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
 COLUMNS = ["custom_id", "generated_text", "finish_reason", "error_code", "input_tokens", "output_tokens"]
@@ -60,7 +59,7 @@ def test_ray_workers_read_text_parts_from_seek_points(
     JobRunner(load_job(_job(tmp_path, tiny_model_dir, "local", None)), quiet=True).run()
     ray = {"kind": "ray", "num_workers": 2, "worker_cpus": 1}
     JobRunner(load_job(_job(tmp_path, tiny_model_dir, "ray", ray)), quiet=True).run()
-    local, remote = (ds.dataset(tmp_path / n, format="parquet").to_table(columns=COLUMNS) for n in ("local", "ray"))
+    local, remote = (output_table(tmp_path / n, COLUMNS) for n in ("local", "ray"))
     assert remote.to_pylist() == local.to_pylist()
     assert local.column("error_code").to_pylist()[17] == "invalid_json"
     out = [(tmp_path / n / "_batch_output.jsonl").read_text().splitlines() for n in ("local", "ray")]

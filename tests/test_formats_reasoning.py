@@ -8,13 +8,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.outputs.reasoning import ReasoningSplitter, Split
-from tests.conftest import CHAT_TEMPLATE, build_tokenizer, make_job, save_tiny_llama, write_job, write_parquet
+from tests.conftest import (
+    CHAT_TEMPLATE,
+    build_tokenizer,
+    make_job,
+    output_table,
+    save_tiny_llama,
+    write_job,
+    write_parquet,
+)
 
 OPENS_THINKING = CHAT_TEMPLATE.replace("<|assistant|>{% endif %}", "<|assistant|><think>{% endif %}")
 
@@ -78,7 +85,7 @@ def _run(tmp: Path, model: Path, reasoning: str, bias: float, name: str) -> list
     job["output"]["format"] = "openai_batch"
     result = CliRunner().invoke(main, ["run", str(write_job(tmp / f"{name}.yaml", job)), "--quiet"])
     assert result.exit_code == 0, result.output + repr(result.exception)
-    return ds.dataset(tmp / name, format="parquet").to_table().to_pylist()
+    return output_table(tmp / name).to_pylist()
 
 
 def test_unterminated_thinking_is_all_reasoning(tmp_path: Path, thinking_model: Path) -> None:
@@ -128,7 +135,7 @@ def test_completions_lines_keep_the_reasoning(tmp_path: Path, thinking_model: Pa
     job["output"].update({"reasoning": "auto", "format": "openai_batch"})
     result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / "job.yaml", job)), "--quiet"])
     assert result.exit_code == 0, result.output
-    rows = ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()
+    rows = output_table(tmp_path / "out").to_pylist()
     lines = [json.loads(x) for x in (tmp_path / "out" / "_batch_output.jsonl").read_text().splitlines()]
     for line, row in zip(lines, rows, strict=True):
         body = line["response"]["body"]

@@ -204,7 +204,7 @@ def test_a_zero_row_input_reads_back_with_its_columns(tmp_path: Path, tiny_model
     assert code == 0, err
     assert "0 rows ok, 0 failed" in text
     table = ds.dataset(out).to_table()
-    assert table.num_rows == 0 and table.column_names == ["id", "prompt", *RESULT_NAMES]
+    assert table.num_rows == 0 and table.column_names == ["id", "prompt", "input_row", *RESULT_NAMES]
     assert table.schema.field("output_tokens").type == pa.int64()
     code, text, err = _cli("report", str(out), "--json")
     assert code == 0, err

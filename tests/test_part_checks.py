@@ -34,7 +34,8 @@ def _job(tmp_path: Path, model: Path) -> tuple[Path, Path]:
     prompts = [" ".join(WORDS[(i + j) % 10] for j in range(3 + i % 5)) for i in range(ROWS)]
     data = write_parquet(tmp_path / "in.parquet", {"id": [f"r{i}" for i in range(ROWS)], "prompt": prompts})
     out = tmp_path / "out"
-    job = make_job(model, str(data), out, engine={"backend": "native", "window_rows": 4}, sampling={"max_tokens": 5})
+    engine = {"backend": "native", "window_rows": 4}  # grouping none: parts of 4 rows each (one replaces another)
+    job = make_job(model, str(data), out, engine=engine, input={"grouping": "none"}, sampling={"max_tokens": 5})
     return write_job(tmp_path / "job.yaml", job), out
 
 

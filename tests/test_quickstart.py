@@ -6,11 +6,11 @@ import json
 import re
 from pathlib import Path
 
-import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
+from tests.conftest import output_table
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def test_quickstart_job_runs_on_the_demo_model(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "48 rows ok, 0 failed" in result.output
-    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    rows = output_table(out).to_pylist()
     assert len(rows) == 48 and all(r["generated_text"] for r in rows)
     assert {r["finish_reason"] for r in rows} <= {"stop", "length"}
     fewshot = [r for r in rows if r["category"].startswith("fewshot")]
@@ -50,7 +50,7 @@ def test_samples_job_runs_on_the_demo_model_and_is_batch_invariant(tmp_path: Pat
         args = ["run", str(REPO / "jobs/samples.yaml"), "--quiet", *[a for s in sets for a in ("--set", s)]]
         result = CliRunner().invoke(main, [*args, "--set", f"engine.window_rows={window}"])
         assert result.exit_code == 0, result.output
-        return ds.dataset(tmp_path / name, format="parquet").to_table().to_pylist()
+        return output_table(tmp_path / name).to_pylist()
 
     rows = run("all", 8, 8)
     assert len(rows) == 8 and all(len(r["generated_text"]) == 4 for r in rows)

@@ -52,7 +52,10 @@ def _job(tmp_path: Path, model: Path, name: str, executor: dict[str, Any] | None
         # prompts sharing a preamble, so the prefix cache has something to serve
         prompts = [f"{PREAMBLE} {' '.join(WORDS[(i + j) % 10] for j in range(i % 5))}" for i in range(ROWS)]
         write_parquet(data, {"id": ids, "prompt": prompts})
-    job = make_job(model, str(data), tmp_path / name, engine={"backend": "native", "window_rows": 20})
+    # grouping none: these tests count parts of 20 rows in input order (grouped parts on Ray:
+    # tests/test_prefix_groups.py)
+    engine = {"backend": "native", "window_rows": 20}
+    job = make_job(model, str(data), tmp_path / name, engine=engine, input={"grouping": "none"})
     job["sampling"]["max_tokens"] = 6
     if executor is not None:
         job["executor"] = executor

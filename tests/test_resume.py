@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -24,7 +23,7 @@ from click.testing import CliRunner
 from batchgen import faults
 from batchgen.cli import main
 from batchgen.outputs.state import OutputLock
-from tests.conftest import make_job, write_job, write_parquet
+from tests.conftest import make_job, output_table, write_job, write_parquet
 
 ROWS = 24
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
@@ -64,7 +63,7 @@ def _cli(
 
 
 def _rows(out: Path) -> list[tuple[str, str, int]]:
-    table = ds.dataset(out, format="parquet").to_table(columns=["id", "generated_text", "output_tokens"])
+    table = output_table(out, ["id", "generated_text", "output_tokens"])
     return list(zip(*(table.column(c).to_pylist() for c in table.column_names)))
 
 

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -17,7 +16,7 @@ from transformers import AutoTokenizer
 
 from batchgen.cli import main
 from batchgen.outputs.table import RESULT_NAMES
-from tests.conftest import make_job, save_tiny_llama, write_job, write_parquet
+from tests.conftest import make_job, output_table, save_tiny_llama, write_job, write_parquet
 
 WORDS = "once upon a time there was a little cat who liked to play in the sun with her friend dog".split()
 PROMPTS = ["once upon a time", "the little cat", "a dog who liked to play in the sun", "her friend"]
@@ -29,7 +28,7 @@ def _run(job_path: Path, *args: str) -> tuple[int, str]:
 
 
 def _read(out: Path) -> pa.Table:
-    return ds.dataset(out, format="parquet").to_table()
+    return output_table(out)
 
 
 def test_glob_folder_and_file_inputs_keep_input_order(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -46,7 +45,7 @@ def test_glob_folder_and_file_inputs_keep_input_order(tmp_path: Path, tiny_model
         assert code == 0, text
         table = _read(out)
         assert table.column("id").to_pylist() == expected
-        assert table.schema.names == ["id", "prompt", *RESULT_NAMES]
+        assert table.schema.names == ["id", "prompt", "input_row", *RESULT_NAMES]
         assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
         manifest = json.loads((out / "_SUCCESS").read_text())
         assert manifest["rows"] == {"total": 21, "ok": 21, "error": 0}

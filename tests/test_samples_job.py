@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pytest
 import torch
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from tests.conftest import make_job, write_job, write_parquet
+from tests.conftest import make_job, output_table, write_job, write_parquet
 
 PROMPTS = ["once upon a time", "the little cat liked to", "   ", "her friend dog was in the sun"]
 TOL = 1e-4
@@ -49,7 +48,7 @@ def sampled(inputs: Path, tiny_model_dir: Path) -> tuple[Path, pa.Table]:
     job = _job(inputs, tiny_model_dir, "n3", n=3, temperature=0.8, seed=1, logprobs=2, prompt_logprobs=1)
     code, text = _cli("run", str(job), "--quiet")
     assert code == 0, text
-    return job, ds.dataset(inputs / "n3").to_table()
+    return job, output_table(inputs / "n3")
 
 
 def _raw(model_dir: Path, ids: list[int]) -> torch.Tensor:
@@ -143,7 +142,7 @@ def test_hf_backend_answers_max_tokens_zero_with_empty_completions(inputs: Path,
     job = _job(inputs, tiny_model_dir, "hf-zero", max_tokens=0)
     code, text = _cli("run", str(job), "--quiet", "--set", "engine.backend=hf")
     assert code == 0, text
-    rows = [r for r in ds.dataset(inputs / "hf-zero").to_table().to_pylist() if r["error_code"] is None]
+    rows = [r for r in output_table(inputs / "hf-zero").to_pylist() if r["error_code"] is None]
     assert len(rows) == 3 and {(r["generated_text"], r["output_tokens"], r["finish_reason"]) for r in rows} == {
         ("", 0, "length")
     }
@@ -152,7 +151,7 @@ def test_hf_backend_answers_max_tokens_zero_with_empty_completions(inputs: Path,
 def test_scoring_job_with_max_tokens_zero(inputs: Path, tiny_model_dir: Path) -> None:
     code, text = _cli("run", str(_job(inputs, tiny_model_dir, "score", max_tokens=0, prompt_logprobs=0)), "--quiet")
     assert code == 0, text
-    rows = [r for r in ds.dataset(inputs / "score").to_table().to_pylist() if r["error_code"] is None]
+    rows = [r for r in output_table(inputs / "score").to_pylist() if r["error_code"] is None]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

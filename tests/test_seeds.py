@@ -7,13 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pyarrow.dataset as ds
 import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.inputs.prepare import row_seed
-from tests.conftest import make_job, write_job, write_parquet
+from tests.conftest import make_job, output_table, write_job, write_parquet
 
 ROWS = 6
 
@@ -39,7 +38,7 @@ def _run(tmp_path: Path, model: Path, name: str, with_ids: bool = True, **sectio
         job[section].update(values)
     result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / f"{name}.yaml", job)), "--quiet"])
     assert result.exit_code == 0, result.output
-    rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+    rows = output_table(out).to_pylist()
     assert all(r["error_code"] is None for r in rows)
     return {r["id"] if with_ids else r["row_id"]: r["generated_text"] for r in rows}
 

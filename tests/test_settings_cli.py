@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from tests.conftest import make_job, write_job, write_parquet
+from tests.conftest import make_job, output_table, write_job, write_parquet
 
 
 def _cli(*args: str) -> tuple[int, str]:
@@ -38,7 +37,7 @@ def _job(
 
 
 def _rows(tmp_path: Path) -> list[dict[str, Any]]:
-    return ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()
+    return output_table(tmp_path / "out").to_pylist()
 
 
 @pytest.mark.parametrize(

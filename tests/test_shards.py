@@ -54,7 +54,9 @@ def _job(tmp_path: Path, model: Path, name: str, ids: list[str] | None = None) -
         write_parquet(data, {"id": ids, "prompt": prompts})
     out = tmp_path / name
     engine = {"backend": "native", "window_rows": 4, "block_size": BLOCK}
-    job = make_job(model, str(data), out, engine=engine, sampling={"max_tokens": 6})
+    # why grouping none: these tests are about the p % N rule of parts in input order (prefix
+    # groups' shards: tests/test_prefix_groups.py)
+    job = make_job(model, str(data), out, engine=engine, input={"grouping": "none"}, sampling={"max_tokens": 6})
     return write_job(tmp_path / f"{name}.yaml", job), out
 
 

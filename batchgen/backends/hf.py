@@ -49,7 +49,7 @@ class HFBackend:
             self.device = resolve_device(spec.model.device)
         except ValueError as exc:  # a DeviceError: exit 4, naming the devices on this machine
             raise ModelError(str(exc)) from exc
-        dtype = resolve_dtype(spec.model.dtype, self.device)
+        dtype = resolve_dtype(spec.model.dtype, self.device, str(spec.model.path))
         self.runtime = {"device": self.device.type, "dtype": str(dtype).removeprefix("torch.")}
         try:
             with weight_errors_as_model_errors(spec.model.path):

@@ -17,7 +17,7 @@ class NativeBackend:
 
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
         from batchgen.engine.llm import LLM
-        from batchgen.engine.runner.backends import resolve_backend
+        from batchgen.engine.platforms import platform_for
         from batchgen.engine.runner.models import resolve_device, resolve_dtype
 
         settings = spec.engine.engine_settings()
@@ -25,8 +25,8 @@ class NativeBackend:
             # Why resolved here: the engine is handed the very device and dtype the job record names,
             # and its attention backend is resolved by the engine's own rule for that device.
             device = resolve_device(spec.model.device)
-            dtype = resolve_dtype(spec.model.dtype, device)
-            attention = resolve_backend(settings["attention_backend"], device)
+            dtype = resolve_dtype(spec.model.dtype, device, str(spec.model.path))
+            attention = platform_for(device).attention_backend(settings["attention_backend"])
             with weight_errors_as_model_errors(spec.model.path):
                 path, task = str(spec.model.path), "generate"  # a generate job, whatever the folder holds
                 self.llm = LLM(path, tokenizer=tokenizer, device=str(device), dtype=dtype, task=task, **settings)

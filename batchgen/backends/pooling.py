@@ -28,7 +28,7 @@ class PoolingBackend:
         settings = spec.engine.engine_settings()
         try:
             device = resolve_device(spec.model.device)
-            dtype = resolve_dtype(spec.model.dtype, device)
+            dtype = resolve_dtype(spec.model.dtype, device, str(spec.model.path))
             config = pooling.pooler_config() if pooling is not None else {}
             with weight_errors_as_model_errors(spec.model.path):
                 self.llm = LLM(

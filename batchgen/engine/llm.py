@@ -9,28 +9,33 @@ from functools import partial
 from typing import Any, cast
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
-from batchgen.engine.api.config import EngineConfig, engine_config
-from batchgen.engine.api.device_defaults import require_int, resolve_engine_defaults
+from batchgen.engine.api.config import EngineConfig, ResolvedConfig, engine_config, resolve
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.api.vllm_engine_args import generation_defaults, generation_mode, task_of
 from batchgen.engine.api.vllm_keywords import adapt_vllm_keywords, check_seed, render_options, vllm_dtype
 from batchgen.engine.api.vllm_views import LLMEngineView, ModelConfig
-from batchgen.engine.attention.path import SMALL_BLOCK_SIZE, default_block_size, detect_support, has_softcap
+from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
 from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.parallel.sharded_runner import ShardedRunner
+from batchgen.engine.platforms import platform_for
 from batchgen.engine.pooling.auto_task import resolve_task
 from batchgen.engine.pooling.methods import PoolingMethods
 from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
-from batchgen.engine.runner.backends import fast_greedy_for, prepare_process, resolve_backend
-from batchgen.engine.runner.compiled_forward import resolve_compile
 from batchgen.engine.runner.model_runner import ModelRunner
-from batchgen.engine.runner.models import kv_spec, load_model, resolve_device, resolve_dtype, resolve_max_model_len
+from batchgen.engine.runner.models import (
+    check_config,
+    kv_spec,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_model_len,
+)
 from batchgen.engine.runner.pool_sizing import kv_pool_blocks
 from batchgen.engine.runner.tokenizer import load_tokenizer
 from batchgen.engine.sampling.penalties import LogitsFeatures
@@ -70,7 +75,7 @@ def make_sampler(
     head = model.get_output_embeddings()
     width = int(getattr(head, "out_features", 0) or vocab_size)
     features = LogitsFeatures(tokenizer, width, eos)
-    return Sampler(eos, seed=seed, fast_greedy=fast_greedy_for(device), features=features), eos, vocab_size
+    return Sampler(eos, seed=seed, fast_greedy=platform_for(device).greedy_ids(), features=features), eos, vocab_size
 
 
 class LLM(PoolingMethods):
@@ -101,17 +106,15 @@ class LLM(PoolingMethods):
         config = engine_config(**adapt_vllm_keywords(settings))
         seed = check_seed(seed)
         torch_device = resolve_device(device)
-        torch_dtype = resolve_dtype(vllm_dtype(dtype), torch_device)
+        torch_dtype = resolve_dtype(vllm_dtype(dtype), torch_device, model)
         task = resolve_task(model, task)
         if task not in TASKS:
             raise ValueError(f"LLM(task={task!r}): must be one of 'auto', {', '.join(map(repr, TASKS))}")
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
         self._pooling: PoolingModel | None = None
         self._tp: TensorParallelGroup | None = None
-        if task != "generate":  # why: pooling forwards run eager; compiling (and CUDA graphs) would serve nothing
-            config.compile = False
-            if config.tensor_parallel_size > 1:
-                raise ValueError(f"LLM(task={task!r}): tensor_parallel_size > 1 serves task 'generate' only")
+        if task != "generate" and config.tensor_parallel_size > 1:
+            raise ValueError(f"LLM(task={task!r}): tensor_parallel_size > 1 serves task 'generate' only")
         if runs_on_engine(model, task):
             hf_config = self._init_engine(model, tokenizer, config, torch_device, torch_dtype, seed)
         else:  # encoders run through transformers
@@ -124,7 +127,8 @@ class LLM(PoolingMethods):
         self, model: str, tokenizer: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype
     ) -> Any:
         """A pooling LLM over an encoder (BERT-style), run by transformers; its model config."""
-        self.config, self.tokenizer = config, load_tokenizer(tokenizer, model)
+        self.config: EngineConfig | ResolvedConfig = config
+        self.tokenizer = load_tokenizer(tokenizer, model)
         budget = token_budget(config.max_num_batched_tokens, device)
         self._pooling = PoolingModel.build(model, self.task, device, dtype, budget, None, self._pooler_config)
         hf = self._pooling.hf
@@ -143,46 +147,54 @@ class LLM(PoolingMethods):
         seed: int | None,
     ) -> Any:
         """The engine (runner, KV pool, scheduler, sampler) over the model's weights; its model config."""
-        backend = resolve_backend(config.attention_backend, device)  # why first: a bad one fails before loading
-        prepare_process(device)
-        self._tp = start_tensor_parallel(model, config, device, dtype)  # None: one device
+        resolved = self._resolve(model, config, device, dtype)  # why first: bad settings fail before loading
+        platform = platform_for(device)
+        platform.prepare_process()
+        self._tp = start_tensor_parallel(model, resolved, device, dtype)  # None: one device
         pooling = self.task != "generate"
         hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype, pooling)
-        self.max_model_len = resolve_max_model_len(hf_model.config, config.max_model_len)
-        config.max_model_len = self.max_model_len
+        # the device's measured kernels (the CPU's linears); not under TP: see README, tensor parallelism
+        self.native_linears = platform.install_kernels(hf_model, dtype) if self._tp is None else 0
         spec = kv_spec(hf_model.config)
-        block_size = (  # the triton kernel reads small blocks in place; only torch's varlen kernel wants 256
-            SMALL_BLOCK_SIZE
-            if backend == "triton"
-            else default_block_size(
-                device.type, dtype, spec.head_dim, has_softcap(hf_model.config), detect_support(device)
-            )
-        )
-        config = resolve_engine_defaults(config, device.type, block_size)
-        blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, config, device, dtype, backend=backend)
+        measured = self._tp.kv_budget if self._tp is not None else None
+        blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, resolved, device, dtype, measured_budget=measured)
         self.tokenizer = load_tokenizer(tokenizer, model)
         sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, seed, device)
         make_runner = partial(ShardedRunner, self._tp) if self._tp is not None else ModelRunner  # rank 0's
         runner = make_runner(
             hf_model,
             spec,
-            require_int(config.block_size, "block_size"),
+            resolved.block_size,
             blocks,
             device,
             dtype,
-            config.max_num_seqs,
-            self.max_model_len,
-            backend,
-            compile=resolve_compile(config.compile, device),
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            compile_fallback=config.compile == "auto",
+            resolved.max_num_seqs,
+            resolved.max_model_len,
+            resolved.attention_backend,
+            compile=resolved.compile,
+            max_num_batched_tokens=resolved.max_num_batched_tokens,
+            compile_fallback=resolved.compile_fallback,
             sampler=sampler,
         )
-        block_manager = BlockManager(blocks, runner.block_size, config.enable_prefix_caching)
-        scheduler = Scheduler(config, block_manager, self.max_model_len)
-        self.config = config
+        block_manager = BlockManager(blocks, runner.block_size, resolved.enable_prefix_caching)
+        scheduler = Scheduler(resolved, block_manager, resolved.max_model_len)
+        self.config, self.max_model_len = resolved, resolved.max_model_len
         self.engine = Engine(scheduler, runner, self.tokenizer, eos, vocab_size)
         return hf_model.config
+
+    def _resolve(self, model: str, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> ResolvedConfig:
+        """`config` for this device and model, from the model's config.json (no weights read yet)."""
+        model_config = AutoConfig.from_pretrained(model)
+        check_config(model_config)
+        return resolve(
+            config,
+            platform_for(device),
+            max_model_len=resolve_max_model_len(model_config, config.max_model_len),
+            dtype=dtype,
+            head_dim=kv_spec(model_config).head_dim,
+            softcap=has_softcap(model_config),
+            compiles=self.task == "generate",  # why: pooling forwards run eager; compiling would serve nothing
+        )
 
     def get_tokenizer(self, lora_request: object = None) -> Any:
         """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`)."""

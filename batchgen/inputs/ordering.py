@@ -23,5 +23,23 @@ def order_requests(prompts: list[list[int]], strategy: Strategy) -> list[int]:
         # Lexicographic on the leading tokens puts every prompt sharing a prefix next to the others
         # that share it (a shorter common prefix still makes a contiguous run); longest first
         # inside a group so that long prefills start early and the tail of the window is short.
-        return sorted(indices, key=lambda i: (prompts[i][:PREFIX_KEY_TOKENS], -len(prompts[i])))
+        # The tokens every prompt of the window starts with (a chat template's header, a system
+        # prompt) are skipped first: they would make one group of the window, ordered by length
+        # across its documents (a part of the prefix plan holds a few documents behind one header).
+        skip = _common_prefix(prompts)
+        return sorted(indices, key=lambda i: (prompts[i][skip : skip + PREFIX_KEY_TOKENS], -len(prompts[i])))
     raise ValueError(f"unknown ordering strategy {strategy!r} (expected prefix, length or none)")
+
+
+def _common_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens every prompt shares (that of the lexicographically least and
+    greatest prompt, which bound all others)."""
+    if not prompts:
+        return 0
+    low, high = min(prompts), max(prompts)
+    n = 0
+    for a, b in zip(low, high):
+        if a != b:
+            break
+        n += 1
+    return n

@@ -15,9 +15,10 @@ import pyarrow as pa
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
-from batchgen.inputs.dataset import InputFile, Shard
+from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
-from batchgen.inputs.row_names import row_keys, row_labels
+from batchgen.inputs.part_rows import PartRows
+from batchgen.inputs.row_names import row_ids, row_keys, row_labels
 from batchgen.inputs.text_formats import line_problems
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
@@ -99,18 +100,38 @@ class RowPreparer:
         self._sampling(table, rows, labels, keys)
         return rows
 
-    def prepare_shard(
-        self, f: InputFile, shard: Shard, table: pa.Table, duplicates: dict[tuple[int, int], IdProblem]
+    def prepare_part(
+        self, files: list[InputFile], part: PartRows, duplicates: dict[tuple[int, int], IdProblem]
     ) -> list[PreparedRow]:
-        """Prepare a shard's rows; a repeated id (see duplicate_ids) fails, its first use is served; a null id fails."""
-        labels = row_labels(self.spec, f, shard, table)
-        rows = self.prepare(table, labels, row_keys(self.spec, f, shard, table))
+        """Prepare a part's rows; a repeated id (see duplicate_ids) fails, its first use is served; a null id fails."""
+        labels = row_labels(self.spec, files, part.file_index, part.file_row, part.table)
+        ids = row_ids(files, part.file_index, part.file_row)
+        rows = self.prepare(part.table, labels, row_keys(self.spec, part.table, ids))
         for i, row in enumerate(rows):
-            problem = duplicates.get((shard.file_index, shard.start + i))
+            problem = duplicates.get((part.file_index[i], part.file_row[i]))
             if problem is not None and not row.unreadable:
                 row.fail(problem.code, f"{labels[i]}: {problem.message}")
                 row.prompt_ids = None
         return rows
+
+    def prompt_ids(self, table: pa.Table, max_chars: int) -> list[tuple[list[int] | None, bool]]:
+        """(token ids, cut) of each row's prompt as `prepare` makes it (chat template, special
+        tokens), whatever its length; ids None for a row that cannot be a request. Only the
+        prompt's columns are read: the prefix plan (batchgen.inputs.grouping) keys every row by
+        them, and needs only their first blocks: a rendered prompt longer than `max_chars`
+        characters is tokenized that far only (`cut` True; the caller drops the tokens near the cut)."""
+        rows = [PreparedRow() for _ in range(table.num_rows)]
+        for i, code, message in line_problems(table):
+            rows[i].fail(code, message)
+        texts = self._texts(table, rows, [""] * table.num_rows)
+        cut = {i for i, text in texts.items() if len(text) > max_chars}
+        texts = {i: text[:max_chars] for i, text in texts.items()}
+        limit, self.max_model_len = self.max_model_len, 1 << 62
+        try:
+            self._tokenize(texts, rows, [""] * table.num_rows)
+        finally:
+            self.max_model_len = limit
+        return [(row.prompt_ids if row.ok else None, i in cut) for i, row in enumerate(rows)]
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
         spec = self.spec.input

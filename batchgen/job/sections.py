@@ -70,6 +70,10 @@ class InputSection(_Strict):
     carry_columns: list[str] | None = None  # None: carry every input column
     sampling_columns: dict[str, str] = Field(default_factory=dict)  # SamplingParams field -> column
     limit: int | None = Field(default=None, ge=1)  # only the first N rows (quick trials)
+    # auto: parts follow the prefix plan (rows sharing a prompt prefix together, batchgen.inputs.grouping);
+    # none: parts are contiguous row ranges in input order
+    grouping: Literal["auto", "none"] = "auto"
+    group_column: str | None = None  # rows with equal values here are grouped first (grouping: auto)
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
@@ -78,6 +82,8 @@ class InputSection(_Strict):
             self._openai_columns()
         if self.prompt_column is not None and self.messages_column is not None:
             raise ValueError("set exactly one of input.prompt_column or input.messages_column")
+        if self.group_column is not None and self.grouping == "none":
+            raise ValueError("input.group_column groups rows only with input.grouping: auto")
         if self.messages_column is None and self.prompt_column is None:
             self.prompt_column = "prompt"
         for name in self.sampling_columns:

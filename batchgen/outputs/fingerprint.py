@@ -63,6 +63,12 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     # input.format (auto reads what older batchgen read), output.reasoning (it shapes the parts).
     if spec.input.format == "auto":
         settings["input"].pop("format", None)
+    # input.grouping came later too: at auto (the default) it is left out, and the record's
+    # "grouping" key (outputs/plan_file) tells an output made with a prefix plan from an older one.
+    if spec.input.grouping == "auto":
+        settings["input"].pop("grouping", None)
+    if spec.input.group_column is None:
+        settings["input"].pop("group_column", None)
     if spec.output.reasoning != "none":
         settings["output"] = {"reasoning": spec.output.reasoning}
     defaults = SamplingParams()

@@ -28,7 +28,7 @@ from batchgen.inputs.openai_requests import CHAT_URL, COMPLETIONS_URL, EMBEDDING
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.openai_logprobs import choice_logprobs
 from batchgen.outputs.state import BATCH_OUTPUT_NAME
-from batchgen.outputs.table import ROW_ID_COLUMN
+from batchgen.outputs.table import INPUT_ROW_COLUMN, ROW_ID_COLUMN
 from batchgen.storage.base import Storage
 
 OUTPUT_NAME = BATCH_OUTPUT_NAME
@@ -116,14 +116,30 @@ def _write_lines(tmp: Path, lines: Iterator[str]) -> None:
 
 
 def _lines(storage: Storage, names: list[str], facts: BatchFacts, created: int) -> Iterator[str]:
-    row = 0
-    for name in names:
-        schema = storage.dataset([name]).schema
-        columns = [facts.id_column, *_RESULTS, *(c for c in _OPTIONAL if c in schema.names)]
-        table: pa.Table = storage.read_table(name, list(dict.fromkeys(columns)))
-        for values in table.to_pylist():
+    schemas = [storage.dataset([name]).schema for name in names]
+    if names and INPUT_ROW_COLUMN in schemas[0].names:
+        # Why sorted: parts follow the prefix plan, the file follows the input. An OpenAI batch
+        # file holds at most 50,000 requests, so its results are sorted in memory.
+        tables = [_results(storage, name, schema, facts, [INPUT_ROW_COLUMN]) for name, schema in zip(names, schemas)]
+        table = pa.concat_tables(tables, promote_options="permissive").sort_by(INPUT_ROW_COLUMN)
+        rows = table.column(INPUT_ROW_COLUMN).to_pylist()
+        for row, values in zip(rows, table.drop_columns([INPUT_ROW_COLUMN]).to_pylist()):
+            yield json.dumps(batch_line(values, facts, row, created), ensure_ascii=False) + "\n"
+        return
+    row = 0  # an output made before input_row: its parts are in input order
+    for name, schema in zip(names, schemas):
+        for values in _results(storage, name, schema, facts).to_pylist():
             yield json.dumps(batch_line(values, facts, row, created), ensure_ascii=False) + "\n"
             row += 1
+
+
+def _results(
+    storage: Storage, name: str, schema: pa.Schema, facts: BatchFacts, extra: list[str] | None = None
+) -> pa.Table:
+    """One part's columns that the output lines are made of (and `extra`)."""
+    columns = [*(extra or []), facts.id_column, *_RESULTS, *(c for c in _OPTIONAL if c in schema.names)]
+    table: pa.Table = storage.read_table(name, list(dict.fromkeys(columns)))
+    return table
 
 
 def batch_line(values: dict[str, Any], facts: BatchFacts, row: int, created: int) -> dict[str, Any]:

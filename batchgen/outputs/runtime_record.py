@@ -65,8 +65,17 @@ def _refusal(storage: Storage, others: list[dict[str, str]], resolved: Mapping[s
         "parts of one output made on different devices, precisions or attention backends differ silently. Run it "
         "where model.device, model.dtype and engine.attention_backend resolve the same (or set them explicitly), "
         f"start again with --overwrite, or accept mixed parts with {ALLOW_FLAG} (the _SUCCESS manifest then "
-        "lists every runtime)"
+        "lists every runtime). On a mixed fleet (CPUs with and without native bf16, GPUs), `model.dtype: float32` "
+        "pins one precision wherever the job runs"
     )
+
+
+def recorded_dtype(record: Mapping[str, Any]) -> str | None:
+    """The one dtype every runtime in the record made parts in (None: no runtime yet, or several).
+    Why: `dtype: auto` on a resumed output resolves to it, so a host or batchgen upgrade that would
+    resolve auto differently never strands a half-done output (the runner pins it)."""
+    dtypes = {r.get("dtype") for r in record.get(RUNTIMES_KEY, [])}
+    return dtypes.pop() if len(dtypes) == 1 and None not in dtypes else None
 
 
 def manifest_runtimes(record: Mapping[str, Any]) -> dict[str, Any]:

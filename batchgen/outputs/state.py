@@ -20,6 +20,7 @@ from batchgen.inputs.sharding import ShardSpec
 from batchgen.outputs.fingerprint import describe_difference
 from batchgen.outputs.lease import ObjectLease
 from batchgen.outputs.parts import write_problem
+from batchgen.outputs.plan_file import PLAN_NAME
 from batchgen.outputs.record import RECORD_NAME
 from batchgen.outputs.table import RESULT_NAMES
 from batchgen.outputs.totals import Totals
@@ -146,7 +147,7 @@ class OutputState:
         the number of parts removed. Why this order: stopped half way, the folder never holds a
         `_SUCCESS` beside missing parts, nor parts without the record of the job that made them."""
         parts = list(self.committed_parts().values())
-        for name in [BATCH_OUTPUT_NAME, SUCCESS_NAME, *parts, *self.storage.temp_names(), RECORD_NAME]:
+        for name in [BATCH_OUTPUT_NAME, SUCCESS_NAME, *parts, *self.storage.temp_names(), PLAN_NAME, RECORD_NAME]:
             self.storage.delete(name)
         return len(parts)
 

@@ -26,14 +26,22 @@ RESULT_FIELDS = [
 ]
 RESULT_NAMES = [f.name for f in RESULT_FIELDS]
 ROW_ID_COLUMN = "row_id"  # added when the job names no id_column: see InputFile.row_ids
+# The row's position over all input files (in file order): parts follow the prefix plan, not the
+# input, so `ORDER BY input_row` gives input order back. In every output made since the plan existed.
+INPUT_ROW_COLUMN = "input_row"
 _ENGINE_REQUEST = re.compile(r"^request \d+: ")  # how the engine starts a refusal (its own request id)
 
 
-def output_schema(carried: list[pa.Field], add_row_id: bool, results: list[pa.Field] | None = None) -> pa.Schema:
-    """`results`: the job's result columns (ColumnPlan.fields); None: the base RESULT_FIELDS."""
+def output_schema(
+    carried: list[pa.Field], add_row_id: bool, results: list[pa.Field] | None = None, input_row: bool = False
+) -> pa.Schema:
+    """`results`: the job's result columns (ColumnPlan.fields); None: the base RESULT_FIELDS.
+    `input_row`: the INPUT_ROW_COLUMN, before the results (an output made before it has none)."""
     fields = list(carried)
     if add_row_id:
         fields.insert(0, pa.field(ROW_ID_COLUMN, pa.string()))
+    if input_row:
+        fields.append(pa.field(INPUT_ROW_COLUMN, pa.int64()))
     return pa.schema(fields + (RESULT_FIELDS if results is None else results))
 
 
@@ -45,7 +53,7 @@ def carried_columns(spec: JobSpec, schema: pa.Schema) -> list[str]:
     missing = [c for c in wanted if c not in schema.names]
     if missing:
         raise InputDataError(f"input.carry_columns: no such column(s) {missing} (columns: {', '.join(schema.names)})")
-    reserved = set(RESULT_NAMES) | ({ROW_ID_COLUMN} if spec.input.id_column is None else set())
+    reserved = set(RESULT_NAMES) | {INPUT_ROW_COLUMN} | ({ROW_ID_COLUMN} if spec.input.id_column is None else set())
     reserved |= {f.name for f in ColumnPlan.of(spec).extra_fields()}
     clash = [c for c in wanted if c in reserved]
     if clash:

@@ -19,15 +19,17 @@ from batchgen.backends.base import Backend
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.errors import BatchgenError, EngineFailure
 from batchgen.faults import fault_point
-from batchgen.inputs.dataset import InputFile, Shard
+from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.inputs.ordering import order_requests
+from batchgen.inputs.part_rows import PartRows, describe
 from batchgen.inputs.prepare import RowPreparer, input_columns, load_tokenizer
+from batchgen.inputs.row_names import row_ids
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.parts import PartWriter, part_name
 from batchgen.outputs.samples import ColumnPlan
 from batchgen.outputs.state import OutputState
-from batchgen.outputs.table import RESULT_FIELDS, part_table, result_columns
+from batchgen.outputs.table import INPUT_ROW_COLUMN, RESULT_FIELDS, part_table, result_columns
 from batchgen.outputs.totals import Totals
 from batchgen.run import interrupt
 
@@ -72,9 +74,8 @@ class PartWork:
 
     def process_part(
         self,
-        f: InputFile,
-        shard: Shard,
-        table: pa.Table,
+        files: list[InputFile],
+        part: PartRows,
         carried: list[str],
         writer: PartWriter,
         backend: Backend,
@@ -85,24 +86,32 @@ class PartWork:
         Ray worker call this, so both commit with the same atomic, never-replacing protocol."""
         if not self.replacing_output:  # why before generating: a refused runtime wastes no part's work
             writer.claim_runtime(backend.resolved())
-        cols = self._run_shard(shard, table, f, backend, preparer, bar)
-        row_ids = f.row_ids(shard.start, shard.stop) if self.spec.input.id_column is None else None
+        cols = self._run_part(files, part, backend, preparer, bar)
+        ids = row_ids(files, part.file_index, part.file_row) if self.spec.input.id_column is None else None
+        if INPUT_ROW_COLUMN in writer.schema.names:  # every output made since prefix grouping
+            cols[INPUT_ROW_COLUMN] = part.input_row
         totals = Totals()
         self.take_over_output()
         writer.claim_runtime(backend.resolved())  # (--overwrite: into the new record; else done already)
-        if writer.write_part(shard.index, part_table(table, carried, row_ids, cols, self.result_fields)):
+        index = part.part.index
+        if writer.write_part(index, part_table(part.table, carried, ids, cols, self._fields(writer))):
             totals.add_part(cols)
         else:  # a concurrent shard run of another N (or a replaced Ray worker) committed it first: that part stands
-            log.info("part %d was committed by another run meanwhile; kept that one", shard.index)
-            totals.merge(OutputState(writer.storage).totals_of(part_name(shard.index)))
+            log.info("part %d was committed by another run meanwhile; kept that one", index)
+            totals.merge(OutputState(writer.storage).totals_of(part_name(index)))
         return totals
 
-    def _run_shard(
-        self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, preparer: RowPreparer, bar: RowCounter
+    def _fields(self, writer: PartWriter) -> list[pa.Field]:
+        if INPUT_ROW_COLUMN in writer.schema.names:
+            return [writer.schema.field(INPUT_ROW_COLUMN), *self.result_fields]
+        return self.result_fields
+
+    def _run_part(
+        self, files: list[InputFile], part: PartRows, backend: Backend, preparer: RowPreparer, bar: RowCounter
     ) -> dict[str, list[Any]]:
-        rows = preparer.prepare_shard(f, shard, table, self.duplicates)
+        rows = preparer.prepare_part(files, part, self.duplicates)
         if self.spec.task != "generate":  # embed, classify, score: the one branch (run/pooling_work)
-            return self._pool_shard(shard, table, f, backend, rows, bar)
+            return self._pool_part(files, part, backend, rows, bar)
         requests = {i: r.request() for i, r in enumerate(rows) if r.ok}
         ok = list(requests)
         bar.update(len(rows) - len(ok))  # error rows are done already
@@ -121,12 +130,12 @@ class PartWork:
             raise
         except Exception as exc:
             # Why: the part in flight is abandoned uncommitted; committed parts stay, a rerun resumes.
-            raise EngineFailure(f"engine failed on rows {shard.start}-{shard.stop - 1} of {f.path}: {exc}") from exc
+            raise EngineFailure(f"engine failed on {describe(part.part, files)}: {exc}") from exc
         self.columns = self.columns.with_tokenizer(preparer.tokenizer)
         return result_columns(rows, dict(zip(order, outs)), self.columns)
 
-    def _pool_shard(
-        self, shard: Shard, table: pa.Table, f: InputFile, backend: Backend, rows: list[Any], bar: RowCounter
+    def _pool_part(
+        self, files: list[InputFile], part: PartRows, backend: Backend, rows: list[Any], bar: RowCounter
     ) -> dict[str, list[Any]]:
         from batchgen.backends.pooling import PoolingBackend
         from batchgen.run.pooling_work import pooled_columns
@@ -136,11 +145,11 @@ class PartWork:
         interrupt.check()
         backend.model.on_step = interrupt.check  # between forwards: the part in flight is abandoned uncommitted
         try:
-            cols = pooled_columns(self.spec, rows, table, backend, self.result_fields)
+            cols = pooled_columns(self.spec, rows, part.table, backend, self.result_fields)
         except BatchgenError:
             raise
         except Exception as exc:  # as generation's: the part is abandoned uncommitted, a rerun resumes
-            raise EngineFailure(f"engine failed on rows {shard.start}-{shard.stop - 1} of {f.path}: {exc}") from exc
+            raise EngineFailure(f"engine failed on {describe(part.part, files)}: {exc}") from exc
         fault_point("mid_engine")
         interrupt.check()
         bar.update(len(rows))

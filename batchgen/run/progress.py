@@ -164,9 +164,10 @@ def loading_what(spec: JobSpec) -> str:
         return "loading the model"
     import torch
 
-    from batchgen.engine.cpu import native, native_ops
+    from batchgen.engine.platforms import platform_for
 
-    missing = native_ops.pending() if spec.model.device == "cpu" or not torch.cuda.is_available() else []
+    on_cpu = spec.model.device == "cpu" or not torch.cuda.is_available()
+    missing, how_long = platform_for("cpu").pending_kernels() if on_cpu else ([], "")
     if missing:
-        return f"building native CPU kernels ({len(missing)}; once per machine, {native.BUILD_SECONDS})"
+        return f"building native CPU kernels ({len(missing)}; once per machine, {how_long})"
     return "loading the model"

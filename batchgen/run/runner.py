@@ -11,9 +11,9 @@ from typing import Any
 from batchgen.backends import for_rows
 from batchgen.backends.base import Backend
 from batchgen.faults import fault_point
-from batchgen.inputs.dataset import InputFile, Shard, column_field, plan_shards, with_rows
+from batchgen.inputs.dataset import InputFile, column_field, plan_shards, with_rows
 from batchgen.inputs.duplicate_ids import find_duplicate_ids
-from batchgen.inputs.reading import read_shards
+from batchgen.inputs.part_rows import Part, read_parts
 from batchgen.inputs.sharding import ShardSpec
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.completion import build_manifest, complete_from_parts, run_facts
@@ -21,11 +21,14 @@ from batchgen.outputs.fingerprint import job_fingerprint
 from batchgen.outputs.openai_batch import BatchFacts, write_batch_output
 from batchgen.outputs.part_record import audit_parts, redo_bad_parts
 from batchgen.outputs.parts import PartWriter
+from batchgen.outputs.plan_file import Layout, grouped_layout, record_of, store_plan
+from batchgen.outputs.runtime_record import recorded_dtype
 from batchgen.outputs.state import OutputLock, OutputState
 from batchgen.outputs.table import carried_columns, output_schema
 from batchgen.outputs.totals import Totals
 from batchgen.run import interrupt
 from batchgen.run.executors import Executor, open_executor
+from batchgen.run.layout import decide_layout, key_block_size, shard_owns
 from batchgen.run.part_work import PartWork, load_engine, read_columns
 from batchgen.run.progress import LoadingStatus, RunProgress, loading_what, row_token_budget
 from batchgen.run.summary import Summary
@@ -52,6 +55,7 @@ class JobRunner:
         self._replacing: tuple[OutputState, dict[str, Any]] | None = None  # --overwrite, old output still there
         self.lock: OutputLock | None = None
         self._model_checked = False
+        self.layout: Layout | None = None
         self.work = PartWork(spec, handover=self)  # how each part is made, here or on a Ray worker
 
     def run(self) -> Summary:
@@ -59,7 +63,9 @@ class JobRunner:
         files = validate_inputs(self.spec)  # fails here, before the output is touched, on bad inputs
         carried = carried_columns(self.spec, with_rows(files)[0].schema)
         add_row_id = self.spec.input.id_column is None
-        schema = output_schema([column_field(files, c) for c in carried], add_row_id, self.work.result_fields)
+        fields = [column_field(files, c) for c in carried]
+        schema = output_schema(fields, add_row_id, self.work.result_fields)
+        self._schema = lambda input_row: output_schema(fields, add_row_id, self.work.result_fields, input_row)
         out = self.spec.output
         writer = PartWriter(out.path, schema, out.storage_options, out.single_writer, self.allow_precision_change)
         if writer.storage.local_dir is not None and not writer.storage.is_dir():
@@ -87,9 +93,12 @@ class JobRunner:
             return Summary(Totals(), 0.0, manifest, already_done=True)
         self._validate_model()  # fails here, before any weights load, on a bad model folder or device
         self._open_executor()  # kind ray: Ray reached before any work; never for a finished job
-        owns = self.shard.owns if self.shard is not None else None
-        shards = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
+        layout = self.layout = decide_layout(self.spec, files, state, fingerprint["id"], self.overwrite)
+        writer.schema = self._schema(layout.input_row)
+        shards = layout.parts
         record = {**fingerprint, "run": run_facts(self.spec, files, max(len(shards), 1), start)}
+        if layout.input_row:  # why only then: an output made before prefix plans resumes as it was made
+            record["grouping"] = record_of(self.spec, layout.grouped)
         if batch_facts is not None:
             record["run"]["openai_batch"] = batch_facts.to_record()
         if self.overwrite:
@@ -100,6 +109,10 @@ class JobRunner:
         else:
             self._claim_output(state, record)
             committed = state.committed_parts()
+        self._resolve_dtype({} if self.overwrite else state.read_record() or {})
+        layout = self.layout  # (_claim_output may have taken another run's stored plan)
+        shards = layout.parts
+        owns = shard_owns(layout, self.shard)
         mine = [s for s in shards if owns is None or owns(s.index)]
         # Why read whole: a kept part is trusted only when it is the one this job committed (part_record).
         audit = audit_parts(writer.storage, committed, {s.index: s.num_rows for s in mine}, state.read_record() or {})
@@ -110,8 +123,9 @@ class JobRunner:
         kept_output_tokens = totals.output_tokens
         todo = [s for s in mine if s.index not in committed]
         if self.spec.input.id_column is not None and todo:
-            # Why all planned parts, not todo: the first occurrence wins wherever it lands.
-            self.work.duplicates = find_duplicate_ids(files, shards, self.spec.input.id_column)
+            # Why every row in input order, not todo: the first occurrence wins wherever it lands.
+            in_order = plan_shards(files, self.spec.engine.window_rows, self.spec.input.limit)
+            self.work.duplicates = find_duplicate_ids(files, in_order, self.spec.input.id_column)
         if committed:
             log.info("resuming: %d of %d parts already committed", len(committed), len(shards))
         self._process(files, carried, writer, todo, totals)
@@ -138,17 +152,37 @@ class JobRunner:
             validate_model(self.spec)
             self._model_checked = True
 
+    def _resolve_dtype(self, record: dict[str, Any]) -> None:
+        """Log what model.dtype resolves to and why; `auto` on an output whose parts were all made in
+        one dtype is pinned to it (runtime_record.recorded_dtype), here and on every worker."""
+        from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it imports torch to ask for CUDA
+
+        model = self.spec.model
+        held = recorded_dtype(record) if model.dtype == "auto" else None
+        if held is None:
+            log.info("model %s: %s", model.path, for_job(model.dtype, model.device, str(model.path)).line(model.dtype))
+            return
+        log.info("model %s: dtype auto -> %s (resuming an output whose parts were made in %s)", model.path, held, held)
+        self.spec = self.spec.model_copy(update={"model": model.model_copy(update={"dtype": held})})
+        self.work.spec = self.spec
+
     def _open_executor(self) -> None:
         if self.executor is None:
             self.executor = open_executor(self.spec, self.quiet)
 
     def _claim_output(self, state: OutputState, record: dict[str, Any]) -> None:
-        """Remove a killed run's temp files (a shard: its own parts' only) and write the job record."""
-        if state.remove_leftovers(self.shard.owns if self.shard is not None else None):
-            log.info("removed temporary files of an interrupted run")
+        """Write the job record and the part plan (the first run of the job stores it; the others
+        take the stored one), then remove a killed run's temp files (a shard: its own parts' only)."""
         with interrupt.cooperative():
             state.claim_record(record, refresh=self.shard is None)  # N shards may start at once
+            layout = self.layout
+            if layout is not None and layout.cut is not None:
+                facts = {**record_of(self.spec, True), "block_size": key_block_size(self.spec)}
+                self.layout = grouped_layout(store_plan(state.storage, layout.cut, record["id"], facts), stored=True)
         interrupt.check()
+        owns = shard_owns(self.layout, self.shard) if self.layout is not None else None
+        if state.remove_leftovers(owns):
+            log.info("removed temporary files of an interrupted run")
 
     @property
     def replacing_output(self) -> bool:
@@ -198,7 +232,7 @@ class JobRunner:
         files: list[InputFile],
         carried: list[str],
         writer: PartWriter,
-        todo: list[Shard],
+        todo: list[Part],
         totals: Totals,
     ) -> None:
         if not todo:
@@ -212,10 +246,9 @@ class JobRunner:
         bar = RunProgress(sum(s.num_rows for s in todo), self.quiet, live_output_tokens(backend), budget)
         # Why cooperative: a signal only sets a flag here; the loop and on_output stop at clean points.
         with bar, interrupt.cooperative():
-            for shard, table in read_shards(files, todo, read_columns(self.spec, carried)):
+            for part in read_parts(files, todo, read_columns(self.spec, carried)):
                 interrupt.check()
-                f = files[shard.file_index]
-                totals.merge(self.work.process_part(f, shard, table, carried, writer, backend, preparer, bar))
+                totals.merge(self.work.process_part(files, part, carried, writer, backend, preparer, bar))
 
 
 def live_output_tokens(backend: Backend) -> Callable[[], int] | None:

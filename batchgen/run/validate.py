@@ -209,6 +209,8 @@ def validate_inputs(spec: JobSpec) -> list[InputFile]:
     check_read_types(spec, files)
     check_sampling_columns(spec, files)
     check_carried_in_every_file(spec, files, carried_columns(spec, with_rows(files)[0].schema))
+    if spec.input.group_column is not None:
+        check_column(files, spec.input.group_column, " (input.group_column)")
     if not Path(spec.model.path).is_dir():
         raise ModelError(f"model.path {spec.model.path}: no such folder")
     return files
@@ -227,6 +229,13 @@ def validate_model(spec: JobSpec) -> None:
             resolve_device(spec.model.device)
         except DeviceError as exc:  # exit 4, naming the devices on this machine
             raise ModelError(str(exc)) from exc
+
+
+def dtype_line(spec: JobSpec) -> str:
+    """ "model.dtype auto -> bfloat16 (why)": what the job's dtype resolves to on this machine."""
+    from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it asks torch for CUDA
+
+    return "model." + for_job(spec.model.dtype, spec.model.device, str(spec.model.path)).line(spec.model.dtype)
 
 
 def input_listing(files: list[InputFile], limit: int | None, most: int = LISTED_FILES) -> list[str]:

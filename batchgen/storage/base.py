@@ -26,7 +26,7 @@ PART_NAME = re.compile(r"part-(\d{6})\.parquet")  # only these are ours; a stray
 # (Older batchgen wrote ".<final>.<hex>.tmp": still matched, so its leftovers are cleaned too.)
 _TEMP_PREFIX = ".batchgen."
 TEMP_NAME = re.compile(
-    r"\.(?:batchgen\.)?(part-\d{6}\.parquet|_SUCCESS|_JOB\.json|_batch_output\.jsonl|probe)\.[0-9a-f]{32}\.tmp"
+    r"\.(?:batchgen\.)?(part-\d{6}\.parquet|_SUCCESS|_JOB\.json|_PLAN|_batch_output\.jsonl|probe)\.[0-9a-f]{32}\.tmp"
 )
 
 

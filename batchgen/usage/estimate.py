@@ -1,7 +1,9 @@
 """`batchgen estimate`: the input half of a job's bill before it runs. Reads and tokenizes the inputs
-exactly as `run` does (same checks, shards and RowPreparer), loads no weights, and predicts the
-prefix-cache hits by replaying the engine's full-block chained prefix matching over each ordered
-window.
+exactly as `run` does (same checks, the same parts: the job's prefix plan when it groups, and
+RowPreparer), loads no weights, and predicts the prefix-cache hits by replaying the engine's
+full-block chained prefix matching over each ordered part; a part that goes on with the previous
+part's group (a group larger than a part) is replayed after it with the cache kept, as the one
+process or worker that runs both keeps it.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from batchgen.engine.runner.models import resolve_max_model_len
 from batchgen.errors import ModelError
 from batchgen.inputs.dataset import plan_shards
 from batchgen.inputs.duplicate_ids import find_duplicate_ids
+from batchgen.inputs.grouping import grouped
 from batchgen.inputs.ordering import Strategy, order_requests
+from batchgen.inputs.part_rows import GroupedPart, read_parts
 from batchgen.inputs.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
-from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.totals import IntHistogram
 from batchgen.run.validate import validate_job
@@ -46,12 +49,16 @@ class Estimate:
     error_examples: list[str] = field(default_factory=list)
     input_lengths: IntHistogram = field(default_factory=IntHistogram)
     generates: bool = True  # False for a pooling task (embed, classify, score): no output tokens
+    parts: int = 0  # parts the job is cut into (the prefix plan's, when it groups)
 
     @property
     def cached_tokens(self) -> int:
         return self.shareable_tokens if self.cache_enabled else 0
 
-    def add_window(self, rows: list[PreparedRow], ordering: Strategy, block_size: int) -> None:
+    def add_window(
+        self, rows: list[PreparedRow], ordering: Strategy, block_size: int, cache: dict[Any, int] | None = None
+    ) -> None:
+        """One part's rows; `cache`: the prefix cache this part starts with (kept across calls)."""
         ok = [r.request() for r in rows if r.ok]
         self.rows += len(rows)
         self.ok_rows += len(ok)
@@ -66,17 +73,19 @@ class Estimate:
                 if len(self.error_examples) < MAX_ERROR_EXAMPLES:
                     self.error_examples.append(f"{r.error_code}: {r.error_message}")
         prompts = [ids for ids, _ in ok]
-        self.shareable_tokens += prefix_cache_hits([prompts[i] for i in order_requests(prompts, ordering)], block_size)
+        ordered = [prompts[i] for i in order_requests(prompts, ordering)]
+        self.shareable_tokens += prefix_cache_hits(ordered, block_size, cache)
 
 
-def prefix_cache_hits(prompts: list[list[int]], block_size: int) -> int:
+def prefix_cache_hits(prompts: list[list[int]], block_size: int, nodes: dict[Any, int] | None = None) -> int:
     """Prompt tokens served from the cache when `prompts` are admitted in this order.
 
     As the engine's block manager does: only full blocks match, as a chain from the first token;
     at least one token of each prompt is computed (its logits are needed); every full prompt
-    block is cached once computed. The cache is assumed unbounded (nothing is evicted).
+    block is cached once computed. The cache is assumed unbounded (nothing is evicted). `nodes`:
+    the cache to start from and add to, (parent node, block tokens) -> node id; None: empty.
     """
-    nodes: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent node, block tokens) -> node id
+    nodes = {} if nodes is None else nodes
     hits = 0
     for ids in prompts:
         max_match = (len(ids) - 1) // block_size
@@ -107,16 +116,29 @@ def estimate_job(spec: JobSpec) -> Estimate:
     preparer = RowPreparer(spec, tokenizer, max_len)
     shards = plan_shards(files, engine.window_rows, spec.input.limit)
     duplicates = find_duplicate_ids(files, shards, spec.input.id_column) if spec.input.id_column else {}
-    for shard, table in read_shards(files, shards, input_columns(spec)):
-        rows = preparer.prepare_shard(files[shard.file_index], shard, table, duplicates)
-        est.add_window(rows, engine.ordering, block_size_of(spec))
-        log.info("estimated %d of %d shards", shard.index + 1, len(shards))
+    parts = shards if not grouped(spec, with_cache=True) else _plan_parts(spec, files)
+    kept: dict[Any, int] = {}
+    for part in read_parts(files, list(parts), input_columns(spec)):
+        if not (isinstance(part.part, GroupedPart) and part.part.joined):
+            kept = {}  # why: only a group's next part is sure to run where the last one left its cache
+        rows = preparer.prepare_part(files, part, duplicates)
+        est.add_window(rows, engine.ordering, block_size_of(spec), kept)
+        log.info("estimated %d of %d parts", part.part.index + 1, len(parts))
+    est.parts = len(parts)
     return est
+
+
+def _plan_parts(spec: JobSpec, files: list[Any]) -> list[GroupedPart]:
+    """The parts `run` would cut for this job (the same prefix plan)."""
+    from batchgen.outputs.plan_file import grouped_layout
+    from batchgen.run.layout import make_cut
+
+    return [p for p in grouped_layout(make_cut(spec, files), stored=True).parts if isinstance(p, GroupedPart)]
 
 
 def block_size_of(spec: JobSpec) -> int:
     """engine.block_size, else 16: the engine's default except on CUDA, where it may take 256
-    (device_defaults); set engine.block_size to estimate for that."""
+    (its Platform, engine/cuda/platform.py); set engine.block_size to estimate for that."""
     return int(spec.engine.block_size or SMALL_BLOCK_SIZE)
 
 
@@ -137,6 +159,7 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
     return {
         "job": str(spec.source),
         "context_length": est.context_length,
+        "dtype": _dtype(spec),
         "rows": {"total": est.rows, "ok": est.ok_rows, "error": est.rows - est.ok_rows},
         "error_codes": dict(sorted(est.error_codes.items())),
         "error_examples": est.error_examples,
@@ -154,6 +177,8 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
             "block_size": block_size_of(spec),
             "ordering": engine.ordering,
             "window_rows": engine.window_rows,
+            "grouping": "prefix plan" if grouped(spec, with_cache=True) else "none",
+            "parts": est.parts,
             "assumption": _cache_assumption(est, spec),
         },
         "output_tokens": {"min": 0, "max": est.max_output_tokens, "samples_per_row": spec.sampling.n},
@@ -181,10 +206,15 @@ def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
 
 
 def _cache_assumption(est: Estimate, spec: JobSpec) -> str:
+    parts = (
+        f"the job's {est.parts} parts of the prefix plan (rows sharing a prefix together, whole input)"
+        if grouped(spec, with_cache=True)
+        else f"{est.parts} parts of {spec.engine.window_rows} input rows in input order"
+    )
     scope = (
-        f"full blocks of {block_size_of(spec)} tokens, an unbounded cache within each window of "
-        f"{spec.engine.window_rows} rows in '{spec.engine.ordering}' order and nothing counted across windows "
-        "(a real KV pool can evict within a window and keep blocks across windows)"
+        f"full blocks of {block_size_of(spec)} tokens, an unbounded cache within each of {parts}, in "
+        f"'{spec.engine.ordering}' order, kept from a part to the next one of its group and nothing else "
+        "counted across parts (a real KV pool can evict within a part and keep blocks across parts)"
     )
     if est.cache_enabled:
         return scope
@@ -209,6 +239,14 @@ def _token_stats(tok: dict[str, Any]) -> str:
     return "  ".join(f"{k} {tok[k]}" for k in ("total", "mean", "p50", "p95", "max"))
 
 
+def _dtype(spec: JobSpec) -> dict[str, str]:
+    """What model.dtype resolves to on this machine and why (the engine's dtype rule)."""
+    from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it asks torch for CUDA
+
+    choice = for_job(spec.model.dtype, spec.model.device, str(spec.model.path))
+    return {"setting": spec.model.dtype, "resolved": choice.dtype, "why": choice.why}
+
+
 def to_json(est: Estimate, spec: JobSpec, prices: Prices) -> str:
     return json.dumps(summary(est, spec, prices), indent=2) + "\n"  # why: text output ends with a newline
 
@@ -219,6 +257,7 @@ def to_text(est: Estimate, spec: JobSpec, prices: Prices) -> str:
     errors = ", ".join(f"{k} {v}" for k, v in s["error_codes"].items()) or "none"
     lines = [
         ("job", f"{s['job']} (context {est.context_length} tokens)"),
+        ("dtype", f"{s['dtype']['setting']} -> {s['dtype']['resolved']} ({s['dtype']['why']})"),
         ("rows", f"{est.rows} ({est.ok_rows} ok; would fail: {errors})"),
         ("input tokens", _token_stats(tok)),
         ("prefix cache", f"{pc['cached_tokens']} of {tok['total']} input tokens served from cache"),

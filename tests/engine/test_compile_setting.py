@@ -11,13 +11,22 @@ from typing import Any
 import pytest
 import torch
 
+from batchgen.engine.api.config import EngineConfig, resolve
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.cpu import platform as cpu_platform
 from batchgen.engine.llm import LLM
+from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner import compiled_forward
-from batchgen.engine.runner.compiled_forward import resolve_compile
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def resolve_compile(setting: str | bool, device: torch.device) -> bool:
+    """engine.compile as the engine resolves it on `device` (a block size given: no device is asked)."""
+    config = EngineConfig(compile=setting, block_size=16)  # type: ignore[arg-type]
+    platform = platform_for(device)
+    return resolve(config, platform, max_model_len=64, dtype=torch.float32, head_dim=8, softcap=False).compile
 
 
 def test_auto_compiles_on_the_cpu_with_a_compiler_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,7 +34,7 @@ def test_auto_compiles_on_the_cpu_with_a_compiler_only(monkeypatch: pytest.Monke
     assert resolve_compile("auto", torch.device("cuda"))  # with CUDA graphs of decode steps
     assert not resolve_compile("auto", torch.device("mps"))  # unmeasured there
     assert resolve_compile(True, torch.device("cuda")) and not resolve_compile(False, torch.device("cpu"))
-    monkeypatch.setattr(compiled_forward.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_platform.shutil, "which", lambda name: None)
     assert not resolve_compile("auto", torch.device("cpu"))
 
 
@@ -74,7 +83,7 @@ def test_an_error_inside_the_compiled_attention_keeps_its_own_message(
 
 
 def test_each_compiled_model_runs_its_own_graph(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
-    """Compiled forwards skip the guards on their model (compiled_forward._ambient_and_argument_guards),
+    """Compiled forwards skip the guards on their model (compiled_forward._argument_guards),
     which is sound only because each StepForward compiles a code object of its own, whose dynamo
     cache holds that one model's graph: a second model of another depth in the same process gets
     a graph of its own and the same tokens as eager."""

@@ -14,7 +14,7 @@ from batchgen.engine.attention.decode_kv import DecodeRequest
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_rows import MIN_CLASS_LEN, DecodeRows, length_class, row_class
 from batchgen.engine.llm import LLM
-from batchgen.engine.runner.backends import resolve_backend
+from batchgen.engine.platforms import platform_for
 
 BLOCK, KVH, DIM = 4, 2, 8
 
@@ -186,11 +186,11 @@ def test_a_row_comes_one_class_early_when_its_sequence_can_only_end_there() -> N
 
 
 def test_auto_means_rows_on_cpu_and_a_bad_setting_is_refused(tiny_model: Callable[[str], Path]) -> None:
-    assert resolve_backend("auto", torch.device("cpu")) == "cpu"
-    assert resolve_backend("auto", torch.device("cuda")) == "torch"
-    assert resolve_backend("torch", torch.device("cpu")) == "torch"
+    assert platform_for(torch.device("cpu")).attention_backend("auto") == "cpu"
+    assert platform_for(torch.device("cuda")).attention_backend("auto") == "torch"
+    assert platform_for(torch.device("cpu")).attention_backend("torch") == "torch"
     with pytest.raises(ValueError, match="runs on the CPU, not on cuda"):
-        resolve_backend("cpu", torch.device("cuda"))
+        platform_for(torch.device("cuda")).attention_backend("cpu")
     assert isinstance(LLM(str(tiny_model("llama")), num_kv_blocks=16).engine.runner.decode_kv, DecodeRows)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="rows")  # type: ignore[arg-type]

@@ -1,17 +1,21 @@
-"""KV pool sizing after a profiling forward (memory.py, pool_sizing.py) and the device-aware defaults,
+"""KV pool sizing after a profiling forward (memory.py, pool_sizing.py) and the device-aware defaults
+(api/config.resolve over each device's Platform),
 on CPU: device memory is read through a fake probe, the profiling forward is real."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from batchgen.engine.api.config import EngineConfig
-from batchgen.engine.api.device_defaults import resolve_engine_defaults
+from batchgen.engine.api.config import EngineConfig, ResolvedConfig, resolve
+from batchgen.engine.api.platform import Platform
+from batchgen.engine.cuda.platform import CudaPlatform
 from batchgen.engine.llm import LLM
+from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner import models
 from batchgen.engine.runner.memory import (
     GATHER_LAYERS_HEADROOM,
@@ -24,6 +28,13 @@ from batchgen.engine.runner.memory import (
 from batchgen.engine.runner.pool_sizing import kv_block_bytes, kv_pool_blocks
 
 GIB = 1 << 30
+CUDA = CudaPlatform(torch.device("cuda"))  # its answers, asked on a machine without a GPU
+
+
+def resolved(config: EngineConfig, platform: Platform) -> ResolvedConfig:
+    """`config` resolved for a float32 model of head dim 16 (the tiny llama's) and 512 positions."""
+    max_len = config.max_model_len or 512
+    return resolve(config, platform, max_model_len=max_len, dtype=torch.float32, head_dim=16, softcap=False)
 
 
 class FakeProbe:
@@ -49,12 +60,34 @@ class FakeProbe:
 
 
 def test_device_defaults() -> None:
-    cpu = resolve_engine_defaults(EngineConfig(), "cpu", 16)
+    cpu = resolved(EngineConfig(), platform_for("cpu"))
     assert (cpu.block_size, cpu.max_num_seqs, cpu.max_num_batched_tokens) == (16, 64, 2048)
-    cuda = resolve_engine_defaults(EngineConfig(), "cuda", 256)
+    mps = resolved(EngineConfig(), platform_for("mps"))  # nothing measured there: the CPU's values
+    assert (mps.block_size, mps.max_num_seqs, mps.max_num_batched_tokens, mps.attention_backend) == (
+        16,
+        64,
+        2048,
+        "torch",
+    )
+    cuda = resolved(EngineConfig(block_size=256), CUDA)
     assert (cuda.block_size, cuda.max_num_seqs, cuda.max_num_batched_tokens) == (256, 256, 8192)
-    mine = resolve_engine_defaults(EngineConfig(block_size=32, max_num_seqs=3, max_num_batched_tokens=99), "cuda", 256)
+    mine = resolved(EngineConfig(block_size=32, max_num_seqs=3, max_num_batched_tokens=99), CUDA)
     assert (mine.block_size, mine.max_num_seqs, mine.max_num_batched_tokens) == (32, 3, 99)
+
+
+def test_the_configs_are_frozen_and_what_load_measures_stays_beside_them(tiny_model: Callable[[str], Path]) -> None:
+    """The user's settings and the resolved ones never change after they are made; a budget
+    measured at load (a tensor-parallel rank 0's free memory) sizes the pool without being
+    written into either."""
+    llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        llm.config.compile = True  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EngineConfig().max_model_len = 8  # type: ignore[misc]
+    model, spec = llm.engine.runner.model, models.kv_spec(llm.engine.runner.model.config)
+    config = resolved(EngineConfig(max_model_len=256), platform_for("cpu"))
+    blocks, profile = kv_pool_blocks(model, spec, config, torch.device("cpu"), torch.float32, measured_budget=1 << 20)
+    assert (blocks, profile) == ((1 << 20) // 8192, None) and config.kv_cache_memory_bytes is None
 
 
 def test_cpu_keeps_todays_defaults_and_sizing(tiny_model: Callable[[str], Path]) -> None:
@@ -91,7 +124,7 @@ def test_budget_arithmetic_and_the_error_when_nothing_fits() -> None:
 def test_pool_is_sized_after_a_real_profiling_forward(tiny_model: Callable[[str], Path]) -> None:
     llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=4)
     model, spec = llm.engine.runner.model, models.kv_spec(llm.engine.runner.model.config)
-    config = resolve_engine_defaults(EngineConfig(max_model_len=256, gpu_memory_utilization=0.5), "cpu", 16)
+    config = resolved(EngineConfig(max_model_len=256, gpu_memory_utilization=0.5), platform_for("cpu"))
     probe = FakeProbe(allocated=[1000, 1200], peak=1700, used=2 * GIB, total=8 * GIB)
     blocks, profile = kv_pool_blocks(model, spec, config, torch.device("cpu"), torch.float32, probe=probe)
     assert profile is not None and probe.clears == 3 and profile.runner_memory == 0
@@ -111,7 +144,7 @@ def test_what_the_profiling_runner_keeps_while_it_lives_is_outside_the_budget(
     difference is kept out of the KV budget, as the real runner will hold the same."""
     llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=4)
     model, spec = llm.engine.runner.model, models.kv_spec(llm.engine.runner.model.config)
-    config = resolve_engine_defaults(EngineConfig(max_model_len=256, gpu_memory_utilization=0.5), "cpu", 16)
+    config = resolved(EngineConfig(max_model_len=256, gpu_memory_utilization=0.5), platform_for("cpu"))
     graphs = 300 << 20
     probe = FakeProbe(allocated=[1000, 1200], peak=1700, used=[2 * GIB + graphs, 2 * GIB], total=8 * GIB)
     _, profile = kv_pool_blocks(model, spec, config, torch.device("cpu"), torch.float32, probe=probe)
@@ -123,7 +156,7 @@ def test_what_the_profiling_runner_keeps_while_it_lives_is_outside_the_budget(
 def test_explicit_sizes_skip_the_profile(tiny_model: Callable[[str], Path]) -> None:
     llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=4)
     model, spec = llm.engine.runner.model, models.kv_spec(llm.engine.runner.model.config)
-    config = resolve_engine_defaults(EngineConfig(max_model_len=256, kv_cache_memory_bytes=1 << 20), "cuda", 16)
+    config = resolved(EngineConfig(max_model_len=256, kv_cache_memory_bytes=1 << 20, block_size=16), CUDA)
     probe = FakeProbe([], 0, 0, 0)
     blocks, profile = kv_pool_blocks(model, spec, config, torch.device("cpu"), torch.float32, probe=probe)
     assert profile is None and probe.clears == 0

@@ -87,7 +87,7 @@ def test_greedy_parity(
     chose; the native-linear tests below pin the kernels in)."""
     _pin_linears(monkeypatch, 0)
     llm = _check_parity(arch, setting, backend, False, tiny_model)
-    assert llm.engine.runner.native_linears == 0
+    assert llm.native_linears == 0
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -121,7 +121,7 @@ def test_greedy_parity_native_linears(
     pressure (its 64-token steps: every prefill chunk through them too)."""
     _pin_linears(monkeypatch, DECODE_SIZES)
     llm = _check_parity(arch, "pressure", "cpu", False, tiny_model)
-    assert llm.engine.runner.native_linears > 0
+    assert llm.native_linears > 0
 
 
 @pytest.mark.parametrize("arch", NATIVE_LINEAR_ARCHS)
@@ -132,7 +132,7 @@ def test_greedy_parity_native_linears_at_every_size(
     up to 1,024 tokens included (relaxed)."""
     _pin_linears(monkeypatch, EVERY_SIZE)
     llm = _check_parity(arch, "relaxed", "cpu", False, tiny_model)
-    assert llm.engine.runner.native_linears > 0
+    assert llm.native_linears > 0
 
 
 @pytest.mark.parametrize("mask", [DECODE_SIZES, EVERY_SIZE], ids=["decode", "every"])
@@ -142,7 +142,7 @@ def test_greedy_parity_native_linears_compiled(
     """The same with the forward compiled (the CPU default), the operator a node of the graph."""
     _pin_linears(monkeypatch, mask)
     llm = _check_parity("llama", "pressure", "cpu", True, tiny_model)
-    assert llm.engine.runner.native_linears > 0 and llm.engine.runner.forward.stats.graphs >= 1
+    assert llm.native_linears > 0 and llm.engine.runner.forward.stats.graphs >= 1
 
 
 def _check_parity(arch: str, setting: str, backend: str, compile: bool, tiny_model: Callable[[str], Path]) -> LLM:

@@ -21,7 +21,7 @@ from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SamplingParams, SettingError
 from batchgen.engine.cpu import linear_calibration
 from batchgen.engine.llm import LLM
-from batchgen.engine.runner.backends import resolve_backend
+from batchgen.engine.platforms import platform_for
 from batchgen.engine.triton import support
 from testkit.tiny_models import EOS_ID
 
@@ -91,14 +91,14 @@ def test_triton_runs_on_the_cpu_only_under_the_interpreter(monkeypatch: pytest.M
     cpu = torch.device("cpu")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"'triton' runs on CUDA; on the CPU only .*TRITON_INTERPRET=1"):
-        resolve_backend("triton", cpu)
+        platform_for(cpu).attention_backend("triton")
     with pytest.raises(ValueError, match="runs on CUDA, not on mps"):
-        resolve_backend("triton", torch.device("mps"))
+        platform_for(torch.device("mps")).attention_backend("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_backend("triton", cpu) == "triton"
-    assert resolve_backend("auto", cpu) == "cpu"  # auto never interprets
+    assert platform_for(cpu).attention_backend("triton") == "triton"
+    assert platform_for(cpu).attention_backend("auto") == "cpu"  # auto never interprets
     with pytest.raises(ValueError, match="auto, torch, cpu, triton"):
-        resolve_backend("flash", cpu)
+        platform_for(cpu).attention_backend("flash")
 
 
 def test_auto_picks_triton_on_an_ampere_or_newer_gpu_where_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,14 +107,14 @@ def test_auto_picks_triton_on_an_ampere_or_newer_gpu_where_it_imports(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(support, "triton_importable", lambda: True)
-    assert resolve_backend("auto", cuda) == "triton"
+    assert platform_for(cuda).attention_backend("auto") == "triton"
     capability[0] = (7, 5)
-    assert resolve_backend("auto", cuda) == "torch"
+    assert platform_for(cuda).attention_backend("auto") == "torch"
     capability[0] = (8, 0)
     monkeypatch.setattr(support, "triton_importable", lambda: False)
-    assert resolve_backend("auto", cuda) == "torch"
+    assert platform_for(cuda).attention_backend("auto") == "torch"
     with pytest.raises(ValueError, match=r"pip install 'batchgen\[cuda\]'"):
-        resolve_backend("triton", cuda)
+        platform_for(cuda).attention_backend("triton")
 
 
 def test_the_setting_accepts_triton_and_names_it_when_wrong() -> None:

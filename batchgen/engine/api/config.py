@@ -1,8 +1,12 @@
-"""EngineConfig: the engine's knobs, validated once at LLM construction.
+"""EngineConfig: the engine's knobs as the user set them, validated once; ResolvedConfig: the same
+with every default decided, before anything is built.
 
-This dataclass is the one definition of the engine settings: `LLM(**settings)` forwards to it and
+EngineConfig is the one definition of the engine settings: `LLM(**settings)` forwards to it and
 the job file's `engine` section is derived from its fields (batchgen/job.py), so a new field added
-here (with a default and a check) appears in both without further edits.
+here (with a default and a check) appears in both without further edits. `resolve` turns it into
+a ResolvedConfig once the device (its Platform) and the model's config are known: no None is left
+in what the rooms below read, and neither object changes after. What is measured while loading
+(the KV pool's budget) is kept beside them (runner/pool_sizing), never written into either.
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ import re
 from dataclasses import dataclass, fields
 from typing import Literal
 
+import torch
+
 from batchgen.engine.api.params import SettingError, is_int
+from batchgen.engine.api.platform import Platform
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    # None in the next three: the device's default (device_defaults.resolve_engine_defaults):
+    # None in the next three: the device's default (its Platform: resolve below):
     # 256 on CUDA where the paged varlen kernel then applies, else 16
     block_size: int | None = None
     max_num_seqs: int | None = None  # sequences in one step; None: 64 on CPU, 256 on CUDA
@@ -29,13 +36,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    # the attention backend (runner/backends): "auto" = "cpu" on the CPU (contiguous decode rows, the
+    # the attention backend (the device's Platform): "auto" = "cpu" on the CPU (contiguous decode rows, the
     # native kernel where it applies), "triton" on CUDA where triton imports (its paged kernel over
     # the pool), else "torch" (portable torch ops over gathered blocks); "triton" on the CPU only
     # under Triton's interpreter (TRITON_INTERPRET=1, for tests)
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     # torch.compile of the model around the paged attention op (compiled_forward), and CUDA graphs
-    # for decode on CUDA: "auto" = where it was measured to win (see resolve_compile: the CPU)
+    # for decode on CUDA: "auto" = where it was measured to win (Platform.compiles_by_default)
     compile: Literal["auto"] | bool = "auto"
     # ranks the model is split over (engine/parallel): heads, KV heads, MLP and LM head sharded, one
     # process per rank (NCCL on CUDA, gloo on the CPU); 1: no split, no extra process
@@ -67,6 +74,56 @@ class EngineConfig:
             raise SettingError(
                 "EngineConfig", "attention_backend", "'auto', 'torch', 'cpu' or 'triton'", self.attention_backend
             )
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The settings the engine is built with: EngineConfig's, every default decided for one device,
+    dtype and model (resolve)."""
+
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    attention_backend: str  # "torch", "cpu" or "triton"
+    compile: bool
+    compile_fallback: bool  # compile was "auto": a model that fails to compile runs eager
+    num_kv_blocks: int | None  # None: sized at load (runner/pool_sizing)
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    tensor_parallel_size: int
+
+
+def resolve(
+    config: EngineConfig,
+    platform: Platform,
+    *,
+    max_model_len: int,
+    dtype: torch.dtype,
+    head_dim: int,
+    softcap: bool,
+    compiles: bool = True,
+) -> ResolvedConfig:
+    """`config` on `platform` for a model of `max_model_len` (resolved from its config), `head_dim`
+    and soft-capping. `compiles`: False where compiling serves nothing (pooling forwards run eager)."""
+    backend = platform.attention_backend(config.attention_backend)
+    compile = compiles and (platform.compiles_by_default() if config.compile == "auto" else config.compile)
+    block_size = config.block_size or platform.block_size(backend, dtype, head_dim, softcap)
+    return ResolvedConfig(
+        block_size=block_size,
+        max_num_seqs=config.max_num_seqs or platform.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens or platform.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        attention_backend=backend,
+        compile=compile,
+        compile_fallback=config.compile == "auto",
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        enable_prefix_caching=config.enable_prefix_caching,
+        tensor_parallel_size=config.tensor_parallel_size,
+    )
 
 
 def engine_config(**settings: object) -> EngineConfig:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+MAX_GRAPH_BATCH = 512  # the most rows a replayed decode step holds (cuda/graphs; the triton plan's buffers)
+
 
 @dataclass
 class StaticDecode:

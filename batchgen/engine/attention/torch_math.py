@@ -74,12 +74,12 @@ def _batched_decode_attention(
     group's rows of the layer's output in place (a view), instead of a copy per group.
     """
     rows, d = qg.shape[0], qg.shape[2]
+    if qg.dtype != torch.float32:  # why float32 math: bf16 scores lose ~3 digits before the softmax
+        scores = torch.baddbmm(bias.float(), qg.float(), k_t.reshape(rows, d, -1).float(), alpha=scaling)
+        out.copy_(torch.bmm(scores.softmax(-1), v.reshape(rows, -1, d).float()))  # [B * KVH, G, D]
+        return
     scores = torch.baddbmm(bias, qg, k_t.reshape(rows, d, -1), alpha=scaling)  # [B * KVH, G, L]
-    if scores.dtype == torch.float32:
-        probs = scores.softmax(-1)
-    else:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    torch.bmm(probs, v.reshape(rows, -1, d), out=out)
+    torch.bmm(scores.softmax(-1), v.reshape(rows, -1, d), out=out)
 
 
 def _grouped_attention(

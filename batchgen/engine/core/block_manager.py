@@ -50,6 +50,17 @@ def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+def chain_block_hashes(token_ids: list[int], block_size: int, num_blocks: int, done: list[bytes]) -> list[bytes]:
+    """`done` (the chained hashes of the first len(done) full blocks of `token_ids`) extended to
+    the first `num_blocks`, in place; returned. The one chain every prefix-cache key is made of:
+    the pool's own lookups and the job's prefix grouping (batchgen.inputs.grouping) both call it."""
+    while len(done) < num_blocks:
+        i = len(done)
+        parent = done[-1] if done else _ROOT_HASH
+        done.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size]))
+    return done
+
+
 @dataclass
 class _SeqHashes:
     """Per-sequence hash cache: hashes of its full blocks, and how many of its table are registered."""
@@ -299,12 +310,7 @@ class BlockManager:
     def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The sequence's chained block hashes for its first `num_blocks` full blocks (cached)."""
         state = self._seq_hashes.setdefault(seq.seq_id, _SeqHashes())
-        hashes, bs = state.hashes, self.block_size
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs]))
-        return hashes
+        return chain_block_hashes(seq.token_ids, self.block_size, num_blocks, state.hashes)
 
     def _register_full_blocks(self, seq: Sequence, num_covered_tokens: int) -> None:
         """Hash every block of the table that is full of known tokens and not yet registered."""

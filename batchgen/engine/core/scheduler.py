@@ -27,8 +27,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence as Sequence_
 
-from batchgen.engine.api.config import EngineConfig
-from batchgen.engine.api.device_defaults import require_int
+from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler_output import (
     BatchUpdate,
@@ -73,16 +72,16 @@ def admit_prompt(
 class Scheduler:
     """Decides each step's chunks under `max_num_batched_tokens` and `max_num_seqs`."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: ResolvedConfig, block_manager: BlockManager, max_model_len: int) -> None:
         if not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
         if block_manager.block_size != config.block_size:
             raise ValueError(
-                f"BlockManager block_size {block_manager.block_size} != EngineConfig.block_size {config.block_size}"
+                f"BlockManager block_size {block_manager.block_size} != the config's block_size {config.block_size}"
             )
         self.config = config
-        self.max_num_seqs = require_int(config.max_num_seqs, "max_num_seqs")
-        self.max_num_batched_tokens = require_int(config.max_num_batched_tokens, "max_num_batched_tokens")
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()

@@ -3,7 +3,7 @@
 Why: one pass over the rows gives each row's first index of its maximum and whether any entry is
 NaN, where torch's max over the last dimension took ~160 us for 64 x 4,096 logits just after the
 forward, and the NaN flag a second pass over its maxima. The sampler is handed this function on
-the CPU (runner/backends.fast_greedy_for) and keeps torch's path for everything else.
+the CPU (its Platform's greedy_ids, cpu/platform) and keeps torch's path for everything else.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ of K/V per decoding sequence (decode_rows), the native decode kernel that append
 every decode in one call per layer (decode_native, where it can attend the model: float32, no
 soft-capping), and the C++ operator that calls that kernel without Python per layer on
 decode-only steps (front). Without the kernel (bfloat16, Gemma 2's soft-capping, no compiler)
-the rows are attended with the torch backend's math. Everything else (prefills, mixed steps) is
+the rows are attended with the torch backend's math, in the key layout measured faster for the
+model's shape (decode_layout: batched products in float32 softmax, or SDPA). Everything else (prefills, mixed steps) is
 the torch backend's code, which this one is tested against.
 """
 
@@ -23,6 +24,7 @@ from batchgen.engine.attention.backend import AttentionBackend, Pools
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.cpu import native, native_ops
+from batchgen.engine.cpu.decode_layout import keys_transposed
 from batchgen.engine.cpu.decode_rows import DecodeRows
 from batchgen.engine.cpu.front import Front, open_front
 from batchgen.engine.cpu.native import NativeKernels
@@ -44,8 +46,6 @@ class CpuBackend(AttentionBackend):
         max_len: int,
         max_rows: int | None,
     ) -> None:
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {device}")
         if missing := native_ops.pending():
             logger.warning(
                 "building the native CPU kernels for this machine before the first step (%s; %s, once per machine;"
@@ -54,6 +54,9 @@ class CpuBackend(AttentionBackend):
                 native.BUILD_SECONDS,
             )
         _, _, kvh, head_dim = kv_caches[0][0].shape
+        kernels = kernels_for(config, kvh, head_dim, dtype)
+        heads = config.get_text_config().num_attention_heads
+        transposed = None if kernels is not None else keys_transposed(dtype, kvh, heads // kvh, head_dim)
         rows = DecodeRows(
             len(kv_caches),
             kvh,
@@ -64,7 +67,8 @@ class CpuBackend(AttentionBackend):
             device,
             max_rows,
             (kv_caches[0][0].shape[0] - 1) * block_size,  # the pool's tokens, without its trash block
-            kernels_for(config, kvh, head_dim, dtype),
+            kernels,
+            transposed,
         )
         super().__init__(kv_caches, block_size, device, rows)
         self.rows = rows

@@ -84,6 +84,7 @@ class DecodeRows:
         max_rows: int | None = None,
         pool_tokens: int | None = None,
         native: NativeKernels | None = None,
+        keys_transposed: bool | None = None,
     ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
@@ -97,6 +98,7 @@ class DecodeRows:
         self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
         self.num_fills = 0  # rows filled from the pool (for tests and the benchmark)
         self.native = native  # set: the native kernel attends the decodes (cpu/backend.kernels_for)
+        self.keys_transposed = keys_transposed  # RowPack's key layout (None: its dtype's default)
         self._scratch = Scratch()
         self._arange = torch.arange(0, device=device)
         self._repeat: _Repeat | None = None  # the last native plan (see _repeated)
@@ -279,6 +281,7 @@ class DecodeRows:
                 self.device,
                 self._class_rows(c),
                 tiled=self.native is not None,
+                transposed=self.keys_transposed,
             )
         row = self._packs[c].add(d.seq_id, d.position)
         self._where[d.seq_id] = (c, row)

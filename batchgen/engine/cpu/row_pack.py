@@ -31,10 +31,13 @@ class RowPack:
         device: torch.device,
         max_rows: int | None,
         tiled: bool = False,
+        transposed: bool | None = None,
     ) -> None:
         self.num_layers, self.shape_tail, self.dtype, self.device = num_layers, shape_tail, dtype, device
         self.max_rows = max_rows
         self.tiled = tiled  # keys in the native kernel's tiles (see _keys)
+        # keys stored [D, length] (None: float32 alone; bf16 where measured faster: cpu/decode_layout)
+        self.transposed = dtype == torch.float32 if transposed is None else transposed
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.seqs: list[int] = []  # seq id of each row (FREE: none, tiled packs only)
@@ -97,16 +100,17 @@ class RowPack:
         """Key rows, indexed [rows, KVH, D, length] whatever their storage; tiled, [rows, KVH,
         length / TILE, D, TILE] for the native kernel (decode_attention.c).
 
-        Why float32 alone is stored transposed: its attention is two batched products that read
-        keys along positions (attention._batched_decode_attention); in bfloat16 those are slower
-        on CPU than SDPA over [length, D] keys (5.8-6.0 vs 4.4-5.0 ms for 4 layers, 64 x 266).
+        Why float32 is stored transposed: its attention is two batched products that read keys
+        along positions (attention._batched_decode_attention); in bfloat16 those were slower on an
+        Intel CPU than SDPA over [length, D] keys, and 10-20x faster on an AMD one, so bf16's
+        layout is measured per machine (cpu/decode_layout) and handed in as `transposed`.
         Why tiles for the kernel: a tile of TILE positions x D keys is then one contiguous run,
         one stream to the prefetcher instead of D (decode attention of the 57M model, head dim
         64: 22.0 -> 19.0 ms for 4 layers of 64 rows, benchmarks/RESULTS.md, fourth pass).
         """
         if self.tiled:
             return self._empty(rows, kvh, length // TILE, d, TILE)
-        if self.dtype == torch.float32:
+        if self.transposed:
             return self._empty(rows, kvh, d, length)
         return self._empty(rows, kvh, length, d).transpose(-1, -2)
 

@@ -39,14 +39,13 @@ from typing import Any
 import torch
 
 from batchgen.engine.attention.kv_store import PAD_SLOT
-from batchgen.engine.attention.static_decode import StaticDecode
+from batchgen.engine.attention.static_decode import MAX_GRAPH_BATCH, StaticDecode
 
 logger = logging.getLogger(__name__)
 
 Runner = Callable[[object, Callable[[], torch.Tensor]], torch.Tensor]  # (step context, forward call) -> logits
 ContextMaker = Callable[[torch.Tensor, StaticDecode, int], object]  # (slots, static tables, bucket) -> context
 
-MAX_GRAPH_BATCH = 512
 MIN_GRAPH_BATCH = 2  # see the module docstring: a bucket of 1 would be a second compiled graph
 
 

@@ -33,10 +33,11 @@ from multiprocessing.connection import Connection
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from batchgen.engine.api.config import EngineConfig
+from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.parallel.collectives import Collectives
 from batchgen.engine.parallel.loading import load_sharded_model
 from batchgen.engine.parallel.plan import ShardPlan, shard_plan
+from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner.models import check_config
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class TensorParallelGroup:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.pipes: list[Connection] = []
         self.broken: str | None = None  # why the group can no longer be used
+        self.kv_budget: int | None = None  # KV pool bytes measured on rank 0 after loading (start_tensor_parallel)
         self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.pipes, self.folder)
         for rank, rank_device in enumerate(devices, start=1):
             self._start(rank, rank_device, store, path, dtype, timeout_s)
@@ -172,27 +174,28 @@ class TensorParallelGroup:
 
 
 def start_tensor_parallel(
-    path: str, config: EngineConfig, device: torch.device, dtype: torch.dtype
+    path: str, config: ResolvedConfig, device: torch.device, dtype: torch.dtype
 ) -> TensorParallelGroup | None:
     """The group for `config.tensor_parallel_size` > 1 (None for 1), its rank 0 shard loaded.
 
-    On CUDA without an explicit pool size, the KV budget is set here from rank 0's memory after
-    loading (every rank holds the same share): the profiling forward the single-GPU engine runs
-    cannot run on rank 0 alone, since its collectives need every rank."""
+    Where the device reads its memory (CUDA) and no pool size is set, the KV budget is measured
+    here from rank 0's memory after loading (every rank holds the same share) and kept as the
+    group's `kv_budget`: the profiling forward the single-GPU engine runs cannot run on rank 0
+    alone, since its collectives need every rank."""
     if config.tensor_parallel_size == 1:
         return None
     model_config = AutoConfig.from_pretrained(path)
     check_config(model_config)
     shard_plan(model_config, 0, config.tensor_parallel_size)  # why here: refuse before any process starts
     group = TensorParallelGroup(path, config.tensor_parallel_size, device, dtype)
-    if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
-        total = torch.cuda.get_device_properties(device).total_memory
+    probe = platform_for(device).memory_probe()
+    if probe is not None and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
+        _, total = probe.used_and_total()
         reserve = max(1 << 30, total // 20)  # activations of a step and the gathered logits, roughly
-        budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - reserve
-        if budget <= 0:
+        group.kv_budget = int(total * config.gpu_memory_utilization) - probe.allocated() - reserve
+        if group.kv_budget <= 0:
             group.close()
             raise TensorParallelError(f"no GPU memory left for the KV cache on {device} after loading the shard")
-        config.kv_cache_memory_bytes = budget
     return group
 
 

@@ -39,7 +39,7 @@ class ShardedRunner(ModelRunner):
         **kwargs: Any,
     ) -> None:
         self.group = group
-        kwargs = {**kwargs, "compile": False, "native_linears": False}  # why: see README, tensor parallelism
+        kwargs = {**kwargs, "compile": False}  # why: see README, tensor parallelism
         worker_kwargs = {k: v for k, v in kwargs.items() if k != "sampler"}
         group.send(("build", spec, block_size, num_kv_blocks, dtype, rest, worker_kwargs))
         super().__init__(model, spec, block_size, num_kv_blocks, device, dtype, *rest, **kwargs)

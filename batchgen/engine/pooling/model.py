@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from batchgen.engine.platforms import platform_for
 from batchgen.engine.pooling.config import PoolingConfig, resolve_pooling
 from batchgen.engine.pooling.engine_runner import EnginePoolingRunner
 from batchgen.engine.pooling.heads import load_score_head
@@ -175,7 +176,7 @@ class PoolingModel:
 
 def token_budget(configured: int | None, device: torch.device) -> int:
     """Padded tokens per transformers batch: the engine's max_num_batched_tokens, else its device default."""
-    return configured or (8192 if device.type == "cuda" else 2048)
+    return configured or platform_for(device).max_num_batched_tokens
 
 
 def on_engine(path: str | Path, task: str, llm: Any, pooler_config: dict[str, Any] | None) -> PoolingModel:

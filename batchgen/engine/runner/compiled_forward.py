@@ -14,19 +14,19 @@ are counted here, for the benchmark and the logs.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
-import shutil
 import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+
+from batchgen.engine.api.platform import CompilePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -41,23 +41,6 @@ def bucket(n: int, cap: int | None = None) -> int:
     when n <= cap (cap: the step's token budget)."""
     size = -(-n // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
     return min(size, cap) if cap is not None and n <= cap else size
-
-
-def resolve_compile(setting: str | bool, device: torch.device) -> bool:
-    """ "auto" -> on for CUDA, and for the CPU wherever inductor can build its kernels (a C compiler
-    is found): measured there (benchmarks/RESULTS.md, fourth pass), the whole forward compiled runs
-    workload (a) 15% faster on the demo model (2.29 -> 1.94 s) and 3-6% on the 57M one, for 5-20 s
-    of compiling once per process. On CUDA it also turns on decode steps replayed as CUDA graphs
-    (cuda/graphs), the launch overhead both remove being what bounds small decode batches there; a
-    model that fails to compile runs eager (the runner's fallback). `true` turns it on anywhere,
-    where a failure to compile is then an error, not a fallback."""
-    if setting != "auto":
-        return bool(setting)
-    return device.type == "cuda" or (device.type == "cpu" and _has_compiler())
-
-
-def _has_compiler() -> bool:
-    return any(shutil.which(name) for name in (os.environ.get("CXX") or "c++", "g++", "clang++"))
 
 
 @dataclass
@@ -121,14 +104,16 @@ class StepForward:
         fallback: bool = False,
         take_raised: Callable[[], BaseException | None] = lambda: None,
         on_compiled: Callable[[], None] = lambda: None,
+        policy: CompilePolicy | None = None,
     ) -> None:
         """`fallback`: a model that fails to compile runs eager from then on (engine.compile "auto").
         `take_raised`: the attention backend's last exception (see attention/op), raised instead of the
-        compiled graph's "API call failed". `on_compiled`: called after a call that compiled."""
+        compiled graph's "API call failed". `on_compiled`: called after a call that compiled.
+        `policy`: what the device adds (its Platform's compile_policy: on the CPU, the thread governor's)."""
         self.model = model
         self.take_raised = take_raised
         self.on_compiled = on_compiled
-        self._ambient = AmbientState()
+        self.policy = policy or CompilePolicy()
         self.compile = compile
         self.max_tokens = max_tokens
         self.fallback = fallback
@@ -140,10 +125,9 @@ class StepForward:
                 "torch.compile: compiling the model's forward; its first steps take ~5-20 s, once per "
                 "process (engine.compile: false runs it eager)"
             )
-            device = next(model.parameters()).device
-            options: dict[str, Any] = _cpu_options() if device.type == "cpu" else {}
+            options = self.policy.options()
             if hasattr(torch._dynamo.types, "GuardFilterEntry"):  # why: guard filters are new in torch 2.7
-                options["guard_filter_fn"] = _ambient_and_argument_guards
+                options["guard_filter_fn"] = partial(_argument_guards, self.policy.drops_guard)
             # why not dynamic=True: it is this same setting, patched in and out by dynamo on every call
             self._run = torch.compile(_own_code(self._logits), fullgraph=True, options=options)
             self._settings = _tracing_settings()
@@ -160,7 +144,7 @@ class StepForward:
         """input_ids/positions [T], keep [K] -> logits [K, vocab] (model dtype)."""
         if not self.compile:
             return self._run(input_ids, positions, keep)  # the eager forward (a benchmark may wrap it)
-        if not self._ambient.matches():
+        if not self.policy.matches():
             return self._logits(input_ids, positions, keep)
         graphs, began = _unique_graphs(), time.perf_counter()
         self.take_raised()
@@ -199,20 +183,6 @@ class StepForward:
         return out.logits[0]
 
 
-def _cpu_options() -> dict[str, Any]:
-    """inductor's options for a CPU forward: its C++ wrapper, and kernels whose thread count is read
-    when they run, planned for the threads the engine starts with.
-
-    Why: by default inductor writes the thread count of the moment it compiles into every kernel
-    (`omp parallel num_threads(n)`, unless n is the machine's CPU count). The engine's thread
-    governor (cpu/threads) lowers the count while the machine is busy, and compiling is what
-    keeps it busy (inductor's compile workers, gcc), so a forward compiled at one thread ran one
-    thread forever: the compiled demo model ran 1.1-1.2x slower than eager (benchmarks/RESULTS.md,
-    issue 30). Read at run time, the count follows the governor in the fused kernels too.
-    """
-    return {"cpp_wrapper": True, "cpp.dynamic_threads": True, "cpp.threads": torch.get_num_threads()}
-
-
 def _at_storage_start(t: torch.Tensor) -> torch.Tensor:
     """`t`, or a copy of it where it is a view into a larger buffer.
 
@@ -223,52 +193,6 @@ def _at_storage_start(t: torch.Tensor) -> torch.Tensor:
     model in tests/engine/test_cuda_graphs.py). A tensor of its own at offset 0 is one layout; the
     copy is a few bytes (and inside a graph, a captured copy of its static buffer)."""
     return t if t.storage_offset() == 0 and not t._is_view() else t.clone()
-
-
-class AmbientState:
-    """The global state a compiled forward was traced under (grad mode, autocast, default dtype,
-    deterministic algorithms, TF32, torch-function mode), checked before each call, the thread
-    count apart.
-
-    Why our own check: dynamo guards on this same state, thread count included, so every count the
-    thread governor (cpu/threads) set for the first time recompiled the whole forward in the middle
-    of a job (seconds each, at the moment the machine is busiest), and on a machine with more than
-    eight CPUs a busy spell could reach dynamo's recompile limit and leave the job eager. The
-    compiled kernels read the thread count when they run (_cpu_options), so the count is no part of
-    what a graph assumes; the filter (_ambient_and_argument_guards) drops dynamo's guard and this
-    checks the rest (a C++ comparison, ~0.2 us). A call under another state (a caller's autocast,
-    say) runs eager, with a warning once.
-    """
-
-    def __init__(self) -> None:
-        guards = getattr(torch._C._dynamo, "guards", None)
-        # why looked up once: matches() runs every step; None where a build has no such guard
-        self._make_guard: Any = getattr(guards, "GlobalStateGuard", None)
-        self._guard: Any = None  # dynamo's GlobalStateGuard of the traced state, at _threads threads
-        self._threads = 0
-        self._warned = False
-
-    def matches(self) -> bool:
-        if self._make_guard is None:
-            return True
-        threads = torch.get_num_threads()
-        if self._guard is None:  # the first call: the state it traces under is the one to keep
-            self._guard, self._threads = self._make_guard(), threads
-        elif threads != self._threads:  # the same state at the governor's new count
-            state = json.loads(self._guard.__getstate__())
-            state["num_threads"] = threads
-            self._guard.__setstate__(json.dumps(state))
-            self._threads = threads
-        if self._guard.check():
-            return True
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "the compiled forward was traced under other torch settings (%s differs); steps under the "
-                "current ones run eager",
-                self._guard.reason().strip(),
-            )
-        return False
 
 
 def _tracing_settings() -> Any:
@@ -298,7 +222,7 @@ def _own_code(method: Any) -> Any:
 
     Why: dynamo keeps its compiled entries (and their guards) on the code object, so with one
     code object per StepForward its cache only ever sees this one instance and its model; see
-    _ambient_and_argument_guards for the guards that this makes redundant.
+    _argument_guards for the guards that this makes redundant.
     """
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -309,21 +233,18 @@ def _own_code(method: Any) -> Any:
 _NAMES_SELF = re.compile(r"\bself\b")
 
 
-def _ambient_and_argument_guards(entries: list[Any]) -> list[bool]:
+def _argument_guards(drops: Callable[[Any], bool], entries: list[Any]) -> list[bool]:
     """dynamo's guard filter: keep the guards on the call's tensor arguments (dtype, device,
     shapes) and on ambient state (grad mode, default device, the shape environment), drop those
-    on the StepForward, its model and their classes (`self...`, `type(self.model)...`) and on
-    module globals (torch, transformers).
+    on the StepForward, its model and their classes (`self...`, `type(self.model)...`), on
+    module globals (torch, transformers) and those the device's policy `drops`.
 
     Why sound here: the code object is this instance's own (_own_code), the engine never
     changes a loaded model or patches the libraries its forward calls, and parameters are read
     afresh on every call (they are graph inputs), so those guards could never fail; checking
     them (~560 for the demo model, most in Python) cost ~0.1-0.2 ms of every step. The class
     guards (71 of the 81 left after those: closures of transformers' decorators, config class
-    attributes) are as unchangeable here. The guard on global state goes too: AmbientState checks
-    it, less the thread count.
+    attributes) are as unchangeable here. On the CPU the guard on global state goes too: the
+    thread governor's policy checks it, less the thread count (cpu/compile_threads).
     """
-    return [
-        not (entry.is_global or _NAMES_SELF.search(entry.name) or entry.guard_type == "GLOBAL_STATE")
-        for entry in entries
-    ]
+    return [not (entry.is_global or _NAMES_SELF.search(entry.name) or drops(entry)) for entry in entries]

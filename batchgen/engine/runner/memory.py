@@ -17,7 +17,7 @@ The profiling step is the worst one the scheduler can produce: max_num_batched_t
 max_num_seqs logit rows, one long chunk whose context ends at max_model_len (the gather path
 copies and masks a whole context) and single-token decodes. Its block table points at a
 two-block scratch pool (the step's shapes, not its values, set the peak), so profiling costs
-almost no memory itself. The device is read through a MemoryProbe (cuda_memory.CudaMemory on
+almost no memory itself. The device is read through a MemoryProbe (the Platform's: cuda/platform.CudaMemory on
 a GPU, a fake in the CPU tests), so everything here runs on CPU.
 """
 
@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from batchgen.engine.api.platform import MemoryProbe
 from batchgen.engine.core.scheduler import ScheduledBatch, ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -38,22 +39,6 @@ logger = logging.getLogger(__name__)
 PROFILE_BLOCKS = 2  # the scratch pool of the profiling forward
 SAMPLER_COPIES = 4  # float32 [rows, vocab] tensors the sampler may hold at once (logits, probs, sorted, mask)
 GATHER_LAYERS_HEADROOM = 2  # gather path: a decode step's K+V copy of one layer, padded: <= 2 / num_layers of the pool
-
-
-class MemoryProbe(Protocol):
-    """The device memory counters the profile reads."""
-
-    def clear(self) -> None:
-        """Release cached, unused memory and reset the peak mark."""
-
-    def allocated(self) -> int:
-        """Bytes held by this process's tensors now."""
-
-    def peak_allocated(self) -> int:
-        """The most bytes held by this process's tensors since clear()."""
-
-    def used_and_total(self) -> tuple[int, int]:
-        """Bytes in use on the whole device (every process, the CUDA context), and its total."""
 
 
 class Executes(Protocol):

@@ -10,7 +10,9 @@ positions, draws, and reads everything back in one copy. It decides nothing: wha
 draws from which row, is the scheduler's business. The forward runs through StepForward (eager
 or compiled); on CUDA with compile and the triton backend, decode-only steps replay the CUDA
 graph of their batch-size bucket (cuda/graphs). Pooling runs the same packed forward
-(`pool_forward`) and gets the base model's hidden states.
+(`pool_forward`) and gets the base model's hidden states. Which backend, the thread
+policy, what compiling is told and whether graphs exist are the device's Platform's answers
+(api/platform, engine/platforms).
 
 Persistent state, updated only from the scheduler's diffs: the sampling rows (`batch`, with the
 sampler; a runner made without one, a tensor-parallel worker's or the memory profile's, only
@@ -27,24 +29,21 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.api.platform import GraphReplay
 from batchgen.engine.attention.decode_kv import padded_tables
 from batchgen.engine.attention.interface import bind_layers
 from batchgen.engine.attention.kv_store import pool_blocks
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.path import (
-    TRITON_CHOICE,
     VARLEN,
     AttentionChoice,
-    choose_attention_path,
-    detect_support,
     has_softcap,
 )
 from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, ModelRunnerOutput
 from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch, ScheduledChunk
-from batchgen.engine.cuda.graphs import GraphDecode
-from batchgen.engine.runner.backends import make_backend, prepare_model, resolve_backend, step_hook_for
+from batchgen.engine.platforms import make_backend, platform_for
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
 from batchgen.engine.sampling.batch import SamplingBatch
@@ -81,12 +80,10 @@ class ModelRunner:
         max_num_batched_tokens: int | None = None,
         compile_fallback: bool = False,
         cuda_graphs: bool | None = None,
-        native_linears: bool = True,
         sampler: Sampler | None = None,
     ) -> None:
         """`cuda_graphs`: decode steps replay graphs captured now, where the device and the backend
-        allow (CUDA, a backend that reads the pool in place); None: with `compile`. `native_linears`:
-        the CPU's measured linear kernels may be routed in (runner/backends.prepare_model).
+        allow (CUDA, a backend that reads the pool in place); None: with `compile`.
         `sampler`: the step's draws (None: a runner that only runs the forward)."""
         self.model = model
         self.block_size = block_size
@@ -99,14 +96,10 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(spec.num_layers)
         ]
-        name = resolve_backend(attention_backend, device)
-        self.attention: AttentionChoice = (
-            TRITON_CHOICE
-            if name == "triton"
-            else choose_attention_path(
-                device.type, dtype, block_size, spec.head_dim, has_softcap(model.config), detect_support(device)
-            )
-        )
+        self.platform = platform_for(device)
+        name = self.platform.attention_backend(attention_backend)
+        softcap = has_softcap(model.config)
+        self.attention: AttentionChoice = self.platform.attention_path(name, dtype, block_size, spec.head_dim, softcap)
         self.flash = self.attention.path == VARLEN
         max_len = max_model_len or num_kv_blocks * block_size
         self.backend = make_backend(name, model, self.kv_caches, block_size, device, dtype, max_len, max_num_seqs)
@@ -118,23 +111,24 @@ class ModelRunner:
         self.sampler = sampler
         # the rows' sampling state; its inputs ride in the step's upload
         self.batch = SamplingBatch(device, sampler.features, self.transfers) if sampler is not None else None
-        self.native_linears = prepare_model(model, device, dtype) if native_linears else 0
-        self.threads = step_hook_for(device)  # on the CPU: torch's threads follow the machine's load
+        self.step_hook = self.platform.step_hook()  # on the CPU: torch's threads follow the machine's load
         self.forward = StepForward(
             model,
             compile,
             max_num_batched_tokens,
             fallback=compile_fallback,
             take_raised=self.backend.take_raised,
-            on_compiled=self.threads.forget,  # why: the load while compiling was ours, not the neighbours'
+            on_compiled=self.step_hook.forget,  # why: the load while compiling was ours, not the neighbours'
+            policy=self.platform.compile_policy(self.step_hook),
         )
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead), all
         # captured now: none in the middle of a job (cuda/graphs)
-        self.graphs: GraphDecode | None = None
+        self.graphs: GraphReplay | None = None
         wants_graphs = compile if cuda_graphs is None else cuda_graphs
-        if device.type == "cuda" and wants_graphs and self.backend.replays_static_decode:  # pragma: no cover - CUDA
+        if wants_graphs and self.backend.replays_static_decode:
             max_blocks = math.ceil(max_len / block_size)
-            self.graphs = GraphDecode(self.forward, max_num_seqs or 64, max_blocks, block_size, device)
+            self.graphs = self.platform.decode_graphs(self.forward, max_num_seqs or 64, max_blocks, block_size)
+        if self.graphs is not None:  # pragma: no cover - CUDA
             self.graphs.capture_all(self._graph_run, self._graph_context)
         logger.info(
             "KV pool: %d blocks x %d tokens, %d layers (attention: %s, %s; backend: %s)",
@@ -152,7 +146,7 @@ class ModelRunner:
         chunks = batch.chunks
         if not chunks:
             raise ValueError("execute() needs a non-empty batch")
-        self.threads.tick()
+        self.step_hook.tick()
         self.transfers.begin_step()
         self._apply(batch.update)
         self.copy_blocks(batch.copies)  # copy-on-write of forked samples' shared last block, before any write
@@ -204,7 +198,7 @@ class ModelRunner:
     def pool_forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """Pooling's step: the base model (no LM head) over the packed chunks, eager -> (hidden
         states [T, H], each chunk's end in the packed row)."""
-        self.threads.tick()
+        self.step_hook.tick()
         self.transfers.begin_step()
         ctx, input_ids, positions, ends = self._pack(chunks, None)
         self.transfers.upload()

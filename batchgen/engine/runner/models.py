@@ -19,6 +19,7 @@ from transformers.utils import is_accelerate_available
 
 from batchgen.engine.api.config import DEVICE_CHOICES, DEVICE_NAME
 from batchgen.engine.attention.interface import ATTN_IMPLEMENTATION
+from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner.model_limits import UnsupportedModelError as UnsupportedModelError  # re-exported
 from batchgen.engine.runner.model_limits import refuse as _refuse
 from batchgen.engine.runner.model_limits import resolve_max_model_len as resolve_max_model_len  # re-exported
@@ -71,14 +72,14 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """ "auto": float32 on CPU (exactness, and CPU matmuls gain little from bf16); bf16 on capable GPUs."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_path: str | None = None) -> torch.dtype:
+    """ "auto": the device's Platform's for the checkpoint at `model_path` (CUDA: bf16 where supported;
+    CPU: engine/runner/dtype_rule: bf16 for a bf16/fp16 checkpoint on a CPU with native bf16, else
+    float32); else the dtype named."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float16 if device.type == "cuda" else torch.float32
+        return platform_for(device).default_dtype(model_path)
     names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if dtype not in names:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")

@@ -1,9 +1,11 @@
 """How many KV blocks the engine gets: the one place LLM asks, whatever the device.
 
-Explicit `num_kv_blocks` or `kv_cache_memory_bytes` win. Otherwise on CUDA the pool gets what
-`gpu_memory_utilization` leaves after a profiling forward (memory.py); elsewhere today's CPU
-default (num_kv_blocks_for below). `probe` is how the profile reads device memory: a
-CudaMemory on a GPU, a fake in the CPU tests (which makes the CUDA branch testable on CPU).
+Explicit `num_kv_blocks` or `kv_cache_memory_bytes` win, then a budget measured while loading
+(a tensor-parallel rank 0's free memory: parallel/group). Otherwise, where the device's Platform
+has a memory probe (CUDA), the pool gets what `gpu_memory_utilization` leaves after a profiling
+forward (memory.py); elsewhere today's CPU default (num_kv_blocks_for below). `probe` stands in
+for the device's in the CPU tests (which makes the CUDA branch testable on CPU). What was measured
+is returned beside the config (the MemoryProfile), never written into it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import math
 import torch
 from transformers import PreTrainedModel
 
-from batchgen.engine.api.config import EngineConfig
-from batchgen.engine.api.device_defaults import require_int
-from batchgen.engine.attention.path import VARLEN, choose_attention_path, detect_support, has_softcap
-from batchgen.engine.runner.compiled_forward import resolve_compile
-from batchgen.engine.runner.memory import MemoryProbe, MemoryProfile, pool_budget, profile_batch, profile_kv_budget
+from batchgen.engine.api.config import ResolvedConfig
+from batchgen.engine.api.platform import MemoryProbe
+from batchgen.engine.attention.path import SDPA, has_softcap
+from batchgen.engine.platforms import platform_for
+from batchgen.engine.runner.memory import MemoryProfile, pool_budget, profile_batch, profile_kv_budget
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import KVSpec
 
@@ -30,68 +32,41 @@ def kv_block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
-def num_kv_blocks_for(
-    spec: KVSpec,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    num_kv_blocks: int | None,
-    budget_bytes: int | None,
-    max_num_seqs: int,
-    max_model_len: int,
-) -> int:
+def num_kv_blocks_for(spec: KVSpec, config: ResolvedConfig, dtype: torch.dtype, budget_bytes: int | None) -> int:
     """Pool size: explicit blocks, else a byte budget (on CUDA, by default, memory.py's), else a CPU default."""
-    if num_kv_blocks is not None:
-        return num_kv_blocks
-    bytes_per_block = kv_block_bytes(spec, block_size, dtype)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    bytes_per_block = kv_block_bytes(spec, config.block_size, dtype)
     if budget_bytes is None:
-        budget_bytes = 1 << 30
         # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks
-        cap = CPU_CAPACITY_FACTOR * max_num_seqs * math.ceil(max_model_len / block_size)
-        return max(1, min(budget_bytes // bytes_per_block, cap))
+        cap = CPU_CAPACITY_FACTOR * config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
+        return max(1, min((1 << 30) // bytes_per_block, cap))
     blocks = budget_bytes // bytes_per_block
     if blocks < 1:
         raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({bytes_per_block} bytes)")
     return blocks
 
 
-def _probe(device: torch.device) -> MemoryProbe:
-    from batchgen.engine.cuda.memory import CudaMemory
-
-    return CudaMemory(device)
-
-
 def kv_pool_blocks(
     model: PreTrainedModel,
     spec: KVSpec,
-    config: EngineConfig,
+    config: ResolvedConfig,
     device: torch.device,
     dtype: torch.dtype,
     probe: MemoryProbe | None = None,
-    backend: str = "torch",
+    measured_budget: int | None = None,
 ) -> tuple[int, MemoryProfile | None]:
-    """(blocks, the memory profile when one was taken). `config` has its device defaults resolved;
-    `backend` is the attention backend the engine resolved (runner/backends)."""
-    block_size = require_int(config.block_size, "block_size")
-    max_num_seqs = require_int(config.max_num_seqs, "max_num_seqs")
-    max_model_len = require_int(config.max_model_len, "max_model_len")
-    profiled = config.num_kv_blocks is None and config.kv_cache_memory_bytes is None
-    if not (profiled and (device.type == "cuda" or probe is not None)):
-        blocks = num_kv_blocks_for(
-            spec,
-            block_size,
-            dtype,
-            device,
-            num_kv_blocks=config.num_kv_blocks,
-            budget_bytes=config.kv_cache_memory_bytes,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-        )
-        return blocks, None
+    """(blocks, the memory profile when one was taken). `measured_budget`: bytes measured at load
+    (tensor parallelism's rank 0), used where the settings give no size."""
+    block_size, max_num_seqs, max_model_len = config.block_size, config.max_num_seqs, config.max_model_len
+    budget = config.kv_cache_memory_bytes if config.kv_cache_memory_bytes is not None else measured_budget
+    if config.num_kv_blocks is None and budget is None:
+        probe = probe or platform_for(device).memory_probe()
+    if config.num_kv_blocks is not None or budget is not None or probe is None:
+        return num_kv_blocks_for(spec, config, dtype, budget), None
 
     # why torch for the others: the profiling step's decodes need no per-sequence state (triton keeps none)
-    profiled_backend = "triton" if backend == "triton" else "torch"
+    profiled_backend = "triton" if config.attention_backend == "triton" else "torch"
 
     def make_runner(num_blocks: int) -> ModelRunner:
         # why graphs, eager: the runner's CUDA graphs (triton only) are measured with it; compiling
@@ -106,17 +81,16 @@ def kv_pool_blocks(
             max_num_seqs,
             max_model_len,
             profiled_backend,
-            cuda_graphs=resolve_compile(config.compile, device),  # as the engine's runner decides them
+            cuda_graphs=config.compile,  # as the engine's runner decides them
         )
 
-    batch = profile_batch(
-        require_int(config.max_num_batched_tokens, "max_num_batched_tokens"), max_num_seqs, max_model_len, block_size
-    )
+    batch = profile_batch(config.max_num_batched_tokens, max_num_seqs, max_model_len, block_size)
     vocab = int(model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
-    profile = profile_kv_budget(make_runner, batch, probe or _probe(device), vocab, config.gpu_memory_utilization)
+    profile = profile_kv_budget(make_runner, batch, probe, vocab, config.gpu_memory_utilization)
     per_block = kv_block_bytes(spec, block_size, dtype)
-    softcap = has_softcap(model.config)
-    path = choose_attention_path(device.type, dtype, block_size, spec.head_dim, softcap, detect_support(device)).path
-    gathers = profiled_backend == "torch" and path != VARLEN  # why: the triton kernel reads the pool in place
+    path = platform_for(device).attention_path(
+        profiled_backend, dtype, block_size, spec.head_dim, has_softcap(model.config)
+    )
+    gathers = path.path == SDPA  # why: the triton kernel and torch's varlen one read the pool in place
     budget = pool_budget(profile, spec.num_layers, gathers, per_block)
     return budget // per_block, profile

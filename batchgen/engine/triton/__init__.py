@@ -2,5 +2,5 @@
 the pool through block tables for every chunk of a step (prefill chunks and decodes in one launch
 per layer), the kernel that stores a step's K/V in the pool, the step metadata both read, and the
 backend that plans a step and runs a layer with them. Nothing here imports triton until a backend
-is made (runner/backends), so the package imports on machines without it.
+is made (engine/platforms.make_backend), so the package imports on machines without it.
 """

@@ -25,7 +25,7 @@ from batchgen.engine.attention.backend import AttentionBackend, Pools, zero_padd
 from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.planning import PlannedChunk, Stager
-from batchgen.engine.cuda.graphs import MAX_GRAPH_BATCH
+from batchgen.engine.attention.static_decode import MAX_GRAPH_BATCH
 from batchgen.engine.triton import launch
 from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, plan_step
 from batchgen.engine.triton.support import check_device, check_interpreter, interpreting

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from batchgen.inputs.dataset import InputFile, Shard
+from batchgen.inputs.dataset import InputFile
+from batchgen.inputs.part_rows import Part
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.totals import Totals
@@ -23,7 +24,7 @@ class Executor(Protocol):
         files: list[InputFile],
         carried: list[str],
         writer: PartWriter,
-        todo: list[Shard],
+        todo: list[Part],
         totals: Totals,
     ) -> None: ...
 

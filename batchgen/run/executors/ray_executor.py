@@ -23,10 +23,13 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from batchgen.backends import for_rows
 from batchgen.errors import BatchgenError, EngineFailure, StoreUnavailable
 from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.duplicate_ids import IdProblem
+from batchgen.inputs.part_rows import GroupedPart, Part, describe, file_offsets
 from batchgen.job.sections import ExecutorSection
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.state import OutputState
@@ -78,7 +81,7 @@ class RayExecutor:
         files: list[InputFile],
         carried: list[str],
         writer: PartWriter,
-        todo: list[Shard],
+        todo: list[Part],
         totals: Totals,
     ) -> None:
         dispatch = _Dispatch(self.ray, work, files, carried, writer, self.shape, todo, self.quiet)
@@ -107,7 +110,7 @@ class _Dispatch:
         carried: list[str],
         writer: PartWriter,
         shape: WorkerShape,
-        todo: list[Shard],
+        todo: list[Part],
         quiet: bool,
     ) -> None:
         self.ray, self.shape, self.quiet, self.work = ray, shape, quiet, work
@@ -116,14 +119,15 @@ class _Dispatch:
         self.args = (spec, files, carried, writer, shape.cpus)
         self.storage = writer.storage
         self.queue = PartQueue(todo, shape.count)
-        self.duplicates = _duplicates_by_part(work.duplicates, todo)
+        self.files = files
+        self.duplicates = _duplicates_by_part(work.duplicates, todo, files)
         self.board = ray.remote(num_cpus=0)(ProgressBoard).remote()
         self.actor_options: dict[str, Any] = dict(num_cpus=shape.cpus, num_gpus=shape.gpus, max_restarts=0)
         self.actor_class = ray.remote(PartWorker)
         self.actor = self.actor_class.options(**self.actor_options)
         self.groups: dict[int, Any] = {}  # slot -> its placement group (tensor parallel workers)
         self.workers: dict[int, Any] = {}
-        self.inflight: dict[Any, tuple[int, Shard, int]] = {}  # object ref -> (slot, part, attempt)
+        self.inflight: dict[Any, tuple[int, Part, int]] = {}  # object ref -> (slot, part, attempt)
         self.attempts: dict[int, int] = {}  # part index -> workers that died on it
         self.store_attempts: dict[int, int] = {}  # part index -> transient store failures
         self.stats = RayStats(shape.count, [[] for _ in range(shape.count)], [0.0] * shape.count)
@@ -215,7 +219,7 @@ class _Dispatch:
         self.stats.last_done[slot] = time.time()
         self._submit(slot)
 
-    def _again(self, slot: int, part: Shard, cause: BaseException) -> None:
+    def _again(self, slot: int, part: Part, cause: BaseException) -> None:
         """Part `part` failed on a transient store error (its worker's own retries spent): hand it
         out again, up to MAX_ATTEMPTS times, then stop with that error (exit 10: rerun to resume)."""
         tries = self.store_attempts[part.index] = self.store_attempts.get(part.index, 0) + 1
@@ -229,11 +233,11 @@ class _Dispatch:
         self.queue.give_back(slot, part)
         self._submit(slot)
 
-    def _replace(self, slot: int, part: Shard, exc: Exception) -> None:
+    def _replace(self, slot: int, part: Part, exc: Exception) -> None:
         died = self.attempts[part.index] = self.attempts.get(part.index, 0) + 1
         if died >= MAX_ATTEMPTS:
             raise EngineFailure(
-                f"part {part.index} (rows {part.start}-{part.stop - 1} of input file {part.file_index}): its Ray "
+                f"part {part.index} ({describe(part, self.files)}): its Ray "
                 f"worker died {died} times ({type(exc).__name__}: out of memory?); committed parts are kept, "
                 "rerun to resume"
             )
@@ -255,11 +259,12 @@ class _Dispatch:
 
 
 def _duplicates_by_part(
-    duplicates: dict[tuple[int, int], IdProblem], todo: list[Shard]
+    duplicates: dict[tuple[int, int], IdProblem], todo: list[Part], files: list[InputFile]
 ) -> dict[int, dict[tuple[int, int], IdProblem]]:
     """The driver's job-wide id problems, cut per part: each worker gets only its part's rows."""
+    shards = [p for p in todo if isinstance(p, Shard)]
     by_file: dict[int, list[Shard]] = {}
-    for part in sorted(todo, key=lambda s: (s.file_index, s.start)):
+    for part in sorted(shards, key=lambda s: (s.file_index, s.start)):
         by_file.setdefault(part.file_index, []).append(part)
     starts = {f: [p.start for p in parts] for f, parts in by_file.items()}
     out: dict[int, dict[tuple[int, int], IdProblem]] = {}
@@ -268,4 +273,13 @@ def _duplicates_by_part(
         i = bisect.bisect_right(starts.get(file_index, []), row) - 1
         if i >= 0 and row < parts[i].stop:
             out.setdefault(parts[i].index, {})[(file_index, row)] = problem
+    grouped = [p for p in todo if isinstance(p, GroupedPart)]
+    if grouped and duplicates:
+        offsets = file_offsets(files)
+        at = {int(offsets[f]) + r: (f, r) for f, r in duplicates}  # input position -> (file, row)
+        positions = np.fromiter(at, dtype=np.int64, count=len(at))
+        for grouped_part in grouped:
+            rows = grouped_part.rows
+            for position in rows[np.isin(rows, positions)].tolist():
+                out.setdefault(grouped_part.index, {})[at[position]] = duplicates[at[position]]
     return out

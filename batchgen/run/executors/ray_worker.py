@@ -19,10 +19,10 @@ from typing import Any
 from batchgen.backends.base import Backend
 from batchgen.errors import EngineFailure
 from batchgen.faults import fault_point
-from batchgen.inputs.dataset import InputFile, Shard
+from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
+from batchgen.inputs.part_rows import Part, read_parts
 from batchgen.inputs.prepare import RowPreparer
-from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.parts import PartWriter
 from batchgen.outputs.totals import Totals
@@ -100,17 +100,17 @@ class PartWorker:
             self.engine = load_engine(self.spec)
         return self.engine
 
-    def run_part(self, shard: Shard, duplicates: dict[tuple[int, int], IdProblem], attempt: int) -> PartDone:
-        """Read part `shard`'s rows, generate and commit them; `duplicates` are its rows whose id
-        fails (judged by the driver over the whole job)."""
+    def run_part(self, part: Part, duplicates: dict[tuple[int, int], IdProblem], attempt: int) -> PartDone:
+        """Read part `part`'s rows, generate and commit them; `duplicates` are its rows whose id
+        fails (judged by the driver over the whole job). The engine, and with it the prefix cache,
+        stays from part to part: the next part of the group this worker holds starts warm."""
         fault_point("store_unavailable")
         backend, preparer = self._engine()
-        _, table = next(read_shards(self.files, [shard], read_columns(self.spec, self.carried)))
+        rows = next(read_parts(self.files, [part], read_columns(self.spec, self.carried)))
         work = PartWork(self.spec, duplicates)
-        f = self.files[shard.file_index]
-        reporter = _Reporter(self.board, (shard.index, attempt))
+        reporter = _Reporter(self.board, (part.index, attempt))
         try:
-            totals = work.process_part(f, shard, table, self.carried, self.writer, backend, preparer, reporter)
+            totals = work.process_part(self.files, rows, self.carried, self.writer, backend, preparer, reporter)
         except EngineFailure as exc:
             # (by name: importing the engine's parallel room here would load torch into the driver)
             if type(exc.__cause__).__name__ == "TensorParallelError":
@@ -119,4 +119,4 @@ class PartWorker:
                 sys.stderr.write(f"batchgen: tensor-parallel worker group lost ({exc}); exiting\n")
                 os._exit(1)
             raise
-        return PartDone(shard.index, totals, os.getpid())
+        return PartDone(part.index, totals, os.getpid())

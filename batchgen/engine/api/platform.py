@@ -1,0 +1,184 @@
+"""Platform: the one object that answers every device-specific question, one class per device.
+
+Why one object: which attention backend `auto` means, which kernels a model's linears and the
+sampler's greedy pass take, how many threads a step uses, what torch.compile is told, how device
+memory is read, the step defaults and what `batchgen doctor` reports all differ by device. Asked
+of a Platform, the code above never tests a device's type, and a new device is a new class, not
+an `if` in ten places.
+
+This base class is the portable device (mps, xpu, anything but the CPU and CUDA): torch's own ops,
+nothing measured, nothing compiled by default. The CPU's answers are engine/cpu/platform.py's, the
+CUDA GPU's engine/cuda/platform.py's; `batchgen.engine.platforms.platform_for` picks one. Nothing
+here imports a device room, so every room may read this contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from batchgen.engine.attention.path import (
+    SMALL_BLOCK_SIZE,
+    TRITON_CHOICE,
+    AttentionChoice,
+    choose_attention_path,
+    default_block_size,
+    detect_support,
+)
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+GreedyIds = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]  # logits [n, V] -> (ids, NaN flag)
+
+
+class StepHook(Protocol):
+    """What runs before each step (the CPU's thread governor); `forget` after the process's own
+    burst of work (a compile), so it is not read as busy neighbours."""
+
+    def tick(self) -> None: ...
+
+    def forget(self) -> None: ...
+
+
+class NoHook:
+    def tick(self) -> None:
+        return None
+
+    def forget(self) -> None:
+        return None
+
+
+class MemoryProbe(Protocol):
+    """The device memory counters the KV pool's profiling forward reads (runner/memory)."""
+
+    def clear(self) -> None:
+        """Release cached, unused memory and reset the peak mark."""
+
+    def allocated(self) -> int:
+        """Bytes held by this process's tensors now."""
+
+    def peak_allocated(self) -> int:
+        """The most bytes held by this process's tensors since clear()."""
+
+    def used_and_total(self) -> tuple[int, int]:
+        """Bytes in use on the whole device (every process, the CUDA context), and its total."""
+
+
+class GraphReplay(Protocol):
+    """Decode-only steps replayed from graphs captured at start (cuda/graphs.GraphDecode)."""
+
+    def fits(self, n: int, blocks: int) -> bool: ...
+
+    def capture_all(self, run: Callable[..., torch.Tensor], make_context: Callable[..., object]) -> None: ...
+
+    def execute(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        run: Callable[..., torch.Tensor],
+        make_context: Callable[..., object],
+    ) -> torch.Tensor | None: ...
+
+
+class CompilePolicy:
+    """What a device adds to a compiled forward (runner/compiled_forward); this one adds nothing."""
+
+    def options(self) -> dict[str, Any]:
+        """inductor's options for this device's forward."""
+        return {}
+
+    def drops_guard(self, entry: Any) -> bool:
+        """Whether dynamo's guard `entry` may be dropped beyond the forward's own filter."""
+        return False
+
+    def matches(self) -> bool:
+        """Whether the compiled forward may run now (False: this call runs eager)."""
+        return True
+
+
+class Platform:
+    """The portable device's answers; the CPU and CUDA subclasses override what they measured."""
+
+    max_num_seqs = 64  # the step defaults where nothing was measured: the CPU's (api/config)
+    max_num_batched_tokens = 2048
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def default_dtype(self, model_path: str | None = None) -> torch.dtype:
+        """What dtype `auto` means for the checkpoint at `model_path`: float32 (exactness)."""
+        return torch.float32
+
+    def attention_backend(self, setting: str) -> str:
+        """The backend's name for `setting` here; a name that cannot run here is a ValueError."""
+        check_backend_name(setting)
+        if setting == "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {self.device.type}")
+        if setting == "triton":
+            raise ValueError(f"attention_backend 'triton' runs on CUDA, not on {self.device.type}")
+        return "torch"
+
+    def block_size(self, backend: str, dtype: torch.dtype, head_dim: int, softcap: bool) -> int:
+        """The default KV block size for the resolved `backend` and the model's attention: 16, but
+        256 where that makes torch's paged varlen kernel apply (the triton kernel reads small blocks)."""
+        if backend == "triton":
+            return SMALL_BLOCK_SIZE
+        return default_block_size(self.device.type, dtype, head_dim, softcap, detect_support(self.device))
+
+    def attention_path(
+        self, backend: str, dtype: torch.dtype, block_size: int, head_dim: int, softcap: bool
+    ) -> AttentionChoice:
+        """How the resolved `backend` attends here (attention/path), with the reason."""
+        if backend == "triton":
+            return TRITON_CHOICE
+        return choose_attention_path(
+            self.device.type, dtype, block_size, head_dim, softcap, detect_support(self.device)
+        )
+
+    def compiles_by_default(self) -> bool:
+        """What engine.compile `auto` means here: only where compiling was measured to win."""
+        return False
+
+    def compile_policy(self, hook: StepHook) -> CompilePolicy:
+        """What a compiled forward is told here; `hook`: this runner's step hook."""
+        return CompilePolicy()
+
+    def prepare_process(self) -> None:
+        """Once per engine, before the model loads."""
+
+    def install_kernels(self, model: torch.nn.Module, dtype: torch.dtype) -> int:
+        """Route the model's layers through this device's measured kernels; how many were."""
+        return 0
+
+    def greedy_ids(self) -> GreedyIds | None:
+        """The device's own greedy pass for the sampler, where it has one."""
+        return None
+
+    def step_hook(self) -> StepHook:
+        """A new hook for one runner's steps (the thread policy)."""
+        return NoHook()
+
+    def memory_probe(self) -> MemoryProbe | None:
+        """How the KV pool's profiling forward reads device memory; None: not profiled here."""
+        return None
+
+    def decode_graphs(
+        self, forward: Callable[..., torch.Tensor], max_rows: int, max_blocks: int, block_size: int
+    ) -> GraphReplay | None:
+        """Decode steps replayed from graphs (not yet captured); None where the device has none."""
+        return None
+
+    def facts(self, build: bool = False) -> dict[str, Any]:
+        """What `batchgen doctor` reports of this device (with `build`: its kernels built first)."""
+        return {}
+
+    def pending_kernels(self) -> tuple[list[str], str]:
+        """The kernels a first engine here would build before its first step, and how long that takes."""
+        return [], ""
+
+
+def check_backend_name(setting: str) -> None:
+    if setting not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {setting!r}")

@@ -1,0 +1,122 @@
+"""How a reduced-precision (bf16, fp16) model's decode rows store their keys on this machine: measured.
+
+Why measured: decode attention without the native kernel (which reads float32 only) is one of two
+torch paths, chosen by how the keys are stored (attention/torch_math._attend_decodes):
+- keys transposed [D, L]: two batched products (scores, then values) in float32 (a bf16 product
+  rounds the scores to 3 digits before the softmax, and failed the reduced-precision policy);
+- keys as rows [L, D]: SDPA (oneDNN's flash attention for the CPU).
+On an Intel Xeon with AMX SDPA won in bf16 (4.4-5.0 ms against 5.8-6.0 ms for 4 layers of 64 x 266);
+on an AMD Zen 4 (AVX512-BF16, no AMX) SDPA's bf16 decodes took 10-20x as long as bf16 batched
+products (16 x 16 heads x 256 positions, one query per KV head: 13-20 ms against 2-3 ms), and the
+engine's h1024 sweep shape ran 1.20x faster end to end with the float32 batched products.
+No ISA rule predicts that, so for each model shape both paths are timed side by side, interleaved,
+once per machine, torch version and thread count; the result is cached and never replaced, so every
+process on a machine takes the same path (their tokens agree). float32 keeps its transposed keys
+(measured faster in earlier passes: benchmarks/RESULTS.md) and is not timed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from batchgen.engine.attention.torch_math import _batched_decode_attention
+from batchgen.engine.cpu import native
+
+logger = logging.getLogger(__name__)
+
+ROWS, LENGTH, CAPACITY = 16, 256, 512  # a mid-sized decode step: sequences, positions, row length
+REPEATS = 7
+
+
+def keys_transposed(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int) -> bool:
+    """Whether decode rows of this shape store keys transposed (batched products) rather than as rows (SDPA)."""
+    if dtype == torch.float32:
+        return True
+    path = _cache_path(f"{dtype}\0{kv_heads}\0{group}\0{head_dim}")
+    stored = _read(path)
+    if stored is not None:
+        return stored
+    batched, sdpa = _time_both(dtype, kv_heads, group, head_dim)
+    if batched >= sdpa:  # a second round first: a busy spell can stall oneDNN's threads for a whole round
+        again = _time_both(dtype, kv_heads, group, head_dim)
+        batched, sdpa = min(batched, again[0]), min(sdpa, again[1])
+    choice = batched < sdpa
+    logger.info(
+        "decode attention in %s (KVH %d, G %d, D %d): batched products %.2f ms, SDPA %.2f ms: %s",
+        dtype, kv_heads, group, head_dim, batched * 1e3, sdpa * 1e3, "batched" if choice else "SDPA",
+    )  # fmt: skip
+    return _write_once(path, choice, {"batched_s": batched, "sdpa_s": sdpa})
+
+
+def _time_both(dtype: torch.dtype, kvh: int, g: int, d: int) -> tuple[float, float]:
+    """Best seconds of each path over REPEATS interleaved runs (one warm-up each), same inputs."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(ROWS, kvh, g, d, generator=gen).to(dtype)  # [B, KVH, G, D]
+    # as the rows hold them: LENGTH positions of rows CAPACITY long
+    k = torch.randn(ROWS, kvh, CAPACITY, d, generator=gen).to(dtype)[:, :, :LENGTH]  # [B, KVH, L, D]
+    v = torch.randn(ROWS, kvh, CAPACITY, d, generator=gen).to(dtype)[:, :, :LENGTH]
+    k_t = k.transpose(-1, -2).contiguous()  # [B, KVH, D, L]
+    bias = torch.zeros(ROWS * kvh, 1, LENGTH, dtype=dtype).expand(-1, g, -1)  # [B * KVH, G, L]
+    mask = torch.ones(ROWS, 1, g, LENGTH, dtype=torch.bool)
+    out = torch.empty(ROWS * kvh, g, d, dtype=dtype)
+    scale = d**-0.5
+
+    def batched() -> None:
+        _batched_decode_attention(q.reshape(-1, g, d), k_t, v, bias, scale, out)
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    best = [float("inf"), float("inf")]
+    with torch.inference_mode():
+        for i in range(REPEATS + 1):
+            for side, fn in enumerate((batched, sdpa)):
+                started = time.perf_counter()
+                fn()
+                if i:
+                    best[side] = min(best[side], time.perf_counter() - started)
+    return best[0], best[1]
+
+
+def _cache_path(key: str) -> Path:
+    what = f"{torch.__version__}\0{torch.get_num_threads()}\0{key}"
+    return native.cache_dir() / "decode-layout" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
+
+
+def _read(path: Path) -> bool | None:
+    try:
+        return bool(json.loads(path.read_text())["transposed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_once(path: Path, choice: bool, timings: dict[str, float]) -> bool:
+    """Store `choice` unless another process stored one first; the stored one either way."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        logger.warning("decode layout not cached (%s): it is measured again in the next process", exc)
+        return choice
+    with os.fdopen(fd, "w") as f:
+        json.dump({"transposed": choice, **timings, "torch": torch.__version__}, f)
+    try:
+        os.link(tmp, path)  # never replaces: the first process's measurement is everyone's
+    except FileExistsError:
+        pass
+    except OSError:
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    stored = _read(path)
+    return choice if stored is None else stored

@@ -1,0 +1,99 @@
+"""CpuPlatform: the CPU's answers to the device questions (api/platform), from this room's parts.
+
+The attention backend `auto` means "cpu" (contiguous decode rows, the native kernel with its C++
+front where it can attend the model); linears and the sampler's greedy pass take the native
+kernels where they measured faster (native_linear, argmax); torch's threads follow the machine's
+load (threads), and a compiled forward is told so (compile_threads); freed activation memory stays
+in the heap (heap). The step defaults (64 sequences, 2,048 tokens a step, 16-token blocks) are the
+ones measured here (benchmarks/RESULTS.md). compile `auto` is on wherever inductor can build its
+kernels (a C++ compiler is found): measured here (benchmarks/RESULTS.md, fourth pass), the whole
+forward compiled runs workload (a) 15% faster on the demo model (2.29 -> 1.94 s) and 3-6% on the
+57M one, for 5-20 s of compiling once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Any
+
+import torch
+
+from batchgen.engine.api.platform import CompilePolicy, GreedyIds, Platform, StepHook, check_backend_name
+from batchgen.engine.cpu import front, host, native, native_linear, native_ops
+from batchgen.engine.cpu.argmax import native_greedy_ids
+from batchgen.engine.cpu.compile_threads import ThreadedCompile
+from batchgen.engine.cpu.heap import keep_freed_memory
+from batchgen.engine.cpu.threads import ThreadGovernor
+from batchgen.engine.runner.dtype_rule import resolve_auto
+from batchgen.engine.triton import support as triton_support
+
+
+class CpuPlatform(Platform):
+    def default_dtype(self, model_path: str | None = None) -> torch.dtype:
+        """bf16 for a checkpoint stored in bf16/fp16 on a CPU that computes bf16 natively, else
+        float32 (engine/runner/dtype_rule, which says why)."""
+        return getattr(torch, resolve_auto("cpu", model_path).dtype)
+
+    def attention_backend(self, setting: str) -> str:
+        check_backend_name(setting)
+        if setting == "auto":
+            return "cpu"
+        if setting == "triton":  # only under Triton's interpreter (for tests)
+            triton_support.check_device(self.device)
+        return setting
+
+    def compiles_by_default(self) -> bool:
+        return any(shutil.which(name) for name in (os.environ.get("CXX") or "c++", "g++", "clang++"))
+
+    def compile_policy(self, hook: StepHook) -> CompilePolicy:
+        return ThreadedCompile()
+
+    def prepare_process(self) -> None:
+        keep_freed_memory()
+
+    def install_kernels(self, model: torch.nn.Module, dtype: torch.dtype) -> int:
+        return native_linear.install_native_linears(model, self.device, dtype)
+
+    def greedy_ids(self) -> GreedyIds | None:
+        return native_greedy_ids
+
+    def step_hook(self) -> StepHook:
+        return ThreadGovernor()
+
+    def facts(self, build: bool = False) -> dict[str, Any]:
+        """The host, its compilers and each native kernel's state; with `build`, the missing kernels built first."""
+        if build:
+            native.load()
+            native.argmax()
+            front.load()
+            native_linear.load_op()  # builds the linear library, then its operator
+        return {
+            "host": host.describe(),
+            "compilers": {"c": _compiler("CC", "cc", "gcc"), "c++": _compiler("CXX", "c++", "g++")},
+            "cache_dir": str(native.cache_dir()),
+            "native_cflags": " ".join(native.extra_flags()),
+            "native_cflags_env": native.FLAGS_ENV,
+            "kernels": [_kernel_state(name) for name in native_ops.KERNELS],
+        }
+
+    def pending_kernels(self) -> tuple[list[str], str]:
+        """The native kernels a first engine would build now, and how long that takes."""
+        return native_ops.pending(), native.BUILD_SECONDS
+
+
+def _kernel_state(name: str) -> dict[str, Any]:
+    done = native_ops.state(name)
+    return {"name": name, "state": done.state, "path": str(done.path or ""), "why": done.reason}
+
+
+def _compiler(env: str, *names: str) -> dict[str, str | None]:
+    path = native.find_compiler(env, *names)
+    if path is None:
+        return {"path": None, "version": None}
+    try:
+        version = native.compiler_version(path).splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        version = None
+    return {"path": path, "version": version}

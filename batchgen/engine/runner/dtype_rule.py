@@ -1,0 +1,163 @@
+"""What `dtype: auto` resolves to on this host, and why: the one rule every backend, the pooling
+tasks, `validate`, `estimate` and `batchgen doctor` ask.
+
+Why a rule of its own: CPUs with native bf16 (AMX-BF16, AVX512-BF16: Intel Sapphire Rapids and
+later, AMD Zen 4 and later) compute bf16 matmuls several times faster than float32, and most
+checkpoints are stored in bf16. The rule is deterministic (the CPU's flags and the checkpoint's
+stored dtype, never a timing), so identical machines resolve alike and a resumed output keeps
+its precision:
+- CUDA: bfloat16 where the GPU supports it, else float16 (unchanged).
+- CPU: bfloat16 when the checkpoint is stored in bf16 or fp16 (its config's `dtype` /
+  `torch_dtype`, else its safetensors header) AND the CPU has a native bf16 flag; float32
+  otherwise (float32 checkpoints, AVX2-only CPUs, a checkpoint whose dtype cannot be read).
+- A resumed output whose record names one dtype: that dtype (the runner pins it, runtime_record).
+`dtype: float32` pins exact float32 parity wherever the job runs.
+
+The CPU's flags come from /proc/cpuinfo; an operator (or a test) may state them instead in
+BATCHGEN_CPU_FLAGS (space- or comma-separated, e.g. "avx2 fma" to resolve as an AVX2-only host).
+It imports no torch at module level (the job's `validate` and the runner ask it early).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+FLAGS_ENV = "BATCHGEN_CPU_FLAGS"
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # Linux's names for the CPU's bf16 dot-product units
+REDUCED = ("bfloat16", "float16")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+_CONFIG_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32"}
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """A resolved dtype name ("float32" | "bfloat16" | "float16") and the reason, as logs print it."""
+
+    dtype: str
+    why: str
+
+    def line(self, setting: str) -> str:
+        """ "dtype auto -> bfloat16 (...)" or "dtype float32 (set in the job)"."""
+        return (
+            f"dtype {setting} -> {self.dtype} ({self.why})" if setting == "auto" else f"dtype {self.dtype} ({self.why})"
+        )
+
+
+def cpu_flag_set() -> tuple[set[str], str]:
+    """The CPU's flags and where they were read: BATCHGEN_CPU_FLAGS when set, else /proc/cpuinfo."""
+    stated = os.environ.get(FLAGS_ENV)
+    if stated is not None:
+        return set(stated.replace(",", " ").split()), FLAGS_ENV
+    try:
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]  # the first CPU describes them all
+    except OSError:
+        return set(), "/proc/cpuinfo (unreadable)"
+    for line in first_cpu.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split()), "/proc/cpuinfo"
+    return set(), "/proc/cpuinfo (no flags line)"
+
+
+def native_bf16() -> tuple[bool, str]:
+    """Whether this CPU computes bf16 natively, and the flags that say so (or their absence)."""
+    flags, source = cpu_flag_set()
+    found = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if found:
+        return True, f"{'+'.join(found)} in {source}"
+    return False, f"no {' or '.join(NATIVE_BF16_FLAGS)} in {source}"
+
+
+def checkpoint_dtype(model_path: str | os.PathLike[str]) -> tuple[str | None, str]:
+    """The dtype a checkpoint is stored in and where that was read: its config.json's `dtype` /
+    `torch_dtype`, else the floating tensors of its (first) safetensors file. (None, why) if neither says."""
+    folder = Path(model_path)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for source in (config, text):
+        for key in ("dtype", "torch_dtype"):
+            name = _CONFIG_DTYPES.get(str(source.get(key)).removeprefix("torch."))
+            if name is not None:
+                return name, f"config.json {key}"
+    stored = _safetensors_dtype(folder)
+    if stored is not None:
+        return stored
+    return None, "neither config.json nor a safetensors header names it"
+
+
+def _safetensors_dtype(folder: Path) -> tuple[str, str] | None:
+    """The most common floating dtype in the first safetensors file's header (8-byte length, then JSON)."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    try:
+        with files[0].open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(length, 100_000_000)))
+    except (OSError, ValueError, struct.error):
+        return None
+    counts: dict[str, int] = {}
+    for name, entry in header.items():
+        kind = _SAFETENSORS_DTYPES.get(entry.get("dtype", "")) if name != "__metadata__" else None
+        if kind is not None:
+            counts[kind] = counts.get(kind, 0) + 1
+    if not counts:
+        return None
+    return max(counts, key=lambda k: counts[k]), f"{files[0].name} header"
+
+
+def resolve_auto(device_type: str, model_path: str | os.PathLike[str] | None, cuda_bf16: bool = False) -> DtypeChoice:
+    """What `dtype: auto` is on `device_type` for the checkpoint at `model_path` (None: not known)."""
+    if device_type == "cuda":
+        if cuda_bf16:
+            return DtypeChoice("bfloat16", "CUDA with bf16 support")
+        return DtypeChoice("float16", "CUDA without bf16 support")
+    if device_type != "cpu":
+        return DtypeChoice("float32", f"{device_type}: float32 for exactness")
+    if model_path is None:
+        return DtypeChoice("float32", "no checkpoint to read its dtype from")
+    stored, where = checkpoint_dtype(model_path)
+    if stored not in REDUCED:
+        return DtypeChoice("float32", f"checkpoint stored in {stored or 'an unknown dtype'} ({where})")
+    native, flags = native_bf16()
+    if not native:
+        return DtypeChoice("float32", f"checkpoint stored in {stored} ({where}), but the CPU has {flags}")
+    return DtypeChoice("bfloat16", f"checkpoint stored in {stored} ({where}) and native bf16 on this CPU: {flags}")
+
+
+def choose(
+    setting: str, device_type: str, model_path: str | os.PathLike[str] | None, cuda_bf16: bool = False
+) -> DtypeChoice:
+    """The dtype a job or LLM setting ("auto" or a name) resolves to, with its reason."""
+    if setting == "auto":
+        return resolve_auto(device_type, model_path, cuda_bf16)
+    if setting not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {setting!r}")
+    return DtypeChoice(setting, "set explicitly")
+
+
+def for_job(setting: str, device_setting: str, model_path: str | os.PathLike[str] | None) -> DtypeChoice:
+    """`choose` for a job's model.dtype and model.device ("auto": CUDA when present, else the CPU).
+    torch is imported only where CUDA must be asked (device auto or cuda, dtype auto)."""
+    if setting != "auto" or device_setting == "cpu":
+        return choose(setting, device_setting.split(":")[0] if device_setting != "auto" else "cpu", model_path)
+    import torch  # why here: `validate` and `estimate` of a CPU job need no torch
+
+    cuda = torch.cuda.is_available()
+    device_type = ("cuda" if cuda else "cpu") if device_setting == "auto" else device_setting.split(":")[0]
+    return choose(setting, device_type, model_path, device_type == "cuda" and cuda and torch.cuda.is_bf16_supported())
+
+
+def host_rule() -> str:
+    """What auto resolves to on this host's CPU, for `batchgen doctor` (no checkpoint at hand)."""
+    native, flags = native_bf16()
+    if native:
+        return f"CPU: bfloat16 for checkpoints stored in bf16/fp16, float32 for float32 ones ({flags})"
+    return f"CPU: float32 ({flags}; bf16 would be emulated)"

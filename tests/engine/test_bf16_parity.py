@@ -1,0 +1,88 @@
+"""The engine in bf16 against transformers in bf16 on every parity architecture, under the reduced-
+precision policy (testkit/precision_policy): teacher-forced prompt logprobs agree at clear
+positions, greedy tokens agree up to transformers' own first near-tie. The float32 parity tests
+(test_parity) stay token-exact and pin float32."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen.engine.api.outputs import Logprob
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.llm import LLM
+from testkit import precision_policy as policy
+from testkit.tiny_models import EOS_ID, VOCAB
+
+from .conftest import ARCHITECTURES
+
+log = logging.getLogger(__name__)
+MAX_TOKENS = 16
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(46)
+    return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (5, 17, 40, 64, 100, 150, 33, 8)]
+
+
+PROMPTS = _prompts()
+_REFERENCE: dict[str, policy.Reference] = {}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_bf16_engine_meets_the_reduced_precision_policy(
+    arch: str, backend: str, tiny_model: Callable[[str], Path]
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model(arch)
+    ref = policy.reference(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval(), PROMPTS, MAX_TOKENS, EOS_ID
+    )
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", attention_backend=backend, compile=False, block_size=16)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
+    verdict = policy.judge(ref, PROMPTS, outputs)
+    log.info("%s/%s %s\n%s", arch, backend, verdict["prompt"], "\n".join(verdict["greedy"]))
+    assert verdict["clear_positions"] >= 50, verdict[
+        "prompt"
+    ]  # the check has teeth (Gemma 2's soft-capping flattens most)
+    assert verdict["ok"], f"{arch}/{backend}: {verdict['failures']}"
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["batched", "sdpa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_both_measured_decode_layouts_meet_the_policy(
+    arch: str, transposed: bool, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whichever key layout decode_layout measures faster here, the other one is right too (a
+    machine elsewhere takes it): the measurement is replaced by each answer in turn."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.cpu import backend
+
+    monkeypatch.setattr(backend, "keys_transposed", lambda *shape: transposed)
+    path = tiny_model(arch)
+    if arch not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        _REFERENCE[arch] = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", attention_backend="cpu", compile=False, block_size=16)
+    assert llm.engine.runner.backend.rows.keys_transposed is transposed
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
+    verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
+    assert verdict["ok"], f"{arch}/transposed={transposed}: {verdict['failures']}"
+
+
+def test_the_policy_fails_a_divergence_before_any_near_tie_and_a_wrong_top1() -> None:
+    assert not policy.check_greedy([5, 6, 9], [5, 6, 7], [2.0, 2.0, 2.0, 0.01]).ok
+    assert policy.check_greedy([5, 6, 9], [5, 6, 7], [2.0, 0.05, 2.0]).ok  # the tie at 1 came first
+    assert not policy.check_greedy([5], [5, 6], [2.0, 2.0]).ok  # stopped early with no near-tie
+    logits = torch.tensor([[4.0, 0.0, 0.0], [0.0, 4.0, 0.0]])  # clear positions: top-1 is 0, then 1
+    wrong = [None, {1: Logprob(-0.04, 1)}, {2: Logprob(-4.0, 2), 0: Logprob(-0.04, 1)}]  # top-1 1 then 0: both wrong
+    verdict = policy.check_prompt_logprobs([logits], [[0, 1, 2]], [wrong])
+    assert verdict.clear == 2 and verdict.top1_agree == 0 and not verdict.ok

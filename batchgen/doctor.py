@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import transformers
 
+from batchgen.engine.api.dtype_rule import host_rule, resolve_auto
 from batchgen.engine.platforms import platform_for
-from batchgen.engine.runner.dtype_rule import host_rule, resolve_auto
 
 
 def report(build: bool = False) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def report(build: bool = False) -> dict[str, Any]:
 
 
 def _dtype_auto(device: str) -> str:
-    """What model.dtype auto resolves to here, and why (engine/runner/dtype_rule)."""
+    """What model.dtype auto resolves to here, and why (engine/api/dtype_rule)."""
     if device == "cuda":
         return "CUDA: " + resolve_auto("cuda", None, torch.cuda.is_bf16_supported()).dtype
     return host_rule()

@@ -38,7 +38,7 @@ def matmul_gflops(dtype_name: str, n: int = MATMUL_N, seconds: float = 2.0) -> f
 
 def native_bf16_note() -> dict[str, Any]:
     """Whether this CPU computes bf16 natively (dtype_rule's flags), for a benchmark's bf16 rows."""
-    from batchgen.engine.runner.dtype_rule import native_bf16
+    from batchgen.engine.api.dtype_rule import native_bf16
 
     native, why = native_bf16()
     return {"native_bf16": native, "why": why if native else f"{why}: bf16 is emulated here, its rows say so"}

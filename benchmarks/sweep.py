@@ -13,7 +13,7 @@ produces exactly its max_tokens) in a fresh process of its own: the kernels are 
 The figure is output tokens/s; `native_vs_off` below 1.0 means the kernels made that shape slower.
 transformers runs `generate` in static batches of 16 (its padding costs are part of its figure).
 --precision runs instead the engine in float32, the engine with `dtype: auto` on the same weights
-stored in bf16 (bf16 where the CPU has it natively: engine/runner/dtype_rule) and transformers in
+stored in bf16 (bf16 where the CPU has it natively: engine/api/dtype_rule) and transformers in
 bf16, and reports each one's model GFLOP/s as a fraction of the 4096^3 matmul peak of its dtype,
 measured at the start of the same run (benchmarks/peak.py).
 """

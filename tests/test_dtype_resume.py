@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from batchgen import faults
 from batchgen.backends.native import NativeBackend
 from batchgen.cli import main
-from batchgen.engine.runner.dtype_rule import FLAGS_ENV
+from batchgen.engine.api.dtype_rule import FLAGS_ENV
 from testkit.tiny_models import save_random_model, tiny_configs
 from tests.conftest import make_job, write_job, write_parquet
 from tests.test_part_checks import _job, _record, _run

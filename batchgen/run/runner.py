@@ -155,7 +155,7 @@ class JobRunner:
     def _resolve_dtype(self, record: dict[str, Any]) -> None:
         """Log what model.dtype resolves to and why; `auto` on an output whose parts were all made in
         one dtype is pinned to it (runtime_record.recorded_dtype), here and on every worker."""
-        from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it imports torch to ask for CUDA
+        from batchgen.engine.api.dtype_rule import for_job  # why lazy: it imports torch to ask for CUDA
 
         model = self.spec.model
         held = recorded_dtype(record) if model.dtype == "auto" else None

@@ -233,7 +233,7 @@ def validate_model(spec: JobSpec) -> None:
 
 def dtype_line(spec: JobSpec) -> str:
     """ "model.dtype auto -> bfloat16 (why)": what the job's dtype resolves to on this machine."""
-    from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it asks torch for CUDA
+    from batchgen.engine.api.dtype_rule import for_job  # why lazy: it asks torch for CUDA
 
     return "model." + for_job(spec.model.dtype, spec.model.device, str(spec.model.path)).line(spec.model.dtype)
 

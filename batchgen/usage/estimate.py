@@ -241,7 +241,7 @@ def _token_stats(tok: dict[str, Any]) -> str:
 
 def _dtype(spec: JobSpec) -> dict[str, str]:
     """What model.dtype resolves to on this machine and why (the engine's dtype rule)."""
-    from batchgen.engine.runner.dtype_rule import for_job  # why lazy: it asks torch for CUDA
+    from batchgen.engine.api.dtype_rule import for_job  # why lazy: it asks torch for CUDA
 
     choice = for_job(spec.model.dtype, spec.model.device, str(spec.model.path))
     return {"setting": spec.model.dtype, "resolved": choice.dtype, "why": choice.why}

@@ -74,7 +74,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_path: str | None = None) -> torch.dtype:
     """ "auto": the device's Platform's for the checkpoint at `model_path` (CUDA: bf16 where supported;
-    CPU: engine/runner/dtype_rule: bf16 for a bf16/fp16 checkpoint on a CPU with native bf16, else
+    CPU: engine/api/dtype_rule: bf16 for a bf16/fp16 checkpoint on a CPU with native bf16, else
     float32); else the dtype named."""
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -399,3 +399,16 @@ def test_the_sorted_keys_can_be_read_twice(tmp_path: Path, run_bytes: int) -> No
     first = list(sorter.merged())
     assert first == sorted(zip(keys, range(50))) and list(sorter.merged()) == first
     assert bool(sorter.runs) == (run_bytes == 200)
+
+
+def test_a_group_value_no_other_row_has_keeps_input_order(tmp_path: Path) -> None:
+    from batchgen.inputs.grouping import group_key
+    from batchgen.inputs.key_sort import KeySorter, plan_parts
+
+    groups = ["t1", "a", "t2", "b", "t1", "c", "t2", "d"]  # a, b, c, d: one row each
+    sorter = KeySorter(str(tmp_path))
+    sorter.add([group_key(g) + bytes([i]) * 8 for i, g in enumerate(groups)], 0)
+    cut = plan_parts(sorter, 2)
+    parts = [cut.rows[a:b].tolist() for a, b in zip(cut.starts, cut.starts[1:])]
+    assert sorted(parts[:2]) == [[0, 4], [2, 6]]  # each shared value's rows in one part
+    assert parts[2:] == [[1, 3], [5, 7]] and cut.joined == [False] * 4  # the rest in input order

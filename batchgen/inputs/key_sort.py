@@ -142,11 +142,16 @@ def cut_parts(ordered: Iterator[tuple[bytes, int]], window: int, floor: int | No
 def neighbour_shares(ordered: Iterator[tuple[bytes, int]], rows: int) -> tuple[np.ndarray, int | None]:
     """[rows] uint8, by input position: 1 + the most leading blocks the row shares with a
     neighbour in key order (in a trie's order, the most it shares with any other row); and the
-    floor, the fewest any two neighbours share (None for fewer than two rows)."""
+    floor, the fewest any two neighbours share (None for fewer than two rows). A row with an
+    empty key (no request, or no full block) shares nothing and is left out of the floor: one bad
+    row must not make every row that has the header a group."""
     best = np.zeros(rows, np.uint8)
     floor: int | None = None
     last, before = b"", -1
     for key, row in ordered:
+        if not key:
+            best[row] = 1
+            continue
         shared = shared_blocks(last, key) if before >= 0 else 0
         best[row] = shared + 1
         if before >= 0:

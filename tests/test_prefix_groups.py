@@ -414,12 +414,12 @@ def test_a_group_value_no_other_row_has_keeps_input_order(tmp_path: Path) -> Non
     assert parts[2:] == [[1, 3], [5, 7]] and cut.joined == [False] * 4  # the rest in input order
 
 
-def test_a_row_without_a_key_does_not_make_a_group_of_the_header(tmp_path: Path) -> None:
-    from batchgen.inputs.key_sort import KeySorter, plan_parts
+def test_a_row_that_is_no_request_does_not_make_a_group_of_the_header(tmp_path: Path) -> None:
+    from batchgen.inputs.key_sort import NO_REQUEST, KeySorter, plan_parts
 
     header = b"H" * 16  # two blocks every keyed row starts with
     keys = [header + bytes([i]) * 8 for i in range(7)]
-    keys[3] = b""  # a row that is no request (a bad row) shares nothing with any row
+    keys[3] = NO_REQUEST  # a row that is no request (a bad row) shares nothing with any row
     sorter = KeySorter(str(tmp_path))
     sorter.add(keys, 0)
     cut = plan_parts(sorter, 3)

@@ -29,7 +29,7 @@ from typing import Any
 
 from batchgen.engine.core.block_manager import chain_block_hashes
 from batchgen.inputs.dataset import InputFile, plan_shards
-from batchgen.inputs.key_sort import HASH_BYTES, Cut, KeySorter, plan_parts
+from batchgen.inputs.key_sort import HASH_BYTES, NO_REQUEST, Cut, KeySorter, plan_parts
 from batchgen.inputs.prepare import RowPreparer, input_columns
 from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
@@ -70,9 +70,11 @@ def key_columns(spec: JobSpec) -> list[str]:
 def prompt_key(prompt_ids: list[int] | None, block_size: int, cut: bool = False) -> bytes:
     """The first HASH_BYTES of the chained hash of each of the prompt's leading full blocks (at
     most KEY_BLOCKS; the last token is always computed, so a block ending on it is left out, as
-    the block manager leaves it); empty for a row that is no request. `cut`: the ids are of the
+    the block manager leaves it); NO_REQUEST for a row that is no request. `cut`: the ids are of the
     prompt's first MAX_CHARS characters, so the last CUT_MARGIN tokens (which the rest of the text
     could have tokenized otherwise) are left out too."""
+    if prompt_ids is None:
+        return NO_REQUEST
     if not prompt_ids:
         return b""
     usable = len(prompt_ids) - (CUT_MARGIN if cut else 1)

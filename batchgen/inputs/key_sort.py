@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 HASH_BYTES = 8  # bytes of each block hash kept in a key
+NO_REQUEST = b"\x00"  # a row that is no request (a bad row): not a whole hash, so left out of the floor
 RUN_BYTES = 64 << 20  # key bytes (plus a per-row allowance) sorted in memory at a time
 _ROW_OVERHEAD = 96  # Python's cost of one (bytes, int) beyond the key's own bytes
 _MERGE_BATCH = 2048  # rows read from each run at a time while merging
@@ -142,14 +143,15 @@ def cut_parts(ordered: Iterator[tuple[bytes, int]], window: int, floor: int | No
 def neighbour_shares(ordered: Iterator[tuple[bytes, int]], rows: int) -> tuple[np.ndarray, int | None]:
     """[rows] uint8, by input position: 1 + the most leading blocks the row shares with a
     neighbour in key order (in a trie's order, the most it shares with any other row); and the
-    floor, the fewest any two neighbours share (None for fewer than two rows). A row with an
-    empty key (no request, or no full block) shares nothing and is left out of the floor: one bad
-    row must not make every row that has the header a group."""
+    floor, the fewest any two neighbours share (None for fewer than two rows). A row that is no
+    request (its key ends in NO_REQUEST, not a whole block hash) is left out of the floor: one bad
+    row must not make every row that has the header a group. A short prompt with no full block
+    still counts: it truly shares nothing with the others."""
     best = np.zeros(rows, np.uint8)
     floor: int | None = None
     last, before = b"", -1
     for key, row in ordered:
-        if not key:
+        if len(key) % HASH_BYTES:
             best[row] = 1
             continue
         shared = shared_blocks(last, key) if before >= 0 else 0

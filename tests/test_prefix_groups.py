@@ -339,3 +339,88 @@ def test_prefix_ordering_inside_a_part_skips_the_header_every_row_shares() -> No
     prompts = [header + docs[d] + [7] * n for d, n in rows]
     order = order_requests(prompts, "prefix")
     assert [rows[i][0] for i in order] == ["a", "a", "a", "b", "b"]  # each document's rows together
+
+
+UNIQUE_STARTS = (
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"  # one byte-level token each: no two rows share a block past the header
+)
+
+
+def _unique_prompts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"{UNIQUE_STARTS[i]} {' '.join(rng.choice(WORDS) for _ in range(20))}" for i in range(count)]
+
+
+def test_unique_prompts_under_a_chat_template_keep_input_order(tmp_path: Path, tiny_model_dir: Path) -> None:
+    rows = len(UNIQUE_STARTS)
+    system = " ".join(WORDS * 8)  # a header of several blocks every row has: the floor, not a group
+    messages = [
+        [{"role": "system", "content": system}, {"role": "user", "content": p}] for p in _unique_prompts(rows, 1)
+    ]
+    path = write_parquet(tmp_path / "chat.parquet", {"id": [f"r{i}" for i in range(rows)], "messages": messages})
+    job = make_job(tiny_model_dir, str(path), tmp_path / "out", engine=ENGINE)
+    job["input"] = {"path": str(path), "messages_column": "messages", "id_column": "id"}
+    spec = load_job(write_job(tmp_path / "job.yaml", job))
+    cut = make_cut(spec, open_inputs(spec.input.path, ["messages"]))
+    assert cut.rows.tolist() == list(range(rows))  # nothing shared: every part a contiguous run of the input
+    assert cut.starts == list(range(0, rows, ENGINE["window_rows"])) + [rows] and not any(cut.joined)
+
+
+def test_only_rows_that_share_a_prefix_move(tmp_path: Path, tiny_model_dir: Path) -> None:
+    rng = random.Random(7)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(4)]
+    shared = [f"{docs[d]} question {q}: {WORDS[q]}?" for d in range(4) for q in range(3)]  # 12 rows, 4 documents
+    prompts = [(p, f"d{i // 3}") for i, p in enumerate(shared)] + [(p, "-") for p in _unique_prompts(18, 2)]
+    rng.shuffle(prompts)
+    doc = [d for _, d in prompts]
+    data = {"id": [f"r{i}" for i in range(len(prompts))], "prompt": [p for p, _ in prompts]}
+    out = tmp_path / "out"
+    job = make_job(tiny_model_dir, str(write_parquet(tmp_path / "in.parquet", data)), out, engine=ENGINE)
+    spec = load_job(write_job(tmp_path / "job.yaml", job))
+    cut = make_cut(spec, open_inputs(spec.input.path, ["prompt"]))
+    parts = [cut.rows[a:b].tolist() for a, b in zip(cut.starts, cut.starts[1:])]
+    for d in {d for d in doc if d != "-"}:  # a document's rows together
+        assert sum(1 for part in parts if any(doc[r] == d for r in part)) == 1, d
+    singles = [r for r, d in enumerate(doc) if d == "-"]
+    assert cut.rows[12:].tolist() == singles  # the unshared rows after the grouped ones, in input order
+    assert [len(part) for part in parts if doc[part[0]] == "-"] == [6, 6, 6]  # in contiguous window-sized runs
+    assert all(doc[r] != "-" for part in parts[: len(parts) - 3] for r in part)
+
+
+@pytest.mark.parametrize("run_bytes", [1 << 30, 200])
+def test_the_sorted_keys_can_be_read_twice(tmp_path: Path, run_bytes: int) -> None:
+    from batchgen.inputs.key_sort import KeySorter
+
+    rng = random.Random(0)
+    keys = [bytes(rng.randrange(4) for _ in range(8 * rng.randrange(1, 3))) for _ in range(50)]
+    sorter = KeySorter(str(tmp_path), run_bytes=run_bytes)
+    sorter.add(keys[:20], 0)
+    sorter.add(keys[20:], 20)
+    first = list(sorter.merged())
+    assert first == sorted(zip(keys, range(50))) and list(sorter.merged()) == first
+    assert bool(sorter.runs) == (run_bytes == 200)
+
+
+def test_a_group_value_no_other_row_has_keeps_input_order(tmp_path: Path) -> None:
+    from batchgen.inputs.grouping import group_key
+    from batchgen.inputs.key_sort import KeySorter, plan_parts
+
+    groups = ["t1", "a", "t2", "b", "t1", "c", "t2", "d"]  # a, b, c, d: one row each
+    sorter = KeySorter(str(tmp_path))
+    sorter.add([group_key(g) + bytes([i]) * 8 for i, g in enumerate(groups)], 0)
+    cut = plan_parts(sorter, 2)
+    parts = [cut.rows[a:b].tolist() for a, b in zip(cut.starts, cut.starts[1:])]
+    assert sorted(parts[:2]) == [[0, 4], [2, 6]]  # each shared value's rows in one part
+    assert parts[2:] == [[1, 3], [5, 7]] and cut.joined == [False] * 4  # the rest in input order
+
+
+def test_a_row_that_is_no_request_does_not_make_a_group_of_the_header(tmp_path: Path) -> None:
+    from batchgen.inputs.key_sort import NO_REQUEST, KeySorter, plan_parts
+
+    header = b"H" * 16  # two blocks every keyed row starts with
+    keys = [header + bytes([i]) * 8 for i in range(7)]
+    keys[3] = NO_REQUEST  # a row that is no request (a bad row) shares nothing with any row
+    sorter = KeySorter(str(tmp_path))
+    sorter.add(keys, 0)
+    cut = plan_parts(sorter, 3)
+    assert cut.rows.tolist() == list(range(7)) and cut.starts == [0, 3, 6, 7]

@@ -9,6 +9,11 @@ chained hashes of its leading full KV blocks, made by the block manager's own ch
 the hash of that column's value comes first, so the user's groups are never mixed. Rows are
 sorted by key over the whole input in bounded memory (key_sort) and parts cut along that order.
 
+Only rows that share a prefix move. A row that shares nothing with another row beyond the
+prefix every row has (a chat template's header; with a group column, a value no other row has)
+keys by what is effectively a random hash: sorting would scatter it over the input for nothing.
+Such rows keep input order, in contiguous parts after the grouped ones (key_sort.plan_parts).
+
 The plan is a pure function of the input, the job and the tokenizer: every process that computes
 it gets the same one. It is still stored once in the output (outputs/plan_file) and read back by
 every other run, shard and worker, so they never depend on computing it alike.
@@ -24,7 +29,7 @@ from typing import Any
 
 from batchgen.engine.core.block_manager import chain_block_hashes
 from batchgen.inputs.dataset import InputFile, plan_shards
-from batchgen.inputs.key_sort import HASH_BYTES, Cut, KeySorter, cut_parts
+from batchgen.inputs.key_sort import HASH_BYTES, NO_REQUEST, Cut, KeySorter, plan_parts
 from batchgen.inputs.prepare import RowPreparer, input_columns
 from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
@@ -65,9 +70,11 @@ def key_columns(spec: JobSpec) -> list[str]:
 def prompt_key(prompt_ids: list[int] | None, block_size: int, cut: bool = False) -> bytes:
     """The first HASH_BYTES of the chained hash of each of the prompt's leading full blocks (at
     most KEY_BLOCKS; the last token is always computed, so a block ending on it is left out, as
-    the block manager leaves it); empty for a row that is no request. `cut`: the ids are of the
+    the block manager leaves it); NO_REQUEST for a row that is no request. `cut`: the ids are of the
     prompt's first MAX_CHARS characters, so the last CUT_MARGIN tokens (which the rest of the text
     could have tokenized otherwise) are left out too."""
+    if prompt_ids is None:
+        return NO_REQUEST
     if not prompt_ids:
         return b""
     usable = len(prompt_ids) - (CUT_MARGIN if cut else 1)
@@ -82,7 +89,8 @@ def group_key(value: Any) -> bytes:
 
 
 def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: int) -> Cut:
-    """The job's parts: every planned row (input.limit respected) in key order, cut by window_rows."""
+    """The job's parts: every planned row (input.limit respected), those sharing a prefix in key
+    order, the others in input order, cut by window_rows."""
     preparer = RowPreparer(spec, tokenizer, 1 << 62)
     group = spec.input.group_column
     with tempfile.TemporaryDirectory(prefix="batchgen-plan-") as folder:
@@ -97,6 +105,6 @@ def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: 
             if group is not None:
                 keys = [group_key(v) + k for v, k in zip(table.column(group).to_pylist(), keys)]
             sorter.add(keys, offsets[shard.file_index] + shard.start)
-        cut = cut_parts(sorter.merged(), spec.engine.window_rows)
+        cut = plan_parts(sorter, spec.engine.window_rows)
     log.info("prefix plan: %d rows in %d parts (%d spilled runs)", len(cut.rows), len(cut.starts) - 1, len(sorter.runs))
     return cut

@@ -121,7 +121,7 @@ def test_sections_are_derived_from_the_engine_dataclasses() -> None:
 
 
 def test_a_field_added_to_the_engine_config_appears_in_the_job_file() -> None:
-    @dataclasses.dataclass
+    @dataclasses.dataclass(frozen=True)
     class WithNewField(EngineConfig):
         decode_kv: Literal["gathered", "rows"] | None = None
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from batchgen.engine.api.params import SettingError, is_int
-from batchgen.engine.api.platform import Platform
+
+if TYPE_CHECKING:  # why: the job file reads EngineConfig's fields, and a finished job must not import torch
+    import torch
+
+    from batchgen.engine.api.platform import Platform
 
 
 @dataclass(frozen=True)

@@ -17,19 +17,14 @@ process on a machine takes the same path (their tokens agree). float32 keeps its
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
 from batchgen.engine.attention.torch_math import _batched_decode_attention
-from batchgen.engine.cpu import native
+from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +36,10 @@ def keys_transposed(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int
     """Whether decode rows of this shape store keys transposed (batched products) rather than as rows (SDPA)."""
     if dtype == torch.float32:
         return True
-    path = _cache_path(f"{dtype}\0{kv_heads}\0{group}\0{head_dim}")
-    stored = _read(path)
+    path = choice_path("decode-layout", f"{dtype}\0{kv_heads}\0{group}\0{head_dim}")
+    stored = read_choice(path, "transposed")
     if stored is not None:
-        return stored
+        return bool(stored)
     batched, sdpa = _time_both(dtype, kv_heads, group, head_dim)
     if batched >= sdpa:  # a second round first: a busy spell can stall oneDNN's threads for a whole round
         again = _time_both(dtype, kv_heads, group, head_dim)
@@ -54,7 +49,7 @@ def keys_transposed(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int
         "decode attention in %s (KVH %d, G %d, D %d): batched products %.2f ms, SDPA %.2f ms: %s",
         dtype, kv_heads, group, head_dim, batched * 1e3, sdpa * 1e3, "batched" if choice else "SDPA",
     )  # fmt: skip
-    return _write_once(path, choice, {"batched_s": batched, "sdpa_s": sdpa})
+    return bool(write_once(path, "transposed", {"transposed": choice, "batched_s": batched, "sdpa_s": sdpa}))
 
 
 def _time_both(dtype: torch.dtype, kvh: int, g: int, d: int) -> tuple[float, float]:
@@ -85,38 +80,3 @@ def _time_both(dtype: torch.dtype, kvh: int, g: int, d: int) -> tuple[float, flo
                 if i:
                     best[side] = min(best[side], time.perf_counter() - started)
     return best[0], best[1]
-
-
-def _cache_path(key: str) -> Path:
-    what = f"{torch.__version__}\0{torch.get_num_threads()}\0{key}"
-    return native.cache_dir() / "decode-layout" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
-
-
-def _read(path: Path) -> bool | None:
-    try:
-        return bool(json.loads(path.read_text())["transposed"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _write_once(path: Path, choice: bool, timings: dict[str, float]) -> bool:
-    """Store `choice` unless another process stored one first; the stored one either way."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        logger.warning("decode layout not cached (%s): it is measured again in the next process", exc)
-        return choice
-    with os.fdopen(fd, "w") as f:
-        json.dump({"transposed": choice, **timings, "torch": torch.__version__}, f)
-    try:
-        os.link(tmp, path)  # never replaces: the first process's measurement is everyone's
-    except FileExistsError:
-        pass
-    except OSError:
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    stored = _read(path)
-    return choice if stored is None else stored

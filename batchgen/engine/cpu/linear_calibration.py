@@ -20,11 +20,7 @@ depend on which process timed what.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from batchgen.engine.cpu import native
+from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +64,11 @@ def masks(
     deadline = time.monotonic() + BUDGET_SECONDS
     out = {}
     for key, layers in groups.items():
-        path = _cache_path(library, key)
-        cached = _read(path)
+        path = choice_path("linear-calibration", f"{library.name}\0{key}")
+        cached = read_choice(path, "mask")
         if cached is None:
-            cached = _write_once(path, measure(layers, kernel, deadline))
-        out[key] = cached
+            cached = write_once(path, "mask", {"mask": measure(layers, kernel, deadline)})
+        out[key] = int(cached)
     return out
 
 
@@ -107,40 +103,3 @@ def _best_of(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], x: torc
             if i:
                 best = min(best, time.perf_counter() - started)
     return best
-
-
-def _cache_path(library: Path, key: str) -> Path:
-    what = f"{library.name}\0{torch.__version__}\0{torch.get_num_threads()}\0{key}"
-    return native.cache_dir() / "linear-calibration" / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
-
-
-def _read(path: Path) -> int | None:
-    try:
-        return int(json.loads(path.read_text())["mask"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _write_once(path: Path, mask: int) -> int:
-    """Store `mask` unless another process stored one first; the stored one either way (`mask`
-    itself where the cache cannot be written: a read-only home measures again next time)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
-    except OSError as exc:
-        logger.warning("linear calibration not cached (%s): it is measured again in the next process", exc)
-        return mask
-    with os.fdopen(fd, "w") as f:
-        json.dump({"mask": mask, "threads": torch.get_num_threads(), "torch": torch.__version__}, f)
-    try:
-        os.link(tmp, path)  # never replaces: the first process's measurement is everyone's
-    except FileExistsError:
-        pass
-    except OSError as exc:  # a file system without hard links: a rename, which may replace a twin's
-        logger.debug("no hard link for %s (%s): renamed", path, exc)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    stored = _read(path)
-    return mask if stored is None else stored

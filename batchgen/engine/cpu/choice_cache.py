@@ -1,0 +1,62 @@
+"""A choice measured on this machine (a linear kernel mask, a decode key layout), cached on disk
+and written once.
+
+Why write-once: two processes that measure at the same moment on a busy machine can disagree; the
+first one stored is every process's answer from then on, so identical runs take identical paths.
+A cache that cannot be written (a read-only home) only means measuring again in the next process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchgen.engine.cpu import native
+
+logger = logging.getLogger(__name__)
+
+
+def choice_path(folder: str, key: str) -> Path:
+    """Where the choice for `key` is cached: per torch version and thread count (both move timings)."""
+    what = f"{torch.__version__}\0{torch.get_num_threads()}\0{key}"
+    return native.cache_dir() / folder / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
+
+
+def read_choice(path: Path, field: str) -> Any | None:
+    """The stored choice's `field`, or None where nothing (readable) is stored."""
+    try:
+        return json.loads(path.read_text())[field]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_once(path: Path, field: str, record: dict[str, Any]) -> Any:
+    """Store `record` unless another process stored one first; the stored `field` either way
+    (`record[field]` itself where the cache cannot be written)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        logger.warning("%s not cached (%s): it is measured again in the next process", path.parent.name, exc)
+        return record[field]
+    with os.fdopen(fd, "w") as f:
+        json.dump({**record, "threads": torch.get_num_threads(), "torch": torch.__version__}, f)
+    try:
+        os.link(tmp, path)  # never replaces: the first process's measurement is everyone's
+    except FileExistsError:
+        pass
+    except OSError as exc:  # a file system without hard links: a rename, which may replace a twin's
+        logger.debug("no hard link for %s (%s): renamed", path, exc)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    stored = read_choice(path, field)
+    return record[field] if stored is None else stored

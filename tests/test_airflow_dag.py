@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ from tests.conftest import make_job, write_job, write_parquet
 ROOT = Path(__file__).resolve().parent.parent
 AIRFLOW = Path(os.environ.get("BATCHGEN_AIRFLOW_VENV", ROOT / ".venv-airflow")) / "bin" / "airflow"
 DAG = ROOT / "examples" / "airflow" / "batchgen_dag.py"
-ROWS = 24  # window 4: 6 parts, 2 per shard of 3
+ROWS = 24  # window 4: 6 or more parts over 3 shards
 WORDS = ["once", "upon", "a", "time", "the", "little", "cat", "dog", "played", "sun"]
 PREAMBLE = " ".join(WORDS * 4)  # whole shared prefix-cache blocks, so cached_tokens means something
 SAME = ["id", "generated_text", "finish_reason", "error_code", "input_tokens", "output_tokens"]
@@ -74,8 +75,10 @@ def test_airflow_dags_test_runs_the_example_dag_on_three_shards(tmp_path: Path, 
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-5000:]
     assert "DagRun Finished: dag_id=batchgen_sharded" in log and "state=success" in log, log[-5000:]
-    for i in range(3):
-        assert f"shard {i}/3: 8 rows ok, 0 failed" in log, log[-5000:]
+    # a shard takes consecutive runs of whole prefix groups (README: static shards), so its row count
+    # follows the plan; together the three take every row once, none failed
+    counts = {int(i): int(n) for i, n in re.findall(r"shard (\d)/3: (\d+) rows ok, 0 failed", log)}
+    assert sorted(counts) == [0, 1, 2] and sum(counts.values()) == ROWS, log[-5000:]
     assert "totals match _SUCCESS" in log  # the report task's JSON (its XCom)
     plain_job, plain = _job(tmp_path, tiny_model_dir, "plain")
     ran = subprocess.run([sys.executable, "-m", "batchgen", "run", str(plain_job), "--quiet"], env=env, timeout=300)

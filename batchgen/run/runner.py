@@ -109,13 +109,14 @@ class JobRunner:
         else:
             self._claim_output(state, record)
             committed = state.committed_parts()
-        self._resolve_dtype({} if self.overwrite else state.read_record() or {})
+        stored = state.read_record() or {}  # (as claimed: ours, or the first run's)
+        self._resolve_dtype({} if self.overwrite else stored)
         layout = self.layout  # (_claim_output may have taken another run's stored plan)
         shards = layout.parts
         owns = shard_owns(layout, self.shard)
         mine = [s for s in shards if owns is None or owns(s.index)]
         # Why read whole: a kept part is trusted only when it is the one this job committed (part_record).
-        audit = audit_parts(writer.storage, committed, {s.index: s.num_rows for s in mine}, state.read_record() or {})
+        audit = audit_parts(writer.storage, committed, {s.index: s.num_rows for s in mine}, stored)
         redone = redo_bad_parts(writer.storage, committed, audit)
         totals = Totals()
         for part_totals in audit.kept.values():

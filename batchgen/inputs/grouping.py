@@ -30,6 +30,7 @@ from typing import Any
 from batchgen.engine.core.block_manager import chain_block_hashes
 from batchgen.inputs.dataset import InputFile, plan_shards
 from batchgen.inputs.key_sort import HASH_BYTES, NO_REQUEST, Cut, KeySorter, plan_parts
+from batchgen.inputs.part_rows import file_offsets
 from batchgen.inputs.prepare import RowPreparer, input_columns
 from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
@@ -95,16 +96,14 @@ def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: 
     group = spec.input.group_column
     with tempfile.TemporaryDirectory(prefix="batchgen-plan-") as folder:
         sorter = KeySorter(folder)
-        offsets = [0]
-        for f in files:
-            offsets.append(offsets[-1] + f.num_rows)
+        offsets = file_offsets(files)
         chunks = plan_shards(files, READ_ROWS, spec.input.limit)
         max_chars = (KEY_BLOCKS * block_size + CUT_MARGIN) * CHARS_PER_KEY_TOKEN
         for shard, table in read_shards(files, chunks, key_columns(spec)):
             keys = [prompt_key(ids, block_size, cut) for ids, cut in preparer.prompt_ids(table, max_chars)]
             if group is not None:
                 keys = [group_key(v) + k for v, k in zip(table.column(group).to_pylist(), keys)]
-            sorter.add(keys, offsets[shard.file_index] + shard.start)
+            sorter.add(keys, int(offsets[shard.file_index]) + shard.start)
         cut = plan_parts(sorter, spec.engine.window_rows)
     log.info("prefix plan: %d rows in %d parts (%d spilled runs)", len(cut.rows), len(cut.starts) - 1, len(sorter.runs))
     return cut

@@ -27,7 +27,7 @@ import logging
 import tempfile
 from typing import Any
 
-from batchgen.engine.core.block_manager import chain_block_hashes
+from batchgen.engine.core.block_hash import chain_block_hashes
 from batchgen.inputs.dataset import InputFile, plan_shards
 from batchgen.inputs.key_sort import HASH_BYTES, NO_REQUEST, Cut, KeySorter, plan_parts
 from batchgen.inputs.part_rows import file_offsets

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.block_manager import BlockManager, hash_block_tokens
+from batchgen.engine.core.block_hash import hash_block_tokens
+from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.sequence import Sequence
 
 
@@ -198,7 +199,7 @@ def test_invalid_pool_is_rejected() -> None:
 
 def test_hashes_are_equal_across_processes() -> None:
     code = (
-        "from batchgen.engine.core.block_manager import hash_block_tokens as h;"
+        "from batchgen.engine.core.block_hash import hash_block_tokens as h;"
         "print(h(h(b'batchgen-prefix-v1', [1, 2, 3, 4]), [5, 6, 2**40, 0]).hex())"
     )
     outs = []

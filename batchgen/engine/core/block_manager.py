@@ -1,7 +1,8 @@
 """BlockManager: the KV block pool — ref counts, the LRU free list and the prefix hash table.
 
-All prefix-cache hashing lives here; the scheduler only sees block ids and token counts through
-three calls: `get_computed_blocks` (match), `allocate_slots` (allocate) and `free`. The block
+The prefix hash table lives here (what a hash covers: core/block_hash); the scheduler only
+sees block ids and token counts through three calls: `get_computed_blocks` (match),
+`allocate_slots` (allocate) and `free`. The block
 tables live here too, keyed by sequence id (`block_table(seq_id)`): a Sequence holds no blocks,
 so nothing but this pool writes them, and the scheduler hands the runner copies (its chunks).
 
@@ -21,44 +22,14 @@ the step's forward (`take_copies`); the last holder writes in place.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import sys
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from batchgen.engine.core.block_hash import chain_block_hashes
 from batchgen.engine.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-_ROOT_HASH = b"batchgen-prefix-v1"  # parent of a sequence's first block
-
-
-def hash_block_tokens(parent_hash: bytes, token_ids: list[int]) -> bytes:
-    """Chained hash of one full block: digest(parent digest + tokens as little-endian int64).
-
-    Deterministic across processes and machines (unlike Python's salted `hash()`), so a hash
-    means the same K/V content everywhere. Chaining makes a block's hash identify the whole
-    prefix up to and including it, not just its own tokens.
-    """
-    packed = array("q", token_ids)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    h = hashlib.blake2b(parent_hash, digest_size=32)
-    h.update(packed.tobytes())
-    return h.digest()
-
-
-def chain_block_hashes(token_ids: list[int], block_size: int, num_blocks: int, done: list[bytes]) -> list[bytes]:
-    """`done` (the chained hashes of the first len(done) full blocks of `token_ids`) extended to
-    the first `num_blocks`, in place; returned. The one chain every prefix-cache key is made of:
-    the pool's own lookups and the job's prefix grouping (batchgen.inputs.grouping) both call it."""
-    while len(done) < num_blocks:
-        i = len(done)
-        parent = done[-1] if done else _ROOT_HASH
-        done.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size]))
-    return done
 
 
 @dataclass
@@ -310,7 +281,7 @@ class BlockManager:
     def _hashes_upto(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The sequence's chained block hashes for its first `num_blocks` full blocks (cached)."""
         state = self._seq_hashes.setdefault(seq.seq_id, _SeqHashes())
-        return chain_block_hashes(seq.token_ids, self.block_size, num_blocks, state.hashes)
+        return chain_block_hashes(seq.token_ids, self.block_size, num_blocks, state.hashes, seq.extras)
 
     def _register_full_blocks(self, seq: Sequence, num_covered_tokens: int) -> None:
         """Hash every block of the table that is full of known tokens and not yet registered."""

@@ -22,12 +22,14 @@ from batchgen.engine.api.params import SEED_MAX, SamplingParams
 
 @dataclass(frozen=True)
 class RequestExtras:
-    """What a request adds to its tokens for the runner, as data that rides in the scheduler's
-    output (NewSequence), never a callback. Empty today; the places are kept for per-row adapters
-    (the slot of the request's LoRA), images (each one's content hash, for the block hashes, and the
-    positions its embeddings fill) and multi-axis rotary positions (M-RoPE: [axes][prompt tokens])."""
+    """What a request adds to its tokens, as data that rides in the scheduler's output
+    (NewSequence), never a callback: its adapter (LoRA) by content hash, its images (each one's
+    content hash and the positions its embeddings fill) and multi-axis rotary positions (M-RoPE:
+    [axes][prompt tokens]). The hashes join the request's block hashes (core/block_hash: the one
+    rule). Which slot an adapter occupies is the step's business, not the request's: slots change
+    as adapters load and leave, a request's content does not."""
 
-    adapter_slot: int | None = None
+    adapter_hash: bytes = b""  # content hash of the request's adapter; b"": the base model
     image_hashes: tuple[bytes, ...] = ()
     image_positions: tuple[tuple[int, int], ...] = ()  # (first position, count) per image
     rotary_positions: tuple[tuple[int, ...], ...] = ()

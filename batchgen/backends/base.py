@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 
 OnOutput = Callable[[RequestOutput], None]
+# A prompt: token ids, or an image row's vLLM-style {"prompt_token_ids", "multi_modal_data"} (the
+# native backend only: a job with input.image_column is refused on any other at load).
+EnginePrompt = list[int] | dict[str, Any]
 
 
 class Backend(Protocol):
@@ -28,5 +31,5 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
+        self, prompts: Sequence[EnginePrompt], params: list[SamplingParams], on_output: OnOutput | None = None
     ) -> list[RequestOutput]: ...

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from batchgen.backends.base import OnOutput
+from batchgen.backends.base import EnginePrompt, OnOutput
 from batchgen.backends.weights import weight_errors_as_model_errors
 from batchgen.engine.api.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.api.params import SamplingParams
@@ -66,6 +67,13 @@ class HFBackend:
         return dict(self.runtime)
 
     def generate(
+        self, prompts: Sequence[EnginePrompt], params: list[SamplingParams], on_output: OnOutput | None = None
+    ) -> list[RequestOutput]:
+        if any(not isinstance(p, list) for p in prompts):  # why: a job with images is refused on hf at load
+            raise ValueError("engine.backend hf does not read images; use engine.backend native")
+        return self._generate([p for p in prompts if isinstance(p, list)], params, on_output)
+
+    def _generate(
         self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
     ) -> list[RequestOutput]:
         for p in params:  # why: the job file refuses these at load; a library caller learns it here

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from batchgen.backends.base import OnOutput
+from batchgen.backends.base import EnginePrompt, OnOutput
 from batchgen.backends.weights import weight_errors_as_model_errors
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
@@ -43,9 +44,9 @@ class NativeBackend:
         return {**self.runtime, **(engine() if callable(engine) else {})}
 
     def generate(
-        self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
+        self, prompts: Sequence[EnginePrompt], params: list[SamplingParams], on_output: OnOutput | None = None
     ) -> list[RequestOutput]:
-        return self.llm.generate(prompts, params, on_output=on_output)
+        return self.llm.generate(list(prompts), params, on_output=on_output)
 
     @property
     def stats(self) -> dict[str, int]:

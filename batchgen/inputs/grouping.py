@@ -28,16 +28,18 @@ import tempfile
 from typing import Any
 
 from batchgen.engine.core.block_hash import chain_block_hashes
+from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
 from batchgen.inputs.dataset import InputFile, plan_shards
 from batchgen.inputs.key_sort import HASH_BYTES, NO_REQUEST, Cut, KeySorter, plan_parts
 from batchgen.inputs.part_rows import file_offsets
-from batchgen.inputs.prepare import RowPreparer, input_columns
+from batchgen.inputs.prepare import RowPreparer, image_folder, input_columns
 from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
 
 log = logging.getLogger(__name__)
 KEY_BLOCKS = 64  # leading KV blocks a key holds (at block size 16: the first 1024 tokens)
 READ_ROWS = 8192  # rows tokenized at a time in the key pass
+IMAGE_READ_ROWS = 256  # with input.image_column: a read holds the rows' image bytes
 # Why a character budget: only the first KEY_BLOCKS blocks make a key, so a long prompt (a RAG
 # context of thousands of tokens) is tokenized only so far. Budget / tokens: 8 characters a token
 # at least, plenty for natural text; a text denser than that only gets a shorter key.
@@ -62,25 +64,28 @@ def key_columns(spec: JobSpec) -> list[str]:
     if i.format == "openai_batch":  # a request's prompt and whether it can be served: its request columns
         names = input_columns(spec)
     else:
-        names = [c for c in (i.prompt_column or i.messages_column,) if c is not None]
+        names = [c for c in (i.prompt_column or i.messages_column, i.image_column) if c is not None]
     if i.group_column is not None:
         names.append(i.group_column)
     return list(dict.fromkeys(names))
 
 
-def prompt_key(prompt_ids: list[int] | None, block_size: int, cut: bool = False) -> bytes:
+def prompt_key(
+    prompt_ids: list[int] | None, block_size: int, cut: bool = False, extras: RequestExtras = NO_EXTRAS
+) -> bytes:
     """The first HASH_BYTES of the chained hash of each of the prompt's leading full blocks (at
     most KEY_BLOCKS; the last token is always computed, so a block ending on it is left out, as
     the block manager leaves it); NO_REQUEST for a row that is no request. `cut`: the ids are of the
     prompt's first MAX_CHARS characters, so the last CUT_MARGIN tokens (which the rest of the text
-    could have tokenized otherwise) are left out too."""
+    could have tokenized otherwise) are left out too. `extras`: the row's images (content hash and
+    positions), hashed into the blocks they cover as the engine's cache hashes them."""
     if prompt_ids is None:
         return NO_REQUEST
     if not prompt_ids:
         return b""
     usable = len(prompt_ids) - (CUT_MARGIN if cut else 1)
     blocks = max(0, min(usable // block_size, KEY_BLOCKS))
-    return b"".join(h[:HASH_BYTES] for h in chain_block_hashes(prompt_ids, block_size, blocks, []))
+    return b"".join(h[:HASH_BYTES] for h in chain_block_hashes(prompt_ids, block_size, blocks, [], extras))
 
 
 def group_key(value: Any) -> bytes:
@@ -97,10 +102,13 @@ def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: 
     with tempfile.TemporaryDirectory(prefix="batchgen-plan-") as folder:
         sorter = KeySorter(folder)
         offsets = file_offsets(files)
-        chunks = plan_shards(files, READ_ROWS, spec.input.limit)
+        images = preparer.vision is not None
+        chunks = plan_shards(files, IMAGE_READ_ROWS if images else READ_ROWS, spec.input.limit)
         max_chars = (KEY_BLOCKS * block_size + CUT_MARGIN) * CHARS_PER_KEY_TOKEN
         for shard, table in read_shards(files, chunks, key_columns(spec)):
-            keys = [prompt_key(ids, block_size, cut) for ids, cut in preparer.prompt_ids(table, max_chars)]
+            where = image_folder(files[shard.file_index]) if images else None
+            prompts = preparer.prompt_ids(table, max_chars, where)
+            keys = [prompt_key(ids, block_size, cut, row.extras()) for ids, cut, row in prompts]
             if group is not None:
                 keys = [group_key(v) + k for v, k in zip(table.column(group).to_pylist(), keys)]
             sorter.add(keys, int(offsets[shard.file_index]) + shard.start)

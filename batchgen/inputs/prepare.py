@@ -17,6 +17,7 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
 from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
+from batchgen.inputs.image_cells import CellError, Folder, ImageData
 from batchgen.inputs.part_rows import PartRows
 from batchgen.inputs.row_names import row_ids, row_keys, row_labels
 from batchgen.inputs.text_formats import line_problems
@@ -34,6 +35,8 @@ class PreparedRow:
     error_message: str | None = None
     label: str = ""  # names the row in messages: file, row index, id (see row_labels)
     unreadable: bool = False  # its input line did not parse: that, not its (null) id, is its error
+    images: list[ImageData] | None = None  # an image job's row: its images (compressed bytes, never pixels)
+    image_positions: list[tuple[int, int]] | None = None  # (first position, count) of each image's tokens
 
     @property
     def ok(self) -> bool:
@@ -45,6 +48,23 @@ class PreparedRow:
             raise ValueError(f"an error row ({self.error_code}) has no request")
         return self.prompt_ids, self.params
 
+    def engine_prompt(self) -> list[int] | dict[str, Any]:
+        """What the engine is handed: the ids, or with images vLLM's {"prompt_token_ids",
+        "multi_modal_data"} with each image opened lazily now (decoded when the engine admits it)."""
+        ids, _ = self.request()
+        if not self.images:
+            return ids
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": [image.open() for image in self.images]}}
+
+    def extras(self) -> Any:
+        """The request's RequestExtras for its block hashes (its images' content hashes and positions)."""
+        from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
+
+        if not self.images or self.image_positions is None:
+            return NO_EXTRAS
+        hashes = tuple(image.content_hash for image in self.images)
+        return RequestExtras(image_hashes=hashes, image_positions=tuple(self.image_positions))
+
     def fail(self, code: str, message: str) -> None:
         """Make this an error row: `code` goes to error_code, `message` (naming the row) to error_message."""
         self.error_code, self.error_message = code, message
@@ -53,7 +73,7 @@ class PreparedRow:
 def input_columns(spec: JobSpec) -> list[str]:
     """Columns the job must read from every input file."""
     i = spec.input
-    names = [i.prompt_column or i.messages_column, i.id_column, *i.sampling_columns.values()]
+    names = [i.prompt_column or i.messages_column, i.image_column, i.id_column, *i.sampling_columns.values()]
     if i.format == "openai_batch":  # a chat request's messages, a completion's prompt, and which it is
         names += ["messages", "url", "json_schema", "logprobs_requested", "dimensions"]
     if spec.pooling is not None and spec.pooling.document_column is not None:  # score pairs' second text
@@ -87,16 +107,27 @@ class RowPreparer:
         self.base_params = spec.sampling.model_dump()
         self._schemas: dict[str, Any] = {}  # schema text -> structured spec, or the RowError it makes
         self._templated: set[int] = set()  # OpenAI batch rows of this table rendered by the chat template
+        self.vision = None
+        if spec.input.image_column is not None:
+            from batchgen.inputs.vision_rows import VisionRows
 
-    def prepare(self, table: pa.Table, labels: list[str], keys: list[str]) -> list[PreparedRow]:
+            self.vision = VisionRows.load(spec)
+
+    def prepare(
+        self, table: pa.Table, labels: list[str], keys: list[str], folders: list[Folder] | None = None
+    ) -> list[PreparedRow]:
         """`labels[i]` names row i in messages (file, row index, id); `keys[i]` identifies it
-        across runs (see row_keys): the run seed is combined with it."""
+        across runs (see row_keys): the run seed is combined with it. `folders[i]`: where row i's
+        relative image paths resolve (image jobs)."""
         rows = [PreparedRow(label=label) for label in labels]
         for i, code, message in line_problems(table):  # a line that did not parse fails first
             rows[i].fail(code, f"{labels[i]}: {message}")
             rows[i].unreadable = True
         texts = self._texts(table, rows, labels)
-        self._tokenize(texts, rows, labels)
+        if self.vision is not None:
+            self._image_prompts(table, texts, rows, labels, folders)
+        else:
+            self._tokenize(texts, rows, labels)
         self._sampling(table, rows, labels, keys)
         return rows
 
@@ -106,7 +137,8 @@ class RowPreparer:
         """Prepare a part's rows; a repeated id (see duplicate_ids) fails, its first use is served; a null id fails."""
         labels = row_labels(self.spec, files, part.file_index, part.file_row, part.table)
         ids = row_ids(files, part.file_index, part.file_row)
-        rows = self.prepare(part.table, labels, row_keys(self.spec, part.table, ids))
+        folders = [image_folder(files[f]) for f in part.file_index] if self.vision is not None else None
+        rows = self.prepare(part.table, labels, row_keys(self.spec, part.table, ids), folders)
         for i, row in enumerate(rows):
             problem = duplicates.get((part.file_index[i], part.file_row[i]))
             if problem is not None and not row.unreadable:
@@ -114,12 +146,16 @@ class RowPreparer:
                 row.prompt_ids = None
         return rows
 
-    def prompt_ids(self, table: pa.Table, max_chars: int) -> list[tuple[list[int] | None, bool]]:
-        """(token ids, cut) of each row's prompt as `prepare` makes it (chat template, special
-        tokens), whatever its length; ids None for a row that cannot be a request. Only the
-        prompt's columns are read: the prefix plan (batchgen.inputs.grouping) keys every row by
-        them, and needs only their first blocks: a rendered prompt longer than `max_chars`
-        characters is tokenized that far only (`cut` True; the caller drops the tokens near the cut)."""
+    def prompt_ids(
+        self, table: pa.Table, max_chars: int, folder: Folder | None = None
+    ) -> list[tuple[list[int] | None, bool, PreparedRow]]:
+        """(token ids, cut, row) of each row's prompt as `prepare` makes it (chat template, special
+        tokens; an image job's images expanded, their content hashes on the row: PreparedRow.extras),
+        whatever its length; ids None for a row that cannot be a request. Only the prompt's columns
+        are read: the prefix plan (batchgen.inputs.grouping) keys every row by them, and needs only
+        their first blocks: a rendered prompt longer than `max_chars` characters is tokenized that
+        far only (`cut` True; the caller drops the tokens near the cut). `folder`: where the table's
+        relative image paths resolve."""
         rows = [PreparedRow() for _ in range(table.num_rows)]
         for i, code, message in line_problems(table):
             rows[i].fail(code, message)
@@ -128,10 +164,38 @@ class RowPreparer:
         texts = {i: text[:max_chars] for i, text in texts.items()}
         limit, self.max_model_len = self.max_model_len, 1 << 62
         try:
-            self._tokenize(texts, rows, [""] * table.num_rows)
+            if self.vision is not None:
+                self._image_prompts(table, texts, rows, [""] * table.num_rows, [folder] * table.num_rows)
+            else:
+                self._tokenize(texts, rows, [""] * table.num_rows)
         finally:
             self.max_model_len = limit
-        return [(row.prompt_ids if row.ok else None, i in cut) for i, row in enumerate(rows)]
+        return [(row.prompt_ids if row.ok else None, i in cut, row) for i, row in enumerate(rows)]
+
+    def _image_prompts(
+        self,
+        table: pa.Table,
+        texts: dict[int, str],
+        rows: list[PreparedRow],
+        labels: list[str],
+        folders: list[Folder] | list[Folder | None] | None,
+    ) -> None:
+        """An image job's rows: images read (bytes and header only), text rendered as one user turn
+        [images, text], placeholders expanded (vision_rows); a bad image fails its row alone."""
+        assert self.vision is not None and self.spec.input.image_column is not None
+        cells = table.column(self.spec.input.image_column).to_pylist()
+        encoded: dict[int, list[int]] = {}
+        for i, text in texts.items():
+            try:
+                prompt = self.vision.prompt(text, cells[i], folders[i] if folders is not None else None)
+            except CellError as exc:
+                column = self.spec.input.image_column
+                rows[i].fail(exc.code, f"{labels[i]}: column {column!r}: {exc}" if labels[i] else str(exc))
+                continue
+            rows[i].images, rows[i].image_positions = prompt.images, prompt.positions
+            encoded[i] = prompt.ids
+        order = list(encoded)
+        self._check_lengths(order, [encoded[i] for i in order], rows, labels)
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
         spec = self.spec.input
@@ -261,6 +325,13 @@ class RowPreparer:
             known = spec if problem is None else RowError("invalid_structured", problem)
             self._schemas[text] = known
         return known
+
+
+def image_folder(f: InputFile) -> Folder:
+    """Where the relative image paths of input file `f` resolve: its own folder."""
+    from batchgen.inputs.vision_rows import input_folder
+
+    return input_folder(f.path, f.filesystem, f.fs_path)
 
 
 def _asked_logprobs(table: pa.Table) -> list[int | None]:

@@ -74,6 +74,9 @@ class InputSection(_Strict):
     # none: parts are contiguous row ranges in input order
     grouping: Literal["auto", "none"] = "auto"
     group_column: str | None = None  # rows with equal values here are grouped first (grouping: auto)
+    # Images (README "Images"): the column of each row's image(s); the prompt column is then the user's text
+    image_column: str | None = None
+    max_image_pixels: int | None = Field(default=None, ge=1)  # None: Pillow's decompression-bomb limit
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
@@ -86,6 +89,7 @@ class InputSection(_Strict):
             raise ValueError("input.group_column groups rows only with input.grouping: auto")
         if self.messages_column is None and self.prompt_column is None:
             self.prompt_column = "prompt"
+        self._image_keys()
         for name in self.sampling_columns:
             if name not in (*SAMPLING_OVERRIDABLE, SCHEMA_COLUMN_KEY):
                 raise ValueError(
@@ -102,6 +106,17 @@ class InputSection(_Strict):
             except StructuredError as exc:
                 raise ValueError(f"input.sampling_columns.{SCHEMA_COLUMN_KEY}: {exc}") from None
         return self
+
+    def _image_keys(self) -> None:
+        if self.image_column is None:
+            return
+        if self.format == "openai_batch":
+            raise ValueError("input.image_column: an OpenAI batch file carries images in its messages' content parts")
+        if self.messages_column is not None:
+            raise ValueError(
+                "input.image_column goes with input.prompt_column (the user's text); "
+                "a messages column carries images in its content parts"
+            )
 
     def _openai_columns(self) -> None:
         from batchgen.inputs.openai_requests import SAMPLING_COLUMNS

@@ -233,6 +233,22 @@ class JobSpec(_Strict):
             raise ValidationError.from_exception_data("JobSpec", details)
         return self
 
+    @model_validator(mode="after")
+    def _image_job(self) -> JobSpec:
+        """Before any work: images are read by the native engine's generate task only."""
+        if self.input.image_column is None:
+            return self
+        why = None
+        if self.task != "generate":
+            why = f"task {self.task} reads text only; images are for task generate"
+        elif self.engine.backend != "native":
+            why = "engine.backend hf does not read images; use engine.backend native"
+        if why is not None:
+            kind = PydanticCustomError("image_job", why)
+            details = [InitErrorDetails(type=kind, loc=("input", "image_column"), input=self.input.image_column)]
+            raise ValidationError.from_exception_data("JobSpec", details)
+        return self
+
 
 _SECTIONS = ("model", "input", "output", "sampling", "engine", "executor", "pooling")
 

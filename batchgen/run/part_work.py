@@ -116,15 +116,18 @@ class PartWork:
         ok = list(requests)
         bar.update(len(rows) - len(ok))  # error rows are done already
         order = [ok[j] for j in order_requests([requests[i][0] for i in ok], self.spec.engine.ordering)]
+        # an image row's images are opened lazily here (header only); the engine decodes each on admission
+        prompts = [rows[i].engine_prompt() for i in order]
 
         def on_output(out: RequestOutput) -> None:
+            release_images(prompts[int(out.request_id)])  # why: its decoded pixels go with the request
             interrupt.check()  # between requests' outputs: the part in flight is abandoned uncommitted
             bar.update(1, out.num_output_tokens)
             fault_point("mid_engine")
             fault_point("engine_exception")
 
         try:
-            prompts, params = [requests[i][0] for i in order], [requests[i][1] for i in order]
+            params = [requests[i][1] for i in order]
             outs = backend.generate(prompts, params, on_output)
         except BatchgenError:
             raise
@@ -154,6 +157,14 @@ class PartWork:
         interrupt.check()
         bar.update(len(rows))
         return cols
+
+
+def release_images(prompt: Any) -> None:
+    """Close a finished request's images (an image job's engine prompt), freeing whatever pixels
+    the engine decoded into them: a part's images are never all decoded at once."""
+    if isinstance(prompt, dict):
+        for image in prompt.get("multi_modal_data", {}).get("image", []):
+            image.close()
 
 
 class RowCounter(Protocol):

@@ -198,9 +198,11 @@ def validate_inputs(spec: JobSpec) -> list[InputFile]:
     """The first half of validate_job: the input files and their columns, and that the model folder
     exists. Why apart: it imports neither torch nor transformers, so `run` answers a finished job
     or a held lock after it in well under a second (the fingerprint still covers the model files)."""
+    from batchgen.run.image_checks import check_image_column
+
     files = open_inputs(
         spec.input.path,
-        input_columns(spec),
+        [c for c in input_columns(spec) if c != spec.input.image_column],  # (checked below, naming its key)
         exclude=spec.output.path,
         options=spec.input.storage_options,
         fmt=spec.input.format,
@@ -211,6 +213,7 @@ def validate_inputs(spec: JobSpec) -> list[InputFile]:
     check_carried_in_every_file(spec, files, carried_columns(spec, with_rows(files)[0].schema))
     if spec.input.group_column is not None:
         check_column(files, spec.input.group_column, " (input.group_column)")
+    check_image_column(spec, files)
     if not Path(spec.model.path).is_dir():
         raise ModelError(f"model.path {spec.model.path}: no such folder")
     return files
@@ -222,6 +225,10 @@ def validate_model(spec: JobSpec) -> None:
     config = check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     check_model_limits(spec, config)
     check_model_fit(spec, config)
+    if spec.input.image_column is not None:
+        from batchgen.run.image_checks import check_vision_model
+
+        check_vision_model(spec, config)
     if spec.model.device not in ("auto", "cpu"):  # why: those two always resolve; skip importing the engine
         from batchgen.engine.runner.models import DeviceError, resolve_device  # why lazy: torch, transformers
 

@@ -1,0 +1,107 @@
+"""Rows of an image job (`input.image_column`) as the engine will see them: each row's images read
+(image_cells: compressed bytes, header, content hash), its text rendered as one user turn
+`[image(s), text]` through the model's chat template (a model without one: the image
+placeholder(s), then the text), tokenized, and each image's placeholder expanded to the tokens the
+processor's arithmetic gives its size (engine/vision/token_counts). No pixel is decoded here.
+
+Why expanded here: the expanded ids are the prompt the model sees, so they are what the row's
+length check, `input_tokens`, `estimate` and the prefix key (with each image's content hash at its
+positions: the block hash's one rule) count. The engine receives these ids with the images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchgen.inputs.image_cells import CellError, Folder, ImageData, ImageReader
+from batchgen.job.spec import JobSpec
+from batchgen.storage.uris import uri_scheme
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A row's prompt with its images: expanded ids, images, and (first position, count) of each."""
+
+    ids: list[int]
+    images: list[ImageData]
+    positions: list[tuple[int, int]]
+
+
+class VisionRows:
+    """Renders and expands image rows for one job; loaded once per process (RowPreparer)."""
+
+    def __init__(self, spec: JobSpec, processor: Any) -> None:
+        self.spec, self.processor = spec, processor
+        scheme = uri_scheme(spec.input.path)
+        self.reader = ImageReader(spec.input.max_image_pixels, spec.input.storage_options, scheme)
+        self.counts: dict[tuple[int, int], int] = {}  # (width, height) -> tokens: sizes repeat
+
+    @classmethod
+    def load(cls, spec: JobSpec) -> VisionRows:
+        from batchgen.engine.vision.processor import load_vision_processor
+
+        return cls(spec, load_vision_processor(spec.model.path))
+
+    def prompt(self, text: str, cell: Any, folder: Folder | None) -> ImagePrompt:
+        """The row's prompt; CellError for an image that cannot be used."""
+        images = self.reader.read_cell(cell, folder)
+        ids = self._ids(self.render(text, len(images)))
+        return self.expand(ids, images)
+
+    def render(self, text: str, num_images: int) -> str:
+        """One user turn [image x num_images, text] as the model's prompt text."""
+        p = self.processor
+        if not p.chat_template:
+            return p.placeholder * num_images + "\n" + text
+        parts: list[dict[str, str]] = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
+        messages = [{"role": "user", "content": parts}]
+        try:
+            rendered = p.tokenizer.apply_chat_template(
+                messages, chat_template=p.chat_template, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the template is user data too: its failure is this row's
+            raise CellError("invalid_messages", f"chat template failed: {exc}") from exc
+        return str(rendered)
+
+    def _ids(self, rendered: str) -> list[int]:
+        # why no special tokens with a template: the rendered template already holds them (BOS etc.)
+        add_special = not self.processor.chat_template
+        return list(self.processor.tokenizer(rendered, add_special_tokens=add_special)["input_ids"])
+
+    def expand(self, ids: list[int], images: list[ImageData]) -> ImagePrompt:
+        """`ids` with the k-th image token replaced by image k's tokens."""
+        token = self.processor.image_token_id
+        found = sum(1 for t in ids if t == token)
+        if found != len(images):
+            why = f"the prompt holds {found} image placeholder(s) for {len(images)} image(s)"
+            raise CellError("invalid_image", f"{why} (the text may not contain {self.processor.image_token!r})")
+        out: list[int] = []
+        positions: list[tuple[int, int]] = []
+        k = 0
+        for t in ids:
+            if t != token:
+                out.append(t)
+                continue
+            count = self.count(images[k].width, images[k].height)
+            positions.append((len(out), count))
+            out.extend([token] * count)
+            k += 1
+        return ImagePrompt(out, images, positions)
+
+    def count(self, width: int, height: int) -> int:
+        """Tokens an image of this size becomes (the processor's arithmetic, cached per size)."""
+        known = self.counts.get((width, height))
+        if known is None:
+            from batchgen.engine.vision.token_counts import image_token_count
+
+            known = self.counts[(width, height)] = image_token_count(self.processor, width, height)
+        return known
+
+
+def input_folder(path: Any, filesystem: Any = None, fs_path: str = "") -> Folder:
+    """The Folder a relative image path in an input file resolves against: the file's own folder."""
+    if filesystem is None:
+        return Folder(str(Path(path).parent))
+    return Folder(fs_path.rsplit("/", 1)[0], filesystem, str(path))

@@ -7,6 +7,7 @@ The input token count is fixed here: it is the first half of the bill.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -17,7 +18,7 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
 from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
-from batchgen.inputs.image_cells import CellError, Folder, ImageData
+from batchgen.inputs.image_cells import Folder, ImageData
 from batchgen.inputs.part_rows import PartRows
 from batchgen.inputs.row_names import row_ids, row_keys, row_labels
 from batchgen.inputs.text_formats import line_problems
@@ -178,24 +179,13 @@ class RowPreparer:
         texts: dict[int, str],
         rows: list[PreparedRow],
         labels: list[str],
-        folders: list[Folder] | list[Folder | None] | None,
+        folders: Sequence[Folder | None] | None,
     ) -> None:
-        """An image job's rows: images read (bytes and header only), text rendered as one user turn
-        [images, text], placeholders expanded (vision_rows); a bad image fails its row alone."""
-        assert self.vision is not None and self.spec.input.image_column is not None
-        cells = table.column(self.spec.input.image_column).to_pylist()
-        encoded: dict[int, list[int]] = {}
-        for i, text in texts.items():
-            try:
-                prompt = self.vision.prompt(text, cells[i], folders[i] if folders is not None else None)
-            except CellError as exc:
-                column = self.spec.input.image_column
-                rows[i].fail(exc.code, f"{labels[i]}: column {column!r}: {exc}" if labels[i] else str(exc))
-                continue
-            rows[i].images, rows[i].image_positions = prompt.images, prompt.positions
-            encoded[i] = prompt.ids
-        order = list(encoded)
-        self._check_lengths(order, [encoded[i] for i in order], rows, labels)
+        """An image job's rows (vision_rows): images read (bytes and header only), text rendered as
+        one user turn [images, text], placeholders expanded; a bad image fails its row alone."""
+        assert self.vision is not None
+        encoded = self.vision.fill(table, texts, rows, labels, folders)
+        self._check_lengths(list(encoded), list(encoded.values()), rows, labels)
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
         spec = self.spec.input

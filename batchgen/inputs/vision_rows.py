@@ -11,9 +11,12 @@ positions: the block hash's one rule) count. The engine receives these ids with 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
 
 from batchgen.inputs.image_cells import CellError, Folder, ImageData, ImageReader
 from batchgen.job.spec import JobSpec
@@ -43,6 +46,30 @@ class VisionRows:
         from batchgen.engine.vision.processor import load_vision_processor
 
         return cls(spec, load_vision_processor(spec.model.path))
+
+    def fill(
+        self,
+        table: pa.Table,
+        texts: dict[int, str],
+        rows: list[Any],
+        labels: list[str],
+        folders: Sequence[Folder | None] | None,
+    ) -> dict[int, list[int]]:
+        """The expanded ids of each row of `texts` (row index -> user text); each row's images and
+        their positions set on `rows[i]` (PreparedRow); a row whose image cannot be used fails."""
+        column = self.spec.input.image_column
+        assert column is not None
+        cells = table.column(column).to_pylist()
+        encoded: dict[int, list[int]] = {}
+        for i, text in texts.items():
+            try:
+                prompt = self.prompt(text, cells[i], folders[i] if folders is not None else None)
+            except CellError as exc:
+                rows[i].fail(exc.code, f"{labels[i]}: column {column!r}: {exc}" if labels[i] else str(exc))
+                continue
+            rows[i].images, rows[i].image_positions = prompt.images, prompt.positions
+            encoded[i] = prompt.ids
+        return encoded
 
     def prompt(self, text: str, cell: Any, folder: Folder | None) -> ImagePrompt:
         """The row's prompt; CellError for an image that cannot be used."""

@@ -1,0 +1,43 @@
+"""image_token_count agrees with what the family's image processing really yields (no weights read)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from batchgen.engine.vision.processor import load_vision_processor
+from batchgen.engine.vision.token_counts import image_token_count
+from testkit.tiny_vision import sample_image
+
+SIZES = [(40, 24), (64, 64), (200, 30), (8, 8), (513, 97)]
+
+
+def test_llava_counts_match_transformers_processor(tiny_vlm: Callable[[str], Path]) -> None:
+    from transformers import AutoProcessor
+
+    folder = tiny_vlm("llava")
+    ours, theirs = load_vision_processor(folder), AutoProcessor.from_pretrained(folder)
+    for width, height in SIZES:
+        batch = theirs(text=["<image> w5"], images=[sample_image(width, height)])
+        expanded = sum(1 for t in batch["input_ids"][0] if t == ours.image_token_id)
+        assert image_token_count(ours, width, height) == expanded == 16
+
+
+def test_qwen2_vl_counts_match_the_image_grid(tiny_vlm: Callable[[str], Path]) -> None:
+    proc = load_vision_processor(tiny_vlm("qwen2_vl"))
+    counts = []
+    for width, height in SIZES:
+        grid = proc.image_processor(images=[sample_image(width, height)], return_tensors="pt")["image_grid_thw"][0]
+        counts.append(image_token_count(proc, width, height))
+        assert counts[-1] == int(grid.prod()) // 4
+    assert len(set(counts)) == len(counts)  # dynamic resolution: every size differs here
+
+
+def test_bad_size_and_unknown_model(tiny_vlm: Callable[[str], Path], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        image_token_count(load_vision_processor(tiny_vlm("llava")), 0, 5)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="not a supported vision-language model"):
+        load_vision_processor(tmp_path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import posixpath
 import warnings
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ from typing import Any
 
 from batchgen.storage.retry import RetryPolicy, is_transient, with_retries
 from batchgen.storage.uris import display_uri, is_remote, local_path, uri_scheme
-
-HASH_BYTES = 32  # an image's content hash: blake2b of its bytes (what the prefix key covers)
 
 
 class CellError(Exception):
@@ -44,7 +41,7 @@ class ImageData:
     source: str  # for messages: the path or URI, or "bytes"
     width: int
     height: int
-    content_hash: bytes  # [HASH_BYTES] blake2b of `data`
+    content_hash: bytes  # engine/vision/images.content_hash: of the encoded bytes (what the prefix key covers)
 
     def open(self) -> Any:
         """The image opened lazily (header read, pixels decoded on first use): a new handle each
@@ -98,12 +95,15 @@ class ImageReader:
         """ImageData of image `j` from its bytes: header read, size checked, content hashed."""
         from PIL import Image, UnidentifiedImageError
 
+        from batchgen.engine.vision.images import content_hash
+
         where = f"image {j} ({source})"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # why: the limit below decides
             try:
                 with Image.open(BytesIO(data)) as image:
                     width, height = image.size
+                    digest = content_hash(image)  # the engine's own hash: job keys equal its block hashes
             except Image.DecompressionBombError as exc:
                 raise CellError("image_too_large", f"{where}: {exc}") from None
             except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
@@ -111,7 +111,6 @@ class ImageReader:
         if self.max_pixels is not None and width * height > self.max_pixels:
             why = f"{width}x{height} = {width * height} pixels, above input.max_image_pixels ({self.max_pixels})"
             raise CellError("image_too_large", f"{where}: {why}")
-        digest = hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
         return ImageData(data, source, width, height, digest)
 
     def _bytes(self, j: int, item: Any, folder: Folder | None) -> tuple[bytes, str]:

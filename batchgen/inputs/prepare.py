@@ -38,6 +38,7 @@ class PreparedRow:
     unreadable: bool = False  # its input line did not parse: that, not its (null) id, is its error
     images: list[ImageData] | None = None  # an image job's row: its images (compressed bytes, never pixels)
     image_positions: list[tuple[int, int]] | None = None  # (first position, count) of each image's tokens
+    placeholder_ids: list[int] | None = None  # the prompt with one image token per image (the engine expands)
 
     @property
     def ok(self) -> bool:
@@ -55,7 +56,8 @@ class PreparedRow:
         ids, _ = self.request()
         if not self.images:
             return ids
-        return {"prompt_token_ids": ids, "multi_modal_data": {"image": [image.open() for image in self.images]}}
+        images = [image.open() for image in self.images]
+        return {"prompt_token_ids": self.placeholder_ids, "multi_modal_data": {"image": images}}
 
     def extras(self) -> Any:
         """The request's RequestExtras for its block hashes (its images' content hashes and positions)."""

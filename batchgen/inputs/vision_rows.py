@@ -30,6 +30,7 @@ class ImagePrompt:
     ids: list[int]
     images: list[ImageData]
     positions: list[tuple[int, int]]
+    placeholder_ids: list[int]  # before expansion: one image token per image (what the engine is handed)
 
 
 class VisionRows:
@@ -68,6 +69,7 @@ class VisionRows:
                 rows[i].fail(exc.code, f"{labels[i]}: column {column!r}: {exc}" if labels[i] else str(exc))
                 continue
             rows[i].images, rows[i].image_positions = prompt.images, prompt.positions
+            rows[i].placeholder_ids = prompt.placeholder_ids
             encoded[i] = prompt.ids
         return encoded
 
@@ -115,7 +117,7 @@ class VisionRows:
             positions.append((len(out), count))
             out.extend([token] * count)
             k += 1
-        return ImagePrompt(out, images, positions)
+        return ImagePrompt(out, images, positions, ids)
 
     def count(self, width: int, height: int) -> int:
         """Tokens an image of this size becomes (the processor's arithmetic, cached per size)."""

@@ -1,0 +1,169 @@
+"""An image job's rows before the engine (batchgen/inputs/vision_rows, run/image_checks): the prompt
+the job counts is the one transformers' processor makes, the prefix key covers the image's content,
+and every bad job file or bad image is refused before any work or made an error row."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from io import BytesIO
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from batchgen.inputs.grouping import prompt_key
+from batchgen.inputs.prepare import RowPreparer
+from batchgen.job.spec import JobSpec, load_job
+from testkit.tiny_vision import sample_image, save_tiny_vlm
+from tests.conftest import write_job, write_parquet
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = save_tiny_vlm(family, tmp_path_factory.mktemp(f"vlm-{family}"))
+        return built[family]
+
+    return get
+
+
+def png(width: int, height: int, seed: int = 0) -> bytes:
+    out = BytesIO()
+    sample_image(width, height, seed).save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_job(tmp_path: Path, model: Path, **input_keys: object) -> dict[str, object]:
+    return {
+        "model": {"path": str(model)},
+        "input": {"path": str(tmp_path / "in.parquet"), "prompt_column": "q", "image_column": "img", **input_keys},
+        "output": {"path": str(tmp_path / "out")},
+        "sampling": {"max_tokens": 4},
+    }
+
+
+def spec_of(tmp_path: Path, model: Path, **input_keys: object) -> JobSpec:
+    return load_job(write_job(tmp_path / "job.yaml", image_job(tmp_path, model, **input_keys)))
+
+
+def prepared(spec: JobSpec, table: pa.Table) -> list:
+    preparer = RowPreparer(spec, None, 4096)
+    return preparer.prepare(table, [f"row {i}" for i in range(table.num_rows)], [str(i) for i in range(table.num_rows)])
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_the_prompt_is_the_processors(tmp_path: Path, tiny_vlm: Callable[[str], Path], family: str) -> None:
+    """Expanded from the header alone, the ids equal what transformers' processor makes from the
+    decoded pixels: the job counts exactly the tokens the model sees."""
+    from transformers import AutoImageProcessor
+
+    from batchgen.engine.vision.processor import load_vision_processor
+
+    model = tiny_vlm(family)
+    sizes = [(40, 24), (64, 64)]
+    table = pa.table({"q": ["w5 w6 w7"], "img": [[png(w, h, k) for k, (w, h) in enumerate(sizes)]]})
+    (row,) = prepared(spec_of(tmp_path, model), table)
+    assert row.ok, row.error_message
+    vp = load_vision_processor(model)
+    if family == "llava":
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model)
+        messages = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "w5 w6 w7"}]}
+        ]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        images = [sample_image(w, h, k) for k, (w, h) in enumerate(sizes)]
+        expected = list(processor(text=[text], images=images)["input_ids"][0])
+    else:  # (transformers' Qwen2-VL processor needs torchvision): its grid, from the pixels, per image
+        grids = AutoImageProcessor.from_pretrained(model)(
+            images=[sample_image(w, h, k) for k, (w, h) in enumerate(sizes)]
+        )
+        counts = [int(g.prod()) // 4 for g in grids["image_grid_thw"]]
+        assert [c for _, c in row.image_positions] == counts
+        expected = []
+        for t in row.placeholder_ids:
+            expected += [t] * (counts.pop(0) if t == vp.image_token_id else 1)
+    assert row.prompt_ids == expected
+    assert [row.prompt_ids[s : s + c] == [vp.image_token_id] * c for s, c in row.image_positions] == [True, True]
+    assert row.placeholder_ids.count(vp.image_token_id) == 2
+
+
+def test_the_prefix_key_covers_the_image(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
+    """Same image bytes and text: one key; another image with the same text: another key, even
+    with the same size (the content hash is in the blocks the image covers)."""
+    a, b = png(32, 32, 1), png(32, 32, 2)
+    table = pa.table({"q": ["w5 w6", "w5 w6", "w5 w6"], "img": [a, a, b]})
+    rows = prepared(spec_of(tmp_path, tiny_vlm("llava")), table)
+    assert rows[0].prompt_ids == rows[2].prompt_ids  # same tokens: only the image tells them apart
+    keys = [prompt_key(r.prompt_ids, 4, extras=r.extras()) for r in rows]
+    assert keys[0] == keys[1] != keys[2]
+    assert prompt_key(rows[0].prompt_ids, 4) == prompt_key(rows[2].prompt_ids, 4)  # (without the images)
+
+
+def test_bad_images_are_error_rows(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
+    good = png(16, 16)
+    (tmp_path / "ok.png").write_bytes(good)
+    (tmp_path / "big.png").write_bytes(png(20, 20))
+    table = pa.table(
+        {
+            "q": ["w5", "w5", "w5", "w5", "<image> w5"],
+            "img": ["ok.png", "gone.png", "big.png", None, "ok.png"],
+        }
+    )
+    from batchgen.inputs.image_cells import Folder
+
+    spec = spec_of(tmp_path, tiny_vlm("llava"), max_image_pixels=300)
+    preparer = RowPreparer(spec, None, 4096)
+    labels = [f"in.parquet row {i}" for i in range(5)]
+    rows = preparer.prepare(table, labels, labels, [Folder(str(tmp_path))] * 5)
+    codes = [None, "invalid_image", "image_too_large", "missing_image", "invalid_image"]
+    assert [r.error_code for r in rows] == codes
+    assert rows[1].error_message.startswith("in.parquet row 1: column 'img': image 0 (")
+    assert "gone.png" in rows[1].error_message
+    assert "20x20 = 400 pixels, above input.max_image_pixels (300)" in rows[2].error_message
+    assert rows[0].images[0].data == good and rows[0].placeholder_ids is not None
+    assert "2 image placeholder(s) for 1 image(s)" in rows[4].error_message
+
+
+def _cli(job: Path, *command: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, [*command, str(job)])
+    return result.exit_code, result.output
+
+
+def test_bad_image_jobs_fail_before_any_work(
+    tmp_path: Path, tiny_vlm: Callable[[str], Path], tiny_model_dir: Path
+) -> None:
+    write_parquet(tmp_path / "in.parquet", {"q": ["w5"], "img": [png(8, 8)], "n": [3]})
+    vlm = tiny_vlm("llava")
+    cases = [
+        (image_job(tmp_path, vlm, image_column="picture"), 3, "no column 'picture' (input.image_column)"),
+        (image_job(tmp_path, vlm, image_column="n"), 3, "(input.image_column) is int64; it must hold image bytes"),
+        (image_job(tmp_path, tiny_model_dir), 2, "input.image_column needs a vision-language model"),
+        (image_job(tmp_path, vlm, max_image_pixels=0), 2, "input.max_image_pixels"),
+        (image_job(tmp_path, vlm, max_image_pixels="1000"), 2, "input.max_image_pixels"),
+        ({**image_job(tmp_path, vlm), "engine": {"backend": "hf"}}, 2, "engine.backend hf does not read images"),
+        ({**image_job(tmp_path, vlm), "task": "embed", "sampling": {}}, 2, "images are for task generate"),
+    ]
+    for i, (job, code, words) in enumerate(cases):
+        got, text = _cli(write_job(tmp_path / f"job{i}.yaml", job), "run")
+        assert (got, words in text) == (code, True), (i, text)
+    assert not (tmp_path / "out").exists()
+
+
+def test_estimate_counts_image_tokens_without_weights(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
+    """Qwen2-VL: tokens per image follow its size (8x8 pixels a token, at least 4)."""
+    from batchgen.usage.estimate import estimate_job
+
+    write_parquet(tmp_path / "in.parquet", {"q": ["w5 w6", "w5 w6"], "img": [png(64, 64), png(16, 16)]})
+    spec = spec_of(tmp_path, tiny_vlm("qwen2_vl"))
+    est = estimate_job(spec)
+    rows = prepared(spec, pa.table({"q": ["w5 w6"] * 2, "img": [png(64, 64), png(16, 16)]}))
+    assert [c for r in rows for _, c in r.image_positions] == [64, 4]
+    assert est.input_tokens == sum(len(r.prompt_ids) for r in rows)
+    assert est.ok_rows == 2

@@ -167,3 +167,50 @@ def test_estimate_counts_image_tokens_without_weights(tmp_path: Path, tiny_vlm: 
     assert [c for r in rows for _, c in r.image_positions] == [64, 4]
     assert est.input_tokens == sum(len(r.prompt_ids) for r in rows)
     assert est.ok_rows == 2
+
+
+def test_messages_take_openai_image_parts(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
+    """A messages column's image_url parts (data URL, relative path) and image parts (bytes) give the
+    prompt an image column gives for the same user turn; text-only messages still work."""
+    import base64
+
+    from batchgen.inputs.image_cells import Folder
+
+    model = tiny_vlm("qwen2_vl")
+    a, b = png(40, 24, 1), png(16, 48, 2)
+    (tmp_path / "b.png").write_bytes(b)
+    url = "data:image/png;base64," + base64.b64encode(a).decode()
+
+    def turn(*parts: dict[str, object]) -> list[dict[str, object]]:
+        return [{"role": "user", "content": list(parts)}]
+
+    text = {"type": "text", "text": "w5 w6"}
+    messages = [
+        turn({"type": "image_url", "image_url": {"url": url}}, {"type": "image", "image": {"path": "b.png"}}, text),
+        turn({"type": "image", "image": {"bytes": a}}, {"type": "image_url", "image_url": {"url": "b.png"}}, text),
+        turn(text),
+        turn({"type": "image_url", "image_url": {"url": "nowhere.png"}}, text),
+        turn({"type": "audio", "text": "x"}),
+    ]
+    job = image_job(tmp_path, model)
+    job["input"] = {"path": str(tmp_path / "in.parquet"), "messages_column": "messages"}
+    spec = load_job(write_job(tmp_path / "chat.yaml", job))
+    part = pa.struct(
+        [
+            ("type", pa.string()),
+            ("text", pa.string()),
+            ("image_url", pa.struct([("url", pa.string())])),
+            ("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+        ]
+    )
+    message = pa.struct([("role", pa.string()), ("content", pa.list_(part))])
+    table = pa.table({"messages": pa.array(messages, pa.list_(message))})
+    labels = [f"row {i}" for i in range(len(messages))]
+    rows = RowPreparer(spec, None, 4096).prepare(table, labels, labels, [Folder(str(tmp_path))] * len(messages))
+    column_rows = prepared(spec_of(tmp_path, model), pa.table({"q": ["w5 w6"], "img": [[a, b]]}))
+    assert rows[0].ok and rows[1].ok and rows[2].ok, [r.error_message for r in rows]
+    assert rows[0].prompt_ids == rows[1].prompt_ids == column_rows[0].prompt_ids
+    assert [i.content_hash for i in rows[0].images] == [i.content_hash for i in column_rows[0].images]
+    assert not rows[2].images and len(rows[2].prompt_ids) < len(rows[0].prompt_ids)
+    assert rows[3].error_code == "invalid_image" and "nowhere.png" in rows[3].error_message
+    assert rows[4].error_code == "invalid_messages" and "message 0, part 0" in rows[4].error_message

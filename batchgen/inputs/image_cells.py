@@ -85,9 +85,10 @@ class ImageReader:
         items = list(cell) if isinstance(cell, (list, tuple)) else [cell]
         if cell is None or not items:
             raise CellError("missing_image", "the image column is null or empty")
-        return [self._image(j, item, folder) for j, item in enumerate(items)]
+        return [self.image(j, item, folder) for j, item in enumerate(items)]
 
-    def _image(self, j: int, item: Any, folder: Folder | None) -> ImageData:
+    def image(self, j: int, item: Any, folder: Folder | None) -> ImageData:
+        """Image `j` of a row from one value: bytes, a path / URI / data URL, or a {bytes, path} struct."""
         data, source = self._bytes(j, item, folder)
         return self.checked(j, data, source)
 

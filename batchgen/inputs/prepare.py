@@ -7,7 +7,7 @@ The input token count is fixed here: it is the first half of the bill.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -18,7 +18,7 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
 from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
-from batchgen.inputs.image_cells import Folder, ImageData
+from batchgen.inputs.image_cells import CellError, Folder, ImageData
 from batchgen.inputs.part_rows import PartRows
 from batchgen.inputs.row_names import row_ids, row_keys, row_labels
 from batchgen.inputs.text_formats import line_problems
@@ -110,11 +110,12 @@ class RowPreparer:
         self.base_params = spec.sampling.model_dump()
         self._schemas: dict[str, Any] = {}  # schema text -> structured spec, or the RowError it makes
         self._templated: set[int] = set()  # OpenAI batch rows of this table rendered by the chat template
-        self.vision = None
-        if spec.input.image_column is not None:
-            from batchgen.inputs.vision_rows import VisionRows
+        from batchgen.inputs.vision_rows import VisionRows, reads_images
 
-            self.vision = VisionRows.load(spec)
+        # images: an image column, or a vision model's messages (their OpenAI image content parts)
+        self.vision = VisionRows.load(spec) if reads_images(spec) else None
+        self._folders: Sequence[Folder | None] | None = None  # this table's rows' image folders
+        self._message_images: dict[int, list[ImageData]] = {}  # row -> images of its messages' parts
 
     def prepare(
         self, table: pa.Table, labels: list[str], keys: list[str], folders: list[Folder] | None = None
@@ -126,6 +127,7 @@ class RowPreparer:
         for i, code, message in line_problems(table):  # a line that did not parse fails first
             rows[i].fail(code, f"{labels[i]}: {message}")
             rows[i].unreadable = True
+        self._folders = folders
         texts = self._texts(table, rows, labels)
         if self.vision is not None:
             self._image_prompts(table, texts, rows, labels, folders)
@@ -162,6 +164,7 @@ class RowPreparer:
         rows = [PreparedRow() for _ in range(table.num_rows)]
         for i, code, message in line_problems(table):
             rows[i].fail(code, message)
+        self._folders = [folder] * table.num_rows
         texts = self._texts(table, rows, [""] * table.num_rows)
         cut = {i for i, text in texts.items() if len(text) > max_chars}
         texts = {i: text[:max_chars] for i, text in texts.items()}
@@ -186,13 +189,17 @@ class RowPreparer:
         """An image job's rows (vision_rows): images read (bytes and header only), text rendered as
         one user turn [images, text], placeholders expanded; a bad image fails its row alone."""
         assert self.vision is not None
-        encoded = self.vision.fill(table, texts, rows, labels, folders)
+        templated = set(texts) if self.spec.input.messages_column is not None else self._templated
+        images = self._message_images
+        encoded = self.vision.fill(table, texts, rows, labels, folders, images, templated)
+        self._message_images = {}
         self._check_lengths(list(encoded), list(encoded.values()), rows, labels)
 
     def _texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
         spec = self.spec.input
         if spec.format == "openai_batch":
             return self._request_texts(table, rows, labels)
+        render: Callable[[Any, int], str]
         if spec.prompt_column is not None:
             raw = _column_values(table.column(spec.prompt_column), as_bytes=True)
             render = _decode_prompt
@@ -204,7 +211,7 @@ class RowPreparer:
             if not rows[i].ok:
                 continue
             try:
-                texts[i] = render(value)
+                texts[i] = render(value, i)
             except RowError as exc:
                 rows[i].fail(exc.code, f"{labels[i]}: {exc}")
         return texts
@@ -225,7 +232,7 @@ class RowPreparer:
                 continue
             try:
                 if messages[i] is not None:
-                    texts[i] = self._render_messages(messages[i])
+                    texts[i] = self._render_messages(messages[i], i)
                     self._templated.add(i)
                 else:
                     texts[i] = _decode_prompt(prompts[i])
@@ -233,7 +240,16 @@ class RowPreparer:
                 row.fail(exc.code, f"{labels[i]}: {exc}")
         return texts
 
-    def _render_messages(self, value: Any) -> str:
+    def _render_messages(self, value: Any, i: int) -> str:
+        if self.vision is not None and self.spec.input.image_column is None:  # a vision model's messages
+            if isinstance(value, RowError):
+                raise value
+            folder = self._folders[i] if self._folders is not None else None
+            try:
+                text, self._message_images[i] = self.vision.conversation(value, folder)
+            except CellError as exc:
+                raise RowError(exc.code, str(exc)) from None
+            return text
         messages = _check_messages(value)
         try:
             # why only for generate: a pooling model reads the conversation as it is; the assistant
@@ -379,7 +395,7 @@ def _column_values(column: pa.ChunkedArray, as_bytes: bool) -> list[Any]:
     return values
 
 
-def _decode_prompt(value: Any) -> str:
+def _decode_prompt(value: Any, i: int = 0) -> str:
     if isinstance(value, RowError):
         raise value
     if value is None:
@@ -404,6 +420,9 @@ def _check_messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list):
         raise RowError("invalid_messages", f"messages must be a list, got {type(value).__name__}")
     for j, msg in enumerate(value):
+        if isinstance(msg, dict) and isinstance(msg.get("content"), list):
+            why = "content parts (images) are read for a vision-language model only; this model takes text"
+            raise RowError("invalid_messages", f"message {j}: {why}")
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
             raise RowError("invalid_messages", f"message {j} must have string 'role' and 'content'")
     if not any(m["content"].strip() for m in value):

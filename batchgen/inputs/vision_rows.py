@@ -55,16 +55,23 @@ class VisionRows:
         rows: list[Any],
         labels: list[str],
         folders: Sequence[Folder | None] | None,
+        message_images: dict[int, list[ImageData]],
+        templated: set[int],
     ) -> dict[int, list[int]]:
-        """The expanded ids of each row of `texts` (row index -> user text); each row's images and
-        their positions set on `rows[i]` (PreparedRow); a row whose image cannot be used fails."""
+        """The expanded ids of each row of `texts`; each row's images and their positions set on
+        `rows[i]` (PreparedRow); a row whose image cannot be used fails. With input.image_column,
+        texts[i] is the user's text and the images are its cell's; else texts[i] is the rendered
+        prompt (`templated`: by a chat template) and `message_images[i]` its messages' images."""
         column = self.spec.input.image_column
-        assert column is not None
-        cells = table.column(column).to_pylist()
+        cells = table.column(column).to_pylist() if column is not None else []
         encoded: dict[int, list[int]] = {}
         for i, text in texts.items():
             try:
-                prompt = self.prompt(text, cells[i], folders[i] if folders is not None else None)
+                if column is not None:
+                    prompt = self.prompt(text, cells[i], folders[i] if folders is not None else None)
+                else:
+                    ids = self._ids(text, i in templated)
+                    prompt = self.expand(ids, message_images.get(i, []))
             except CellError as exc:
                 rows[i].fail(exc.code, f"{labels[i]}: column {column!r}: {exc}" if labels[i] else str(exc))
                 continue
@@ -76,8 +83,17 @@ class VisionRows:
     def prompt(self, text: str, cell: Any, folder: Folder | None) -> ImagePrompt:
         """The row's prompt; CellError for an image that cannot be used."""
         images = self.reader.read_cell(cell, folder)
-        ids = self._ids(self.render(text, len(images)))
+        ids = self._ids(self.render(text, len(images)), bool(self.processor.chat_template))
         return self.expand(ids, images)
+
+    def conversation(self, value: Any, folder: Folder | None) -> tuple[str, list[ImageData]]:
+        """A messages cell (OpenAI content parts allowed) rendered through the model's chat template
+        with a placeholder per image part, and those images, in order."""
+        from batchgen.inputs.content_parts import split_parts
+
+        messages, sources = split_parts(value)
+        images = [self.reader.image(j, source, folder) for j, source in enumerate(sources)]
+        return self._template(messages), images
 
     def render(self, text: str, num_images: int) -> str:
         """One user turn [image x num_images, text] as the model's prompt text."""
@@ -85,7 +101,12 @@ class VisionRows:
         if not p.chat_template:
             return p.placeholder * num_images + "\n" + text
         parts: list[dict[str, str]] = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
-        messages = [{"role": "user", "content": parts}]
+        return self._template([{"role": "user", "content": parts}])
+
+    def _template(self, messages: list[dict[str, Any]]) -> str:
+        p = self.processor
+        if not p.chat_template:
+            raise CellError("invalid_messages", "the model has no chat template to render messages with")
         try:
             rendered = p.tokenizer.apply_chat_template(
                 messages, chat_template=p.chat_template, add_generation_prompt=True, tokenize=False
@@ -94,10 +115,9 @@ class VisionRows:
             raise CellError("invalid_messages", f"chat template failed: {exc}") from exc
         return str(rendered)
 
-    def _ids(self, rendered: str) -> list[int]:
+    def _ids(self, rendered: str, templated: bool) -> list[int]:
         # why no special tokens with a template: the rendered template already holds them (BOS etc.)
-        add_special = not self.processor.chat_template
-        return list(self.processor.tokenizer(rendered, add_special_tokens=add_special)["input_ids"])
+        return list(self.processor.tokenizer(rendered, add_special_tokens=not templated)["input_ids"])
 
     def expand(self, ids: list[int], images: list[ImageData]) -> ImagePrompt:
         """`ids` with the k-th image token replaced by image k's tokens."""
@@ -127,6 +147,24 @@ class VisionRows:
 
             known = self.counts[(width, height)] = image_token_count(self.processor, width, height)
         return known
+
+
+def reads_images(spec: JobSpec) -> bool:
+    """Whether the job's rows carry images: an image column, or messages (a messages column or
+    OpenAI chat requests, whose content parts may hold images) for a vision-language model."""
+    if spec.input.image_column is not None:
+        return True
+    if spec.input.messages_column is None and spec.input.format != "openai_batch":
+        return False
+    import json
+
+    from batchgen.engine.vision.processor import vision_family
+
+    try:
+        config = json.loads((Path(spec.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # (the model's own checks name that problem)
+    return isinstance(config, dict) and vision_family(str(config.get("model_type", ""))) is not None
 
 
 def input_folder(path: Any, filesystem: Any = None, fs_path: str = "") -> Folder:

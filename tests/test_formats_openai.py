@@ -207,7 +207,9 @@ def test_an_openai_batch_job_may_not_name_its_own_columns(tmp_path: Path, tiny_m
 def test_the_parts_stay_a_plain_batchgen_output(batch_run: Path) -> None:
     table = output_table(batch_run)
     assert table.column("custom_id").to_pylist()[:3] == ["c1", None, "p1"]
-    assert table.schema.field("messages").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    part = pa.struct([("type", pa.string()), ("text", pa.string()), ("image_url", pa.string())])  # (images)
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("parts", pa.list_(part))])
+    assert table.schema.field("messages").type == pa.list_(message)
     manifest = json.loads((batch_run / "_SUCCESS").read_text())
     assert manifest["rows"] == {"total": len(LINES), "ok": 5, "error": len(LINES) - 5}
 

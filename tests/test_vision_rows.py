@@ -214,3 +214,37 @@ def test_messages_take_openai_image_parts(tmp_path: Path, tiny_vlm: Callable[[st
     assert not rows[2].images and len(rows[2].prompt_ids) < len(rows[0].prompt_ids)
     assert rows[3].error_code == "invalid_image" and "nowhere.png" in rows[3].error_message
     assert rows[4].error_code == "invalid_messages" and "message 0, part 0" in rows[4].error_message
+
+
+def test_openai_batch_chat_requests_take_image_url_parts(
+    tmp_path: Path, tiny_vlm: Callable[[str], Path], tiny_model_dir: Path
+) -> None:
+    """An OpenAI batch file's chat request with image_url parts is counted as the same user turn
+    from an image column; for a text-only model it is that row's error, never the job's."""
+    import base64
+    import json
+
+    from batchgen.usage.estimate import estimate_job
+
+    a = png(40, 24, 1)
+    (tmp_path / "a.png").write_bytes(a)
+    url = "data:image/png;base64," + base64.b64encode(a).decode()
+
+    def request(custom_id: str, image: str) -> str:
+        parts = [{"type": "image_url", "image_url": {"url": image, "detail": "low"}}, {"type": "text", "text": "w5 w6"}]
+        body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 3}
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+    lines = [request("r0", url), request("r1", "a.png"), request("r2", "missing.png")]
+    (tmp_path / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    model = tiny_vlm("qwen2_vl")
+    job = image_job(tmp_path, model)
+    job["input"] = {"path": str(tmp_path / "requests.jsonl"), "format": "openai_batch"}
+    est = estimate_job(load_job(write_job(tmp_path / "batch.yaml", job)))
+    (column_row,) = prepared(spec_of(tmp_path, model), pa.table({"q": ["w5 w6"], "img": [a]}))
+    assert (est.ok_rows, est.input_tokens) == (2, 2 * len(column_row.prompt_ids))
+    assert est.error_codes == {"invalid_image": 1}
+    job["model"] = {"path": str(tiny_model_dir)}
+    est = estimate_job(load_job(write_job(tmp_path / "text.yaml", job)))
+    assert est.error_codes == {"invalid_messages": 3}
+    assert "content parts (images) are read for a vision-language model only" in est.error_examples[0]

@@ -33,6 +33,8 @@ def split_parts(value: Any) -> tuple[list[dict[str, Any]], list[Any]]:
         if not isinstance(role, str):
             raise CellError("invalid_messages", f"message {m} must have a string 'role'")
         content = message.get("content")
+        if content is None and isinstance(message.get("parts"), list):  # an OpenAI batch request's parts
+            content = message["parts"]
         if isinstance(content, str):
             messages.append({"role": role, "content": content})
             text = text or bool(content.strip())

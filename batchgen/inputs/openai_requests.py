@@ -37,7 +37,10 @@ _IGNORED = {"model", "user", "metadata", "store", "service_tier", "stream_option
 # Body fields with a neutral value that is the only one batchgen serves per request.
 _NEUTRAL = {"stream": (False, None), "n": (1, None)}
 
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+# A message's content: text, or (when it holds images) its OpenAI content parts, each a text part or
+# an image_url part whose url is kept as text (read for a vision-language model: inputs/content_parts).
+PART = pa.struct([("type", pa.string()), ("text", pa.string()), ("image_url", pa.string())])
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("parts", pa.list_(PART))])
 SCHEMA = pa.schema(
     [
         ("custom_id", pa.string()),
@@ -148,14 +151,18 @@ def _prompt(value: Any) -> str:
     return value
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise RequestProblem("invalid_request", "body.messages must be a non-empty list")
     out = []
     for j, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestProblem("invalid_request", f"body.messages[{j}] must be an object with a string role")
-        out.append({"role": message["role"], "content": _content(message.get("content"), j)})
+        content = message.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            out.append({"role": message["role"], "content": None, "parts": _parts(content, j)})
+        else:
+            out.append({"role": message["role"], "content": _content(content, j)})
     return out
 
 
@@ -165,7 +172,25 @@ def _content(value: Any, j: int) -> str:
         return value
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
         return "".join(str(p.get("text", "")) for p in value)
-    raise RequestProblem("invalid_request", f"body.messages[{j}].content must be text (or text parts only)")
+    raise RequestProblem("invalid_request", f"body.messages[{j}].content must be text, or text and image_url parts")
+
+
+def _parts(value: list[Any], j: int) -> list[dict[str, Any]]:
+    """Content parts with images: text parts and image_url parts (the url: a data URL, a path or an
+    object-store URI; `detail` is a hint batchgen's processors do not take)."""
+    parts = []
+    for p, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        image = part.get("image_url") if kind == "image_url" else None
+        url = image.get("url") if isinstance(image, dict) else image
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"], "image_url": None})
+        elif kind == "image_url" and isinstance(url, str) and url:
+            parts.append({"type": "image_url", "text": None, "image_url": url})
+        else:
+            why = "a text part with a string text, or an image_url part with a url"
+            raise RequestProblem("invalid_request", f"body.messages[{j}].content[{p}] must be {why}")
+    return parts
 
 
 def _sampling(body: dict[str, Any], fields: set[str]) -> dict[str, Any]:

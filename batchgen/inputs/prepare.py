@@ -420,7 +420,7 @@ def _check_messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list):
         raise RowError("invalid_messages", f"messages must be a list, got {type(value).__name__}")
     for j, msg in enumerate(value):
-        if isinstance(msg, dict) and isinstance(msg.get("content"), list):
+        if isinstance(msg, dict) and (isinstance(msg.get("content"), list) or msg.get("parts")):
             why = "content parts (images) are read for a vision-language model only; this model takes text"
             raise RowError("invalid_messages", f"message {j}: {why}")
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):

@@ -25,6 +25,8 @@ from batchgen.inputs.dataset import InputFile, Shard
 from batchgen.inputs.reading import read_shards
 
 WAVE_ROWS = 65536  # rows of grouped parts read per pass over the input
+# An image job's rows hold their images' encoded bytes: a wave is then about one part (window_rows).
+IMAGE_WAVE_ROWS = 1024
 _GAP_ROWS = 4096  # wanted rows closer than this are read as one range (one seek, one decode)
 
 
@@ -67,8 +69,11 @@ def file_offsets(files: list[InputFile]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum([f.num_rows for f in files], dtype=np.int64)]).astype(np.int64)
 
 
-def read_parts(files: list[InputFile], parts: list[Part], columns: list[str]) -> Iterator[PartRows]:
-    """Each part's rows, in the order of `parts` for grouped ones (contiguous ones file by file)."""
+def read_parts(
+    files: list[InputFile], parts: list[Part], columns: list[str], wave_rows: int = WAVE_ROWS
+) -> Iterator[PartRows]:
+    """Each part's rows, in the order of `parts` for grouped ones (contiguous ones file by file);
+    `wave_rows`: rows of grouped parts read at a time (IMAGE_WAVE_ROWS for an image job)."""
     offsets = file_offsets(files)
     shards = [p for p in parts if isinstance(p, Shard)]
     for shard, table in read_shards(files, shards, columns):
@@ -76,15 +81,15 @@ def read_parts(files: list[InputFile], parts: list[Part], columns: list[str]) ->
         rows = list(range(shard.start, shard.stop))
         yield PartRows(shard, table, [shard.file_index] * len(rows), rows, [first + r for r in rows])
     grouped = [p for p in parts if isinstance(p, GroupedPart)]
-    for wave in _waves(grouped):
+    for wave in _waves(grouped, wave_rows):
         yield from _read_wave(files, offsets, wave, columns)
 
 
-def _waves(parts: list[GroupedPart]) -> Iterator[list[GroupedPart]]:
+def _waves(parts: list[GroupedPart], wave_rows: int) -> Iterator[list[GroupedPart]]:
     wave: list[GroupedPart] = []
     rows = 0
     for part in parts:
-        if wave and rows + part.num_rows > WAVE_ROWS:
+        if wave and rows + part.num_rows > wave_rows:
             yield wave
             wave, rows = [], 0
         wave.append(part)

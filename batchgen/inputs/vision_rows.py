@@ -167,6 +167,14 @@ def reads_images(spec: JobSpec) -> bool:
     return isinstance(config, dict) and vision_family(str(config.get("model_type", ""))) is not None
 
 
+def wave_rows(spec: JobSpec) -> int:
+    """Rows of grouped parts read at a time (part_rows.read_parts): about one part for a job whose
+    rows carry images (their encoded bytes are in the rows), else part_rows.WAVE_ROWS."""
+    from batchgen.inputs.part_rows import IMAGE_WAVE_ROWS, WAVE_ROWS
+
+    return IMAGE_WAVE_ROWS if reads_images(spec) else WAVE_ROWS
+
+
 def input_folder(path: Any, filesystem: Any = None, fs_path: str = "") -> Folder:
     """The Folder a relative image path in an input file resolves against: the file's own folder."""
     if filesystem is None:

@@ -30,6 +30,8 @@ ROW_ID_COLUMN = "row_id"  # added when the job names no id_column: see InputFile
 # input, so `ORDER BY input_row` gives input order back. In every output made since the plan existed.
 INPUT_ROW_COLUMN = "input_row"
 _ENGINE_REQUEST = re.compile(r"^request \d+: ")  # how the engine starts a refusal (its own request id)
+# how the engine says an image's pixels did not decode (engine/vision/images.ImageDecodeError)
+_DECODE_FAILURE = re.compile(r"^image (\d+)(: cannot decode.*)$", re.DOTALL)
 
 
 def output_schema(
@@ -72,8 +74,13 @@ def result_columns(
     for i, row in enumerate(rows):
         out = outputs.get(i)
         if out is not None and out.error is not None:
-            message = engine_error_message(row.label, out.error)
-            row = PreparedRow(prompt_ids=row.prompt_ids, error_code="engine_error", error_message=message)
+            code, message = "engine_error", engine_error_message(row.label, out.error)
+            decode = _DECODE_FAILURE.match(_ENGINE_REQUEST.sub("", out.error, count=1))
+            if decode is not None and row.images:  # an image whose pixels would not decode: the row's data
+                j = int(decode.group(1))
+                source = f" ({row.images[j].source})" if j < len(row.images) else ""
+                code, message = "invalid_image", f"{row.label}: image {j}{source}{decode.group(2)}"
+            row = PreparedRow(prompt_ids=row.prompt_ids, error_code=code, error_message=message)
             out = None
         _append(cols, row, out, plan)
     return cols

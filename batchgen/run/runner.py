@@ -15,6 +15,7 @@ from batchgen.inputs.dataset import InputFile, column_field, plan_shards, with_r
 from batchgen.inputs.duplicate_ids import find_duplicate_ids
 from batchgen.inputs.part_rows import Part, read_parts
 from batchgen.inputs.sharding import ShardSpec
+from batchgen.inputs.vision_rows import wave_rows
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.completion import build_manifest, complete_from_parts, run_facts
 from batchgen.outputs.fingerprint import job_fingerprint
@@ -247,7 +248,7 @@ class JobRunner:
         bar = RunProgress(sum(s.num_rows for s in todo), self.quiet, live_output_tokens(backend), budget)
         # Why cooperative: a signal only sets a flag here; the loop and on_output stop at clean points.
         with bar, interrupt.cooperative():
-            for part in read_parts(files, todo, read_columns(self.spec, carried)):
+            for part in read_parts(files, todo, read_columns(self.spec, carried), wave_rows(self.spec)):
                 interrupt.check()
                 totals.merge(self.work.process_part(files, part, carried, writer, backend, preparer, bar))
 

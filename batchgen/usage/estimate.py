@@ -25,6 +25,7 @@ from batchgen.inputs.grouping import grouped
 from batchgen.inputs.ordering import Strategy, order_requests
 from batchgen.inputs.part_rows import GroupedPart, read_parts
 from batchgen.inputs.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
+from batchgen.inputs.vision_rows import wave_rows
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.totals import IntHistogram
 from batchgen.run.validate import validate_job
@@ -118,7 +119,7 @@ def estimate_job(spec: JobSpec) -> Estimate:
     duplicates = find_duplicate_ids(files, shards, spec.input.id_column) if spec.input.id_column else {}
     parts = shards if not grouped(spec, with_cache=True) else _plan_parts(spec, files)
     kept: dict[Any, int] = {}
-    for part in read_parts(files, list(parts), input_columns(spec)):
+    for part in read_parts(files, list(parts), input_columns(spec), wave_rows(spec)):
         if not (isinstance(part.part, GroupedPart) and part.part.joined):
             kept = {}  # why: only a group's next part is sure to run where the last one left its cache
         rows = preparer.prepare_part(files, part, duplicates)

@@ -1,0 +1,75 @@
+"""jobs/vision.yaml end to end through the CLI, on the committed sample_data/vision (drawn images, a
+byte-identical copy, a truncated PNG, the tiny LLaVA): every row answered or failed alone, usage
+counting the image tokens the model saw (as transformers' processor makes the prompt, and as
+`estimate` predicted), a repeated image served from the prefix cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from tests.conftest import output_table
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "sample_data" / "vision"
+
+
+def _script() -> object:
+    spec = importlib.util.spec_from_file_location("make_vision_sample", REPO / "scripts" / "make_vision_sample.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_sample_is_what_the_script_makes(tmp_path: Path) -> None:
+    _script().make_sample(tmp_path, with_model=False)  # type: ignore[attr-defined]
+    for image in (SAMPLE / "images").iterdir():
+        assert (tmp_path / "images" / image.name).read_bytes() == image.read_bytes(), image.name
+    assert pq.read_table(tmp_path / "questions.parquet").equals(pq.read_table(SAMPLE / "questions.parquet"))
+
+
+def test_the_vision_job_runs_with_image_tokens_in_usage(tmp_path: Path) -> None:
+    from transformers import AutoProcessor
+
+    out = tmp_path / "vision"
+    job = str(REPO / "jobs" / "vision.yaml")
+    result = CliRunner().invoke(main, ["run", job, "--quiet", "--set", f"output.path={out}"])
+    assert result.exit_code == 0, result.output
+    assert "20 rows ok, 1 failed" in result.output
+    rows = output_table(out).to_pylist()
+    assert len(rows) == 21
+    broken = [r for r in rows if r["image"].endswith("broken.png")]
+    assert [r["error_code"] for r in broken] == ["invalid_image"]
+    message = broken[0]["error_message"]
+    assert "questions.parquet row 20 (id q020): image 0 (" in message and "broken.png): cannot decode" in message
+    assert broken[0]["input_tokens"] == 0
+    # the prompt the model saw, made by transformers' own processor from the decoded pixels
+    from PIL import Image
+
+    processor = AutoProcessor.from_pretrained(SAMPLE / "tiny-llava")
+    for r in rows:
+        if r["error_code"] is not None:
+            continue
+        parts = [{"type": "image"}, {"type": "text", "text": r["question"]}]
+        text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+        image = Image.open(SAMPLE / r["image"]).convert("RGB")
+        ids = processor(text=[text], images=[image], add_special_tokens=False)["input_ids"][0]
+        assert r["input_tokens"] == len(ids), r["id"]
+        assert r["finish_reason"] in ("stop", "length") and r["output_tokens"] > 0
+    # red_square.png and its byte-identical copy: one image, its blocks computed once
+    red = [r for r in rows if "red_square" in r["image"]]
+    assert len(red) == 8 and sum(r["cached_tokens"] for r in red) >= 7 * 16
+    manifest = json.loads((out / "_SUCCESS").read_text())
+    assert manifest["tokens"]["input"] == sum(r["input_tokens"] for r in rows)
+    estimate = CliRunner().invoke(main, ["estimate", job, "--json", "--set", f"output.path={tmp_path / 'e'}"])
+    assert estimate.exit_code == 0, estimate.output
+    # (the truncated PNG's header reads, so estimate counts its row; its pixels fail only in the engine)
+    same_question = next(r for r in rows if r["id"] == "q000")  # red_square.png, the same question
+    expected = manifest["tokens"]["input"] + same_question["input_tokens"]
+    assert json.loads(estimate.stdout)["input_tokens"]["total"] == expected

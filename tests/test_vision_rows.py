@@ -248,3 +248,44 @@ def test_openai_batch_chat_requests_take_image_url_parts(
     est = estimate_job(load_job(write_job(tmp_path / "text.yaml", job)))
     assert est.error_codes == {"invalid_messages": 3}
     assert "content parts (images) are read for a vision-language model only" in est.error_examples[0]
+
+
+def test_a_datasets_image_feature_is_read_as_written(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
+    """`datasets`' Image feature (a {bytes, path} struct; a list of them with Sequence(Image())),
+    from a saved dataset folder and from its Parquet export: the same prompts as raw bytes."""
+    import datasets
+
+    from batchgen.usage.estimate import estimate_job
+
+    a, b = png(40, 24, 1), png(16, 48, 2)
+    (tmp_path / "b.png").write_bytes(b)
+    features = datasets.Features({"q": datasets.Value("string"), "img": datasets.Sequence(datasets.Image())})
+    data = datasets.Dataset.from_dict({"q": ["w5", "w6"], "img": [[a], [str(tmp_path / "b.png"), a]]}, features)
+    data.save_to_disk(str(tmp_path / "saved"))
+    data.to_parquet(str(tmp_path / "in.parquet"))
+    model = tiny_vlm("qwen2_vl")
+    reference = prepared(spec_of(tmp_path, model), pa.table({"q": ["w5", "w6"], "img": [[a], [b, a]]}))
+    expected = sum(len(r.prompt_ids) for r in reference)
+    for where in ("saved", "in.parquet"):
+        job = image_job(tmp_path, model)
+        job["input"]["path"] = str(tmp_path / where)  # type: ignore[index]
+        est = estimate_job(load_job(write_job(tmp_path / f"{where}.yaml", job)))
+        assert (est.ok_rows, est.input_tokens) == (2, expected), where
+
+
+def test_a_finished_request_frees_its_decoded_images(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
+    """The engine decodes a lazily opened image in place (convert loads it); the job closes it as
+    the request finishes, so a part's images are not all decoded at once. The row keeps bytes only."""
+    from batchgen.run.part_work import release_images
+
+    (row,) = prepared(spec_of(tmp_path, tiny_vlm("llava")), pa.table({"q": ["w5"], "img": [png(32, 32)]}))
+    prompt = row.engine_prompt()
+    assert isinstance(prompt, dict) and prompt["prompt_token_ids"] == row.placeholder_ids
+    (image,) = prompt["multi_modal_data"]["image"]
+    assert image._im is None  # opened lazily: not decoded
+    image.convert("RGB")  # what the engine does on admission
+    assert image._im is not None
+    release_images(prompt)
+    with pytest.raises(ValueError, match="closed image"):
+        image.getpixel((0, 0))
+    assert row.engine_prompt()["multi_modal_data"]["image"][0].size == (32, 32)  # a new handle each time

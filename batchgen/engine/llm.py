@@ -20,6 +20,7 @@ from batchgen.engine.api.vllm_views import LLMEngineView, ModelConfig
 from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.core.sequence import NO_EXTRAS
 from batchgen.engine.loop.engine import Engine
 from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.parallel.sharded_runner import ShardedRunner
@@ -40,6 +41,8 @@ from batchgen.engine.runner.pool_sizing import kv_pool_blocks
 from batchgen.engine.runner.tokenizer import load_tokenizer
 from batchgen.engine.sampling.penalties import LogitsFeatures
 from batchgen.engine.sampling.sampler import Sampler
+from batchgen.engine.vision.chat import split_images
+from batchgen.engine.vision.setup import VisionModel, check_vision_config, is_vision_config, load_vision_model
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,7 @@ class LLM(PoolingMethods):
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
         self._pooling: PoolingModel | None = None
         self._tp: TensorParallelGroup | None = None
+        self._vision: VisionModel | None = None
         if task != "generate" and config.tensor_parallel_size > 1:
             raise ValueError(f"LLM(task={task!r}): tensor_parallel_size > 1 serves task 'generate' only")
         if runs_on_engine(model, task):
@@ -152,15 +156,22 @@ class LLM(PoolingMethods):
         platform.prepare_process()
         self._tp = start_tensor_parallel(model, resolved, device, dtype)  # None: one device
         pooling = self.task != "generate"
-        hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype, pooling)
+        if is_vision_config(AutoConfig.from_pretrained(model)):  # images in: engine/vision
+            self._vision = load_vision_model(model, device, dtype)
+        hf_model: Any = self._vision.lm if self._vision is not None else None
+        if hf_model is None:
+            hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype, pooling)
         # the device's measured kernels (the CPU's linears); not under TP: see README, tensor parallelism
-        self.native_linears = platform.install_kernels(hf_model, dtype) if self._tp is None else 0
+        plain = self._tp is None and self._vision is None
+        self.native_linears = platform.install_kernels(hf_model, dtype) if plain else 0
         spec = kv_spec(hf_model.config)
         measured = self._tp.kv_budget if self._tp is not None else None
         blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, resolved, device, dtype, measured_budget=measured)
         self.tokenizer = load_tokenizer(tokenizer, model)
         sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, seed, device)
-        make_runner = partial(ShardedRunner, self._tp) if self._tp is not None else ModelRunner  # rank 0's
+        make_runner: Any = partial(ShardedRunner, self._tp) if self._tp is not None else ModelRunner  # rank 0's
+        if self._vision is not None:  # why no graphs: image embeddings and M-RoPE positions are per step
+            make_runner = partial(ModelRunner, cuda_graphs=False)
         runner = make_runner(
             hf_model,
             spec,
@@ -176,6 +187,8 @@ class LLM(PoolingMethods):
             compile_fallback=resolved.compile_fallback,
             sampler=sampler,
         )
+        if self._vision is not None:
+            runner.vision = self._vision.inputs()
         block_manager = BlockManager(blocks, runner.block_size, resolved.enable_prefix_caching)
         scheduler = Scheduler(resolved, block_manager, resolved.max_model_len)
         self.config, self.max_model_len = resolved, resolved.max_model_len
@@ -185,7 +198,11 @@ class LLM(PoolingMethods):
     def _resolve(self, model: str, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> ResolvedConfig:
         """`config` for this device and model, from the model's config.json (no weights read yet)."""
         model_config = AutoConfig.from_pretrained(model)
-        check_config(model_config)
+        vision = is_vision_config(model_config)
+        if vision:
+            check_vision_config(model_config, config.tensor_parallel_size)
+        else:
+            check_config(model_config)
         return resolve(
             config,
             platform_for(device),
@@ -193,7 +210,8 @@ class LLM(PoolingMethods):
             dtype=dtype,
             head_dim=kv_spec(model_config).head_dim,
             softcap=has_softcap(model_config),
-            compiles=self.task == "generate",  # why: pooling forwards run eager; compiling would serve nothing
+            # why: pooling forwards run eager, compiling would serve nothing; a VLM's splice runs eager
+            compiles=self.task == "generate" and not vision,
         )
 
     def get_tokenizer(self, lora_request: object = None) -> Any:
@@ -243,6 +261,17 @@ class LLM(PoolingMethods):
         if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise TypeError("prompts: a flat list of ints is ambiguous; pass [[...ids]] or {'prompt_token_ids': [...]}")
         encoded = [self._encode(i, p) for i, p in enumerate(items)]
+        extras = [NO_EXTRAS] * len(encoded)
+        for i, item in enumerate(items):
+            data = item.get("multi_modal_data") if isinstance(item, dict) else None
+            if data is None:
+                continue
+            if self._vision is None:
+                raise ValueError(
+                    f"prompt {i}: multi_modal_data given, but {self._model_path} is not a vision-language model"
+                )
+            ids, extras[i] = self._vision.prompt(encoded[i][0], data, f"prompt {i}")
+            encoded[i] = (ids, encoded[i][1])
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -252,7 +281,8 @@ class LLM(PoolingMethods):
             if len(params) != len(encoded):
                 raise ValueError(f"got {len(encoded)} prompts but {len(params)} SamplingParams")
         token_ids = [ids for ids, _ in encoded]
-        return self.engine.generate(token_ids, params, on_output=on_output, texts=[t for _, t in encoded])
+        texts = [t for _, t in encoded]
+        return self.engine.generate(token_ids, params, on_output=on_output, texts=texts, extras=extras)
 
     def chat(
         self,
@@ -279,11 +309,18 @@ class LLM(PoolingMethods):
             chat_template, add_generation_prompt, continue_final_message, tools, chat_template_kwargs
         )
         prompts: list[PromptInput] = []
-        for conversation in conversations:
+        for c, conversation in enumerate(conversations):
+            images: list[Any] = []
+            if self._vision is not None:  # image content parts: their images, rendered as placeholders
+                conversation, images = split_images(conversation, f"conversation {c}")
+                options.setdefault("chat_template", self._vision.processor.chat_template)
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
             # why no special tokens: a rendered template already holds them (BOS etc.)
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
+            prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request, on_output=on_output)
 
     def _encode(self, index: int, prompt: object) -> tuple[list[int], str | None]:
@@ -291,9 +328,10 @@ class LLM(PoolingMethods):
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"]), prompt
         if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            keys = {"prompt", "prompt_token_ids"} | ({"multi_modal_data"} if self._vision is not None else set())
+            unknown = sorted(set(prompt) - keys)
             if unknown:
-                raise TypeError(f"prompt {index}: unsupported key(s) {unknown} (supported: prompt, prompt_token_ids)")
+                raise TypeError(f"prompt {index}: unsupported key(s) {unknown} (supported: {', '.join(sorted(keys))})")
             if "prompt_token_ids" in prompt:
                 ids, _ = self._encode(index, list(prompt["prompt_token_ids"]))
                 text = prompt.get("prompt")

@@ -44,6 +44,7 @@ class ModelRunnerOutput:
     logprobs: LogprobLists | None = None  # the draws that asked for logprobs
     prompt_logprobs: PromptLogprobLists | None = None
     grammar_done: frozenset[int] = frozenset()  # draws whose grammar has accepted a complete output
+    errors: tuple[tuple[int, str], ...] = ()  # (seq id, why): requests failed in this step (an undecodable image)
 
 
 EMPTY_OUTPUT = ModelRunnerOutput()

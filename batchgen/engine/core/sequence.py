@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from batchgen.engine.api.params import SEED_MAX, SamplingParams
 
@@ -33,6 +34,9 @@ class RequestExtras:
     image_hashes: tuple[bytes, ...] = ()
     image_positions: tuple[tuple[int, int], ...] = ()  # (first position, count) per image
     rotary_positions: tuple[tuple[int, ...], ...] = ()
+    # the images themselves (engine/vision/images.RequestImage, pixels decoded only when the tower
+    # runs): data for the runner side, not part of what the request is compared by
+    images: tuple[Any, ...] = field(default=(), compare=False)
 
 
 NO_EXTRAS = RequestExtras()

@@ -27,7 +27,7 @@ from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.runner_output import ModelRunnerOutput, PromptLogprobLists
 from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
-from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras, Sequence
 from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState
 from batchgen.engine.loop.stats import EngineStats
 from batchgen.engine.runner.model_runner import ModelRunner
@@ -56,12 +56,19 @@ class Engine:
         self.requests = RequestTable()
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> int:
-        """Queue one request; returns its id. One that can never fit is answered with an error output."""
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        extras: RequestExtras = NO_EXTRAS,
+    ) -> int:
+        """Queue one request (`extras`: its images, see RequestExtras); returns its id. One that
+        can never fit is answered with an error output."""
         request_id = self.scheduler.new_seq_id()
         self.stats.requests += 1
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, extras=extras)
         message = self._check_token_ids(seq) or self.scheduler.check_fits(seq)
         if message is None:
             message = self.runner.check_request(request_id, params)
@@ -122,6 +129,7 @@ class Engine:
         for parent, children in batch.forks:
             self._add_samples(parent, children)
         out = self.runner.execute(batch)
+        failed = self._fail(out.errors, finished) if out.errors else frozenset()
         if out.nan:  # why: a NaN would be "sampled" into garbage silently; failing lets the job retry
             raise RuntimeError(f"NaN logits in step {self.stats.steps} (requests {batch.seq_ids[:8]})")
         if out.prompt_logprobs is not None:
@@ -130,17 +138,28 @@ class Engine:
             request, sample = self.requests.get(seq_id)
             self._finish_sample(request, sample, finished)
         if batch.draws:
-            self._accept(batch, out, finished)
+            self._accept(batch, out, finished, failed)
         self.stats.preemptions = self.scheduler.num_preemptions
         if not self.scheduler.has_unfinished():
             # why: the last finished sequences have no next step whose batch would tell the runner
             self.runner.apply(self.scheduler.take_update())
         return finished
 
-    def _accept(self, batch: ScheduledBatch, out: ModelRunnerOutput, finished: list[RequestOutput]) -> None:
-        """The drawn tokens: the scheduler takes them, logprobs are recorded, stop checks run."""
+    def _accept(
+        self,
+        batch: ScheduledBatch,
+        out: ModelRunnerOutput,
+        finished: list[RequestOutput],
+        failed: frozenset[int] = frozenset(),
+    ) -> None:
+        """The drawn tokens: the scheduler takes them, logprobs are recorded, stop checks run
+        (`failed`: sequences already ended with an error in this step, skipped)."""
         seq_ids, tokens = batch.draws, out.sampled
-        self.scheduler.update_from_output(seq_ids, tokens)
+        if failed:
+            kept = [(s, t) for s, t in zip(seq_ids, tokens) if s not in failed]
+            self.scheduler.update_from_output([s for s, _ in kept], [t for _, t in kept])
+        else:
+            self.scheduler.update_from_output(seq_ids, tokens)
         self.stats.output_tokens += len(tokens)
         taken = {}
         if out.logprobs is not None:
@@ -149,11 +168,33 @@ class Engine:
         done = out.grammar_done  # why once: the loop runs per sequence
         lookup = self.requests.get
         for i, (seq_id, token) in enumerate(zip(seq_ids, tokens)):
+            if seq_id in failed:
+                continue
             request, sample = lookup(seq_id)
             if taken and i in taken:
                 sample.record(*taken[i])
             if sample.stop.append(token) or (done and seq_id in done and sample.stop.finish_now()):
                 self._finish_sample(request, sample, finished)
+
+    def _fail(self, errors: tuple[tuple[int, str], ...], finished: list[RequestOutput]) -> frozenset[int]:
+        """Requests the runner could not serve (an image that cannot be decoded): each ends now,
+        all its samples with it, as an error output. -> the sequences ended."""
+        ended: set[int] = set()
+        for seq_id, message in errors:
+            if seq_id in ended:
+                continue
+            request, _ = self.requests.get(seq_id)
+            for sample in request.samples:
+                ended.add(sample.seq.seq_id)
+                self.scheduler.finish(sample.seq.seq_id)
+            self.requests.drop(request)
+            self.stats.errors += 1
+            error = f"request {request.request_id}: {message}"
+            logger.warning("failing %s", error)
+            finished.append(
+                RequestOutput(str(request.request_id), request.prompt, request.parent.prompt_token_ids, error=error)
+            )
+        return frozenset(ended)
 
     def _add_samples(self, parent: int, children: tuple[int, ...]) -> None:
         """Samples 1..n-1 of a request, forked by the scheduler from its just-prefilled prompt."""
@@ -201,16 +242,18 @@ class Engine:
         params: list[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None = None,
         texts: list[str | None] | None = None,
+        extras: list[RequestExtras] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion; outputs in input order, `on_output` as each one finishes.
 
         Each output's `request_id` is its index in `prompts` (as a string); `texts` are the
-        prompts' texts for the outputs' `prompt` (None: not given as text).
+        prompts' texts for the outputs' `prompt` (None: not given as text); `extras` their images.
         """
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         try:
-            return self._run(prompts, params, on_output, texts or [None] * len(prompts))
+            added = [extras[i] if extras else NO_EXTRAS for i in range(len(prompts))]
+            return self._run(prompts, params, on_output, texts or [None] * len(prompts), added)
         except BaseException:
             # why BaseException: a KeyboardInterrupt mid-step orphans requests just the same
             self.abort_all()
@@ -222,9 +265,11 @@ class Engine:
         params: list[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None,
         texts: list[str | None],
+        extras: list[RequestExtras],
     ) -> list[RequestOutput]:
         """Add every prompt, step until all are answered; each output's request_id becomes its index."""
-        position = {str(self.add_request(p, sp, t)): i for i, (p, sp, t) in enumerate(zip(prompts, params, texts))}
+        added = zip(prompts, params, texts, extras)
+        position = {str(self.add_request(p, sp, t, x)): i for i, (p, sp, t, x) in enumerate(added)}
         results: list[RequestOutput | None] = [None] * len(prompts)
         while self.has_unfinished():
             for output in self.step():

@@ -142,6 +142,12 @@ class RequestTable:
         del self._requests[request.request_id]
         return True
 
+    def drop(self, request: RequestState) -> None:
+        """`request` leaves the table whole, whatever its samples' state (it failed)."""
+        self._requests.pop(request.request_id, None)
+        for sample in request.samples:
+            self._by_seq.pop(sample.seq.seq_id, None)
+
     def clear(self) -> None:
         self._requests.clear()
         self._by_seq.clear()

@@ -21,9 +21,11 @@ runs the forward) and the backend's decode rows. `drop_all` drops both and zeroe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -51,6 +53,9 @@ from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.step_draw import finish_draw, prepare_draw
 from batchgen.engine.staging.transfers import Transfers
 
+if TYPE_CHECKING:
+    from batchgen.engine.vision.encoder import VisionInputs
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,6 +70,9 @@ def pack_chunks(chunks: Sequence[ScheduledChunk], order: Sequence[int]) -> tuple
 
 
 class ModelRunner:
+    vision: VisionInputs | None = None  # a vision-language model's image state (engine/vision), set after init
+    _step_errors: dict[int, str] = {}  # noqa: RUF012  # this step's failed requests (read-only default)
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -156,7 +164,10 @@ class ModelRunner:
         logits, num_sampled = self._logits(chunks)
         if draw is None or self.sampler is None:
             return EMPTY_OUTPUT
-        return finish_draw(draw, logits, num_sampled, self.sampler, self.transfers)
+        out = finish_draw(draw, logits, num_sampled, self.sampler, self.transfers)
+        if self._step_errors:
+            out = dataclasses.replace(out, errors=tuple(self._step_errors.items()))
+        return out
 
     def _logits(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, int]:
         """The upload and the forward -> (float32 logits [num sampled chunks + prompt-logit rows, vocab],
@@ -168,6 +179,8 @@ class ModelRunner:
                 return logits, len(chunks)
         padded = self.forward.padded_tokens(sum(c.num_tokens for c in chunks))
         ctx, input_ids, positions, packed_end = self._pack(chunks, padded)
+        if self.vision is not None:  # image embeddings and M-RoPE positions ride in this upload
+            self._step_errors = self.vision.prepare(chunks, packed_end, len(input_ids), self.transfers)
         keep = [packed_end[i] - 1 for i, c in enumerate(chunks) if c.needs_sample]
         num_sampled = len(keep)
         for i, c in enumerate(chunks):
@@ -269,6 +282,8 @@ class ModelRunner:
             return
         if self.batch is not None:
             self.batch.apply(update)
+        if self.vision is not None:
+            self.vision.apply(update)
         if update.released:
             self.release(update.released)
 
@@ -288,3 +303,5 @@ class ModelRunner:
         self.backend.reset()
         if self.batch is not None:
             self.batch.clear()
+        if self.vision is not None:
+            self.vision.clear()

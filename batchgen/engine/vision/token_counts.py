@@ -38,7 +38,19 @@ def _llava_tokens(processor: Any) -> int:
 
 
 def _qwen2_vl_tokens(image_processor: Any, width: int, height: int) -> int:
-    """Qwen2-VL: the image is resized to a multiple of patch*merge within the pixel bounds; one
-    token per merge x merge patches."""
-    patches = image_processor.get_number_of_image_patches(height, width, {})
-    return int(patches) // int(image_processor.merge_size) ** 2
+    """Qwen2-VL: one token per merge x merge patches of the resized image (see qwen2_vl_grid)."""
+    rows, cols = qwen2_vl_grid(image_processor, width, height)
+    return rows * cols
+
+
+def qwen2_vl_grid(image_processor: Any, width: int, height: int) -> tuple[int, int]:
+    """Qwen2-VL's token grid (rows, columns) of an image: resized to multiples of patch * merge
+    within the processor's pixel bounds (its own smart_resize), one token per merge x merge patches."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    patch, merge = int(image_processor.patch_size), int(image_processor.merge_size)
+    size = image_processor.size
+    low = size["shortest_edge"] if isinstance(size, dict) else size.shortest_edge
+    high = size["longest_edge"] if isinstance(size, dict) else size.longest_edge
+    resized_h, resized_w = smart_resize(height, width, patch * merge, min_pixels=low, max_pixels=high)
+    return resized_h // (patch * merge), resized_w // (patch * merge)

@@ -1,0 +1,231 @@
+"""The runner side of images: which sequences have which images, the encoder cache, and each
+step's splice (which packed rows take which image embeddings) and M-RoPE positions.
+
+Why here, updated from the scheduler's diffs: a sequence's images arrive once, in the
+NewSequence of its first step (RequestExtras plus the images themselves), and its chunks then
+name only positions. A chunk that covers an image's tokens needs that image's embeddings: the
+tower runs for every such image not yet cached, all of a step's new images in one batched call,
+right behind the step's upload (their pixels ride in it). The embeddings stay in the encoder
+cache (keyed by content hash, so two requests with the same image share one run) until every
+sequence that needs them has prefilled past the image, so a chunk cut through an image or a
+partial prefix hit never reruns the tower. A preempted sequence gives its claims up (its
+recomputation claims them again).
+
+Pixels are decoded here, when the image's tokens are first scheduled; an image that cannot be
+decoded fails its request (the step's `errors`), never the step, and every later request with
+the same content hash fails alike (its blocks may be in the prefix cache, computed without it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledChunk
+from batchgen.engine.staging.transfers import Transfers
+from batchgen.engine.vision.images import ImageDecodeError, RequestImage
+from batchgen.engine.vision.model import SpliceStep, VisionLanguageLM
+from batchgen.engine.vision.prompts import rotary_delta
+from batchgen.engine.vision.tower import VisionTower
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SeqImages:
+    images: tuple[RequestImage, ...]
+    spans: tuple[tuple[int, int], ...]  # (first position, count) per image
+    rotary: tuple[tuple[int, ...], ...]  # [3][prompt tokens], or () without M-RoPE
+    num_prompt: int
+    delta: int = 0  # M-RoPE: what a generated token's index gains
+    done: set[int] = field(default_factory=set)  # images this sequence has prefilled past
+
+
+class VisionInputs:
+    """The runner's image state; `prepare` builds one step's SpliceStep (see the module docstring)."""
+
+    def __init__(self, lm: VisionLanguageLM, tower: VisionTower, mrope: bool) -> None:
+        self.lm = lm
+        self.tower = tower
+        self.mrope = mrope
+        self.seqs: dict[int, _SeqImages] = {}
+        self.cache: dict[bytes, torch.Tensor] = {}  # content hash -> embeddings [tokens, hidden]
+        # content hash -> sequences still to prefill it (with how many of their images have it)
+        self.claims: dict[bytes, Counter[int]] = {}
+        self.failed: dict[bytes, str] = {}  # content hash -> why it cannot be decoded (Pillow's words)
+        self.tower_runs = 0  # images encoded (tests: a cut or a prefix hit never reruns one)
+        self._tower_call: list[RequestImage] = []  # this step's images to encode, behind the upload
+        self._tower_inputs: dict[str, torch.Tensor] = {}
+        self._released: set[bytes] = set()  # unclaimed in the last step: dropped at the next one
+
+    def apply(self, update: BatchUpdate) -> None:
+        """The scheduler's diff: new sequences bring their images (in their extras)."""
+        for new in update.new:
+            extras = new.extras
+            if not extras.image_hashes and not extras.rotary_positions:
+                continue
+            n = len(new.prompt_token_ids)
+            delta = rotary_delta(extras, n) if extras.rotary_positions else 0
+            seq = _SeqImages(extras.images, extras.image_positions, extras.rotary_positions, n, delta)
+            self.seqs[new.seq_id] = seq
+            self._claim(new.seq_id, seq)
+        for seq_id in update.preempted:
+            back = self.seqs.get(seq_id)
+            if back is not None:  # its recomputation needs its images again
+                for k in back.done:
+                    self.claims.setdefault(back.images[k].content_hash, Counter())[seq_id] += 1
+                back.done.clear()
+        for seq_id in update.finished:
+            gone = self.seqs.pop(seq_id, None)
+            for k, image in enumerate(gone.images if gone is not None else ()):
+                if gone is not None and k not in gone.done:
+                    self._unclaim(image.content_hash, seq_id)
+
+    def _claim(self, seq_id: int, seq: _SeqImages) -> None:
+        for image in seq.images:
+            self.claims.setdefault(image.content_hash, Counter())[seq_id] += 1
+
+    def clear(self) -> None:
+        """After an aborted generate: forget every sequence and cached embedding."""
+        self._tower_call, self._tower_inputs, self._released = [], {}, set()
+        self.seqs.clear()
+        self.cache.clear()
+        self.claims.clear()
+
+    def prepare(
+        self, chunks: Sequence[ScheduledChunk], packed_end: list[int], num_rows: int, transfers: Transfers
+    ) -> dict[int, str]:
+        """Stage this step's splice and positions and queue the tower behind the upload; set the
+        LM's step. -> {seq_id: error} for sequences whose images cannot be decoded."""
+        for content_hash in self._released:  # why now: the last step's forward has used them
+            self._drop_if_unclaimed(content_hash)
+        self._released = set()
+        errors: dict[int, str] = {}
+        wanted: dict[bytes, RequestImage] = {}
+        pieces: list[tuple[int, bytes, int, int]] = []  # (first packed row, hash, lo, hi)
+        for chunk, end in zip(chunks, packed_end):
+            seq = self.seqs.get(chunk.seq_id)
+            if seq is None or not seq.images:
+                continue
+            error = self._failure(seq)
+            if error is not None:
+                errors[chunk.seq_id] = error
+                continue
+            first = end - chunk.num_tokens
+            for image, (s, count) in zip(seq.images, seq.spans):
+                lo, hi = max(chunk.start, s), min(chunk.start + chunk.num_tokens, s + count)
+                if lo >= hi:
+                    continue
+                if image.content_hash not in self.cache:
+                    wanted[image.content_hash] = image
+                pieces.append((first + lo - chunk.start, image.content_hash, lo - s, hi - s))
+        self._decode(wanted, errors, chunks, transfers)
+        pieces = [p for p in pieces if p[1] not in self.failed]
+        step = SpliceStep()
+        if pieces:
+            rows = [r for first, _, lo, hi in pieces for r in range(first, first + hi - lo)]
+            step.rows = transfers.stage(torch.tensor(rows, dtype=torch.int64))  # [M]
+            transfers.on_upload(lambda: self._gather(step, pieces))
+        if self.mrope:
+            step.positions = transfers.stage(self._positions(chunks, packed_end, num_rows))[:, None]  # [3, 1, T]
+        self.lm.step = step
+        self._release(chunks)
+        return errors
+
+    def _decode(
+        self,
+        wanted: dict[bytes, RequestImage],
+        errors: dict[int, str],
+        chunks: Sequence[ScheduledChunk],
+        transfers: Transfers,
+    ) -> None:
+        """Decode the wanted images and stage their pixels (the tower runs behind the upload);
+        an image that cannot be decoded fails every sequence of the step that has it."""
+        decoded, self._tower_call = [], []
+        for content_hash, image in wanted.items():
+            try:
+                decoded.append(image.decode())
+                self._tower_call.append(image)
+            except ImageDecodeError as exc:
+                logger.warning("%s", exc)
+                self.failed[content_hash] = exc.reason
+        if len(decoded) < len(wanted):
+            for chunk in chunks:
+                seq = self.seqs.get(chunk.seq_id)
+                error = self._failure(seq) if seq is not None else None
+                if error is not None:
+                    errors[chunk.seq_id] = error
+        if decoded:
+            inputs = self.tower.pixel_inputs(decoded)
+            self._tower_inputs = {k: transfers.stage(v) for k, v in inputs.items()}
+
+    def _failure(self, seq: _SeqImages) -> str | None:
+        """Why `seq` fails: its first image whose content could not be decoded, or None."""
+        for image in seq.images:
+            reason = self.failed.get(image.content_hash)
+            if reason is not None:
+                return f"image {image.index}: cannot decode: {reason}"
+        return None
+
+    def _gather(self, step: SpliceStep, pieces: list[tuple[int, bytes, int, int]]) -> None:
+        """Behind the upload: the tower over the step's new images (one batched call), then the
+        step's source rows [M, hidden] from the encoder cache."""
+        if self._tower_call:
+            embeds = self.tower.encode(self._tower_inputs)
+            for image, image_embeds in zip(self._tower_call, embeds, strict=True):
+                self.cache[image.content_hash] = image_embeds
+            self.tower_runs += len(self._tower_call)
+            self._tower_call, self._tower_inputs = [], {}
+        step.embeds = torch.cat([self.cache[h][lo:hi] for _, h, lo, hi in pieces])
+
+    def _release(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Claims of sequences whose chunk in this step ends past an image (freed after the gather)."""
+        for chunk in chunks:
+            seq = self.seqs.get(chunk.seq_id)
+            if seq is None:
+                continue
+            end = chunk.start + chunk.num_tokens
+            for k, (image, (s, count)) in enumerate(zip(seq.images, seq.spans)):
+                if k not in seq.done and end >= s + count:
+                    seq.done.add(k)
+                    self._unclaim(image.content_hash, chunk.seq_id, later=True)
+
+    def _unclaim(self, content_hash: bytes, seq_id: int, later: bool = False) -> None:
+        """`seq_id` no longer needs the image; its embeddings go when nobody does (`later`: at
+        the next step, as this step's forward still reads them)."""
+        claims = self.claims.get(content_hash)
+        if claims is not None:
+            claims[seq_id] -= 1
+            if claims[seq_id] <= 0:
+                del claims[seq_id]
+        if later:
+            self._released.add(content_hash)
+        else:
+            self._drop_if_unclaimed(content_hash)
+
+    def _drop_if_unclaimed(self, content_hash: bytes) -> None:
+        if not self.claims.get(content_hash):
+            self.claims.pop(content_hash, None)
+            self.cache.pop(content_hash, None)
+
+    def _positions(self, chunks: Sequence[ScheduledChunk], packed_end: list[int], num_rows: int) -> torch.Tensor:
+        """M-RoPE positions of the packed row, [3, num_rows] (padding: 0): prompt tokens take their
+        request's rotary positions, generated ones index + delta on all three axes."""
+        out = torch.zeros(3, num_rows, dtype=torch.int64)
+        for chunk, end in zip(chunks, packed_end):
+            seq = self.seqs.get(chunk.seq_id)
+            first, a, b = end - chunk.num_tokens, chunk.start, chunk.start + chunk.num_tokens
+            if seq is None or not seq.rotary:
+                out[:, first:end] = torch.arange(a, b)
+                continue
+            p = min(b, seq.num_prompt)
+            if a < p:
+                out[:, first : first + p - a] = torch.tensor([axis[a:p] for axis in seq.rotary])
+            if b > p:
+                q = max(a, p)
+                out[:, first + q - a : end] = torch.arange(q, b) + seq.delta
+        return out

@@ -1,0 +1,85 @@
+"""One request's images as the engine holds them: a content hash fixed at add time (from the
+image's encoded bytes when it was opened from a file or bytes, else from its pixels), its size
+from the header, and its pixels decoded only when the tower needs them.
+
+Why lazily: a job hands the engine a whole part's requests at once; decoding every image then
+would hold them all in memory. An image opened with `PIL.Image.open` has read its header only,
+so its size (and so its token count) is known for free; `.convert("RGB")` happens when the
+request's image tokens are first scheduled, and a failure there is that request's error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_HASH_TAG = b"batchgen-image-v1"
+
+
+class ImageDecodeError(ValueError):
+    """An image of a request could not be decoded; the message names the image's index."""
+
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"image {index}: cannot decode: {reason}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, eq=False)
+class RequestImage:
+    """One image of a request: `index` among the request's images, its size and content hash."""
+
+    index: int
+    image: Any  # a PIL.Image.Image, possibly not yet decoded
+    width: int
+    height: int
+    content_hash: bytes
+
+    def decode(self) -> Any:
+        """The image as decoded RGB pixels (a PIL image); ImageDecodeError naming the image."""
+        try:
+            return self.image.convert("RGB")
+        except Exception as exc:  # why broad: Pillow raises OSError, ValueError, SyntaxError, ...
+            raise ImageDecodeError(self.index, str(exc)) from exc
+
+
+def _encoded_bytes(image: Any) -> bytes | None:
+    """The encoded bytes an image was opened from (a file or an in-memory buffer), or None."""
+    fp = getattr(image, "fp", None)
+    if isinstance(fp, io.BytesIO):
+        return fp.getvalue()
+    filename = getattr(image, "filename", "")
+    if filename and Path(filename).is_file():
+        return Path(filename).read_bytes()
+    return None
+
+
+def content_hash(image: Any) -> bytes:
+    """blake2b of the image's encoded bytes when known (no decoding), else of its mode, size and
+    pixels. Equal bytes give equal hashes, so equal images share prefix-cache blocks."""
+    h = hashlib.blake2b(_HASH_TAG, digest_size=16)
+    encoded = _encoded_bytes(image)
+    if encoded is not None:
+        h.update(b"encoded")
+        h.update(encoded)
+    else:
+        h.update(f"pixels {image.mode} {image.size[0]}x{image.size[1]}".encode())
+        h.update(image.tobytes())
+    return h.digest()
+
+
+def request_images(images: Any, where: str) -> list[RequestImage]:
+    """multi_modal_data["image"] (one PIL image or a list) -> RequestImages; TypeError naming
+    `where` (e.g. "prompt 3") for anything that is not a PIL image."""
+    from PIL import Image
+
+    items = list(images) if isinstance(images, (list, tuple)) else [images]
+    out = []
+    for i, image in enumerate(items):
+        if not isinstance(image, Image.Image):
+            raise TypeError(f"{where}: image {i} must be a PIL.Image.Image, got {type(image).__name__}")
+        width, height = image.size
+        out.append(RequestImage(i, image, int(width), int(height), content_hash(image)))
+    return out

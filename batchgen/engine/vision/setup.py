@@ -1,0 +1,73 @@
+"""What an LLM over a vision-language checkpoint builds besides the text engine: the config
+check, the language model the runner runs, the tower, and the prompt side (processor, images ->
+expanded token ids and extras).
+
+Why a module of its own: llm.py asks three questions (is this a VLM? what does the runner run?
+how does a prompt with images become tokens?) and the answers stay in this room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
+from batchgen.engine.runner.model_limits import refuse
+from batchgen.engine.vision.encoder import VisionInputs
+from batchgen.engine.vision.images import request_images
+from batchgen.engine.vision.model import VisionLanguageLM, load_vlm
+from batchgen.engine.vision.processor import VisionProcessor, load_vision_processor, vision_family
+from batchgen.engine.vision.prompts import expand_images
+from batchgen.engine.vision.tower import VisionTower
+
+SUPPORTED_LAYER_TYPES = {"full_attention"}
+
+
+def is_vision_config(config: PretrainedConfig) -> bool:
+    return vision_family(getattr(config, "model_type", "")) is not None
+
+
+def check_vision_config(config: PretrainedConfig, tensor_parallel_size: int) -> None:
+    """Refuse, before any weights are read, what the vision path cannot run exactly."""
+    text = config.get_text_config()
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    if not layer_types <= SUPPORTED_LAYER_TYPES:
+        raise refuse(config, f"a vision-language model with layer types {sorted(layer_types - SUPPORTED_LAYER_TYPES)}")
+    if getattr(text, "use_sliding_window", False):
+        raise refuse(config, "a vision-language model with sliding-window attention")
+    if tensor_parallel_size > 1:
+        raise refuse(config, "tensor parallelism for a vision-language model")
+
+
+@dataclass
+class VisionModel:
+    """The pieces an LLM keeps for a VLM."""
+
+    lm: VisionLanguageLM
+    tower: VisionTower
+    processor: VisionProcessor
+
+    def inputs(self) -> VisionInputs:
+        """The runner side's image state over this model."""
+        return VisionInputs(self.lm, self.tower, mrope=self.processor.family == "qwen2_vl")
+
+    def prompt(self, token_ids: list[int], multi_modal_data: Any, where: str) -> tuple[list[int], RequestExtras]:
+        """A prompt's token ids (with one placeholder per image) and its multi_modal_data ->
+        (expanded token ids, extras with the images)."""
+        if not multi_modal_data:  # text only (M-RoPE: its three axes are its index, as the runner makes them)
+            return token_ids, NO_EXTRAS
+        unknown = sorted(set(multi_modal_data) - {"image"})
+        if unknown:
+            raise ValueError(f"{where}: multi_modal_data key(s) {unknown} are not supported (supported: image)")
+        images = request_images(multi_modal_data.get("image", []), where)
+        expanded = expand_images(self.processor, token_ids, images, where)
+        return expanded.token_ids, expanded.extras
+
+
+def load_vision_model(path: str, device: torch.device, dtype: torch.dtype) -> VisionModel:
+    vlm = load_vlm(path, device, dtype)
+    processor = load_vision_processor(path)
+    return VisionModel(VisionLanguageLM(vlm), VisionTower(vlm, processor, device, dtype), processor)

@@ -1,0 +1,89 @@
+"""Greedy tokens of tiny random LLaVA and Qwen2-VL on the engine equal transformers' generate
+(float32): several images of different sizes in one batch, a repeated image served from the
+prefix cache, prefill chunks cut through an image's tokens, and preemption."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchgen.engine.llm import LLM, SamplingParams
+from testkit.tiny_vision import sample_image
+from tests.engine.vision.reference import reference_tokens
+
+FAMILIES = ["llava", "qwen2_vl"]
+MAX_TOKENS = 6
+
+
+def image_prompts(placeholder: str) -> list[dict[str, Any]]:
+    """Five prompts: one image, two images of other sizes, the first image again with the same
+    leading text (a prefix hit), no image between text, and an image at the very start."""
+    a, b, c = sample_image(40, 24, 1), sample_image(64, 64, 2), sample_image(20, 50, 3)
+    return [
+        {"prompt": f"w5 {placeholder} w7 w8", "multi_modal_data": {"image": a}},
+        {"prompt": f"w9 {placeholder} w3 {placeholder} w4", "multi_modal_data": {"image": [b, c]}},
+        {"prompt": f"w5 {placeholder} w7 w9 w10", "multi_modal_data": {"image": a}},
+        {"prompt": f"{placeholder} w11", "multi_modal_data": {"image": [c]}},
+        {"prompt": f"w12 w13 {placeholder}", "multi_modal_data": {"image": b}},
+    ]
+
+
+def run(folder: Path, **settings: Any) -> tuple[LLM, list[list[int]], list[int]]:
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, **settings)
+    assert llm._vision is not None
+    prompts = image_prompts(llm._vision.processor.placeholder)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return llm, [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_vlm: Callable[[str], Path]) -> dict[str, list[list[int]]]:
+    got = {}
+    for family in FAMILIES:
+        llm = LLM(str(tiny_vlm(family)), device="cpu", dtype="float32", block_size=4)
+        assert llm._vision is not None
+        got[family] = reference_tokens(
+            llm, tiny_vlm(family), image_prompts(llm._vision.processor.placeholder), MAX_TOKENS
+        )
+    return got
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_batch_matches_transformers(family: str, tiny_vlm: Callable[[str], Path], expected: Any) -> None:
+    _, tokens, _ = run(tiny_vlm(family))
+    assert tokens == expected[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_repeated_image_is_a_prefix_hit(family: str, tiny_vlm: Callable[[str], Path], expected: Any) -> None:
+    """One sequence at a time: prompt 2 repeats prompt 0's text and image, so its blocks up to the
+    text after the image come from the cache; a different image never shares a block."""
+    _, tokens, cached = run(tiny_vlm(family), max_num_seqs=1)
+    assert tokens == expected[family]
+    assert cached[2] >= 12  # the leading text and (most of) the image's tokens
+    assert cached[0] == cached[1] == cached[3] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chunks_cut_through_images(family: str, tiny_vlm: Callable[[str], Path], expected: Any) -> None:
+    """7 tokens a step: every image (>= 15 tokens) is split over three chunks or more; the encoder
+    cache runs the tower at most once per image occurrence (6), never once per chunk (>= 18)."""
+    llm, tokens, _ = run(tiny_vlm(family), max_num_batched_tokens=7, max_num_seqs=2, enable_prefix_caching=False)
+    assert tokens == expected[family]
+    vision = llm.engine.runner.vision  # type: ignore[attr-defined]
+    assert vision.tower_runs <= 6
+    assert not vision.cache and not vision.claims  # everything freed when done
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preemption(family: str, tiny_vlm: Callable[[str], Path], expected: Any) -> None:
+    """A pool too small for all five: decodes preempt sequences, whose recomputation runs their
+    images (and Qwen2-VL's positions, the decode offset included) again."""
+    blocks = {"llava": 24, "qwen2_vl": 28}[family]  # each prompt fits alone, not all five
+    llm, tokens, _ = run(tiny_vlm(family), num_kv_blocks=blocks, max_num_seqs=5)
+    assert tokens == expected[family]
+    assert llm.stats["preemptions"] > 0

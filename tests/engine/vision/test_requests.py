@@ -1,0 +1,104 @@
+"""Image requests at the API's edge: an image that cannot be decoded fails its request alone
+(naming the image), chat() takes OpenAI image content parts, M-RoPE positions are transformers',
+and a text-only prompt runs on a VLM."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from batchgen.engine.llm import LLM, SamplingParams
+from batchgen.engine.vision.images import request_images
+from batchgen.engine.vision.processor import load_vision_processor
+from batchgen.engine.vision.prompts import expand_images
+from testkit.tiny_vision import sample_image
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+
+
+def png_bytes(width: int, height: int, seed: int) -> bytes:
+    buffer = io.BytesIO()
+    sample_image(width, height, seed).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def lazy(data: bytes) -> Any:
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data))  # header read, pixels not decoded
+
+
+@pytest.fixture(scope="module")
+def llava(tiny_vlm: Callable[[str], Path]) -> LLM:
+    return LLM(str(tiny_vlm("llava")), device="cpu", dtype="float32", block_size=4)
+
+
+def test_undecodable_image_fails_its_request_only(llava: LLM) -> None:
+    good, broken = png_bytes(40, 24, 1), png_bytes(48, 48, 2)
+    truncated = broken[: len(broken) // 2]
+    prompts = [
+        {"prompt": "w5 <image> w6", "multi_modal_data": {"image": lazy(good)}},
+        {"prompt": "w5 <image> w7 <image>", "multi_modal_data": {"image": [lazy(good), lazy(truncated)]}},
+        {"prompt": "w8 <image>", "multi_modal_data": {"image": [lazy(truncated)]}},  # same bytes: fails too
+        {"prompt": "w9 <image> w6", "multi_modal_data": {"image": lazy(png_bytes(30, 30, 3))}},
+    ]
+    outs = llava.generate(prompts, GREEDY)
+    assert outs[1].error is not None and "image 1: cannot decode" in outs[1].error
+    assert outs[2].error is not None and "image 0: cannot decode" in outs[2].error
+    alone = llava.generate([prompts[0], prompts[3]], GREEDY)
+    assert [outs[0].outputs[0].token_ids, outs[3].outputs[0].token_ids] == [o.outputs[0].token_ids for o in alone]
+    assert llava.engine.requests.num_samples == 0 and not llava.engine.runner.vision.cache  # type: ignore[attr-defined]
+
+
+def test_chat_takes_image_content_parts(llava: LLM, tmp_path: Path) -> None:
+    data = png_bytes(40, 24, 1)
+    path = tmp_path / "a.png"
+    path.write_bytes(data)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    parts = [
+        [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "w5 w6"}],
+        [{"type": "image_url", "image_url": {"url": str(path)}}, {"type": "text", "text": "w5 w6"}],
+        [{"type": "image_pil", "image_pil": lazy(data)}, {"type": "text", "text": "w5 w6"}],
+    ]
+    outs = llava.chat([[{"role": "user", "content": p}] for p in parts], GREEDY)
+    assert all(o.error is None for o in outs)
+    assert outs[0].prompt is not None and "<image>" in outs[0].prompt
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert tokens[0] == tokens[1] == tokens[2]  # the same image three ways: the same answer
+
+
+def test_placeholders_must_match_images(llava: LLM) -> None:
+    with pytest.raises(ValueError, match=r"prompt 0: the prompt has 2 image placeholder\(s\).*but 1 image"):
+        llava.generate({"prompt": "<image> <image>", "multi_modal_data": {"image": sample_image(8, 8)}}, GREEDY)
+    with pytest.raises(TypeError, match=r"prompt 0: image 0 must be a PIL\.Image\.Image"):
+        llava.generate({"prompt": "<image>", "multi_modal_data": {"image": b"png"}}, GREEDY)
+
+
+def test_text_only_prompt_on_a_vlm(llava: LLM) -> None:
+    out = llava.generate(["w5 w6 w7"], GREEDY)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 4
+
+
+def test_mrope_positions_are_transformers(tiny_vlm: Callable[[str], Path]) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    folder = tiny_vlm("qwen2_vl")
+    processor = load_vision_processor(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    images = request_images([sample_image(40, 24, 1), sample_image(20, 70, 2)], "test")
+    ph = processor.placeholder
+    ids = processor.tokenizer(f"w5 {ph} w6 w7 {ph} w8")["input_ids"]
+    prompt = expand_images(processor, ids, images, "test")
+    grids = processor.image_processor(images=[i.image for i in images], return_tensors="pt")["image_grid_thw"]
+    types = torch.tensor([[int(t == processor.image_token_id) for t in prompt.token_ids]])
+    theirs, delta = model.model.get_rope_index(torch.tensor([prompt.token_ids]), types, image_grid_thw=grids)
+    assert theirs[:, 0].tolist() == [list(axis) for axis in prompt.extras.rotary_positions]
+    from batchgen.engine.vision.prompts import rotary_delta
+
+    assert rotary_delta(prompt.extras, len(prompt.token_ids)) == int(delta)

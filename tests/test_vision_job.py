@@ -73,3 +73,36 @@ def test_the_vision_job_runs_with_image_tokens_in_usage(tmp_path: Path) -> None:
     same_question = next(r for r in rows if r["id"] == "q000")  # red_square.png, the same question
     expected = manifest["tokens"]["input"] + same_question["input_tokens"]
     assert json.loads(estimate.stdout)["input_tokens"]["total"] == expected
+
+
+def test_images_on_an_object_store(tmp_path: Path) -> None:
+    """An input Parquet on a bucket whose image cells are paths relative to it and s3:// URIs: read
+    through the storage layer with the input's storage_options; a missing object is that row's error."""
+    import pyarrow as pa
+
+    from tests.conftest import write_job
+    from tests.s3_server import moto_s3, options
+    from tests.test_vision_rows import image_job
+
+    with moto_s3() as s3:
+        fs = s3["fs"]
+        for name in ("red_square.png", "sunset.jpg"):
+            with fs.open_output_stream(f"inputs/job/pics/{name}") as f:
+                f.write((SAMPLE / "images" / name).read_bytes())
+        table = pa.table(
+            {
+                "q": ["w10 w11", "w10 w11", "w10 w11"],
+                "img": ["pics/red_square.png", "s3://inputs/job/pics/sunset.jpg", "pics/gone.png"],
+            }
+        )
+        with fs.open_output_stream("inputs/job/in.parquet") as f:
+            pq.write_table(table, f)
+        job = image_job(tmp_path, SAMPLE / "tiny-llava")
+        job["input"].update(path="s3://inputs/job/in.parquet", storage_options=options(s3))  # type: ignore[attr-defined]
+        job["output"] = {"path": str(tmp_path / "out")}
+        result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / "job.yaml", job)), "--quiet"])
+        assert result.exit_code == 0, result.output
+    rows = output_table(tmp_path / "out").to_pylist()
+    assert [r["error_code"] for r in rows] == [None, None, "invalid_image"]
+    assert rows[0]["input_tokens"] == rows[1]["input_tokens"] > 16  # 16 image tokens and the text
+    assert "image 0 (s3://inputs/job/pics/gone.png): cannot be read" in rows[2]["error_message"]

@@ -95,3 +95,17 @@ def test_images_above_the_pixel_limit_are_refused() -> None:
 
 def test_the_default_limit_is_pillows_decompression_bomb_guard() -> None:
     assert reader().max_pixels == Image.MAX_IMAGE_PIXELS
+
+
+def test_one_tables_rows_naming_one_location_share_its_image(tmp_path: Path) -> None:
+    """Read, parsed and hashed once per table (forget_locations starts the next): the rows hold one
+    copy of the bytes, and an object store is asked once."""
+    (tmp_path / "a.png").write_bytes(png(6, 6))
+    r, folder = reader(), Folder(str(tmp_path))
+    first = r.image(0, "a.png", folder)
+    assert r.image(0, {"bytes": None, "path": "a.png"}, folder) is first
+    (tmp_path / "a.png").unlink()
+    assert r.read_cell(["a.png"], folder)[0] is first
+    r.forget_locations()
+    with pytest.raises(CellError, match="cannot be read"):
+        r.image(0, "a.png", folder)

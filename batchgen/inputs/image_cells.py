@@ -78,6 +78,9 @@ class ImageReader:
             Image.MAX_IMAGE_PIXELS = self.max_pixels
         self.options, self.input_scheme = storage_options, input_scheme
         self.stores: dict[str, Any] = {}  # "scheme://bucket" -> pyarrow FileSystem
+        # (folder, location) -> its image, for one table's rows (forget_locations): a catalogue's
+        # questions about one image read, parse and hash it once, and share its bytes
+        self.locations: dict[tuple[str, str], ImageData] = {}
         self.policy = RetryPolicy.from_env()
 
     def read_cell(self, cell: Any, folder: Folder | None) -> list[ImageData]:
@@ -89,8 +92,21 @@ class ImageReader:
 
     def image(self, j: int, item: Any, folder: Folder | None) -> ImageData:
         """Image `j` of a row from one value: bytes, a path / URI / data URL, or a {bytes, path} struct."""
+        if isinstance(item, dict) and item.get("bytes") is None:
+            item = item.get("path")
+        key = (folder.path if folder is not None else "", item) if isinstance(item, str) else None
+        known = self.locations.get(key) if key is not None else None
+        if known is not None:
+            return known
         data, source = self._bytes(j, item, folder)
-        return self.checked(j, data, source)
+        image = self.checked(j, data, source)
+        if key is not None and not item.startswith("data:"):
+            self.locations[key] = image
+        return image
+
+    def forget_locations(self) -> None:
+        """Start a new table: the images read by location so far are no longer shared."""
+        self.locations.clear()
 
     def checked(self, j: int, data: bytes, source: str) -> ImageData:
         """ImageData of image `j` from its bytes: header read, size checked, content hashed."""

@@ -65,6 +65,7 @@ class VisionRows:
         column = self.spec.input.image_column
         cells = table.column(column).to_pylist() if column is not None else []
         encoded: dict[int, list[int]] = {}
+        self.reader.forget_locations()
         for i, text in texts.items():
             try:
                 if column is not None:

@@ -289,3 +289,25 @@ def test_a_finished_request_frees_its_decoded_images(tmp_path: Path, tiny_vlm: C
     with pytest.raises(ValueError, match="closed image"):
         image.getpixel((0, 0))
     assert row.engine_prompt()["multi_modal_data"]["image"][0].size == (32, 32)  # a new handle each time
+
+
+def test_a_model_without_a_chat_template_gets_its_placeholders_then_the_text(
+    tmp_path: Path, tiny_vlm: Callable[[str], Path]
+) -> None:
+    """As transformers' processor makes "<image>\\n<text>" for such a model (special tokens added)."""
+    import json
+    import shutil
+
+    from transformers import AutoProcessor
+
+    model = tmp_path / "plain-llava"
+    shutil.copytree(tiny_vlm("llava"), model)
+    (model / "chat_template.jinja").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (row,) = prepared(spec_of(tmp_path, model), pa.table({"q": ["w5 w6"], "img": [png(30, 30)]}))
+    processor = AutoProcessor.from_pretrained(model)
+    assert not processor.chat_template
+    expected = processor(text=["<image>\nw5 w6"], images=[sample_image(30, 30)])["input_ids"][0]
+    assert row.prompt_ids == list(expected)

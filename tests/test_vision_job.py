@@ -72,7 +72,10 @@ def test_the_vision_job_runs_with_image_tokens_in_usage(tmp_path: Path) -> None:
     # (the truncated PNG's header reads, so estimate counts its row; its pixels fail only in the engine)
     same_question = next(r for r in rows if r["id"] == "q000")  # red_square.png, the same question
     expected = manifest["tokens"]["input"] + same_question["input_tokens"]
-    assert json.loads(estimate.stdout)["input_tokens"]["total"] == expected
+    predicted = json.loads(estimate.stdout)
+    assert predicted["input_tokens"]["total"] == expected
+    # the same cache hits as the run: image content in the blocks' keys (one block per repeated image)
+    assert predicted["prefix_cache"]["cached_tokens"] == manifest["tokens"]["cached"] == 16 * 16
 
 
 def test_images_on_an_object_store(tmp_path: Path) -> None:

@@ -311,3 +311,15 @@ def test_a_model_without_a_chat_template_gets_its_placeholders_then_the_text(
     assert not processor.chat_template
     expected = processor(text=["<image>\nw5 w6"], images=[sample_image(30, 30)])["input_ids"][0]
     assert row.prompt_ids == list(expected)
+
+
+def test_the_estimates_cache_replay_tells_images_apart(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
+    """Two images of one size have the same token ids: only their content keeps their blocks apart."""
+    from batchgen.usage.estimate import prefix_cache_hits
+
+    a, b = png(32, 32, 1), png(32, 32, 2)
+    rows = prepared(spec_of(tmp_path, tiny_vlm("llava")), pa.table({"q": ["w5 w6"] * 3, "img": [a, b, a]}))
+    prompts, extras = [r.prompt_ids for r in rows], [r.extras() for r in rows]
+    assert prefix_cache_hits(prompts, 4, None, extras) == (len(prompts[0]) - 1) // 4 * 4  # the third: all of a
+    assert prefix_cache_hits(prompts[:2], 4, None, extras[:2]) == 0
+    assert prefix_cache_hits(prompts[:2], 4) > 0  # (the ids alone would share)

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from batchgen.engine.attention.path import SMALL_BLOCK_SIZE
+from batchgen.engine.core.block_hash import block_extra_key
+from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
 from batchgen.engine.runner.models import resolve_max_model_len
 from batchgen.errors import ModelError
 from batchgen.inputs.dataset import plan_shards
@@ -74,25 +76,37 @@ class Estimate:
                 if len(self.error_examples) < MAX_ERROR_EXAMPLES:
                     self.error_examples.append(f"{r.error_code}: {r.error_message}")
         prompts = [ids for ids, _ in ok]
-        ordered = [prompts[i] for i in order_requests(prompts, ordering)]
-        self.shareable_tokens += prefix_cache_hits(ordered, block_size, cache)
+        extras = [r.extras() for r in rows if r.ok]  # an image row's images join its blocks' keys
+        order = order_requests(prompts, ordering)
+        self.shareable_tokens += prefix_cache_hits(
+            [prompts[i] for i in order], block_size, cache, [extras[i] for i in order]
+        )
 
 
-def prefix_cache_hits(prompts: list[list[int]], block_size: int, nodes: dict[Any, int] | None = None) -> int:
+def prefix_cache_hits(
+    prompts: list[list[int]],
+    block_size: int,
+    nodes: dict[Any, int] | None = None,
+    extras: list[RequestExtras] | None = None,
+) -> int:
     """Prompt tokens served from the cache when `prompts` are admitted in this order.
 
     As the engine's block manager does: only full blocks match, as a chain from the first token;
     at least one token of each prompt is computed (its logits are needed); every full prompt
     block is cached once computed. The cache is assumed unbounded (nothing is evicted). `nodes`:
-    the cache to start from and add to, (parent node, block tokens) -> node id; None: empty.
+    the cache to start from and add to, (parent node, block tokens, extra key) -> node id; None:
+    empty. `extras`: each prompt's RequestExtras (its images): a block's extra key as the block hash
+    has it (core/block_hash), so two images of one size never share a block.
     """
     nodes = {} if nodes is None else nodes
     hits = 0
-    for ids in prompts:
+    for k, ids in enumerate(prompts):
+        request = extras[k] if extras is not None else NO_EXTRAS
         max_match = (len(ids) - 1) // block_size
         parent = -1
         for b in range(len(ids) // block_size):
-            key = (parent, tuple(ids[b * block_size : (b + 1) * block_size]))
+            first, end = b * block_size, (b + 1) * block_size
+            key = (parent, tuple(ids[first:end]), block_extra_key(request, first, end))
             node = nodes.get(key)
             if node is None:
                 node = nodes[key] = len(nodes)

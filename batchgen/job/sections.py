@@ -117,6 +117,10 @@ class InputSection(_Strict):
                 "input.image_column goes with input.prompt_column (the user's text); "
                 "a messages column carries images in its content parts"
             )
+        try:  # why here: without Pillow every row would fail one by one
+            import PIL  # noqa: F401
+        except ImportError:
+            raise ValueError("input.image_column: images need Pillow: pip install 'batchgen[vision]'") from None
 
     def _openai_columns(self) -> None:
         from batchgen.inputs.openai_requests import SAMPLING_COLUMNS

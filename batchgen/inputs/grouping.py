@@ -112,7 +112,9 @@ def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: 
         for shard, table in read_shards(files, chunks, key_columns(spec)):
             where = image_folder(files[shard.file_index]) if images else None
             prompts = preparer.prompt_ids(table, max_chars, where)
-            keys = [prompt_key(ids, block_size, cut, row.extras()) for ids, cut, row in prompts]
+            keys = [
+                prompt_key(ids, block_size, cut, row.extras() if images else NO_EXTRAS) for ids, cut, row in prompts
+            ]
             if group is not None:
                 keys = [group_key(v) + k for v, k in zip(table.column(group).to_pylist(), keys)]
             sorter.add(keys, int(offsets[shard.file_index]) + shard.start)

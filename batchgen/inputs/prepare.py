@@ -15,6 +15,7 @@ from typing import Any, get_type_hints
 import pyarrow as pa
 
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
 from batchgen.errors import ModelError
 from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
@@ -59,10 +60,8 @@ class PreparedRow:
         images = [image.open() for image in self.images]
         return {"prompt_token_ids": self.placeholder_ids, "multi_modal_data": {"image": images}}
 
-    def extras(self) -> Any:
+    def extras(self) -> RequestExtras:
         """The request's RequestExtras for its block hashes (its images' content hashes and positions)."""
-        from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
-
         if not self.images or self.image_positions is None:
             return NO_EXTRAS
         hashes = tuple(image.content_hash for image in self.images)

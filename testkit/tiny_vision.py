@@ -21,9 +21,11 @@ VOCAB = 256
 # Special tokens take the top ids; words fill the rest ("w{i}" <-> id i, as in tiny_models).
 SPECIALS: dict[str, list[str]] = {
     "llava": ["<image>"],
+    "llava_next": ["<image>"],
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
 FAMILIES = tuple(SPECIALS)
+GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # LLaVA-NeXT's tilings of 32-pixel tiles
 
 # Renders OpenAI content parts (a string, or a list of {"type": "text"|"image"|"image_url"|...})
 # with the family's image placeholder where each image goes.
@@ -97,6 +99,24 @@ def tiny_vision_config(family: str) -> Any:
             vision_feature_layer=-2,
             tie_word_embeddings=False,
         )
+    if family == "llava_next":
+        tower = tf.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+        return tf.LlavaNextConfig(
+            vision_config=tower,
+            text_config=tf.LlamaConfig(**text),
+            image_token_index=ids["<image>"],
+            image_grid_pinpoints=GRID_PINPOINTS,
+            vision_feature_select_strategy="default",
+            vision_feature_layer=-2,
+            tie_word_embeddings=False,
+        )
     if family == "qwen2_vl":
         vision: dict[str, Any] = dict(
             depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
@@ -136,6 +156,18 @@ def save_tiny_processor(family: str, path: Path) -> None:
             chat_template=template,
         )
         processor.save_pretrained(path)
+    elif family == "llava_next":
+        tiles = tf.LlavaNextImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=GRID_PINPOINTS
+        )
+        tf.LlavaNextProcessor(
+            image_processor=tiles,
+            tokenizer=tokenizer,
+            patch_size=8,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=template,
+        ).save_pretrained(path)
     elif family == "qwen2_vl":
         # 4-pixel patches merged 2x2: one token per 8x8 pixels; between 4 and 64 tokens an image.
         qwen_images = tf.Qwen2VLImageProcessor(

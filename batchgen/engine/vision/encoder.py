@@ -61,6 +61,7 @@ class VisionInputs:
         self._tower_call: list[RequestImage] = []  # this step's images to encode, behind the upload
         self._tower_inputs: dict[str, torch.Tensor] = {}
         self._released: set[bytes] = set()  # unclaimed in the last step: dropped at the next one
+        self._counts: dict[bytes, int] = {}  # this step's images: their token counts
 
     def apply(self, update: BatchUpdate) -> None:
         """The scheduler's diff: new sequences bring their images (in their extras)."""
@@ -103,7 +104,7 @@ class VisionInputs:
         LM's step. -> {seq_id: error} for sequences whose images cannot be decoded."""
         for content_hash in self._released:  # why now: the last step's forward has used them
             self._drop_if_unclaimed(content_hash)
-        self._released = set()
+        self._released, self._counts = set(), {}
         errors: dict[int, str] = {}
         wanted: dict[bytes, RequestImage] = {}
         pieces: list[tuple[int, bytes, int, int]] = []  # (first packed row, hash, lo, hi)
@@ -120,6 +121,7 @@ class VisionInputs:
                 lo, hi = max(chunk.start, s), min(chunk.start + chunk.num_tokens, s + count)
                 if lo >= hi:
                     continue
+                self._counts[image.content_hash] = count
                 if image.content_hash not in self.cache:
                     wanted[image.content_hash] = image
                 pieces.append((first + lo - chunk.start, image.content_hash, lo - s, hi - s))
@@ -175,7 +177,8 @@ class VisionInputs:
         """Behind the upload: the tower over the step's new images (one batched call), then the
         step's source rows [M, hidden] from the encoder cache."""
         if self._tower_call:
-            embeds = self.tower.encode(self._tower_inputs)
+            counts = [self._counts[i.content_hash] for i in self._tower_call]
+            embeds = self.tower.encode(self._tower_inputs, counts)
             for image, image_embeds in zip(self._tower_call, embeds, strict=True):
                 self.cache[image.content_hash] = image_embeds
             self.tower_runs += len(self._tower_call)

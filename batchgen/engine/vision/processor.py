@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 # model_type -> family; a family fixes the placeholder rule and the tower glue.
-FAMILIES = {"llava": "llava", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
+FAMILIES = {"llava": "llava", "llava_next": "llava_next", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
 # What a prompt writes per image (vLLM's prompts use the same strings).
-PLACEHOLDERS = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+PLACEHOLDERS = {"llava": "<image>", "llava_next": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 # The token repeated once per image embedding.
-IMAGE_TOKENS = {"llava": "<image>", "qwen2_vl": "<|image_pad|>"}
+IMAGE_TOKENS = {"llava": "<image>", "llava_next": "<image>", "qwen2_vl": "<|image_pad|>"}
 
 
 @dataclass
@@ -34,6 +34,7 @@ class VisionProcessor:
     image_token_id: int
     placeholder: str
     options: dict[str, Any] = field(default_factory=dict)  # processor_config.json (LLaVA: patch_size, ...)
+    hf: Any = None  # transformers' own processor, where it builds without torchvision (LLaVA-NeXT's arithmetic)
 
 
 def vision_family(model_type: str) -> str | None:
@@ -82,4 +83,11 @@ def load_vision_processor(model_path: str | Path) -> VisionProcessor:
         image_token_id=int(token_id),
         placeholder=PLACEHOLDERS[family],
         options=_read_json(folder / "processor_config.json"),
+        hf=_hf_processor(folder) if family == "llava_next" else None,
     )
+
+
+def _hf_processor(folder: Path) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(folder)

@@ -27,7 +27,9 @@ def reference_tokens(llm: LLM, folder: Path, prompts: list[dict[str, Any]], max_
         ids = llm.tokenizer(p["prompt"])["input_ids"]
         expanded, _ = vision.prompt(ids, p["multi_modal_data"], "reference")
         pixels = vision.processor.image_processor(images=[i.convert("RGB") for i in images], return_tensors="pt")
-        kwargs: dict[str, Any] = {k: v for k, v in pixels.items() if k in ("pixel_values", "image_grid_thw")}
+        kwargs: dict[str, Any] = {
+            k: v for k, v in pixels.items() if k in ("pixel_values", "image_grid_thw", "image_sizes")
+        }
         if vision.processor.family == "qwen2_vl":
             kwargs["mm_token_type_ids"] = torch.tensor([[int(t == vision.processor.image_token_id) for t in expanded]])
         with torch.no_grad():

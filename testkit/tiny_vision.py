@@ -22,6 +22,7 @@ VOCAB = 256
 SPECIALS: dict[str, list[str]] = {
     "llava": ["<image>"],
     "llava_next": ["<image>"],
+    "gemma3": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
 FAMILIES = tuple(SPECIALS)
@@ -58,8 +59,16 @@ def vision_tokenizer(family: str) -> Any:
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
-    return fast
+    extra: dict[str, Any] = {}
+    if family == "gemma3":  # the processor reads these names off the tokenizer
+        extra["extra_special_tokens"] = {
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        }
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>", **extra
+    )
 
 
 def tiny_vision_config(family: str) -> Any:
@@ -117,6 +126,31 @@ def tiny_vision_config(family: str) -> Any:
             vision_feature_layer=-2,
             tie_word_embeddings=False,
         )
+    if family == "gemma3":
+        siglip = tf.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+        gemma_text = dict(
+            text,
+            head_dim=16,
+            sliding_window=12,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        return tf.Gemma3Config(
+            text_config=tf.Gemma3TextConfig(**gemma_text),
+            vision_config=siglip,
+            mm_tokens_per_image=4,
+            boi_token_index=ids["<start_of_image>"],
+            eoi_token_index=ids["<end_of_image>"],
+            image_token_index=ids["<image_soft_token>"],
+            tie_word_embeddings=False,
+        )
     if family == "qwen2_vl":
         vision: dict[str, Any] = dict(
             depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
@@ -168,6 +202,11 @@ def save_tiny_processor(family: str, path: Path) -> None:
             num_additional_image_tokens=1,
             chat_template=template,
         ).save_pretrained(path)
+    elif family == "gemma3":
+        squares = tf.Gemma3ImageProcessor(size={"height": 32, "width": 32})
+        tf.Gemma3Processor(
+            image_processor=squares, tokenizer=tokenizer, chat_template=template, image_seq_length=4
+        ).save_pretrained(path)
     elif family == "qwen2_vl":
         # 4-pixel patches merged 2x2: one token per 8x8 pixels; between 4 and 64 tokens an image.
         qwen_images = tf.Qwen2VLImageProcessor(
@@ -189,6 +228,8 @@ def save_tiny_vlm(family: str, path: Path, seed: int = 0) -> Path:
     model = AutoModelForImageTextToText.from_config(tiny_vision_config(family))
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = EOS_ID
+    if family == "gemma3":  # why: its projection starts at zeros, which would make every image the same
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.25)
     model.save_pretrained(path)
     save_tiny_processor(family, path)
     return path

@@ -188,6 +188,7 @@ class LLM(PoolingMethods):
             sampler=sampler,
         )
         if self._vision is not None:
+            self._vision.check_runner(runner, resolved.max_num_batched_tokens)
             runner.vision = self._vision.inputs()
         block_manager = BlockManager(blocks, runner.block_size, resolved.enable_prefix_caching)
         scheduler = Scheduler(resolved, block_manager, resolved.max_model_len)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledChunk
 from batchgen.engine.staging.transfers import Transfers
 from batchgen.engine.vision.images import ImageDecodeError, RequestImage
@@ -41,6 +42,7 @@ class _SeqImages:
     spans: tuple[tuple[int, int], ...]  # (first position, count) per image
     rotary: tuple[tuple[int, ...], ...]  # [3][prompt tokens], or () without M-RoPE
     num_prompt: int
+    atomic: bool = False  # its images' tokens attend both ways (Gemma 3)
     delta: int = 0  # M-RoPE: what a generated token's index gains
     done: set[int] = field(default_factory=set)  # images this sequence has prefilled past
 
@@ -71,7 +73,9 @@ class VisionInputs:
                 continue
             n = len(new.prompt_token_ids)
             delta = rotary_delta(extras, n) if extras.rotary_positions else 0
-            seq = _SeqImages(extras.images, extras.image_positions, extras.rotary_positions, n, delta)
+            seq = _SeqImages(
+                extras.images, extras.image_positions, extras.rotary_positions, n, extras.atomic_images, delta
+            )
             self.seqs[new.seq_id] = seq
             self._claim(new.seq_id, seq)
         for seq_id in update.preempted:
@@ -98,10 +102,16 @@ class VisionInputs:
         self.claims.clear()
 
     def prepare(
-        self, chunks: Sequence[ScheduledChunk], packed_end: list[int], num_rows: int, transfers: Transfers
+        self,
+        chunks: Sequence[ScheduledChunk],
+        packed_end: list[int],
+        num_rows: int,
+        transfers: Transfers,
+        ctx: ForwardContext,
     ) -> dict[int, str]:
         """Stage this step's splice and positions and queue the tower behind the upload; set the
-        LM's step. -> {seq_id: error} for sequences whose images cannot be decoded."""
+        LM's step; mark the images whose tokens attend both ways in the step's prefill chunks.
+        -> {seq_id: error} for sequences whose images cannot be decoded."""
         for content_hash in self._released:  # why now: the last step's forward has used them
             self._drop_if_unclaimed(content_hash)
         self._released, self._counts = set(), {}
@@ -126,6 +136,7 @@ class VisionInputs:
                     wanted[image.content_hash] = image
                 pieces.append((first + lo - chunk.start, image.content_hash, lo - s, hi - s))
         self._decode(wanted, errors, chunks, transfers)
+        self._mark_bidirectional(chunks, packed_end, ctx)
         pieces = [p for p in pieces if p[1] not in self.failed]
         step = SpliceStep()
         if pieces:
@@ -164,6 +175,18 @@ class VisionInputs:
         if decoded:
             inputs = self.tower.pixel_inputs(decoded)
             self._tower_inputs = {k: transfers.stage(v) for k, v in inputs.items()}
+
+    def _mark_bidirectional(self, chunks: Sequence[ScheduledChunk], packed_end: list[int], ctx: ForwardContext) -> None:
+        """Gemma 3: each prefill chunk learns the images it holds (whole: the scheduler never ends a
+        chunk inside one), whose tokens the attention lets see each other both ways."""
+        by_start = {p.start: p for p in ctx.prefills}
+        for chunk, end in zip(chunks, packed_end):
+            seq = self.seqs.get(chunk.seq_id)
+            prefill = by_start.get(end - chunk.num_tokens)
+            if seq is None or prefill is None or not seq.atomic:
+                continue
+            a, b = chunk.start, chunk.start + chunk.num_tokens
+            prefill.bidirectional = tuple((s, s + c) for s, c in seq.spans if s < b and s + c > a)
 
     def _failure(self, seq: _SeqImages) -> str | None:
         """Why `seq` fails: its first image whose content could not be decoded, or None."""

@@ -41,6 +41,8 @@ class VisionTower:
         pixels = inputs["pixel_values"].to(self.dtype)
         if self.processor.family == "qwen2_vl":
             out = self.model.get_image_features(pixel_values=pixels, image_grid_thw=inputs["image_grid_thw"])
+        elif self.processor.family == "gemma3":  # SigLIP, then the projector's pooling to a fixed count
+            out = self.model.get_image_features(pixel_values=pixels)
         elif self.processor.family == "llava_next":  # an image's tiles, unpadded and packed with newline rows
             out = self.model.get_image_features(
                 pixel_values=pixels,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from batchgen.engine.vision.processor import PLACEHOLDERS
+from batchgen.engine.vision.processor import PLACEHOLDERS, vision_family
 from testkit.tiny_models import EOS_ID, MAX_POS
 
 VOCAB = 256
@@ -24,6 +24,7 @@ SPECIALS: dict[str, list[str]] = {
     "llava_next": ["<image>"],
     "gemma3": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+    "qwen2_5_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
 FAMILIES = tuple(SPECIALS)
 GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # LLaVA-NeXT's tilings of 32-pixel tiles
@@ -151,7 +152,7 @@ def tiny_vision_config(family: str) -> Any:
             image_token_index=ids["<image_soft_token>"],
             tie_word_embeddings=False,
         )
-    if family == "qwen2_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         vision: dict[str, Any] = dict(
             depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
             temporal_patch_size=2,
@@ -159,7 +160,13 @@ def tiny_vision_config(family: str) -> Any:
         text_cfg = dict(
             text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         )
-        return tf.Qwen2VLConfig(
+        if family == "qwen2_5_vl":  # windowed tower: 16-pixel windows, the last block attends fully
+            vision.update(intermediate_size=64, out_hidden_size=64, hidden_size=32, window_size=16)
+            vision.update(fullatt_block_indexes=[1])
+            for key in ("embed_dim", "mlp_ratio"):
+                vision.pop(key)
+        config_class = tf.Qwen2_5_VLConfig if family == "qwen2_5_vl" else tf.Qwen2VLConfig
+        return config_class(
             text_config=text_cfg,
             vision_config=vision,
             image_token_id=ids["<|image_pad|>"],
@@ -177,7 +184,7 @@ def save_tiny_processor(family: str, path: Path) -> None:
     Qwen2-VL's is saved part by part: transformers' combined processor needs torchvision."""
     import transformers as tf
 
-    template = _CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", PLACEHOLDERS[family])
+    template = _CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", PLACEHOLDERS[vision_family(family) or family])
     tokenizer = vision_tokenizer(family)
     if family == "llava":
         images = tf.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
@@ -207,7 +214,7 @@ def save_tiny_processor(family: str, path: Path) -> None:
         tf.Gemma3Processor(
             image_processor=squares, tokenizer=tokenizer, chat_template=template, image_seq_length=4
         ).save_pretrained(path)
-    elif family == "qwen2_vl":
+    elif family in ("qwen2_vl", "qwen2_5_vl"):
         # 4-pixel patches merged 2x2: one token per 8x8 pixels; between 4 and 64 tokens an image.
         qwen_images = tf.Qwen2VLImageProcessor(
             patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}

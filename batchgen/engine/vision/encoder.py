@@ -65,8 +65,15 @@ class VisionInputs:
         self._released: set[bytes] = set()  # unclaimed in the last step: dropped at the next one
         self._counts: dict[bytes, int] = {}  # this step's images: their token counts
 
+    def _drop_released(self) -> None:
+        """Embeddings unclaimed during the last step, now that its forward has used them."""
+        for content_hash in self._released:
+            self._drop_if_unclaimed(content_hash)
+        self._released = set()
+
     def apply(self, update: BatchUpdate) -> None:
         """The scheduler's diff: new sequences bring their images (in their extras)."""
+        self._drop_released()  # why here too: a run's last update comes after its last step
         for new in update.new:
             extras = new.extras
             if not extras.image_hashes and not extras.rotary_positions:
@@ -112,9 +119,8 @@ class VisionInputs:
         """Stage this step's splice and positions and queue the tower behind the upload; set the
         LM's step; mark the images whose tokens attend both ways in the step's prefill chunks.
         -> {seq_id: error} for sequences whose images cannot be decoded."""
-        for content_hash in self._released:  # why now: the last step's forward has used them
-            self._drop_if_unclaimed(content_hash)
-        self._released, self._counts = set(), {}
+        self._drop_released()
+        self._counts = {}
         errors: dict[int, str] = {}
         wanted: dict[bytes, RequestImage] = {}
         pieces: list[tuple[int, bytes, int, int]] = []  # (first packed row, hash, lo, hi)

@@ -14,7 +14,7 @@ from batchgen.engine.llm import LLM, SamplingParams
 from testkit.tiny_vision import sample_image
 from tests.engine.vision.reference import reference_tokens
 
-FAMILIES = ["llava", "llava_next", "qwen2_vl", "gemma3"]
+FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3"]
 MAX_TOKENS = 6
 
 
@@ -84,9 +84,8 @@ def test_chunks_cut_through_images(family: str, tiny_vlm: Callable[[str], Path],
 def test_preemption(family: str, tiny_vlm: Callable[[str], Path], expected: Any) -> None:
     """A pool too small for all five: decodes preempt sequences, whose recomputation runs their
     images (and Qwen2-VL's positions, the decode offset included) again."""
-    blocks = {"llava": 24, "llava_next": 50, "qwen2_vl": 28, "gemma3": 10}[
-        family
-    ]  # each prompt fits alone, not all five
+    # each prompt fits alone, not all five
+    blocks = {"llava": 24, "llava_next": 50, "qwen2_vl": 28, "qwen2_5_vl": 28, "gemma3": 10}[family]
     llm, tokens, _ = run(tiny_vlm(family), num_kv_blocks=blocks, max_num_seqs=5)
     assert tokens == expected[family]
     assert llm.stats["preemptions"] > 0

@@ -14,16 +14,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from batchgen.engine.vision.processor import PLACEHOLDERS
+from batchgen.engine.vision.processor import PLACEHOLDERS, vision_family
 from testkit.tiny_models import EOS_ID, MAX_POS
 
 VOCAB = 256
 # Special tokens take the top ids; words fill the rest ("w{i}" <-> id i, as in tiny_models).
 SPECIALS: dict[str, list[str]] = {
     "llava": ["<image>"],
+    "llava_next": ["<image>"],
+    "gemma3": ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+    "qwen2_5_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
 }
 FAMILIES = tuple(SPECIALS)
+GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # LLaVA-NeXT's tilings of 32-pixel tiles
 
 # Renders OpenAI content parts (a string, or a list of {"type": "text"|"image"|"image_url"|...})
 # with the family's image placeholder where each image goes.
@@ -56,8 +60,16 @@ def vision_tokenizer(family: str) -> Any:
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
-    return fast
+    extra: dict[str, Any] = {}
+    if family == "gemma3":  # the processor reads these names off the tokenizer
+        extra["extra_special_tokens"] = {
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        }
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>", **extra
+    )
 
 
 def tiny_vision_config(family: str) -> Any:
@@ -97,7 +109,50 @@ def tiny_vision_config(family: str) -> Any:
             vision_feature_layer=-2,
             tie_word_embeddings=False,
         )
-    if family == "qwen2_vl":
+    if family == "llava_next":
+        tower = tf.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+        return tf.LlavaNextConfig(
+            vision_config=tower,
+            text_config=tf.LlamaConfig(**text),
+            image_token_index=ids["<image>"],
+            image_grid_pinpoints=GRID_PINPOINTS,
+            vision_feature_select_strategy="default",
+            vision_feature_layer=-2,
+            tie_word_embeddings=False,
+        )
+    if family == "gemma3":
+        siglip = tf.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+        gemma_text = dict(
+            text,
+            head_dim=16,
+            sliding_window=12,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        return tf.Gemma3Config(
+            text_config=tf.Gemma3TextConfig(**gemma_text),
+            vision_config=siglip,
+            mm_tokens_per_image=4,
+            boi_token_index=ids["<start_of_image>"],
+            eoi_token_index=ids["<end_of_image>"],
+            image_token_index=ids["<image_soft_token>"],
+            tie_word_embeddings=False,
+        )
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         vision: dict[str, Any] = dict(
             depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
             temporal_patch_size=2,
@@ -105,7 +160,13 @@ def tiny_vision_config(family: str) -> Any:
         text_cfg = dict(
             text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         )
-        return tf.Qwen2VLConfig(
+        if family == "qwen2_5_vl":  # windowed tower: 16-pixel windows, the last block attends fully
+            vision.update(intermediate_size=64, out_hidden_size=64, hidden_size=32, window_size=16)
+            vision.update(fullatt_block_indexes=[1])
+            for key in ("embed_dim", "mlp_ratio"):
+                vision.pop(key)
+        config_class = tf.Qwen2_5_VLConfig if family == "qwen2_5_vl" else tf.Qwen2VLConfig
+        return config_class(
             text_config=text_cfg,
             vision_config=vision,
             image_token_id=ids["<|image_pad|>"],
@@ -123,7 +184,7 @@ def save_tiny_processor(family: str, path: Path) -> None:
     Qwen2-VL's is saved part by part: transformers' combined processor needs torchvision."""
     import transformers as tf
 
-    template = _CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", PLACEHOLDERS[family])
+    template = _CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", PLACEHOLDERS[vision_family(family) or family])
     tokenizer = vision_tokenizer(family)
     if family == "llava":
         images = tf.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
@@ -136,7 +197,24 @@ def save_tiny_processor(family: str, path: Path) -> None:
             chat_template=template,
         )
         processor.save_pretrained(path)
-    elif family == "qwen2_vl":
+    elif family == "llava_next":
+        tiles = tf.LlavaNextImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=GRID_PINPOINTS
+        )
+        tf.LlavaNextProcessor(
+            image_processor=tiles,
+            tokenizer=tokenizer,
+            patch_size=8,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=template,
+        ).save_pretrained(path)
+    elif family == "gemma3":
+        squares = tf.Gemma3ImageProcessor(size={"height": 32, "width": 32})
+        tf.Gemma3Processor(
+            image_processor=squares, tokenizer=tokenizer, chat_template=template, image_seq_length=4
+        ).save_pretrained(path)
+    elif family in ("qwen2_vl", "qwen2_5_vl"):
         # 4-pixel patches merged 2x2: one token per 8x8 pixels; between 4 and 64 tokens an image.
         qwen_images = tf.Qwen2VLImageProcessor(
             patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64}
@@ -157,6 +235,8 @@ def save_tiny_vlm(family: str, path: Path, seed: int = 0) -> Path:
     model = AutoModelForImageTextToText.from_config(tiny_vision_config(family))
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = EOS_ID
+    if family == "gemma3":  # why: its projection starts at zeros, which would make every image the same
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.25)
     model.save_pretrained(path)
     save_tiny_processor(family, path)
     return path

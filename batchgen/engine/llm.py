@@ -162,8 +162,7 @@ class LLM(PoolingMethods):
         if hf_model is None:
             hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype, pooling)
         # the device's measured kernels (the CPU's linears); not under TP: see README, tensor parallelism
-        plain = self._tp is None and self._vision is None
-        self.native_linears = platform.install_kernels(hf_model, dtype) if plain else 0
+        self.native_linears = platform.install_kernels(hf_model, dtype) if self._tp is None else 0
         spec = kv_spec(hf_model.config)
         measured = self._tp.kv_budget if self._tp is not None else None
         blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, resolved, device, dtype, measured_budget=measured)
@@ -188,6 +187,7 @@ class LLM(PoolingMethods):
             sampler=sampler,
         )
         if self._vision is not None:
+            self._vision.check_runner(runner, resolved.max_num_batched_tokens)
             runner.vision = self._vision.inputs()
         block_manager = BlockManager(blocks, runner.block_size, resolved.enable_prefix_caching)
         scheduler = Scheduler(resolved, block_manager, resolved.max_model_len)

@@ -24,6 +24,8 @@ class PrefillChunk:
     context_start: int  # tokens of this sequence already in the cache before this chunk
     block_table: torch.Tensor  # [num_blocks covering context_start + n tokens]
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [1, 1, n, L]
+    # positions [first, end) of images inside this chunk whose tokens attend both ways (Gemma 3)
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -43,12 +43,20 @@ def _decode_mask(group: DecodeGroup, window: int | None) -> torch.Tensor:
 def _prefill_mask(chunk: PrefillChunk, window: int | None, device: torch.device) -> torch.Tensor | None:
     """None means plain causal over the chunk's own keys; else a [1, 1, n, L] bool mask."""
     if window not in chunk.masks:
-        if chunk.context_start == 0 and window is None:
+        if chunk.context_start == 0 and window is None and not chunk.bidirectional:
             chunk.masks[window] = None
         else:
             total = chunk.context_start + chunk.end - chunk.start
             q_pos = torch.arange(chunk.context_start, total, device=device)  # [n]
-            chunk.masks[window] = _window_mask(q_pos, total, window)[None, None]  # [1, 1, n, L]
+            mask = _window_mask(q_pos, total, window)  # [n, L]
+            kv = torch.arange(total, device=device)  # [L]
+            for first, end in chunk.bidirectional:  # an image's tokens also see its later ones
+                inside = (q_pos >= first) & (q_pos < end)  # [n]
+                same = inside[:, None] & (kv >= first) & (kv < end)  # [n, L]
+                if window is not None:  # transformers: the window still bounds what lies behind
+                    same &= kv > q_pos[:, None] - window
+                mask |= same
+            chunk.masks[window] = mask[None, None]  # [1, 1, n, L]
     return chunk.masks[window]
 
 

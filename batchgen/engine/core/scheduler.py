@@ -62,10 +62,25 @@ def admit_prompt(
         return None
     if reserve is not None and bm.blocks_needed(seq.num_tokens) - len(computed) + reserve > bm.num_free_blocks:
         return None
-    n = min(remaining, budget)
+    n = cut_before_image(seq, cached, min(remaining, budget))
+    if n == 0:
+        return None
     if not bm.allocate_slots(seq, n, computed):
         raise RuntimeError(f"seq {seq.seq_id}: allocation failed after can_allocate said it fits")
     seq.num_computed_tokens = cached  # the matched blocks hold these tokens' K/V
+    return n
+
+
+def cut_before_image(seq: Sequence, start: int, n: int) -> int:
+    """`n`, or fewer so that a chunk from `start` never ends inside an image whose tokens attend
+    both ways (RequestExtras.atomic_images): it ends at that image's start, or 0 when it starts
+    inside the image and cannot finish it within `n`."""
+    if not seq.extras.atomic_images:
+        return n
+    end = start + n
+    for first, count in seq.extras.image_positions:
+        if first < end < first + count:
+            return max(0, first - start)
     return n
 
 
@@ -246,7 +261,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = cut_before_image(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             if n == 0:
                 i += 1  # nothing to compute (the engine has not appended a token yet)
                 continue

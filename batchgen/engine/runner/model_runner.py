@@ -180,7 +180,7 @@ class ModelRunner:
         padded = self.forward.padded_tokens(sum(c.num_tokens for c in chunks))
         ctx, input_ids, positions, packed_end = self._pack(chunks, padded)
         if self.vision is not None:  # image embeddings and M-RoPE positions ride in this upload
-            self._step_errors = self.vision.prepare(chunks, packed_end, len(input_ids), self.transfers)
+            self._step_errors = self.vision.prepare(chunks, packed_end, len(input_ids), self.transfers, ctx)
         keep = [packed_end[i] - 1 for i, c in enumerate(chunks) if c.needs_sample]
         num_sampled = len(keep)
         for i, c in enumerate(chunks):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledChunk
 from batchgen.engine.staging.transfers import Transfers
 from batchgen.engine.vision.images import ImageDecodeError, RequestImage
@@ -41,6 +42,7 @@ class _SeqImages:
     spans: tuple[tuple[int, int], ...]  # (first position, count) per image
     rotary: tuple[tuple[int, ...], ...]  # [3][prompt tokens], or () without M-RoPE
     num_prompt: int
+    atomic: bool = False  # its images' tokens attend both ways (Gemma 3)
     delta: int = 0  # M-RoPE: what a generated token's index gains
     done: set[int] = field(default_factory=set)  # images this sequence has prefilled past
 
@@ -61,16 +63,26 @@ class VisionInputs:
         self._tower_call: list[RequestImage] = []  # this step's images to encode, behind the upload
         self._tower_inputs: dict[str, torch.Tensor] = {}
         self._released: set[bytes] = set()  # unclaimed in the last step: dropped at the next one
+        self._counts: dict[bytes, int] = {}  # this step's images: their token counts
+
+    def _drop_released(self) -> None:
+        """Embeddings unclaimed during the last step, now that its forward has used them."""
+        for content_hash in self._released:
+            self._drop_if_unclaimed(content_hash)
+        self._released = set()
 
     def apply(self, update: BatchUpdate) -> None:
         """The scheduler's diff: new sequences bring their images (in their extras)."""
+        self._drop_released()  # why here too: a run's last update comes after its last step
         for new in update.new:
             extras = new.extras
             if not extras.image_hashes and not extras.rotary_positions:
                 continue
             n = len(new.prompt_token_ids)
             delta = rotary_delta(extras, n) if extras.rotary_positions else 0
-            seq = _SeqImages(extras.images, extras.image_positions, extras.rotary_positions, n, delta)
+            seq = _SeqImages(
+                extras.images, extras.image_positions, extras.rotary_positions, n, extras.atomic_images, delta
+            )
             self.seqs[new.seq_id] = seq
             self._claim(new.seq_id, seq)
         for seq_id in update.preempted:
@@ -97,13 +109,18 @@ class VisionInputs:
         self.claims.clear()
 
     def prepare(
-        self, chunks: Sequence[ScheduledChunk], packed_end: list[int], num_rows: int, transfers: Transfers
+        self,
+        chunks: Sequence[ScheduledChunk],
+        packed_end: list[int],
+        num_rows: int,
+        transfers: Transfers,
+        ctx: ForwardContext,
     ) -> dict[int, str]:
         """Stage this step's splice and positions and queue the tower behind the upload; set the
-        LM's step. -> {seq_id: error} for sequences whose images cannot be decoded."""
-        for content_hash in self._released:  # why now: the last step's forward has used them
-            self._drop_if_unclaimed(content_hash)
-        self._released = set()
+        LM's step; mark the images whose tokens attend both ways in the step's prefill chunks.
+        -> {seq_id: error} for sequences whose images cannot be decoded."""
+        self._drop_released()
+        self._counts = {}
         errors: dict[int, str] = {}
         wanted: dict[bytes, RequestImage] = {}
         pieces: list[tuple[int, bytes, int, int]] = []  # (first packed row, hash, lo, hi)
@@ -120,10 +137,12 @@ class VisionInputs:
                 lo, hi = max(chunk.start, s), min(chunk.start + chunk.num_tokens, s + count)
                 if lo >= hi:
                     continue
+                self._counts[image.content_hash] = count
                 if image.content_hash not in self.cache:
                     wanted[image.content_hash] = image
                 pieces.append((first + lo - chunk.start, image.content_hash, lo - s, hi - s))
         self._decode(wanted, errors, chunks, transfers)
+        self._mark_bidirectional(chunks, packed_end, ctx)
         pieces = [p for p in pieces if p[1] not in self.failed]
         step = SpliceStep()
         if pieces:
@@ -163,6 +182,18 @@ class VisionInputs:
             inputs = self.tower.pixel_inputs(decoded)
             self._tower_inputs = {k: transfers.stage(v) for k, v in inputs.items()}
 
+    def _mark_bidirectional(self, chunks: Sequence[ScheduledChunk], packed_end: list[int], ctx: ForwardContext) -> None:
+        """Gemma 3: each prefill chunk learns the images it holds (whole: the scheduler never ends a
+        chunk inside one), whose tokens the attention lets see each other both ways."""
+        by_start = {p.start: p for p in ctx.prefills}
+        for chunk, end in zip(chunks, packed_end):
+            seq = self.seqs.get(chunk.seq_id)
+            prefill = by_start.get(end - chunk.num_tokens)
+            if seq is None or prefill is None or not seq.atomic:
+                continue
+            a, b = chunk.start, chunk.start + chunk.num_tokens
+            prefill.bidirectional = tuple((s, s + c) for s, c in seq.spans if s < b and s + c > a)
+
     def _failure(self, seq: _SeqImages) -> str | None:
         """Why `seq` fails: its first image whose content could not be decoded, or None."""
         for image in seq.images:
@@ -175,7 +206,8 @@ class VisionInputs:
         """Behind the upload: the tower over the step's new images (one batched call), then the
         step's source rows [M, hidden] from the encoder cache."""
         if self._tower_call:
-            embeds = self.tower.encode(self._tower_inputs)
+            counts = [self._counts[i.content_hash] for i in self._tower_call]
+            embeds = self.tower.encode(self._tower_inputs, counts)
             for image, image_embeds in zip(self._tower_call, embeds, strict=True):
                 self.cache[image.content_hash] = image_embeds
             self.tower_runs += len(self._tower_call)

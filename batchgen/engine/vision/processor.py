@@ -15,11 +15,27 @@ from pathlib import Path
 from typing import Any
 
 # model_type -> family; a family fixes the placeholder rule and the tower glue.
-FAMILIES = {"llava": "llava", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
+FAMILIES = {
+    "llava": "llava",
+    "llava_next": "llava_next",
+    "gemma3": "gemma3",
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_vl",
+}
 # What a prompt writes per image (vLLM's prompts use the same strings).
-PLACEHOLDERS = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+PLACEHOLDERS = {
+    "llava": "<image>",
+    "llava_next": "<image>",
+    "gemma3": "<start_of_image>",
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+}
 # The token repeated once per image embedding.
-IMAGE_TOKENS = {"llava": "<image>", "qwen2_vl": "<|image_pad|>"}
+IMAGE_TOKENS = {
+    "llava": "<image>",
+    "llava_next": "<image>",
+    "gemma3": "<image_soft_token>",
+    "qwen2_vl": "<|image_pad|>",
+}
 
 
 @dataclass
@@ -34,6 +50,9 @@ class VisionProcessor:
     image_token_id: int
     placeholder: str
     options: dict[str, Any] = field(default_factory=dict)  # processor_config.json (LLaVA: patch_size, ...)
+    placeholder_id: int = -1  # the token a prompt holds per image (-1: the image token itself)
+    wrap: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # ids around an expanded image (Gemma 3: boi, eoi)
+    hf: Any = None  # transformers' own processor, where it builds without torchvision (LLaVA-NeXT's arithmetic)
 
 
 def vision_family(model_type: str) -> str | None:
@@ -73,8 +92,16 @@ def load_vision_processor(model_path: str | Path) -> VisionProcessor:
     token_id: Any = tokenizer.convert_tokens_to_ids(token)
     if token_id is None or token_id == tokenizer.unk_token_id:
         raise ValueError(f"{folder}: the tokenizer has no image token {token!r}")
+    placeholder_id, wrap = int(token_id), ((), ())
+    if family == "gemma3":  # "<start_of_image>" becomes "\n\n<start_of_image>" + image tokens + "<end_of_image>\n\n"
+        ids: Any = tokenizer.convert_tokens_to_ids(["<start_of_image>", "<end_of_image>"])
+        placeholder_id, end = int(ids[0]), int(ids[1])
+        blank = list(tokenizer("\n\n", add_special_tokens=False)["input_ids"])
+        wrap = ((*blank, placeholder_id), (end, *blank))
     return VisionProcessor(
         family=family,
+        placeholder_id=placeholder_id,
+        wrap=wrap,
         tokenizer=tokenizer,
         image_processor=image_processor,
         chat_template=_chat_template(folder, tokenizer),
@@ -82,4 +109,11 @@ def load_vision_processor(model_path: str | Path) -> VisionProcessor:
         image_token_id=int(token_id),
         placeholder=PLACEHOLDERS[family],
         options=_read_json(folder / "processor_config.json"),
+        hf=_hf_processor(folder) if family == "llava_next" else None,
     )
+
+
+def _hf_processor(folder: Path) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(folder)

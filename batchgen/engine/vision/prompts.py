@@ -32,7 +32,9 @@ def expand_images(
     the prompt with each expanded to its image's token count; ValueError naming `where` when the
     placeholders and the images do not match."""
     token = processor.image_token_id
-    slots = [i for i, t in enumerate(token_ids) if t == token]
+    placeholder = processor.placeholder_id if processor.placeholder_id >= 0 else token
+    before, after = processor.wrap
+    slots = [i for i, t in enumerate(token_ids) if t == placeholder]
     if len(slots) != len(images):
         raise ValueError(
             f"{where}: the prompt has {len(slots)} image placeholder(s) ({processor.placeholder!r}) "
@@ -44,8 +46,10 @@ def expand_images(
     for slot, image in zip(slots, images):
         out.extend(token_ids[last:slot])
         count = image_token_count(processor, image.width, image.height)
+        out.extend(before)
         positions.append((len(out), count))
         out.extend([token] * count)
+        out.extend(after)
         last = slot + 1
     out.extend(token_ids[last:])
     rotary = mrope_positions(processor, len(out), positions, images) if processor.family == "qwen2_vl" else ()
@@ -54,6 +58,7 @@ def expand_images(
         image_positions=tuple(positions),
         rotary_positions=rotary,
         images=tuple(images),
+        atomic_images=processor.family == "gemma3",
     )
     return ImagePrompt(out, extras)
 

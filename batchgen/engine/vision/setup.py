@@ -23,7 +23,7 @@ from batchgen.engine.vision.processor import VisionProcessor, load_vision_proces
 from batchgen.engine.vision.prompts import expand_images
 from batchgen.engine.vision.tower import VisionTower
 
-SUPPORTED_LAYER_TYPES = {"full_attention"}
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def is_vision_config(config: PretrainedConfig) -> bool:
@@ -36,7 +36,7 @@ def check_vision_config(config: PretrainedConfig, tensor_parallel_size: int) -> 
     layer_types = set(getattr(text, "layer_types", None) or [])
     if not layer_types <= SUPPORTED_LAYER_TYPES:
         raise refuse(config, f"a vision-language model with layer types {sorted(layer_types - SUPPORTED_LAYER_TYPES)}")
-    if getattr(text, "use_sliding_window", False):
+    if getattr(text, "use_sliding_window", False):  # Qwen2-VL's: the window ignores M-RoPE's positions
         raise refuse(config, "a vision-language model with sliding-window attention")
     if tensor_parallel_size > 1:
         raise refuse(config, "tensor parallelism for a vision-language model")
@@ -49,6 +49,17 @@ class VisionModel:
     lm: VisionLanguageLM
     tower: VisionTower
     processor: VisionProcessor
+
+    max_chunk: int = 0  # the step's token budget (Gemma 3: an image's tokens are prefilled in one chunk)
+
+    def check_runner(self, runner: Any, max_num_batched_tokens: int) -> None:
+        """Gemma 3's images attend both ways: only the attention that takes that mask may run it."""
+        self.max_chunk = max_num_batched_tokens
+        if self.processor.family == "gemma3" and (runner.flash or runner.backend.name not in ("torch", "cpu")):
+            raise refuse(
+                self.lm.config,
+                f"bidirectional image attention on the {runner.backend.name} attention backend (use 'torch' or 'cpu')",
+            )
 
     def inputs(self) -> VisionInputs:
         """The runner side's image state over this model."""
@@ -64,7 +75,15 @@ class VisionModel:
             raise ValueError(f"{where}: multi_modal_data key(s) {unknown} are not supported (supported: image)")
         images = request_images(multi_modal_data.get("image", []), where)
         expanded = expand_images(self.processor, token_ids, images, where)
-        return expanded.token_ids, expanded.extras
+        extras = expanded.extras
+        if extras.atomic_images and self.max_chunk:
+            largest = max((count for _, count in extras.image_positions), default=0)
+            if largest > self.max_chunk:
+                raise ValueError(
+                    f"{where}: an image of {largest} tokens must be prefilled in one step, but "
+                    f"max_num_batched_tokens is {self.max_chunk}"
+                )
+        return expanded.token_ids, extras
 
 
 def load_vision_model(path: str, device: torch.device, dtype: torch.dtype) -> VisionModel:

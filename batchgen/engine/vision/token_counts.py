@@ -19,9 +19,12 @@ def image_token_count(processor: Any, width: int, height: int) -> int:
     family = getattr(processor, "family", None)
     if family == "llava":
         return _llava_tokens(processor)
+    if family == "gemma3":  # every image is resized to one square: a fixed count (pan-and-scan is not used)
+        return int(processor.options.get("image_seq_length") or 256)
     if family == "qwen2_vl":
         return _qwen2_vl_tokens(processor.image_processor, width, height)
-    counts = processor._get_num_multimodal_tokens(image_sizes=[(height, width)])
+    hf = getattr(processor, "hf", None) or processor  # LLaVA-NeXT: transformers' own tiling arithmetic
+    counts = hf._get_num_multimodal_tokens(image_sizes=[(height, width)])
     return int(counts.num_image_tokens[0])
 
 

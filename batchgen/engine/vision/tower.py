@@ -29,19 +29,34 @@ class VisionTower:
     def pixel_inputs(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
         """Decoded RGB images -> the tower's host inputs (the family's image processor)."""
         batch = self.processor.image_processor(images=list(images), return_tensors="pt")
-        keep = ("pixel_values", "image_grid_thw") if self.processor.family == "qwen2_vl" else ("pixel_values",)
+        keep = {"qwen2_vl": ("pixel_values", "image_grid_thw"), "llava_next": ("pixel_values", "image_sizes")}.get(
+            self.processor.family, ("pixel_values",)
+        )
         return {k: batch[k] for k in keep}
 
     @torch.inference_mode()
-    def encode(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The tower's inputs (on the device) -> each image's embeddings [tokens, hidden]."""
+    def encode(self, inputs: dict[str, torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+        """The tower's inputs (on the device) -> each image's embeddings [tokens, hidden]
+        (`counts`: each image's tokens, as its prompt was expanded)."""
         pixels = inputs["pixel_values"].to(self.dtype)
         if self.processor.family == "qwen2_vl":
             out = self.model.get_image_features(pixel_values=pixels, image_grid_thw=inputs["image_grid_thw"])
+        elif self.processor.family == "gemma3":  # SigLIP, then the projector's pooling to a fixed count
+            out = self.model.get_image_features(pixel_values=pixels)
+        elif self.processor.family == "llava_next":  # an image's tiles, unpadded and packed with newline rows
+            out = self.model.get_image_features(
+                pixel_values=pixels,
+                image_sizes=inputs["image_sizes"],
+                vision_feature_layer=self.config.vision_feature_layer,
+                vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+            )
         else:
             out = self.model.get_image_features(
                 pixel_values=pixels,
                 vision_feature_layer=self.config.vision_feature_layer,
                 vision_feature_select_strategy=self.config.vision_feature_select_strategy,
             )
-        return list(out.pooler_output)
+        embeds = list(out.pooler_output)
+        if [e.shape[0] for e in embeds] != counts:  # the processor's arithmetic and the tower disagree
+            raise RuntimeError(f"image tokens {[e.shape[0] for e in embeds]} != the prompts' {counts}")
+        return embeds

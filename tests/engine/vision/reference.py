@@ -27,9 +27,14 @@ def reference_tokens(llm: LLM, folder: Path, prompts: list[dict[str, Any]], max_
         ids = llm.tokenizer(p["prompt"])["input_ids"]
         expanded, _ = vision.prompt(ids, p["multi_modal_data"], "reference")
         pixels = vision.processor.image_processor(images=[i.convert("RGB") for i in images], return_tensors="pt")
-        kwargs: dict[str, Any] = {k: v for k, v in pixels.items() if k in ("pixel_values", "image_grid_thw")}
+        kwargs: dict[str, Any] = {
+            k: v for k, v in pixels.items() if k in ("pixel_values", "image_grid_thw", "image_sizes")
+        }
+        types = torch.tensor([[int(t == vision.processor.image_token_id) for t in expanded]])
         if vision.processor.family == "qwen2_vl":
-            kwargs["mm_token_type_ids"] = torch.tensor([[int(t == vision.processor.image_token_id) for t in expanded]])
+            kwargs["mm_token_type_ids"] = types
+        if vision.processor.family == "gemma3":  # its image tokens attend both ways
+            kwargs["token_type_ids"] = types
         with torch.no_grad():
             generated = model.generate(
                 input_ids=torch.tensor([expanded]),

@@ -1,4 +1,4 @@
-"""Greedy tokens of tiny random LLaVA and Qwen2-VL on the engine equal transformers' generate
+"""Greedy tokens of tiny random LLaVA, LLaVA-NeXT, Qwen2-VL and Gemma 3 on the engine equal transformers' generate
 (float32): several images of different sizes in one batch, a repeated image served from the
 prefix cache, prefill chunks cut through an image's tokens, and preemption."""
 
@@ -14,7 +14,7 @@ from batchgen.engine.llm import LLM, SamplingParams
 from testkit.tiny_vision import sample_image
 from tests.engine.vision.reference import reference_tokens
 
-FAMILIES = ["llava", "qwen2_vl"]
+FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3"]
 MAX_TOKENS = 6
 
 
@@ -64,14 +64,15 @@ def test_repeated_image_is_a_prefix_hit(family: str, tiny_vlm: Callable[[str], P
     text after the image come from the cache; a different image never shares a block."""
     _, tokens, cached = run(tiny_vlm(family), max_num_seqs=1)
     assert tokens == expected[family]
-    assert cached[2] >= 12  # the leading text and (most of) the image's tokens
+    assert cached[2] >= 8  # the leading text and the image's tokens (two blocks at least)
     assert cached[0] == cached[1] == cached[3] == 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunks_cut_through_images(family: str, tiny_vlm: Callable[[str], Path], expected: Any) -> None:
-    """7 tokens a step: every image (>= 15 tokens) is split over three chunks or more; the encoder
-    cache runs the tower at most once per image occurrence (6), never once per chunk (>= 18)."""
+    """7 tokens a step: every image of >= 15 tokens is split over three chunks or more (Gemma 3's,
+    4 tokens attending both ways, never: its chunks end before it instead); the encoder cache runs
+    the tower at most once per image occurrence (6), never once per chunk (>= 18)."""
     llm, tokens, _ = run(tiny_vlm(family), max_num_batched_tokens=7, max_num_seqs=2, enable_prefix_caching=False)
     assert tokens == expected[family]
     vision = llm.engine.runner.vision  # type: ignore[attr-defined]
@@ -83,7 +84,8 @@ def test_chunks_cut_through_images(family: str, tiny_vlm: Callable[[str], Path],
 def test_preemption(family: str, tiny_vlm: Callable[[str], Path], expected: Any) -> None:
     """A pool too small for all five: decodes preempt sequences, whose recomputation runs their
     images (and Qwen2-VL's positions, the decode offset included) again."""
-    blocks = {"llava": 24, "qwen2_vl": 28}[family]  # each prompt fits alone, not all five
+    # each prompt fits alone, not all five
+    blocks = {"llava": 24, "llava_next": 50, "qwen2_vl": 28, "qwen2_5_vl": 28, "gemma3": 10}[family]
     llm, tokens, _ = run(tiny_vlm(family), num_kv_blocks=blocks, max_num_seqs=5)
     assert tokens == expected[family]
     assert llm.stats["preemptions"] > 0

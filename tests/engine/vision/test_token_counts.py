@@ -25,6 +25,20 @@ def test_llava_counts_match_transformers_processor(tiny_vlm: Callable[[str], Pat
         assert image_token_count(ours, width, height) == expanded == 16
 
 
+def test_llava_next_counts_match_transformers_processor(tiny_vlm: Callable[[str], Path]) -> None:
+    from transformers import AutoProcessor
+
+    folder = tiny_vlm("llava_next")
+    ours, theirs = load_vision_processor(folder), AutoProcessor.from_pretrained(folder)
+    counts = set()
+    for width, height in SIZES:
+        batch = theirs(text=["<image> w5"], images=[sample_image(width, height)])
+        expanded = sum(1 for t in batch["input_ids"][0] if t == ours.image_token_id)
+        counts.add(expanded)
+        assert image_token_count(ours, width, height) == expanded
+    assert len(counts) > 2  # tiled: the count follows the image's shape
+
+
 def test_qwen2_vl_counts_match_the_image_grid(tiny_vlm: Callable[[str], Path]) -> None:
     proc = load_vision_processor(tiny_vlm("qwen2_vl"))
     counts = []

@@ -323,3 +323,22 @@ def test_the_estimates_cache_replay_tells_images_apart(tmp_path: Path, tiny_vlm:
     assert prefix_cache_hits(prompts, 4, None, extras) == (len(prompts[0]) - 1) // 4 * 4  # the third: all of a
     assert prefix_cache_hits(prompts[:2], 4, None, extras[:2]) == 0
     assert prefix_cache_hits(prompts[:2], 4) > 0  # (the ids alone would share)
+
+
+@pytest.mark.parametrize("family", ["llava", "llava_next", "gemma3", "qwen2_vl", "qwen2_5_vl"])
+def test_the_jobs_expansion_is_the_engines(tmp_path: Path, tiny_vlm: Callable[[str], Path], family: str) -> None:
+    """The job counts (input_tokens, estimate, keys) the prompt the engine builds at add time:
+    engine/vision/prompts.expand_images over the same placeholder ids and images."""
+    from batchgen.engine.vision.images import RequestImage
+    from batchgen.engine.vision.prompts import expand_images
+
+    sizes = [(40, 24), (64, 64), (17, 90)]
+    table = pa.table({"q": ["w5 w6 w7"], "img": [[png(w, h, k) for k, (w, h) in enumerate(sizes)]]})
+    preparer = RowPreparer(spec_of(tmp_path, tiny_vlm(family)), None, 1 << 20)
+    (row,) = preparer.prepare(table, ["row 0"], ["0"])
+    assert row.ok, row.error_message
+    images = [RequestImage(k, None, i.width, i.height, i.content_hash) for k, i in enumerate(row.images)]
+    engine = expand_images(preparer.vision.processor, row.placeholder_ids, images, "row 0")
+    assert row.prompt_ids == engine.token_ids
+    assert row.extras().image_positions == engine.extras.image_positions
+    assert row.extras().image_hashes == engine.extras.image_hashes

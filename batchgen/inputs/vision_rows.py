@@ -121,22 +121,28 @@ class VisionRows:
         return list(self.processor.tokenizer(rendered, add_special_tokens=not templated)["input_ids"])
 
     def expand(self, ids: list[int], images: list[ImageData]) -> ImagePrompt:
-        """`ids` with the k-th image token replaced by image k's tokens."""
-        token = self.processor.image_token_id
-        found = sum(1 for t in ids if t == token)
+        """`ids` with the k-th image placeholder replaced by image k's tokens (wrapped as the family
+        wraps them: Gemma 3's begin/end of image), as engine/vision/prompts.expand_images does at
+        add time; its rotary positions are the engine's business, not the job's."""
+        p = self.processor
+        placeholder = p.placeholder_id if p.placeholder_id >= 0 else p.image_token_id
+        before, after = p.wrap
+        found = sum(1 for t in ids if t == placeholder)
         if found != len(images):
             why = f"the prompt holds {found} image placeholder(s) for {len(images)} image(s)"
-            raise CellError("invalid_image", f"{why} (the text may not contain {self.processor.image_token!r})")
+            raise CellError("invalid_image", f"{why} (the text may not contain {p.placeholder!r})")
         out: list[int] = []
         positions: list[tuple[int, int]] = []
         k = 0
         for t in ids:
-            if t != token:
+            if t != placeholder:
                 out.append(t)
                 continue
             count = self.count(images[k].width, images[k].height)
+            out.extend(before)
             positions.append((len(out), count))
-            out.extend([token] * count)
+            out.extend([p.image_token_id] * count)
+            out.extend(after)
             k += 1
         return ImagePrompt(out, images, positions, ids)
 

@@ -109,3 +109,32 @@ def test_images_on_an_object_store(tmp_path: Path) -> None:
     assert [r["error_code"] for r in rows] == [None, None, "invalid_image"]
     assert rows[0]["input_tokens"] == rows[1]["input_tokens"] > 16  # 16 image tokens and the text
     assert "image 0 (s3://inputs/job/pics/gone.png): cannot be read" in rows[2]["error_message"]
+
+
+def test_a_qwen2_vl_job_bills_each_images_own_token_count(tmp_path: Path) -> None:
+    """Qwen2-VL's tokens follow each image's size (an 8x8-pixel patch group a token): the run bills
+    what estimate predicted, row by row different, and a row of two images counts both."""
+    import io
+
+    import pyarrow as pa
+
+    from testkit.tiny_vision import sample_image, save_tiny_vlm
+    from tests.conftest import write_job
+    from tests.test_vision_rows import image_job
+
+    def png(w: int, h: int) -> bytes:
+        out = io.BytesIO()
+        sample_image(w, h).save(out, format="PNG")
+        return out.getvalue()
+
+    model = save_tiny_vlm("qwen2_vl", tmp_path / "qwen")
+    images = [[png(64, 64)], [png(16, 16)], [png(32, 48), png(64, 16)]]
+    pq.write_table(pa.table({"q": ["w5 w6"] * 3, "img": images}), tmp_path / "in.parquet")
+    job = write_job(tmp_path / "job.yaml", {**image_job(tmp_path, model), "engine": {"window_rows": 2}})
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = output_table(tmp_path / "out").to_pylist()
+    text = rows[1]["input_tokens"] - 4  # a 16x16 image is the fewest tokens: 4
+    assert [r["input_tokens"] - text for r in rows] == [64, 4, 24 + 16 + 2]  # (+ a 2nd vision_start/end)
+    estimate = CliRunner().invoke(main, ["estimate", str(job), "--json"])
+    assert json.loads(estimate.stdout)["input_tokens"]["total"] == sum(r["input_tokens"] for r in rows)

@@ -342,3 +342,15 @@ def test_the_jobs_expansion_is_the_engines(tmp_path: Path, tiny_vlm: Callable[[s
     assert row.prompt_ids == engine.token_ids
     assert row.extras().image_positions == engine.extras.image_positions
     assert row.extras().image_hashes == engine.extras.image_hashes
+
+
+def test_a_long_conversations_key_keeps_its_images(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
+    """The key pass cuts a long prompt's text; a conversation's image placeholders after the cut
+    must not go with it (the row would key as no request, and never group)."""
+    job = image_job(tmp_path, tiny_vlm("llava"))
+    job["input"] = {"path": str(tmp_path / "in.parquet"), "messages_column": "messages"}
+    spec = load_job(write_job(tmp_path / "chat.yaml", job))
+    parts = [{"type": "text", "text": "w5 " * 40}, {"type": "image", "image": {"bytes": png(8, 8), "path": None}}]
+    table = pa.table({"messages": [[{"role": "user", "content": parts}]]})
+    ((ids, cut, row),) = RowPreparer(spec, None, 4096).prompt_ids(table, 50)
+    assert ids is not None and not cut and len(row.images) == 1

@@ -165,6 +165,8 @@ class RowPreparer:
             rows[i].fail(code, message)
         self._folders = [folder] * table.num_rows
         texts = self._texts(table, rows, [""] * table.num_rows)
+        if self.vision is not None and self.spec.input.image_column is None:
+            max_chars = 1 << 62  # why: a rendered conversation cut short could lose an image's placeholder
         cut = {i for i, text in texts.items() if len(text) > max_chars}
         texts = {i: text[:max_chars] for i, text in texts.items()}
         limit, self.max_model_len = self.max_model_len, 1 << 62

@@ -102,3 +102,19 @@ def test_mrope_positions_are_transformers(tiny_vlm: Callable[[str], Path]) -> No
     from batchgen.engine.vision.prompts import rotary_delta
 
     assert rotary_delta(prompt.extras, len(prompt.token_ids)) == int(delta)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
+def test_same_image_twice_in_one_prompt(family: str, tiny_vlm: Callable[[str], Path]) -> None:
+    """One content hash at two places in one prompt, in 9-token chunks: both places get its
+    embeddings (two claims on one cache entry), and the cache ends empty."""
+    from tests.engine.vision.reference import reference_tokens
+
+    folder = tiny_vlm(family)
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=9)
+    assert llm._vision is not None
+    ph, image = llm._vision.processor.placeholder, sample_image(40, 24, 1)
+    prompts = [{"prompt": f"w5 {ph} w6 {ph}", "multi_modal_data": {"image": [image, image]}}]
+    out = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0))[0]
+    assert out.outputs[0].token_ids == reference_tokens(llm, folder, prompts, 5)[0]
+    assert not llm.engine.runner.vision.cache  # type: ignore[attr-defined]

@@ -105,6 +105,7 @@ class LLM(PoolingMethods):
         architectures as vLLM does (engine/pooling/auto_task); `pooler_config`: {"pooling_type":
         "LAST" | "MEAN" | "CLS", "normalize": bool} over the model folder's own (engine/pooling)."""
         settings = dict(settings)
+        self._image_limit: int | None = (settings.get("limit_mm_per_prompt") or {}).get("image")
         task, self._generation_config = task_of(task, settings), generation_mode(settings)  # vLLM's runner, ...
         config = engine_config(**adapt_vllm_keywords(settings))
         seed = check_seed(seed)
@@ -271,6 +272,11 @@ class LLM(PoolingMethods):
                     f"prompt {i}: multi_modal_data given, but {self._model_path} is not a vision-language model"
                 )
             ids, extras[i] = self._vision.prompt(encoded[i][0], data, f"prompt {i}")
+            if self._image_limit is not None and len(extras[i].image_hashes) > self._image_limit:
+                raise ValueError(
+                    f"prompt {i}: {len(extras[i].image_hashes)} images, more than limit_mm_per_prompt's "
+                    f"{self._image_limit}"
+                )
             encoded[i] = (ids, encoded[i][1])
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()

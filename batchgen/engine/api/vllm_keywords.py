@@ -82,7 +82,13 @@ _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     # (`task` is LLM's own parameter; `runner`, `convert` and `generation_config`: vllm_engine_args)
     "allowed_local_media_path": (_is(""), "''", "batchgen runs text-only models"),
     "mm_processor_kwargs": (_is(None), "None", "batchgen runs text-only models"),
-    "limit_mm_per_prompt": (_is(None), "None", "batchgen runs text-only models"),
+    "limit_mm_per_prompt": (
+        lambda v: (
+            v is None or (isinstance(v, dict) and all(k == "image" and is_int(n) and n >= 0 for k, n in v.items()))
+        ),
+        "None or {'image': n >= 0}",
+        "batchgen takes images only (LLM reads the image limit before this check)",
+    ),
     "logits_processors": (_is(None), "None", "use SamplingParams' penalties, logit_bias, bad_words or structured"),
     "guided_decoding_backend": (_is(None, "auto", "xgrammar"), "'auto' or 'xgrammar'", "batchgen uses xgrammar"),
     "structured_outputs_config": (_is(None), "None", "batchgen uses xgrammar with its defaults"),

@@ -118,3 +118,13 @@ def test_same_image_twice_in_one_prompt(family: str, tiny_vlm: Callable[[str], P
     out = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0))[0]
     assert out.outputs[0].token_ids == reference_tokens(llm, folder, prompts, 5)[0]
     assert not llm.engine.runner.vision.cache  # type: ignore[attr-defined]
+
+
+def test_limit_mm_per_prompt(tiny_vlm: Callable[[str], Path]) -> None:
+    llm = LLM(str(tiny_vlm("llava")), device="cpu", dtype="float32", limit_mm_per_prompt={"image": 1})
+    image = sample_image(8, 8)
+    assert llm.generate({"prompt": "<image>", "multi_modal_data": {"image": image}}, GREEDY)[0].error is None
+    with pytest.raises(ValueError, match="prompt 0: 2 images, more than limit_mm_per_prompt's 1"):
+        llm.generate({"prompt": "<image> <image>", "multi_modal_data": {"image": [image, image]}}, GREEDY)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        LLM(str(tiny_vlm("llava")), device="cpu", limit_mm_per_prompt={"video": 1})

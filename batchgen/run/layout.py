@@ -31,8 +31,12 @@ def key_block_size(spec: JobSpec) -> int:
 
 
 def make_cut(spec: JobSpec, files: list[InputFile]) -> Cut:
-    """The job's prefix plan, computed (a pure function of input, job and tokenizer)."""
-    return plan_cut(spec, files, load_tokenizer(spec.model.path), key_block_size(spec))
+    """The job's prefix plan, computed (a pure function of input, job, tokenizer and adapters)."""
+    from batchgen.run.adapters import read_adapters
+
+    adapters = read_adapters(spec)
+    hashes = {n: s.content_hash for n, s in adapters.specs.items()} if adapters is not None else None
+    return plan_cut(spec, files, load_tokenizer(spec.model.path), key_block_size(spec), hashes)
 
 
 def decide_layout(spec: JobSpec, files: list[InputFile], state: OutputState, job_id: str, fresh: bool) -> Layout:

@@ -60,6 +60,7 @@ class Estimate:
     ) -> None:
         """One part's rows; `cache`: the prefix cache this part starts with (kept across calls)."""
         ok = [r.request() for r in rows if r.ok]
+        named = [r.adapter for r in rows if r.ok]
         self.rows += len(rows)
         self.ok_rows += len(ok)
         lengths = [len(ids) for ids, _ in ok]
@@ -73,23 +74,28 @@ class Estimate:
                 if len(self.error_examples) < MAX_ERROR_EXAMPLES:
                     self.error_examples.append(f"{r.error_code}: {r.error_message}")
         prompts = [ids for ids, _ in ok]
-        ordered = [prompts[i] for i in order_requests(prompts, ordering)]
-        self.shareable_tokens += prefix_cache_hits(ordered, block_size, cache)
+        order = order_requests(prompts, ordering, named if any(named) else None)
+        roots: list[Any] = [-1 if named[i] is None else ("lora", named[i]) for i in order]  # an adapter's own blocks
+        self.shareable_tokens += prefix_cache_hits([prompts[i] for i in order], block_size, cache, roots)
 
 
-def prefix_cache_hits(prompts: list[list[int]], block_size: int, nodes: dict[Any, int] | None = None) -> int:
+def prefix_cache_hits(
+    prompts: list[list[int]], block_size: int, nodes: dict[Any, int] | None = None, roots: list[Any] | None = None
+) -> int:
     """Prompt tokens served from the cache when `prompts` are admitted in this order.
 
     As the engine's block manager does: only full blocks match, as a chain from the first token;
     at least one token of each prompt is computed (its logits are needed); every full prompt
     block is cached once computed. The cache is assumed unbounded (nothing is evicted). `nodes`:
     the cache to start from and add to, (parent node, block tokens) -> node id; None: empty.
+    `roots`: per prompt, the parent of its first block (-1: the base model's; a LoRA adapter's
+    blocks chain from its own, so no block is shared across adapters).
     """
     nodes = {} if nodes is None else nodes
     hits = 0
-    for ids in prompts:
+    for j, ids in enumerate(prompts):
         max_match = (len(ids) - 1) // block_size
-        parent = -1
+        parent = -1 if roots is None else roots[j]
         for b in range(len(ids) // block_size):
             key = (parent, tuple(ids[b * block_size : (b + 1) * block_size]))
             node = nodes.get(key)

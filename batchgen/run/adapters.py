@@ -70,7 +70,7 @@ def read_adapters(spec: JobSpec) -> JobAdapters | None:
     specs = {name: _read_one(name, path) for name, path in spec.model.lora.items()}
     engine = spec.engine
     chosen = engine.model_fields_set
-    largest = max(s.rank for s in specs.values())
+    largest = max(s.max_rank for s in specs.values())
     max_loras = engine.max_loras if "max_loras" in chosen else min(len(specs), MAX_DEFAULT_LORAS)
     max_rank = engine.max_lora_rank if "max_lora_rank" in chosen else largest
     cpu = engine.max_cpu_loras if "max_cpu_loras" in chosen else None
@@ -88,17 +88,29 @@ def check_adapters(spec: JobSpec, config: Any) -> JobAdapters | None:
     from batchgen.engine.lora.spec import AdapterRefused, check_adapter  # why here: jobs without adapters skip it
 
     for name, one in adapters.specs.items():
-        if one.rank > adapters.max_lora_rank:
+        if one.max_rank > adapters.max_lora_rank:
             where = spec.where("engine.max_lora_rank")
             raise JobFileError(
                 f"{where}: engine.max_lora_rank {adapters.max_lora_rank} is below adapter {name!r}'s rank "
-                f"{one.rank} (model.lora.{name} {display_uri(spec.model.lora[name])}); raise it or leave it unset"
+                f"{one.max_rank} (model.lora.{name} {display_uri(spec.model.lora[name])}); raise it or leave it unset"
             )
         try:
             check_adapter(one, config, adapters.max_lora_rank)
         except AdapterRefused as exc:
             raise ModelError(f"model.lora.{name} {display_uri(spec.model.lora[name])}: {exc}") from None
     return adapters
+
+
+def adapter_lines(spec: JobSpec) -> list[str]:
+    """A line per adapter for `validate`: its rank, modules and folder, then the engine settings."""
+    adapters = read_adapters(spec)
+    if adapters is None:
+        return []
+    lines = [
+        f"model.lora.{name}: rank {s.max_rank}, {len(s.modules)} modules, {display_uri(spec.model.lora[name])}"
+        for name, s in adapters.specs.items()
+    ]
+    return [*lines, f"engine.max_loras {adapters.max_loras}, engine.max_lora_rank {adapters.max_lora_rank}"]
 
 
 def _read_one(name: str, path: str) -> Any:

@@ -159,12 +159,18 @@ class OutputSection(_Strict):
         return self
 
 
-class PricingSection(_Strict):
-    """Prices in any currency per million tokens, read by `estimate` and `report` only."""
+class AdapterPrices(_Strict):
+    """One LoRA adapter's own prices; a price not given is the job's (pricing.input, ...)."""
 
     input: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
     cached_input: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
     output: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
+
+
+class PricingSection(AdapterPrices):
+    """Prices in any currency per million tokens, read by `estimate` and `report` only."""
+
+    lora: dict[str, AdapterPrices] = Field(default_factory=dict)  # adapter name (model.lora) -> its prices
 
 
 class ExecutorSection(_Strict):

@@ -26,7 +26,7 @@ from batchgen.inputs.ordering import Strategy, order_requests
 from batchgen.inputs.part_rows import GroupedPart, read_parts
 from batchgen.inputs.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
 from batchgen.job.spec import JobSpec
-from batchgen.outputs.totals import IntHistogram
+from batchgen.outputs.totals import BASE_NAME, IntHistogram
 from batchgen.run.validate import validate_job
 from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
 
@@ -50,6 +50,8 @@ class Estimate:
     input_lengths: IntHistogram = field(default_factory=IntHistogram)
     generates: bool = True  # False for a pooling task (embed, classify, score): no output tokens
     parts: int = 0  # parts the job is cut into (the prefix plan's, when it groups)
+    # A job with LoRA adapters: adapter ("(base)": none) -> rows, input, shareable, output_max
+    by_lora: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def cached_tokens(self) -> int:
@@ -76,11 +78,33 @@ class Estimate:
         prompts = [ids for ids, _ in ok]
         order = order_requests(prompts, ordering, named if any(named) else None)
         roots: list[Any] = [-1 if named[i] is None else ("lora", named[i]) for i in order]  # an adapter's own blocks
-        self.shareable_tokens += prefix_cache_hits([prompts[i] for i in order], block_size, cache, roots)
+        hits: list[int] = []
+        self.shareable_tokens += prefix_cache_hits([prompts[i] for i in order], block_size, cache, roots, hits)
+        if any(r.adapter for r in rows):
+            self._add_adapters(rows, [ok[i] for i in order], [named[i] for i in order], hits)
+
+    def _add_adapters(self, rows: list[PreparedRow], ok: list[Any], named: list[str | None], hits: list[int]) -> None:
+        """Rows, input tokens, shareable tokens and the output ceiling per adapter (pricing.lora)."""
+
+        def counts(name: str | None) -> dict[str, int]:
+            empty = dict.fromkeys(("rows", "input", "shareable", "output_max"), 0)
+            return self.by_lora.setdefault(BASE_NAME if name is None else name, empty)
+
+        for r in rows:
+            counts(r.adapter)["rows"] += 1
+        for (ids, params), name, hit in zip(ok, named, hits):
+            one = counts(name)
+            one["input"] += len(ids)
+            one["shareable"] += hit
+            one["output_max"] += (params.max_tokens or 0) * params.n if self.generates else 0
 
 
 def prefix_cache_hits(
-    prompts: list[list[int]], block_size: int, nodes: dict[Any, int] | None = None, roots: list[Any] | None = None
+    prompts: list[list[int]],
+    block_size: int,
+    nodes: dict[Any, int] | None = None,
+    roots: list[Any] | None = None,
+    each: list[int] | None = None,
 ) -> int:
     """Prompt tokens served from the cache when `prompts` are admitted in this order.
 
@@ -89,11 +113,12 @@ def prefix_cache_hits(
     block is cached once computed. The cache is assumed unbounded (nothing is evicted). `nodes`:
     the cache to start from and add to, (parent node, block tokens) -> node id; None: empty.
     `roots`: per prompt, the parent of its first block (-1: the base model's; a LoRA adapter's
-    blocks chain from its own, so no block is shared across adapters).
+    blocks chain from its own, so no block is shared across adapters). `each`: gets each prompt's hits.
     """
     nodes = {} if nodes is None else nodes
     hits = 0
     for j, ids in enumerate(prompts):
+        before = hits
         max_match = (len(ids) - 1) // block_size
         parent = -1 if roots is None else roots[j]
         for b in range(len(ids) // block_size):
@@ -104,6 +129,8 @@ def prefix_cache_hits(
             elif b < max_match:
                 hits += block_size  # why: a chained key hits only if every earlier block hit too
             parent = node
+        if each is not None:
+            each.append(hits - before)
     return hits
 
 
@@ -190,13 +217,15 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
         "output_tokens": {"min": 0, "max": est.max_output_tokens, "samples_per_row": spec.sampling.n},
         "prices": prices.as_json(),
         "cost": {k: money_text(v) for k, v in costs(est, prices).items()},
-    }
+    } | ({"lora": dict(sorted(est.by_lora.items()))} if est.by_lora else {})
 
 
 def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
     """Input cost exactly (and with the cache discount when a cached_input price is given), output
     cost from zero to every row generating its max_tokens for each of its n samples (the prompt is
     prefilled once, so input is billed once); totals use the discounted input cost."""
+    if prices.adapters and est.by_lora:  # adapters priced apart (pricing.lora): each at its own prices
+        return _adapter_costs(est, prices)
     plain = input_cost(prices, est.input_tokens, 0)
     cached = input_cost(prices, est.input_tokens, est.cached_tokens) if prices.cached_input is not None else None
     out_max = output_cost(prices, est.max_output_tokens)
@@ -209,6 +238,30 @@ def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
         "total_min": billed,
         "total_max": add_costs(billed, out_max),
     }
+
+
+def _adapter_costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
+    """costs() with each adapter's rows at its own prices (an adapter without a cached_input price:
+    its cached tokens at its input price, so the discounted figure is its plain one)."""
+    each = []
+    for name, c in est.by_lora.items():
+        own = prices.for_adapter(name)
+        shared = c["shareable"] if est.cache_enabled else 0
+        plain = input_cost(own, c["input"], 0)
+        each.append((plain, input_cost(own, c["input"], shared), output_cost(own, c["output_max"])))
+    plain, billed, out_max = (add_costs(*column) for column in zip(*each))
+    return {
+        "input": plain,
+        "input_with_cache": billed if any(p.cached_input is not None for p in _all_prices(prices)) else None,
+        "output_min": None if out_max is None else Decimal(0),
+        "output_max": out_max,
+        "total_min": billed,
+        "total_max": add_costs(billed, out_max),
+    }
+
+
+def _all_prices(prices: Prices) -> list[Prices]:
+    return [prices, *(prices.for_adapter(name) for name, _ in prices.adapters)]
 
 
 def _cache_assumption(est: Estimate, spec: JobSpec) -> str:

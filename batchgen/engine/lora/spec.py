@@ -179,6 +179,12 @@ def _spec(
     )
 
 
+def weight_key(key: str) -> tuple[str, str] | None:
+    """(module, "A" or "B") of a PEFT weight key, None for any other key."""
+    match = _KEY.match(key)
+    return None if match is None else (match["module"], match["which"])
+
+
 def _pattern_key(pattern: dict[str, Any], module: str) -> str | None:
     """peft's rule: the first pattern key that matches the end of the module's name."""
     return next((k for k in pattern if re.match(rf"(.*\.)?({k})$", module)), None)

@@ -1,0 +1,7 @@
+"""LoRA adapters per request: the engine's room for them.
+
+spec (read and check a PEFT folder), targets (the model's linear layers), store (host copies, LRU),
+slots + layer (the device slots and the wrapped linears: one gathered pass for every adapter of a
+step), slot_table (the scheduler's slot policy), requests (LLM's lora_request -> request extras),
+setup (building it all for an engine).
+"""

@@ -37,7 +37,7 @@ ADAPTERS = {
 }
 ROWS = 24
 CYCLE = ["storyteller", "terse", None, "storyteller", "", "terse"]  # names, base (null), base (empty)
-SCALE = 0.2  # B ~ N(0, SCALE^2): the text changes, and stays words
+SCALE = 0.08  # B ~ N(0, SCALE^2): the text changes, and stays words
 
 
 def build_adapter(name: str, settings: dict[str, object]) -> Path:

@@ -68,6 +68,14 @@ def test_a_rank_above_max_lora_rank_is_a_job_value_error(adapters: Path, tiny_mo
     assert "engine.max_lora_rank 4" in text and "'r8'" in text and "rank 8" in text and "rank.yaml:" in text
 
 
+def test_max_cpu_loras_below_max_loras_is_a_job_value_error(adapters: Path, tiny_model_dir: Path) -> None:
+    lora = {"r4": str(adapters / "r4"), "r8": str(adapters / "r8")}
+    job = _job(adapters, tiny_model_dir, lora, name="cpu", engine={"max_cpu_loras": 1})
+    code, text = _cli("validate", str(job))
+    assert code == 2, text
+    assert "engine.max_cpu_loras 1 is below engine.max_loras 2" in text and "cpu.yaml:" in text
+
+
 def test_max_lora_rank_and_max_loras_default_from_the_adapters(adapters: Path, tiny_model_dir: Path) -> None:
     from batchgen.run.adapters import read_adapters
 
@@ -108,6 +116,7 @@ def test_a_target_the_model_lacks_is_refused(adapters: Path, tiny_model_dir: Pat
         ({"engine": {"backend": "hf"}}, "model.lora", "engine.backend native"),
         ({"engine": {"enable_lora": True}}, "engine.enable_lora", "set by model.lora"),
         ({"input": {"lora_column": None}}, "input.lora_column", "name the column"),
+        ({"engine": {"tensor_parallel_size": 2}}, "engine.tensor_parallel_size", "adapters run on one device"),
     ],
 )
 def test_lora_keys_that_do_not_fit_are_refused_at_their_key(

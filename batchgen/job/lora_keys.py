@@ -39,6 +39,9 @@ def lora_errors(spec: Any) -> list[InitErrorDetails]:
         add(("model", "lora"), f"task {spec.task} runs the base model only: adapters serve task generate")
     if spec.engine.backend != "native":
         add(("model", "lora"), f"adapters need engine.backend native ({spec.engine.backend} serves the base weights)")
+    if spec.engine.tensor_parallel_size > 1:
+        why = "adapters run on one device (tensor parallelism serves the base model only)"
+        add(("engine", "tensor_parallel_size"), why)
     if column is None and spec.input.format != "openai_batch":
         add(("input", "lora_column"), "model.lora sets adapters: name the column that says each row's adapter")
     return errors

@@ -85,6 +85,12 @@ def check_adapters(spec: JobSpec, config: Any) -> JobAdapters | None:
     adapters = read_adapters(spec)
     if adapters is None:
         return None
+    cpu = adapters.max_cpu_loras
+    if cpu is not None and cpu < adapters.max_loras:
+        raise JobFileError(
+            f"{spec.where('engine.max_cpu_loras')}: engine.max_cpu_loras {cpu} is below engine.max_loras "
+            f"{adapters.max_loras} (the adapters resident on the device are kept in host memory too)"
+        )
     from batchgen.engine.lora.spec import AdapterRefused, check_adapter  # why here: jobs without adapters skip it
 
     for name, one in adapters.specs.items():

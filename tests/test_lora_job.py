@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,49 @@ def test_openai_batch_body_model_picks_the_adapter(tmp_path: Path) -> None:
     ]
     texts = {r["custom_id"]: r["generated_text"] for r in rows}
     assert len(set(texts.values())) == 3  # one prompt, three sets of weights
+
+
+def test_an_adapter_on_an_object_store_is_fetched_to_a_local_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.s3_server import moto_s3
+
+    monkeypatch.setenv("BATCHGEN_CACHE", str(tmp_path / "cache"))
+    with moto_s3() as s3:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            with s3["fs"].open_output_stream(f"inputs/adapters/story/{name}") as out:
+                out.write((ADAPTERS / "storyteller" / name).read_bytes())
+        query = f"?endpoint_override={s3['host']}:{s3['port']}&scheme=http&region=us-east-1"
+        adapters = {"remote": f"s3://inputs/adapters/story{query}", "local": str(ADAPTERS / "storyteller")}
+        job = _small_job(tmp_path, adapters, ["remote", "local", None])
+        code, text = _cli("validate", str(job))
+        assert code == 0, text
+        assert "model.lora.remote: rank 8" in text and "endpoint_override" not in text  # the query is not shown
+        code, text = _cli("run", str(job), "--quiet")
+        assert code == 0, text
+        rows = output_table(tmp_path / "out").to_pylist()
+        assert [r["lora"] for r in rows] == ["remote", "local", None]
+        assert rows[0]["generated_text"] == rows[1]["generated_text"]  # the same adapter, fetched
+        cached = [p for p in (tmp_path / "cache" / "lora").iterdir() if not p.name.startswith(".")]
+        assert len(cached) == 1 and sorted(p.name for p in cached[0].iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
+        gone = _small_job(tmp_path, {"gone": f"s3://inputs/adapters/none{query}"}, ["gone"], out="gone")
+        code, text = _cli("validate", str(gone))
+        assert code == 4, text
+        assert "model.lora.gone s3://inputs/adapters/none" in text and "no adapter_config.json" in text
+
+
+def test_estimate_counts_and_prices_each_adapter(tmp_path: Path) -> None:
+    prices = ["pricing.input=1", "pricing.output=2", "pricing.lora.terse.input=5"]
+    args = ["estimate", str(JOB), "--json", "--set", f"output.path={tmp_path / 'out'}"]
+    code, text = _cli(*args, *(x for p in prices for x in ("--set", p)))
+    assert code == 0, text
+    est = json.loads(text)
+    per = est["lora"]
+    assert sorted(per) == ["(base)", "storyteller", "terse"] and sum(c["rows"] for c in per.values()) == 24
+    assert sum(c["input"] for c in per.values()) == est["input_tokens"]["total"]
+    million = Decimal(1_000_000)
+    expected = sum(Decimal(c["input"] * (5 if name == "terse" else 1)) for name, c in per.items()) / million
+    assert Decimal(est["cost"]["input"]) == expected

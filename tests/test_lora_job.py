@@ -206,3 +206,25 @@ def test_estimate_counts_and_prices_each_adapter(tmp_path: Path) -> None:
     million = Decimal(1_000_000)
     expected = sum(Decimal(c["input"] * (5 if name == "terse" else 1)) for name, c in per.items()) / million
     assert Decimal(est["cost"]["input"]) == expected
+
+
+def test_no_cached_block_crosses_adapters(tmp_path: Path) -> None:
+    """One long prompt under two adapters and the base model: a row shares cached blocks only with
+    rows of its own adapter (the plan and the engine both key blocks by the adapter's content)."""
+    prompt = " ".join(f"The little cat saw a bird number {i}." for i in range(12))
+    names = ["storyteller", "storyteller", "terse", None, None]
+    adapters = {n: str(ADAPTERS / n) for n in ("storyteller", "terse")}
+    job = _small_job(tmp_path, adapters, names)
+    write_parquet(
+        tmp_path / "in.parquet", {"id": [f"r{i}" for i in range(5)], "prompt": [prompt] * 5, "adapter": names}
+    )
+    code, text = _cli("run", str(job), "--quiet")
+    assert code == 0, text
+    rows = output_table(tmp_path / "out").to_pylist()
+    cached = {}
+    for r in rows:
+        cached.setdefault(r["lora"], []).append(r["cached_tokens"])
+    assert cached["terse"] == [0]  # the only row of its adapter: nothing to share
+    for name in ("storyteller", None):  # each group computes the prompt once, its second row reuses it
+        first, second = sorted(cached[name])
+        assert first == 0 and second > 0, cached

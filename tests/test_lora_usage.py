@@ -167,3 +167,35 @@ def test_estimate_shares_no_prefix_across_adapters() -> None:
     each: list[int] = []
     hits = prefix_cache_hits([prompt, prompt, prompt], 16, None, [-1, ("lora", "a"), ("lora", "a")], each)
     assert each == [0, 0, 32] and hits == 32  # the second is under another adapter: computed anew
+
+
+def test_the_prefix_plan_runs_each_adapters_rows_together(tmp_path: Path) -> None:
+    from batchgen.job.spec import load_job
+    from batchgen.run.layout import make_cut
+    from batchgen.run.validate import validate_inputs
+    from tests.conftest import write_job, write_parquet
+
+    repo = Path(__file__).resolve().parent.parent
+    docs = [" ".join(f"story {d} line {i}." for i in range(40)) for d in range(3)]
+    names = ["storyteller", "terse", None, ""]
+    prompts = [f"{docs[i % 3]} Question {i}?" for i in range(24)]
+    adapter = [names[i % 4] for i in range(24)]
+    write_parquet(tmp_path / "in.parquet", {"id": [f"r{i}" for i in range(24)], "prompt": prompts, "adapter": adapter})
+    lora = {n: str(repo / "sample_data" / "lora" / n) for n in ("storyteller", "terse")}
+    job = {
+        "model": {"path": str(repo / "sample_data" / "demo-model"), "lora": lora},
+        "input": {"path": str(tmp_path / "in.parquet"), "id_column": "id", "lora_column": "adapter"},
+        "output": {"path": str(tmp_path / "out")},
+        "engine": {"backend": "native", "window_rows": 5},
+    }
+    spec = load_job(write_job(tmp_path / "job.yaml", job))
+    cut = make_cut(spec, validate_inputs(spec))
+    order = [adapter[r] or None for r in cut.rows.tolist()]
+    assert sorted(cut.rows.tolist()) == list(range(24))
+    runs = [a for i, a in enumerate(order) if i == 0 or order[i - 1] != a]
+    assert sorted(runs, key=str) == sorted([None, "storyteller", "terse"], key=str)  # one run per adapter
+    for name in (None, "storyteller", "terse"):  # within an adapter, each document's rows together
+        docs_in_order = [cut.rows[i] % 3 for i, a in enumerate(order) if a == name]
+        assert len([d for i, d in enumerate(docs_in_order) if i == 0 or docs_in_order[i - 1] != d]) == len(
+            set(docs_in_order)
+        )

@@ -196,6 +196,7 @@ def test_an_adapter_on_an_object_store_is_fetched_to_a_local_cache(
 
 def test_estimate_counts_and_prices_each_adapter(tmp_path: Path) -> None:
     prices = ["pricing.input=1", "pricing.output=2", "pricing.lora.terse.input=5"]
+    prices += ["engine.window_rows=1", "input.grouping=none"]  # windows of base rows only count too
     args = ["estimate", str(JOB), "--json", "--set", f"output.path={tmp_path / 'out'}"]
     code, text = _cli(*args, *(x for p in prices for x in ("--set", p)))
     assert code == 0, text

@@ -50,7 +50,8 @@ class Estimate:
     input_lengths: IntHistogram = field(default_factory=IntHistogram)
     generates: bool = True  # False for a pooling task (embed, classify, score): no output tokens
     parts: int = 0  # parts the job is cut into (the prefix plan's, when it groups)
-    # A job with LoRA adapters: adapter ("(base)": none) -> rows, input, shareable, output_max
+    adapters: bool = False  # the job has LoRA adapters (model.lora): usage is counted per adapter too
+    # adapter ("(base)": none) -> rows, input, shareable, output_max
     by_lora: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
@@ -80,7 +81,7 @@ class Estimate:
         roots: list[Any] = [-1 if named[i] is None else ("lora", named[i]) for i in order]  # an adapter's own blocks
         hits: list[int] = []
         self.shareable_tokens += prefix_cache_hits([prompts[i] for i in order], block_size, cache, roots, hits)
-        if any(r.adapter for r in rows):
+        if self.adapters:  # (every window: one of base rows only counts too)
             self._add_adapters(rows, [ok[i] for i in order], [named[i] for i in order], hits)
 
     def _add_adapters(self, rows: list[PreparedRow], ok: list[Any], named: list[str | None], hits: list[int]) -> None:
@@ -145,7 +146,7 @@ def estimate_job(spec: JobSpec) -> Estimate:
 
         pooling_type = spec.pooling.pooling_type if spec.pooling is not None else None
         cache = cache and prefix_cache_applies(spec.model.path, spec.task, pooling_type)
-    est = Estimate(context_length=max_len, cache_enabled=cache, generates=spec.task == "generate")
+    est = Estimate(max_len, cache, generates=spec.task == "generate", adapters=bool(spec.model.lora))
     preparer = RowPreparer(spec, tokenizer, max_len)
     shards = plan_shards(files, engine.window_rows, spec.input.limit)
     duplicates = find_duplicate_ids(files, shards, spec.input.id_column) if spec.input.id_column else {}
@@ -319,6 +320,7 @@ def to_text(est: Estimate, spec: JobSpec, prices: Prices) -> str:
         ("dtype", f"{s['dtype']['setting']} -> {s['dtype']['resolved']} ({s['dtype']['why']})"),
         ("rows", f"{est.rows} ({est.ok_rows} ok; would fail: {errors})"),
         ("input tokens", _token_stats(tok)),
+        *(("lora " + name, f"{c['rows']} rows, {c['input']} input tokens") for name, c in s.get("lora", {}).items()),
         ("prefix cache", f"{pc['cached_tokens']} of {tok['total']} input tokens served from cache"),
         ("", f"assumes {pc['assumption']}"),
         ("output tokens", f"0 .. {est.max_output_tokens} (each row's max_tokens, capped to the context{_n(spec)})"),

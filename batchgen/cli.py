@@ -107,7 +107,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE, its inputs and the model folder without loading weights or running anything."""
     _setup_logging(logging.WARNING)
     from batchgen.inputs.dataset import planned_rows
-    from batchgen.run.adapters import adapter_lines
+    from batchgen.job.adapters import adapter_lines
     from batchgen.run.validate import dtype_line, input_listing, validate_job
 
     def work() -> None:

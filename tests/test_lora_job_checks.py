@@ -77,7 +77,7 @@ def test_max_cpu_loras_below_max_loras_is_a_job_value_error(adapters: Path, tiny
 
 
 def test_max_lora_rank_and_max_loras_default_from_the_adapters(adapters: Path, tiny_model_dir: Path) -> None:
-    from batchgen.run.adapters import read_adapters
+    from batchgen.job.adapters import read_adapters
 
     job = _job(adapters, tiny_model_dir, {"r4": str(adapters / "r4"), "r8": str(adapters / "r8")}, name="defaults")
     read = read_adapters(load_job(job))

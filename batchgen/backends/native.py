@@ -9,8 +9,8 @@ from batchgen.backends.weights import weight_errors_as_model_errors
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
+from batchgen.job.adapters import read_adapters
 from batchgen.job.spec import JobSpec
-from batchgen.run.adapters import read_adapters
 
 
 class NativeBackend:

@@ -3,7 +3,7 @@
 backend, before any work: every misfit is refused at its key, never silently ignored.
 
 Why apart from spec.py: the rules are the adapters' own; the adapters' folders are read and
-checked against the model later (run/adapters), once the model's config is at hand.
+checked against the model later (job/adapters), once the model's config is at hand.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import Any
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.inputs.dataset import InputFile
+from batchgen.job.adapters import read_adapters
 from batchgen.job.spec import JobSpec
 
 _SMALL_FILE = 1 << 20  # model files up to this size are hashed whole; larger ones by size and edges
@@ -89,8 +90,6 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     inputs = {f.key: _input_digest(f).hex() for f in files}
     parts: dict[str, Any] = {"settings": settings, "model": model.hexdigest(), "inputs": inputs}
     if spec.model.lora:  # only then: an output made without adapters keeps its fingerprint
-        from batchgen.run.adapters import read_adapters  # why lazy: it reads the adapter folders
-
         adapters = read_adapters(spec)
         parts["lora"] = adapters.hashes() if adapters is not None else {}
     parts["id"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

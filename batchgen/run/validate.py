@@ -2,7 +2,7 @@
 file), the columns it carries (present with one type in every file), that the model folder has a
 loadable config and tokenizer, with a chat template when the job has messages, and that the job's
 values fit the model (context length, token ids, and what run/model_fit checks: pooling heads and
-sizes, tensor-parallel splits; the LoRA adapters: run/adapters), all without loading weights."""
+sizes, tensor-parallel splits; the LoRA adapters: job/adapters), all without loading weights."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from batchgen.errors import InputDataError, JobFileError, ModelError
 from batchgen.inputs.dataset import InputFile, check_column, with_rows
 from batchgen.inputs.prepare import input_columns, load_tokenizer
 from batchgen.inputs.reading import open_inputs
+from batchgen.job.adapters import check_adapters
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.table import carried_columns
-from batchgen.run.adapters import check_adapters
 from batchgen.run.model_fit import check_model_fit
 
 log = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ def validate_model(spec: JobSpec) -> None:
     config = check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     check_model_limits(spec, config)
     check_model_fit(spec, config)
-    check_adapters(spec, config)  # every adapter folder read and checked against the model (run/adapters)
+    check_adapters(spec, config)  # every adapter folder read and checked against the model (job/adapters)
     if spec.model.device not in ("auto", "cpu"):  # why: those two always resolve; skip importing the engine
         from batchgen.engine.runner.models import DeviceError, resolve_device  # why lazy: torch, transformers
 

@@ -90,7 +90,7 @@ def test_greedy_tokens_equal_peft_merged_models(demo_run: tuple[Path, pa.Table])
     assert differs == 2  # both adapters change the text of their row
 
 
-def _small_job(tmp: Path, adapters: dict[str, str], names: list[Any], out: str = "out") -> Path:
+def _small_job(tmp: Path, adapters: dict[str, str], names: list[Any], out: str = "out", **settings: Any) -> Path:
     write_parquet(
         tmp / "in.parquet",
         {"id": [f"r{i}" for i in range(len(names))], "prompt": ["Once upon a time"] * len(names), "adapter": names},
@@ -102,6 +102,9 @@ def _small_job(tmp: Path, adapters: dict[str, str], names: list[Any], out: str =
         "sampling": {"max_tokens": 4},
         "engine": {"backend": "native"},
     }
+    if "grouping" in settings:
+        job["input"]["grouping"] = settings.pop("grouping")
+    job["engine"].update(settings)
     return write_job(tmp / f"{out}.yaml", job)
 
 
@@ -122,18 +125,28 @@ def test_a_row_naming_an_unknown_adapter_is_an_error_row(tmp_path: Path) -> None
     assert success["lora"]["nope"] == {"rows": 1, "ok": 0, "input": 0, "cached": 0, "output": 0}
 
 
-def test_a_changed_adapter_is_refused_on_resume(tmp_path: Path) -> None:
+def test_a_changed_adapter_is_refused_on_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchgen import faults
+
     folder = shutil.copytree(ADAPTERS / "terse", tmp_path / "mine")
-    job = _small_job(tmp_path, {"mine": str(folder)}, ["mine", None])
+    saved = shutil.copytree(folder, tmp_path / "saved")
+    job = _small_job(tmp_path, {"mine": str(folder)}, ["mine", None, "mine"], window_rows=1, grouping="none")
+    monkeypatch.setattr(faults, "_hits", {})
+    monkeypatch.setenv("BATCHGEN_FAULT", "engine_exception:2")  # the engine fails on the second part
     code, text = _cli("run", str(job), "--quiet")
-    assert code == 0, text
-    code, text = _cli("run", str(job), "--quiet")  # unchanged: the finished job stands
-    assert code == 0, text
+    assert code == 6, text
+    monkeypatch.delenv("BATCHGEN_FAULT")
+    assert len(list((tmp_path / "out").glob("part-*.parquet"))) == 1 and not (tmp_path / "out" / "_SUCCESS").exists()
     save_tiny_adapter(DEMO, folder, r=4, seed=9, scale=0.08)  # same name, other weights
-    (folder / "README.md").unlink(missing_ok=True)
     code, text = _cli("run", str(job), "--quiet")
     assert code == 2, text
     assert "LoRA adapter mine changed" in text
+    shutil.rmtree(folder)
+    shutil.copytree(saved, folder)  # the adapter the output was made with: the run resumes
+    code, text = _cli("run", str(job))
+    assert code == 0, text
+    assert "resumed: 1 part(s) kept" in text
+    assert [r["lora"] for r in output_table(tmp_path / "out").to_pylist()] == ["mine", None, "mine"]
 
 
 def test_openai_batch_body_model_picks_the_adapter(tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ class Scheduler:
         self._preempted: list[int] = []
         self._resumed: list[int] = []
         # adapters' device slots (engine/lora): admitted sequences pin theirs; loads ride in the step
-        self.slots = SlotTable(config.max_loras) if config.enable_lora else None
+        self.slots = SlotTable(config.max_loras or 1) if config.enable_lora else None
         self._loads: list[tuple[int, bytes]] = []
 
     # ------------------------------------------------------------ requests

@@ -19,16 +19,19 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    base = tiny_model("llama")
-    folder = tmp_path_factory.mktemp("lora-api")
+def build_adapters(base: Path, folder: Path) -> tuple[Path, Path, Path]:
+    """(base, a rank-4 adapter of q/v/down, a rank-16 adapter of q/v)."""
     small = save_tiny_adapter(base, folder / "small", r=4, target_modules=("q_proj", "v_proj", "down_proj"))
     big = save_tiny_adapter(base, folder / "big", r=16, seed=3)
     return base, small, big
 
 
-def _reference(base: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
+@pytest.fixture(scope="module")
+def setup(tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    return build_adapters(tiny_model("llama"), tmp_path_factory.mktemp("lora-api"))
+
+
+def reference(base: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
     model = merged_model(base, adapter)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -49,11 +52,11 @@ def test_an_adapter_that_cannot_run_is_an_error_row(setup: tuple[Path, Path, Pat
         None,
     ]
     outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 5, GREEDY, lora_request=requests)
-    assert outs[0].error is None and outs[0].outputs[0].token_ids == _reference(base, small, PROMPTS[0])
+    assert outs[0].error is None and outs[0].outputs[0].token_ids == reference(base, small, PROMPTS[0])
     assert outs[1].error is not None and "adapter 'big'" in outs[1].error and "above max_lora_rank 8" in outs[1].error
     assert outs[2].error is not None and "adapter 'gone'" in outs[2].error and "is not a folder" in outs[2].error
     assert outs[3].error is not None and "use_dora=true is not supported" in outs[3].error
-    assert outs[4].error is None and outs[4].outputs[0].token_ids == _reference(base, None, PROMPTS[0])
+    assert outs[4].error is None and outs[4].outputs[0].token_ids == reference(base, None, PROMPTS[0])
     assert llm.stats["errors"] == 3
 
 
@@ -66,7 +69,7 @@ def test_compiled_forward_with_adapters(setup: tuple[Path, Path, Path]) -> None:
     requests = [None if a is None else LoRARequest(a.name, i + 1, str(a)) for i, a in enumerate(adapters)]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=requests)
     for out, adapter, prompt in zip(outs, adapters, PROMPTS):
-        assert out.outputs[0].token_ids == _reference(base, adapter, prompt)
+        assert out.outputs[0].token_ids == reference(base, adapter, prompt)
     assert llm.engine.runner.forward.stats.graphs >= 1
 
 
@@ -78,8 +81,8 @@ def test_chat_takes_one_lora_request_for_all(setup: tuple[Path, Path, Path]) -> 
     conversations = [[{"role": "user", "content": "w5 w6 w7"}], [{"role": "user", "content": "w20 w21"}]]
     outs = llm.chat(conversations, GREEDY, lora_request=request)
     assert [o.outputs[0].token_ids for o in outs] == [
-        _reference(base, small, [5, 6, 7]),
-        _reference(base, small, [20, 21]),
+        reference(base, small, [5, 6, 7]),
+        reference(base, small, [20, 21]),
     ]
 
 

@@ -101,3 +101,14 @@ def test_vllm_import_path_is_batchgen_s(monkeypatch: pytest.MonkeyPatch) -> None
         uninstall()
     with pytest.raises(ValueError, match="lora_int_id must be an integer > 0"):
         LoRARequest("x", 0, "/a")
+
+
+def test_pooling_with_adapters_is_refused_by_name(setup: tuple[Path, Path, Path]) -> None:
+    base, small, _ = setup
+    with pytest.raises(
+        ValueError, match=r"LLM\(task='embed', enable_lora=True\): LoRA adapters serve task 'generate' only"
+    ):
+        LLM(str(base), device="cpu", task="embed", enable_lora=True)
+    llm = LLM(str(base), device="cpu", dtype="float32", compile=False, enable_lora=True)
+    with pytest.raises(NotImplementedError, match="LoRA adapters serve generation only, not pooling"):
+        llm.embed("w5 w6", lora_request=LoRARequest("small", 1, str(small)))

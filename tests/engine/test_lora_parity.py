@@ -43,7 +43,7 @@ PRESSURE = dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=8, num_kv
 
 
 def _prompts() -> tuple[list[list[int]], list[int | None]]:
-    """12 prompts and each one's adapter (index into the arch's adapters, None: the base model);
+    """13 prompts and each one's adapter (index into the arch's adapters, None: the base model);
     rows 0-3 share a 40-token prefix across adapters, rows 4-5 one within adapter 0."""
     rng = random.Random(7)
 
@@ -52,8 +52,8 @@ def _prompts() -> tuple[list[list[int]], list[int | None]]:
 
     shared, own = words(40), words(36)
     prompts = [shared + words(n) for n in (3, 8, 1, 12)] + [own + words(n) for n in (5, 9)]
-    prompts += [words(n) for n in (1, 17, 30, 44, 7, 20)]
-    adapters: list[int | None] = [0, 1, 2, None, 0, 0, 1, None, 2, 0, 1, 2]
+    prompts += [words(n) for n in (1, 17, 30, 44, 7, 20, 90)]  # 90: several 64-token chunks
+    adapters: list[int | None] = [0, 1, 2, None, 0, 0, 1, None, 2, 0, 1, 2, 1]
     return prompts, adapters
 
 

@@ -7,10 +7,10 @@ import random
 
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.core.adapter_slots import SlotTable
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.sequence import RequestExtras, Sequence, SequenceStatus
-from batchgen.engine.lora.slot_table import SlotTable
 
 from .test_scheduler import step
 

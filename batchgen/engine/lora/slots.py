@@ -4,7 +4,7 @@ step's per-token slot mask.
 Why static slots: the model's buffers never change shape or address, so a compiled forward and
 captured CUDA graphs stay valid while adapters come and go; loading an adapter is copying its A
 and B into one slot's rows and columns (zeros where it has no weights or a smaller rank). Which
-adapter sits in which slot is the scheduler's decision (lora/slot_table); its loads and each
+adapter sits in which slot is the scheduler's decision (core/adapter_slots); its loads and each
 chunk's slot reach the runner as data in the scheduled step, and the per-token slot ids ride in
 the step's one upload (staging/transfers), behind which the mask is computed on the device.
 Installed before the KV pool is sized, so the slots' memory is counted out of the pool's.

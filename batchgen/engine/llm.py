@@ -112,12 +112,12 @@ class LLM(PoolingMethods):
         task = resolve_task(model, task)
         if task not in TASKS:
             raise ValueError(f"LLM(task={task!r}): must be one of 'auto', {', '.join(map(repr, TASKS))}")
+        if task != "generate" and config.enable_lora:
+            raise ValueError(f"LLM(task={task!r}, enable_lora=True): LoRA adapters serve task 'generate' only")
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
         self._pooling: PoolingModel | None = None
         self._tp: TensorParallelGroup | None = None
         self._lora: LoRAAdapters | None = None
-        if task != "generate" and config.enable_lora:
-            raise ValueError(f"LLM(task={task!r}): LoRA adapters serve task 'generate' only (enable_lora=True)")
         if task != "generate" and config.tensor_parallel_size > 1:
             raise ValueError(f"LLM(task={task!r}): tensor_parallel_size > 1 serves task 'generate' only")
         if runs_on_engine(model, task):

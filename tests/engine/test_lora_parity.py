@@ -32,6 +32,12 @@ ADAPTERS: dict[str, list[dict[str, Any]]] = {
     "qwen3": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
     "gemma2": _LLAMA_LIKE,
+    "gpt2": [  # transformers' Conv1D projections (weights stored [in, out]; peft's fan_in_fan_out)
+        dict(r=4, alpha=8, target_modules=("c_attn",), fan_in_fan_out=True),
+        dict(r=8, alpha=16, target_modules=("c_attn", "c_proj", "c_fc"), fan_in_fan_out=True,
+             rank_pattern={"c_fc": 2}),
+        dict(r=2, alpha=4, target_modules=("c_proj",), fan_in_fan_out=True, use_rslora=True),
+    ],
     "phi3": [  # fused projections: peft targets them by their own names
         dict(r=4, alpha=8, target_modules=("qkv_proj",)),
         dict(r=8, alpha=16, target_modules=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
@@ -43,7 +49,7 @@ PRESSURE = dict(block_size=16, max_num_batched_tokens=64, max_num_seqs=8, num_kv
 
 
 def _prompts() -> tuple[list[list[int]], list[int | None]]:
-    """12 prompts and each one's adapter (index into the arch's adapters, None: the base model);
+    """13 prompts and each one's adapter (index into the arch's adapters, None: the base model);
     rows 0-3 share a 40-token prefix across adapters, rows 4-5 one within adapter 0."""
     rng = random.Random(7)
 
@@ -52,8 +58,8 @@ def _prompts() -> tuple[list[list[int]], list[int | None]]:
 
     shared, own = words(40), words(36)
     prompts = [shared + words(n) for n in (3, 8, 1, 12)] + [own + words(n) for n in (5, 9)]
-    prompts += [words(n) for n in (1, 17, 30, 44, 7, 20)]
-    adapters: list[int | None] = [0, 1, 2, None, 0, 0, 1, None, 2, 0, 1, 2]
+    prompts += [words(n) for n in (1, 17, 30, 44, 7, 20, 90)]  # 90: several 64-token chunks
+    adapters: list[int | None] = [0, 1, 2, None, 0, 0, 1, None, 2, 0, 1, 2, 1]
     return prompts, adapters
 
 
@@ -120,6 +126,8 @@ def test_lora_parity_mixed_batch_under_pressure(arch: str, lora_case: Callable[[
               max_lora_rank=8, **PRESSURE)  # fmt: skip
     _check(llm, adapters, reference)
     assert llm.stats["preemptions"] > 0 and llm.stats["cached_tokens"] > 0, dict(llm.stats)
+    # max_cpu_loras defaults to max_loras: one of the three was dropped from host memory and read again
+    assert llm._lora is not None and llm._lora.store.num_held == 2
     # the adapters' differ from the base model's tokens: the test would see a missed update
     assert len({tuple(reference[i][0]) for i in range(4)}) == 4
 

@@ -18,7 +18,9 @@ prompt is prefilled once, samples 1..n-1 share its blocks (copy on write) and it
 output is an immutable ScheduledBatch (scheduler_output) that names sequences by id and carries
 what changed since the last step (new, finished, preempted, resumed) as a BatchUpdate, from
 which the runner side keeps its own state, and who draws from which row. `drop_all` forgets
-every sequence at once (an aborted generate).
+every sequence at once (an aborted generate). With LoRA, an admitted sequence pins its adapter's
+device slot (core/adapter_slots): a waiting one whose adapter finds no slot waits, in order, and
+each chunk names its slot; the step carries the adapter loads to make before its forward.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections import deque
 from collections.abc import Sequence as Sequence_
 
 from batchgen.engine.api.config import ResolvedConfig
+from batchgen.engine.core.adapter_slots import SlotTable
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler_output import (
     BatchUpdate,
@@ -37,7 +40,6 @@ from batchgen.engine.core.scheduler_output import (
     is_decode,
 )
 from batchgen.engine.core.sequence import Sequence, SequenceStatus, fork_params
-from batchgen.engine.lora.slot_table import SlotTable
 
 __all__ = ["BatchUpdate", "NewSequence", "ScheduledBatch", "ScheduledChunk", "Scheduler", "admit_prompt", "is_decode"]
 
@@ -97,7 +99,7 @@ class Scheduler:
         self._preempted: list[int] = []
         self._resumed: list[int] = []
         # adapters' device slots (engine/lora): admitted sequences pin theirs; loads ride in the step
-        self.slots = SlotTable(config.max_loras) if config.enable_lora else None
+        self.slots = SlotTable(config.max_loras or 1) if config.enable_lora else None
         self._loads: list[tuple[int, bytes]] = []
 
     # ------------------------------------------------------------ requests

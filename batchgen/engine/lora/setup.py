@@ -24,5 +24,7 @@ def install_lora(
     # why both: a step holds at most max_num_batched_tokens tokens, a decode graph's bucket max_num_seqs rows
     rows = max(config.max_num_batched_tokens, 2 * config.max_num_seqs)
     rows = -(-rows // _ROUND) * _ROUND
-    slots = LoRASlots(model, config.max_loras, config.max_lora_rank, rows, store, device, dtype)
+    # the Triton kernels where the triton attention backend runs (CUDA; the CPU only under its interpreter)
+    kernel = config.attention_backend == "triton"
+    slots = LoRASlots(model, config.max_loras, config.max_lora_rank, rows, store, device, dtype, kernel)
     return slots, LoRAAdapters(store, hf_config, config.max_lora_rank)

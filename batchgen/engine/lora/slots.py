@@ -4,7 +4,7 @@ step's per-token slot mask.
 Why static slots: the model's buffers never change shape or address, so a compiled forward and
 captured CUDA graphs stay valid while adapters come and go; loading an adapter is copying its A
 and B into one slot's rows and columns (zeros where it has no weights or a smaller rank). Which
-adapter sits in which slot is the scheduler's decision (lora/slot_table); its loads and each
+adapter sits in which slot is the scheduler's decision (core/adapter_slots); its loads and each
 chunk's slot reach the runner as data in the scheduled step, and the per-token slot ids ride in
 the step's one upload (staging/transfers), behind which the mask is computed on the device.
 Installed before the KV pool is sized, so the slots' memory is counted out of the pool's.
@@ -41,18 +41,23 @@ class LoRASlots:
         store: AdapterStore,
         device: torch.device,
         dtype: torch.dtype,
+        kernel: bool = False,
     ) -> None:
-        self.max_loras, self.max_rank, self.store = max_loras, max_rank, store
+        """`kernel`: the layers use the Triton kernels (lora/triton_kernel), else the masked product."""
+        self.max_loras, self.max_rank, self.store, self.kernel = max_loras, max_rank, store, kernel
+        if kernel:
+            import batchgen.engine.lora.triton_kernel  # noqa: F401  # registers batchgen::lora_add
         width = max_loras * max_rank
         self.mask = torch.zeros(max_tokens, width, dtype=dtype, device=device)  # [max tokens, slots * R]
         self.column_slot = torch.arange(width, device=device) // max_rank  # [slots * R]: each column's slot
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)  # [max tokens]
         self.layers: dict[str, LoRALinear] = {}
         for name, module in linear_modules(model).items():
             shape = linear_shape(module)
             assert shape is not None  # linear_modules keeps linears only
             a = torch.zeros(width, shape[0], dtype=dtype, device=device)  # [slots * R, in]
             b = torch.zeros(shape[1], width, dtype=dtype, device=device)  # [out, slots * R]
-            layer = LoRALinear(module, a, b, self.mask)
+            layer = LoRALinear(module, a, b, self.mask, self.token_slots, max_rank if kernel else 0)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, layer)
             self.layers[name] = layer
@@ -91,5 +96,8 @@ class LoRASlots:
         if n > self.mask.shape[0]:
             raise RuntimeError(f"LoRA: a step of {n} tokens is above the {self.mask.shape[0]} the slots were sized for")
         staged = transfers.stage(int64_tensor(token_slots))  # [n]
-        mask = self.mask[:n]
-        transfers.on_upload(lambda: mask.copy_(staged[:, None] == self.column_slot))
+        if self.kernel:
+            transfers.on_upload(lambda: self.token_slots[:n].copy_(staged))
+        else:
+            mask = self.mask[:n]
+            transfers.on_upload(lambda: mask.copy_(staged[:, None] == self.column_slot))

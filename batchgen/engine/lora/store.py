@@ -58,8 +58,12 @@ class AdapterStore:
         self._weights: OrderedDict[bytes, AdapterWeights] = OrderedDict()
 
     def add(self, spec: AdapterSpec) -> None:
-        """Register `spec` and read its weights now (AdapterRefused when they cannot be read)."""
+        """Register `spec` and read its weights now unless they are held (AdapterRefused when they
+        cannot be read). Same content hash, same weights: a folder used again is not read again."""
         self.specs[spec.content_hash] = spec
+        if spec.content_hash in self._weights:
+            self._weights.move_to_end(spec.content_hash)
+            return
         self._keep(spec.content_hash, load_weights(spec, self.dtype))
 
     def weights(self, content_hash: bytes) -> AdapterWeights:

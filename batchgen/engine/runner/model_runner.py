@@ -10,7 +10,8 @@ positions, draws, and reads everything back in one copy. It decides nothing: wha
 draws from which row, is the scheduler's business. The forward runs through StepForward (eager
 or compiled); on CUDA with compile and the triton backend, decode-only steps replay the CUDA
 graph of their batch-size bucket (cuda/graphs). Pooling runs the same packed forward
-(`pool_forward`) and gets the base model's hidden states. Which backend, the thread
+(`pool_forward`) and gets the base model's hidden states. With LoRA (engine/lora) it loads the
+adapters the step names into their slots and stages each packed token's slot in the upload. Which backend, the thread
 policy, what compiling is told and whether graphs exist are the device's Platform's answers
 (api/platform, engine/platforms).
 

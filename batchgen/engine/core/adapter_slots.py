@@ -1,5 +1,8 @@
 """SlotTable: which adapter occupies which device slot, decided by the scheduler (no tensors here).
 
+Why in core/ and not in engine/lora with the slots' tensors: it is the scheduler's policy, as the
+block manager is its memory; the runner only carries out the loads it is handed (lora/slots).
+
 The rules (issue 43): at most `max_loras` distinct adapters run in a step, because every admitted
 sequence (running, or preempted and waiting to be recomputed) pins its adapter's slot; a pinned
 slot is never given to another adapter. An adapter not resident takes a free slot, else the least

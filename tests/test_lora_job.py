@@ -67,6 +67,18 @@ def test_success_and_report_give_usage_per_adapter(demo_run: tuple[Path, pa.Tabl
     }
 
 
+def test_more_adapters_than_slots_give_the_same_rows(demo_run: tuple[Path, pa.Table], tmp_path: Path) -> None:
+    """engine.max_loras 1 under two adapters: each adapter's rows run in turn, the text unchanged."""
+    _, table = demo_run
+    out = tmp_path / "one-slot"
+    code, text = _cli("run", str(JOB), "--quiet", "--set", f"output.path={out}", "--set", "engine.max_loras=1")
+    assert code == 0, text
+    one = output_table(out).to_pylist()
+    assert [(r["lora"], r["generated_text"]) for r in one] == [
+        (r["lora"], r["generated_text"]) for r in table.to_pylist()
+    ]
+
+
 def test_greedy_tokens_equal_peft_merged_models(demo_run: tuple[Path, pa.Table]) -> None:
     """One row of each adapter and of the base model against transformers' generate on the merged weights."""
     from transformers import AutoTokenizer

@@ -28,7 +28,15 @@ from batchgen.inputs.prepare import PreparedRow, RowPreparer, input_columns, loa
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.totals import BASE_NAME, IntHistogram
 from batchgen.run.validate import validate_job
-from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
+from batchgen.usage.pricing import (
+    Prices,
+    add_costs,
+    estimate_adapter_costs,
+    input_cost,
+    money_display,
+    money_text,
+    output_cost,
+)
 
 log = logging.getLogger(__name__)
 MAX_ERROR_EXAMPLES = 5
@@ -226,7 +234,7 @@ def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
     cost from zero to every row generating its max_tokens for each of its n samples (the prompt is
     prefilled once, so input is billed once); totals use the discounted input cost."""
     if prices.adapters and est.by_lora:  # adapters priced apart (pricing.lora): each at its own prices
-        return _adapter_costs(est, prices)
+        return estimate_adapter_costs(prices, est.by_lora, est.cache_enabled)
     plain = input_cost(prices, est.input_tokens, 0)
     cached = input_cost(prices, est.input_tokens, est.cached_tokens) if prices.cached_input is not None else None
     out_max = output_cost(prices, est.max_output_tokens)
@@ -239,30 +247,6 @@ def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
         "total_min": billed,
         "total_max": add_costs(billed, out_max),
     }
-
-
-def _adapter_costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
-    """costs() with each adapter's rows at its own prices (an adapter without a cached_input price:
-    its cached tokens at its input price, so the discounted figure is its plain one)."""
-    each = []
-    for name, c in est.by_lora.items():
-        own = prices.for_adapter(name)
-        shared = c["shareable"] if est.cache_enabled else 0
-        plain = input_cost(own, c["input"], 0)
-        each.append((plain, input_cost(own, c["input"], shared), output_cost(own, c["output_max"])))
-    plain, billed, out_max = (add_costs(*column) for column in zip(*each))
-    return {
-        "input": plain,
-        "input_with_cache": billed if any(p.cached_input is not None for p in _all_prices(prices)) else None,
-        "output_min": None if out_max is None else Decimal(0),
-        "output_max": out_max,
-        "total_min": billed,
-        "total_max": add_costs(billed, out_max),
-    }
-
-
-def _all_prices(prices: Prices) -> list[Prices]:
-    return [prices, *(prices.for_adapter(name) for name, _ in prices.adapters)]
 
 
 def _cache_assumption(est: Estimate, spec: JobSpec) -> str:

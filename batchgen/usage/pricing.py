@@ -118,3 +118,28 @@ def money_display(value: Decimal | None, places: int = 6) -> str:
     if value is None:
         return "-"
     return format(value.quantize(Decimal(1).scaleb(-places)), "f")
+
+
+def estimate_adapter_costs(
+    prices: Prices, by_lora: dict[str, dict[str, int]], cache_enabled: bool
+) -> dict[str, Decimal | None]:
+    """`estimate`'s cost figures with each adapter's rows at its own prices (pricing.lora):
+    `by_lora` holds per adapter its input tokens, the tokens a prefix cache would serve
+    (`shareable`, billed cached when `cache_enabled`) and its output ceiling (`output_max`). An
+    adapter without a cached_input price has its cached tokens at its input price."""
+    each = []
+    for name, c in by_lora.items():
+        own = prices.for_adapter(name)
+        shared = c["shareable"] if cache_enabled else 0
+        plain = input_cost(own, c["input"], 0)
+        each.append((plain, input_cost(own, c["input"], shared), output_cost(own, c["output_max"])))
+    plain, billed, out_max = (add_costs(*column) for column in zip(*each))
+    every = [prices, *(prices.for_adapter(name) for name, _ in prices.adapters)]
+    return {
+        "input": plain,
+        "input_with_cache": billed if any(p.cached_input is not None for p in every) else None,
+        "output_min": None if out_max is None else Decimal(0),
+        "output_max": out_max,
+        "total_min": billed,
+        "total_max": add_costs(billed, out_max),
+    }

@@ -95,3 +95,7 @@ def test_rank_targets_and_unknown_options_are_checked(base: Path, tmp_path: Path
     (folder / "adapter_config.json").write_text(json.dumps({**config, "use_magic": True}))
     with pytest.raises(AdapterRefused, match="use_magic=true is a PEFT option batchgen does not know"):
         check_adapter(read_adapter("a", folder), tiny_configs()["llama"], 8)
+    # PiSSA trains against residual base weights: unconverted, it cannot run on the original model
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "pissa"}))
+    with pytest.raises(AdapterRefused, match='init_lora_weights="pissa" is not supported'):
+        check_adapter(read_adapter("a", folder), tiny_configs()["llama"], 8)

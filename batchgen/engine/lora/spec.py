@@ -62,6 +62,9 @@ _REFUSED_UNLESS: dict[str, tuple[Any, ...]] = {
     "kasa_config": (None, {}),
 }
 
+# initialisations that leave the base weights as they are (the others need peft's converted adapter)
+_BASE_KEEPING_INITS = ("gaussian", "eva", "orthogonal")
+
 
 class AdapterRefused(ValueError):
     """An adapter that cannot be read, or cannot run exactly on this model; the message names it."""
@@ -195,6 +198,8 @@ def _neutral_value(option: str, value: Any) -> bool:
         return any(value is v or (type(value) is type(v) and value == v) for v in _REFUSED_UNLESS[option])
     if option == "bias":
         return value == "none"
+    if option == "init_lora_weights":  # pissa / olora / corda / loftq change the base weights too
+        return value is True or value is False or value in _BASE_KEEPING_INITS
     return option in _NEUTRAL
 
 
@@ -219,6 +224,8 @@ def check_adapter(spec: AdapterSpec, hf_config: PretrainedConfig, max_lora_rank:
     where = f"adapter {spec.name!r} ({spec.path})"
     for option, value in spec.options:  # every option read_adapter did not find neutral
         why = "is not supported" if option in _NEUTRAL else "is a PEFT option batchgen does not know"
+        if option == "init_lora_weights":
+            why += " (it changes the base weights too: save the adapter converted to plain LoRA)"
         raise AdapterRefused(f"{where}: {option}={value} {why}; only plain LoRA (bias='none') is served")
     if spec.unsupported_keys:
         keys = ", ".join(spec.unsupported_keys[:3])

@@ -128,3 +128,13 @@ def test_limit_mm_per_prompt(tiny_vlm: Callable[[str], Path]) -> None:
         llm.generate({"prompt": "<image> <image>", "multi_modal_data": {"image": [image, image]}}, GREEDY)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LLM(str(tiny_vlm("llava")), device="cpu", limit_mm_per_prompt={"video": 1})
+
+
+def test_prefix_cache_tells_images_apart(tiny_vlm: Callable[[str], Path]) -> None:
+    """Same text, one sequence at a time: a different image of the same size shares only the
+    text blocks before it; the same image bytes share the image's blocks too."""
+    llm = LLM(str(tiny_vlm("llava")), device="cpu", dtype="float32", block_size=4, max_num_seqs=1)
+    a, b = png_bytes(40, 24, 1), png_bytes(40, 24, 2)
+    prompts = [{"prompt": "w5 w6 w7 w8 <image> w9 w10", "multi_modal_data": {"image": lazy(x)}} for x in (a, b, a)]
+    cached = [o.num_cached_tokens for o in llm.generate(prompts, GREEDY)]
+    assert cached == [0, 4, 20]  # the 4 text tokens; then they and the 16 image tokens

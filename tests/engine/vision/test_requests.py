@@ -138,3 +138,12 @@ def test_prefix_cache_tells_images_apart(tiny_vlm: Callable[[str], Path]) -> Non
     prompts = [{"prompt": "w5 w6 w7 w8 <image> w9 w10", "multi_modal_data": {"image": lazy(x)}} for x in (a, b, a)]
     cached = [o.num_cached_tokens for o in llm.generate(prompts, GREEDY)]
     assert cached == [0, 4, 20]  # the 4 text tokens; then they and the 16 image tokens
+
+
+def test_the_callers_images_stay_undecoded(llava: LLM) -> None:
+    """A lazily opened image is decoded into a fresh object: the caller's keeps no pixels (a job
+    holding a part's prompts never holds the part's decoded images)."""
+    image = lazy(png_bytes(40, 24, 4))
+    out = llava.generate({"prompt": "w5 <image>", "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert out.error is None
+    assert image._im is None  # still only its header read (Pillow keeps decoded pixels in _im)

@@ -68,11 +68,12 @@ def test_every_shipped_job_file_validates() -> None:
     for job in jobs:
         result = CliRunner().invoke(main, ["validate", str(job)])
         assert result.exit_code == 0, (job.name, result.output)
-        other = {
+        special = {
             "openai_batch.yaml": "openai_requests.jsonl: 4 rows",
+            "lora.yaml": "lora_prompts.parquet: 24 rows",
             "vision.yaml": "vision/questions.parquet: 21 rows",
         }
-        data = other.get(job.name, "prompts.parquet: 2400 rows")
+        data = special.get(job.name, "prompts.parquet: 2400 rows")
         assert f"{REPO / 'sample_data' / data}" in result.output
 
 

@@ -67,15 +67,25 @@ class HFBackend:
         return dict(self.runtime)
 
     def generate(
-        self, prompts: Sequence[EnginePrompt], params: list[SamplingParams], on_output: OnOutput | None = None
+        self,
+        prompts: Sequence[EnginePrompt],
+        params: list[SamplingParams],
+        on_output: OnOutput | None = None,
+        adapters: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         if any(not isinstance(p, list) for p in prompts):  # why: a job with images is refused on hf at load
             raise ValueError("engine.backend hf does not read images; use engine.backend native")
-        return self._generate([p for p in prompts if isinstance(p, list)], params, on_output)
+        return self._generate([p for p in prompts if isinstance(p, list)], params, on_output, adapters)
 
     def _generate(
-        self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        on_output: OnOutput | None = None,
+        adapters: list[str | None] | None = None,
     ) -> list[RequestOutput]:
+        if adapters is not None and any(adapters):  # why: the job file refuses model.lora with hf at load
+            raise ValueError("model.lora: engine.backend hf serves the base weights only; use engine.backend native")
         for p in params:  # why: the job file refuses these at load; a library caller learns it here
             for name in HF_UNSUPPORTED:
                 if getattr(p, name) != getattr(_DEFAULTS, name):

@@ -25,6 +25,7 @@ every other run, shard and worker, so they never depend on computing it alike.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -33,10 +34,11 @@ from typing import Any
 
 from batchgen.engine.core.block_hash import chain_block_hashes
 from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
+from batchgen.inputs.adapter_column import adapter_column, row_adapters
 from batchgen.inputs.dataset import InputFile, plan_shards
 from batchgen.inputs.key_sort import HASH_BYTES, NO_REQUEST, Cut, KeySorter, plan_parts
 from batchgen.inputs.part_rows import file_offsets
-from batchgen.inputs.prepare import RowPreparer, image_folder, input_columns
+from batchgen.inputs.prepare import PreparedRow, RowPreparer, image_folder, input_columns
 from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
 
@@ -71,6 +73,9 @@ def key_columns(spec: JobSpec) -> list[str]:
         names = [c for c in (i.prompt_column or i.messages_column, i.image_column) if c is not None]
     if i.group_column is not None:
         names.append(i.group_column)
+    column = adapter_column(spec)
+    if column is not None:
+        names.append(column)
     return list(dict.fromkeys(names))
 
 
@@ -81,8 +86,9 @@ def prompt_key(
     most KEY_BLOCKS; the last token is always computed, so a block ending on it is left out, as
     the block manager leaves it); NO_REQUEST for a row that is no request. `cut`: the ids are of the
     prompt's first MAX_CHARS characters, so the last CUT_MARGIN tokens (which the rest of the text
-    could have tokenized otherwise) are left out too. `extras`: the row's images (content hash and
-    positions), hashed into the blocks they cover as the engine's cache hashes them."""
+    could have tokenized otherwise) are left out too. `extras`: what else the request's blocks
+    hash (its adapter's content hash; its images' content hashes at their positions), as the block
+    manager hashes them."""
     if prompt_ids is None:
         return NO_REQUEST
     if not prompt_ids:
@@ -98,9 +104,21 @@ def group_key(value: Any) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=HASH_BYTES).digest()
 
 
-def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: int) -> Cut:
+def adapter_key(name: str | None, hashes: dict[str, bytes]) -> tuple[bytes, RequestExtras]:
+    """A row's adapter's place in its key (one hash block, first: each adapter's rows sort together,
+    the base model's first) and the extras its blocks hash with (core/block_hash: the one rule)."""
+    if name is None:
+        return bytes(HASH_BYTES), NO_EXTRAS
+    content = hashes[name]
+    return hashlib.blake2b(content, digest_size=HASH_BYTES).digest(), RequestExtras(adapter_hash=content)
+
+
+def plan_cut(
+    spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: int, adapters: dict[str, bytes] | None = None
+) -> Cut:
     """The job's parts: every planned row (input.limit respected), those sharing a prefix in key
-    order, the others in input order, cut by window_rows."""
+    order, the others in input order, cut by window_rows. `adapters`: name -> content hash of the
+    job's LoRA adapters (model.lora): a row's key starts with its adapter's (adapter_key)."""
     preparer = RowPreparer(spec, tokenizer, 1 << 62)
     group = spec.input.group_column
     with tempfile.TemporaryDirectory(prefix="batchgen-plan-") as folder:
@@ -112,12 +130,36 @@ def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: 
         for shard, table in read_shards(files, chunks, key_columns(spec)):
             where = image_folder(files[shard.file_index]) if images else None
             prompts = preparer.prompt_ids(table, max_chars, where)
-            keys = [
-                prompt_key(ids, block_size, cut, row.extras() if images else NO_EXTRAS) for ids, cut, row in prompts
-            ]
+            if adapters:
+                keys = _adapter_keys(spec, table, prompts, block_size, adapters)
+            else:
+                keys = [
+                    prompt_key(ids, block_size, cut, row.extras() if images else NO_EXTRAS) for ids, cut, row in prompts
+                ]
             if group is not None:
                 keys = [group_key(v) + k for v, k in zip(table.column(group).to_pylist(), keys)]
             sorter.add(keys, int(offsets[shard.file_index]) + shard.start)
         cut = plan_parts(sorter, spec.engine.window_rows)
     log.info("prefix plan: %d rows in %d parts (%d spilled runs)", len(cut.rows), len(cut.starts) - 1, len(sorter.runs))
     return cut
+
+
+def _adapter_keys(
+    spec: JobSpec,
+    table: Any,
+    prompts: list[tuple[list[int] | None, bool, PreparedRow]],
+    block_size: int,
+    hashes: dict[str, bytes],
+) -> list[bytes]:
+    """Keys of rows that name adapters: the adapter's block, then the prompt's blocks hashed under
+    it (and its images); a row naming an adapter the job lacks is no request (it becomes an error row)."""
+    keys = []
+    for (ids, cut, row), (name, problem) in zip(prompts, row_adapters(spec, table)):
+        if problem is not None:
+            keys.append(NO_REQUEST)
+            continue
+        head, extras = adapter_key(name, hashes)
+        if row.images:
+            extras = dataclasses.replace(row.extras(), adapter_hash=extras.adapter_hash)
+        keys.append(head + prompt_key(ids, block_size, cut, extras))
+    return keys

@@ -17,6 +17,7 @@ import pyarrow as pa
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
 from batchgen.errors import ModelError
+from batchgen.inputs.adapter_column import UNKNOWN_ADAPTER, adapter_column, row_adapters
 from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.inputs.image_cells import CellError, Folder, ImageData
@@ -36,6 +37,7 @@ class PreparedRow:
     error_code: str | None = None
     error_message: str | None = None
     label: str = ""  # names the row in messages: file, row index, id (see row_labels)
+    adapter: str | None = None  # the LoRA adapter the row names (model.lora); None: the base model
     unreadable: bool = False  # its input line did not parse: that, not its (null) id, is its error
     images: list[ImageData] | None = None  # an image job's row: its images (compressed bytes, never pixels)
     image_positions: list[tuple[int, int]] | None = None  # (first position, count) of each image's tokens
@@ -80,6 +82,7 @@ def input_columns(spec: JobSpec) -> list[str]:
         names += ["messages", "url", "json_schema", "logprobs_requested", "dimensions"]
     if spec.pooling is not None and spec.pooling.document_column is not None:  # score pairs' second text
         names.append(spec.pooling.document_column)
+    names.append(adapter_column(spec))  # the row's LoRA adapter (None: the job has none)
     return [n for n in dict.fromkeys(names) if n is not None]
 
 
@@ -133,6 +136,10 @@ class RowPreparer:
         else:
             self._tokenize(texts, rows, labels)
         self._sampling(table, rows, labels, keys)
+        for i, (adapter, problem) in enumerate(row_adapters(self.spec, table)):
+            rows[i].adapter = adapter
+            if problem is not None and rows[i].ok:
+                rows[i].fail(UNKNOWN_ADAPTER, f"{labels[i]}: {problem}")
         return rows
 
     def prepare_part(

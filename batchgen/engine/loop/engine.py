@@ -62,14 +62,17 @@ class Engine:
         params: SamplingParams,
         prompt: str | None = None,
         extras: RequestExtras = NO_EXTRAS,
+        refusal: str | None = None,
     ) -> int:
-        """Queue one request (`extras`: its images, see RequestExtras); returns its id. One that
-        can never fit is answered with an error output."""
+        """Queue one request (`extras`: its adapter, its images); returns its id. One that can
+        never fit, or comes with a `refusal` (its adapter could not be loaded), is answered with
+        an error output."""
         request_id = self.scheduler.new_seq_id()
         self.stats.requests += 1
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
         seq = Sequence(request_id, list(prompt_token_ids), params, extras=extras)
-        message = self._check_token_ids(seq) or self.scheduler.check_fits(seq)
+        message = f"request {request_id}: {refusal}" if refusal is not None else None
+        message = message or self._check_token_ids(seq) or self.scheduler.check_fits(seq)
         if message is None:
             message = self.runner.check_request(request_id, params)
         if message is None:
@@ -243,17 +246,22 @@ class Engine:
         on_output: Callable[[RequestOutput], None] | None = None,
         texts: list[str | None] | None = None,
         extras: list[RequestExtras] | None = None,
+        refusals: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion; outputs in input order, `on_output` as each one finishes.
 
         Each output's `request_id` is its index in `prompts` (as a string); `texts` are the
-        prompts' texts for the outputs' `prompt` (None: not given as text); `extras` their images.
+        prompts' texts for the outputs' `prompt` (None: not given as text); `extras` each
+        request's adapter (engine/lora) and images (engine/vision), `refusals` why a request
+        cannot run (its error output).
         """
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        n = len(prompts)
         try:
-            added = [extras[i] if extras else NO_EXTRAS for i in range(len(prompts))]
-            return self._run(prompts, params, on_output, texts or [None] * len(prompts), added)
+            return self._run(
+                prompts, params, on_output, texts or [None] * n, extras or [NO_EXTRAS] * n, refusals or [None] * n
+            )
         except BaseException:
             # why BaseException: a KeyboardInterrupt mid-step orphans requests just the same
             self.abort_all()
@@ -266,10 +274,13 @@ class Engine:
         on_output: Callable[[RequestOutput], None] | None,
         texts: list[str | None],
         extras: list[RequestExtras],
+        refusals: list[str | None],
     ) -> list[RequestOutput]:
         """Add every prompt, step until all are answered; each output's request_id becomes its index."""
-        added = zip(prompts, params, texts, extras)
-        position = {str(self.add_request(p, sp, t, x)): i for i, (p, sp, t, x) in enumerate(added)}
+        position = {
+            str(self.add_request(*request)): i
+            for i, request in enumerate(zip(prompts, params, texts, extras, refusals, strict=True))
+        }
         results: list[RequestOutput | None] = [None] * len(prompts)
         while self.has_unfinished():
             for output in self.step():

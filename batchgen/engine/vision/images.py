@@ -38,11 +38,27 @@ class RequestImage:
     content_hash: bytes
 
     def decode(self) -> Any:
-        """The image as decoded RGB pixels (a PIL image); ImageDecodeError naming the image."""
+        """The image as decoded RGB pixels (a PIL image); ImageDecodeError naming the image.
+
+        Why a fresh image when it was opened lazily: decoding the caller's own object would leave
+        its pixels loaded there, so a job holding a part's prompts would end up holding every
+        decoded image of the part; the fresh one is dropped once the tower has read it."""
         try:
-            return self.image.convert("RGB")
+            fresh = _reopened(self.image)
+            if fresh is None:
+                return self.image.convert("RGB")
+            with fresh:
+                return fresh.convert("RGB")
         except Exception as exc:  # why broad: Pillow raises OSError, ValueError, SyntaxError, ...
             raise ImageDecodeError(self.index, str(exc)) from exc
+
+
+def _reopened(image: Any) -> Any:
+    """A new lazily opened image from the bytes `image` was opened from, or None (made in memory)."""
+    from PIL import Image
+
+    encoded = _encoded_bytes(image)
+    return None if encoded is None else Image.open(io.BytesIO(encoded))
 
 
 def _encoded_bytes(image: Any) -> bytes | None:

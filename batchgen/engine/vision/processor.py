@@ -82,7 +82,8 @@ def load_vision_processor(model_path: str | Path) -> VisionProcessor:
     from transformers import AutoImageProcessor, AutoTokenizer
 
     folder = Path(model_path)
-    model_type = _read_json(folder / "config.json").get("model_type", "")
+    config = _read_json(folder / "config.json")
+    model_type = config.get("model_type", "")
     family = vision_family(model_type)
     if family is None:
         raise ValueError(f"{folder}: model_type {model_type!r} is not a supported vision-language model")
@@ -108,9 +109,22 @@ def load_vision_processor(model_path: str | Path) -> VisionProcessor:
         image_token=token,
         image_token_id=int(token_id),
         placeholder=PLACEHOLDERS[family],
-        options=_read_json(folder / "processor_config.json"),
+        options=_options(folder, config),
         hf=_hf_processor(folder) if family == "llava_next" else None,
     )
+
+
+def _options(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """processor_config.json, with what older LLaVA folders leave out taken from the model's config
+    (the tower's patch size; a CLIP tower's CLS token; the feature strategy), as their models count."""
+    options = _read_json(folder / "processor_config.json")
+    vision = config.get("vision_config") or {}
+    options.setdefault("patch_size", vision.get("patch_size", 14))
+    options.setdefault("vision_feature_select_strategy", config.get("vision_feature_select_strategy", "default"))
+    options.setdefault(
+        "num_additional_image_tokens", int(vision.get("model_type", "clip_vision_model") == "clip_vision_model")
+    )
+    return options
 
 
 def _hf_processor(folder: Path) -> Any:

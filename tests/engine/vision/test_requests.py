@@ -102,3 +102,48 @@ def test_mrope_positions_are_transformers(tiny_vlm: Callable[[str], Path]) -> No
     from batchgen.engine.vision.prompts import rotary_delta
 
     assert rotary_delta(prompt.extras, len(prompt.token_ids)) == int(delta)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
+def test_same_image_twice_in_one_prompt(family: str, tiny_vlm: Callable[[str], Path]) -> None:
+    """One content hash at two places in one prompt, in 9-token chunks: both places get its
+    embeddings (two claims on one cache entry), and the cache ends empty."""
+    from tests.engine.vision.reference import reference_tokens
+
+    folder = tiny_vlm(family)
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=9)
+    assert llm._vision is not None
+    ph, image = llm._vision.processor.placeholder, sample_image(40, 24, 1)
+    prompts = [{"prompt": f"w5 {ph} w6 {ph}", "multi_modal_data": {"image": [image, image]}}]
+    out = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0))[0]
+    assert out.outputs[0].token_ids == reference_tokens(llm, folder, prompts, 5)[0]
+    assert not llm.engine.runner.vision.cache  # type: ignore[attr-defined]
+
+
+def test_limit_mm_per_prompt(tiny_vlm: Callable[[str], Path]) -> None:
+    llm = LLM(str(tiny_vlm("llava")), device="cpu", dtype="float32", limit_mm_per_prompt={"image": 1})
+    image = sample_image(8, 8)
+    assert llm.generate({"prompt": "<image>", "multi_modal_data": {"image": image}}, GREEDY)[0].error is None
+    with pytest.raises(ValueError, match="prompt 0: 2 images, more than limit_mm_per_prompt's 1"):
+        llm.generate({"prompt": "<image> <image>", "multi_modal_data": {"image": [image, image]}}, GREEDY)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        LLM(str(tiny_vlm("llava")), device="cpu", limit_mm_per_prompt={"video": 1})
+
+
+def test_prefix_cache_tells_images_apart(tiny_vlm: Callable[[str], Path]) -> None:
+    """Same text, one sequence at a time: a different image of the same size shares only the
+    text blocks before it; the same image bytes share the image's blocks too."""
+    llm = LLM(str(tiny_vlm("llava")), device="cpu", dtype="float32", block_size=4, max_num_seqs=1)
+    a, b = png_bytes(40, 24, 1), png_bytes(40, 24, 2)
+    prompts = [{"prompt": "w5 w6 w7 w8 <image> w9 w10", "multi_modal_data": {"image": lazy(x)}} for x in (a, b, a)]
+    cached = [o.num_cached_tokens for o in llm.generate(prompts, GREEDY)]
+    assert cached == [0, 4, 20]  # the 4 text tokens; then they and the 16 image tokens
+
+
+def test_the_callers_images_stay_undecoded(llava: LLM) -> None:
+    """A lazily opened image is decoded into a fresh object: the caller's keeps no pixels (a job
+    holding a part's prompts never holds the part's decoded images)."""
+    image = lazy(png_bytes(40, 24, 4))
+    out = llava.generate({"prompt": "w5 <image>", "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert out.error is None
+    assert image._im is None  # still only its header read (Pillow keeps decoded pixels in _im)

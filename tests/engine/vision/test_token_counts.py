@@ -55,3 +55,17 @@ def test_bad_size_and_unknown_model(tiny_vlm: Callable[[str], Path], tmp_path: P
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match="not a supported vision-language model"):
         load_vision_processor(tmp_path)
+
+
+def test_llava_folder_without_processor_settings(tiny_vlm: Callable[[str], Path], tmp_path: Path) -> None:
+    """An older LLaVA folder whose processor_config.json lacks patch size, CLS count and strategy:
+    they come from the model's config (CLIP tower: a CLS token the default strategy drops)."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(tiny_vlm("llava"), tmp_path / "llava-old")
+    settings = json.loads((folder / "processor_config.json").read_text())
+    for key in ("patch_size", "num_additional_image_tokens", "vision_feature_select_strategy"):
+        settings.pop(key)
+    (folder / "processor_config.json").write_text(json.dumps(settings))
+    assert image_token_count(load_vision_processor(folder), 40, 24) == 16  # (32 / 8) ** 2

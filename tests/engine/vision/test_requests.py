@@ -108,7 +108,7 @@ def test_mrope_positions_are_transformers(tiny_vlm: Callable[[str], Path]) -> No
 def test_same_image_twice_in_one_prompt(family: str, tiny_vlm: Callable[[str], Path]) -> None:
     """One content hash at two places in one prompt, in 9-token chunks: both places get its
     embeddings (two claims on one cache entry), and the cache ends empty."""
-    from tests.engine.vision.reference import reference_tokens
+    from testkit.vision_reference import reference_tokens
 
     folder = tiny_vlm(family)
     llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=9)

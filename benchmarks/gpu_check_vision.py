@@ -1,8 +1,8 @@
 """Prepared GPU check of the vision path (issue 44): greedy tokens of the tiny vision-language
 models on a CUDA device, float32, equal transformers' `generate` on the same device, under
 pressure (7-token steps cutting through images, a small KV pool; preemption is the CPU tests') and
-relaxed; one JSON line per family and setting. Gemma 3 is expected refused on CUDA (its bidirectional image attention runs
-on the torch/cpu prefill path only), and reported so.
+relaxed; one JSON line per family and setting. Gemma 3 is expected refused on CUDA (its
+bidirectional image attention runs on the torch/cpu prefill path only), and reported so.
 
     .venv/bin/python benchmarks/gpu_check_vision.py            # needs a CUDA device
     .venv/bin/python benchmarks/gpu_check_vision.py cpu        # the same on the CPU (a smoke run)

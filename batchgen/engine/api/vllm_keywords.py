@@ -76,7 +76,7 @@ _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "compilation_config": (_is(None), "None", "use enforce_eager=True (or compile=True/False)"),
     "speculative_config": (_is(None), "None", "batchgen has no speculative decoding"),
     # (`task` is LLM's own parameter; `runner`, `convert` and `generation_config`: vllm_engine_args)
-    "allowed_local_media_path": (_is(""), "''", "batchgen runs text-only models"),
+    "allowed_local_media_path": (lambda v: isinstance(v, str), "a path", "batchgen's chat reads local image paths"),
     "mm_processor_kwargs": (
         lambda v: v is None or isinstance(v, dict),
         "None or a dict",

@@ -109,6 +109,7 @@ class LLM(PoolingMethods):
         "LAST" | "MEAN" | "CLS", "normalize": bool} over the model folder's own (engine/pooling)."""
         settings = dict(settings)
         self._image_limit: int | None = (settings.get("limit_mm_per_prompt") or {}).get("image")
+        self._mm_kwargs: dict[str, Any] = dict(settings.get("mm_processor_kwargs") or {})
         task, self._generation_config = task_of(task, settings), generation_mode(settings)  # vLLM's runner, ...
         config = engine_config(**adapt_vllm_keywords(settings))
         seed = check_seed(seed)
@@ -159,12 +160,14 @@ class LLM(PoolingMethods):
     ) -> Any:
         """The engine (runner, KV pool, scheduler, sampler) over the model's weights; its model config."""
         resolved = self._resolve(model, config, device, dtype)  # why first: bad settings fail before loading
+        if self._mm_kwargs and not is_vision_config(AutoConfig.from_pretrained(model)):
+            raise ValueError(f"LLM(mm_processor_kwargs=...): {model} is not a vision-language model")
         platform = platform_for(device)
         platform.prepare_process()
         self._tp = start_tensor_parallel(model, resolved, device, dtype)  # None: one device
         pooling = self.task != "generate"
         if is_vision_config(AutoConfig.from_pretrained(model)):  # images in: engine/vision
-            self._vision = load_vision_model(model, device, dtype)
+            self._vision = load_vision_model(model, device, dtype, self._mm_kwargs)
         hf_model: Any = self._vision.lm if self._vision is not None else None
         if hf_model is None:
             hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype, pooling)

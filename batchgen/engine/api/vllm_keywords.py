@@ -76,8 +76,12 @@ _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "compilation_config": (_is(None), "None", "use enforce_eager=True (or compile=True/False)"),
     "speculative_config": (_is(None), "None", "batchgen has no speculative decoding"),
     # (`task` is LLM's own parameter; `runner`, `convert` and `generation_config`: vllm_engine_args)
-    "allowed_local_media_path": (_is(""), "''", "batchgen runs text-only models"),
-    "mm_processor_kwargs": (_is(None), "None", "batchgen runs text-only models"),
+    "allowed_local_media_path": (lambda v: isinstance(v, str), "a path", "batchgen's chat reads local image paths"),
+    "mm_processor_kwargs": (
+        lambda v: v is None or isinstance(v, dict),
+        "None or a dict",
+        "Qwen2-VL's min_pixels / max_pixels (LLM reads them before this check; others are refused there)",
+    ),
     "limit_mm_per_prompt": (
         lambda v: (
             v is None or (isinstance(v, dict) and all(k == "image" and is_int(n) and n >= 0 for k, n in v.items()))

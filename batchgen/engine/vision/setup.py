@@ -86,7 +86,31 @@ class VisionModel:
         return expanded.token_ids, extras
 
 
-def load_vision_model(path: str, device: torch.device, dtype: torch.dtype) -> VisionModel:
-    vlm = load_vlm(path, device, dtype)
+def apply_processor_kwargs(processor: VisionProcessor, kwargs: dict[str, Any]) -> None:
+    """vLLM's mm_processor_kwargs onto the processor; ValueError naming what is not supported."""
+    pixels: dict[str, Any] = {k: kwargs[k] for k in ("min_pixels", "max_pixels") if k in kwargs}
+    unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels", "fps"})
+    if unknown or (pixels and processor.family != "qwen2_vl"):
+        raise ValueError(
+            f"LLM(mm_processor_kwargs={kwargs!r}): only Qwen2-VL's min_pixels and max_pixels are supported"
+        )
+    if pixels:
+        size: Any = processor.image_processor.size
+        low: Any = size["shortest_edge"] if isinstance(size, dict) else size.shortest_edge
+        high: Any = size["longest_edge"] if isinstance(size, dict) else size.longest_edge
+        bounds = {
+            "shortest_edge": int(pixels.get("min_pixels", low)),
+            "longest_edge": int(pixels.get("max_pixels", high)),
+        }
+        processor.image_processor.size = type(size)(**bounds) if not isinstance(size, dict) else bounds
+
+
+def load_vision_model(
+    path: str, device: torch.device, dtype: torch.dtype, mm_processor_kwargs: dict[str, Any] | None = None
+) -> VisionModel:
+    """The VLM at `path`; `mm_processor_kwargs` (vLLM's): Qwen2-VL's min_pixels / max_pixels
+    bound its images' resize (token counts and pixels alike), `fps` (video) is ignored."""
     processor = load_vision_processor(path)
+    apply_processor_kwargs(processor, mm_processor_kwargs or {})
+    vlm = load_vlm(path, device, dtype)
     return VisionModel(VisionLanguageLM(vlm), VisionTower(vlm, processor, device, dtype), processor)

@@ -57,3 +57,12 @@ def qwen2_vl_grid(image_processor: Any, width: int, height: int) -> tuple[int, i
     high = size["longest_edge"] if isinstance(size, dict) else size.longest_edge
     resized_h, resized_w = smart_resize(height, width, patch * merge, min_pixels=low, max_pixels=high)
     return resized_h // (patch * merge), resized_w // (patch * merge)
+
+
+def placeholder_tokens(processor: Any, width: int, height: int) -> int:
+    """Tokens one image's placeholder token becomes in the expanded prompt: its image tokens plus
+    what wraps them (Gemma 3: "\\n\\n<start_of_image>" before, "<end_of_image>\\n\\n" after; the
+    other families: nothing). A prompt's input tokens = its tokens as written, minus one per
+    placeholder, plus this per image (what `estimate` counts before any weights load)."""
+    before, after = getattr(processor, "wrap", ((), ()))
+    return len(before) + image_token_count(processor, width, height) + len(after)

@@ -12,7 +12,7 @@ import pytest
 
 from batchgen.engine.llm import LLM, SamplingParams
 from testkit.tiny_vision import sample_image
-from tests.engine.vision.reference import reference_tokens
+from testkit.vision_reference import reference_tokens
 
 FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3"]
 MAX_TOKENS = 6

@@ -108,7 +108,7 @@ def test_mrope_positions_are_transformers(tiny_vlm: Callable[[str], Path]) -> No
 def test_same_image_twice_in_one_prompt(family: str, tiny_vlm: Callable[[str], Path]) -> None:
     """One content hash at two places in one prompt, in 9-token chunks: both places get its
     embeddings (two claims on one cache entry), and the cache ends empty."""
-    from tests.engine.vision.reference import reference_tokens
+    from testkit.vision_reference import reference_tokens
 
     folder = tiny_vlm(family)
     llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=9)
@@ -147,3 +147,20 @@ def test_the_callers_images_stay_undecoded(llava: LLM) -> None:
     out = llava.generate({"prompt": "w5 <image>", "multi_modal_data": {"image": image}}, GREEDY)[0]
     assert out.error is None
     assert image._im is None  # still only its header read (Pillow keeps decoded pixels in _im)
+
+
+def test_mm_processor_kwargs_bound_qwen2_vl_images(tiny_vlm: Callable[[str], Path]) -> None:
+    """vLLM's mm_processor_kwargs: Qwen2-VL's max_pixels shrinks an image's tokens and its pixels
+    alike (the output still equals transformers with the same bound); others are refused."""
+    from testkit.vision_reference import reference_tokens
+
+    folder = tiny_vlm("qwen2_vl")
+    llm = LLM(str(folder), device="cpu", dtype="float32", mm_processor_kwargs={"max_pixels": 24 * 24, "fps": 1})
+    assert llm._vision is not None
+    ph, image = llm._vision.processor.placeholder, sample_image(64, 64, 2)
+    prompts = [{"prompt": f"w5 {ph} w6", "multi_modal_data": {"image": image}}]
+    out = llm.generate(prompts, GREEDY)[0]
+    assert out.prompt_token_ids.count(llm._vision.processor.image_token_id) == 9  # 24 x 24 pixels: 3 x 3 tokens
+    assert out.outputs[0].token_ids == reference_tokens(llm, folder, prompts, 4)[0]
+    with pytest.raises(ValueError, match="only Qwen2-VL's min_pixels and max_pixels"):
+        LLM(str(tiny_vlm("llava")), device="cpu", mm_processor_kwargs={"max_pixels": 100})

@@ -69,3 +69,17 @@ def test_llava_folder_without_processor_settings(tiny_vlm: Callable[[str], Path]
         settings.pop(key)
     (folder / "processor_config.json").write_text(json.dumps(settings))
     assert image_token_count(load_vision_processor(folder), 40, 24) == 16  # (32 / 8) ** 2
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_vl"])
+def test_placeholder_tokens_predict_the_expanded_prompt(family: str, tiny_vlm: Callable[[str], Path]) -> None:
+    from batchgen.engine.vision.images import request_images
+    from batchgen.engine.vision.prompts import expand_images
+    from batchgen.engine.vision.token_counts import placeholder_tokens
+
+    processor = load_vision_processor(tiny_vlm(family))
+    ids = processor.tokenizer(f"w5 {processor.placeholder} w6 {processor.placeholder}")["input_ids"]
+    images = request_images([sample_image(40, 24, 1), sample_image(64, 64, 2)], "test")
+    expanded = expand_images(processor, list(ids), images, "test")
+    predicted = len(ids) - 2 + sum(placeholder_tokens(processor, i.width, i.height) for i in images)
+    assert len(expanded.token_ids) == predicted

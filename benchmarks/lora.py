@@ -34,6 +34,7 @@ from testkit.tiny_models import save_random_model  # noqa: E402
 SHAPES = {
     "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, vocab_size=2048),
     "medium": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, vocab_size=4096),
+    "large": dict(hidden_size=1024, intermediate_size=2752, num_hidden_layers=4, vocab_size=4096),
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANKS = (8, 16, 8, 16)

@@ -111,7 +111,7 @@ _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
 }
 
 # EngineConfig settings whose None means "our default" in vLLM's spelling too (dropped when None).
-_NONE_IS_DEFAULT = ("enable_prefix_caching", "gpu_memory_utilization", "attention_backend")
+_NONE_IS_DEFAULT = ("enable_prefix_caching", "gpu_memory_utilization", "attention_backend", "enable_lora")
 _MAPPED = ("enforce_eager", "num_gpu_blocks_override")
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 

@@ -11,9 +11,9 @@ draws from which row, is the scheduler's business. The forward runs through Step
 or compiled); on CUDA with compile and the triton backend, decode-only steps replay the CUDA
 graph of their batch-size bucket (cuda/graphs). Pooling runs the same packed forward
 (`pool_forward`) and gets the base model's hidden states. With LoRA (engine/lora) it loads the
-adapters the step names into their slots and stages each packed token's slot in the upload. Which backend, the thread
-policy, what compiling is told and whether graphs exist are the device's Platform's answers
-(api/platform, engine/platforms).
+adapters the step names into their slots and stages each packed token's slot in the upload.
+Which backend, the thread policy, what compiling is told and whether graphs exist are the
+device's Platform's answers (api/platform, engine/platforms).
 
 Persistent state, updated only from the scheduler's diffs: the sampling rows (`batch`, with the
 sampler; a runner made without one, a tensor-parallel worker's or the memory profile's, only

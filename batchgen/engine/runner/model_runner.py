@@ -161,6 +161,8 @@ class ModelRunner:
             raise ValueError("execute() needs a non-empty batch")
         self.step_hook.tick()
         self.transfers.begin_step()
+        if self._step_errors:  # why: a step that skips the vision path (a graph replay) reports none
+            self._step_errors = {}
         self._apply(batch.update)
         if batch.lora_loads and self.lora is not None:
             self.lora.load(batch.lora_loads)

@@ -90,14 +90,18 @@ def check_config(config: PretrainedConfig) -> None:
     """Refuse, before any weights are read, what we know we cannot run exactly."""
     if getattr(config, "is_encoder_decoder", False):
         raise _refuse(config, "an encoder-decoder architecture")
+    if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
+        raise _refuse(
+            config,
+            "this multimodal model (images run on LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL and Gemma 3; "
+            "load this one's text-only checkpoint instead)",
+        )
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise _refuse(config, "loading with AutoModelForCausalLM (not a causal LM)")
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     if not getattr(model_cls, "_supports_attention_backend", False):
         name = getattr(model_cls, "__name__", str(model_cls))
         raise _refuse(config, f"{name} (it does not support transformers' attention interface)")
-    if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
-        raise _refuse(config, "a multimodal model (load its text-only checkpoint instead)")
     text = config.get_text_config()
     layer_types = set(getattr(text, "layer_types", None) or [])
     if not layer_types <= SUPPORTED_LAYER_TYPES:

@@ -164,3 +164,13 @@ def test_mm_processor_kwargs_bound_qwen2_vl_images(tiny_vlm: Callable[[str], Pat
     assert out.outputs[0].token_ids == reference_tokens(llm, folder, prompts, 4)[0]
     with pytest.raises(ValueError, match="only Qwen2-VL's min_pixels and max_pixels"):
         LLM(str(tiny_vlm("llava")), device="cpu", mm_processor_kwargs={"max_pixels": 100})
+
+
+def test_other_multimodal_models_are_refused_naming_the_supported(tmp_path: Path) -> None:
+    import transformers as tf
+
+    from batchgen.engine.runner.models import UnsupportedModelError
+
+    tf.PaliGemmaConfig(text_config={"vocab_size": 64}).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="images run on LLaVA, LLaVA-NeXT, Qwen2-VL"):
+        LLM(str(tmp_path), device="cpu")

@@ -82,6 +82,32 @@ def test_every_measured_decode_path_meets_the_policy(
     assert verdict["ok"], f"{arch}/{path}: {verdict['failures']}"
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_linears_on_the_native_twin_meet_the_policy(
+    arch: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the calibration measures here, a machine elsewhere may route every bf16 linear through
+    the kernel's bf16 twin (csrc/skinny_linear_bf16.c) at every row count: that is right too (qwen2:
+    with biases)."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.cpu import linear_calibration, native_linear
+
+    monkeypatch.setattr(
+        linear_calibration, "masks", lambda groups, *_: dict.fromkeys(groups, native_linear.EVERY_BUCKET)
+    )
+    model_path = tiny_model(arch)
+    if arch not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+        _REFERENCE[arch] = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
+    llm = LLM(str(model_path), device="cpu", dtype="bfloat16", attention_backend="cpu", compile=False, block_size=16)
+    routed = [m for m in llm.engine.runner.model.modules() if isinstance(m, native_linear.NativeLinear)]
+    assert routed and all(m.weight.dtype == torch.bfloat16 for m in routed)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
+    verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
+    assert verdict["ok"], f"{arch}/native linears: {verdict['failures']}"
+
+
 def test_the_policy_fails_a_divergence_before_any_near_tie_and_a_wrong_top1() -> None:
     assert not policy.check_greedy([5, 6, 9], [5, 6, 7], [2.0, 2.0, 2.0, 0.01]).ok
     assert policy.check_greedy([5, 6, 9], [5, 6, 7], [2.0, 0.05, 2.0]).ok  # the tie at 1 came first

@@ -10,7 +10,8 @@ Why three libraries: a compiler that cannot build one (an old GCC, a missing int
 that one; the others still load. Each falls back to torch's own path with one log line saying why:
   attention  decode attention over per-sequence rows, float32 and bf16 (decode_attention.c): torch ops otherwise
   argmax     greedy's argmax and NaN flag in one pass (row_argmax.c): torch.max otherwise
-  linear     float32 linears at decode sizes (skinny_linear.c, wide_linear.c): torch's BLAS otherwise,
+  linear     float32 and bf16 linears at decode sizes (skinny_linear.c, wide_linear.c, skinny_linear_bf16.c):
+             torch's BLAS otherwise,
              and even when built, only at the shapes where it measured faster (native_linear)
 
 Each shared object is cached under $BATCHGEN_CACHE_DIR (default ~/.cache/batchgen), named by a
@@ -105,7 +106,9 @@ LIBRARIES = {
             ("decode_args.h",),
         ),
         Library("argmax", ("row_argmax.c",), "greedy's argmax runs on torch.max"),
-        Library("linear", ("skinny_linear.c", "wide_linear.c"), "linear layers run on torch's BLAS"),
+        Library(
+            "linear", ("skinny_linear.c", "wide_linear.c", "skinny_linear_bf16.c"), "linear layers run on torch's BLAS"
+        ),
     )
 }
 
@@ -201,6 +204,11 @@ def argmax() -> CFunction | None:
 def linear() -> CFunction | None:
     """batchgen_linear (csrc/skinny_linear.c, wide_linear.c), or None where it cannot be built."""
     return _function("linear", "batchgen_linear", [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64])
+
+
+def linear_bf16() -> CFunction | None:
+    """batchgen_linear_bf16 (csrc/skinny_linear_bf16.c), or None where it cannot be built."""
+    return _function("linear", "batchgen_linear_bf16", [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64])
 
 
 _FUNCTIONS: dict[str, CFunction | None] = {}

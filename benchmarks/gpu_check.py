@@ -10,7 +10,10 @@ Sections, in this order (each records its own error and the next one still runs)
   parity      float32 greedy tokens of the eager engine (torch backend) == transformers `generate`
               (eager attention: its default sdpa drops Gemma 2's soft-capping), nine tiny architectures,
               under pressure (chunked prefill, prefix caching, preemption) and relaxed
-  triton      the same with attention_backend "triton", against transformers and the eager engine;
+  bf16        the engine in bf16 vs transformers in bf16 (what `dtype: auto` runs on CUDA) under the
+              reduced-precision policy of testkit/precision_policy (as tests/engine/test_bf16_parity.py
+              on the CPU): prompt logprobs teacher-forced, greedy tokens up to transformers' first near-tie
+  triton      the parity check with attention_backend "triton", against transformers and the eager engine;
               "skipped: attention_backend 'triton' not available: <the engine's reason>" where refused
   compiled    the compiled forward (engine.compile true, CUDA graphs held off) under pressure, same
               comparisons (gemma2, llama)
@@ -30,11 +33,12 @@ skipped (why), or cut (the budget ran out: "cut" lists what was left out). Exit 
 section failed or raised. Warnings and library log lines are printed once per kind and counted
 in the JSON ("warnings").
 
-Time (H200): about 5.2 minutes estimated (gpu_check_sizes.py says how: from CPU measurements of its
-parts at the full counts). Each section has a budget; past it a section skips its remaining optional parts
-(architectures, batch sizes, variants) and lists them under "cut". A section's budget never eats
-into the estimates of the sections after it, no section starts after 330 s, and a watchdog ends
-the run at 360 s, writing the report with the running section marked cut (exit code 3). The plan
+Time (H200): about 5.3 minutes estimated, the tp section's 25 s only with 2+ GPUs (gpu_check_sizes.py
+says how: from CPU measurements of its parts at the full counts). Each section has a budget; past it
+a section skips its remaining optional parts (architectures, batch sizes, variants) and lists them
+under "cut". A section's budget never eats into the estimates of the sections after it, no section
+starts after 330 s, and a watchdog ends the run at 360 s, writing the report with the running
+section marked cut (exit code 3). The plan
 (estimates, budgets, caps) is printed up front and is the JSON's "plan".
 
 Imports only torch, transformers (and its tokenizers), triton where present, and batchgen.engine:
@@ -67,12 +71,13 @@ import torch  # noqa: E402
 
 from benchmarks.gpu_check_common import Budget, Ctx, Report, Sizes, start_watchdog  # noqa: E402
 from benchmarks.gpu_check_quiet import OWN_LOGGER, Quiet  # noqa: E402
-from benchmarks.gpu_check_sizes import FULL, SECTION_NAMES, SMOKE  # noqa: E402
+from benchmarks.gpu_check_sizes import FULL, SECTION_NAMES, SMOKE, for_gpus  # noqa: E402
 
 log = logging.getLogger(OWN_LOGGER)
 
 
 def section_functions() -> dict[str, Callable[[Ctx, dict[str, Any]], None]]:
+    from benchmarks import gpu_check_bf16 as bf16
     from benchmarks import gpu_check_compiled as compiled
     from benchmarks import gpu_check_env as env
     from benchmarks import gpu_check_parity as parity
@@ -83,6 +88,7 @@ def section_functions() -> dict[str, Callable[[Ctx, dict[str, Any]], None]]:
     return {
         "env": env.run,
         "parity": parity.section_parity,
+        "bf16": bf16.section_bf16,
         "triton": parity.section_triton,
         "compiled": compiled.section_compiled,
         "graphs": compiled.section_graphs,
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     quiet = Quiet()
     quiet.install()
-    sizes = SMOKE if args.smoke else FULL
+    sizes = SMOKE if args.smoke else for_gpus(FULL, torch.cuda.device_count())
     if args.smoke:  # why: tiny models gain nothing from a second thread, and on a busy machine OpenMP's
         torch.set_num_threads(1)  # spinning threads made transformers' generate 20x slower (measured)
     if sizes.device == "cuda" and not torch.cuda.is_available():

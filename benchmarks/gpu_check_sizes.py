@@ -27,6 +27,8 @@ The 1B parts are sized from FLOPs, bytes and per-step overheads. Measured on thi
 Estimates (seconds):
   env         10  CUDA's start ~3, three short profiled runs of a tiny model, saves
   parity      40  9 x (reference 2.5 + engine runs ~1.2 + saves and loads ~0.7)
+  bf16         5  2 x (transformers bf16: 8 forwards + 8 x 16 greedy steps ~1.2, engine ~0.8, loads of
+                  the parity section's saved models ~0.4)
   triton      35  9 x engine runs ~1.5 (references reused) + Triton's JIT, ~1-2 s per new kernel
                   specialization while its cache is cold
   compiled    35  2 x (a compile: ~8 host, this CPU's 16 s of non-gcc work at ~2x, + 5-10 of Triton
@@ -44,12 +46,14 @@ Estimates (seconds):
                   at ~25 ms (a 256-row gather + SDPA a layer, Python per row) 8, shared prefix 6;
                   compiled engine 85: load 5, a cold 16-layer compile ~30 (the CPU's 56 s of host
                   work at ~2x + kernel builds), two recompiles ~40, ~30 captures 5, two runs 5
-  in all     300 (+25 with 2+ GPUs) + ~10 of imports and CUDA's start: about 5.2 minutes
+  in all     305 (+25 with 2+ GPUs: 330, the cap) + ~10 of imports and CUDA's start: about 5.3 minutes
 The first GPU run's JSON says how far off each is: every section's "seconds", the compile and
 warm-up seconds of each engine.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from benchmarks.gpu_check_common import Sizes
 
@@ -65,7 +69,7 @@ BIG_1B = dict(  # Llama-3.2-1B's shape: ~1.24B parameters
     rope_theta=500000.0,
 )
 ALL_ARCHS = ["llama", "gemma2", "mistral", "qwen2", "gemma3", "gpt2", "qwen3", "phi3", "gpt_neox"]  # by coverage
-SECTION_NAMES = ["env", "parity", "triton", "compiled", "graphs", "syncs", "tp", "throughput"]
+SECTION_NAMES = ["env", "parity", "bf16", "triton", "compiled", "graphs", "syncs", "tp", "throughput"]
 
 FULL = Sizes(
     device="cuda",
@@ -77,6 +81,7 @@ FULL = Sizes(
     graphs_setting="graphs",
     parity_prompts=24,
     parity_settings=["pressure", "relaxed"],
+    bf16_archs=["llama", "gemma3"],  # gemma3: GQA, sliding window and its own norms under bf16
     big=BIG_1B,
     big_dtype="bfloat16",
     n_prompts=256,
@@ -89,6 +94,7 @@ FULL = Sizes(
     estimate_s={  # seconds on an H200: the module docstring says how each was made
         "env": 10,
         "parity": 40,
+        "bf16": 5,  # 2 x (reference: 8 forwards + 8 x 16 greedy steps ~1.2, engine ~0.8, loads ~0.4)
         "triton": 35,
         "compiled": 35,
         "graphs": 40,
@@ -100,6 +106,7 @@ FULL = Sizes(
     budget_s={
         "env": 15,
         "parity": 50,
+        "bf16": 10,
         "triton": 45,
         "compiled": 45,
         "graphs": 50,
@@ -119,6 +126,9 @@ SMOKE = Sizes(
     compiled_setting="graphs",  # why one setting: one compile for both sections (tests/engine covers pressure)
     graphs_setting="graphs",
     parity_prompts=3,
+    bf16_archs=["llama"],
+    bf16_prompts=3,
+    bf16_tokens=6,
     # the tiny parity Llama's graph in float32: the compiled variant reuses the compiled sections' work
     big=dict(
         vocab_size=256,
@@ -142,6 +152,7 @@ SMOKE = Sizes(
     estimate_s={  # seconds on this project's 2-core CPU machine, idle, inductor's disk cache warm
         "env": 4,
         "parity": 5,
+        "bf16": 3,
         "triton": 10,
         "compiled": 12,
         "graphs": 15,
@@ -158,3 +169,11 @@ SMOKE = Sizes(
     graph_backend="torch",
     graph_standin=True,
 )
+
+
+def for_gpus(sizes: Sizes, count: int) -> Sizes:
+    """`sizes` as the plan of a machine with `count` CUDA devices: with fewer than two the tp section is
+    skipped at once, so its estimate reserves nothing there (the other sections' budgets keep their slack)."""
+    if sizes.device != "cuda" or count >= 2:
+        return sizes
+    return dataclasses.replace(sizes, estimate_s={**sizes.estimate_s, "tp": 0.0})

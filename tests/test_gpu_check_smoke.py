@@ -108,6 +108,24 @@ def test_parity_compiled_and_graph_paths_match_transformers_and_eager_torch(smok
 
 
 @pytest.mark.slow
+def test_bf16_meets_the_reduced_precision_policy(smoke: dict[str, Any]) -> None:
+    bf16 = smoke["bf16"]
+    assert bf16["all_met"] and bf16["prompts"] == gpu_check.SMOKE.bf16_prompts
+    llama = bf16["llama"]
+    assert llama["ok"] and not llama["failures"] and len(llama["greedy"]) == gpu_check.SMOKE.bf16_prompts
+    assert llama["clear_positions"] > 0 and llama["prompt"].startswith("prompt logprobs: top-1 agrees")
+
+
+def test_the_full_plan_fits_the_cap() -> None:
+    """Every section's estimate within the H200 run's cap, on one GPU (tp skipped: it reserves nothing)
+    and on two (tp runs)."""
+    full = gpu_check.FULL
+    one, two = (gpu_check.plan(gpu_check.for_gpus(full, n), gpu_check.SECTION_NAMES) for n in (1, 2))
+    assert one["estimate_total_s"] == two["estimate_total_s"] - full.estimate_s["tp"]
+    assert two["estimate_total_s"] <= full.total_cap_s < full.hard_cap_s
+
+
+@pytest.mark.slow
 def test_throughput_times_no_recompile_and_no_capture(smoke: dict[str, Any]) -> None:
     tp = smoke["throughput"]
     assert tp["hf_generate"]["best_batch_size"] == 6 and tp["hf_generate"]["output_tok_s"] > 0
@@ -154,9 +172,10 @@ def test_budget_cuts_optional_units_and_lists_them(tmp_path: Path) -> None:
 
 
 def test_a_section_gets_its_budget_less_what_the_later_sections_need_before_the_cap() -> None:
-    sizes = gpu_check.FULL
+    one_gpu = gpu_check.for_gpus(gpu_check.FULL, 1)  # one H200: the tp section is skipped at once
     names = gpu_check.SECTION_NAMES
-    assert gpu_check.section_time(sizes, names, 0.0) == sizes.budget_s["env"]  # room for all
+    assert gpu_check.section_time(one_gpu, names, 0.0) == one_gpu.budget_s["env"]  # room for all
+    sizes = gpu_check.FULL  # two GPUs: tp's estimate is reserved too
     later = sum(sizes.estimate_s[n] for n in names[-2:][1:])
     late = sizes.total_cap_s - later - 1.0  # the next to last starts with 1 s of room before throughput's share
     assert gpu_check.section_time(sizes, names[-2:], late) == 0.5 * sizes.estimate_s[names[-2]]

@@ -42,14 +42,15 @@ def _reference(
     return (torch.softmax(scores, -1) @ v).transpose(0, 1)
 
 
-# rows: the native kernel attends float32 decodes (decode_native); rows_torch: the same rows, torch ops
+# rows: the native kernel attends float32 and bf16 decodes (decode_native); rows_torch: the same rows, torch ops
 SOURCES = ["gather", "rows", "rows_torch"]
 
 
 def _source(kind: str, dtype: torch.dtype = torch.float32, softcap: float | None = None) -> DecodeKVSource:
-    """As the model runner builds them (cpu/backend.kernels_for: the kernel for float32 without soft-capping)."""
+    """As the model runner builds them (cpu/backend.kernels_for: the kernel for float32 or bf16 without
+    soft-capping; here bf16 takes it whether or not it measured faster)."""
     if kind.startswith("rows"):
-        wants_kernel = kind == "rows" and dtype == torch.float32 and softcap is None
+        wants_kernel = kind == "rows" and dtype in native.KERNEL_DTYPES and softcap is None
         kernels = native.load() if wants_kernel else None
         assert kernels is not None or not wants_kernel, "the native kernel did not build"
         return DecodeRows(
@@ -127,7 +128,7 @@ def _run_case(
     assert positions.tolist() == [p for i in order for p in range(specs[i][0], sum(specs[i]))]
     decodes = {i for i, c in enumerate(chunks) if c.is_decode}
     assert set(order[: len(decodes)]) == decodes  # decodes are packed first
-    if decodes and decode_kv == "rows" and dtype == torch.float32 and softcap is None:
+    if decodes and decode_kv == "rows" and dtype in native.KERNEL_DTYPES and softcap is None:
         assert isinstance(ctx.decodes, RowsView) and ctx.decodes.native is not None
         assert ctx.decodes.native.calls == 1  # the kernel attended this layer's decodes
     return ctx
@@ -154,11 +155,12 @@ def test_mixed_decode_and_prefill_with_context(window: int | None, softcap: floa
 @pytest.mark.parametrize("decode_kv", SOURCES)
 @pytest.mark.parametrize("window", [None, 5])
 def test_bfloat16_keeps_its_own_row_layout_and_attends_the_same(window: int | None, decode_kv: str) -> None:
-    # why a test: float32 rows store keys transposed (batched products), bfloat16 rows do not (SDPA)
+    # why a test: on torch's math float32 rows store keys transposed (batched products), bfloat16 rows
+    # by default do not (SDPA); the native kernel's rows (either dtype) hold tiles
     specs = [(16, 1), (0, 1), (30, 1), (9, 1), (5, 6)]
     for dtype, stored_along_positions in ((torch.bfloat16, False), (torch.float32, True)):
         ctx = _run_case(specs, window, None, decode_kv, dtype=dtype)
-        if isinstance(ctx.decodes, RowsView):
+        if isinstance(ctx.decodes, RowsView) and ctx.decodes.native is None:
             keys = ctx.decodes.classes[0].k[0]  # indexed [rows, KVH, D, length]
             assert (keys.stride(-1) == 1) == stored_along_positions
 

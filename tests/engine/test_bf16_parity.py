@@ -55,27 +55,57 @@ def test_bf16_engine_meets_the_reduced_precision_policy(
     assert verdict["ok"], f"{arch}/{backend}: {verdict['failures']}"
 
 
-@pytest.mark.parametrize("transposed", [True, False], ids=["batched", "sdpa"])
+@pytest.mark.parametrize("path", ["native", "batched", "sdpa"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_both_measured_decode_layouts_meet_the_policy(
-    arch: str, transposed: bool, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+def test_every_measured_decode_path_meets_the_policy(
+    arch: str, path: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Whichever key layout decode_layout measures faster here, the other one is right too (a
-    machine elsewhere takes it): the measurement is replaced by each answer in turn."""
+    """Whichever decode path decode_layout measures faster here (the native kernel's bf16 twin, or
+    torch's batched products or SDPA), the others are right too (a machine elsewhere takes them): the
+    measurement is replaced by each answer in turn."""
     from transformers import AutoModelForCausalLM
 
     from batchgen.engine.cpu import backend
 
-    monkeypatch.setattr(backend, "keys_transposed", lambda *shape: transposed)
-    path = tiny_model(arch)
+    monkeypatch.setattr(backend, "native_wins", lambda *shape: path == "native")
+    monkeypatch.setattr(backend, "keys_transposed", lambda *shape: path == "batched")
+    model_path = tiny_model(arch)
     if arch not in _REFERENCE:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
         _REFERENCE[arch] = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
-    llm = LLM(str(path), device="cpu", dtype="bfloat16", attention_backend="cpu", compile=False, block_size=16)
-    assert llm.engine.runner.backend.rows.keys_transposed is transposed
+    llm = LLM(str(model_path), device="cpu", dtype="bfloat16", attention_backend="cpu", compile=False, block_size=16)
+    rows = llm.engine.runner.backend.rows
+    assert (rows.native is not None) is (path == "native")
+    assert rows.keys_transposed is (None if path == "native" else path == "batched")
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
     verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
-    assert verdict["ok"], f"{arch}/transposed={transposed}: {verdict['failures']}"
+    assert verdict["ok"], f"{arch}/{path}: {verdict['failures']}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_linears_on_the_native_twin_meet_the_policy(
+    arch: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the calibration measures here, a machine elsewhere may route every bf16 linear through
+    the kernel's bf16 twin (csrc/skinny_linear_bf16.c) at every row count: that is right too (qwen2:
+    with biases)."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.cpu import linear_calibration, native_linear
+
+    monkeypatch.setattr(
+        linear_calibration, "masks", lambda groups, *_: dict.fromkeys(groups, native_linear.EVERY_BUCKET)
+    )
+    model_path = tiny_model(arch)
+    if arch not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+        _REFERENCE[arch] = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
+    llm = LLM(str(model_path), device="cpu", dtype="bfloat16", attention_backend="cpu", compile=False, block_size=16)
+    routed = [m for m in llm.engine.runner.model.modules() if isinstance(m, native_linear.NativeLinear)]
+    assert routed and all(m.weight.dtype == torch.bfloat16 for m in routed)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
+    verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
+    assert verdict["ok"], f"{arch}/native linears: {verdict['failures']}"
 
 
 def test_the_policy_fails_a_divergence_before_any_near_tie_and_a_wrong_top1() -> None:

@@ -60,7 +60,13 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) ->
 
 @pytest.mark.parametrize("g, d", [(1, 64), (2, 32), (3, 64), (4, 128), (5, 16), (2, 8)])
 @pytest.mark.parametrize("window", [None, 7])
-def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, window: int | None) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_attention_over_each_rows_own_positions(
+    g: int, d: int, window: int | None, dtype: torch.dtype
+) -> None:
+    """float32 rows against a float64 reference at float32 tolerance; bf16 rows (the bf16 twin: sums in
+    float32, the output rounded once) against the float64 reference over the same bf16 values, at
+    bf16's tolerance (an output element's rounding: 2^-9 relative)."""
     gen = torch.Generator().manual_seed(g * 1000 + d)
     layers = 2
     # (rows' lengths after this step, class capacity, shared prefix): full tiles, partial tiles,
@@ -75,8 +81,8 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
     parts, full_k, full_v = [], [], []
     for lengths, cap, shared in classes:
         # keys in the kernel's tiles: [rows, KVH, cap / TILE, D, TILE]
-        k = [torch.randn(len(lengths), KVH, cap // TILE, d, TILE, generator=gen) for _ in range(layers)]
-        v = [torch.randn(len(lengths), KVH, cap, d, generator=gen) for _ in range(layers)]
+        k = [torch.randn(len(lengths), KVH, cap // TILE, d, TILE, generator=gen).to(dtype) for _ in range(layers)]
+        v = [torch.randn(len(lengths), KVH, cap, d, generator=gen).to(dtype) for _ in range(layers)]
         for layer in range(layers):  # the shared prefix (whole tiles here): the same K/V in every row
             k[layer][:, :, : shared // TILE] = k[layer][:1, :, : shared // TILE]
             v[layer][:, :, :shared] = v[layer][:1, :, :shared]
@@ -88,15 +94,15 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
         full_k += [[_positions(t[r]) for t in k] for r in range(len(lengths))]  # [row][layer] [KVH, cap, D]
         full_v += [[t[r].clone() for t in v] for r in range(len(lengths))]
         for layer in range(layers if shared else 0):  # why: shows the prefix's first tile is read from row 0
-            k[layer][1:, :, 0] = torch.randn(len(lengths) - 1, KVH, d, TILE, generator=gen)
-            v[layer][1:, :, :TILE] = torch.randn(len(lengths) - 1, KVH, TILE, d, generator=gen)
+            k[layer][1:, :, 0] = torch.randn(len(lengths) - 1, KVH, d, TILE, generator=gen).to(dtype)
+            v[layer][1:, :, :TILE] = torch.randn(len(lengths) - 1, KVH, TILE, d, generator=gen).to(dtype)
     lengths = [n for ls, _, _ in classes for n in ls]
     n = len(lengths)
     step = NativeStep(_kernels(), parts, lengths, Scratch())
     for layer in range(layers):
-        q = torch.randn(n, KVH * g, d, generator=gen)
-        new_k, new_v = torch.randn(2, n, KVH, d, generator=gen)
-        out = torch.full((n, KVH * g, d), float("nan"))
+        q = torch.randn(n, KVH * g, d, generator=gen).to(dtype)
+        new_k, new_v = torch.randn(2, n, KVH, d, generator=gen).to(dtype)
+        out = torch.full((n, KVH * g, d), float("nan"), dtype=dtype)
         # as the attention op hands them over: [heads, tokens, D] views, here of [tokens, heads, D]
         step.attend(layer, q.transpose(0, 1), new_k.transpose(0, 1), new_v.transpose(0, 1), out, d**-0.5, window)
         for i, length in enumerate(lengths):
@@ -104,7 +110,8 @@ def test_kernel_equals_attention_over_each_rows_own_positions(g: int, d: int, wi
             full_v[i][layer][:, length - 1] = new_v[i]
             start = max(0, length - window) if window else 0
             expected = _reference(q[i], full_k[i][layer][:, :length], full_v[i][layer][:, :length], start)
-            torch.testing.assert_close(out[i].double(), expected, atol=2e-5, rtol=2e-5)
+            tol = 2e-5 if dtype == torch.float32 else 8e-3
+            torch.testing.assert_close(out[i].double(), expected, atol=tol, rtol=tol)
     # the appended K/V are in the rows, at each row's last position, for the next steps to read
     rows = [(part, r) for part in parts for r in range(part.num_rows)]
     for i, (part, r) in enumerate(rows):
@@ -277,20 +284,21 @@ def test_a_decode_past_its_row_or_the_pool_is_refused_before_anything_is_written
 
 
 @pytest.mark.parametrize("d", [32, 64, 8])
-def test_a_rows_fill_is_the_pools_positions_in_order(d: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_fill_is_the_pools_positions_in_order(d: int, dtype: torch.dtype) -> None:
     """fill_row copies positions 0..length-1 out of the pool's blocks (in the block table's order,
     not the pool's) into the row's tiles and values, zeroes the rest of the last tile, and writes
     nothing else; for lengths within, at and across tile and block boundaries."""
     gen = torch.Generator().manual_seed(d)
     pool_blocks, block_size, cap = 12, 8, 64
     pool = (
-        torch.randn(pool_blocks, block_size, KVH, d, generator=gen),
-        torch.randn(pool_blocks, block_size, KVH, d, generator=gen),
+        torch.randn(pool_blocks, block_size, KVH, d, generator=gen).to(dtype),
+        torch.randn(pool_blocks, block_size, KVH, d, generator=gen).to(dtype),
     )
     blocks = torch.randperm(pool_blocks, generator=gen)[: cap // block_size]
     for length in (1, 7, 8, 15, 16, 17, 40, 64):
-        k_row = torch.full((KVH, cap // TILE, d, TILE), 7.0)
-        v_row = torch.full((KVH, cap, d), 7.0)
+        k_row = torch.full((KVH, cap // TILE, d, TILE), 7.0, dtype=dtype)
+        v_row = torch.full((KVH, cap, d), 7.0, dtype=dtype)
         fill_row(_kernels(), pool, blocks, length, k_row, v_row)
         want_k = pool[0][blocks].flatten(0, 1)[:length].transpose(0, 1)  # [KVH, length, D]
         want_v = pool[1][blocks].flatten(0, 1)[:length].transpose(0, 1)
@@ -340,7 +348,7 @@ def test_no_compiler_or_switched_off_means_torch_ops(
     fake = failing_compiler(tmp_path, "cc")
     monkeypatch.setenv("CC", str(fake))
     assert native._load(native.LIBRARIES["attention"]) is None
-    assert f"{fake} could not build decode_attention.c: fake: no luck" in caplog.text
+    assert f"{fake} could not build decode_attention.c, decode_attention_bf16.c: fake: no luck" in caplog.text
     assert "decode attention runs on torch ops" in caplog.text
     assert native.STATES["attention"].state == "unavailable"
     assert not list((tmp_path / "kernels").iterdir())  # no half-built file left behind

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 TESTS = [
     "tests/engine/test_native.py::test_kernel_equals_attention_over_each_rows_own_positions",
     "tests/engine/test_native_linear.py::test_the_kernel_is_f_linear_in_float64_within_rounding",
+    "tests/engine/test_native_linear.py::test_the_bf16_twin_is_f_linear_in_float64_within_bf16_rounding",
     "tests/engine/test_parity.py::test_greedy_parity_native_linears",
 ]
 

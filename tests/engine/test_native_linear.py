@@ -35,10 +35,10 @@ def _operator() -> None:
 
 
 def _kernel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """The C kernel called directly, on a 2-D x whose rows may be strided."""
-    kernel = native.linear()
+    """The C kernel for x's dtype (float32, or the bf16 twin) called directly, on a 2-D x whose rows may be strided."""
+    kernel = native.linear_bf16() if x.dtype == torch.bfloat16 else native.linear()
     assert kernel is not None
-    out = torch.empty(x.shape[0], w.shape[0])
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
     bias = ctypes.c_void_p(b.data_ptr()) if b is not None else None
     ptrs = (x.data_ptr(), x.stride(0), w.data_ptr(), bias, out.data_ptr())
     assert kernel(x.shape[0], w.shape[0], w.shape[1], *ptrs, 2) == 0
@@ -62,6 +62,21 @@ def test_the_kernel_is_f_linear_in_float64_within_rounding(rows: int, n: int, k:
     x, w, b = _data(rows, n, k, bias, seed=rows * 1000 + n + k)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     torch.testing.assert_close(_kernel(x, w, b).double(), want, rtol=1e-5, atol=1e-4)
+
+
+# bf16: the tiles take every row count (no wide kernel); k: a tail shorter than one bf16 pair vector
+# (32), one and a tail, several
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 13, 33, 70])
+@pytest.mark.parametrize(("n", "k"), [(8, 16), (37, 77), (64, 256), (5, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_bf16_twin_is_f_linear_in_float64_within_bf16_rounding(rows: int, n: int, k: int, bias: bool) -> None:
+    """bf16 x, w and bias (exact in float64), float32 sums, one rounding of the output to bf16."""
+    x, w, b = (None if t is None else t.bfloat16() for t in _data(rows, n, k, bias, seed=rows * 1000 + n + k))
+    assert x is not None and w is not None
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = torch.ops.batchgen.linear(x, w, b, ANY)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, _kernel(x, w, b))  # the operator ran the twin
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3 * k**0.5)
 
 
 def test_the_operator_takes_the_kernel_in_its_masks_buckets_and_torch_elsewhere() -> None:
@@ -149,9 +164,23 @@ def test_only_plain_float32_linears_of_shapes_with_a_bucket_are_routed() -> None
 
 def test_other_devices_and_dtypes_keep_their_linears() -> None:
     model = _model()
-    assert install_native_linears(model, CPU, torch.bfloat16, {"64x64+bias": ANY}) == 0
+    assert install_native_linears(model, CPU, torch.bfloat16, {"64x64+bias": ANY}) == 0  # float32 layers
+    assert install_native_linears(model.half(), CPU, torch.float16, {"64x64+bias:float16": ANY}) == 0
     assert install_native_linears(model, torch.device("meta"), F32, {"64x64+bias": ANY}) == 0
     assert all(type(m) is not NativeLinear for m in model)
+
+
+def test_a_bf16_model_is_routed_by_its_own_dtypes_masks() -> None:
+    """bf16 linears are calibrated and cached under keys of their own (a float32 mask never routes them)."""
+    model = _model().to(torch.bfloat16)  # the float64 layer too: two plain 64x64+bias linears in bf16
+    assert linear_calibration.shape_key(model[0].weight, model[0].bias) == "64x64+bias:bfloat16"
+    assert install_native_linears(model, CPU, torch.bfloat16, {"64x64+bias": ANY}) == 0
+    assert install_native_linears(model, CPU, torch.bfloat16, {"64x64+bias:bfloat16": UP_TO_64}) == 2
+    assert [type(m) for m in model] == [NativeLinear, _Adapter, NativeLinear, nn.Linear]
+    x = torch.randn(3, 64).bfloat16()
+    with torch.inference_mode():
+        assert type(model[0]) is NativeLinear and model[0](x).dtype == torch.bfloat16
+        assert torch.equal(model[0](x), torch.ops.batchgen.linear(x, model[0].weight, model[0].bias, ANY))
 
 
 def _slow(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -3,12 +3,13 @@
 Why a backend of its own: on a CPU a decode step is memory-bound, and three things measured
 faster there than the torch backend's gathered blocks (benchmarks/RESULTS.md): a contiguous row
 of K/V per decoding sequence (decode_rows), the native decode kernel that appends and attends
-every decode in one call per layer (decode_native, where it can attend the model: float32, no
-soft-capping), and the C++ operator that calls that kernel without Python per layer on
-decode-only steps (front). Without the kernel (bfloat16, Gemma 2's soft-capping, no compiler)
-the rows are attended with the torch backend's math, in the key layout measured faster for the
-model's shape (decode_layout: batched products in float32 softmax, or SDPA). Everything else (prefills, mixed steps) is
-the torch backend's code, which this one is tested against.
+every decode in one call per layer (decode_native, where it can attend the model: float32 rows,
+or bf16 rows where its bf16 twin measured faster than torch on this machine; no soft-capping),
+and the C++ operator that calls that kernel without Python per layer on decode-only steps
+(front). Without the kernel (Gemma 2's soft-capping, no compiler, bf16 where torch measured
+faster) the rows are attended with the torch backend's math, in the key layout measured faster
+for the model's shape (decode_layout: batched products in float32 softmax, or SDPA). Everything
+else (prefills, mixed steps) is the torch backend's code, which this one is tested against.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from batchgen.engine.attention.backend import AttentionBackend, Pools
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.cpu import native, native_ops
-from batchgen.engine.cpu.decode_layout import keys_transposed
+from batchgen.engine.cpu.decode_layout import keys_transposed, native_wins
 from batchgen.engine.cpu.decode_rows import DecodeRows
 from batchgen.engine.cpu.front import Front, open_front
 from batchgen.engine.cpu.native import NativeKernels
@@ -120,12 +121,16 @@ class CpuBackend(AttentionBackend):
 
 
 def kernels_for(config: PretrainedConfig, kv_heads: int, head_dim: int, dtype: torch.dtype) -> NativeKernels | None:
-    """The kernel, where it can attend this model's decodes: float32 rows, no logit soft-capping
-    (Gemma 2 keeps the torch math), query heads per KV head and head dim within the kernel's
-    limits. None elsewhere, or where it cannot be built (native.load logs why)."""
-    if dtype != torch.float32 or has_softcap(config):
+    """The kernel, where it can attend this model's decodes: float32 rows, or bf16 rows where its
+    bf16 twin measured faster than torch's paths on this machine (decode_layout.native_wins); no
+    logit soft-capping (Gemma 2 keeps the torch math), query heads per KV head and head dim within
+    the kernel's limits. None elsewhere, or where it cannot be built (native.load logs why)."""
+    if dtype not in native.KERNEL_DTYPES or has_softcap(config):
         return None
     heads = config.get_text_config().num_attention_heads
     if heads % kv_heads or heads // kv_heads > native.MAX_G or head_dim > native.MAX_D:
         return None
-    return native.load()
+    kernels = native.load()
+    if kernels is None or not native_wins(dtype, kv_heads, heads // kv_heads, head_dim, kernels):
+        return None
+    return kernels

@@ -12,10 +12,12 @@ group's longest row and no Python per group.
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,7 +73,8 @@ class NativeStep:
         self.kernels = kernels
         self.calls = 0  # layers attended (for tests and the benchmark)
         self._classes = classes  # why kept: the table below holds raw addresses into their tensors
-        self._kvh, self._d = _row_shape(classes)
+        self._kvh, self._d, self.dtype = _row_shape(classes)
+        self._kernel = kernels.attention_for(self.dtype)  # the float32 or the bf16 kernel
         n, num_classes, num_layers = len(lengths), len(classes), len(classes[0].k)
         rows = sum(part.num_rows for part in classes)
         if len(lengths) != rows:
@@ -163,7 +166,8 @@ class NativeStep:
         """Append the decodes' key/value to the rows and attend their queries into out's first n rows.
 
         q [H, T, D], key/value [KVH, T, D] (any strides with D contiguous; the decodes are tokens
-        0..n-1 of the T), out [>= n, H, D] contiguous, all float32 on the CPU; with `pool` (K, V
+        0..n-1 of the T), out [>= n, H, D] contiguous, all on the CPU in the rows' dtype (float32 or
+        bfloat16: NativeStep.dtype); with `pool` (K, V
         [blocks, block_size, KVH, D], contiguous) and `slots` [>= n] int64, the K/V are stored in
         those pool slots too.
         """
@@ -179,8 +183,8 @@ class NativeStep:
                 f"native decode attention: q {tuple(q.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}, "
                 f"out {tuple(out.shape)} for {n} decodes over rows of {kvh} KV heads x {d}"
             )
-        if not (q.dtype == key.dtype == value.dtype == out.dtype == torch.float32) or not out.is_contiguous():
-            raise RuntimeError("native decode attention needs float32 tensors and a contiguous output")
+        if not (q.dtype == key.dtype == value.dtype == out.dtype == self.dtype) or not out.is_contiguous():
+            raise RuntimeError(f"native decode attention needs {self.dtype} tensors and a contiguous output")
         if not (q.is_cpu and key.is_cpu and value.is_cpu and out.is_cpu):
             raise RuntimeError(f"native decode attention runs on the CPU, got q on {q.device}")
         if q.stride(2) != 1 or key.stride(2) != 1 or value.stride(2) != 1:
@@ -188,7 +192,7 @@ class NativeStep:
         if h != self._heads:  # the step's first call: the model's shapes and the scratch they need
             self._set_heads(h)
         k_bases = self._bases + layer * self._layer_bytes
-        stores = _pool_stores(pool, slots, n, kvh, d)
+        stores = _pool_stores(pool, slots, n, kvh, d, self.dtype)
         per_layer = array(
             "q",
             [
@@ -204,7 +208,7 @@ class NativeStep:
         # runs: a record_function costs ~5 us even when none does)
         named = torch._C._autograd._profiler_enabled()
         with torch.profiler.record_function(PROFILE_NAME) if named else nullcontext():
-            status = self.kernels.decode_attention(self._args_at, scale)
+            status = self._kernel(self._args_at, scale)
         self.calls += 1
         if status == -1:
             raise RuntimeError(f"native decode attention refused {h // kvh} query heads per KV head, head dim {d}")
@@ -232,7 +236,7 @@ class NativeStep:
         D]) at `slots` [>= n] int64. `tokens`: the step's real tokens (the output rows past them
         are zeroed)."""
         n, kvh, d = self.num_decodes, self._kvh, self._d
-        same = all(_is_pool(pool, kvh, d) and pool[0].shape == pools[0][0].shape for pool in pools)
+        same = all(_is_pool(pool, kvh, d, self.dtype) and pool[0].shape == pools[0][0].shape for pool in pools)
         if len(pools) != self._num_layers or heads % kvh or not same:
             raise RuntimeError(f"native decode attention: {len(pools)} pools, {heads} heads for rows of {kvh} x {d}")
         _check_slots(slots, n)
@@ -242,6 +246,7 @@ class NativeStep:
             "args": self._args_at, "layers": self._num_layers, "decodes": n, "tokens": tokens,
             "heads": heads, "kv_heads": kvh, "head_dim": d, "bases": self._bases, "layer_bytes": self._layer_bytes,
             "slots": slots.data_ptr(), "pool_slots": k0.shape[0] * k0.shape[1], "calls": 0, "nanos": 0,
+            "kernel": _address(self._kernel), "bf16": int(self.dtype == torch.bfloat16),
         }  # fmt: skip
         plan = array("q", [fields[name] for name in PLAN_FIELDS])
         plan.extend([t.data_ptr() for pool in pools for t in pool])
@@ -268,7 +273,7 @@ class FrontPlan:
 # operator's library names them too, and attention_front refuses one whose names differ
 PLAN_FIELDS = (
     "args", "layers", "decodes", "tokens", "heads", "kv_heads", "head_dim", "bases", "layer_bytes",
-    "slots", "pool_slots", "calls", "nanos",
+    "slots", "pool_slots", "calls", "nanos", "kernel", "bf16",
 )  # fmt: skip
 PLAN_CALLS, PLAN_NANOS = PLAN_FIELDS.index("calls"), PLAN_FIELDS.index("nanos")
 
@@ -282,11 +287,20 @@ def _per_row(values: Sequence[int], classes: Sequence[NativeClass]) -> array:
     return out
 
 
-def _row_shape(classes: Sequence[NativeClass]) -> tuple[int, int]:
-    """(KVH, D) of the classes' rows, once every layer's tensors are what the kernel addresses:
-    float32 on the CPU, keys [rows, KVH, cap / TILE, D, TILE] and values [rows, KVH, cap, D], each
-    row contiguous, the same shape and strides in every layer, each decode's row among them."""
+def _address(fn: Any) -> int:
+    """A ctypes function's address (for the C++ front, which calls the step's kernel through it)."""
+    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+
+def _row_shape(classes: Sequence[NativeClass]) -> tuple[int, int, torch.dtype]:
+    """(KVH, D, dtype) of the classes' rows, once every layer's tensors are what the kernel addresses:
+    one dtype the kernels read (float32 or bfloat16) on the CPU, keys [rows, KVH, cap / TILE, D, TILE]
+    and values [rows, KVH, cap, D], each row contiguous, the same shape and strides in every layer,
+    each decode's row among them."""
     shapes = set()
+    dtype = classes[0].k[0].dtype
+    if dtype not in native.KERNEL_DTYPES:
+        raise RuntimeError(f"native decode attention: rows of {dtype}")
     for part in classes:
         k0, v0 = part.k[0], part.v[0]
         if k0.dim() != 5 or v0.dim() != 4:
@@ -298,9 +312,9 @@ def _row_shape(classes: Sequence[NativeClass]) -> tuple[int, int]:
             tile == native.TILE and v0.shape == (rows, kvh, cap, d) and len(used) == part.num_rows
             and (not used or (min(used) >= 0 and max(used) < rows))
             and k0.stride()[1:] == row_k and v0.stride()[1:] == row_v
-            and all(t.shape == k0.shape and t.stride() == k0.stride() and t.dtype == torch.float32 and t.is_cpu
+            and all(t.shape == k0.shape and t.stride() == k0.stride() and t.dtype == dtype and t.is_cpu
                     for t in part.k)
-            and all(t.shape == v0.shape and t.stride() == v0.stride() and t.dtype == torch.float32 and t.is_cpu
+            and all(t.shape == v0.shape and t.stride() == v0.stride() and t.dtype == dtype and t.is_cpu
                     for t in part.v)
         ):  # fmt: skip
             raise RuntimeError(
@@ -310,17 +324,23 @@ def _row_shape(classes: Sequence[NativeClass]) -> tuple[int, int]:
         shapes.add((kvh, d))
     if len(shapes) != 1:
         raise RuntimeError(f"native decode attention: classes of different row shapes {sorted(shapes)}")
-    return shapes.pop()
+    kvh, d = shapes.pop()
+    return kvh, d, dtype
 
 
 def _pool_stores(
-    pool: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor | None, n: int, kvh: int, d: int
+    pool: tuple[torch.Tensor, torch.Tensor] | None,
+    slots: torch.Tensor | None,
+    n: int,
+    kvh: int,
+    d: int,
+    dtype: torch.dtype,
 ) -> tuple[int, int, int, int]:
     """The kernel's pool arguments (key pool, value pool, slots, pool slots); zeros: no store."""
     if pool is None or slots is None:
         return (0, 0, 0, 0)
     k, v = pool
-    if not _is_pool(pool, kvh, d):
+    if not _is_pool(pool, kvh, d, dtype):
         raise RuntimeError(
             f"native decode attention: a pool of {tuple(k.shape)} / {tuple(v.shape)} for {kvh} x {d} K/V"
         )
@@ -336,12 +356,12 @@ def _check_slots(slots: torch.Tensor, n: int) -> None:
         raise RuntimeError(f"native decode attention: slots on {slots.device}")
 
 
-def _is_pool(pool: tuple[torch.Tensor, torch.Tensor], kvh: int, d: int) -> bool:
+def _is_pool(pool: tuple[torch.Tensor, torch.Tensor], kvh: int, d: int, dtype: torch.dtype) -> bool:
     """K and V are one layer's pool as the kernels address it: [blocks, block_size, kvh, d] each,
-    float32, contiguous, on the CPU."""
+    of `dtype`, contiguous, on the CPU."""
     k, v = pool
     return (
-        k.dim() == 4 and k.shape[2:] == (kvh, d) and v.shape == k.shape and k.dtype == v.dtype == torch.float32
+        k.dim() == 4 and k.shape[2:] == (kvh, d) and v.shape == k.shape and k.dtype == v.dtype == dtype
         and k.is_contiguous() and v.is_contiguous() and k.is_cpu and v.is_cpu
     )  # fmt: skip
 
@@ -357,13 +377,14 @@ def fill_row(
     """Copy positions 0..length-1 of one layer out of its pool (K, V [blocks, block_size, KVH, D])
     into a decode row: keys k_row [KVH, cap / TILE, D, TILE] (the kernel's tiles; the rest of the
     last tile zeroed), values v_row [KVH, cap, D]; `blocks` [>= ceil(length / block_size)] int64
-    holds the sequence's blocks in order."""
+    holds the sequence's blocks in order. Pool and row: float32, or bfloat16 (the bf16 kernel)."""
     k, v = pool
     kvh, cap, d = v_row.shape
     # why checked here: the kernel reads and writes through raw addresses
     if not (
-        _is_pool(pool, kvh, d) and k_row.shape == (kvh, cap // native.TILE, d, native.TILE)
-        and all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in (k_row, v_row))
+        k.dtype in native.KERNEL_DTYPES and _is_pool(pool, kvh, d, k.dtype)
+        and k_row.shape == (kvh, cap // native.TILE, d, native.TILE)
+        and all(t.dtype == k.dtype and t.is_contiguous() and t.is_cpu for t in (k_row, v_row))
         and blocks.dim() == 1 and blocks.dtype == torch.int64 and blocks.is_contiguous() and blocks.is_cpu
     ):  # fmt: skip
         raise RuntimeError(
@@ -371,7 +392,7 @@ def fill_row(
             f"values {tuple(v_row.shape)}, blocks {blocks.dtype} {tuple(blocks.shape)}"
         )
     ptrs = (k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[1], kvh, d, blocks.data_ptr(), blocks.shape[0], length)
-    if kernels.fill_row(*ptrs, k_row.data_ptr(), v_row.data_ptr(), cap, native.threads()) != 0:
+    if kernels.fill_row_for(k.dtype)(*ptrs, k_row.data_ptr(), v_row.data_ptr(), cap, native.threads()) != 0:
         raise RuntimeError(
             f"native row fill refused {length} positions from {blocks.shape[0]} blocks of {k.shape[1]} "
             f"(a pool of {k.shape[0]}) into a row of {cap}"

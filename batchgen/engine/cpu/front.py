@@ -34,7 +34,8 @@ _LIB: list[ctypes.CDLL | None] = []
 
 
 def load() -> bool:
-    """batchgen::attention built, loaded and given the kernel, once per process; False (logged) where it cannot be."""
+    """batchgen::attention built and loaded, once per process (each plan names its kernel); False (logged)
+    where it or the kernels cannot be."""
     if not _LIB:
         _LIB.append(_load())
     return _LIB[0] is not None
@@ -52,8 +53,6 @@ def _load() -> ctypes.CDLL | None:
         if theirs != ours:  # why: a source and this module out of step would misread memory
             native_ops.refuse("batchgen_attention_op", f"{OP_SOURCE.name} names {theirs}, batchgen {ours}")
             return None
-    lib.batchgen_attention_op_setup.argtypes = [ctypes.c_void_p]
-    lib.batchgen_attention_op_setup(ctypes.cast(kernels.decode_attention, ctypes.c_void_p))
     lib.batchgen_attention_op_take_error.restype = ctypes.c_char_p
     return lib
 

@@ -1,4 +1,4 @@
-"""Which row counts of which linear shapes the native linear kernel takes on this machine: measured, not assumed.
+"""Which row counts of which linear shapes (and dtypes) the native linear kernel takes on this machine: measured.
 
 Why measured: the kernels (csrc/skinny_linear.c, wide_linear.c) beat MKL's sgemm by 1.2-1.8x on
 one AMD host with AVX-512 and lost to it by 5-12x on an AVX2-only one; on an Intel host they tie
@@ -12,8 +12,10 @@ than SLOW_CALL, or past STOP_AFTER_LOSSES lost in a row, are not timed, and neit
 once a model's calibration has spent BUDGET_SECONDS: an untimed bucket stays on torch, so a large
 model costs a few seconds once.
 
+A bf16 model's linears are measured the same way, the kernel's bf16 twin (skinny_linear_bf16.c)
+against torch's bf16 linear (oneDNN's AVX512-BF16 or AMX path), under keys of their own (shape_key).
 The result is cached per machine (the kernel library's name holds its sources, flags, compiler and
-CPU), torch version and thread count, one file per shape, written once and never replaced: every
+CPU), torch version and thread count, one file per shape and dtype, written once and never replaced: every
 process on a machine then takes the same choice (the first one measured), so a job's tokens do not
 depend on which process timed what.
 """
@@ -53,7 +55,10 @@ def bucket_ends(b: int) -> tuple[int, ...]:
 
 
 def shape_key(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    return f"{weight.shape[0]}x{weight.shape[1]}{'+bias' if bias is not None else ''}"
+    """The weight's shape, bias and (but for float32, whose keys predate the others) dtype: each is
+    measured and cached on its own (a bf16 model's linears race torch's bf16 path, not its float32 one)."""
+    dtype = "" if weight.dtype == torch.float32 else f":{str(weight.dtype).removeprefix('torch.')}"
+    return f"{weight.shape[0]}x{weight.shape[1]}{'+bias' if bias is not None else ''}{dtype}"
 
 
 def masks(
@@ -81,7 +86,7 @@ def measure(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], kernel: 
         for rows in bucket_ends(b):
             if time.monotonic() > deadline:
                 return mask
-            x = torch.randn(rows, k)
+            x = torch.randn(rows, k).to(layers[0][0].dtype)  # as the model computes: its weights' dtype
             ours, theirs = _best_of(layers, x, kernel), _best_of(layers, x, F.linear)
             wins = wins and ours < MARGIN * theirs
             slow = slow or theirs > SLOW_CALL

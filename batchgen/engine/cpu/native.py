@@ -8,9 +8,10 @@ bootstrap), else the first job that needs one builds it (logged, with the expect
 
 Why three libraries: a compiler that cannot build one (an old GCC, a missing intrinsic) loses only
 that one; the others still load. Each falls back to torch's own path with one log line saying why:
-  attention  decode attention over per-sequence rows (decode_attention.c): torch ops otherwise
+  attention  decode attention over per-sequence rows, float32 and bf16 (decode_attention.c): torch ops otherwise
   argmax     greedy's argmax and NaN flag in one pass (row_argmax.c): torch.max otherwise
-  linear     float32 linears at decode sizes (skinny_linear.c, wide_linear.c): torch's BLAS otherwise,
+  linear     float32 and bf16 linears at decode sizes (skinny_linear.c, wide_linear.c, skinny_linear_bf16.c):
+             torch's BLAS otherwise,
              and even when built, only at the shapes where it measured faster (native_linear)
 
 Each shared object is cached under $BATCHGEN_CACHE_DIR (default ~/.cache/batchgen), named by a
@@ -98,9 +99,16 @@ class Library:
 LIBRARIES = {
     lib.name: lib
     for lib in (
-        Library("attention", ("decode_attention.c",), "decode attention runs on torch ops", ("decode_args.h",)),
+        Library(
+            "attention",
+            ("decode_attention.c", "decode_attention_bf16.c"),
+            "decode attention runs on torch ops",
+            ("decode_args.h",),
+        ),
         Library("argmax", ("row_argmax.c",), "greedy's argmax runs on torch.max"),
-        Library("linear", ("skinny_linear.c", "wide_linear.c"), "linear layers run on torch's BLAS"),
+        Library(
+            "linear", ("skinny_linear.c", "wide_linear.c", "skinny_linear_bf16.c"), "linear layers run on torch's BLAS"
+        ),
     )
 }
 
@@ -123,12 +131,15 @@ _HANDLES: dict[str, ctypes.CDLL | None] = {}
 @dataclass
 class NativeKernels:
     """The attention library: `decode_attention` is batchgen_decode_attention, `fill_row`
-    batchgen_fill_row, `exp_nonpositive` the softmax's exp (for the tests); see decode_attention.c."""
+    batchgen_fill_row (float32 rows), each with a bfloat16 twin (`_bf16`: decode_attention_bf16.c),
+    `exp_nonpositive` the softmax's exp (for the tests); see decode_attention.c."""
 
     path: Path
     lib: ctypes.CDLL
     decode_attention: CFunction = field(init=False)
     fill_row: CFunction = field(init=False)
+    decode_attention_bf16: CFunction = field(init=False)
+    fill_row_bf16: CFunction = field(init=False)
     exp_nonpositive: CFunction = field(init=False)
 
     def __post_init__(self) -> None:
@@ -137,13 +148,29 @@ class NativeKernels:
         theirs = tuple(names().decode().lower().split())
         if theirs != DECODE_ARGS:  # why: a source and this module out of step would misread memory
             raise RuntimeError(f"{self.path} takes arguments {theirs}, this module names {DECODE_ARGS}")
+        fill_args: list[type] = [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]
         self.decode_attention = _fn(self.lib.batchgen_decode_attention, _I64, [_PTR, ctypes.c_float])
-        self.fill_row = _fn(
-            self.lib.batchgen_fill_row,
-            _I64,
-            [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64],
-        )
+        self.fill_row = _fn(self.lib.batchgen_fill_row, _I64, fill_args)
+        self.decode_attention_bf16 = _fn(self.lib.batchgen_decode_attention_bf16, _I64, [_PTR, ctypes.c_float])
+        self.fill_row_bf16 = _fn(self.lib.batchgen_fill_row_bf16, _I64, fill_args)
         self.exp_nonpositive = _fn(self.lib.batchgen_exp_nonpositive, None, [_I64, _PTR, _PTR])
+
+    def attention_for(self, dtype: torch.dtype) -> CFunction:
+        """The decode attention for rows of `dtype` (float32 or bfloat16)."""
+        return self.decode_attention_bf16 if _is_bf16(dtype) else self.decode_attention
+
+    def fill_row_for(self, dtype: torch.dtype) -> CFunction:
+        """The row fill for pools and rows of `dtype` (float32 or bfloat16)."""
+        return self.fill_row_bf16 if _is_bf16(dtype) else self.fill_row
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the element types the attention kernels read
+
+
+def _is_bf16(dtype: torch.dtype) -> bool:
+    if dtype not in KERNEL_DTYPES:
+        raise RuntimeError(f"native decode attention reads float32 or bfloat16, not {dtype}")
+    return dtype == torch.bfloat16
 
 
 def _fn(fn: CFunction, restype: type | None, argtypes: list[type]) -> CFunction:
@@ -177,6 +204,11 @@ def argmax() -> CFunction | None:
 def linear() -> CFunction | None:
     """batchgen_linear (csrc/skinny_linear.c, wide_linear.c), or None where it cannot be built."""
     return _function("linear", "batchgen_linear", [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64])
+
+
+def linear_bf16() -> CFunction | None:
+    """batchgen_linear_bf16 (csrc/skinny_linear_bf16.c), or None where it cannot be built."""
+    return _function("linear", "batchgen_linear_bf16", [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64])
 
 
 _FUNCTIONS: dict[str, CFunction | None] = {}

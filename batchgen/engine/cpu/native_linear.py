@@ -1,4 +1,5 @@
-"""A model's linear layers through the native kernels (csrc/skinny_linear.c, wide_linear.c) where they measured faster.
+"""A model's linear layers through the native kernels (csrc/skinny_linear.c, wide_linear.c, and for bf16
+models skinny_linear_bf16.c) where they measured faster.
 
 Why: a decode step multiplies a few rows (one per decoding sequence) by every weight matrix, so
 its linears are bound by reading the weights once; skinny_linear.c reads each weight row once, in
@@ -52,12 +53,13 @@ def install_native_linears(
     model: nn.Module, device: torch.device, dtype: torch.dtype, masks: dict[str, int] | None = None
 ) -> int:
     """Route `model`'s eligible linears through the kernel at the row buckets where it measured
-    faster for their shape (or `masks`, by shape key, when given); how many were. Eligible: exactly
-    nn.Linear (not a subclass: quantized or adapter layers keep their own forward), float32 on the
-    CPU, a contiguous weight. None where the kernel or the operator cannot be built (logged once)."""
-    if device.type != "cpu" or dtype != torch.float32:
+    faster for their shape and dtype (or `masks`, by shape key, when given); how many were. Eligible:
+    exactly nn.Linear (not a subclass: quantized or adapter layers keep their own forward), float32 or
+    bfloat16 (the bf16 twin, measured against torch's bf16 linear) as the model is, on the CPU, a
+    contiguous weight. None where the kernel or the operator cannot be built (logged once)."""
+    if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         return 0
-    eligible = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m.weight)]
+    eligible = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m.weight, dtype)]
     if not eligible or not load_op():
         return 0
     groups: dict[str, list[nn.Linear]] = defaultdict(list)
@@ -93,8 +95,11 @@ def _describe(masks: dict[str, int]) -> str:
     return "; ".join(f"{key}: {rows(mask)}" for key, mask in masks.items())
 
 
-def _eligible(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # batchgen_linear and batchgen_linear_bf16
+
+
+def _eligible(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    return weight.dtype == dtype and weight.device.type == "cpu" and weight.is_contiguous()
 
 
 def load_op() -> bool:
@@ -110,8 +115,9 @@ def _load_op() -> bool:
     if kernel is None or lib is None:
         return False
     setup = lib.batchgen_linear_op_setup
-    setup.restype, setup.argtypes = None, [ctypes.c_void_p]
-    setup(ctypes.cast(kernel, ctypes.c_void_p))
+    setup.restype, setup.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
+    bf16 = native.linear_bf16()  # None: bf16 linears stay on torch
+    setup(ctypes.cast(kernel, ctypes.c_void_p), None if bf16 is None else ctypes.cast(bf16, ctypes.c_void_p))
     return True
 
 

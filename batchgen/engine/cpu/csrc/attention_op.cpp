@@ -1,14 +1,14 @@
 // batchgen: the torch operator batchgen::attention, the CPU backend's attention call (eager or compiled).
 //
 // Why C++: in a decode-only step on the CPU every layer's attention is one call of the native decode
-// kernel (csrc/decode_attention.c), and the Python around that call (the custom op's dispatch, the
-// step context, the checks, the kernel's per-layer arguments) cost ~0.1 ms a layer or more (the demo
-// model's decode step of 64 sequences is 9.3 ms with it, 8.3 ms through here). Python sets a plan for
-// such a step (the kernel's argument array with everything that holds for the
-// step, each layer's pool, the step's slots) and writes its address into the backend's plan cell,
-// whose address every call is given (one cell per backend: no global state, several engines may
-// live in one process); each layer's call here then only writes that layer's tensors into the
-// arguments and calls the kernel.
+// kernel (csrc/decode_attention.c, float32 or its bf16 twin: the plan names which one), and the
+// Python around that call (the custom op's dispatch, the step context, the checks, the kernel's
+// per-layer arguments) cost ~0.1 ms a layer or more (the demo model's decode step of 64 sequences
+// is 9.3 ms with it, 8.3 ms through here). Python sets a plan for such a step (the kernel's
+// argument array with everything that holds for the step, each layer's pool, the step's slots, the
+// kernel's address) and writes its address into the backend's plan cell, whose address every call
+// is given (one cell per backend: no global state, several engines may live in one process); each
+// layer's call here then only writes that layer's tensors into the arguments and calls the kernel.
 // Without a plan (a step with prefills, or one the plan does not cover) it calls the Python op
 // batchgen::paged_attention with the same arguments, so every step still has one entry point.
 // See batchgen/engine/cpu/front.py.
@@ -28,7 +28,6 @@
 namespace {
 
 using kernel_fn = int64_t (*)(int64_t *, float);
-kernel_fn kernel = nullptr;
 
 // The plan's fields (P_*) and the kernel's arguments (A_*): decode_args.h, shared with the kernel
 constexpr int64_t LAYER_ARGS = A_COUNT - A_Q;  // per-layer arguments, A_Q .. A_POOL_SLOTS
@@ -41,7 +40,8 @@ at::Tensor python_op(const at::Tensor &query, const at::Tensor &key, const at::T
   return stack[0].toTensor();
 }
 
-bool cpu_float(const at::Tensor &t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); }
+// the plan's element type (its kernel reads float32 or bfloat16) on the CPU
+bool cpu_of(const at::Tensor &t, at::ScalarType type) { return t.scalar_type() == type && t.device().is_cpu(); }
 
 // D contiguous, as the kernel reads a head's vector
 at::Tensor rows_contiguous(const at::Tensor &t) { return t.stride(2) == 1 ? t : t.contiguous(); }
@@ -57,8 +57,9 @@ at::Tensor planned(int64_t *plan, const at::Tensor &query, const at::Tensor &key
               " layers");
   TORCH_CHECK(!softcap.has_value(), "batchgen::attention: a decode plan for a layer that soft-caps its logits");
   // why checked here: the kernel reads and writes through raw addresses
-  TORCH_CHECK(cpu_float(query) && cpu_float(key) && cpu_float(value) && query.dim() == 3 && key.dim() == 3,
-              "batchgen::attention: float32 CPU tensors [heads, tokens, dim] expected");
+  const at::ScalarType type = plan[P_BF16] ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(cpu_of(query, type) && cpu_of(key, type) && cpu_of(value, type) && query.dim() == 3 && key.dim() == 3,
+              "batchgen::attention: ", plan[P_BF16] ? "bfloat16" : "float32", " CPU tensors [heads, tokens, dim] expected");
   const int64_t tokens = query.size(1);
   TORCH_CHECK(query.size(0) == heads && query.size(2) == d && tokens >= n && key.size(0) == kvh &&
                   key.size(1) == tokens && key.size(2) == d && value.sizes() == key.sizes(),
@@ -82,7 +83,7 @@ at::Tensor planned(int64_t *plan, const at::Tensor &query, const at::Tensor &key
   {
     // named as decode_native.PROFILE_NAME, as the Python path names its calls (free unless profiling)
     RECORD_FUNCTION("batchgen::native_decode_attention", c10::ArrayRef<const c10::IValue>{});
-    status = kernel(args, static_cast<float>(scale));
+    status = reinterpret_cast<kernel_fn>(plan[P_KERNEL])(args, static_cast<float>(scale));
   }
   plan[P_NANOS] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - began).count();
   TORCH_CHECK_WITH(OutOfMemoryError, status != -3, "native decode attention: no memory for the work list of ", n,
@@ -109,9 +110,6 @@ at::Tensor attention(const at::Tensor &query, const at::Tensor &key, const at::T
 }
 
 }  // namespace
-
-// fn: batchgen_decode_attention's address (the kernel library)
-extern "C" void batchgen_attention_op_setup(void *fn) { kernel = reinterpret_cast<kernel_fn>(fn); }
 
 // the last refusal's message since the last call (NULL: none), forgotten once taken
 extern "C" const char *batchgen_attention_op_take_error(void) {

@@ -28,10 +28,12 @@
  *   are padding, zeroed), HEADS, KV_HEADS, HEAD_DIM; BASES: layer 0's key-class addresses (the value
  *   ones follow all layers' keys); LAYER_BYTES between one layer's class addresses and the next's;
  *   SLOTS: the step's slot mapping (int64, one per decode at least); POOL_SLOTS in one layer's pool;
- *   CALLS: layers attended so far and NANOS spent in the kernel (both written by the front). */
+ *   CALLS: layers attended so far and NANOS spent in the kernel (both written by the front); KERNEL:
+ *   the address of the kernel to call (batchgen_decode_attention, or its _bf16 twin), BF16: 1 when
+ *   the step's tensors are bfloat16 (0: float32). */
 #define BATCHGEN_PLAN_FIELDS(X)                                                                          \
   X(ARGS) X(LAYERS) X(DECODES) X(TOKENS) X(HEADS) X(KV_HEADS) X(HEAD_DIM) X(BASES)          \
-  X(LAYER_BYTES) X(SLOTS) X(POOL_SLOTS) X(CALLS) X(NANOS)
+  X(LAYER_BYTES) X(SLOTS) X(POOL_SLOTS) X(CALLS) X(NANOS) X(KERNEL) X(BF16)
 
 #define BATCHGEN_INDEX_A(name) A_##name,
 #define BATCHGEN_INDEX_P(name) P_##name,

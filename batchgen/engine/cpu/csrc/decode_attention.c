@@ -7,7 +7,7 @@
  * per group, and the query heads that share a KV head read each key and value once.
  * See batchgen/engine/native.py (build, load, call) and decode_rows.py (the row layout).
  *
- * Layout (float32, all contiguous unless said):
+ * Layout (float32, or bfloat16 where built with BATCHGEN_BF16; all contiguous unless said):
  *   q            [kvh * g, tokens, d] the decodes' queries (strided, d contiguous; the decodes are
  *                                   tokens 0..n-1); query head h * g + j reads KV head h
  *   knew, vnew   [kvh, tokens, d]   this step's keys and values (strided the same way), stored at
@@ -37,6 +37,35 @@
 
 #include "decode_args.h"
 
+/* The model's element type: float32 here; decode_attention_bf16.c includes this file with
+ * BATCHGEN_BF16 defined for bfloat16 rows, queries, pools and output (every sum, score and the
+ * softmax stay float32: each bf16 element is widened as it is loaded, exactly, and only the output
+ * is rounded, to nearest even as torch rounds). Its exported names end in _bf16. */
+#ifdef BATCHGEN_BF16
+typedef uint16_t elem;
+static inline __attribute__((always_inline)) float LD(const elem x) {
+  union {
+    uint32_t i;
+    float f;
+  } u = {.i = (uint32_t)x << 16};
+  return u.f;
+}
+static inline __attribute__((always_inline)) elem ST(const float f) {
+  union {
+    float f;
+    uint32_t i;
+  } u = {.f = f};
+  if (f != f) return (elem)((u.i >> 16) | 0x40); /* a NaN stays a (quiet) NaN */
+  return (elem)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
+#define EXPORT(name) name##_bf16
+#else
+typedef float elem;
+#define LD(x) (x)
+#define ST(x) (x)
+#define EXPORT(name) name
+#endif
+
 #define TILE 16
 #define MAX_G 8
 #define MAX_D 256
@@ -62,7 +91,7 @@
  * one or two queries per KV head a single tile gave the FPU two chains to overlap where it needs
  * about eight; nt * g independent accumulators keep it busy (see SCORE_TILES). */
 static inline __attribute__((always_inline)) void score_tiles(const int64_t g, const int64_t d, const int64_t nt,
-                                                              const float *kt, int64_t l0, int64_t width,
+                                                              const elem *kt, int64_t l0, int64_t width,
                                                               float qs[MAX_G][MAX_D], float *s, int64_t stride) {
   float acc[MAX_NT][MAX_G][TILE];
   for (int64_t t = 0; t < nt; t++)
@@ -70,11 +99,11 @@ static inline __attribute__((always_inline)) void score_tiles(const int64_t g, c
       for (int64_t p = 0; p < TILE; p++) acc[t][j][p] = 0.f;
   for (int64_t x = 0; x < d; x++) {
     for (int64_t t = 0; t < nt; t++) {
-      const float *kr = kt + t * TILE * d + x * TILE;
+      const elem *kr = kt + t * TILE * d + x * TILE;
       for (int64_t j = 0; j < g; j++) {
         const float qx = qs[j][x];
 #pragma omp simd
-        for (int64_t p = 0; p < width; p++) acc[t][j][p] += qx * kr[p];
+        for (int64_t p = 0; p < width; p++) acc[t][j][p] += qx * LD(kr[p]);
       }
     }
   }
@@ -110,10 +139,12 @@ static inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * scale.f;
 }
 
+#ifndef BATCHGEN_BF16
 /* Exported for the tests only: y[i] = exp_nonpositive(x[i]). */
 void batchgen_exp_nonpositive(int64_t count, const float *x, float *y) {
   for (int64_t i = 0; i < count; i++) y[i] = exp_nonpositive(x[i]);
 }
+#endif
 
 /* rows j < g of s (stride apart), positions start..len-1: scores -> e^(score - row max); inv[j] = 1 / their sum */
 static inline __attribute__((always_inline)) void softmax_rows(const int64_t g, const int64_t start, const int64_t len,
@@ -137,7 +168,7 @@ static inline __attribute__((always_inline)) void softmax_rows(const int64_t g, 
 /* one decode's scores over whole tiles [l0, end) of a run of contiguous tiles from `base`: nt at a
  * time, then one at a time (a constant width and count keep the accumulators in registers);
  * returns where it stopped */
-static inline __attribute__((always_inline)) int64_t score_run(const int64_t g, const int64_t d, const float *base,
+static inline __attribute__((always_inline)) int64_t score_run(const int64_t g, const int64_t d, const elem *base,
                                                                int64_t l0, const int64_t end, float qs[MAX_G][MAX_D],
                                                                float *s, const int64_t stride) {
   const int64_t nt = SCORE_TILES(g);
@@ -148,8 +179,8 @@ static inline __attribute__((always_inline)) int64_t score_run(const int64_t g, 
 
 /* one decode's scores from the tile holding position `from` to len: whole tiles below `split` (a
  * multiple of TILE) from the class's first row kp, the rest, and the last partial tile, from its own k */
-static inline __attribute__((always_inline)) void scores(const int64_t g, const int64_t d, const float *kp,
-                                                         const float *k, const int64_t from, const int64_t split,
+static inline __attribute__((always_inline)) void scores(const int64_t g, const int64_t d, const elem *kp,
+                                                         const elem *k, const int64_t from, const int64_t split,
                                                          const int64_t len, float qs[MAX_G][MAX_D], float *s,
                                                          const int64_t stride) {
   int64_t l0 = score_run(g, d, kp, from / TILE * TILE, split, qs, s, stride);
@@ -159,27 +190,27 @@ static inline __attribute__((always_inline)) void scores(const int64_t g, const 
 
 /* acc[j] (even positions) and acc2[j] (odd) += s[j][l] * base[l] for l in [l, end): two
  * accumulators, so the multiply-adds form independent chains; returns end */
-static inline __attribute__((always_inline)) int64_t value_run(const int64_t g, const int64_t d, const float *base,
+static inline __attribute__((always_inline)) int64_t value_run(const int64_t g, const int64_t d, const elem *base,
                                                                int64_t l, const int64_t end, const float *s,
                                                                const int64_t stride, float acc[MAX_G][MAX_D],
                                                                float acc2[MAX_G][MAX_D]) {
   for (; l + 1 < end; l += 2) {
-    const float *v0 = base + l * d, *v1 = v0 + d;
+    const elem *v0 = base + l * d, *v1 = v0 + d;
     for (int64_t j = 0; j < g; j++) {
       const float p0 = s[j * stride + l], p1 = s[j * stride + l + 1];
 #pragma omp simd
       for (int64_t x = 0; x < d; x++) {
-        acc[j][x] += p0 * v0[x];
-        acc2[j][x] += p1 * v1[x];
+        acc[j][x] += p0 * LD(v0[x]);
+        acc2[j][x] += p1 * LD(v1[x]);
       }
     }
   }
   if (l < end) {
-    const float *v0 = base + l * d;
+    const elem *v0 = base + l * d;
     for (int64_t j = 0; j < g; j++) {
       const float p0 = s[j * stride + l];
 #pragma omp simd
-      for (int64_t x = 0; x < d; x++) acc[j][x] += p0 * v0[x];
+      for (int64_t x = 0; x < d; x++) acc[j][x] += p0 * LD(v0[x]);
     }
   }
   return end > l ? end : l;
@@ -187,19 +218,19 @@ static inline __attribute__((always_inline)) int64_t value_run(const int64_t g, 
 
 /* out[j] = (acc[j] + acc2[j]) * inv[j] */
 static inline __attribute__((always_inline)) void finish(const int64_t g, const int64_t d, float acc[MAX_G][MAX_D],
-                                                         float acc2[MAX_G][MAX_D], const float *inv, float *out) {
+                                                         float acc2[MAX_G][MAX_D], const float *inv, elem *out) {
   for (int64_t j = 0; j < g; j++)
-    for (int64_t x = 0; x < d; x++) out[j * d + x] = (acc[j][x] + acc2[j][x]) * inv[j];
+    for (int64_t x = 0; x < d; x++) out[j * d + x] = ST((acc[j][x] + acc2[j][x]) * inv[j]);
 }
 
 static inline __attribute__((always_inline)) void attend(const int64_t g, const int64_t d, const int64_t start,
-                                                         const int64_t len, const int64_t shared, const float *q,
-                                                         const int64_t qh, const float *k, const float *v, const float *kp,
-                                                         const float *vp, float scale, float *out, float *s) {
+                                                         const int64_t len, const int64_t shared, const elem *q,
+                                                         const int64_t qh, const elem *k, const elem *v, const elem *kp,
+                                                         const elem *vp, float scale, elem *out, float *s) {
   const int64_t stride = (len + TILE - 1) / TILE * TILE;
   float qs[MAX_G][MAX_D];
   for (int64_t j = 0; j < g; j++)
-    for (int64_t x = 0; x < d; x++) qs[j][x] = q[j * qh + x] * scale;
+    for (int64_t x = 0; x < d; x++) qs[j][x] = LD(q[j * qh + x]) * scale;
   const int64_t split = shared / TILE * TILE; /* whole tiles of the prefix (shared < len) */
   scores(g, d, kp, k, start, split, len, qs, s, stride);
   float inv[MAX_G];
@@ -220,15 +251,15 @@ static inline __attribute__((always_inline)) void attend(const int64_t g, const 
  * then go one decode at a time, as in attend(). k[u], v[u]: decode u's own row; s: scratch for
  * m decodes, decode u's g score rows from s + u * rows. No sliding window (the caller's check). */
 static inline __attribute__((always_inline)) void attend_block(
-    const int64_t g, const int64_t d, const int64_t m, const int64_t *len, const int64_t shared, const float *const *q,
-    const int64_t qh, const float *const *k, const float *const *v, const float *kp, const float *vp, float scale,
-    float *const *out, float *s, const int64_t rows) {
+    const int64_t g, const int64_t d, const int64_t m, const int64_t *len, const int64_t shared, const elem *const *q,
+    const int64_t qh, const elem *const *k, const elem *const *v, const elem *kp, const elem *vp, float scale,
+    elem *const *out, float *s, const int64_t rows) {
   float qs[MAX_BLOCK][MAX_G][MAX_D];
   int64_t stride[MAX_BLOCK];
   for (int64_t u = 0; u < m; u++) {
     stride[u] = (len[u] + TILE - 1) / TILE * TILE;
     for (int64_t j = 0; j < g; j++)
-      for (int64_t x = 0; x < d; x++) qs[u][j][x] = q[u][j * qh + x] * scale;
+      for (int64_t x = 0; x < d; x++) qs[u][j][x] = LD(q[u][j * qh + x]) * scale;
   }
   const int64_t split = shared / TILE * TILE; /* whole tiles of the prefix: shared < len, so none is a row's last */
   for (int64_t l0 = 0; l0 < split; l0 += TILE) {
@@ -236,14 +267,14 @@ static inline __attribute__((always_inline)) void attend_block(
     for (int64_t u = 0; u < m; u++)
       for (int64_t j = 0; j < g; j++)
         for (int64_t p = 0; p < TILE; p++) acc[u][j][p] = 0.f;
-    const float *kt = kp + l0 * d;
+    const elem *kt = kp + l0 * d;
     for (int64_t x = 0; x < d; x++) {
-      const float *kr = kt + x * TILE;
+      const elem *kr = kt + x * TILE;
       for (int64_t u = 0; u < m; u++)
         for (int64_t j = 0; j < g; j++) {
           const float qx = qs[u][j][x];
 #pragma omp simd
-          for (int64_t p = 0; p < TILE; p++) acc[u][j][p] += qx * kr[p];
+          for (int64_t p = 0; p < TILE; p++) acc[u][j][p] += qx * LD(kr[p]);
         }
     }
     for (int64_t u = 0; u < m; u++)
@@ -260,12 +291,12 @@ static inline __attribute__((always_inline)) void attend_block(
     for (int64_t j = 0; j < g; j++)
       for (int64_t x = 0; x < d; x++) acc[u][j][x] = 0.f;
   for (int64_t l = 0; l < shared; l++) {
-    const float *vr = vp + l * d;
+    const elem *vr = vp + l * d;
     for (int64_t u = 0; u < m; u++)
       for (int64_t j = 0; j < g; j++) {
         const float p = s[u * rows + j * stride[u] + l];
 #pragma omp simd
-        for (int64_t x = 0; x < d; x++) acc[u][j][x] += p * vr[x];
+        for (int64_t x = 0; x < d; x++) acc[u][j][x] += p * LD(vr[x]);
       }
   }
   for (int64_t u = 0; u < m; u++) { /* own positions: locals, so the sums stay in registers */
@@ -296,7 +327,9 @@ static inline __attribute__((always_inline)) void attend_block(
  * took ~2.1 us against ~0.5 for two. q, knew and vnew are read through their strides (the model's
  * [heads, tokens, d] views, d contiguous), so no per-layer transposed copies; the first n tokens are
  * the decodes. */
+#ifndef BATCHGEN_BF16
 const char *batchgen_decode_attention_arg_names(void) { return BATCHGEN_DECODE_ARGS(BATCHGEN_NAME); }
+#endif
 
 /* Whether decode i may be attended: its class and row inside the class tensors, its length inside
  * its row, a row as large as its class's stride says, its shared prefix short of its length, its
@@ -313,19 +346,20 @@ static int decode_in_bounds(const int64_t *a, int64_t i) {
   return !a[A_KPOOL] || (slot[i] >= 0 && slot[i] < a[A_POOL_SLOTS]);
 }
 
-int64_t batchgen_decode_attention(const int64_t *a, float scale) {
+int64_t EXPORT(batchgen_decode_attention)(const int64_t *a, float scale) {
   const int64_t n = a[A_N], kvh = a[A_KVH], g = a[A_G], d = a[A_D], threads = a[A_THREADS];
-  const float *q = (const float *)a[A_Q], *knew = (const float *)a[A_KNEW], *vnew = (const float *)a[A_VNEW];
+  const elem *q = (const elem *)a[A_Q], *knew = (const elem *)a[A_KNEW], *vnew = (const elem *)a[A_VNEW];
   const int64_t qh = a[A_Q_HEAD], qt = a[A_Q_TOKEN];
   const int64_t khs = a[A_K_HEAD], kts = a[A_K_TOKEN], vhs = a[A_V_HEAD], vts = a[A_V_TOKEN];
   const int64_t *kbase = (const int64_t *)a[A_KBASE], *vbase = (const int64_t *)a[A_VBASE];
   const int64_t *kstride = (const int64_t *)a[A_KSTRIDE], *vstride = (const int64_t *)a[A_VSTRIDE];
   const int64_t *cls = (const int64_t *)a[A_CLS], *row = (const int64_t *)a[A_ROW], *cap = (const int64_t *)a[A_CAP];
   const int64_t *len = (const int64_t *)a[A_LEN], *shared = (const int64_t *)a[A_SHARED];
-  float *kpool = (float *)a[A_KPOOL], *vpool = (float *)a[A_VPOOL];
+  elem *kpool = (elem *)a[A_KPOOL], *vpool = (elem *)a[A_VPOOL];
   const int64_t *slot = (const int64_t *)a[A_SLOT];
   const int64_t window = a[A_WINDOW], scratch_stride = a[A_SCRATCH_STRIDE];
-  float *out = (float *)a[A_OUT], *scratch = (float *)a[A_SCRATCH];
+  elem *out = (elem *)a[A_OUT];
+  float *scratch = (float *)a[A_SCRATCH];
   if (g < 1 || g > MAX_G || d < 1 || d > MAX_D || kvh < 1 || n < 0) return -1;
   for (int64_t i = 0; i < n; i++)
     if (!decode_in_bounds(a, i)) return -2;
@@ -346,19 +380,19 @@ int64_t batchgen_decode_attention(const int64_t *a, float scale) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t item = 0; item < nb * kvh; item++) {
     const int64_t b = item / kvh, h = item % kvh, i0 = first[b], m = first[b + 1] - i0, k0 = cls[i0], c = cap[i0];
-    float *kr = (float *)kbase[k0], *vr = (float *)vbase[k0]; /* the class's row 0 */
-    const float *kp = kr + h * d * c, *vp = vr + h * c * d;
-    const float *qu[MAX_BLOCK], *ku[MAX_BLOCK], *vu[MAX_BLOCK];
-    float *ou[MAX_BLOCK];
+    elem *kr = (elem *)kbase[k0], *vr = (elem *)vbase[k0]; /* the class's row 0 */
+    const elem *kp = kr + h * d * c, *vp = vr + h * c * d;
+    const elem *qu[MAX_BLOCK], *ku[MAX_BLOCK], *vu[MAX_BLOCK];
+    elem *ou[MAX_BLOCK];
     for (int64_t u = 0; u < m; u++) { /* this step's K/V into the rows (and the pool) */
       const int64_t i = i0 + u, last = len[i] - 1;
-      float *k = kr + row[i] * kstride[k0] + h * d * c, *v = vr + row[i] * vstride[k0] + h * c * d;
-      const float *kn = knew + i * kts + h * khs, *vn = vnew + i * vts + h * vhs;
+      elem *k = kr + row[i] * kstride[k0] + h * d * c, *v = vr + row[i] * vstride[k0] + h * c * d;
+      const elem *kn = knew + i * kts + h * khs, *vn = vnew + i * vts + h * vhs;
       for (int64_t x = 0; x < d; x++) k[(last - last % TILE) * d + x * TILE + last % TILE] = kn[x];
-      memcpy(v + last * d, vn, d * sizeof(float));
+      memcpy(v + last * d, vn, d * sizeof(elem));
       if (kpool) {
-        memcpy(kpool + (slot[i] * kvh + h) * d, kn, d * sizeof(float));
-        memcpy(vpool + (slot[i] * kvh + h) * d, vn, d * sizeof(float));
+        memcpy(kpool + (slot[i] * kvh + h) * d, kn, d * sizeof(elem));
+        memcpy(vpool + (slot[i] * kvh + h) * d, vn, d * sizeof(elem));
       }
       qu[u] = q + i * qt + h * g * qh, ku[u] = k, vu[u] = v, ou[u] = out + (i * kvh + h) * g * d;
     }
@@ -369,8 +403,8 @@ int64_t batchgen_decode_attention(const int64_t *a, float scale) {
       continue;
     }
     const int64_t start = window > 0 && len[i0] > window ? len[i0] - window : 0;
-    const float *k = ku[0], *v = vu[0], *qi = qu[0];
-    float *oi = ou[0];
+    const elem *k = ku[0], *v = vu[0], *qi = qu[0];
+    elem *oi = ou[0];
     if (!shared[i0]) kp = k, vp = v;
     const int64_t i = i0;
     SHAPE(1, 64) SHAPE(1, 128) SHAPE(2, 32) SHAPE(2, 64) SHAPE(2, 128) SHAPE(3, 64) SHAPE(3, 128)
@@ -390,9 +424,9 @@ int64_t batchgen_decode_attention(const int64_t *a, float scale) {
  * Why in C: torch did it as a gather of the blocks, a pad, and a transposing copy into the tiles
  * (three passes, the last strided); a row's fill is one pass here, tile by tile, and the writes to
  * a tile are contiguous. Returns 0, or -1 (nothing written) for a length or block out of range. */
-int64_t batchgen_fill_row(const float *kpool, const float *vpool, int64_t pool_blocks, int64_t block_size,
-                          int64_t kvh, int64_t d, const int64_t *blocks, int64_t nblocks, int64_t length,
-                          float *row_k, float *row_v, int64_t cap, int64_t threads) {
+int64_t EXPORT(batchgen_fill_row)(const elem *kpool, const elem *vpool, int64_t pool_blocks, int64_t block_size,
+                                  int64_t kvh, int64_t d, const int64_t *blocks, int64_t nblocks, int64_t length,
+                                  elem *row_k, elem *row_v, int64_t cap, int64_t threads) {
   if (length < 0 || length > cap || cap % TILE || block_size < 1 || length > nblocks * block_size || d < 1 ||
       d > MAX_D)
     return -1;
@@ -403,17 +437,17 @@ int64_t batchgen_fill_row(const float *kpool, const float *vpool, int64_t pool_b
   for (int64_t item = 0; item < kvh * tiles; item++) {
     const int64_t h = item / tiles, t = item % tiles, p0 = t * TILE;
     const int64_t width = length - p0 < TILE ? length - p0 : TILE;
-    const float *src[TILE];
+    const elem *src[TILE];
     for (int64_t j = 0; j < width; j++) {
       const int64_t p = p0 + j;
       const int64_t at = (blocks[p / block_size] * block_size + p % block_size) * token + h * d;
       src[j] = kpool + at;
-      memcpy(row_v + (h * cap + p) * d, vpool + at, d * sizeof(float));
+      memcpy(row_v + (h * cap + p) * d, vpool + at, d * sizeof(elem));
     }
-    float *dst = row_k + h * cap * d + p0 * d; /* the tile: d runs of TILE positions */
+    elem *dst = row_k + h * cap * d + p0 * d; /* the tile: d runs of TILE positions */
     for (int64_t x = 0; x < d; x++) {
       for (int64_t j = 0; j < width; j++) dst[x * TILE + j] = src[j][x];
-      for (int64_t j = width; j < TILE; j++) dst[x * TILE + j] = 0.f;
+      for (int64_t j = width; j < TILE; j++) dst[x * TILE + j] = 0;
     }
   }
   return 0;

@@ -6,7 +6,8 @@
 // (csrc/skinny_linear.c, wide_linear.c: its address comes from batchgen_linear_op_setup) for the row
 // counts whose bucket is set in the layer's `buckets` mask (bit b: rows in (2^(b-1), 2^b], bit 0: one
 // row; native_linear.py sets the bits where the kernel measured faster than torch's BLAS for that
-// layer's shape on this machine) for float32 inputs it can read, and at::linear for everything else,
+// layer's shape and dtype on this machine) for float32 or bfloat16 inputs it can read (the bf16 twin,
+// csrc/skinny_linear_bf16.c, for bf16), and at::linear for everything else,
 // so one compiled graph serves every step size. See batchgen/engine/native_linear.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,15 +21,20 @@
 
 namespace {
 
-using kernel_fn = int64_t (*)(int64_t, int64_t, int64_t, const float *, int64_t, const float *, const float *,
-                              float *, int64_t);
-kernel_fn kernel = nullptr;
+// x, w, bias, y as float32 (batchgen_linear) or bfloat16 (batchgen_linear_bf16), the element type's address
+using kernel_fn = int64_t (*)(int64_t, int64_t, int64_t, const void *, int64_t, const void *, const void *, void *,
+                              int64_t);
+kernel_fn kernel = nullptr, kernel_bf16 = nullptr;
 
-bool readable(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
-  auto cpu_float = [](const at::Tensor &t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); };
-  if (!cpu_float(x) || !cpu_float(weight) || !weight.is_contiguous() || weight.dim() != 2) return false;
-  if (x.dim() < 1 || x.size(-1) != weight.size(1)) return false;
-  return !bias.has_value() || (cpu_float(*bias) && bias->is_contiguous() && bias->numel() == weight.size(0));
+// the kernel for x's dtype where it can read all three (one dtype, on the CPU), else nullptr
+kernel_fn readable(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+  const at::ScalarType type = x.scalar_type();
+  const kernel_fn fn = type == at::kFloat ? kernel : type == at::kBFloat16 ? kernel_bf16 : nullptr;
+  auto cpu_same = [type](const at::Tensor &t) { return t.scalar_type() == type && t.device().is_cpu(); };
+  if (fn == nullptr || !cpu_same(x) || !cpu_same(weight) || !weight.is_contiguous() || weight.dim() != 2) return nullptr;
+  if (x.dim() < 1 || x.size(-1) != weight.size(1)) return nullptr;
+  const bool bias_ok = !bias.has_value() || (cpu_same(*bias) && bias->is_contiguous() && bias->numel() == weight.size(0));
+  return bias_ok ? fn : nullptr;
 }
 
 // rows' bucket: 0 for one row, b for (2^(b-1), 2^b]
@@ -38,26 +44,28 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &weight, const std::opti
                   int64_t buckets) {
   const int64_t k = weight.dim() == 2 ? weight.size(1) : 0, n = weight.dim() == 2 ? weight.size(0) : 0;
   const int64_t rows = k > 0 ? x.numel() / k : 0;
-  if (kernel == nullptr || rows < 1 || bucket(rows) > 62 || !((buckets >> bucket(rows)) & 1) ||
-      !readable(x, weight, bias)) {
-    return at::linear(x, weight, bias);
-  }
+  const kernel_fn fn = rows < 1 || bucket(rows) > 62 || !((buckets >> bucket(rows)) & 1) ? nullptr
+                                                                                          : readable(x, weight, bias);
+  if (fn == nullptr) return at::linear(x, weight, bias);
   at::Tensor flat = x.reshape({rows, k});
   if (flat.stride(1) != 1) flat = flat.contiguous();
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
   at::Tensor out = at::empty(sizes, x.options());
-  const float *b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int64_t failed = kernel(rows, n, k, flat.data_ptr<float>(), flat.stride(0), weight.data_ptr<float>(), b,
-                                out.data_ptr<float>(), at::get_num_threads());
+  const void *b = bias.has_value() ? bias->data_ptr() : nullptr;
+  const int64_t failed =
+      fn(rows, n, k, flat.data_ptr(), flat.stride(0), weight.data_ptr(), b, out.data_ptr(), at::get_num_threads());
   TORCH_CHECK(failed == 0, "native linear refused ", rows, " rows for a [", n, ", ", k, "] weight");
   return out;
 }
 
 }  // namespace
 
-// fn: batchgen_linear's address
-extern "C" void batchgen_linear_op_setup(void *fn) { kernel = reinterpret_cast<kernel_fn>(fn); }
+// fn, fn_bf16: batchgen_linear's and batchgen_linear_bf16's addresses
+extern "C" void batchgen_linear_op_setup(void *fn, void *fn_bf16) {
+  kernel = reinterpret_cast<kernel_fn>(fn);
+  kernel_bf16 = reinterpret_cast<kernel_fn>(fn_bf16);
+}
 
 // the schema and the fake (shape-only) implementation are defined in native_linear.py
 TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("linear", &linear); }

@@ -13,14 +13,9 @@ structured-output mask. Semantics:
   * bad_words (transformers' bad_words_ids, vLLM's bad_words): each word is tokenized as written
     and with a leading space; a word's last token is banned when the tokens before it end the
     sequence (prompt + output), so a one-token word is never generated.
-Per-row host state (the tail bad words look at, the grammar matcher) is a FeatureRow, held by the
-runner's sampling batch (sampling/batch): made from the prompt when the sequence is new (`row`),
-advanced by each sampled token (`accept`). The token history penalties read lives on the device
-(sampling/penalty_state), counted from the sampled ids there (`count`). What a step sends up goes
-through the step's staged upload (feature_plan): no host value is read or sent mid-step.
-Preemption cannot disturb the state: a preempted sequence keeps its tokens. `check` refuses a
-request up front (ids outside the vocabulary, a grammar that does not compile), so making its row
-later cannot fail.
+Per-row host state is a FeatureRow (made by `row`, advanced by `accept`); the penalties' token
+history lives on the device (penalty_state). `check` refuses a bad request up front, so making its
+row later cannot fail.
 """
 
 from __future__ import annotations

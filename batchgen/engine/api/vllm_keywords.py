@@ -1,10 +1,20 @@
 """vLLM's `LLM(...)` keywords -> batchgen's engine settings: a script written for vLLM constructs ours.
 
-Each keyword is mapped onto a setting (`enforce_eager=True` -> `compile=False`,
-`num_gpu_blocks_override` -> `num_kv_blocks`, `seed`, EngineConfig's own names), accepted with any
-value where it changes no output (`swap_space`, `enable_chunked_prefill`, ...), or accepted only at
-its neutral value and refused otherwise with what batchgen does instead. Other EngineArgs fields:
-vllm_engine_args; anything else goes on to EngineConfig, which refuses an unknown name.
+Clients pass vLLM's constructor keywords with neutral values (lm-evaluation-harness always sends
+`seed`, `tensor_parallel_size=1`, `trust_remote_code=False`, `revision=None`, `quantization=None`,
+`enable_lora=False`, `max_lora_rank=16`, ...). Each keyword is one of:
+  * mapped onto a setting of ours: `enforce_eager=True` -> `compile=False` (no torch.compile, no
+    CUDA graphs), `num_gpu_blocks_override` -> `num_kv_blocks`, `max_model_len`, `max_num_seqs`,
+    `max_num_batched_tokens`, `block_size`, `gpu_memory_utilization`, `enable_prefix_caching`
+    (EngineConfig's own names; None means our default), `seed` (the sampler's generator for
+    requests without their own seed: unseeded random sampling repeats for a given LLM seed);
+  * accepted with any valid value because it changes no output here (`swap_space`: batchgen
+    recomputes a preempted sequence rather than swapping it; `disable_log_stats`; LoRA sizes while
+    LoRA is off; `enable_chunked_prefill`: prefills are always chunked, as in vLLM V1);
+  * accepted only with its neutral value and refused otherwise, with a message saying what
+    batchgen does instead (`trust_remote_code=True`, a `revision`, `quantization`, LoRA, ...).
+Every other field of vLLM's EngineArgs is accepted at vLLM's default and refused otherwise
+(vllm_engine_args); anything else goes on to EngineConfig, which refuses an unknown name.
 """
 
 from __future__ import annotations

@@ -1,11 +1,24 @@
 """Scheduler: token-budget continuous batching with chunked prefill and preemption.
 
-One rule for prefill and decode (vLLM v1): `num_computed_tokens` catches up with `num_tokens`.
-Each step: running sequences first (oldest first; when the pool is short the NEWEST is preempted,
-to be recomputed), then waiting ones in order while budget and seats remain and nothing was
-preempted, each admitted only when its whole remaining prompt fits. It is the only writer of a
-sequence's progress and status; n > 1 forks when the prompt's chunk ends (blocks shared copy on
-write). Its output is an immutable ScheduledBatch with the diff since the last step.
+One rule for prefill and decode (vLLM v1): each sequence's `num_computed_tokens` catches up with
+its `num_tokens`; a decode is (nearly) a chunk of one token, see `is_decode`. Each step:
+  1. running sequences, oldest admission first, each get min(uncomputed, budget left) tokens; when
+     the pool cannot hold a chunk, the NEWEST running sequence is preempted (blocks freed, to be
+     recomputed later) until it can — possibly the sequence itself;
+  2. then waiting sequences in order, while budget and seats remain and nothing was preempted in
+     this step: reuse their longest cached prefix, and admit one only when the pool has room for
+     its whole remaining prompt.
+The scheduler touches no tensors and no hashes; memory goes through the BlockManager.
+
+It owns every sequence (vLLM v1's split): it is the only writer of a sequence's progress and
+status, computed tokens (advanced when scheduled: a failed step aborts every sequence), output
+tokens (`update_from_output`), status (`finish`, preemption, admission), and, through the block
+manager, its blocks. A request with n > 1 forks in the step whose chunk ends its prompt: the
+prompt is prefilled once, samples 1..n-1 share its blocks (copy on write) and its logits row. Its
+output is an immutable ScheduledBatch (scheduler_output) that names sequences by id and carries
+what changed since the last step (new, finished, preempted, resumed) as a BatchUpdate, from
+which the runner side keeps its own state, and who draws from which row. `drop_all` forgets
+every sequence at once (an aborted generate).
 """
 
 from __future__ import annotations

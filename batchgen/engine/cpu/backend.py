@@ -1,10 +1,14 @@
 """CpuBackend ("cpu"): attention over contiguous decode rows, with the native kernel and its C++ front.
 
-Why a backend of its own: a CPU decode step is memory-bound, and three things measured faster than
-gathered blocks (benchmarks/RESULTS.md): contiguous K/V rows per sequence (decode_rows), the native
-kernel appending and attending every decode in one call per layer (decode_native), and its C++
-front on decode-only steps (front). Without the kernel the rows take the torch math in the layout
-measured faster (decode_layout); prefills and mixed steps are the torch backend's code.
+Why a backend of its own: on a CPU a decode step is memory-bound, and three things measured
+faster there than the torch backend's gathered blocks (benchmarks/RESULTS.md): a contiguous row
+of K/V per decoding sequence (decode_rows), the native decode kernel that appends and attends
+every decode in one call per layer (decode_native, where it can attend the model: float32, no
+soft-capping), and the C++ operator that calls that kernel without Python per layer on
+decode-only steps (front). Without the kernel (bfloat16, Gemma 2's soft-capping, no compiler)
+the rows are attended with the torch backend's math, in the key layout measured faster for the
+model's shape (decode_layout: batched products in float32 softmax, or SDPA). Everything else (prefills, mixed steps) is
+the torch backend's code, which this one is tested against.
 """
 
 from __future__ import annotations

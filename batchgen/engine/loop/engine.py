@@ -1,10 +1,19 @@
 """Engine: the step loop that ties the scheduler, the model runner and the output side together.
 
-Each step is one straight road (vLLM v1): `schedule()` -> one frozen ScheduledBatch (n > 1 forks
-included) -> `runner.execute` (one upload, one forward, the draw, ONE read) -> ModelRunnerOutput ->
-the scheduler takes the tokens -> stop checks -> finished requests become RequestOutputs. Nothing
-below calls back into the loop. This engine owns only the output side (RequestTable); a failed
-`generate()` drops every owner's state at once (abort_all).
+Each step is one straight road (vLLM v1): the scheduler decides everything the step needs and
+hands it down as one frozen ScheduledBatch (the chunks, what changed, who draws from which logits
+row: a request with n > 1 forks inside `schedule()` when its prompt ends, its samples sharing the
+prompt's blocks and row) -> the model runner executes it in one call (its state updated from the
+batch's diff, one upload, one forward, the sampler's draw, ONE read) and returns a
+ModelRunnerOutput (drawn ids, logprobs, the NaN flag, prompt logprobs) -> the scheduler takes the
+tokens -> stop checks -> finished samples go through the scheduler (blocks released now; the
+runner hears of them in the next batch); a request whose samples are all finished becomes a
+RequestOutput. Nothing below this loop calls back into it. A request that can never fit becomes
+an "error" output on its own. When `generate()` fails, every owner drops its whole state at once
+(abort_all), so the engine can be used again.
+
+State: the scheduler owns sequences (progress, status, blocks), the runner its persistent batch
+and the sampler, and this engine only the output side (RequestTable: texts, stop checks, logprobs).
 """
 
 from __future__ import annotations
@@ -164,8 +173,14 @@ class Engine:
             row += count
 
     def abort_all(self) -> None:
-        """Drop every unfinished request and what it holds, reporting none: each owner drops its whole
-        state, prefix cache included (a half-run step's K/V cannot be trusted)."""
+        """Drop every unfinished request (queued or running) and what it holds, reporting none of them.
+
+        Each owner drops its whole state: the scheduler its queues and the block pool (the prefix
+        cache too), the runner its persistent batch, decode rows and K/V, and this engine its
+        output side. Why everything, and the prefix cache too: a failed step may have been half
+        run, so the K/V it wrote (and any block registered for it) cannot be trusted, and its
+        requests' counts no longer match the cache.
+        """
         dropped = self.scheduler.drop_all()
         if dropped:
             logger.warning("aborted %d unfinished requests", dropped)
@@ -187,8 +202,11 @@ class Engine:
         on_output: Callable[[RequestOutput], None] | None = None,
         texts: list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run `prompts` to completion; outputs in input order (`request_id`: the index), `on_output`
-        as each one finishes; `texts`: the prompts' texts for the outputs' `prompt`."""
+        """Run `prompts` to completion; outputs in input order, `on_output` as each one finishes.
+
+        Each output's `request_id` is its index in `prompts` (as a string); `texts` are the
+        prompts' texts for the outputs' `prompt` (None: not given as text).
+        """
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         try:

@@ -1,10 +1,22 @@
 """ModelRunner: owns the HF model, the paged KV pool, the attention backend and the sampler; runs a step.
 
-`execute(batch)` takes the scheduler's frozen ScheduledBatch and returns a ModelRunnerOutput
-(vLLM v1): apply the diff, stage everything for one upload, one packed [1, T] forward of the
-unchanged HF model (StepForward; CUDA-graph replays for decode-only steps where the Platform
-allows), draw, one read. It decides nothing. Pooling runs the same forward (`pool_forward`).
-Persistent state (sampling rows, the backend's decode rows) changes only from the diffs.
+A step is one call down and one result back (vLLM v1): `execute(batch)` takes the scheduler's
+frozen ScheduledBatch and returns a ModelRunnerOutput; nothing it calls calls back up. It applies
+the batch's diff to its persistent state, stages the forward's metadata and the draw's inputs
+(sampling/step_draw) for one upload, packs every chunk into one [1, T] row in the order its
+attention backend plans, runs the unchanged HF model (its attention bound to that backend:
+attention/interface), keeps float32 logits only for the sampled chunks and prompt-logprob
+positions, draws, and reads everything back in one copy. It decides nothing: what runs, and who
+draws from which row, is the scheduler's business. The forward runs through StepForward (eager
+or compiled); on CUDA with compile and the triton backend, decode-only steps replay the CUDA
+graph of their batch-size bucket (cuda/graphs). Pooling runs the same packed forward
+(`pool_forward`) and gets the base model's hidden states. Which backend, the thread
+policy, what compiling is told and whether graphs exist are the device's Platform's answers
+(api/platform, engine/platforms).
+
+Persistent state, updated only from the scheduler's diffs: the sampling rows (`batch`, with the
+sampler; a runner made without one, a tensor-parallel worker's or the memory profile's, only
+runs the forward) and the backend's decode rows. `drop_all` drops both and zeroes the pool.
 """
 
 from __future__ import annotations

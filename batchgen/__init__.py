@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchgen.engine.api.lora_request import LoRARequest
 from batchgen.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.api.structured_outputs import StructuredOutputsParams
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "RequestOutput",

@@ -107,6 +107,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check JOB_FILE, its inputs and the model folder without loading weights or running anything."""
     _setup_logging(logging.WARNING)
     from batchgen.inputs.dataset import planned_rows
+    from batchgen.job.adapters import adapter_lines
     from batchgen.run.validate import dtype_line, input_listing, validate_job
 
     def work() -> None:
@@ -117,6 +118,8 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         for line in input_listing(files, spec.input.limit):
             click.echo(f"  {line}")
         click.echo(f"  {dtype_line(spec)}")
+        for line in adapter_lines(spec):
+            click.echo(f"  {line}")
 
     _guarded(work)
 

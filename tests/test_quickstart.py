@@ -68,7 +68,8 @@ def test_every_shipped_job_file_validates() -> None:
     for job in jobs:
         result = CliRunner().invoke(main, ["validate", str(job)])
         assert result.exit_code == 0, (job.name, result.output)
-        data = "openai_requests.jsonl: 4 rows" if job.name == "openai_batch.yaml" else "prompts.parquet: 2400 rows"
+        special = {"openai_batch.yaml": "openai_requests.jsonl: 4 rows", "lora.yaml": "lora_prompts.parquet: 24 rows"}
+        data = special.get(job.name, "prompts.parquet: 2400 rows")
         assert f"{REPO / 'sample_data' / data}" in result.output
 
 

@@ -14,7 +14,7 @@ OnOutput = Callable[[RequestOutput], None]
 class Backend(Protocol):
     """Generates completions for token-id prompts; returns one RequestOutput per prompt, in order.
 
-    A request the backend cannot serve comes back with finish_reason "error" and `error` set;
+    A request the backend cannot serve (its adapter among them) comes back with finish_reason "error" and `error` set;
     it never raises for one bad request. `on_output` is called as each request finishes.
     """
 
@@ -28,5 +28,12 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
-    ) -> list[RequestOutput]: ...
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        on_output: OnOutput | None = None,
+        adapters: list[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """`adapters`: per prompt, the name of its LoRA adapter in model.lora (None: the base
+        model); None: every prompt runs the base model."""
+        ...

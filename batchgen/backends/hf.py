@@ -66,8 +66,14 @@ class HFBackend:
         return dict(self.runtime)
 
     def generate(
-        self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        on_output: OnOutput | None = None,
+        adapters: list[str | None] | None = None,
     ) -> list[RequestOutput]:
+        if adapters is not None and any(adapters):  # why: the job file refuses model.lora with hf at load
+            raise ValueError("model.lora: engine.backend hf serves the base weights only; use engine.backend native")
         for p in params:  # why: the job file refuses these at load; a library caller learns it here
             for name in HF_UNSUPPORTED:
                 if getattr(p, name) != getattr(_DEFAULTS, name):

@@ -9,6 +9,7 @@ from batchgen.backends.weights import weight_errors_as_model_errors
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
+from batchgen.job.adapters import read_adapters
 from batchgen.job.spec import JobSpec
 
 
@@ -21,6 +22,10 @@ class NativeBackend:
         from batchgen.engine.runner.models import resolve_device, resolve_dtype
 
         settings = spec.engine.engine_settings()
+        self.adapters = read_adapters(spec)  # model.lora, read (checked against the model by validate)
+        if self.adapters is not None:
+            settings.update(self.adapters.engine_settings())
+        self._lora_requests = self.adapters.requests() if self.adapters is not None else {}
         try:
             # Why resolved here: the engine is handed the very device and dtype the job record names,
             # and its attention backend is resolved by the engine's own rule for that device.
@@ -43,9 +48,16 @@ class NativeBackend:
         return {**self.runtime, **(engine() if callable(engine) else {})}
 
     def generate(
-        self, prompts: list[list[int]], params: list[SamplingParams], on_output: OnOutput | None = None
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        on_output: OnOutput | None = None,
+        adapters: list[str | None] | None = None,
     ) -> list[RequestOutput]:
-        return self.llm.generate(prompts, params, on_output=on_output)
+        if adapters is None or not any(adapters):
+            return self.llm.generate(prompts, params, on_output=on_output)
+        requests = [None if a is None else self._lora_requests[a] for a in adapters]
+        return self.llm.generate(prompts, params, on_output=on_output, lora_request=requests)
 
     @property
     def stats(self) -> dict[str, int]:

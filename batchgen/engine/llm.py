@@ -21,6 +21,8 @@ from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.loop.engine import Engine
+from batchgen.engine.lora.requests import NOT_ENABLED, LoRAAdapters, per_prompt
+from batchgen.engine.lora.setup import install_lora
 from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.parallel.sharded_runner import ShardedRunner
 from batchgen.engine.platforms import platform_for
@@ -110,9 +112,12 @@ class LLM(PoolingMethods):
         task = resolve_task(model, task)
         if task not in TASKS:
             raise ValueError(f"LLM(task={task!r}): must be one of 'auto', {', '.join(map(repr, TASKS))}")
+        if task != "generate" and config.enable_lora:
+            raise ValueError(f"LLM(task={task!r}, enable_lora=True): LoRA adapters serve task 'generate' only")
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
         self._pooling: PoolingModel | None = None
         self._tp: TensorParallelGroup | None = None
+        self._lora: LoRAAdapters | None = None
         if task != "generate" and config.tensor_parallel_size > 1:
             raise ValueError(f"LLM(task={task!r}): tensor_parallel_size > 1 serves task 'generate' only")
         if runs_on_engine(model, task):
@@ -155,6 +160,9 @@ class LLM(PoolingMethods):
         hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype, pooling)
         # the device's measured kernels (the CPU's linears); not under TP: see README, tensor parallelism
         self.native_linears = platform.install_kernels(hf_model, dtype) if self._tp is None else 0
+        lora: dict[str, Any] = {}  # why before the pool: the adapter slots' memory is not the KV cache's
+        if resolved.enable_lora:
+            lora["lora"], self._lora = install_lora(hf_model, resolved, hf_model.config, device, dtype)
         spec = kv_spec(hf_model.config)
         measured = self._tp.kv_budget if self._tp is not None else None
         blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, resolved, device, dtype, measured_budget=measured)
@@ -175,6 +183,7 @@ class LLM(PoolingMethods):
             max_num_batched_tokens=resolved.max_num_batched_tokens,
             compile_fallback=resolved.compile_fallback,
             sampler=sampler,
+            **lora,
         )
         block_manager = BlockManager(blocks, runner.block_size, resolved.enable_prefix_caching)
         scheduler = Scheduler(resolved, block_manager, resolved.max_model_len)
@@ -197,9 +206,8 @@ class LLM(PoolingMethods):
         )
 
     def get_tokenizer(self, lora_request: object = None) -> Any:
-        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`)."""
-        if lora_request is not None:
-            raise NotImplementedError("LLM.get_tokenizer: lora_request is not supported by batchgen")
+        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`); an adapter's too
+        (adapters that add tokens are refused: their embeddings would be targets)."""
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -233,10 +241,12 @@ class LLM(PoolingMethods):
         `prompts`: a string, a `{"prompt": str}` or `{"prompt_token_ids": [...]}` dict, a list of
         token ids, or a list of these. `sampling_params`: one for all, one per prompt, or None for
         the defaults. `use_tqdm` is accepted and ignored (library code shows no bars);
-        `lora_request` is refused. `on_output` is called with each output as it finishes.
+        `lora_request`: None (the base model), a LoRARequest for all, or one (or None) per prompt,
+        with enable_lora; an adapter that cannot be read or run makes its prompts error outputs.
+        `on_output` is called with each output as it finishes.
         """
-        if lora_request is not None:
-            raise NotImplementedError("LLM.generate: lora_request is not supported by batchgen")
+        if lora_request is not None and self._lora is None:
+            raise ValueError(f"LLM.generate: {NOT_ENABLED}")
         if not hasattr(self, "engine"):
             raise ValueError(f"LLM(task={self.task!r}) on {self._model_path} is a pooling model: it cannot generate")
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -252,7 +262,11 @@ class LLM(PoolingMethods):
             if len(params) != len(encoded):
                 raise ValueError(f"got {len(encoded)} prompts but {len(params)} SamplingParams")
         token_ids = [ids for ids, _ in encoded]
-        return self.engine.generate(token_ids, params, on_output=on_output, texts=[t for _, t in encoded])
+        texts = [t for _, t in encoded]
+        if lora_request is None or self._lora is None:
+            return self.engine.generate(token_ids, params, on_output=on_output, texts=texts)
+        extras, refusals = self._lora.resolve(per_prompt(lora_request, len(encoded)))
+        return self.engine.generate(token_ids, params, on_output, texts, extras, refusals)
 
     def chat(
         self,

@@ -28,6 +28,8 @@ import tempfile
 from typing import Any
 
 from batchgen.engine.core.block_hash import chain_block_hashes
+from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
+from batchgen.inputs.adapter_column import adapter_column, row_adapters
 from batchgen.inputs.dataset import InputFile, plan_shards
 from batchgen.inputs.key_sort import HASH_BYTES, NO_REQUEST, Cut, KeySorter, plan_parts
 from batchgen.inputs.part_rows import file_offsets
@@ -65,22 +67,28 @@ def key_columns(spec: JobSpec) -> list[str]:
         names = [c for c in (i.prompt_column or i.messages_column,) if c is not None]
     if i.group_column is not None:
         names.append(i.group_column)
+    column = adapter_column(spec)
+    if column is not None:
+        names.append(column)
     return list(dict.fromkeys(names))
 
 
-def prompt_key(prompt_ids: list[int] | None, block_size: int, cut: bool = False) -> bytes:
+def prompt_key(
+    prompt_ids: list[int] | None, block_size: int, cut: bool = False, extras: RequestExtras = NO_EXTRAS
+) -> bytes:
     """The first HASH_BYTES of the chained hash of each of the prompt's leading full blocks (at
     most KEY_BLOCKS; the last token is always computed, so a block ending on it is left out, as
     the block manager leaves it); NO_REQUEST for a row that is no request. `cut`: the ids are of the
     prompt's first MAX_CHARS characters, so the last CUT_MARGIN tokens (which the rest of the text
-    could have tokenized otherwise) are left out too."""
+    could have tokenized otherwise) are left out too. `extras`: what else the request's blocks
+    hash (its adapter's content hash), as the block manager hashes them."""
     if prompt_ids is None:
         return NO_REQUEST
     if not prompt_ids:
         return b""
     usable = len(prompt_ids) - (CUT_MARGIN if cut else 1)
     blocks = max(0, min(usable // block_size, KEY_BLOCKS))
-    return b"".join(h[:HASH_BYTES] for h in chain_block_hashes(prompt_ids, block_size, blocks, []))
+    return b"".join(h[:HASH_BYTES] for h in chain_block_hashes(prompt_ids, block_size, blocks, [], extras))
 
 
 def group_key(value: Any) -> bytes:
@@ -89,9 +97,21 @@ def group_key(value: Any) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=HASH_BYTES).digest()
 
 
-def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: int) -> Cut:
+def adapter_key(name: str | None, hashes: dict[str, bytes]) -> tuple[bytes, RequestExtras]:
+    """A row's adapter's place in its key (one hash block, first: each adapter's rows sort together,
+    the base model's first) and the extras its blocks hash with (core/block_hash: the one rule)."""
+    if name is None:
+        return bytes(HASH_BYTES), NO_EXTRAS
+    content = hashes[name]
+    return hashlib.blake2b(content, digest_size=HASH_BYTES).digest(), RequestExtras(adapter_hash=content)
+
+
+def plan_cut(
+    spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: int, adapters: dict[str, bytes] | None = None
+) -> Cut:
     """The job's parts: every planned row (input.limit respected), those sharing a prefix in key
-    order, the others in input order, cut by window_rows."""
+    order, the others in input order, cut by window_rows. `adapters`: name -> content hash of the
+    job's LoRA adapters (model.lora): a row's key starts with its adapter's (adapter_key)."""
     preparer = RowPreparer(spec, tokenizer, 1 << 62)
     group = spec.input.group_column
     with tempfile.TemporaryDirectory(prefix="batchgen-plan-") as folder:
@@ -100,10 +120,29 @@ def plan_cut(spec: JobSpec, files: list[InputFile], tokenizer: Any, block_size: 
         chunks = plan_shards(files, READ_ROWS, spec.input.limit)
         max_chars = (KEY_BLOCKS * block_size + CUT_MARGIN) * CHARS_PER_KEY_TOKEN
         for shard, table in read_shards(files, chunks, key_columns(spec)):
-            keys = [prompt_key(ids, block_size, cut) for ids, cut in preparer.prompt_ids(table, max_chars)]
+            prompts = preparer.prompt_ids(table, max_chars)
+            if adapters:
+                keys = _adapter_keys(spec, table, prompts, block_size, adapters)
+            else:
+                keys = [prompt_key(ids, block_size, cut) for ids, cut in prompts]
             if group is not None:
                 keys = [group_key(v) + k for v, k in zip(table.column(group).to_pylist(), keys)]
             sorter.add(keys, int(offsets[shard.file_index]) + shard.start)
         cut = plan_parts(sorter, spec.engine.window_rows)
     log.info("prefix plan: %d rows in %d parts (%d spilled runs)", len(cut.rows), len(cut.starts) - 1, len(sorter.runs))
     return cut
+
+
+def _adapter_keys(
+    spec: JobSpec, table: Any, prompts: list[tuple[list[int] | None, bool]], block_size: int, hashes: dict[str, bytes]
+) -> list[bytes]:
+    """Keys of rows that name adapters: the adapter's block, then the prompt's blocks hashed under
+    it; a row naming an adapter the job lacks is no request (it becomes an error row)."""
+    keys = []
+    for (ids, cut), (name, problem) in zip(prompts, row_adapters(spec, table)):
+        if problem is not None:
+            keys.append(NO_REQUEST)
+            continue
+        head, extras = adapter_key(name, hashes)
+        keys.append(head + prompt_key(ids, block_size, cut, extras))
+    return keys

@@ -12,11 +12,22 @@ Strategy = Literal["prefix", "length", "none"]
 PREFIX_KEY_TOKENS = 64  # prompts agreeing on this many leading tokens form one group
 
 
-def order_requests(prompts: list[list[int]], strategy: Strategy) -> list[int]:
-    """Indices into `prompts`, in the order to hand them to the engine."""
+def order_requests(prompts: list[list[int]], strategy: Strategy, adapters: list[str | None] | None = None) -> list[int]:
+    """Indices into `prompts`, in the order to hand them to the engine. `adapters`: each prompt's
+    LoRA adapter (None: the base model); with prefix or length ordering each adapter's prompts come
+    together (base first), so an adapter's rows run while it is resident."""
     indices = range(len(prompts))
     if strategy == "none":
         return list(indices)
+    if adapters is not None:
+        by_adapter: dict[str | None, list[int]] = {}
+        for i in indices:
+            by_adapter.setdefault(adapters[i], []).append(i)
+        out: list[int] = []
+        for name in sorted(by_adapter, key=lambda a: (a is not None, a or "")):
+            members = by_adapter[name]
+            out += [members[j] for j in order_requests([prompts[i] for i in members], strategy)]
+        return out
     if strategy == "length":
         return sorted(indices, key=lambda i: -len(prompts[i]))
     if strategy == "prefix":

@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.errors import ModelError
+from batchgen.inputs.adapter_column import UNKNOWN_ADAPTER, adapter_column, row_adapters
 from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.inputs.part_rows import PartRows
@@ -33,6 +34,7 @@ class PreparedRow:
     error_code: str | None = None
     error_message: str | None = None
     label: str = ""  # names the row in messages: file, row index, id (see row_labels)
+    adapter: str | None = None  # the LoRA adapter the row names (model.lora); None: the base model
     unreadable: bool = False  # its input line did not parse: that, not its (null) id, is its error
 
     @property
@@ -58,6 +60,7 @@ def input_columns(spec: JobSpec) -> list[str]:
         names += ["messages", "url", "json_schema", "logprobs_requested", "dimensions"]
     if spec.pooling is not None and spec.pooling.document_column is not None:  # score pairs' second text
         names.append(spec.pooling.document_column)
+    names.append(adapter_column(spec))  # the row's LoRA adapter (None: the job has none)
     return [n for n in dict.fromkeys(names) if n is not None]
 
 
@@ -98,6 +101,10 @@ class RowPreparer:
         texts = self._texts(table, rows, labels)
         self._tokenize(texts, rows, labels)
         self._sampling(table, rows, labels, keys)
+        for i, (adapter, problem) in enumerate(row_adapters(self.spec, table)):
+            rows[i].adapter = adapter
+            if problem is not None and rows[i].ok:
+                rows[i].fail(UNKNOWN_ADAPTER, f"{labels[i]}: {problem}")
         return rows
 
     def prepare_part(

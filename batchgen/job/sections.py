@@ -44,6 +44,24 @@ class ModelSection(_Strict):
     path: Path = Field(strict=False)
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # LoRA adapters: name -> PEFT folder (local, resolved against the job file's folder; or an
+    # s3:// / gs:// URI, fetched to a local cache). Rows pick one by name (input.lora_column).
+    lora: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("lora")
+    @classmethod
+    def _adapter_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not ADAPTER_NAME.fullmatch(name):
+                raise PydanticCustomError(
+                    "adapter_name",
+                    "adapter name {name} must be letters, digits, '.', '_', '-' or '/' (a row names it)",
+                    {"name": repr(name)},
+                )
+            if not path.strip():
+                raise PydanticCustomError("adapter_path", "model.lora.{name}: empty path", {"name": name})
+            check_storage_options(path, {}, f"model.lora.{name}")  # an unsupported scheme or no bucket fails here
+        return value
 
     @field_validator("device")
     @classmethod
@@ -53,6 +71,8 @@ class ModelSection(_Strict):
             raise PydanticCustomError("device", "must be {choices}, got {value}", context)
         return value
 
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 
 # What an OpenAI batch file's rows are made of (batchgen/inputs/openai_requests.py): set by the format.
 _OPENAI_SET = ("prompt_column", "messages_column", "id_column", "sampling_columns")
@@ -74,6 +94,7 @@ class InputSection(_Strict):
     # none: parts are contiguous row ranges in input order
     grouping: Literal["auto", "none"] = "auto"
     group_column: str | None = None  # rows with equal values here are grouped first (grouping: auto)
+    lora_column: str | None = None  # the row's adapter, a name in model.lora (null or empty: the base model)
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSection:
@@ -107,6 +128,8 @@ class InputSection(_Strict):
         from batchgen.inputs.openai_requests import SAMPLING_COLUMNS
 
         chosen = [k for k in _OPENAI_SET if getattr(self, k)]
+        if self.lora_column is not None:
+            chosen.append("lora_column (a request's body.model names its adapter)")
         if chosen and (self.prompt_column, self.id_column) != ("prompt", "custom_id"):  # (a re-validated dump)
             raise ValueError(f"input.format openai_batch sets {', '.join(chosen)} itself; remove them")
         self.prompt_column, self.id_column = "prompt", "custom_id"
@@ -136,12 +159,18 @@ class OutputSection(_Strict):
         return self
 
 
-class PricingSection(_Strict):
-    """Prices in any currency per million tokens, read by `estimate` and `report` only."""
+class AdapterPrices(_Strict):
+    """One LoRA adapter's own prices; a price not given is the job's (pricing.input, ...)."""
 
     input: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
     cached_input: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
     output: Decimal | None = Field(default=None, ge=0, strict=False, allow_inf_nan=False)
+
+
+class PricingSection(AdapterPrices):
+    """Prices in any currency per million tokens, read by `estimate` and `report` only."""
+
+    lora: dict[str, AdapterPrices] = Field(default_factory=dict)  # adapter name (model.lora) -> its prices
 
 
 class ExecutorSection(_Strict):

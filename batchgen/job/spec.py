@@ -233,6 +233,17 @@ class JobSpec(_Strict):
             raise ValidationError.from_exception_data("JobSpec", details)
         return self
 
+    @model_validator(mode="after")
+    def _lora(self) -> JobSpec:
+        """Before any work: adapters are served by the native engine's generation, and a lora
+        column names adapters the job has (job/lora_keys)."""
+        from batchgen.job.lora_keys import lora_errors
+
+        details = lora_errors(self)
+        if details:
+            raise ValidationError.from_exception_data("JobSpec", details)
+        return self
+
 
 _SECTIONS = ("model", "input", "output", "sampling", "engine", "executor", "pooling")
 
@@ -282,6 +293,10 @@ def _resolve_paths(spec: JobSpec, job_path: Path) -> JobSpec:
     base = job_path.resolve().parent
     spec.source = job_path.resolve()
     spec.model.path = (base / spec.model.path).resolve()
+    spec.model.lora = {
+        name: path if is_remote(path) else str((base / local_path(path)).resolve())
+        for name, path in spec.model.lora.items()
+    }
     if isinstance(spec.output.path, Path):  # an object-store URI stays as it is
         spec.output.path = (base / spec.output.path).resolve()
     spec.input.path = local_path(spec.input.path)

@@ -51,7 +51,7 @@ def build_manifest(totals: Totals, record: dict[str, Any], started: float, wall:
     counts = {"input": totals.input_tokens, "cached": totals.cached_tokens, "output": totals.output_tokens}
     if totals.reasoning_tokens:  # why only then: manifests of jobs without reasoning stay as they were
         counts["reasoning"] = totals.reasoning_tokens
-    return {
+    manifest = {
         "rows": {"total": totals.rows, "ok": totals.ok_rows, "error": totals.error_rows},
         "finish_reasons": totals.finish_reasons,
         "error_codes": totals.error_codes,
@@ -68,6 +68,9 @@ def build_manifest(totals: Totals, record: dict[str, Any], started: float, wall:
             "output_tokens_per_second": round(tokens / wall, 2) if wall > 0 else None,
         },
     }
+    if totals.by_lora:  # a job with LoRA adapters: rows and tokens per adapter ("(base)": none)
+        manifest["lora"] = {name: dict(counts) for name, counts in sorted(totals.by_lora.items())}
+    return manifest
 
 
 def complete_from_parts(state: OutputState, record: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:

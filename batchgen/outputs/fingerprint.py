@@ -14,13 +14,15 @@ from typing import Any
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.inputs.dataset import InputFile
+from batchgen.job.adapters import read_adapters
 from batchgen.job.spec import JobSpec
 
 _SMALL_FILE = 1 << 20  # model files up to this size are hashed whole; larger ones by size and edges
 # Settings that change no generated text: where the output goes and how the engine is tuned.
 # (window_rows is not one: it decides which rows form each committed part.)
 # (storage_options say how to reach the data, and may hold secrets: never in the record.)
-_NEUTRAL = {"output": True, "model": {"path"}, "input": {"path", "storage_options"}}
+# (model.lora's paths are where the adapters lie: their names and content hashes are the "lora" part.)
+_NEUTRAL = {"output": True, "model": {"path", "lora"}, "input": {"path", "storage_options"}}
 _NEUTRAL_ENGINE = (
     "batch_size",
     "max_num_seqs",
@@ -33,6 +35,11 @@ _NEUTRAL_ENGINE = (
     "gpu_memory_utilization",
     "compile",
     "tensor_parallel_size",  # the same tokens on 1 or N ranks (tests/engine/test_tensor_parallel.py)
+    # LoRA slots and their padding change no token; which adapters there are is the "lora" part
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 
 # Sampling settings added after outputs already existed: left out while at their default, so an
@@ -69,6 +76,8 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
         settings["input"].pop("grouping", None)
     if spec.input.group_column is None:
         settings["input"].pop("group_column", None)
+    if spec.input.lora_column is None:  # (came later too)
+        settings["input"].pop("lora_column", None)
     if spec.output.reasoning != "none":
         settings["output"] = {"reasoning": spec.output.reasoning}
     defaults = SamplingParams()
@@ -79,7 +88,10 @@ def job_fingerprint(spec: JobSpec, files: list[InputFile]) -> dict[str, Any]:
     for path in sorted(p for p in Path(spec.model.path).rglob("*") if p.is_file()):
         model.update(str(path.relative_to(spec.model.path)).encode() + _file_digest(path))
     inputs = {f.key: _input_digest(f).hex() for f in files}
-    parts = {"settings": settings, "model": model.hexdigest(), "inputs": inputs}
+    parts: dict[str, Any] = {"settings": settings, "model": model.hexdigest(), "inputs": inputs}
+    if spec.model.lora:  # only then: an output made without adapters keeps its fingerprint
+        adapters = read_adapters(spec)
+        parts["lora"] = adapters.hashes() if adapters is not None else {}
     parts["id"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
     return parts
 
@@ -89,6 +101,7 @@ def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     lines = [f"{key}: {a!r} -> {b!r}" for key, a, b in _flat_diff(old.get("settings", {}), new["settings"])]
     if old.get("model") != new["model"]:
         lines.append("model files changed")
+    lines += _adapter_difference(old.get("lora", {}), new.get("lora", {}))
     old_inputs, new_inputs = old.get("inputs", {}), new["inputs"]
     if any(Path(name).is_absolute() for name in old_inputs):
         # why: keys are relative now; an older record's absolute keys would all read as "no longer present"
@@ -101,6 +114,19 @@ def describe_difference(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         elif old_inputs[name] != new_inputs[name]:
             lines.append(f"input file changed (size or content): {name}")
     return lines or ["fingerprint format changed"]
+
+
+def _adapter_difference(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """Lines naming each LoRA adapter (model.lora) added, removed or changed in content."""
+    lines = []
+    for name in sorted(set(old) | set(new)):
+        if name not in new:
+            lines.append(f"LoRA adapter no longer in model.lora: {name}")
+        elif name not in old:
+            lines.append(f"new LoRA adapter in model.lora: {name}")
+        elif old[name] != new[name]:
+            lines.append(f"LoRA adapter {name} changed (its files' content differs)")
+    return lines
 
 
 def _flat_diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:

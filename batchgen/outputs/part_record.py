@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import OutputError
 from batchgen.outputs.record import update_record
 from batchgen.outputs.table import RESULT_NAMES
-from batchgen.outputs.totals import Totals
+from batchgen.outputs.totals import LORA_COLUMN, Totals
 from batchgen.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,9 @@ def part_problem(data: bytes, described: list[dict[str, Any]] | None, rows: int 
                 return f"{len(data)} bytes where the job record says {sizes[0]} (truncated or replaced)", None
             return "its content is not what this job committed (sha256 differs: replaced)", None
     try:
-        table = pq.read_table(pa.BufferReader(data), columns=RESULT_NAMES)
+        names = pq.read_schema(pa.BufferReader(data)).names
+        usage = [*RESULT_NAMES, LORA_COLUMN] if LORA_COLUMN in names else RESULT_NAMES  # per-adapter totals
+        table = pq.read_table(pa.BufferReader(data), columns=usage)
     except (pa.ArrowException, OSError, ValueError) as exc:
         return f"not a readable part: {exc}", None
     if rows is not None and table.num_rows != rows:

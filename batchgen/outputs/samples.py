@@ -8,6 +8,7 @@ order) and `sample_output_tokens` lists each sample's output tokens, while `inpu
 batch file, whose requests ask for their own k: null where a request asks none), `prompt_logprobs`
 when it sets `sampling.prompt_logprobs`; they are null on error rows. `reasoning_text` (per sample)
 and `reasoning_tokens` (summed over samples, 0 on error rows) exist with `output.reasoning: auto`.
+`lora` (the adapter each row names; null: the base model) exists when the job has `model.lora`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from batchgen.engine.api.outputs import CompletionOutput, PositionLogprobs, Requ
 from batchgen.engine.api.params import MAX_LOGPROBS
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.reasoning import ReasoningSplitter, Split
+from batchgen.outputs.totals import LORA_COLUMN
 
 PER_SAMPLE = ("generated_text", "finish_reason", "stop_reason")
 ALTERNATIVE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
@@ -45,6 +47,7 @@ class ColumnPlan:
     reasoning: bool = False  # output.reasoning auto: the reasoning columns exist
     splitter: ReasoningSplitter | None = None  # known once the tokenizer is (None: nothing to split)
     pooled: tuple[pa.Field, ...] = ()  # a pooling task's own columns (outputs/pooled)
+    lora: bool = False  # the job has LoRA adapters (model.lora): the `lora` column exists
 
     @classmethod
     def of(cls, spec: JobSpec) -> ColumnPlan:
@@ -56,7 +59,8 @@ class ColumnPlan:
         logprobs = s.logprobs
         if logprobs is None and spec.input.format == "openai_batch" and spec.task == "generate":
             logprobs = MAX_LOGPROBS  # why: any request line may ask for them (each row keeps its own k)
-        return cls(s.n, logprobs, s.prompt_logprobs, reasoning=reasoning, pooled=pooled)
+        lora = bool(spec.model.lora)
+        return cls(s.n, logprobs, s.prompt_logprobs, reasoning=reasoning, pooled=pooled, lora=lora)
 
     def with_tokenizer(self, tokenizer: Any) -> ColumnPlan:
         """This plan with the reasoning splitter of `tokenizer` (when the job splits reasoning)."""
@@ -78,6 +82,8 @@ class ColumnPlan:
         if self.reasoning:
             fields.append(pa.field("reasoning_text", self._per_sample(pa.string())))
             fields.append(pa.field("reasoning_tokens", pa.int64()))
+        if self.lora:  # the adapter the row names (null: the base model); its value comes from the row
+            fields.append(pa.field(LORA_COLUMN, pa.string()))
         return fields + list(self.pooled)
 
     def fields(self, base: list[pa.Field]) -> list[pa.Field]:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.inputs.sharding import ShardSpec
 from batchgen.outputs.fingerprint import describe_difference
@@ -23,7 +25,7 @@ from batchgen.outputs.parts import write_problem
 from batchgen.outputs.plan_file import PLAN_NAME
 from batchgen.outputs.record import RECORD_NAME
 from batchgen.outputs.table import RESULT_NAMES
-from batchgen.outputs.totals import Totals
+from batchgen.outputs.totals import LORA_COLUMN, Totals
 from batchgen.storage.base import PART_NAME, Storage, temp_target
 from batchgen.storage.open import open_storage
 
@@ -235,8 +237,12 @@ class OutputState:
 
     def totals_of(self, part: str | Path) -> Totals:
         """The usage totals of one committed part (named, or by a path whose name is used)."""
-        totals = Totals()
-        totals.add_part(self.storage.read_table(Path(part).name, RESULT_NAMES).to_pydict())
+        totals, name = Totals(), Path(part).name
+        try:  # a job with LoRA adapters: its per-adapter totals too
+            table = self.storage.read_table(name, [*RESULT_NAMES, LORA_COLUMN])
+        except pa.ArrowInvalid:  # no such column: a job without adapters
+            table = self.storage.read_table(name, RESULT_NAMES)
+        totals.add_part(table.to_pydict())
         return totals
 
 

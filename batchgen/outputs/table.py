@@ -12,7 +12,7 @@ from batchgen.engine.api.outputs import RequestOutput
 from batchgen.errors import InputDataError
 from batchgen.inputs.prepare import PreparedRow
 from batchgen.job.spec import JobSpec
-from batchgen.outputs.samples import ColumnPlan
+from batchgen.outputs.samples import LORA_COLUMN, ColumnPlan
 
 RESULT_FIELDS = [
     pa.field("generated_text", pa.string()),
@@ -50,6 +50,8 @@ def carried_columns(spec: JobSpec, schema: pa.Schema) -> list[str]:
     wanted = spec.input.carry_columns if spec.input.carry_columns is not None else list(schema.names)
     if spec.input.id_column and spec.input.id_column not in wanted:
         wanted = [spec.input.id_column, *wanted]  # why: an output row must say which input row it is
+    if spec.input.lora_column == LORA_COLUMN and spec.input.carry_columns is None:
+        wanted = [c for c in wanted if c != LORA_COLUMN]  # why: the output's `lora` column holds its values
     missing = [c for c in wanted if c not in schema.names]
     if missing:
         raise InputDataError(f"input.carry_columns: no such column(s) {missing} (columns: {', '.join(schema.names)})")
@@ -73,7 +75,9 @@ def result_columns(
         out = outputs.get(i)
         if out is not None and out.error is not None:
             message = engine_error_message(row.label, out.error)
-            row = PreparedRow(prompt_ids=row.prompt_ids, error_code="engine_error", error_message=message)
+            row = PreparedRow(
+                prompt_ids=row.prompt_ids, error_code="engine_error", error_message=message, adapter=row.adapter
+            )
             out = None
         _append(cols, row, out, plan)
     return cols
@@ -105,6 +109,8 @@ def _append(cols: dict[str, list[Any]], row: PreparedRow, out: RequestOutput | N
             "error_message": None,
         }
     values.update(plan.values(out, row.params.logprobs if row.params is not None else None))
+    if plan.lora:
+        values[LORA_COLUMN] = row.adapter
     for name, value in values.items():
         cols[name].append(value)
 

@@ -23,6 +23,8 @@ class Totals:
     reasoning_tokens: int = 0  # of output_tokens: thinking (output.reasoning auto), billed as output
     finish_reasons: dict[str, int] = field(default_factory=dict)
     error_codes: dict[str, int] = field(default_factory=dict)
+    # A job with LoRA adapters: adapter name ("(base)": none) -> rows, ok, input, cached, output
+    by_lora: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def error_rows(self) -> int:
@@ -42,12 +44,33 @@ class Totals:
         self.cached_tokens += sum(columns["cached_tokens"])
         self.output_tokens += sum(columns["output_tokens"])
         self.reasoning_tokens += sum(columns.get("reasoning_tokens") or [])
+        if LORA_COLUMN in columns:
+            self._add_adapters(columns)
+
+    def _add_adapters(self, columns: dict[str, list[Any]]) -> None:
+        names = ("input_tokens", "cached_tokens", "output_tokens")
+        for i, adapter in enumerate(columns[LORA_COLUMN]):
+            one = self.by_lora.setdefault(BASE_NAME if adapter is None else adapter, _adapter_counts())
+            one["rows"] += 1
+            one["ok"] += columns["error_code"][i] is None
+            for name in names:
+                one[name.removesuffix("_tokens")] += columns[name][i]
 
     def merge(self, other: Totals) -> None:
         for name in ("rows", "ok_rows", "input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         add_counts(self.finish_reasons, other.finish_reasons)
         add_counts(self.error_codes, other.error_codes)
+        for adapter, counts in other.by_lora.items():
+            add_counts(self.by_lora.setdefault(adapter, _adapter_counts()), counts)
+
+
+LORA_COLUMN = "lora"  # the output column naming each row's adapter (outputs/samples)
+BASE_NAME = "(base)"  # rows of the base model in per-adapter totals (no adapter is named so: job/sections)
+
+
+def _adapter_counts() -> dict[str, int]:
+    return dict.fromkeys(("rows", "ok", "input", "cached", "output"), 0)
 
 
 def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:

@@ -16,6 +16,7 @@ from batchgen.inputs.grouping import grouped, plan_cut
 from batchgen.inputs.key_sort import Cut
 from batchgen.inputs.prepare import load_tokenizer
 from batchgen.inputs.sharding import ShardSpec
+from batchgen.job.adapters import read_adapters
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.plan_file import Layout, contiguous, grouped_layout, read_plan
 from batchgen.outputs.state import OutputState
@@ -31,8 +32,10 @@ def key_block_size(spec: JobSpec) -> int:
 
 
 def make_cut(spec: JobSpec, files: list[InputFile]) -> Cut:
-    """The job's prefix plan, computed (a pure function of input, job and tokenizer)."""
-    return plan_cut(spec, files, load_tokenizer(spec.model.path), key_block_size(spec))
+    """The job's prefix plan, computed (a pure function of input, job, tokenizer and adapters)."""
+    adapters = read_adapters(spec)
+    hashes = {n: s.content_hash for n, s in adapters.specs.items()} if adapters is not None else None
+    return plan_cut(spec, files, load_tokenizer(spec.model.path), key_block_size(spec), hashes)
 
 
 def decide_layout(spec: JobSpec, files: list[InputFile], state: OutputState, job_id: str, fresh: bool) -> Layout:

@@ -115,7 +115,9 @@ class PartWork:
         requests = {i: r.request() for i, r in enumerate(rows) if r.ok}
         ok = list(requests)
         bar.update(len(rows) - len(ok))  # error rows are done already
-        order = [ok[j] for j in order_requests([requests[i][0] for i in ok], self.spec.engine.ordering)]
+        named = [rows[i].adapter for i in ok]
+        groups = named if any(named) else None  # each adapter's rows together (ordering prefix, length)
+        order = [ok[j] for j in order_requests([requests[i][0] for i in ok], self.spec.engine.ordering, groups)]
 
         def on_output(out: RequestOutput) -> None:
             interrupt.check()  # between requests' outputs: the part in flight is abandoned uncommitted
@@ -125,7 +127,8 @@ class PartWork:
 
         try:
             prompts, params = [requests[i][0] for i in order], [requests[i][1] for i in order]
-            outs = backend.generate(prompts, params, on_output)
+            adapters = [rows[i].adapter for i in order] if groups is not None else None
+            outs = backend.generate(prompts, params, on_output, adapters)
         except BatchgenError:
             raise
         except Exception as exc:

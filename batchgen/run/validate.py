@@ -2,7 +2,7 @@
 file), the columns it carries (present with one type in every file), that the model folder has a
 loadable config and tokenizer, with a chat template when the job has messages, and that the job's
 values fit the model (context length, token ids, and what run/model_fit checks: pooling heads and
-sizes, tensor-parallel splits), all without loading weights."""
+sizes, tensor-parallel splits; the LoRA adapters: job/adapters), all without loading weights."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from batchgen.errors import InputDataError, JobFileError, ModelError
 from batchgen.inputs.dataset import InputFile, check_column, with_rows
 from batchgen.inputs.prepare import input_columns, load_tokenizer
 from batchgen.inputs.reading import open_inputs
+from batchgen.job.adapters import check_adapters
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.table import carried_columns
@@ -116,6 +117,23 @@ def check_sampling_columns(spec: JobSpec, files: list[InputFile]) -> None:
                 )
 
 
+def check_lora_column(spec: JobSpec, files: list[InputFile]) -> None:
+    """Before any work: input.lora_column is in every file and holds adapter names (text)."""
+    column = spec.input.lora_column
+    if column is None:
+        return
+    check_column(files, column, " (input.lora_column)")
+    for f in with_rows(files):
+        kind = f.schema.field(column).type
+        if pa.types.is_dictionary(kind):
+            kind = kind.value_type
+        if f.num_rows and not (_is_string(kind) or pa.types.is_null(kind)):
+            raise InputDataError(
+                f"{f.path}: column {column!r} (input.lora_column) holds {kind}; "
+                "it needs adapter names (a string column)"
+            )
+
+
 def _is_string(kind: pa.DataType) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
@@ -211,6 +229,7 @@ def validate_inputs(spec: JobSpec) -> list[InputFile]:
     check_carried_in_every_file(spec, files, carried_columns(spec, with_rows(files)[0].schema))
     if spec.input.group_column is not None:
         check_column(files, spec.input.group_column, " (input.group_column)")
+    check_lora_column(spec, files)
     if not Path(spec.model.path).is_dir():
         raise ModelError(f"model.path {spec.model.path}: no such folder")
     return files
@@ -222,6 +241,7 @@ def validate_model(spec: JobSpec) -> None:
     config = check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     check_model_limits(spec, config)
     check_model_fit(spec, config)
+    check_adapters(spec, config)  # every adapter folder read and checked against the model (job/adapters)
     if spec.model.device not in ("auto", "cpu"):  # why: those two always resolve; skip importing the engine
         from batchgen.engine.runner.models import DeviceError, resolve_device  # why lazy: torch, transformers
 

@@ -26,9 +26,17 @@ from batchgen.inputs.ordering import Strategy, order_requests
 from batchgen.inputs.part_rows import GroupedPart, read_parts
 from batchgen.inputs.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
 from batchgen.job.spec import JobSpec
-from batchgen.outputs.totals import IntHistogram
+from batchgen.outputs.totals import BASE_NAME, IntHistogram
 from batchgen.run.validate import validate_job
-from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
+from batchgen.usage.pricing import (
+    Prices,
+    add_costs,
+    estimate_adapter_costs,
+    input_cost,
+    money_display,
+    money_text,
+    output_cost,
+)
 
 log = logging.getLogger(__name__)
 MAX_ERROR_EXAMPLES = 5
@@ -50,6 +58,9 @@ class Estimate:
     input_lengths: IntHistogram = field(default_factory=IntHistogram)
     generates: bool = True  # False for a pooling task (embed, classify, score): no output tokens
     parts: int = 0  # parts the job is cut into (the prefix plan's, when it groups)
+    adapters: bool = False  # the job has LoRA adapters (model.lora): usage is counted per adapter too
+    # adapter ("(base)": none) -> rows, input, shareable, output_max
+    by_lora: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def cached_tokens(self) -> int:
@@ -60,6 +71,7 @@ class Estimate:
     ) -> None:
         """One part's rows; `cache`: the prefix cache this part starts with (kept across calls)."""
         ok = [r.request() for r in rows if r.ok]
+        named = [r.adapter for r in rows if r.ok]
         self.rows += len(rows)
         self.ok_rows += len(ok)
         lengths = [len(ids) for ids, _ in ok]
@@ -73,23 +85,51 @@ class Estimate:
                 if len(self.error_examples) < MAX_ERROR_EXAMPLES:
                     self.error_examples.append(f"{r.error_code}: {r.error_message}")
         prompts = [ids for ids, _ in ok]
-        ordered = [prompts[i] for i in order_requests(prompts, ordering)]
-        self.shareable_tokens += prefix_cache_hits(ordered, block_size, cache)
+        order = order_requests(prompts, ordering, named if any(named) else None)
+        roots: list[Any] = [-1 if named[i] is None else ("lora", named[i]) for i in order]  # an adapter's own blocks
+        hits: list[int] = []
+        self.shareable_tokens += prefix_cache_hits([prompts[i] for i in order], block_size, cache, roots, hits)
+        if self.adapters:  # (every window: one of base rows only counts too)
+            self._add_adapters(rows, [ok[i] for i in order], [named[i] for i in order], hits)
+
+    def _add_adapters(self, rows: list[PreparedRow], ok: list[Any], named: list[str | None], hits: list[int]) -> None:
+        """Rows, input tokens, shareable tokens and the output ceiling per adapter (pricing.lora)."""
+
+        def counts(name: str | None) -> dict[str, int]:
+            empty = dict.fromkeys(("rows", "input", "shareable", "output_max"), 0)
+            return self.by_lora.setdefault(BASE_NAME if name is None else name, empty)
+
+        for r in rows:
+            counts(r.adapter)["rows"] += 1
+        for (ids, params), name, hit in zip(ok, named, hits):
+            one = counts(name)
+            one["input"] += len(ids)
+            one["shareable"] += hit
+            one["output_max"] += (params.max_tokens or 0) * params.n if self.generates else 0
 
 
-def prefix_cache_hits(prompts: list[list[int]], block_size: int, nodes: dict[Any, int] | None = None) -> int:
+def prefix_cache_hits(
+    prompts: list[list[int]],
+    block_size: int,
+    nodes: dict[Any, int] | None = None,
+    roots: list[Any] | None = None,
+    each: list[int] | None = None,
+) -> int:
     """Prompt tokens served from the cache when `prompts` are admitted in this order.
 
     As the engine's block manager does: only full blocks match, as a chain from the first token;
     at least one token of each prompt is computed (its logits are needed); every full prompt
     block is cached once computed. The cache is assumed unbounded (nothing is evicted). `nodes`:
     the cache to start from and add to, (parent node, block tokens) -> node id; None: empty.
+    `roots`: per prompt, the parent of its first block (-1: the base model's; a LoRA adapter's
+    blocks chain from its own, so no block is shared across adapters). `each`: gets each prompt's hits.
     """
     nodes = {} if nodes is None else nodes
     hits = 0
-    for ids in prompts:
+    for j, ids in enumerate(prompts):
+        before = hits
         max_match = (len(ids) - 1) // block_size
-        parent = -1
+        parent = -1 if roots is None else roots[j]
         for b in range(len(ids) // block_size):
             key = (parent, tuple(ids[b * block_size : (b + 1) * block_size]))
             node = nodes.get(key)
@@ -98,6 +138,8 @@ def prefix_cache_hits(prompts: list[list[int]], block_size: int, nodes: dict[Any
             elif b < max_match:
                 hits += block_size  # why: a chained key hits only if every earlier block hit too
             parent = node
+        if each is not None:
+            each.append(hits - before)
     return hits
 
 
@@ -112,7 +154,7 @@ def estimate_job(spec: JobSpec) -> Estimate:
 
         pooling_type = spec.pooling.pooling_type if spec.pooling is not None else None
         cache = cache and prefix_cache_applies(spec.model.path, spec.task, pooling_type)
-    est = Estimate(context_length=max_len, cache_enabled=cache, generates=spec.task == "generate")
+    est = Estimate(max_len, cache, generates=spec.task == "generate", adapters=bool(spec.model.lora))
     preparer = RowPreparer(spec, tokenizer, max_len)
     shards = plan_shards(files, engine.window_rows, spec.input.limit)
     duplicates = find_duplicate_ids(files, shards, spec.input.id_column) if spec.input.id_column else {}
@@ -184,13 +226,15 @@ def summary(est: Estimate, spec: JobSpec, prices: Prices) -> dict[str, Any]:
         "output_tokens": {"min": 0, "max": est.max_output_tokens, "samples_per_row": spec.sampling.n},
         "prices": prices.as_json(),
         "cost": {k: money_text(v) for k, v in costs(est, prices).items()},
-    }
+    } | ({"lora": dict(sorted(est.by_lora.items()))} if est.by_lora else {})
 
 
 def costs(est: Estimate, prices: Prices) -> dict[str, Decimal | None]:
     """Input cost exactly (and with the cache discount when a cached_input price is given), output
     cost from zero to every row generating its max_tokens for each of its n samples (the prompt is
     prefilled once, so input is billed once); totals use the discounted input cost."""
+    if prices.adapters and est.by_lora:  # adapters priced apart (pricing.lora): each at its own prices
+        return estimate_adapter_costs(prices, est.by_lora, est.cache_enabled)
     plain = input_cost(prices, est.input_tokens, 0)
     cached = input_cost(prices, est.input_tokens, est.cached_tokens) if prices.cached_input is not None else None
     out_max = output_cost(prices, est.max_output_tokens)
@@ -260,6 +304,7 @@ def to_text(est: Estimate, spec: JobSpec, prices: Prices) -> str:
         ("dtype", f"{s['dtype']['setting']} -> {s['dtype']['resolved']} ({s['dtype']['why']})"),
         ("rows", f"{est.rows} ({est.ok_rows} ok; would fail: {errors})"),
         ("input tokens", _token_stats(tok)),
+        *(("lora " + name, f"{c['rows']} rows, {c['input']} input tokens") for name, c in s.get("lora", {}).items()),
         ("prefix cache", f"{pc['cached_tokens']} of {tok['total']} input tokens served from cache"),
         ("", f"assumes {pc['assumption']}"),
         ("output tokens", f"0 .. {est.max_output_tokens} (each row's max_tokens, capped to the context{_n(spec)})"),

@@ -85,7 +85,9 @@ def _prices_text(prices: Prices) -> str:
         return "none given"
     cached = "at the input price" if prices.cached_input is None else prices.cached_input
     parts = [("input", _or_dash(prices.input)), ("cached input", cached), ("output", _or_dash(prices.output))]
-    return ", ".join(f"{name} {value}" for name, value in parts)
+    apart = [name for name, _ in prices.adapters]  # pricing.lora
+    text = ", ".join(f"{name} {value}" for name, value in parts)
+    return text + (f"; LoRA adapters priced apart: {', '.join(apart)}" if apart else "")
 
 
 def _or_dash(value: Decimal | None) -> str:

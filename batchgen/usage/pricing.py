@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from decimal import Decimal, localcontext
+from typing import Any
 
 from batchgen.job.sections import PricingSection
 
@@ -23,32 +24,45 @@ class Prices:
     input: Decimal | None = None
     cached_input: Decimal | None = None
     output: Decimal | None = None
+    # LoRA adapters priced apart (pricing.lora): (adapter name, its prices; None where the job's apply)
+    adapters: tuple[tuple[str, tuple[Decimal | None, Decimal | None, Decimal | None]], ...] = ()
 
     @classmethod
     def from_section(cls, section: PricingSection | None) -> Prices:
         if section is None:
             return cls()
-        return cls(input=section.input, cached_input=section.cached_input, output=section.output)
+        adapters = tuple((name, (p.input, p.cached_input, p.output)) for name, p in sorted(section.lora.items()))
+        return cls(input=section.input, cached_input=section.cached_input, output=section.output, adapters=adapters)
+
+    def for_adapter(self, name: str) -> Prices:
+        """The prices of rows run with adapter `name` (the base model's: any name not priced apart)."""
+        own = dict(self.adapters).get(name)
+        base = replace(self, adapters=())
+        return base if own is None else base.overridden(*own)
 
     def overridden(
         self, input: Decimal | None = None, cached_input: Decimal | None = None, output: Decimal | None = None
     ) -> Prices:
         """These prices with each given (not None) value replaced, e.g. from command-line flags."""
         given = (("input", input), ("cached_input", cached_input), ("output", output))
-        changes = {k: v for k, v in given if v is not None}
+        changes: dict[str, Any] = {k: v for k, v in given if v is not None}
         return replace(self, **changes)
 
     @property
     def any_set(self) -> bool:
-        return any(p is not None for p in (self.input, self.cached_input, self.output))
+        own = any(p is not None for p in (self.input, self.cached_input, self.output))
+        return own or any(p is not None for _, prices in self.adapters for p in prices)
 
-    def as_json(self) -> dict[str, str | None]:
-        return {
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "input": money_text(self.input),
             "cached_input": money_text(self.cached_input),
             "output": money_text(self.output),
             "per_tokens": str(PER_TOKENS),
         }
+        if self.adapters:
+            out["lora"] = {name: self.for_adapter(name).as_json() for name, _ in self.adapters}
+        return out
 
 
 def per_million(tokens: int, price: Decimal) -> Decimal:
@@ -67,6 +81,17 @@ def input_cost(prices: Prices, input_tokens: int, cached_tokens: int) -> Decimal
 
 def output_cost(prices: Prices, output_tokens: int) -> Decimal | None:
     return None if prices.output is None else per_million(output_tokens, prices.output)
+
+
+def adapter_costs(prices: Prices, by_lora: dict[str, dict[str, int]]) -> tuple[Decimal | None, Decimal | None]:
+    """(input cost, output cost) of usage split by LoRA adapter (Totals.by_lora), each adapter's
+    tokens at its own prices (pricing.lora); exact, one multiplication per adapter and kind."""
+    ins, outs = [], []
+    for name, counts in by_lora.items():
+        own = prices.for_adapter(name)
+        ins.append(input_cost(own, counts["input"], counts["cached"]))
+        outs.append(output_cost(own, counts["output"]))
+    return add_costs(*ins), add_costs(*outs)
 
 
 def add_costs(*costs: Decimal | None) -> Decimal | None:
@@ -93,3 +118,28 @@ def money_display(value: Decimal | None, places: int = 6) -> str:
     if value is None:
         return "-"
     return format(value.quantize(Decimal(1).scaleb(-places)), "f")
+
+
+def estimate_adapter_costs(
+    prices: Prices, by_lora: dict[str, dict[str, int]], cache_enabled: bool
+) -> dict[str, Decimal | None]:
+    """`estimate`'s cost figures with each adapter's rows at its own prices (pricing.lora):
+    `by_lora` holds per adapter its input tokens, the tokens a prefix cache would serve
+    (`shareable`, billed cached when `cache_enabled`) and its output ceiling (`output_max`). An
+    adapter without a cached_input price has its cached tokens at its input price."""
+    each = []
+    for name, c in by_lora.items():
+        own = prices.for_adapter(name)
+        shared = c["shareable"] if cache_enabled else 0
+        plain = input_cost(own, c["input"], 0)
+        each.append((plain, input_cost(own, c["input"], shared), output_cost(own, c["output_max"])))
+    plain, billed, out_max = (add_costs(*column) for column in zip(*each))
+    every = [prices, *(prices.for_adapter(name) for name, _ in prices.adapters)]
+    return {
+        "input": plain,
+        "input_with_cache": billed if any(p.cached_input is not None for p in every) else None,
+        "output_min": None if out_max is None else Decimal(0),
+        "output_max": out_max,
+        "total_min": billed,
+        "total_max": add_costs(billed, out_max),
+    }

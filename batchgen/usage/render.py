@@ -8,7 +8,15 @@ import io
 import json
 from typing import Any
 
-from batchgen.usage.pricing import Prices, add_costs, input_cost, money_display, money_text, output_cost
+from batchgen.usage.pricing import (
+    Prices,
+    adapter_costs,
+    add_costs,
+    input_cost,
+    money_display,
+    money_text,
+    output_cost,
+)
 from batchgen.usage.report import GroupStats, Report
 
 
@@ -18,8 +26,11 @@ def record(
     """One group's (or the totals') figures; money as exact Decimal. `per_sample` (a job with
     n > 1): a `samples` figure, and finish reasons and output lengths count samples. `reasoning`
     (output.reasoning auto): `reasoning_tokens`, the part of output_tokens spent thinking."""
-    in_cost = input_cost(prices, stats.input_tokens, stats.cached_tokens)
-    out_cost = output_cost(prices, stats.output_tokens)
+    if prices.adapters and stats.by_lora:  # adapters priced apart (pricing.lora): each at its own prices
+        in_cost, out_cost = adapter_costs(prices, stats.by_lora)
+    else:
+        in_cost = input_cost(prices, stats.input_tokens, stats.cached_tokens)
+        out_cost = output_cost(prices, stats.output_tokens)
     mean = stats.output_lengths.mean()
     return (
         {

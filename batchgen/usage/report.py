@@ -26,7 +26,7 @@ from batchgen.errors import InputDataError
 from batchgen.outputs.record import RECORD_NAME
 from batchgen.outputs.runtime_record import describe_runtime
 from batchgen.outputs.state import LOCK_NAME, SUCCESS_NAME
-from batchgen.outputs.totals import IntHistogram, Totals, add_counts
+from batchgen.outputs.totals import BASE_NAME, LORA_COLUMN, IntHistogram, Totals, add_counts
 from batchgen.storage.base import Storage
 from batchgen.storage.open import open_storage
 
@@ -154,6 +154,7 @@ def _scan(
         raise InputDataError(f"--by {by!r}: column type {dataset.schema.field(by).type} cannot be grouped on")
     columns = USAGE_COLUMNS + ([SAMPLE_TOKENS] if per_sample else []) + ([REASONING_TOKENS] if reasoning else [])
     columns += [by] if by is not None and by not in columns else []
+    columns += [LORA_COLUMN] if LORA_COLUMN in names and LORA_COLUMN not in columns else []  # per-adapter usage
     try:
         for batch in dataset.scanner(columns=columns, batch_size=SCAN_BATCH_ROWS).to_batches():
             if batch.num_rows:
@@ -170,9 +171,10 @@ def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -
     sums = ["input_tokens", "cached_tokens", "output_tokens"] + [
         c for c in [REASONING_TOKENS] if c in table.schema.names
     ]
-    outcome = table.group_by(list(dict.fromkeys(keys + reasons + ["error_code"])), use_threads=False).aggregate(
-        [*((c, "sum") for c in sums), ([], "count_all")]
-    )
+    adapters = [LORA_COLUMN] if LORA_COLUMN in table.schema.names else []
+    outcome = table.group_by(
+        list(dict.fromkeys(keys + reasons + ["error_code"] + adapters)), use_threads=False
+    ).aggregate([*((c, "sum") for c in sums), ([], "count_all")])
     for row in outcome.to_pylist():
         stats = groups.setdefault(_group_name(row, by), GroupStats())
         count, code = row["count_all"], row["error_code"]
@@ -185,6 +187,8 @@ def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -
         stats.cached_tokens += row["cached_tokens_sum"] or 0
         stats.output_tokens += row["output_tokens_sum"] or 0
         stats.reasoning_tokens += row.get(f"{REASONING_TOKENS}_sum") or 0
+        if adapters:
+            _add_adapter(stats, row)
     if per_sample:
         _add_sample_reasons(groups, table, by)
     ok = table.filter(pc.is_null(table.column("error_code")))
@@ -193,6 +197,19 @@ def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -
         _add_lengths(groups, _per_sample_rows(ok, by), by, (OUTPUT_LENGTHS,))
     elif ok.num_rows:
         _add_lengths(groups, ok, by, (INPUT_LENGTHS, OUTPUT_LENGTHS))
+
+
+def _add_adapter(stats: GroupStats, row: dict[str, Any]) -> None:
+    """A job with LoRA adapters: one aggregated row's usage under its adapter ("(base)": none)."""
+    name = BASE_NAME if row[LORA_COLUMN] is None else row[LORA_COLUMN]
+    counts = {
+        "rows": row["count_all"],
+        "ok": row["count_all"] if row["error_code"] is None else 0,
+        "input": row["input_tokens_sum"] or 0,
+        "cached": row["cached_tokens_sum"] or 0,
+        "output": row["output_tokens_sum"] or 0,
+    }
+    add_counts(stats.by_lora.setdefault(name, dict.fromkeys(counts, 0)), counts)
 
 
 def _add_sample_reasons(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -> None:
@@ -283,4 +300,6 @@ def _mismatches(manifest: dict[str, Any], num_parts: int, totals: GroupStats) ->
         ("error_codes", manifest.get("error_codes"), totals.error_codes),
         ("finish_reasons", manifest.get("finish_reasons"), totals.finish_reasons),
     ]
+    if "lora" in manifest:  # a job with LoRA adapters: rows and tokens per adapter
+        expected.append(("lora", manifest["lora"], totals.by_lora))
     return [f"{name}: _SUCCESS says {said}, the parts hold {held}" for name, said, held in expected if said != held]

@@ -1,14 +1,7 @@
-"""vLLM's LoRARequest (`vllm.lora.request`), so clients that build one import; generate refuses it."""
+"""vLLM's `vllm.lora.request` module: its LoRARequest is batchgen's (engine/api/lora_request)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from batchgen.engine.api.lora_request import LoRARequest
 
-
-@dataclass
-class LoRARequest:
-    """An adapter request as vLLM spells it; batchgen serves no adapters (merge it into the weights)."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str = ""
+__all__ = ["LoRARequest"]

@@ -95,7 +95,7 @@ def test_bad_arguments_raise(llm: LLM) -> None:
         llm.generate([2, 3])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="unsupported key"):
         llm.generate({"prompt": "w2", "multi_modal_data": {}})
-    with pytest.raises(NotImplementedError, match="lora_request"):
+    with pytest.raises(ValueError, match=r"lora_request needs an engine built with LoRA: LLM\(model, enable_lora=True"):
         llm.generate("w2 w3", lora_request=object())
 
 

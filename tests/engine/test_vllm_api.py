@@ -49,6 +49,11 @@ def test_lm_eval_keywords_construct_an_llm(tiny_model_dir: Path) -> None:
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_lora_with_tensor_parallel_is_refused_before_loading() -> None:
+    with pytest.raises(ValueError, match=r"EngineConfig.enable_lora must be false with tensor_parallel_size > 1"):
+        LLM("/no/such/model", device="cpu", enable_lora=True, tensor_parallel_size=2)
+
+
 @pytest.mark.parametrize(
     ("name", "value", "says"),
     [
@@ -58,7 +63,6 @@ def test_lm_eval_keywords_construct_an_llm(tiny_model_dir: Path) -> None:
         ("tokenizer_mode", "slow", "fast (Rust) tokenizer"),
         ("quantization", "awq", "dtype"),
         ("kv_cache_dtype", "fp8", "model's dtype"),
-        ("enable_lora", True, "merge the LoRA"),
         ("pipeline_parallel_size", 2, "tensor_parallel_size only"),
         ("cpu_offload_gb", 4, "on the device"),
         ("skip_tokenizer_init", True, "detokenize=False"),

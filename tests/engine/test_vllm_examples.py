@@ -138,7 +138,7 @@ def test_score_as_the_script_does(vllm: Any, tmp_path: Path) -> None:
         (["--kv-transfer-config", '{"kv_connector": "x"}'], "LLM(kv_transfer_config="),
         (["--enable-sleep-mode"], "LLM(enable_sleep_mode=True)"),
         (["--num-gpu-blocks-override", "8", "--speculative-config", '{"method": "ngram"}'], "speculative_config"),
-        (["--enable-lora"], "merge the LoRA"),
+        (["--enable-lora", "--tensor-parallel-size", "2"], "enable_lora must be false with tensor_parallel_size > 1"),
         (["-q", "fp8"], "LLM(quantization='fp8')"),
     ],
 )

@@ -46,6 +46,12 @@ class EngineConfig:
     # ranks the model is split over (engine/parallel): heads, KV heads, MLP and LM head sharded, one
     # process per rank (NCCL on CUDA, gloo on the CPU); 1: no split, no extra process
     tensor_parallel_size: int = 1
+    # LoRA adapters per request (engine/lora): off unless enabled; None below: vLLM's defaults
+    # (1 slot, rank 16, host copies of max_loras adapters); a job fills them from its adapters
+    enable_lora: bool = False
+    max_loras: int | None = None  # adapters resident on the device (slots); a step runs at most these
+    max_lora_rank: int | None = None  # the largest adapter rank served (smaller ranks are zero-padded)
+    max_cpu_loras: int | None = None  # adapters whose weights stay in host memory (>= max_loras)
 
     def __post_init__(self) -> None:
         for name in (
@@ -55,6 +61,9 @@ class EngineConfig:
             "num_kv_blocks",
             "kv_cache_memory_bytes",
             "max_model_len",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
         ):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
@@ -67,11 +76,28 @@ class EngineConfig:
             raise SettingError("EngineConfig", "gpu_memory_utilization", "a number in (0, 1]", share)
         if not isinstance(self.enable_prefix_caching, bool):
             raise SettingError("EngineConfig", "enable_prefix_caching", "true or false", self.enable_prefix_caching)
+        self._check_lora()
         if not (self.compile == "auto" or isinstance(self.compile, bool)):
             raise SettingError("EngineConfig", "compile", "'auto', true or false", self.compile)
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise SettingError(
                 "EngineConfig", "attention_backend", "'auto', 'torch', 'cpu' or 'triton'", self.attention_backend
+            )
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise SettingError("EngineConfig", "enable_lora", "true or false", self.enable_lora)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < (self.max_loras or 1):
+            raise SettingError(
+                "EngineConfig", "max_cpu_loras", f"null or >= max_loras ({self.max_loras or 1})", self.max_cpu_loras
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise SettingError(
+                "EngineConfig",
+                "enable_lora",
+                "false with tensor_parallel_size > 1 (adapter slots are not sharded over ranks; "
+                "run one engine per device with the shards or ray executors)",
+                self.enable_lora,
             )
 
 
@@ -92,6 +118,10 @@ class ResolvedConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     tensor_parallel_size: int
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
 
 
 def resolve(
@@ -122,6 +152,10 @@ def resolve(
         gpu_memory_utilization=config.gpu_memory_utilization,
         enable_prefix_caching=config.enable_prefix_caching,
         tensor_parallel_size=config.tensor_parallel_size,
+        enable_lora=config.enable_lora,
+        max_loras=config.max_loras or 1,
+        max_lora_rank=config.max_lora_rank or 16,
+        max_cpu_loras=config.max_cpu_loras or config.max_loras or 1,
     )
 
 

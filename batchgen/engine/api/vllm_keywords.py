@@ -9,10 +9,11 @@ Clients pass vLLM's constructor keywords with neutral values (lm-evaluation-harn
     (EngineConfig's own names; None means our default), `seed` (the sampler's generator for
     requests without their own seed: unseeded random sampling repeats for a given LLM seed);
   * accepted with any valid value because it changes no output here (`swap_space`: batchgen
-    recomputes a preempted sequence rather than swapping it; `disable_log_stats`; LoRA sizes while
-    LoRA is off; `enable_chunked_prefill`: prefills are always chunked, as in vLLM V1);
+    recomputes a preempted sequence rather than swapping it; `disable_log_stats`;
+    `enable_chunked_prefill`: prefills are always chunked, as in vLLM V1);
   * accepted only with its neutral value and refused otherwise, with a message saying what
-    batchgen does instead (`trust_remote_code=True`, a `revision`, `quantization`, LoRA, ...).
+    batchgen does instead (`trust_remote_code=True`, a `revision`, `quantization`, ...); `enable_lora`, `max_loras`,
+    `max_lora_rank` and `max_cpu_loras` are EngineConfig's own (engine/lora).
 Every other field of vLLM's EngineArgs is accepted at vLLM's default and refused otherwise
 (vllm_engine_args); anything else goes on to EngineConfig, which refuses an unknown name.
 """
@@ -68,11 +69,6 @@ _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "kv_cache_dtype": (_is("auto"), "'auto'", "batchgen keeps K/V in the model's dtype"),
     "calculate_kv_scales": (_is(False), "False", "batchgen keeps K/V in the model's dtype"),
     "cpu_offload_gb": (_is(0, 0.0), "0", "batchgen keeps every weight on the device"),
-    "enable_lora": (
-        _is(False),
-        "False",
-        "batchgen serves no adapters: merge the LoRA into the weights (peft's merge_and_unload) and load that folder",
-    ),
     "pipeline_parallel_size": (_is(1), "1", _ONE_DEVICE),
     "data_parallel_size": (_is(1), "1", _ONE_DEVICE),
     "distributed_executor_backend": (_is(None, "uni", "mp"), "None, 'uni' or 'mp'", _ONE_DEVICE),
@@ -102,9 +98,6 @@ _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "use_v2_block_manager": (_bool, "True or False", ""),
     "enable_chunked_prefill": (_none_or_bool, "None, True or False", ""),
     "max_seq_len_to_capture": (_number_at_least(1), "an integer >= 1", ""),
-    "max_lora_rank": (_number_at_least(1), "an integer >= 1", "LoRA is off"),
-    "max_loras": (_number_at_least(1), "an integer >= 1", "LoRA is off"),
-    "max_cpu_loras": (lambda v: v is None or is_int(v), "None or an integer", "LoRA is off"),
 }
 
 # EngineConfig settings whose None means "our default" in vLLM's spelling too (dropped when None).

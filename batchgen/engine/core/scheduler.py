@@ -18,7 +18,9 @@ prompt is prefilled once, samples 1..n-1 share its blocks (copy on write) and it
 output is an immutable ScheduledBatch (scheduler_output) that names sequences by id and carries
 what changed since the last step (new, finished, preempted, resumed) as a BatchUpdate, from
 which the runner side keeps its own state, and who draws from which row. `drop_all` forgets
-every sequence at once (an aborted generate).
+every sequence at once (an aborted generate). With LoRA, an admitted sequence pins its adapter's
+device slot (core/adapter_slots): a waiting one whose adapter finds no slot waits, in order, and
+each chunk names its slot; the step carries the adapter loads to make before its forward.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections import deque
 from collections.abc import Sequence as Sequence_
 
 from batchgen.engine.api.config import ResolvedConfig
+from batchgen.engine.core.adapter_slots import SlotTable
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler_output import (
     BatchUpdate,
@@ -95,6 +98,9 @@ class Scheduler:
         self._finished: list[int] = []
         self._preempted: list[int] = []
         self._resumed: list[int] = []
+        # adapters' device slots (engine/lora): admitted sequences pin theirs; loads ride in the step
+        self.slots = SlotTable(config.max_loras or 1) if config.enable_lora else None
+        self._loads: list[tuple[int, bytes]] = []
 
     # ------------------------------------------------------------ requests
 
@@ -102,6 +108,8 @@ class Scheduler:
         """Why `seq` can NEVER be served, or None when it can."""
         if seq.num_prompt_tokens == 0:
             return f"request {seq.seq_id}: the prompt is empty (0 tokens)"
+        if seq.extras.adapter_hash and self.slots is None:
+            return f"request {seq.seq_id}: a LoRA adapter needs an engine with enable_lora"
         if seq.max_total_tokens > self.max_model_len:
             return (
                 f"request {seq.seq_id}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
@@ -169,10 +177,11 @@ class Scheduler:
             seqs[chunk.seq_id].num_computed_tokens = chunk.start + chunk.num_tokens
         sampled = tuple(c.seq_id for c in chunks if c.needs_sample)
         copies = tuple(self.block_manager.take_copies())
+        loads, self._loads = tuple(self._loads), []
         if self._special and any(s in self._special for s in sampled):
             draws, rows, ends, forks = self._expand(sampled)
-            return ScheduledBatch(tuple(chunks), copies, self.take_update(), draws, rows, ends, forks)
-        return ScheduledBatch(tuple(chunks), copies, self.take_update(), sampled)
+            return ScheduledBatch(tuple(chunks), copies, self.take_update(), draws, rows, ends, forks, loads)
+        return ScheduledBatch(tuple(chunks), copies, self.take_update(), sampled, lora_loads=loads)
 
     def take_update(self) -> BatchUpdate:
         """The diff since the last one was taken, and a fresh one begins. schedule() takes it for its
@@ -216,6 +225,9 @@ class Scheduler:
         hears of it in the next update."""
         seq = self._seqs.pop(seq_id)
         self._special.pop(seq_id, None)
+        admitted = seq.status is SequenceStatus.RUNNING or seq.num_preemptions > 0
+        if self.slots is not None and seq.extras.adapter_hash and admitted:
+            self.slots.unpin(seq.extras.adapter_hash)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
@@ -238,6 +250,9 @@ class Scheduler:
         self._special.clear()
         self._new, self._finished, self._preempted, self._resumed = [], [], [], []
         self.block_manager.reset()
+        if self.slots is not None:
+            self.slots.reset()
+        self._loads = []
         return dropped
 
     # ------------------------------------------------------------- helpers
@@ -285,11 +300,16 @@ class Scheduler:
             seq = self.waiting[0]
             if self.running and len(self.running) + seq.seats > self.max_num_seqs:
                 break  # why: its samples will fork into seats of their own
+            adapter = seq.extras.adapter_hash if seq.num_preemptions == 0 else b""  # a preempted one kept its pin
+            if adapter and self.slots is not None and not self.slots.can_pin(adapter):
+                break  # why: every slot is pinned by admitted sequences; keep FCFS order
             # why no cache for prompt logprobs: cached positions have no logits to take them from
             n = admit_prompt(self.block_manager, seq, budget, use_cache=seq.params.prompt_logprobs is None)
             if n is None:
                 break  # keep FCFS order: nobody overtakes the head
             self.waiting.popleft()
+            if adapter:
+                self._pin(adapter)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens  # the bill counts the first admission only
                 self._new.append(NewSequence(seq.seq_id, tuple(seq.prompt_token_ids), seq.params, seq.extras))
@@ -300,11 +320,20 @@ class Scheduler:
             chunks.append(self._snapshot(seq, n))
             budget -= n
 
+    def _pin(self, adapter: bytes) -> None:
+        """One more admitted sequence of `adapter`; its load rides in this step when it was not resident."""
+        assert self.slots is not None  # check_fits refuses adapters without slots
+        slot, load = self.slots.pin(adapter)
+        if load:
+            self._loads.append((slot, adapter))
+
     def _fork(self, parent: Sequence, index: int) -> int:
         """Sample `index` of `parent`'s just-computed prompt, running from now on and sharing its
         KV blocks; announced as new in this step's update (it draws in this step). -> its id."""
         child = Sequence(self.new_seq_id(), list(parent.prompt_token_ids), fork_params(parent.params, index))
         child.extras = parent.extras
+        if child.extras.adapter_hash:
+            self._pin(child.extras.adapter_hash)  # resident: the parent pins it
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SequenceStatus.RUNNING
@@ -320,6 +349,7 @@ class Scheduler:
         prompt_logits = 0
         if seq.params.prompt_logprobs is not None:
             prompt_logits = max(0, min(start + n, seq.num_prompt_tokens - 1) - start)
+        adapter = seq.extras.adapter_hash
         return ScheduledChunk(
             seq.seq_id,
             start,
@@ -329,4 +359,5 @@ class Scheduler:
             is_decode(n, start, seq.num_prompt_tokens, needs_sample),
             prompt_logits,
             seq.max_total_tokens,
+            self.slots.slot_of(adapter) if adapter and self.slots is not None else -1,
         )

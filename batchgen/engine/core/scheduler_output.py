@@ -34,6 +34,7 @@ class ScheduledChunk(NamedTuple):
     # the next prompt token); 0 for every other chunk
     prompt_logits: int = 0
     max_len: int = 0  # the most tokens the sequence may ever hold (prompt + max_tokens); 0: unknown
+    lora_slot: int = -1  # the device slot of the sequence's adapter (engine/lora); -1: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +106,7 @@ class ScheduledBatch:
     draw_rows: tuple[int, ...] | None = None
     ends: tuple[int, ...] = ()
     forks: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (parent, its samples forked in this step)
+    lora_loads: tuple[tuple[int, bytes], ...] = ()  # (slot, adapter content hash) to load before the forward
 
     @property
     def preempted(self) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.runner_output import ModelRunnerOutput, PromptLogprobLists
 from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
-from batchgen.engine.core.sequence import Sequence
+from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras, Sequence
 from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState
 from batchgen.engine.loop.stats import EngineStats
 from batchgen.engine.runner.model_runner import ModelRunner
@@ -56,13 +56,22 @@ class Engine:
         self.requests = RequestTable()
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> int:
-        """Queue one request; returns its id. One that can never fit is answered with an error output."""
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        extras: RequestExtras = NO_EXTRAS,
+        refusal: str | None = None,
+    ) -> int:
+        """Queue one request; returns its id. One that can never fit, or comes with a `refusal`
+        (its adapter could not be loaded), is answered with an error output."""
         request_id = self.scheduler.new_seq_id()
         self.stats.requests += 1
         params = self._resolve_max_tokens(params, len(prompt_token_ids))
-        seq = Sequence(request_id, list(prompt_token_ids), params)
-        message = self._check_token_ids(seq) or self.scheduler.check_fits(seq)
+        seq = Sequence(request_id, list(prompt_token_ids), params, extras=extras)
+        message = f"request {request_id}: {refusal}" if refusal is not None else None
+        message = message or self._check_token_ids(seq) or self.scheduler.check_fits(seq)
         if message is None:
             message = self.runner.check_request(request_id, params)
         if message is None:
@@ -201,16 +210,22 @@ class Engine:
         params: list[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None = None,
         texts: list[str | None] | None = None,
+        extras: list[RequestExtras] | None = None,
+        refusals: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion; outputs in input order, `on_output` as each one finishes.
 
         Each output's `request_id` is its index in `prompts` (as a string); `texts` are the
-        prompts' texts for the outputs' `prompt` (None: not given as text).
+        prompts' texts for the outputs' `prompt` (None: not given as text); `extras` each
+        request's adapter (engine/lora), `refusals` why a request cannot run (its error output).
         """
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        n = len(prompts)
         try:
-            return self._run(prompts, params, on_output, texts or [None] * len(prompts))
+            return self._run(
+                prompts, params, on_output, texts or [None] * n, extras or [NO_EXTRAS] * n, refusals or [None] * n
+            )
         except BaseException:
             # why BaseException: a KeyboardInterrupt mid-step orphans requests just the same
             self.abort_all()
@@ -222,9 +237,14 @@ class Engine:
         params: list[SamplingParams],
         on_output: Callable[[RequestOutput], None] | None,
         texts: list[str | None],
+        extras: list[RequestExtras],
+        refusals: list[str | None],
     ) -> list[RequestOutput]:
         """Add every prompt, step until all are answered; each output's request_id becomes its index."""
-        position = {str(self.add_request(p, sp, t)): i for i, (p, sp, t) in enumerate(zip(prompts, params, texts))}
+        position = {
+            str(self.add_request(*request)): i
+            for i, request in enumerate(zip(prompts, params, texts, extras, refusals, strict=True))
+        }
         results: list[RequestOutput | None] = [None] * len(prompts)
         while self.has_unfinished():
             for output in self.step():

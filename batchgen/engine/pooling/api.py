@@ -45,7 +45,9 @@ def encode_pair(tokenizer: Any, first: str, second: str) -> Encoded:
 
 def refuse_lora(lora_request: object) -> None:
     if lora_request is not None:
-        raise NotImplementedError("lora_request is not supported by batchgen")
+        raise NotImplementedError(
+            "lora_request: LoRA adapters serve generation only, not pooling (embed, classify, score)"
+        )
 
 
 def truncate(encoded: Encoded, keep: int | None) -> Encoded:

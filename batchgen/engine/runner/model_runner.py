@@ -10,7 +10,8 @@ positions, draws, and reads everything back in one copy. It decides nothing: wha
 draws from which row, is the scheduler's business. The forward runs through StepForward (eager
 or compiled); on CUDA with compile and the triton backend, decode-only steps replay the CUDA
 graph of their batch-size bucket (cuda/graphs). Pooling runs the same packed forward
-(`pool_forward`) and gets the base model's hidden states. Which backend, the thread
+(`pool_forward`) and gets the base model's hidden states. With LoRA (engine/lora) it loads the
+adapters the step names into their slots and stages each packed token's slot in the upload. Which backend, the thread
 policy, what compiling is told and whether graphs exist are the device's Platform's answers
 (api/platform, engine/platforms).
 
@@ -43,6 +44,7 @@ from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, ModelRunnerOutput
 from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch, ScheduledChunk
+from batchgen.engine.lora.slots import LoRASlots
 from batchgen.engine.platforms import make_backend, platform_for
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
@@ -81,11 +83,14 @@ class ModelRunner:
         compile_fallback: bool = False,
         cuda_graphs: bool | None = None,
         sampler: Sampler | None = None,
+        lora: LoRASlots | None = None,
     ) -> None:
         """`cuda_graphs`: decode steps replay graphs captured now, where the device and the backend
         allow (CUDA, a backend that reads the pool in place); None: with `compile`.
-        `sampler`: the step's draws (None: a runner that only runs the forward)."""
+        `sampler`: the step's draws (None: a runner that only runs the forward). `lora`: the
+        adapter slots installed in `model` (engine/lora), loaded and told each token's slot per step."""
         self.model = model
+        self.lora = lora
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.device = device
@@ -149,6 +154,8 @@ class ModelRunner:
         self.step_hook.tick()
         self.transfers.begin_step()
         self._apply(batch.update)
+        if batch.lora_loads and self.lora is not None:
+            self.lora.load(batch.lora_loads)
         self.copy_blocks(batch.copies)  # copy-on-write of forked samples' shared last block, before any write
         draw = None
         if self.sampler is not None and self.batch is not None:
@@ -193,6 +200,9 @@ class ModelRunner:
         token_ids, packed_end = pack_chunks(chunks, order)
         if padded is not None:
             token_ids.extend([0] * (padded - len(token_ids)))
+        if self.lora is not None:  # each packed token's adapter slot; padding runs the base (-1)
+            slots = [s for i in order for s in [chunks[i].lora_slot] * chunks[i].num_tokens]
+            self.lora.stage(self.transfers, slots + [-1] * (len(token_ids) - len(slots)))
         return ctx, self.transfers.stage(int64_tensor(token_ids)), positions, packed_end
 
     def pool_forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
@@ -231,6 +241,8 @@ class ModelRunner:
         ids = self.transfers.stage(int64_tensor([c.token_ids[-1] for c in chunks]))
         positions = self.transfers.stage(int64_tensor([c.start for c in chunks]))
         staged_tables = self.transfers.stage(tables)
+        if self.lora is not None:  # the bucket's padding rows keep stale slots: their logits are dropped
+            self.lora.stage(self.transfers, [c.lora_slot for c in chunks])
         self.transfers.upload()
 
         logits = self.graphs.execute(ids, positions, staged_tables, self._graph_run, self._graph_context)

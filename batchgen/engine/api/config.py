@@ -1,12 +1,9 @@
 """EngineConfig: the engine's knobs as the user set them, validated once; ResolvedConfig: the same
 with every default decided, before anything is built.
 
-EngineConfig is the one definition of the engine settings: `LLM(**settings)` forwards to it and
-the job file's `engine` section is derived from its fields (batchgen/job.py), so a new field added
-here (with a default and a check) appears in both without further edits. `resolve` turns it into
-a ResolvedConfig once the device (its Platform) and the model's config are known: no None is left
-in what the rooms below read, and neither object changes after. What is measured while loading
-(the KV pool's budget) is kept beside them (runner/pool_sizing), never written into either.
+The one definition of the engine settings (`LLM(**settings)` and the job file's `engine` section
+derive from it). `resolve` leaves no None once the Platform and model config are known; neither
+object changes after, and what is measured at load is kept beside them (runner/pool_sizing).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """What `dtype: auto` resolves to on this host, and why: the one rule every backend, the pooling
 tasks, `validate`, `estimate` and `batchgen doctor` ask.
 
-Why a rule of its own: CPUs with native bf16 (AMX-BF16, AVX512-BF16: Intel Sapphire Rapids and
-later, AMD Zen 4 and later) compute bf16 matmuls several times faster than float32, and most
-checkpoints are stored in bf16. The rule is deterministic (the CPU's flags and the checkpoint's
-stored dtype, never a timing), so identical machines resolve alike and a resumed output keeps
-its precision:
-- CUDA: bfloat16 where the GPU supports it, else float16 (unchanged).
-- CPU: bfloat16 when the checkpoint is stored in bf16 or fp16 (its config's `dtype` /
-  `torch_dtype`, else its safetensors header) AND the CPU has a native bf16 flag; float32
-  otherwise (float32 checkpoints, AVX2-only CPUs, a checkpoint whose dtype cannot be read).
-- A resumed output whose record names one dtype: that dtype (the runner pins it, runtime_record).
-`dtype: float32` pins exact float32 parity wherever the job runs.
-
-The CPU's flags come from /proc/cpuinfo; an operator (or a test) may state them instead in
-BATCHGEN_CPU_FLAGS (space- or comma-separated, e.g. "avx2 fma" to resolve as an AVX2-only host).
-It imports no torch at module level (the job's `validate` and the runner ask it early).
+Deterministic (CPU flags and the checkpoint's stored dtype, never a timing): CUDA bfloat16 where
+supported, else float16; CPU bfloat16 when the checkpoint is stored in bf16/fp16 AND the CPU has a
+native bf16 flag (AMX-BF16, AVX512-BF16), else float32. BATCHGEN_CPU_FLAGS overrides /proc/cpuinfo.
+No torch import at module level (`validate` asks early).
 """
 
 from __future__ import annotations

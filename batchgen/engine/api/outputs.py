@@ -1,11 +1,7 @@
 """RequestOutput and CompletionOutput: what the engine (or any backend) returns, shaped like vLLM's.
 
-A script written for vLLM's offline `LLM.generate` reads the same names: `request_id` (str),
-`prompt`, `prompt_token_ids`, `prompt_logprobs`, `num_cached_tokens` and `outputs`, one
-CompletionOutput per sample (`index`, `text`, `token_ids`, `cumulative_logprob`, `logprobs`,
-`finish_reason`, `stop_reason`). Log-probabilities are vLLM's shape too: per token a dict
-{token id: Logprob} holding the chosen (or prompt) token and the top K alternatives.
-batchgen adds `error` (a request it could not serve: then `outputs` is empty) and usage counts.
+A script written for vLLM's offline `LLM.generate` reads the same names (logprobs: per token a dict
+{token id: Logprob}); batchgen adds `error` (then `outputs` is empty) and usage counts.
 """
 
 from __future__ import annotations
@@ -27,12 +23,8 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request. `finish_reason` is "stop" or "length".
-
-    `stop_reason` is None on EOS (as in vLLM), else the matched stop string or the stop token id.
-    `token_ids` counts every generated token, including those of a stop string cut from `text`.
-    `logprobs` and `cumulative_logprob` are None unless SamplingParams.logprobs was set.
-    """
+    """One sample of a request. `finish_reason` "stop" or "length"; `stop_reason` None on EOS (as
+    vLLM), else the stop string or token id; `token_ids` include a stop string cut from `text`."""
 
     index: int
     text: str
@@ -48,11 +40,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """One finished request: its prompt and its `n` samples (`outputs`, in sample order).
-
-    `prompt_logprobs` (when asked) has one entry per prompt token, None for the first.
-    A request that could not be served has `error` set and no outputs.
-    """
+    """One finished request: its prompt and its `n` samples in order (`prompt_logprobs`: None for
+    the first prompt token); one that could not be served has `error` and no outputs."""
 
     request_id: str
     prompt: str | None

@@ -183,9 +183,6 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-
-
 def _feature_checks(s: SamplingParams) -> list[tuple[str, bool, str]]:
     """Shape checks of the logits-processing settings (vLLM's ranges); grammars compile later."""
     bias = s.logit_bias

@@ -1,15 +1,8 @@
 """Platform: the one object that answers every device-specific question, one class per device.
 
-Why one object: which attention backend `auto` means, which kernels a model's linears and the
-sampler's greedy pass take, how many threads a step uses, what torch.compile is told, how device
-memory is read, the step defaults and what `batchgen doctor` reports all differ by device. Asked
-of a Platform, the code above never tests a device's type, and a new device is a new class, not
-an `if` in ten places.
-
-This base class is the portable device (mps, xpu, anything but the CPU and CUDA): torch's own ops,
-nothing measured, nothing compiled by default. The CPU's answers are engine/cpu/platform.py's, the
-CUDA GPU's engine/cuda/platform.py's; `batchgen.engine.platforms.platform_for` picks one. Nothing
-here imports a device room, so every room may read this contract.
+Why one object: asked of a Platform, the code above never tests a device's type; a new device is a
+new class, not an `if` in ten places. This base class is the portable device (torch's own ops,
+nothing measured or compiled); cpu/platform and cuda/platform subclass it (engine/platforms picks).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """StructuredOutputsParams: vLLM's structured-output request object, mapped onto `SamplingParams.structured`.
 
-vLLM users write `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))` (vLLM's
-own offline example does). batchgen's engine already constrains decoding with xgrammar from one
-spec, `{kind: value}` (batchgen/engine/sampling/structured.py); this class only checks vLLM's
-shape (exactly one constraint) and says which spec it stands for (`to_spec`). Options batchgen
-cannot honour are refused with what it does instead; two that describe what it already does are
-accepted: JSON is generated without free whitespace (as `disable_any_whitespace=True`) and only
-the schema's own properties are allowed (xgrammar's strict mode, as
-`disable_additional_properties=True`), whatever these flags say, because neither changes that
-every output parses and matches the schema.
+Checks vLLM's shape (exactly one constraint) and names the `{kind: value}` spec it stands for
+(`to_spec`). Options batchgen cannot honour are refused; `disable_any_whitespace` and
+`disable_additional_properties` are accepted whatever they say (batchgen always does both).
 """
 
 from __future__ import annotations
@@ -32,10 +26,8 @@ class StructuredOutputsError(ValueError):
 
 @dataclass
 class StructuredOutputsParams:
-    """Exactly one of `json` (a JSON schema, as a mapping or its text), `regex`, `choice` (a list of
-    strings), `grammar` (EBNF, xgrammar's dialect: GBNF-compatible) or `json_object` (True: any JSON
-    object). The grammar itself is compiled when the request is added (a bad one is that request's
-    error) or when a job file is validated."""
+    """Exactly one of `json` (a schema), `regex`, `choice`, `grammar` (xgrammar's EBNF) or
+    `json_object`; compiled when the request is added or the job file validated."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None

@@ -1,14 +1,9 @@
 """vLLM's engine arguments (its `EngineArgs` fields) as LLM keywords: what a vLLM script passes with
 `LLM(**vars(args))` after `EngineArgs.add_cli_args(parser)`.
 
-Why apart from vllm_keywords: these rules cover every field of the vLLM release we mirror
-(vllm_engine_table), the mapped and the unused alike:
-  * `runner` / `convert` choose the task (`runner="pooling"`: the folder's pooling task; `convert`
-    "embed" or "classify": that task), as vLLM's do;
-  * `generation_config`: "auto" (vLLM's default) makes the folder's generation_config.json the
-    default SamplingParams (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens),
-    "vllm" keeps SamplingParams()' own;
-  * any other field batchgen does not use is accepted at vLLM's default and refused otherwise.
+Every field of the mirrored release (vllm_engine_table): `runner` / `convert` choose the task;
+`generation_config` "auto" makes the folder's generation_config.json the default SamplingParams
+("vllm": SamplingParams()' own); an unused field is accepted at vLLM's default, refused otherwise.
 """
 
 from __future__ import annotations
@@ -37,10 +32,8 @@ def check_unused(name: str, value: Any) -> None:
 
 
 def task_of(task: str, settings: dict[str, Any]) -> str:
-    """LLM's task from its `task` and vLLM's `runner` / `convert` (removed from `settings`).
-
-    Returns "auto" (the folder decides), "pooling" (the folder's pooling task) or a task name; a
-    runner or convert that contradicts an explicit task is a ValueError naming both."""
+    """LLM's task ("auto", "pooling" or a task name) from `task` and vLLM's `runner` / `convert`
+    (removed from `settings`); a contradiction is a ValueError naming both."""
     runner, convert = settings.pop("runner", "auto"), settings.pop("convert", "auto")
     if runner not in _RUNNERS:
         raise ValueError(f"LLM(runner={runner!r}) must be one of {', '.join(map(repr, _RUNNERS))}")

@@ -1,10 +1,7 @@
 """What vLLM clients read back from an LLM, in vLLM's spelling: `llm.llm_engine.model_config`.
 
-Clients size their requests from it: lm-evaluation-harness reads
-`llm.llm_engine.model_config.max_model_len` as the context length and hands `model_config` to
-its chat-template lookup; others read `get_model_config()`, `hf_config` or the vocabulary size.
-These are read-only views of what the LLM resolved at construction (the context length after
-`max_model_len`, the dtype, the seed); the engine itself is `LLM.engine`.
+Clients size their requests from it (lm-evaluation-harness reads `model_config.max_model_len`):
+read-only views of what the LLM resolved; the engine itself is `LLM.engine`.
 """
 
 from __future__ import annotations

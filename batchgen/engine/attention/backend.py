@@ -1,25 +1,10 @@
 """The attention-backend interface, and the portable torch backend that is its reference.
 
-A backend is one object per engine, owning everything the attention keeps: the paged KV pool's
-per-layer tensors, the decode K/V source (which may keep per-sequence state across steps), the
-current step's plan, and the last exception its op raised. Its life per step:
-
-    plan(chunks)            once, from the scheduler's chunks: the packed order, positions, the
-                            ForwardContext every layer reads (attention/planning)
-    with running(ctx):      around the forward: the plan is this backend's current step
-        call_layer(layer)   what each attention module's call runs (it is bound to this backend
-                            and its layer index when the model loads: attention/interface)
-    release(seq_ids)        sequences finished or preempted: forget what the source keeps
-    reset()                 after an aborted step: forget every sequence
-
-No state lives in module globals: two engines in one process each have their own backend, and
-a layer finds its cache by the index it was bound to, never by counting calls.
-
-`TorchBackend` ("torch") attends with torch ops only, over blocks gathered from the pool
-(decode_gather); on CUDA it runs the paged varlen kernel where the runner chose it. Its static
-attention of a CUDA-graph decode step (full-width gather) is the reference the triton backend's
-graph plan is tested against; the runner replays graphs over the triton backend only. The other
-backends (cpu/backend.CpuBackend, triton/backend.TritonBackend) are tested against it.
+A backend is one object per engine owning all the attention keeps (KV pool, decode K/V source,
+the step's plan, its op's last exception; no module globals, so two engines coexist). Per step:
+`plan(chunks)` once, `with running(ctx):` around the forward, each layer's `call_layer`, then
+`release(seq_ids)` / `reset()`. `TorchBackend` (torch ops over gathered blocks; CUDA's varlen
+kernel where chosen) is the reference the cpu and triton backends are tested against.
 """
 
 from __future__ import annotations
@@ -102,10 +87,8 @@ class AttentionBackend:
         window: int | None,
         softcap: float | None,
     ) -> torch.Tensor:
-        """The model's attention call for `layer`: query [H, T, D], key/value [KVH, T, D] -> [T, H, D].
-
-        Why the op only while compiling: the compiler needs it opaque; eager runs call its body
-        directly (the very same code, without the custom-op dispatch on every layer of every step)."""
+        """query [H, T, D], key/value [KVH, T, D] -> [T, H, D]; the custom op only while compiling
+        (eager runs call its body directly, without the op's dispatch)."""
         if torch.compiler.is_compiling():
             return attention_op.paged_attention(query, key, value, scale, window, softcap, self.handle, layer)
         return self.run_layer(layer, query, key, value, scale, window, softcap)

@@ -1,14 +1,9 @@
 """Shared-prefix ("cascade") decode attention: a prefix every sequence of a decode group holds in the
-same KV blocks (prefix caching) is read once for the group, not once per sequence.
+same KV blocks is read once for the group, not once per sequence.
 
-Why: decode attention on CPU is memory-bound, and a batch job with a few-shot preamble reads
-that preamble's K/V again for every sequence, every step. Softmax attention splits exactly over
-a partition of the keys: each part gives its unnormalised output, its row max and its sum, and
-the parts are merged by rescaling to the common max. The shared part is one matrix product per
-KV head for all queries of the group; each sequence's own rest is a small batched product.
-Plain causal attention only: the caller keeps the ordinary path for sliding windows and
-logit soft-capping. Whether a decode group is split is decided from block tables alone
-(`cascade_len`), the same for every decode K/V source.
+Why: CPU decode attention is memory-bound and a few-shot preamble would be read again per
+sequence. Softmax splits exactly over a partition of the keys (parts merged by rescaling to the
+common max). Plain causal attention only (no window, no soft-cap); decided from block tables alone.
 """
 
 from __future__ import annotations
@@ -24,11 +19,8 @@ CASCADE_MIN_SEQS = 4
 
 
 def shared_prefix_len(tables: Sequence[Sequence[int]], cached: Sequence[int], block_size: int) -> int:
-    """Tokens from the start that every sequence holds in the very same, fully cached blocks.
-
-    tables: each sequence's block ids; cached: tokens each sequence has in the cache. Plain
-    Python on purpose: tuple slices compare at C speed, cheaper than tensor ops at these sizes.
-    """
+    """Tokens from the start every sequence holds in the very same, fully cached blocks (plain
+    Python on purpose: tuple slices compare at C speed)."""
     full = min(cached) // block_size
     if full == 0 or len(tables) < 2:
         return 0
@@ -69,8 +61,7 @@ def cascade_decode_attention(
     """q [B, H, D]; keys k_t [B, KVH, D, L] and values v [B, KVH, L, D] whose first `shared`
     positions are the same K/V in every row; own_mask [B, 1, 1, L - shared] (True: attend) -> [B, H, D].
 
-    Every row attends to at least its own newest token, so no part is empty for a row. Computed
-    in float32 (a no-op for float32 models): half-precision exp-sums would lose what SDPA keeps.
+    In float32: half-precision exp-sums would lose what SDPA keeps.
     """
     b, h, d = q.shape
     kvh = k_t.shape[1]

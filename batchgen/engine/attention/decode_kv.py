@@ -1,18 +1,9 @@
 """The decode K/V source: where a step's decodes read their keys and values from.
 
-Why a seam: decode attention has two good layouts and the attention function should not care
-which one it reads. Gathered blocks (decode_gather) copy each decode's blocks out of the paged
-pool per layer, which costs nothing to keep but a copy per step; contiguous rows (decode_rows)
-keep a per-sequence copy that grows by one token per step, which on CPU, where a decode step is
-memory-bound, saves most of that copy at the price of extra memory. Each attention backend has
-one: the torch backend gathers, the CPU backend keeps rows (engine.attention_backend).
-
-A source plans each step's decodes into groups of similar length (one padded attention call
-each), is told each layer's new K/V, and hands each group's keys as [B, KVH, D, L] and its
-values as [B, KVH, L, D] (keys transposed, as the scores' product reads them: a source that
-stores them so, contiguous along L, gets the batched-product path; see attention). Whether a
-group may use cascade attention over a shared prefix is decided here, from block tables, the
-same way for both sources.
+Why a seam: gathered blocks (the torch backend) copy each decode's blocks out of the pool per
+layer; contiguous rows (the CPU backend) keep a growing per-sequence copy, saving most of that
+copy on a memory-bound CPU. A source groups a step's decodes by length, is told each layer's new
+K/V, and hands each group's keys [B, KVH, D, L] and values [B, KVH, L, D].
 """
 
 from __future__ import annotations
@@ -113,8 +104,7 @@ def make_group(start: int, decodes: Sequence[DecodeRequest], kv_len: int, block_
 def padded_tables(tables: Iterable[Sequence[int]], counts: Sequence[int], width: int) -> torch.Tensor:
     """The first counts[i] block ids of tables[i], padded with block 0 (masks hide it) -> [rows, width] int64.
 
-    Why an array: torch.tensor() over nested Python lists costs ~0.3 us per element, which at
-    64 sequences x 40 blocks is a sizeable share of a CPU decode step; an array copies at C speed.
+    Why an array: torch.tensor() over nested lists costs ~0.3 us per element; an array copies at C speed.
     """
     buf = array("q")
     for table, n in zip(tables, counts):

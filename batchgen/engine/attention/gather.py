@@ -1,9 +1,7 @@
 """Gathered blocks: the decode K/V source that copies each decode's blocks out of the paged pool per layer.
 
-Why: it needs no memory beyond the pool and no state across steps, and on a GPU the copy is
-cheap. Decodes are packed shortest context first and split into a few groups of similar length,
-so a short sequence is not padded to the longest one's blocks (the gather and the attention pay
-for the padding).
+Why: no memory beyond the pool, no state across steps, and a cheap copy on a GPU. Decodes are
+packed shortest first in a few groups of similar length, so short ones are not padded to the longest.
 """
 
 from __future__ import annotations
@@ -33,10 +31,8 @@ DECODE_MERGE_RATIO = 1.25
 def split_decodes(blocks: list[int]) -> list[tuple[int, int, int]]:
     """Consecutive decodes' sizes (blocks or tokens) -> groups (start, end, largest size).
 
-    Best for decodes sorted by length. Equal-count groups of at least MIN_DECODE_GROUP rows, at
-    most MAX_DECODE_GROUPS; a group joins the previous one when that would pad it by little (its
-    longest row is at most DECODE_MERGE_RATIO times the previous group's), since each group costs
-    a gather and an attention call per layer.
+    Equal-count groups of at least MIN_DECODE_GROUP rows, at most MAX_DECODE_GROUPS; a group joins
+    the previous one when that pads it by at most DECODE_MERGE_RATIO (each costs calls per layer).
     """
     m = len(blocks)
     if m == 0:

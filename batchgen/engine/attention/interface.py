@@ -1,12 +1,8 @@
 """batchgen's attention as transformers sees it: the function registered as "batchgen_paged", and the
 binding of each attention module to its backend and KV-cache layer.
 
-transformers calls the registered function with the attention module itself; the module carries
-a LayerBinding (set by `bind_layers` when a model runner takes the model), which names the
-engine's backend and the layer's index in that backend's KV pool (the module's own `layer_idx`).
-So the function needs no global: the model of each engine reaches its own backend, and a layer
-its own cache whatever order the layers run in. The function only checks the call (masks, sinks,
-batch shape) and hands the tensors to the backend.
+Each attention module carries a LayerBinding (`bind_layers`) naming its engine's backend and its
+layer index, so the function needs no global; it checks the call and hands the tensors on.
 """
 
 from __future__ import annotations

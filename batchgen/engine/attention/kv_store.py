@@ -1,10 +1,8 @@
 """Writing a step's new K/V into the paged pool, with padded tokens (slot -1) sent to a trash block.
 
-Why a trash block: a step padded to a bucket size (torch.compile, CUDA graphs) has tokens that
-belong to no sequence. Skipping them with a boolean mask would need their count on the host (a
-sync, and a shape a CUDA graph cannot replay); instead the pool has one extra block past the
-blocks the block manager hands out, and every slot -1 is redirected there: one `where` and one
-scatter, the same kernels whatever the padding. Nothing ever reads the trash block.
+Why a trash block: padded tokens (compile buckets, CUDA graphs) belong to no sequence; masking
+them out needs their count on the host (a sync), so the pool has one extra, never-read block and
+every slot -1 is redirected there: the same kernels whatever the padding.
 """
 
 from __future__ import annotations
@@ -28,9 +26,7 @@ def store_kv(
     padded: bool = True,
 ) -> None:
     """k/v_cache [blocks + 1, block_size, KVH, D]; slots [T] (PAD_SLOT: skip); key/value [T, KVH, D].
-
-    `padded` False: the caller knows no slot is PAD_SLOT (an eager step's real tokens), so the
-    per-layer remap to the trash block is skipped."""
+    `padded` False: no slot is PAD_SLOT, so the remap is skipped."""
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     k_flat, v_flat = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
     trash = k_flat.shape[0] - 1  # the last slot of the trash block

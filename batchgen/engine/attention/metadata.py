@@ -1,8 +1,5 @@
-"""Step metadata: what one forward needs to know about the packed batch, built by the model runner.
-
-The model runner builds a ForwardContext once per step; the attention function reads it for
-every layer. Nothing here computes: these are the shapes and indices of one step. The decodes
-(packed first) are described by their K/V source's step (see decode_kv), whichever it is.
+"""Step metadata: the shapes and indices of one packed step (a ForwardContext, built once per step,
+read by every layer); the decodes (packed first) are described by their K/V source's step.
 """
 
 from __future__ import annotations

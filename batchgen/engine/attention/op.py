@@ -1,19 +1,10 @@
 """The paged attention as one opaque torch custom op, `batchgen::paged_attention`, and the handles
 by which the op finds the engine it runs for.
 
-Why an op: `torch.compile` can fuse the unchanged transformers modules (RMSNorm, RoPE, SwiGLU,
-residuals, projections) only if the attention in between neither breaks the graph nor is traced.
-The attention reads its backend's per-step plan (Python objects: decode groups, rows, chunks) and
-writes the KV pool; as a custom op it is one node the compiler calls as is, with a fake
-implementation that only says what shape it returns.
-
-Why a backend handle and a layer index as arguments: the op's body must reach the state of the
-engine whose model is running (its KV pool, its step plan), and several engines may live in one
-process. Each attention backend registers itself here and gets an integer handle; a layer's
-attention module is bound to (handle, layer index) when the model loads (attention/interface),
-so the compiled graph holds two constants per layer and nothing that depends on a step. The
-table below maps handles to live backends (weakly: an engine that is gone is gone); it holds no
-step state.
+Why an op: torch.compile fuses the modules around the attention only if the attention (Python
+plans, KV pool writes) neither breaks the graph nor is traced. Why a handle and a layer index as
+arguments: several engines may live in one process; each backend registers here (weakly) and each
+layer is bound to (handle, layer) at load, so the graph holds two constants per layer.
 """
 
 from __future__ import annotations
@@ -78,11 +69,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [H, T, D], key/value [KVH, T, D] -> [T, H, D]; stores this step's K/V in the pool as a side effect.
 
-    Why mutates_args=(): the pool is not an argument (the backend holds it), and the output, which
-    every later layer depends on, keeps the op in its place in the graph.
-    Why the exception is kept on the backend: a graph compiled with the C++ wrapper reports an
-    exception from a Python op only as "aoti_torch_call_dispatcher(...) API call failed"; the
-    step's caller (compiled_forward) raises this one instead, so the message says what went wrong.
+    Why mutates_args=(): the pool is the backend's, and the output keeps the op in its place.
+    Why the exception is kept: the C++ wrapper reports it only as "API call failed"; compiled_forward
+    raises this one instead.
     """
     owner = lookup(backend)
     try:

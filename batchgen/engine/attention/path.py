@@ -1,19 +1,11 @@
 """Which attention kernel the engine runs, and the call into torch's paged varlen kernel.
 
-Two paths read the paged KV pool:
-- "varlen": torch's own FlashAttention-2 (`torch.nn.attention.varlen.varlen_attn` with
-  `block_table=` and `seqused_k=`): every chunk of a step, decodes included, in one call per
-  layer straight from the pool, no K/V gather. It needs CUDA (compute capability >= 8.0),
-  float16/bfloat16, a page (block) size that is a multiple of 256, a head dim that is a multiple
-  of 8 and at most 256, and no logit soft-capping (varlen_attn has no softcap argument). GQA and
-  sliding windows are native. flash-attn itself is not used: it has no wheel for our torch.
-- "sdpa": gather + torch SDPA (attention.py), the exact fallback for everything else (float32,
-  soft-capping, CPU, small blocks).
-- "triton": not a path of the torch backend but the triton backend's own paged kernel (triton/),
-  named here so the runner reports every backend's attention the same way (TRITON_CHOICE).
-The choice is a pure function of what the model and engine are and what this torch build offers
-(`choose_attention_path`), so a CPU test covers every branch; only the kernel call itself needs a
-GPU, and a CPU test replaces it with a reference of its documented semantics (`VARLEN_ATTN`).
+- "varlen": torch's FlashAttention-2 (`varlen_attn` with `block_table=`/`seqused_k=`), every chunk
+  in one call per layer straight from the pool. Needs CUDA (sm >= 8.0), fp16/bf16, blocks a
+  multiple of 256, head dim a multiple of 8 and <= 256, no soft-capping.
+- "sdpa": gather + torch SDPA, the exact fallback for everything else.
+- "triton": the triton backend's own kernel, named here so every backend is reported alike.
+The choice is a pure function (`choose_attention_path`), so CPU tests cover every branch.
 """
 
 from __future__ import annotations
@@ -139,11 +131,8 @@ def varlen_paged_attention(
     scaling: float,
     window: int | None,
 ) -> torch.Tensor:
-    """q [H, T, D] (packed, chunk order), caches [num_blocks, block_size, KVH, D] -> [T, H, D].
-
-    Every chunk attends causally (bottom-right aligned, so a chunk's queries sit after its cached
-    context) over the first seqused_k[i] tokens of its pages; the step's new K/V are already stored.
-    """
+    """q [H, T, D] (packed, chunk order), caches [num_blocks, block_size, KVH, D] -> [T, H, D]; every
+    chunk attends causally (bottom-right aligned) over the first seqused_k[i] tokens of its pages."""
     if VARLEN_ATTN is None:
         raise RuntimeError("the varlen attention path needs torch.nn.attention.varlen (torch >= 2.12)")
     out = VARLEN_ATTN(

@@ -1,8 +1,5 @@
-"""The attention of a decode step replayed from a CUDA graph: fixed-size buffers, no per-step Python.
-
-Why in the attention room: it is one more way to attend the pool (the torch backend runs it when
-the step's plan carries a StaticDecode); cuda/graphs captures and replays the steps that use it.
-"""
+"""The attention of a decode step replayed from a CUDA graph (cuda/graphs): fixed-size buffers,
+no per-step Python."""
 
 from __future__ import annotations
 

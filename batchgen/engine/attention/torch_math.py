@@ -1,12 +1,8 @@
 """The portable attention math over the paged KV pool, in torch ops: what the torch backend runs.
 
-One forward = one packed varlen batch: every scheduled token of every sequence in a [1, T] row.
-Decodes are packed first and attended in a few padded calls, one per group of similar context
-length, over the K/V their source hands out (see decode_kv; this module does not know which
-source it reads), with cascade attention where the source marked a shared prefix; every other
-chunk attends with a causal mask offset by its cached context, all with torch SDPA. A decode
-source may attend its decodes itself (DecodeStep.attend, e.g. the CPU backend's native kernel).
-Sliding windows and logit soft-capping are exact.
+Decodes (packed first) attend in a few padded calls, one per group, over their source's K/V
+(cascade where a prefix is shared); other chunks with a causal mask offset by their cached
+context. Sliding windows and soft-capping are exact.
 """
 
 from __future__ import annotations
@@ -20,10 +16,7 @@ from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk
 
 
 def _window_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
-    """Allowed[..., q, kv] for keys 0..kv_len-1: kv <= q_pos (causal) and q_pos - kv < window.
-
-    The window rule is transformers' sliding overlay (`kv_idx > q_idx - sliding_window`).
-    """
+    """Allowed[..., q, kv] for keys 0..kv_len-1: kv <= q_pos and q_pos - kv < window (transformers' rule)."""
     kv = torch.arange(kv_len, device=q_pos.device)  # [L]
     allowed = kv <= q_pos[..., None]
     if window is not None:
@@ -74,12 +67,9 @@ def _batched_decode_attention(
 ) -> None:
     """qg [B * KVH, G, D], keys k_t [B, KVH, D, L] contiguous along L, v [B, KVH, L, D] -> out [B * KVH, G, D].
 
-    Why not SDPA: with keys stored transposed, the scores are one batched product that reads each
-    key row contiguously, and the output another. On CPU a decode step's attention went from 5.6
-    to 3.5 ms (demo model) and from 26.4 to 21.3 ms (57M) against SDPA over [L, D] rows, reading
-    K/V about as fast as a plain sum over the same bytes (benchmarks/RESULTS.md, third pass). The
-    softmax runs in float32, as transformers' eager one does. Why `out`: the product writes the
-    group's rows of the layer's output in place (a view), instead of a copy per group.
+    Why not SDPA: with keys stored transposed the scores are one batched product reading each key
+    row contiguously (CPU decode attention 5.6 -> 3.5 ms, demo model; RESULTS.md, third pass).
+    Softmax in float32; `out` is written in place (a view of the layer's output).
     """
     rows, d = qg.shape[0], qg.shape[2]
     if qg.dtype != torch.float32:  # why float32 math: bf16 scores lose ~3 digits before the softmax

@@ -1,23 +1,9 @@
 """BlockManager: the KV block pool — ref counts, the LRU free list and the prefix hash table.
 
-The prefix hash table lives here (what a hash covers: core/block_hash); the scheduler only
-sees block ids and token counts through three calls: `get_computed_blocks` (match),
-`allocate_slots` (allocate) and `free`. The block
-tables live here too, keyed by sequence id (`block_table(seq_id)`): a Sequence holds no blocks,
-so nothing but this pool writes them, and the scheduler hands the runner copies (its chunks).
-
-Block states:
-  - referenced (ref > 0): in some sequence's block table; never evicted.
-  - free (ref == 0): in the free list. A free block may still hold a hash (its K/V content is
-    valid and matchable); it is "evicted" only when popped for reuse, which drops its hash.
-The free list is the LRU eviction order: allocation pops from the front (least recently freed),
-`free` appends to the back. Hashless free blocks (content nobody can match) are put at the front,
-so they are reused before any cached block.
-
-Forked samples (n > 1) share their prompt's blocks by reference (`fork`). The partially filled
-last block is copied on write: when a sequence is about to write into a block someone else also
-holds, it gets a fresh block and a (source, destination) copy that the model runner makes before
-the step's forward (`take_copies`); the last holder writes in place.
+The block tables live here, by sequence id (a Sequence holds no blocks). A free block (ref 0) may
+keep its hash and stay matchable until popped for reuse; the free list is the LRU order (hashless
+blocks go first). Forked samples share blocks by reference; a shared partial last block is copied
+on write (`take_copies`: the runner makes the copies before the forward).
 """
 
 from __future__ import annotations
@@ -87,8 +73,7 @@ class BlockManager:
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching `seq.token_ids` from the start.
 
-        Returns (block ids, tokens they cover). Capped so at least one token is left to compute:
-        the last token must run through the model to produce logits. Changes no ref counts.
+        Returns (block ids, tokens they cover), leaving at least one token to compute (for its logits).
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -114,12 +99,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Extend the sequence's block table to cover its computed tokens plus `num_new_tokens`.
 
-        `computed_blocks` (from `get_computed_blocks`) may only be given for a fresh sequence
-        (empty block table, `num_computed_tokens == 0`; ValueError otherwise). On success they
-        head the block table (ref + 1); `seq.num_computed_tokens` is left alone: the scheduler,
-        its only writer, sets it to the cached tokens `get_computed_blocks` returned. Every block
-        that becomes full with known tokens is registered in the hash table. Returns False and
-        changes nothing when the pool is short.
+        `computed_blocks` only for a fresh sequence (they head its table); full blocks are registered
+        in the hash table. False, changing nothing, when the pool is short.
         """
         if num_new_tokens == 1 and not computed_blocks and self._slot_in_place(seq):
             # why a fast path: a decode is one token, usually into a block the sequence already owns
@@ -150,9 +131,7 @@ class BlockManager:
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks and drop its block table (a no-op for one that holds none).
 
-        Blocks reaching ref 0 join the free list tail first, so that among them the chain tail
-        is evicted first (a later match of the head still finds an unbroken chain). They keep
-        their hash and stay matchable until evicted.
+        Blocks reaching ref 0 join the free list chain tail first, so the tail is evicted first.
         """
         for block_id in reversed(self._tables.pop(seq_id, [])):
             self.ref_counts[block_id] -= 1
@@ -184,12 +163,7 @@ class BlockManager:
         return copies
 
     def reset(self) -> None:
-        """Back to a fresh pool: every block free (in id order), no table, no hash, no pending copy.
-
-        Why all of it: after an aborted generate nothing the pool knew can be trusted (a failed
-        step may have registered blocks whose K/V it never finished writing), and dropping the
-        whole state is one act, where freeing each sequence first would be a list of owners.
-        """
+        """Back to a fresh pool (after an aborted generate, nothing the pool knew can be trusted)."""
         self.ref_counts = [0] * self.num_blocks
         self._free = OrderedDict((b, None) for b in range(self.num_blocks))
         self._tables.clear()
@@ -199,11 +173,8 @@ class BlockManager:
         self._copies.clear()
 
     def reset_prefix_cache(self) -> None:
-        """Forget every hash, so no later request matches K/V written before now.
-
-        Why: after a step that failed mid-forward, blocks registered for that step may hold
-        partial or poisoned K/V. Only valid when no sequence holds a block (RuntimeError otherwise).
-        """
+        """Forget every hash (after a failed forward, registered blocks may hold poisoned K/V); only
+        when no sequence holds a block."""
         held = sum(1 for r in self.ref_counts if r)
         if held:
             raise RuntimeError(f"reset_prefix_cache() with {held} blocks still held by sequences")

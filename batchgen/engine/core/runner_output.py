@@ -1,10 +1,7 @@
 """What the model runner hands back for each step: the one result of the one call down.
 
-Why a module of its own (vLLM v1's ModelRunnerOutput): with ScheduledBatch (scheduler_output) it
-is the whole contract between the loop and the runner. `ModelRunner.execute(batch)` takes the
-scheduler's snapshot and returns this; nothing below the loop calls back into it. Everything here
-is host data, read in the step's one device->host copy: the drawn token ids, the NaN flag, and
-the logprob values as read (the loop's output side turns them into outputs with token texts).
+vLLM v1's ModelRunnerOutput: with ScheduledBatch, the whole contract between loop and runner; host
+data read in the step's one device->host copy.
 """
 
 from __future__ import annotations
@@ -15,10 +12,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class LogprobLists:
-    """Logprobs of some rows, as read: row j scored `targets[j]` and asked for `ks[j]` alternatives.
-
-    `read` holds sampling/logprobs.score's lists (the targets' values and ranks, then the top-K
-    values and ids when some K > 0); sampling/logprobs.entries turns them into outputs."""
+    """Logprobs of some rows, as read (sampling/logprobs.score's lists): row j scored `targets[j]`
+    and asked for `ks[j]` alternatives."""
 
     rows: list[int]  # which rows: for sampled tokens, indices into the batch's draws
     ks: list[int]

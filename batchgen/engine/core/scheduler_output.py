@@ -1,14 +1,8 @@
 """What the scheduler hands the rest of the engine each step: chunks, draws and a diff, as data only.
 
-Why a module of its own (vLLM v1's SchedulerOutput): this is the whole contract between the
-scheduler, which owns every sequence, and the runner side, which keeps its own persistent state
-(the sampling batch, the decode rows). Nothing here is a live Sequence: a chunk names its
-sequence by id and carries a snapshot of what the runner needs (tokens, positions, block table),
-a BatchUpdate says which sequences the runner must start, stop or refill knowing (a new one with
-its request's extras: an adapter slot, images, rotary positions), so that state is updated from
-changes, never rediscovered by comparing one step with the last, and the draws say which
-sequences take a token from which logits row (the samples forked in this step among them).
-Everything a step needs is here when `schedule()` returns: nothing below the loop calls back up.
+vLLM v1's SchedulerOutput: the whole contract between the scheduler and the runner side. No live
+Sequence: chunks are snapshots by id, a BatchUpdate says what changed (new sequences with their
+request's extras), the draws say who takes a token from which logits row.
 """
 
 from __future__ import annotations

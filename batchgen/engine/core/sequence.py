@@ -1,14 +1,7 @@
 """Sequence: one request's state inside the engine (tokens, progress, KV blocks, usage).
 
-The single scheduling rule (vLLM v1): `num_computed_tokens` (tokens whose K/V are in the cache)
-catches up with `num_tokens`. A prefill chunk and a decode step are the same thing: a chunk of
-`token_ids[num_computed_tokens : num_computed_tokens + n]`; a decode is a chunk of one token
-(exactly: see scheduler.is_decode).
-
-The scheduler owns every Sequence: it is the only writer of its progress and status (computed
-tokens, appended output tokens, status), and the engine reads it. Its KV blocks are the block
-manager's (keyed by seq_id), and what the model runner needs of it reaches the runner as data in
-the scheduler's output, never as this object.
+`num_computed_tokens` (K/V in the cache) catches up with `num_tokens`, a chunk at a time. The
+scheduler is the only writer; the blocks are the block manager's; the runner never sees this object.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A choice measured on this machine (a linear kernel mask, a decode key layout), cached on disk
-and written once.
-
-Why write-once: two processes that measure at the same moment on a busy machine can disagree; the
-first one stored is every process's answer from then on, so identical runs take identical paths.
-A cache that cannot be written (a read-only home) only means measuring again in the next process.
+"""A choice measured on this machine (a linear kernel mask, a decode key layout), cached on disk and
+written once: two processes measuring at once may disagree, and the first stored answers for all.
 """
 
 from __future__ import annotations

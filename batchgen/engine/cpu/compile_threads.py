@@ -1,13 +1,9 @@
 """The thread governor's side of a compiled CPU forward: kernels that read the thread count when
 they run, and a check of the traced state that leaves the count out.
 
-Why with the governor (cpu/threads): only a count that changes step by step needs any of this.
-By default inductor writes the thread count of the moment it compiles into every kernel, and
-dynamo guards on the count, so a forward compiled while the governor had lowered it ran one
-thread forever (the compiled demo model ran 1.1-1.2x slower than eager, benchmarks/RESULTS.md,
-issue 30), and every count the governor set for the first time recompiled the whole forward in
-the middle of a job (seconds each, at the moment the machine is busiest; on a machine with more
-than eight CPUs a busy spell could reach dynamo's recompile limit and leave the job eager).
+Why: by default inductor bakes the compile-time thread count into every kernel and dynamo guards
+on it, so a forward compiled while the governor had lowered the count ran one thread forever, and
+each new count recompiled the whole forward mid-job.
 """
 
 from __future__ import annotations
@@ -42,11 +38,8 @@ class ThreadedCompile(CompilePolicy):
 
 
 class AmbientState:
-    """The global state a compiled forward was traced under (grad mode, autocast, default dtype,
-    deterministic algorithms, TF32, torch-function mode), checked before each call, the thread
-    count apart: dynamo's own GlobalStateGuard of the traced state, its count moved to the
-    governor's (a C++ comparison, ~0.2 us). A call under another state (a caller's autocast, say)
-    runs eager, with a warning once.
+    """The global state a compiled forward was traced under, checked before each call less the thread
+    count (dynamo's GlobalStateGuard, its count moved to the governor's); another state runs eager.
     """
 
     def __init__(self) -> None:

@@ -1,19 +1,9 @@
 """The C++ front of the CPU backend's attention, `batchgen::attention` (csrc/attention_op.cpp).
 
-Why: in a decode-only step with the native kernel, each layer's attention is one kernel call, but
-reaching it through the Python custom op (attention/op) cost ~0.1 ms a layer or more: the op's
-dispatch, the step context, the checks and the kernel's per-layer arguments. Here the model's
-attention calls a C++ operator instead (the demo model's decode step of 64 sequences: 9.3 -> 8.3
-ms run alone; 11.1 -> 10.4 ms alternating with transformers' forward, which evicts the caches).
-For such a step the CPU backend (cpu/backend) sets a plan around the forward: what holds for the
-whole step, which the decode source's NativeStep builds once, so each layer's call only adds its
-own tensors and calls the kernel. The plan's address goes into the backend's own plan cell (a
-Front), whose address each call carries: no global plan, so engines in one process never see
-each other's. Every other step (prefills, the torch decode path, no plan) goes on to the Python
-op with the same arguments, so eager and compiled runs still share one attention code.
-
-Where the operator cannot be built (no C++ compiler, BATCHGEN_NATIVE=0) the CPU backend calls
-the Python op directly.
+Why: on a decode-only step with the native kernel, reaching it through the Python op cost ~0.1 ms
+a layer (demo decode step of 64: 9.3 -> 8.3 ms). The backend sets a step plan in its own plan cell
+(a Front, whose address each call carries: no global), so each layer only adds its tensors; every
+other step goes on to the Python op. Without a compiler (or BATCHGEN_NATIVE=0) the op is called directly.
 """
 
 from __future__ import annotations

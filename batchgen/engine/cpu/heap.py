@@ -1,18 +1,8 @@
 """glibc heap settings for CPU inference: freed activation memory stays in the process.
 
-Why: every prefill step allocates and frees activations of several MB per layer (a 2,048-token
-step of the 57M Llama makes 16 MB MLP activations). By default glibc serves blocks that large
-from fresh mmap()s and trims the top of its heap when they are freed, so each step faults every
-page in again: 100-180 thousand minor page faults per 2,048-token step of that model, and an
-elementwise op that writes a fresh 16 MB tensor took 3-18 ms instead of ~1 ms (measured in the
-engine; benchmarks/RESULTS.md, issue 11 fourth pass). With the mmap threshold at glibc's maximum
-and trimming only past a large slack, freed blocks are reused without new faults (9-40 thousand
-per step, most of them first touches of the KV pool and decode rows).
-
-The cost: the process keeps up to TRIM_THRESHOLD of freed heap instead of returning it, which a
-batch job that reaches the same peak every step would hold anyway. The settings apply to the
-whole process (glibc has no per-library heap), once, only where glibc is the C library; with
-another allocator (jemalloc, tcmalloc preloaded) or another libc nothing changes.
+Why: by default glibc serves multi-MB activations from fresh mmap()s and trims on free, so every
+prefill step faulted its pages in again (a fresh 16 MB write took 3-18 ms instead of ~1;
+RESULTS.md, issue 11). The cost: up to TRIM_THRESHOLD of freed heap kept, process-wide, glibc only.
 """
 
 from __future__ import annotations

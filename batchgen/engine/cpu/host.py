@@ -1,9 +1,6 @@
 """What this CPU host is (model, vector units, BLAS) and how many threads a process may really use.
 
-Why: the native kernels, the thread count and every benchmark figure depend on the machine, and
-users' machines differ (AVX2-only CPUs are common; containers get a CPU quota smaller than the
-cores they see). Every benchmark JSON and `batchgen doctor` record these facts; the engine takes
-its default thread count from `usable_cpus`.
+Every benchmark JSON and `batchgen doctor` record these facts; the thread count comes from `usable_cpus`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """CpuPlatform: the CPU's answers to the device questions (api/platform), from this room's parts.
 
-The attention backend `auto` means "cpu" (contiguous decode rows, the native kernel with its C++
-front where it can attend the model); linears and the sampler's greedy pass take the native
-kernels where they measured faster (native_linear, argmax); torch's threads follow the machine's
-load (threads), and a compiled forward is told so (compile_threads); freed activation memory stays
-in the heap (heap). The step defaults (64 sequences, 2,048 tokens a step, 16-token blocks) are the
-ones measured here (benchmarks/RESULTS.md). compile `auto` is on wherever inductor can build its
-kernels (a C++ compiler is found): measured here (benchmarks/RESULTS.md, fourth pass), the whole
-forward compiled runs workload (a) 15% faster on the demo model (2.29 -> 1.94 s) and 3-6% on the
-57M one, for 5-20 s of compiling once per process.
+Attention `auto` is "cpu"; linears and greedy take the native kernels where measured faster;
+threads follow the machine's load. compile `auto` is on wherever a C++ compiler is found (workload
+(a) 15% faster on the demo model; benchmarks/RESULTS.md, fourth pass).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """How many threads a CPU engine uses, step by step: what its CPUs can give, not what the machine has.
 
-Why: a decode step runs hundreds of short OpenMP regions, and each one waits at its end for its
-slowest thread. On a machine shared with busy neighbours (an Airflow worker, a Ray node, a CI box)
-a thread that has lost its core to another process holds every region up until the scheduler
-gives it back: with two threads on two cores beside two busy processes the engine ran 55x slower
-than alone (1,315 -> 24 tokens/s), where one thread lost only 1.7x (979 -> 583; shared/notes/
-contention.md). A fixed single thread gives up a quarter of the speed on a quiet machine, and a
-passive OpenMP wait policy 11% (and cannot be changed once torch has started). So the engine starts
-at what this process may use (its affinity mask, capped by its cgroup quota: host.usable_cpus) and
-every INTERVAL seconds of stepping measures how much of its CPUs other processes took (/proc/stat's
-busy time on its CPUs, less its own): threads = the CPUs left over, rounded, at least one. When
-the neighbours leave, their busy time goes and the threads come back.
-
-Where /proc/stat cannot be read (not Linux), or with BATCHGEN_ADAPTIVE_THREADS=0, the count stays
-what it started at.
+Why: every OpenMP region waits for its slowest thread, and a thread that lost its core to a busy
+neighbour holds each one up (two threads beside two busy processes ran 55x slower than alone; one
+thread 1.7x). So every INTERVAL seconds the engine measures how much of its CPUs others took
+(/proc/stat) and uses the CPUs left over, at least one. BATCHGEN_ADAPTIVE_THREADS=0 keeps the count.
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """CUDA graphs for decode-only steps: one captured forward per batch-size bucket, all captured at start.
 
-Why: a decode step of a small batch launches hundreds of small kernels; on a GPU their launch
-cost, not the math, bounds the step. A CUDA graph replays them all in one launch, but only on
-fixed shapes and fixed addresses. So a decode-only step of n sequences is padded to the next
-bucket B (2, 4, 8, then multiples of 16, as nano-vllm does), its inputs are copied into static
-buffers sized for B, and the graph captured for B is replayed. Padded rows write the KV pool's
-trash block (slot -1, see kv_store) and attend one key, so they stay finite.
-
-Why no bucket of 1: the compiled forward (runner/compiled_forward) is traced with dynamic shapes,
-and a size-1 dimension is specialised by dynamo: a bucket of 1 would compile a second graph. One
-decode rides in the bucket of 2.
-
-Why every graph at start (`capture_all`, called by the engine once its pool exists): a capture
-syncs the device and runs the forward twice; captured lazily, on the first step of each bucket,
-that is a pause in the middle of a job per bucket, and it lands inside any timed window. The
-graph memory is measured the same way when the KV pool is sized (runner/memory), so it is
-inside the budget. After start nothing is captured: `captures_after_start` stays 0, and the GPU
-check asserts it.
-
-The attention reads `StaticDecode` (the block tables and context lengths in the static buffers,
-at the full width of the longest sequence the engine allows) instead of the step's plan. Only a
-backend that reads the pool in place through block tables can replay such a step at no cost
-(the triton backend: triton/plan.GraphRows); the torch backend's static attention
-(attention/static_decode) gathers the full width, which is what the CPU tests run as the
-reference, but the runner gives it no graphs.
-
-What no CPU test covers is only `DecodeGraphs.capture` / `replay` (marked below); buckets,
-padding and the whole graph path of the model runner run on CPU with replay stood in for by
-running the forward again on the static buffers (tests/engine/test_cuda_graphs.py).
+Why: a small decode step is bound by kernel launches; a graph replays them in one, on fixed shapes
+and addresses. A decode-only step is padded to the next bucket (2, 4, 8, then multiples of 16; no
+1, which dynamo would specialise), its inputs copied into static buffers, its graph replayed;
+padded rows write the trash block. Every graph is captured at start (`capture_all`: no pause
+mid-job, and runner/memory measures their pool). The attention reads `StaticDecode`; only the
+triton backend replays graphs. No CPU test covers `capture` / `replay` themselves (marked below).
 """
 
 from __future__ import annotations
@@ -113,10 +91,8 @@ class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this modu
         return lambda: self.forward(buf.input_ids[:bucket], buf.positions[:bucket], buf.keep[:bucket])
 
     def capture(self, bucket: int, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
-        """Capture the forward for `bucket` rows; `run` sets the step's context around the call.
-
-        Why one output buffer: each graph's own logits [B, V] would stay allocated in the shared
-        pool for the graph's life; copied into `out`, they are freed."""
+        """Capture the forward for `bucket` rows; `run` sets the step's context around the call (logits
+        copied into one shared `out`, so no graph keeps its own [B, V] alive)."""
         call = self.step_call(bucket)
         warm = run(call)  # warm-up outside the graph (allocator, lazy inits, compiling)
         if self.out is None:  # one model: the same vocabulary and dtype for every bucket

@@ -1,22 +1,11 @@
 """CudaPlatform: a CUDA GPU's answers to the device questions (api/platform).
 
-The attention backend `auto` means "triton" (its paged kernel over 16-token blocks, triton/) where
-triton imports and the GPU is Ampere or newer, the only backend CUDA-graph decodes replay over
-(graphs); "torch" elsewhere, with 256-token blocks where that makes torch's paged varlen kernel
-apply (attention/path). compile `auto` is on, and with it decode steps replayed as CUDA graphs:
-the launch overhead both remove is what bounds small decode batches here; a model that fails to
-compile runs eager. Device memory is read through torch.cuda's counters (CudaMemory; no CPU test
-runs it: benchmarks/gpu_check.py does, in its throughput section).
-
-The step defaults:
-- max_num_seqs 256: a decode step reads all weights once whatever the batch, so decode throughput
-  grows almost linearly with the batch until the sequences' K/V reads rival the weight reads;
-  for a 1-8B model at ~1k-token contexts that is a few hundred sequences (vLLM's long-standing
-  default is 256, nano-vllm's 512), and it lets the GPU check's 256-prompt workload run as one batch;
-- max_num_batched_tokens 8192: a prefill chunk of a few thousand tokens already keeps a
-  datacenter GPU's matrix units busy for a 1B+ model; beyond that a step only gets longer while
-  the decodes in it wait (vLLM uses 8192-16384), and the profiling forward at this budget stays
-  small next to the KV pool.
+Attention `auto`: "triton" where it imports on Ampere or newer (the only backend graphs replay
+over), else "torch". compile `auto` is on, with CUDA-graph decodes (launch overhead bounds small
+decode batches). Memory: torch.cuda's counters (run by benchmarks/gpu_check.py, no CPU test).
+Step defaults: max_num_seqs 256 (decode throughput grows with the batch until K/V reads rival
+weight reads; vLLM's default), max_num_batched_tokens 8192 (a few thousand tokens already fill a
+GPU's matrix units; vLLM uses 8192-16384).
 """
 
 from __future__ import annotations

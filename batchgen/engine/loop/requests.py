@@ -1,14 +1,6 @@
-"""One request's bookkeeping inside the engine: its n samples (each a Sequence with its stop
-checker and logprobs) and its prompt logprobs, and the RequestOutput they become.
-
-Why apart from the step loop: a request is no longer one sequence. With `n > 1` the prompt is
-prefilled once by sample 0; when that prefill ends, the scheduler forks samples 1..n-1 from it
-(core/sequence.fork_params: each with its own seed, seed + i, so sample i of a seeded request
-draws the same tokens whatever runs beside it), and they share the prompt's KV blocks.
-
-This is the engine's output side (vLLM's output processor): text, stop checks, logprobs. Each
-sample reads its Sequence (owned and written by the scheduler) and never writes it; the
-RequestTable finds a sample by its sequence id, and is dropped whole when the engine aborts.
+"""The engine's output side (vLLM's output processor): each request's n samples (a Sequence, its stop
+checker and logprobs; samples 1..n-1 forked by the scheduler when the prompt's prefill ends), its
+prompt logprobs, and the RequestOutput they become. Samples only read their Sequences.
 """
 
 from __future__ import annotations

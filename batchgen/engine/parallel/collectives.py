@@ -1,14 +1,8 @@
 """The two collectives a tensor-parallel forward needs, installed as forward hooks on unchanged modules.
 
-Row-parallel projections (o_proj, down_proj) each produce a partial sum of the full output: one
-all-reduce makes it whole on every rank. The LM head is split by vocabulary rows (each rank
-scores its ceil(V / N) tokens): one all-gather of the kept rows' logits gives every rank the full
-row, cut back to V. Why hooks, not wrapper modules: the module tree, its parameter names and the
-native-linear routing (which swaps a Linear's class) stay exactly as transformers built them.
-
-Why a gathered head rather than a vocab-parallel one fed to the sampler: the sampler, penalties,
-grammar masks and logprobs all read whole rows on rank 0; the gather moves only the kept rows
-(one per sampled sequence), [rows, V] floats, which is small beside the forward.
+Row-parallel o_proj/down_proj outputs are all-reduced; the vocab-split LM head's kept rows are
+all-gathered (the sampler and its features read whole rows on rank 0; [rows, V] is small). Why
+hooks: the module tree and parameter names stay as transformers built them.
 """
 
 from __future__ import annotations
@@ -27,10 +21,8 @@ class CollectiveError(RuntimeError):
 
 
 class Collectives:
-    """One tensor-parallel group's process group (gloo on the CPU, NCCL on CUDA), made directly
-    over a file store rather than as torch.distributed's process-wide default group: several
-    engines (and a user's own torch.distributed work) can then live in one process. `timeout_s`
-    bounds every collective: a rank that stops answering fails the others instead of hanging them."""
+    """One group's process group (gloo on the CPU, NCCL on CUDA) over a file store, not the default
+    group, so several engines share a process; `timeout_s` bounds every collective."""
 
     def __init__(self, store_path: str, rank: int, world: int, device: torch.device, timeout_s: float) -> None:
         store = dist.FileStore(store_path, world)

@@ -1,18 +1,10 @@
 """The tensor-parallel group as rank 0 sees it: the worker processes, the process group, the pipes
 that carry each step to the workers, and a shutdown that leaves no process behind.
 
-Rank 0 is the engine's own process (scheduler, sampler, outputs); ranks 1..N-1 are processes it
-starts (`python -m batchgen.engine.parallel.worker`: a fresh interpreter, safe with threads and
-CUDA, and unlike multiprocessing's spawn it never re-imports the user's main script), joined
-by torch.distributed (NCCL on CUDA, gloo on the CPU) with a timeout on every collective. Steps
-travel over one pipe per worker rather than a broadcast: sending never waits for the worker, and
-a worker blocked on its pipe sees EOF the moment rank 0 is gone, however it died.
-
-Failure rules: before each message rank 0 checks every worker is alive, so a dead rank is named
-(rank, pid, exit code) instead of surfacing as a socket error or a timeout; a step that failed
-part-way leaves the ranks out of step, so the group is shut down and every later call says so.
-Shutdown (close, garbage collection, interpreter exit): stop message, join, then terminate and
-kill what is left, the process group destroyed, the rendezvous folder removed.
+Ranks 1..N-1 are fresh interpreters (`python -m batchgen.engine.parallel.worker`: safe with
+threads and CUDA, never re-importing the user's script). Steps go over one pipe per worker
+(sending never waits; a worker sees EOF when rank 0 dies). A dead rank is named before each
+message; a step that failed part-way shuts the group down. Shutdown leaves no process behind.
 """
 
 from __future__ import annotations
@@ -178,10 +170,8 @@ def start_tensor_parallel(
 ) -> TensorParallelGroup | None:
     """The group for `config.tensor_parallel_size` > 1 (None for 1), its rank 0 shard loaded.
 
-    Where the device reads its memory (CUDA) and no pool size is set, the KV budget is measured
-    here from rank 0's memory after loading (every rank holds the same share) and kept as the
-    group's `kv_budget`: the profiling forward the single-GPU engine runs cannot run on rank 0
-    alone, since its collectives need every rank."""
+    On CUDA with no pool size set, the KV budget is measured from rank 0's memory after loading
+    (`kv_budget`): the profiling forward cannot run on rank 0 alone."""
     if config.tensor_parallel_size == 1:
         return None
     model_config = AutoConfig.from_pretrained(path)

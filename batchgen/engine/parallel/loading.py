@@ -1,9 +1,7 @@
 """Loading one rank's share of a model: built from the rank's config with empty weights, then filled
 tensor by tensor from the safetensors files with only the rows and columns the rank holds.
 
-Why not `from_pretrained` and slicing after: every rank would read (and hold, for a moment) the
-whole model, which is exactly what does not fit when a model needs several GPUs. `safe_open` +
-`get_slice` read a slice of one tensor at a time from the memory-mapped file.
+Why not `from_pretrained` and slicing after: every rank would hold the whole model for a moment.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The tensor-parallel sharding plan: which architectures can be split over N ranks, each rank's
 model config, and which rows or columns of each checkpoint tensor a rank holds.
 
-Why a plan separate from loading: the rules (Megatron-style column-parallel q/k/v and gate/up,
-row-parallel o/down, a vocab-split LM head, KV heads replicated when there are fewer than N) are
-pure arithmetic on the config and a tensor's name, and a refusal must come before any process is
-started or any weight read. Each rank builds the model from `rank_config`: the same architecture
-with its share of the heads and of the MLP, so transformers' unchanged modules compute exactly
-the rank's part (only o/down's outputs need an all-reduce, and the head's an all-gather).
+Megatron-style rules (column-parallel q/k/v and gate/up, row-parallel o/down, vocab-split head,
+KV heads replicated below N), pure arithmetic, so a refusal comes before any process or weight.
 """
 
 from __future__ import annotations
@@ -30,10 +26,7 @@ WHY_NOT = {
     "olmo2": "its q_norm/k_norm normalise over all heads at once, which a head split would change",
 }
 
-COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "dense_h_to_4h"})  # output rows split
 ROW = frozenset({"o_proj", "down_proj", "dense", "dense_4h_to_h"})  # input columns split; outputs all-reduced
-# fused: Phi-3's qkv_proj / gate_up_proj (parts stacked), GPT-NeoX's query_key_value (q, k, v per head)
-FUSED = frozenset({"qkv_proj", "gate_up_proj", "query_key_value"})
 HEAD = "lm_head"
 
 
@@ -138,10 +131,8 @@ def shard_plan(config: PretrainedConfig, rank: int, world: int) -> ShardPlan:
 
 
 def rank_config(config: PretrainedConfig, plan: ShardPlan) -> PretrainedConfig:
-    """The config each rank builds its model from: its share of heads, KV heads and MLP width.
-
-    Why head_dim is pinned: several architectures derive it as hidden_size // num_attention_heads,
-    which the smaller head count would change."""
+    """Each rank's config: its share of heads, KV heads and MLP width (head_dim pinned: some
+    architectures derive it from the head count)."""
     out = copy.deepcopy(config)
     text = out.get_text_config()
     text.num_attention_heads = len(plan.heads)

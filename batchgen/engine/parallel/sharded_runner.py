@@ -1,13 +1,8 @@
 """ShardedRunner: rank 0's model runner, which sends every call that moves runner state to the workers.
 
-Why a subclass of ModelRunner: rank 0 runs exactly the single-device code over its shard, and
-the engine cannot tell the difference. What must reach the workers, in the order rank 0 sees it:
-the construction arguments (built once, without the sampler: workers keep no sampling or grammar
-state), each step's batch, the diffs applied between steps, and drop-all. The step message is
-the scheduler's frozen batch itself (token ids, block tables, diffs, forks included): a few KB
-pickled, sent without waiting, before rank 0 runs the same step; each rank applies its diff,
-runs its shard of the forward, and rank 0 alone draws from the gathered logits. A step that
-fails part-way shuts the group down (the ranks are out of step).
+Why a subclass: rank 0 runs the single-device code over its shard, unseen by the engine. Workers
+get the construction arguments (no sampler), each step's frozen batch (a few KB, sent before rank 0
+runs it), the diffs between steps, and drop-all; rank 0 alone draws from the gathered logits.
 """
 
 from __future__ import annotations

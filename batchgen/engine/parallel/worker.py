@@ -1,12 +1,8 @@
 """A tensor-parallel worker (ranks 1..N-1): loads its share of the model, then runs rank 0's steps.
 
-Why no thinking of its own: rank 0 alone schedules and samples; a worker only has to run the
-same forward over its shard so the collectives meet. It receives, over its pipe from rank 0, the
-runner's construction arguments once (no sampler: it keeps no sampling or grammar state), then
-each step's frozen batch, the very one rank 0 executes, the diffs between steps, and drop-all
-after an aborted generate. Its runner runs the forward and draws nothing. It exits when told to stop, when the
-pipe closes (rank 0 is gone: EOF, whatever killed it), and with an error when a step fails (a
-collective timing out included), which rank 0 sees as a dead rank.
+Rank 0 alone schedules and samples; a worker runs the same steps over its shard (no sampler) so
+the collectives meet. It exits when told, when its pipe closes (rank 0 gone), or with an error
+when a step fails, which rank 0 sees as a dead rank.
 """
 
 from __future__ import annotations

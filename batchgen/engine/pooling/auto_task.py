@@ -1,11 +1,6 @@
-"""`task="auto"`: which task a model folder serves, read from its config's architectures as vLLM's
-`runner="auto"` / `convert="auto"` resolve it, so that `LLM(path)` on a classifier or an embedding
-model loads it for that task instead of as a causal LM with a newly initialized LM head.
-
-The rule: a sentence-transformers folder (modules.json) embeds; otherwise the first architecture
-whose class name ends with a known suffix decides (generation heads first, then encoders and
-embedding models, classifiers, reward models, and last any other `*Model`: a bare backbone
-embeds); no match generates.
+"""`task="auto"`: which task a model folder serves, from its architectures as vLLM resolves it: a
+sentence-transformers folder embeds; else the first architecture with a known class-name suffix
+decides (a bare `*Model` embeds); no match generates.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""How a model's hidden states become one vector: the pooling method, normalization and Matryoshka
-dimensions, resolved from a sentence-transformers folder (modules.json, its Pooling module's
-config.json, a Normalize module) or else from defaults by model kind (decoder: last token,
-encoder: CLS), with the caller's explicit choices on top.
-
-Why its own module: the Python API and the job file both resolve pooling the same way, and the
-runners only read the result.
+"""How a model's hidden states become one vector (method, normalization, Matryoshka dimensions):
+the caller's choices over a sentence-transformers folder's over the defaults, one rule for the
+Python API and the job file.
 """
 
 from __future__ import annotations
@@ -42,10 +38,8 @@ def resolve_pooling(
     normalize: bool | None = None,
     dimensions: int | None = None,
 ) -> PoolingConfig:
-    """The pooling of `model_path`: explicit arguments win over the folder's sentence-transformers
-    modules, which win over the defaults (decoder: last token, encoder: CLS; normalize: true, as
-    vLLM's embedding default). An explicit `method` is not checked against the folder's Pooling
-    module: it replaces it, so a folder whose pooling batchgen cannot apply (max) runs with it."""
+    """The pooling of `model_path` (defaults: decoder last token, encoder CLS, normalize true); an
+    explicit `method` replaces the folder's Pooling module unchecked."""
     folder = read_sentence_transformers(Path(model_path), pooling_module=method is None)
     chosen = method or folder.get("method") or ("last" if is_decoder else "cls")
     if chosen not in POOLING_METHODS:
@@ -57,10 +51,8 @@ def resolve_pooling(
 
 
 def read_sentence_transformers(folder: Path, pooling_module: bool = True) -> dict[str, Any]:
-    """{"method": ..., "normalize": ...} from a sentence-transformers folder's modules.json; {} when
-    the folder has none. A module batchgen does not apply (Dense, max pooling, ...) is an error:
-    silently skipping it would give other vectors than sentence-transformers does. Without
-    `pooling_module` (the caller chose the method) the Pooling module's config is not read."""
+    """{"method": ..., "normalize": ...} from a folder's modules.json ({} without one); a module
+    batchgen does not apply (Dense, max) is an error, never skipped."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return {}

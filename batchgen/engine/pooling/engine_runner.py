@@ -1,21 +1,10 @@
-"""Pooling batches through batchgen's own engine, for the decoder models it runs: packed varlen
-forwards (every scheduled chunk of every sequence in one [1, T] row, no padding), the paged KV
-pool and the attention backend of the generate path, returning the base model's hidden states
-instead of logits.
+"""Pooling batches through batchgen's own engine, for decoder models: the runner's packed forward
+(`pool_forward`) returning hidden states instead of logits.
 
-Why not the generate loop: a pooling request samples nothing, so it needs no sampler, stop checks
-or decode steps; what it shares with generation is admission under a token budget and the KV
-block pool (chunked prefill of long prompts, prefix reuse), and the model runner's attention path.
-The admission rule is the scheduler's own (core/scheduler.admit_prompt): match the cached prefix,
-admit only when the whole remaining prompt fits the pool, allocate chunk by chunk; here with the
-blocks its running sequences still need held back, since pooling never preempts. The forward is
-the model runner's packed one (`pool_forward`). Its Sequences are its own (never in the
-scheduler's queues), so it is their one writer, as the scheduler is of its own.
-
-Prefix cache: last-token pooling over a causal model needs only the last position's hidden
-state, and a cached prefix's K/V is exactly what that position attends to, so a shared prefix is
-reused (and counted as cached tokens). Mean and CLS pooling need hidden states of the prefix
-positions themselves, which the cache does not hold: they recompute every token.
+Why not the generate loop: nothing is sampled. Admission is the scheduler's own rule
+(core/scheduler.admit_prompt), with the blocks running sequences still need held back (pooling
+never preempts). Its Sequences are its own. Only last-token pooling reuses a cached prefix (mean
+and CLS need the prefix positions' hidden states, which the cache does not hold).
 """
 
 from __future__ import annotations

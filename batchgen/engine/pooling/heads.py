@@ -1,11 +1,6 @@
-"""A decoder classifier's head (`score`, as transformers' *ForSequenceClassification decoders
-name it) read from the model folder's safetensors, so that classify and score on a decoder run
-through batchgen's engine: the engine computes the last token's hidden state (packed varlen
-forwards, prefix reuse) and this head turns it into logits, as transformers' own forward does
-at the last real token.
-
-Why read apart: the engine loads the folder as a causal LM (its attention bound to ours), which
-leaves the classification head out.
+"""A decoder classifier's head (`score`) read from the folder's safetensors: the engine loads the
+model as a causal LM, which leaves the head out, and this head turns its last-token hidden state
+into logits, as transformers' forward does.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Pooling batches through transformers' own forward, for encoder models (BERT-style,
-bidirectional attention, which batchgen's causal paged attention cannot run): embeddings
-(AutoModel + our pooling) and sequence-classification heads (the model's own pooler and head).
-
-Batches are length-ordered and bounded by a token budget on their padded size (rows x longest
-row), so the padding a batch carries stays small: neighbours in length order differ little.
+"""Pooling batches through transformers' own forward, for encoder models (bidirectional attention,
+which the causal paged attention cannot run), in length order under a padded-size token budget.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""PoolingModel: one model set up for a pooling task (embed, classify, score), whichever runner
-it needs: batchgen's engine for decoder models (embeddings, and classifier heads over its
-last-token hidden states), transformers' forward for encoders (BERT-style). The Python API
-(`LLM.embed/classify/score`) and the job runner both call it with token ids and get one
-RowResult per input, in order.
-
-Score: a model with a sequence-classification head (a cross-encoder or a reward model) scores
-one input (a row, or a (query, document) pair tokenized together) with its single-label head
-through a sigmoid; any other model scores a pair by the cosine of the two embeddings (vLLM's
-rule for embedding models).
+"""PoolingModel: one model set up for embed, classify or score, over the engine (decoders) or
+transformers' forward (encoders); one RowResult per input, in order. Score: a classification head
+through a sigmoid, else the cosine of the two embeddings (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -47,10 +40,7 @@ def has_classifier(path: str | Path) -> bool:
 
 
 def runs_on_engine(path: str | Path, task: str) -> bool:
-    """Whether `task` on this model runs through batchgen's engine: generation, and every pooling
-    task of a decoder model (a classifier's head is applied to the engine's last-token hidden
-    state, see heads); encoders run through transformers (our causal paged attention cannot run
-    bidirectional attention)."""
+    """Whether `task` on this model runs through batchgen's engine: all but an encoder's pooling."""
     return task == "generate" or not is_encoder(AutoConfig.from_pretrained(path))
 
 

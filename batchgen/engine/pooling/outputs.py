@@ -1,8 +1,5 @@
-"""What the pooling API returns and takes, shaped like vLLM's: `EmbeddingRequestOutput` with
-`.outputs.embedding`, `ClassificationRequestOutput` with `.outputs.probs`, `ScoringRequestOutput`
-with `.outputs.score`, each with `request_id`, `prompt_token_ids` and `finished`; and
-`PoolingParams` (Matryoshka `dimensions`, `normalize`). batchgen adds `num_cached_tokens` (usage)
-and `error` (a request it could not serve: then `outputs` is None), as its RequestOutput does.
+"""What the pooling API returns and takes, shaped like vLLM's; batchgen adds `num_cached_tokens`
+and `error` (then `outputs` is None), as its RequestOutput does.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Poolers: a sequence's hidden states -> one vector (last token, mean, CLS), then Matryoshka
 truncation and L2 normalization; and the classifier head's logits -> probabilities / a score.
 
-Why an accumulator: the engine runs a long prompt in chunks over several forwards (chunked
-prefill), so a sequence's hidden states arrive piece by piece; mean pooling keeps a float32 sum,
-last and CLS keep one row.
+Why an accumulator: chunked prefill delivers hidden states piece by piece.
 """
 
 from __future__ import annotations

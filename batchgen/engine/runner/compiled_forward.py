@@ -1,15 +1,9 @@
 """The model forward of a step, optionally with torch.compile (engine.compile), tokens padded a little.
 
-Why: on a small model the unchanged transformers modules run one small op at a time (RMSNorm,
-RoPE, SwiGLU, residuals), and Python dispatch dominates. Compiled, inductor fuses them; the
-paged attention stays one opaque custom op (attention/op), so the graph does not break.
-
-Why so few compiled shapes: the whole forward is compiled with dynamic shapes, so one graph
-serves every token count and every number of logit rows (a second one only when a first call's
-sizes happen to coincide and get specialised together). Token counts are padded to a multiple of
-TOKEN_MULTIPLE (a count of 1 would be specialised; padded tokens write the KV pool's trash slot
-and are never read), logit rows to at least MIN_KEEP. The compile time and the graphs compiled
-are counted here, for the benchmark and the logs.
+Why: on a small model Python dispatch of the unchanged transformers modules dominates; compiled,
+inductor fuses them around the paged attention, one opaque custom op (attention/op). One
+dynamic-shape graph serves every token count (padded to TOKEN_MULTIPLE; padded tokens write the
+KV pool's trash slot) and every number of logit rows (at least MIN_KEEP).
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ from batchgen.engine.api.platform import CompilePolicy
 
 logger = logging.getLogger(__name__)
 
-# Token counts are padded to a multiple of this: with dynamic shapes a new count needs no new
-# graph, but a count of 1 would be specialised (a second graph), and aligned sizes vectorise.
+# why padded: a count of 1 would be specialised (a second graph), and aligned sizes vectorise
 TOKEN_MULTIPLE = 8
 MIN_KEEP = 2  # logit rows of a compiled call: fewer are padded (see StepForward.padded_rows)
 
@@ -84,16 +77,10 @@ def _unique_graphs() -> int:
 class StepForward:
     """Runs the model on one packed step; compiled or eager, the same arguments and results.
 
-    Why the whole model as one graph, with dynamic shapes: measured on CPU (benchmarks/RESULTS.md,
-    fourth pass), compiling each decoder layer on its own lost to eager at every batch size
-    (every layer call paid dynamo's guard checks and a Python round trip: 2.1 -> 2.7 ms for a
-    one-sequence decode step of the demo model), while the whole forward as one graph is checked
-    once per step, runs embeddings, norms, RoPE, SwiGLU, residuals and the LM head fused around
-    the attention op, and on CPU calls its kernels from a C++ wrapper instead of Python
-    (decode steps of the demo model 5-20% faster; (a) 2.50 -> 2.26 s). One dynamic-shape graph
-    serves every token count and every count of logit rows (see padded_tokens, padded_rows). The
-    price is a compile of every layer, once per process and model (5 s for the demo model, 8-20 s
-    for the 57M one, the shorter with inductor's on-disk cache warm), counted in `stats`.
+    Why the whole model as one graph: compiled layer by layer, every layer call paid dynamo's
+    guards and lost to eager (benchmarks/RESULTS.md, fourth pass); one graph is checked once per
+    step and fuses everything around the attention op. The price, a compile once per process and
+    model (5-20 s), is counted in `stats`.
     """
 
     def __init__(
@@ -106,10 +93,8 @@ class StepForward:
         on_compiled: Callable[[], None] = lambda: None,
         policy: CompilePolicy | None = None,
     ) -> None:
-        """`fallback`: a model that fails to compile runs eager from then on (engine.compile "auto").
-        `take_raised`: the attention backend's last exception (see attention/op), raised instead of the
-        compiled graph's "API call failed". `on_compiled`: called after a call that compiled.
-        `policy`: what the device adds (its Platform's compile_policy: on the CPU, the thread governor's)."""
+        """`fallback`: a model that fails to compile runs eager (engine.compile "auto"). `take_raised`:
+        the attention's last exception (attention/op), raised instead of the graph's "API call failed"."""
         self.model = model
         self.take_raised = take_raised
         self.on_compiled = on_compiled
@@ -186,24 +171,15 @@ class StepForward:
 def _at_storage_start(t: torch.Tensor) -> torch.Tensor:
     """`t`, or a copy of it where it is a view into a larger buffer.
 
-    Why: dynamo guards on a view input's base and storage offset, specialising offsets 0 and 1 and
-    tying other offsets to equal sizes (duck sizing). On CUDA the forward's inputs are views of the
-    staging buffer (staging/transfers) at offsets that change step by step, or of the CUDA graphs'
-    static buffers: each new layout compiled the forward again, mid-job (three graphs for one
-    model in tests/engine/test_cuda_graphs.py). A tensor of its own at offset 0 is one layout; the
-    copy is a few bytes (and inside a graph, a captured copy of its static buffer)."""
+    Why: dynamo guards on a view's base and storage offset; on CUDA the inputs are views of the
+    staging buffer at offsets that change step by step, and each new layout compiled again mid-job."""
     return t if t.storage_offset() == 0 and not t._is_view() else t.clone()
 
 
 def _tracing_settings() -> Any:
-    """dynamo's settings for tracing a step (they only matter in a call that compiles), as a
-    change to make around each call that returns its revert.
-
-    - every dimension of the arguments dynamic (what `dynamic=True` sets);
-    - Python floats specialised. Why: the model's floats (RMSNorm's epsilon, the attention's
-      scaling) never change, but unspecialised each became a graph input, converted to a tensor
-      on every call (10 for the demo model, ~40 us a step).
-    """
+    """dynamo's settings around each call (a change that returns its revert): every dimension
+    dynamic, Python floats specialised (why: the model's never change; unspecialised, each became a
+    graph input converted on every call, ~40 us a step)."""
     config: Any = torch._dynamo.config
     changes = {"assume_static_by_default": False, "specialize_float": True}
     if hasattr(config, "_make_closure_patcher"):  # dynamo's own cheap patcher, what it uses for `dynamic`
@@ -218,12 +194,8 @@ def _tracing_settings() -> Any:
 
 
 def _own_code(method: Any) -> Any:
-    """`method` bound to its instance through a function with a code object of its own.
-
-    Why: dynamo keeps its compiled entries (and their guards) on the code object, so with one
-    code object per StepForward its cache only ever sees this one instance and its model; see
-    _argument_guards for the guards that this makes redundant.
-    """
+    """`method` bound to its instance through a function with a code object of its own (dynamo
+    keeps its entries on the code object: its cache then only sees this instance; _argument_guards)."""
     fn = method.__func__
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     own.__qualname__ = fn.__qualname__
@@ -234,17 +206,12 @@ _NAMES_SELF = re.compile(r"\bself\b")
 
 
 def _argument_guards(drops: Callable[[Any], bool], entries: list[Any]) -> list[bool]:
-    """dynamo's guard filter: keep the guards on the call's tensor arguments (dtype, device,
-    shapes) and on ambient state (grad mode, default device, the shape environment), drop those
-    on the StepForward, its model and their classes (`self...`, `type(self.model)...`), on
-    module globals (torch, transformers) and those the device's policy `drops`.
+    """dynamo's guard filter: keep the guards on the call's tensor arguments and ambient state;
+    drop those on the StepForward, its model and their classes, on module globals, and those the
+    device's policy `drops`.
 
-    Why sound here: the code object is this instance's own (_own_code), the engine never
-    changes a loaded model or patches the libraries its forward calls, and parameters are read
-    afresh on every call (they are graph inputs), so those guards could never fail; checking
-    them (~560 for the demo model, most in Python) cost ~0.1-0.2 ms of every step. The class
-    guards (71 of the 81 left after those: closures of transformers' decorators, config class
-    attributes) are as unchangeable here. On the CPU the guard on global state goes too: the
-    thread governor's policy checks it, less the thread count (cpu/compile_threads).
+    Why sound: the code object is this instance's own (_own_code), a loaded model and the libraries
+    are never changed, and parameters are graph inputs, so those guards could never fail; checking
+    them (~560 for the demo model) cost ~0.1-0.2 ms of every step.
     """
     return [not (entry.is_global or _NAMES_SELF.search(entry.name) or drops(entry)) for entry in entries]

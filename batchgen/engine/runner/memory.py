@@ -1,24 +1,11 @@
 """KV pool sizing on CUDA: what `gpu_memory_utilization` leaves after a profiling forward.
 
-The idea (nano-vllm, vLLM; our code): the engine may use `utilization x total` bytes of the GPU.
-Weights, the CUDA context and anything else already on the device are in use before the pool
-exists; one forward at the full token budget shows the activation peak above that. The pool
-gets what is left:
-
     budget = utilization * total - in use now - the runner's own - activation peak - sampler headroom
     (gather + SDPA path only: less the share a decode step's gathered K/V copy can take)
 
-The runner's own share ("the runner's own") is what the profiling runner keeps on the device
-while it lives, read from the device's counters before and after it goes: on CUDA with the triton
-backend it captured its decode graphs when it was made (cuda/graphs), so their memory pool is in
-it, as it will be in the real runner's.
-
-The profiling step is the worst one the scheduler can produce: max_num_batched_tokens tokens,
-max_num_seqs logit rows, one long chunk whose context ends at max_model_len (the gather path
-copies and masks a whole context) and single-token decodes. Its block table points at a
-two-block scratch pool (the step's shapes, not its values, set the peak), so profiling costs
-almost no memory itself. The device is read through a MemoryProbe (the Platform's: cuda/platform.CudaMemory on
-a GPU, a fake in the CPU tests), so everything here runs on CPU.
+The runner's own share includes its CUDA graphs' pool. The profiling step is the worst one the
+scheduler can produce, over a two-block scratch pool (shapes, not values, set the peak). The
+device is read through a MemoryProbe (a fake in the CPU tests).
 """
 
 from __future__ import annotations

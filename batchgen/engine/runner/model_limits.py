@@ -30,12 +30,8 @@ def _rope_parameter_sets(config: PretrainedConfig) -> list[dict]:
 
 
 def resolve_max_model_len(config: PretrainedConfig, requested: int | None) -> int:
-    """The longest sequence (prompt + output) the engine will hold; checked against RoPE scaling.
-
-    Why: dynamic-NTK and LongRoPE pick their frequencies from the LONGEST position in the forward
-    pass. In a packed batch that is another sequence's position, so they are exact only while no
-    sequence can pass the switch-over length.
-    """
+    """The longest sequence (prompt + output) the engine will hold; checked against RoPE scaling
+    (dynamic-NTK and LongRoPE follow the longest position in a packed batch: another sequence's)."""
     text = config.get_text_config()
     limit = getattr(text, "max_position_embeddings", None)
     max_len = requested if requested is not None else limit

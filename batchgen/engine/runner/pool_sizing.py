@@ -1,11 +1,8 @@
 """How many KV blocks the engine gets: the one place LLM asks, whatever the device.
 
-Explicit `num_kv_blocks` or `kv_cache_memory_bytes` win, then a budget measured while loading
-(a tensor-parallel rank 0's free memory: parallel/group). Otherwise, where the device's Platform
-has a memory probe (CUDA), the pool gets what `gpu_memory_utilization` leaves after a profiling
-forward (memory.py); elsewhere today's CPU default (num_kv_blocks_for below). `probe` stands in
-for the device's in the CPU tests (which makes the CUDA branch testable on CPU). What was measured
-is returned beside the config (the MemoryProfile), never written into it.
+Explicit `num_kv_blocks` or `kv_cache_memory_bytes` win, then a budget measured at load (TP rank 0),
+then a profiling forward where the Platform has a memory probe (CUDA), else the CPU default. What
+was measured is returned beside the config, never written into it.
 """
 
 from __future__ import annotations

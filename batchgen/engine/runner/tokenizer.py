@@ -1,10 +1,7 @@
 """The tokenizer an LLM runs with: the model folder's own, another one named by path, or an object.
 
-vLLM's `LLM(tokenizer=...)` takes a name or a path, and clients pass one (lm-evaluation-harness
-passes `tokenizer=None` or a path string). A string is loaded with AutoTokenizer from local files
-only (a folder, or a name already in the local Hugging Face cache: nothing is downloaded). Every
-tokenizer is checked here, at construction, to be a fast one: the stop checks detokenize with
-the Rust tokenizer behind it, and a slow one would otherwise fail only at the first generation.
+A string is loaded from local files only (nothing is downloaded). Every tokenizer must be a fast
+one (the stop checks detokenize with its Rust backend), checked at construction.
 """
 
 from __future__ import annotations

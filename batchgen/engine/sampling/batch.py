@@ -1,23 +1,9 @@
 """SamplingBatch: the runner side's persistent per-row sampling state, updated only from the scheduler's diffs.
 
-Why (vLLM v1's InputBatch): the sampler used to rebuild each step's parameters from live
-Sequence objects (a Python table of temperature / top-k / top-p / min-p per row, greedy and
-seeded lists, min_tokens checks), and the generators, penalty counts and grammar matchers lived in
-dictionaries of their own, released one by one. Here one object holds all of it, row by row:
-  * a row is made when its sequence is new (BatchUpdate.new) and dropped when it finishes
-    (`apply`); a preempted sequence keeps its row, since its tokens and so its state are kept;
-  * the parameters sit in a host tensor [rows, 4]; a step's view (`step`) gathers its rows'
-    parameters once, with their indices and the logits features' inputs (sampling/feature_plan),
-    stages them in the runner's Transfers as kept device tensors, and is reused while the step's
-    sequences are the same as the last step's (a decode step of an unchanged batch rebuilds and
-    uploads nothing of it). The view is made before the forward: it rides in the step's one upload;
-  * seeded rows own a torch.Generator on the device (drawing from it needs no host value);
-    penalized rows own a slot of device-side token history (sampling/penalty_state);
-  * sampled tokens advance the host state (`accept`, after the step's one read): output counts for
-    min_tokens, and each FeatureRow's tail and grammar matcher.
-  * a row that asks for prompt logprobs keeps its prompt, the targets they score (`prompt`).
-The ModelRunner owns one (its `batch`) with the sampler; the sampler and LogitsFeatures read it,
-never a Sequence.
+Why (vLLM v1's InputBatch): one object holds every row's state. A row is made for a new sequence
+and dropped when it finishes (a preempted one keeps it); a step's view (`step`) is staged once and
+reused while the step's rows are unchanged; seeded rows own a device generator; `accept` advances
+the host state after the step's one read. The ModelRunner owns one; nothing here reads a Sequence.
 """
 
 from __future__ import annotations
@@ -40,11 +26,8 @@ _PARAMS = 4  # temperature, top_k, top_p, min_p
 
 @dataclass
 class SamplingStep:
-    """One step's rows as the sampler reads them; `seq_ids[i]` is row i of the step's logits.
-
-    Its tensors are on the device and kept while the step's rows are unchanged; `banned` is the
-    step's own (staged each step by Sampler.prepare), as are the feature plan's bans and masks.
-    """
+    """One step's rows as the sampler reads them; `seq_ids[i]` is row i of the step's logits. Its
+    tensors are kept while the rows are unchanged; `banned` is staged each step (Sampler.prepare)."""
 
     seq_ids: tuple[int, ...]
     rows: list[int]  # each one's row in the batch

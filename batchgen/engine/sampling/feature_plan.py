@@ -1,12 +1,8 @@
 """FeaturePlan: a step's logits-feature inputs as device tensors, all sent in the step's staged upload.
 
-Why a plan: the features used to build their index and parameter tensors from Python lists in the
-middle of the sampler (`torch.tensor(..., device=...)`: a blocking host->device copy each, several
-per step). Here what depends only on which rows a step has (their positions, allowed ids, biases,
-penalty factors and history slots) is staged once, kept on the device while the step's rows are
-the same (`plan_features`), and what depends on the last step's tokens (bad-word bans, grammar
-bitmasks) is staged each step before the forward (`stage_step_inputs`), from the host state the
-last read left.
+What depends only on the step's rows is staged once and kept while they are the same
+(`plan_features`); what depends on the last tokens (bans, grammar bitmasks) is staged each step
+before the forward (`stage_step_inputs`). No blocking copy mid-sampler.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Log-probabilities of the model's raw distribution, for `logprobs` and `prompt_logprobs`.
 
-Follows vLLM v1's default (`raw_logprobs`): log_softmax of the logits as the model produced them,
-before min_tokens masks, penalties, biases, grammar masks, temperature and top-k/p/min-p. So a
-sampled token's logprob says how likely the model found it, not how likely the filtered
-sampler made it, and greedy logprobs equal transformers' `compute_transition_scores` of
-`generate(output_logits=True)`'s raw logits. The engine takes them from the runner's logits
-before the sampler runs (`raw_logprobs`: the sampler may work on them), scores the chosen tokens
-on the device once they are drawn (`score`: the sampled ids never leave the device for it), and
-the values come back in the step's one read with the sampled ids (`entries` turns them into
-outputs). Nothing here runs for rows that asked for none: no cost without the feature.
+vLLM v1's default (`raw_logprobs`): log_softmax of the logits as the model produced them, before
+any mask, penalty or temperature (greedy ones equal transformers' `compute_transition_scores`).
+Scored on the device (`score`), read in the step's one read, made outputs by `entries`; nothing
+runs for rows that asked for none.
 """
 
 from __future__ import annotations

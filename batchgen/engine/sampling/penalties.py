@@ -1,26 +1,10 @@
 """Logits processing between the raw logits and temperature: penalties, biases, bans, grammars.
 
-The sampler makes one call, `LogitsFeatures.apply(logits, plan)`, for the step's rows that use a
-feature (the sampling batch knows which; no call at all when none does). Order per row, as in vLLM:
-allowed_token_ids -> bad_words -> logit_bias -> repetition_penalty -> presence/frequency ->
-structured-output mask. Semantics:
-  * repetition_penalty (transformers' RepetitionPenaltyLogitsProcessor, so greedy output equals
-    `generate(repetition_penalty=...)`): over every token of prompt + output, a positive logit is
-    divided by the penalty and a negative one multiplied by it, once per distinct token;
-  * presence/frequency (OpenAI, vLLM): over generated tokens only,
-    logit -= frequency * count + presence * (count > 0);
-  * logit_bias: added to the token's logit; allowed_token_ids: every other token gets -inf;
-  * bad_words (transformers' bad_words_ids, vLLM's bad_words): each word is tokenized as written
-    and with a leading space; a word's last token is banned when the tokens before it end the
-    sequence (prompt + output), so a one-token word is never generated.
-Per-row host state (the tail bad words look at, the grammar matcher) is a FeatureRow, held by the
-runner's sampling batch (sampling/batch): made from the prompt when the sequence is new (`row`),
-advanced by each sampled token (`accept`). The token history penalties read lives on the device
-(sampling/penalty_state), counted from the sampled ids there (`count`). What a step sends up goes
-through the step's staged upload (feature_plan): no host value is read or sent mid-step.
-Preemption cannot disturb the state: a preempted sequence keeps its tokens. `check` refuses a
-request up front (ids outside the vocabulary, a grammar that does not compile), so making its row
-later cannot fail.
+One call per step, `LogitsFeatures.apply(logits, plan)`, for the rows that use a feature; order
+and semantics as README's "Penalties, biases, bad words" states them (vLLM's order).
+Per-row host state is a FeatureRow (made by `row`, advanced by `accept`); the penalties' token
+history lives on the device (penalty_state). `check` refuses a bad request up front, so making its
+row later cannot fail.
 """
 
 from __future__ import annotations

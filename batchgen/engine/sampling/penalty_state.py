@@ -1,12 +1,8 @@
 """PenaltyTables: the device-side token history that repetition, presence and frequency penalties read.
 
-Why one table of slots on the device: each penalized row needs, per vocabulary entry, whether the
-token occurs in its prompt + output (repetition) and how often in its output (presence,
-frequency). Kept per row as tensors of their own, a step had to stack them (one upload of an
-index per use) and every sampled token was written back one launch per row. Here rows own a
-slot of two [slots, V] tables; a step gathers its rows' slots with one staged index, and the
-sampled ids (still on the device) are counted in one indexed write, so no host value is needed.
-A slot is filled from its prompt through the step's staged upload, in the step its row is made.
+Why one table of slots: rows own a slot of two [slots, V] tables (seen in prompt + output; output
+counts); a step gathers its slots with one staged index and counts the sampled ids in one indexed
+write on the device, so no host value is needed.
 """
 
 from __future__ import annotations

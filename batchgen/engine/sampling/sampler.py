@@ -1,16 +1,9 @@
 """Sampler: one engine step's logits -> one next token id per sequence, without reading anything back.
 
-Greedy rows (SamplingParams.greedy) take the exact argmax of the raw logits (what transformers' greedy `generate` does).
-Other rows go through temperature, top-k, top-p and min-p, vectorized over the batch with
-per-row parameters as tensors, and are drawn by the exponential race: the token with the largest
-p / q, q ~ Exp(1) i.i.d. per vocabulary entry, is an exact draw from p. A seeded request draws
-its q from its own generator (V values per step, whatever else is in the batch), so its tokens
-do not depend on the batch it shares a step with. Every per-row input (parameters, generators,
-feature state, output counts) comes from a SamplingStep, the runner's SamplingBatch's view of
-the step's rows (sampling/batch); what a step adds of its own (min_tokens masks, bans, grammar
-bitmasks) is staged by `prepare` before the forward, so it rides in the step's one upload.
-The ids stay on the device: the runner reads them, with the NaN flag and logprobs, in one read
-(sampling/step_draw).
+Greedy rows take the exact argmax of the raw logits (as transformers' greedy `generate`). Others
+go through temperature, top-k, top-p, min-p and the exponential race (argmax of p / q, q ~ Exp(1):
+an exact draw); a seeded row draws its q from its own generator, so its tokens do not depend on
+its batch. Per-row inputs come from a SamplingStep (sampling/batch).
 """
 
 from __future__ import annotations
@@ -30,13 +23,8 @@ NUCLEUS_WINDOW = 1024
 
 
 class Sampler:
-    """Turns `[num_seqs, vocab]` logits into token ids, reading each row's state from a SamplingStep.
-
-    `eos_token_ids` are masked (with each request's `stop_token_ids`) while a request has fewer
-    than `min_tokens` output tokens. `seed` seeds the generator shared by unseeded requests, so a
-    whole run can be repeated; None draws it from the OS. Per-request state (seeded generators,
-    penalty and grammar state, output counts) is the SamplingBatch's, not the sampler's.
-    """
+    """Turns `[num_seqs, vocab]` logits into token ids. `eos_token_ids` are masked (with each
+    request's `stop_token_ids`) below `min_tokens`; `seed` seeds the unseeded rows' shared generator."""
 
     def __init__(
         self,
@@ -45,8 +33,7 @@ class Sampler:
         fast_greedy: FastGreedy | None = None,
         features: LogitsFeatures | None = None,
     ) -> None:
-        """`fast_greedy`: the device's own greedy pass, where it has one (see greedy_ids).
-        `features`: penalties, biases, bans, grammars (sampling/penalties); the rows hold their state."""
+        """`fast_greedy`: the device's own greedy pass (greedy_ids); `features`: sampling/penalties."""
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
         self.fast_greedy = fast_greedy
         self._seed = seed
@@ -54,9 +41,7 @@ class Sampler:
         self.features = features
 
     def prepare(self, step: SamplingStep, vocab: int | None = None) -> None:
-        """Before the step's upload: stage what this step's draw needs of its own (the min_tokens
-        mask from the output counts, the features' bans and grammar bitmasks). `vocab`: the logits'
-        width (default: the features' own)."""
+        """Before the step's upload: stage its min_tokens mask, bans and grammar bitmasks."""
         staging = step.batch.transfers
         vocab = vocab if vocab is not None else self._vocab(step)
         step.banned = None
@@ -74,18 +59,12 @@ class Sampler:
             features.prepare(step.features, staging)
 
     def sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
-        """One token id per row of `logits` ([len(step.seq_ids), V]), on the device ([n] int64),
-        for the engine's one read per step."""
+        """One token id per row of `logits` [n, V] -> [n] int64, on the device."""
         return self._sample_ids(logits, step)[0]
 
     def sample_ids_and_nan(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """As sample_ids, with a flag (0-d bool, on the device) set when any entry of `logits` is NaN.
-
-        Why here: greedy rows read every entry for their maximum anyway (greedy_ids), and note a NaN
-        on the way, so when they read the raw logits the flag costs no second pass over them
-        (~0.1 ms of a 64-row CPU step). Where the rows were masked first
-        (min_tokens, grammars, bans), a masked-out NaN would be hidden, so the raw logits are read.
-        """
+        """As sample_ids, with a 0-d bool set when any entry of `logits` is NaN (free when greedy rows
+        read the raw logits for their maximum; masked logits could hide a NaN, so then read again)."""
         ids, nan = self._sample_ids(logits, step)
         # why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
         return ids, logits.amax().isnan() if nan is None else nan
@@ -171,11 +150,7 @@ FastGreedy = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"
 
 def greedy_ids(logits: torch.Tensor, fast: FastGreedy | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V] -> (each row's first index of its maximum [n] int64, a 0-d bool: some entry is NaN).
-
-    The index is torch.max(dim=-1)'s (a NaN row gives its first NaN). `fast`: a device's own pass
-    for both results (the CPU's native kernel, cpu/argmax), used where it answers. Why max(), not
-    argmax(), otherwise: the same index, ~3x faster on CPU.
-    """
+    `fast`: the device's own pass, where it answers; why max(), not argmax(): ~3x faster on CPU."""
     if fast is not None and (found := fast(logits)) is not None:
         return found
     row_max, ids = logits.max(dim=-1)
@@ -187,14 +162,10 @@ def _filter_top_k_top_p(
 ) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k, then outside its nucleus of the top-k.
 
-    Order as in transformers (top-k, then top-p on the renormalised top-k). Both keep a prefix
-    of the descending order, so the best `width` tokens (one topk, far cheaper than a full sort
-    on CPU) decide everything, unless a top-p row's nucleus reaches past them: then sort fully.
-    Knowing that takes a read of a device value, free only where nothing is copied (`may_read`,
-    the CPU); elsewhere (a GPU, where sorting is cheap and a read is a sync) top-p sorts fully.
-    Both give the same kept tokens (but for ties at the nucleus' edge, which a sort orders by id).
-    probs: [n, V]; top_k: [n] (V when disabled); top_p: [n] (1.0 when disabled); max_k: the
-    largest enabled k (0 when none); need_p: some row uses top-p.
+    Order as in transformers. Both keep a prefix of the descending order, so the best `width` tokens
+    (one topk, cheaper than a sort on CPU) decide, unless a nucleus reaches past them (checked only
+    where a read is free, `may_read`; elsewhere top-p sorts fully). probs [n, V]; top_k [n] (V when
+    off); top_p [n] (1.0 when off); max_k: the largest enabled k (0: none).
     """
     vocab = probs.shape[-1]
     width = max_k

@@ -1,15 +1,8 @@
 """A step's draw, planned before the forward and read back in ONE device->host copy.
 
-Why a module: on a GPU every read of a device value is a host sync, and features used to add
-their own (logprobs read their values, ranks and top-K one by one, prompt logprobs again, a
-prompt-only step its NaN flag). The model runner, which owns the sampler and the per-row
-sampling state, calls `prepare_draw` once the step's diff is applied and before its one upload:
-which rows draw (forked samples share their parent's row: the scheduler's `draw_rows`), their
-sampling view, the sampler's own inputs (min_tokens masks, bans, grammar bitmasks) and the prompt
-tokens to score are staged so they ride in that upload. After the forward `finish_draw` computes
-on the device everything the host needs (the drawn ids, the NaN flag, every logprob value, rank
-and top-K id), reads it in one `Transfers.read`, advances the rows' host state with the tokens,
-and returns the step's ModelRunnerOutput.
+Why: on a GPU every read of a device value is a sync. `prepare_draw` stages what the draw needs
+before the step's one upload; after the forward `finish_draw` computes on the device all the host
+needs (ids, NaN flag, logprobs), reads it in one `Transfers.read` and returns the ModelRunnerOutput.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """StopChecker: one request's incremental detokenization and stop conditions.
 
-Per generated token, in vLLM's order: count it; while fewer than `min_tokens` tokens are out,
-nothing stops the request; an EOS id (unless `ignore_eos`) stops it with `stop_reason` None (as
-vLLM), a `stop_token_ids` id stops it with that id as `stop_reason`; a stop string completed by
-the token's text stops it (text cut at the string, or kept through it with
-`include_stop_str_in_output`); otherwise reaching
-`max_tokens` finishes it with "length".
+Per token, in vLLM's order: below `min_tokens` nothing stops; EOS (unless `ignore_eos`) stops
+with `stop_reason` None, a `stop_token_ids` id with that id; a completed stop string stops (cut,
+or kept with `include_stop_str_in_output`); else `max_tokens` gives "length".
 
-Detokenization uses tokenizers' `DecodeStream`, which decodes only a short window per step and
-holds text back while a multi-byte character is incomplete, so characters come out whole; bytes
-still incomplete when the request ends come out as U+FFFD, as `tokenizer.decode` writes them.
-For byte-level BPE the final `text` equals `tokenizer.decode(output_ids)` cut at the stop.
-The stream is primed with the end of the prompt: SentencePiece-style (Metaspace) decoders strip
-the leading space of the *first* decoded token, and priming keeps the space that separates the
-completion from the prompt (vLLM does the same): `text` is decode(prompt + output) minus
-decode(prompt), so it may start with a space that `tokenizer.decode(output_ids)` drops.
-Known difference: a ByteFallback decoder turns a whole run of byte tokens into U+FFFD when the
-run is not valid UTF-8 (even its valid characters); the stream keeps characters it already
-emitted. transformers' `clean_up_tokenization_spaces` is not applied (" ." stays " .").
+Detokenization: tokenizers' `DecodeStream` (whole characters only), primed with the prompt's end
+so a Metaspace decoder keeps the completion's leading space (as vLLM): `text` is
+decode(prompt + output) minus decode(prompt). No `clean_up_tokenization_spaces`.
 """
 
 from __future__ import annotations
@@ -131,12 +120,7 @@ class StopChecker:
 
     def _match_stop_string(self, num_new_chars: int) -> bool:
         """Find a stop string ending inside the last `num_new_chars` characters; cut and finish.
-
-        Only the tail is searched: each string is looked up from len(text) - new - len(stop) + 1,
-        so a match must end in the new text (an earlier one would have stopped an earlier step).
-        Of several matches, the one completed first (smallest end, then smallest start) wins:
-        that is what a character-by-character stream would see, whatever the tokenization.
-        """
+        Of several, the one completed first (smallest end, then start) wins, whatever the tokenization."""
         text = self._text
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
@@ -204,11 +188,8 @@ class StopChecker:
         return self._backend.decode(ids, skip_special_tokens=self._skip_special)
 
     def _prime_ids(self, prompt_token_ids: SequenceOf[int]) -> list[int]:
-        """The prompt's last few ids, when they decode to whole characters; else none.
-
-        why: a DecodeStream primed with text ending in an incomplete character re-emits the
-        primer, and the output's first bytes would be glued to the prompt's last character.
-        """
+        """The prompt's last few ids, when they decode to whole characters; else none (a primer
+        ending mid-character would glue the output's first bytes to it)."""
         ids = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
         if not ids:
             return []

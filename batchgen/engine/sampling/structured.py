@@ -1,18 +1,10 @@
 """Structured output with xgrammar: `SamplingParams.structured` -> a grammar -> a token mask per step.
 
-Why xgrammar: it is the backend vLLM uses, it runs on the CPU, and it compiles a grammar against
-the tokenizer once so that each step's mask costs microseconds per row. The pieces:
-  * `check_structured(spec)` builds the grammar without a tokenizer: a schema, regex or EBNF that
-    cannot compile is found before any model work (job level) or per row (`invalid_structured`);
-  * `GrammarCache` compiles against the tokenizer and the model's logits width, cached by the
-    spec's canonical text (rows with the same schema share one compiled grammar);
-  * `fill_bitmask` fills one bitmask for all constrained rows of a step on the host (it goes up in
-    the step's staged upload); `apply_bitmask` applies it on the device.
-JSON is generated without free whitespace (`any_whitespace=False`): a small model could otherwise
-emit blanks until max_tokens and never close the object. xgrammar 0.2.9 lets a length-bounded
-string (`maxLength`) hold raw control characters, which JSON forbids (json.loads refuses them);
-`_json_schema_grammar` narrows that character class so every output parses.
-xgrammar is an optional dependency (`pip install 'batchgen[structured]'`); `load_xgrammar` says so.
+Why xgrammar: vLLM's backend, on the CPU, a grammar compiled once so a step's mask costs
+microseconds per row. `check_structured` finds a spec that cannot compile before any model work;
+`GrammarCache` shares compiled grammars by canonical spec text. JSON has no free whitespace (a
+small model could emit blanks forever), and `_json_schema_grammar` keeps raw control characters
+out of `maxLength` strings so every output parses. Optional: `pip install 'batchgen[structured]'`.
 """
 
 from __future__ import annotations
@@ -153,9 +145,7 @@ _BATCH: Any = None  # one xgrammar.BatchGrammarMatcher (a thread pool) per proce
 def fill_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     """On the host: each matcher's allowed next tokens -> one bitmask [len(matchers), ceil(V / 32)] int32.
 
-    Filled by xgrammar's batch matcher (its own threads, without the GIL) when there are several.
-    Why apart from the apply: the mask goes to the device in the step's one staged upload, so it
-    is filled before the forward (from the matchers' state after the last step's tokens).
+    Filled before the forward, so it rides in the step's one upload.
     """
     global _BATCH
     xgr = load_xgrammar()
@@ -172,9 +162,7 @@ def fill_bitmask(matchers: list[Any], vocab_size: int) -> torch.Tensor:
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: every token a row's grammar forbids gets -inf; row rows[j] is masked by bitmask[j].
 
-    rows: [k] on the device; bitmask: [k, ceil(V / 32)] int32 on the device. A row left with no
-    finite logit (its grammar allows only a stop token that min_tokens masks) gets the grammar's
-    tokens back at logit 0: the grammar wins over min_tokens.
+    A row left with no finite logit gets the grammar's tokens back at 0: the grammar wins over min_tokens.
     """
     xgr = load_xgrammar()
     vocab = logits.shape[-1]

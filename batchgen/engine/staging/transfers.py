@@ -1,18 +1,9 @@
 """Every host<->device transfer of an engine step goes through one Transfers object.
 
-Why: on a GPU each blocking copy from pageable memory, and each read of a device value, is a
-host sync that stalls the next step's launch. Here everything the host sends in a step (the
-forward's metadata, the sampling parameters and masks, grammar bitmasks, copy-on-write block
-pairs, logprob targets) is staged into one reusable host buffer (pinned on CUDA) and sent in one
-`non_blocking` copy before the forward; device work that consumes staged values before the
-forward (block copies, persistent copies of kept values) is queued with `on_upload` and runs
-right behind that copy. What the host needs back (sampled ids, the NaN flag, logprob values)
-comes back in one read of several tensors. Counting happens here too, so a test can check the
-goal of one upload and at most one device->host read per step (tests/engine/test_one_sync.py
-also catches transfers that bypass this object).
-
-On CPU there is nothing to copy: staged tensors are used as they are, but counted the same way.
-`copy=True` forces the staging path on CPU, so tests exercise the buffer logic without a GPU.
+Why: on a GPU every blocking copy and every read is a sync. All a step sends is staged in one
+reusable (pinned) buffer and sent in one `non_blocking` copy (`on_upload` work runs right behind
+it); all it needs back comes in one read. Counted here (tests/engine/test_one_sync.py). On CPU
+staged tensors are used as they are; `copy=True` forces the staging path for tests.
 """
 
 from __future__ import annotations

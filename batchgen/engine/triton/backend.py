@@ -1,18 +1,9 @@
 """TritonBackend ("triton"): every layer stores its K/V and attends the whole step with two Triton kernels.
 
-Why a backend of its own: the torch backend copies each decode's blocks out of the pool every
-layer (or, on CUDA, needs 256-token blocks for torch's varlen kernel, which coarsens prefix
-caching sixteenfold and cannot soft-cap). This one reads the pool's 16-token blocks in place,
-with one attention launch per layer for prefill chunks and decodes together, sliding windows,
-logit soft-capping and any GQA ratio included (triton/kernels). The plan is built once per step
-(triton/plan) and staged with the step's other metadata in one upload; no decode state is kept
-across steps, so release and reset have nothing to forget.
-
-torch.compile: the forward calls the layer through the opaque custom op (attention/op), so the
-compiler never traces a kernel. CUDA graphs: a graph-replayed decode step carries a StaticDecode
-(cuda/graphs); its plan is made from fixed buffers only (plan.GraphRows), so a replay launches
-the very kernels captured. On the CPU the backend runs only under Triton's interpreter
-(TRITON_INTERPRET=1 from the process's start), for tests: support refuses it otherwise.
+Why a backend of its own: the torch backend copies decode blocks every layer (or on CUDA needs
+256-token blocks, coarsening prefix caching and unable to soft-cap); this one reads 16-token blocks
+in place, windows, soft-capping and any GQA ratio included, and keeps no decode state. A graph
+decode step is planned from fixed buffers (plan.GraphRows). On the CPU: Triton's interpreter only.
 """
 
 from __future__ import annotations

@@ -3,41 +3,15 @@
 The launchers (triton/launch) check the arguments and pick the constexprs. Whether `@triton.jit`
 gives a compiled or an interpreted kernel is fixed when triton is first imported (support).
 
-Paged attention, one launch per layer for the whole step. A "tile" is up to BLOCK_M // GROUP
-consecutive query tokens of one chunk (a prefill chunk, or a decode: a chunk of one token); the
-grid is (tiles, KV heads), and the plan (triton/plan) lists each tile's chunk and first token, so
-long prefill chunks and single-token decodes are just tiles of different fill in one grid. A
-program's BLOCK_M rows are (token, query head) pairs of its KV head: row r is token r // GROUP and
-query head kv_head * GROUP + r % GROUP, so the GROUP query heads that share a KV head (GQA; GROUP
-= 1 without it, any ratio) read each K/V tile once, and a decode fills GROUP rows of one tile.
-Keys are visited BLOCK_N at a time from the tile's lowest needed key (0, or the window's start
-for the tile's first token) to one past its last token: each key's pool block comes from the
-chunk's block table (key // BLOCK_SIZE), its slot is key % BLOCK_SIZE, so the pool is read in
-place, whatever its block size. Per (row, key): causal (key <= the row's position, which is the
-chunk's cached context + its token index), sliding window as transformers has it (key > position
-- window), logit soft-capping (cap * tanh(score / cap)) before the mask; online softmax in
-float32 (running max, running sum, rescaled accumulator), both dots accumulate in float32, and
-the probabilities are cast to the values' dtype for the second dot (as torch's math does).
+Attention: the grid is (tiles, KV heads); a tile is up to BLOCK_M // GROUP query tokens of one
+chunk (triton/plan maps tiles to chunks), and its rows are (token, query head) pairs of one KV
+head, so GQA heads read each K/V tile once. Keys come BLOCK_N at a time through the chunk's block
+table (pool read in place); causal, sliding window (key > position - window) and soft-capping
+before the mask; online softmax and both dots in float32. The store masks out PAD_SLOT tokens.
 
-The store: BLOCK_T tokens a program, each token's (KV head, dim) pairs flattened into one row;
-a token whose slot is PAD_SLOT (-1, padding) is masked out, so nothing is written for it (the
-trash block is not needed here).
-
-Triton language features used (all present in triton 3.6.0, which torch 2.11.0 requires on Linux,
-`triton==3.6.0; platform_system == "Linux"` in its metadata, and in 3.9.0, which the tests run;
-nothing newer than triton 3.0's `tl.dot(input_precision=...)`): @triton.jit, tl.program_id,
-tl.arange, tl.load / tl.store with mask and other, tl.zeros, tl.full,
-tl.dot(input_precision="ieee"), tl.exp, tl.abs, tl.where, tl.maximum, tl.minimum, tl.max /
-tl.sum along an axis, .to(dtype), pointer.dtype.element_ty, `range` loops with runtime bounds,
-`if` on tl.constexpr, tl.constexpr parameters. No block pointers, tensor descriptors,
-autotuning, libdevice or inline assembly. Checked: the kernel tests
-(tests/engine/test_triton_attention.py) and a Gemma 2 parity run pass under triton 3.6.0's
-interpreter as under 3.9.0's (with one line of 3.6.0's interpreter patched: its tensor
-`__index__`, used for runtime loop bounds, calls int() on a one-element array, which NumPy 2.4
-refuses; compiled kernels do not use it).
-Why input_precision="ieee": for float32 inputs the default is TF32 on tensor cores (10-bit
-mantissa), which would break float32 parity with the torch backend; for float16 / bfloat16
-inputs the option is ignored (documented so in tl.dot).
+Only features present since triton 3.0 (torch 2.11 requires 3.6.0; the tests run 3.9.0): no block
+pointers, descriptors, autotuning or libdevice. Why input_precision="ieee": float32's default is
+TF32, which would break float32 parity with the torch backend.
 """
 
 from __future__ import annotations

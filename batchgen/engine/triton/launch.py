@@ -1,8 +1,5 @@
 """Launching the Triton kernels (triton/kernels): argument checks, strides, grids and constexprs.
-
-Everything a launch reads is a tensor of the step's plan or a shape, never a host value that
-changes from step to step without a shape change, so a launch inside a CUDA graph replays as
-captured (see triton/plan for the decode buffers a graph keeps).
+A launch reads only plan tensors and shapes, so inside a CUDA graph it replays as captured.
 """
 
 from __future__ import annotations
@@ -20,11 +17,8 @@ STORE_ELEMENTS = 4096
 
 
 def interpreted(kernel: object) -> bool:
-    """Whether `kernel` runs under Triton's interpreter.
-
-    Why the launcher asks: triton 3.9's interpreter multiplies bfloat16 blocks as their raw 16-bit
-    patterns (its create_dot hands numpy the uint16 storage), so there the kernel upcasts bfloat16
-    operands to float32 before each dot: the same products, exactly; compiled kernels are unchanged."""
+    """Whether `kernel` runs under Triton's interpreter (whose dot multiplies bfloat16 as raw 16-bit
+    patterns, so there the kernel upcasts bfloat16 operands: the same products, exactly)."""
     return type(kernel).__name__ == "InterpretedFunction"
 
 

@@ -1,21 +1,10 @@
 """The Triton backend's step metadata: what its kernels read, planned once per step, staged in one upload.
 
-Every chunk of a step, decodes included, reads the pool in place, so the plan is the varlen
-metadata planning already builds for such steps (attention/planning with every chunk read from
-the pool, no decode groups: cu_seqlens of the queries, each chunk's keys = cached context + its
-tokens, block tables) plus the tile map of the attention kernel's grid (triton/kernels): for each
-tile its chunk and its first token. A tile holds `rows` (token, query head) rows: a power of two
-of at least 16 (tl.dot's smallest tile); DECODE_ROWS on decode-only steps, where every chunk is
-one token, PREFILL_ROWS where a prefill chunk runs, so a long chunk is split into few tiles.
-
-CUDA graphs. A graph replays the kernels it captured with the same grid and the same tensor
-addresses, reading whatever those tensors hold at replay. A decode-only step of a graph bucket
-of B rows is therefore planned from fixed-size buffers only (`GraphRows.plan`): the block tables
-and context lengths are the first B rows of cuda/graphs' DecodeBuffers (updated in place before
-each replay, padding rows: block 0, one key); query_start = arange(B + 1), tile_chunk = arange(B)
-and tile_first = zeros(B) are slices of constant buffers made once, at the largest bucket, when
-the backend is made (never reallocated, so a captured graph never reads freed memory); `rows` is
-fixed for decodes. The grid (B, KVH) and every pointer are then the same at every replay.
+The varlen metadata attention/planning builds (every chunk read from the pool) plus the kernel's
+tile map: each tile's chunk and first token; `rows` per tile is DECODE_ROWS on decode-only steps,
+else PREFILL_ROWS. A graph-replayed decode step of B rows is planned from fixed buffers only
+(`GraphRows.plan`: the first B rows of cuda/graphs' DecodeBuffers and constant slices made once at
+the largest bucket), so the grid and every pointer are the same at every replay.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Where the Triton backend can run, and whether Triton is set up to interpret its kernels on the CPU.
 
-On the CPU the kernels run only under Triton's interpreter (TRITON_INTERPRET=1), for tests.
-Measured with triton 3.9: the variable has to be set before triton is first imported, not merely
-before our kernels are decorated. `@triton.jit` reads it when it decorates a function, and
-triton.language's own functions (tl.zeros, tl.max, tl.sum, ...) are `@jit`-decorated when
-triton.language is imported; an interpreted kernel calling a compiled one of them fails
-("Cannot call @triton.jit'd outside of the scope of a kernel"). And importing transformers'
-model classes (AutoModelForCausalLM) imports triton, so in practice the variable must be in the
-environment the process starts with. `check_device` reads the variable (the setting's check);
-`interpreter_ready` checks what triton actually did (the backend's check when it is made).
+On the CPU the kernels run only under Triton's interpreter (TRITON_INTERPRET=1), which must be set
+before triton is first imported (triton.language's own functions are jit-decorated then, and
+transformers imports triton): in practice, in the process's starting environment.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -19,7 +19,17 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from batchgen.engine.lora.spec import ModuleLoRA
+
+class TargetShape(Protocol):
+    """What the check needs of an adapter's module (spec.ModuleLoRA has it): named here, not
+    imported, so spec (which calls the check) and this module do not import each other."""
+
+    @property
+    def module(self) -> str: ...
+    @property
+    def in_features(self) -> int: ...
+    @property
+    def out_features(self) -> int: ...
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -61,7 +71,7 @@ def model_modules(hf_config: PretrainedConfig) -> tuple[dict[str, tuple[int, int
     return _model_modules(cls, hf_config.to_json_string(use_diff=False))
 
 
-def check_modules(modules: Iterable[ModuleLoRA], hf_config: PretrainedConfig) -> str | None:
+def check_modules(modules: Iterable[TargetShape], hf_config: PretrainedConfig) -> str | None:
     """Why these LoRA modules cannot run on a model of `hf_config`, or None."""
     linears, names = model_modules(hf_config)
     for m in modules:

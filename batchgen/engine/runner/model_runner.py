@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -55,8 +55,22 @@ from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.step_draw import finish_draw, prepare_draw
 from batchgen.engine.staging.transfers import Transfers
 
-if TYPE_CHECKING:
-    from batchgen.engine.vision.encoder import VisionInputs
+
+class StepInputs(Protocol):
+    """What the runner asks of a model's extra per-step inputs (engine/vision's VisionInputs:
+    image embeddings and M-RoPE positions). Named here so the runner imports nothing above it."""
+
+    def prepare(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        packed_end: list[int],
+        num_rows: int,
+        transfers: Transfers,
+        ctx: ForwardContext,
+    ) -> dict[int, str]: ...
+    def apply(self, update: BatchUpdate) -> None: ...
+    def clear(self) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +86,7 @@ def pack_chunks(chunks: Sequence[ScheduledChunk], order: Sequence[int]) -> tuple
 
 
 class ModelRunner:
-    vision: VisionInputs | None = None  # a vision-language model's image state (engine/vision), set after init
+    vision: StepInputs | None = None  # a vision-language model's image state (engine/vision), set after init
     _step_errors: dict[int, str] = {}  # noqa: RUF012  # this step's failed requests (read-only default)
 
     def __init__(

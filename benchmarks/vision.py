@@ -7,8 +7,9 @@ several questions), one run, JSON on stdout.
 
 Same folders, prompts and images for both systems, greedy, float32, CPU; each system's best of
 `--repeats` timed runs after a warm-up (the engine's prefix cache emptied before each run).
-Reported per family and workload: images/s and output tokens/s of each system, the ratio, the engine's cached prompt
-tokens and tower runs, and whether the greedy tokens agree. Absolute times on a shared machine are
+Reported per family and workload: images/s and output tokens/s of each system (the engine both
+compiled, its CPU default, and eager), the ratios, the engine's cached prompt tokens and tower
+runs, and whether the greedy tokens agree. Absolute times on a shared machine are
 noise; the ratios, measured side by side, are the figure.
 """
 
@@ -45,9 +46,12 @@ def workload(placeholder: str, requests: int, repeated: bool) -> list[dict[str, 
     ]
 
 
-def run_engine(folder: Path, prompts: list[dict[str, Any]], max_tokens: int, repeats: int) -> dict[str, Any]:
-    """The best of `repeats` timed runs, each on an empty prefix cache (a warm-up run first)."""
-    llm = LLM(str(folder), device="cpu", dtype="float32")
+def run_engine(
+    folder: Path, prompts: list[dict[str, Any]], max_tokens: int, repeats: int, compile: bool
+) -> dict[str, Any]:
+    """The best of `repeats` timed runs, each on an empty prefix cache (a warm-up run first, which
+    also compiles the forward when `compile`)."""
+    llm = LLM(str(folder), device="cpu", dtype="float32", compile=compile)
     vision = llm.engine.runner.vision  # type: ignore[attr-defined]
     block_manager = llm.engine.scheduler.block_manager
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -116,7 +120,9 @@ def measure(
 ) -> dict[str, Any]:
     placeholder = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}[family]
     prompts = workload(placeholder, requests, repeated)
-    ours = run_engine(folder, prompts, max_tokens, repeats)
+    eager = run_engine(folder, prompts, max_tokens, repeats, compile=False)
+    eager.pop("llm")
+    ours = run_engine(folder, prompts, max_tokens, repeats, compile=True)
     theirs = run_hf(ours.pop("llm"), folder, prompts, max_tokens, sizes, repeats)
     output = requests * max_tokens
     agree = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
@@ -131,6 +137,12 @@ def measure(
             "cached_prompt_tokens": ours["cached_tokens"],
             "tower_runs": ours["tower_runs"],
         },
+        "batchgen_eager": {
+            "images_per_s": round(requests / eager["seconds"], 2),
+            "output_tok_per_s": round(output / eager["seconds"], 1),
+        },
+        "compiled_vs_eager": round(eager["seconds"] / ours["seconds"], 2),
+        "eager_tokens_equal": eager["tokens"] == ours["tokens"],
         "transformers_generate": {
             "images_per_s": round(requests / theirs["seconds"], 2),
             "output_tok_per_s": round(output / theirs["seconds"], 1),

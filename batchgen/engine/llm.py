@@ -182,8 +182,6 @@ class LLM(PoolingMethods):
         self.tokenizer = load_tokenizer(tokenizer, model)
         sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, seed, device)
         make_runner: Any = partial(ShardedRunner, self._tp) if self._tp is not None else ModelRunner  # rank 0's
-        if self._vision is not None:  # why no graphs: image embeddings and M-RoPE positions are per step
-            make_runner = partial(ModelRunner, cuda_graphs=False)
         runner = make_runner(
             hf_model,
             spec,
@@ -224,8 +222,9 @@ class LLM(PoolingMethods):
             dtype=dtype,
             head_dim=kv_spec(model_config).head_dim,
             softcap=has_softcap(model_config),
-            # why: pooling forwards run eager, compiling would serve nothing; a VLM's splice runs eager
-            compiles=self.task == "generate" and not vision,
+            # why: pooling forwards run eager, compiling would serve nothing (a VLM's splice runs
+            # eager before its compiled language model: runner/compiled_forward)
+            compiles=self.task == "generate",
         )
 
     def get_tokenizer(self, lora_request: object = None) -> Any:

@@ -165,3 +165,22 @@ def test_eager_and_graph_steps_run_one_compiled_forward(tiny_model: Callable[[st
     graphs.capture_all(runner._graph_run, runner._graph_context)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert runner.forward.stats.graphs == 1, runner.forward.stats.shapes
+
+
+def test_buffers_stage_mrope_positions_beside_the_kv_positions() -> None:
+    """Under M-RoPE the forward's positions are the [3, B] rope buffer (index + the request's delta),
+    while slots and context lengths still follow the KV positions; padding rows read 0."""
+    buf = DecodeBuffers(max_batch=8, max_blocks=2, device=torch.device("cpu"), rope_axes=3)
+    rope = torch.tensor([[9, -2], [9, -2], [9, -2]])  # positions 5 and 3, deltas +4 and -5
+    buf.fill(2, 4, torch.tensor([11, 12]), torch.tensor([5, 3]), torch.tensor([[1, 2], [3, 0]]), rope)
+    buf.set_slots(2, block_size=4)
+    assert buf.model_positions(4).tolist() == [[9, -2, 0, 0]] * 3
+    assert buf.positions[:4].tolist() == [5, 3, 0, 0] and buf.context_lens[:4].tolist() == [6, 4, 1, 1]
+    assert buf.slots[:2].tolist() == [9, 15]
+    buf.fill(1, 2, torch.tensor([13]), torch.tensor([6]), torch.tensor([[1, 2]]), rope[:, 1:])
+    assert buf.model_positions(2).tolist() == [[-2, 0]] * 3  # the last step's row 1 is padding now
+    with pytest.raises(RuntimeError, match="M-RoPE"):
+        buf.fill(1, 2, torch.tensor([13]), torch.tensor([6]), torch.tensor([[1, 2]]))
+    plain = DecodeBuffers(max_batch=4, max_blocks=2, device=torch.device("cpu"))
+    plain.fill(1, 2, torch.tensor([13]), torch.tensor([6]), torch.tensor([[1, 2]]))
+    assert plain.model_positions(2) is not None and plain.model_positions(2).tolist() == [6, 0]

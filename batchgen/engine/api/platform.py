@@ -72,6 +72,7 @@ class GraphReplay(Protocol):
         tables: torch.Tensor,
         run: Callable[..., torch.Tensor],
         make_context: Callable[..., object],
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor | None: ...
 
 
@@ -158,9 +159,15 @@ class Platform:
         return None
 
     def decode_graphs(
-        self, forward: Callable[..., torch.Tensor], max_rows: int, max_blocks: int, block_size: int
+        self,
+        forward: Callable[..., torch.Tensor],
+        max_rows: int,
+        max_blocks: int,
+        block_size: int,
+        rope_axes: int = 0,
     ) -> GraphReplay | None:
-        """Decode steps replayed from graphs (not yet captured); None where the device has none."""
+        """Decode steps replayed from graphs (not yet captured); None where the device has none.
+        `rope_axes` (3: M-RoPE): the forward's positions are [axes, B], staged beside the KV positions."""
         return None
 
     def facts(self, build: bool = False) -> dict[str, Any]:

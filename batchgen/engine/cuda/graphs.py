@@ -6,6 +6,11 @@ and addresses. A decode-only step is padded to the next bucket (2, 4, 8, then mu
 padded rows write the trash block. Every graph is captured at start (`capture_all`: no pause
 mid-job, and runner/memory measures their pool). The attention reads `StaticDecode`; only the
 triton backend replays graphs. No CPU test covers `capture` / `replay` themselves (marked below).
+
+A vision-language model's decode steps replay graphs too (no image is spliced into a decode: its
+embeddings are the plain lookup, captured with the rest). Under M-RoPE (Qwen2-VL) the model's
+positions are not the KV positions: a generated token's three axes are its index plus its
+request's delta, staged per step into `rope_positions` [3, B] beside the KV `positions` [B].
 """
 
 from __future__ import annotations
@@ -40,11 +45,14 @@ def pick_bucket(n: int, buckets: Sequence[int]) -> int | None:
 
 
 class DecodeBuffers:
-    """Static inputs for the largest bucket; a bucket's graph uses their first B rows."""
+    """Static inputs for the largest bucket; a bucket's graph uses their first B rows.
+    `rope_axes` (3 under M-RoPE): the model's positions are then `rope_positions`, not `positions`."""
 
-    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device, rope_axes: int = 0) -> None:
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)  # KV positions
+        # [axes, max_batch] the model's rotary positions (M-RoPE), or None: the model reads `positions`
+        self.rope_positions = torch.zeros(rope_axes, max_batch, dtype=torch.int64, device=device) if rope_axes else None
         self.slots = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(max_batch, dtype=torch.int64, device=device)
@@ -52,8 +60,22 @@ class DecodeBuffers:
         # long as the graphs (a tensor made for one capture would be freed and its memory reused)
         self.keep = torch.arange(max_batch, device=device)
 
-    def fill(self, n: int, bucket: int, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> None:
-        """Rows 0..n-1 from this step (device tensors: ids [n], positions [n], tables [n, w]); n..bucket-1 padding."""
+    def fill(
+        self,
+        n: int,
+        bucket: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        rope_positions: torch.Tensor | None = None,
+    ) -> None:
+        """Rows 0..n-1 from this step (device tensors: ids [n], positions [n], tables [n, w], M-RoPE's
+        rope_positions [axes, n]); n..bucket-1 padding."""
+        if (rope_positions is None) != (self.rope_positions is None):
+            raise RuntimeError("a decode step's M-RoPE positions do not match the graphs' buffers")
+        if self.rope_positions is not None and rope_positions is not None:
+            self.rope_positions[:, :n].copy_(rope_positions)
+            self.rope_positions[:, n:bucket].zero_()
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.context_lens[:n].copy_(positions + 1)
@@ -70,6 +92,12 @@ class DecodeBuffers:
         rows = torch.arange(n, device=self.positions.device)
         pos = self.positions[:n]
         self.slots[:n] = self.block_tables[rows, pos // block_size] * block_size + pos % block_size
+
+    def model_positions(self, bucket: int) -> torch.Tensor:
+        """What a bucket's forward takes as positions: [bucket], or M-RoPE's [axes, bucket]."""
+        if self.rope_positions is not None:
+            return self.rope_positions[:, :bucket]
+        return self.positions[:bucket]
 
     def view(self, bucket: int) -> StaticDecode:
         """The first `bucket` rows, every block of each."""
@@ -88,7 +116,7 @@ class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this modu
     def step_call(self, bucket: int) -> Callable[[], torch.Tensor]:
         """The forward of `bucket` rows, reading nothing but the static buffers."""
         buf = self.buffers
-        return lambda: self.forward(buf.input_ids[:bucket], buf.positions[:bucket], buf.keep[:bucket])
+        return lambda: self.forward(buf.input_ids[:bucket], buf.model_positions(bucket), buf.keep[:bucket])
 
     def capture(self, bucket: int, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
         """Capture the forward for `bucket` rows; `run` sets the step's context around the call (logits
@@ -118,10 +146,11 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         max_blocks: int,
         block_size: int,
         device: torch.device,
+        rope_axes: int = 0,
     ) -> None:
         self.block_size = block_size
         self.buckets = decode_buckets(max_num_seqs)
-        self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device)
+        self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device, rope_axes)
         self.graphs = DecodeGraphs(forward, self.buffers)
         self.disabled = False  # a capture failed (e.g. a model with data-dependent Python): eager from then on
         # why counted: each capture syncs the device and runs the forward twice, so a capture inside a
@@ -143,13 +172,15 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         tables: torch.Tensor,
         run: Runner,
         make_context: ContextMaker,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Device ids/positions [n], tables [n, w] (uploaded) -> logits [n, V], or None: no bucket fits."""
+        """Device ids/positions [n], tables [n, w], M-RoPE's rope_positions [axes, n] (uploaded) ->
+        logits [n, V], or None: no bucket fits."""
         n = input_ids.shape[0]
         bucket = pick_bucket(n, self.buckets)
         if bucket is None or not self.fits(n, tables.shape[1]):
             return None
-        self.buffers.fill(n, bucket, input_ids, positions, tables)
+        self.buffers.fill(n, bucket, input_ids, positions, tables, rope_positions)
         self.buffers.set_slots(n, self.block_size)
         if bucket not in self.graphs.graphs:
             self.captures_after_start += 1
@@ -166,10 +197,11 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
             and blocks <= self.buffers.block_tables.shape[1]
         )
 
-    def _empty(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _empty(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         device = self.buffers.input_ids.device
         none = torch.zeros(0, dtype=torch.int64, device=device)
-        return none, none, none.view(0, 1)
+        rope = self.buffers.rope_positions
+        return none, none, none.view(0, 1), None if rope is None else rope[:, :0]
 
     def _capture(self, bucket: int, run: Runner, make_context: ContextMaker) -> bool:
         self.captures += 1

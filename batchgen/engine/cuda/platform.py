@@ -41,9 +41,14 @@ class CudaPlatform(Platform):
         return CudaMemory(self.device)
 
     def decode_graphs(
-        self, forward: Callable[..., torch.Tensor], max_rows: int, max_blocks: int, block_size: int
+        self,
+        forward: Callable[..., torch.Tensor],
+        max_rows: int,
+        max_blocks: int,
+        block_size: int,
+        rope_axes: int = 0,
     ) -> GraphReplay | None:
-        return GraphDecode(forward, max_rows, max_blocks, block_size, self.device)  # pragma: no cover - CUDA
+        return GraphDecode(forward, max_rows, max_blocks, block_size, self.device, rope_axes)  # pragma: no cover
 
 
 class CudaMemory:  # pragma: no cover - needs CUDA

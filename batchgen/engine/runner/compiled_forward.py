@@ -4,6 +4,12 @@ Why: on a small model Python dispatch of the unchanged transformers modules domi
 inductor fuses them around the paged attention, one opaque custom op (attention/op). One
 dynamic-shape graph serves every token count (padded to TOKEN_MULTIPLE; padded tokens write the
 KV pool's trash slot) and every number of logit rows (at least MIN_KEEP).
+
+A vision-language model (engine/vision) is compiled the same way: its eager `step_embeddings`
+(the token embeddings with the step's image embeddings spliced in, and its M-RoPE positions
+[3, T] where the family has them) runs first, outside the graph, and the graph takes the
+embeddings instead of the ids. So a step with images and a decode step without any take one
+graph, and what a step splices never becomes a guard or a baked-in constant.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.api.platform import CompilePolicy
+
+# (input ids [T], positions [T]) -> (input embeddings [T, hidden], positions [T] or [3, T])
+Splice = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +112,8 @@ class StepForward:
         self.max_tokens = max_tokens
         self.fallback = fallback
         self.stats = CompileStats()
+        # a VLM's eager splice before the (compiled) language model; None: a text model takes ids
+        self.splice: Splice | None = getattr(model, "step_embeddings", None)
         check_layer_order(model)
         self._run = self._logits
         if compile:
@@ -126,7 +137,9 @@ class StepForward:
         return max(n, MIN_KEEP) if self.compile else max(n, 1)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [T], keep [K] -> logits [K, vocab] (model dtype)."""
+        """input_ids [T], positions [T] (M-RoPE: [3, T]), keep [K] -> logits [K, vocab] (model dtype)."""
+        if self.splice is not None:  # a VLM: embeddings (images spliced in) and its positions, eager
+            input_ids, positions = self.splice(input_ids, positions)
         if not self.compile:
             return self._run(input_ids, positions, keep)  # the eager forward (a benchmark may wrap it)
         if not self.policy.matches():
@@ -163,8 +176,13 @@ class StepForward:
             self.on_compiled()
         return out
 
-    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None], logits_to_keep=keep, use_cache=False)
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """tokens: ids [T] or (a VLM's) embeddings [T, hidden]; positions [T] or [3, T] -> [K, vocab]."""
+        pos = positions[None] if positions.dim() == 1 else positions[:, None]  # [1, T] or [3, 1, T]
+        if tokens.dim() == 1:
+            out = self.model(input_ids=tokens[None], position_ids=pos, logits_to_keep=keep, use_cache=False)
+        else:
+            out = self.model(inputs_embeds=tokens[None], position_ids=pos, logits_to_keep=keep, use_cache=False)
         return out.logits[0]
 
 

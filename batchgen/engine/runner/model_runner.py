@@ -70,6 +70,8 @@ class StepInputs(Protocol):
     ) -> dict[int, str]: ...
     def apply(self, update: BatchUpdate) -> None: ...
     def clear(self) -> None: ...
+    def decode_positions(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        """A decode-only step's M-RoPE positions [3, n] (host), or None: the model reads the KV positions."""
 
 
 logger = logging.getLogger(__name__)
@@ -154,7 +156,10 @@ class ModelRunner:
         wants_graphs = compile if cuda_graphs is None else cuda_graphs
         if wants_graphs and self.backend.replays_static_decode:
             max_blocks = math.ceil(max_len / block_size)
-            self.graphs = self.platform.decode_graphs(self.forward, max_num_seqs or 64, max_blocks, block_size)
+            rope_axes = int(getattr(model, "rope_axes", 0))  # a VLM's M-RoPE positions (engine/vision)
+            self.graphs = self.platform.decode_graphs(
+                self.forward, max_num_seqs or 64, max_blocks, block_size, rope_axes
+            )
         if self.graphs is not None:  # pragma: no cover - CUDA
             self.graphs.capture_all(self._graph_run, self._graph_context)
         logger.info(
@@ -270,11 +275,13 @@ class ModelRunner:
         ids = self.transfers.stage(int64_tensor([c.token_ids[-1] for c in chunks]))
         positions = self.transfers.stage(int64_tensor([c.start for c in chunks]))
         staged_tables = self.transfers.stage(tables)
+        rope = self.vision.decode_positions(chunks) if self.vision is not None else None
+        staged_rope = self.transfers.stage(rope) if rope is not None else None  # [3, n]
         if self.lora is not None:  # the bucket's padding rows keep stale slots: their logits are dropped
             self.lora.stage(self.transfers, [c.lora_slot for c in chunks])
         self.transfers.upload()
 
-        logits = self.graphs.execute(ids, positions, staged_tables, self._graph_run, self._graph_context)
+        logits = self.graphs.execute(ids, positions, staged_tables, self._graph_run, self._graph_context, staged_rope)
         return None if logits is None else logits.float()
 
     def _graph_run(self, ctx: object, call: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -244,6 +244,11 @@ class VisionInputs:
             self.claims.pop(content_hash, None)
             self.cache.pop(content_hash, None)
 
+    def decode_positions(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        """A decode-only step's M-RoPE positions [3, n] (each chunk one generated token: index +
+        delta), for the CUDA-graph buffers; None without M-RoPE."""
+        return self._positions(chunks, list(range(1, len(chunks) + 1)), len(chunks)) if self.mrope else None
+
     def _positions(self, chunks: Sequence[ScheduledChunk], packed_end: list[int], num_rows: int) -> torch.Tensor:
         """M-RoPE positions of the packed row, [3, num_rows] (padding: 0): prompt tokens take their
         request's rotary positions, generated ones index + delta on all three axes."""

@@ -49,6 +49,8 @@ class VisionLanguageLM(torch.nn.Module):
         self.config = vlm.config
         self.generation_config = vlm.generation_config
         self.step: SpliceStep | None = None  # set by the runner's vision state around one forward
+        # M-RoPE (Qwen2-VL, Qwen2.5-VL): positions are [3, T], in CUDA-graph buffers too (cuda/graphs)
+        self.rope_axes = 3 if vision_family(self.config.model_type) == "qwen2_vl" else 0
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.language_model.get_input_embeddings()
@@ -60,17 +62,32 @@ class VisionLanguageLM(torch.nn.Module):
     def base_model(self) -> torch.nn.Module:
         return self.language_model
 
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor, use_cache: bool = False
-    ) -> _Output:
-        """input_ids/position_ids [1, T], logits_to_keep [K] -> logits [1, K, vocab]."""
-        embeds = self.get_input_embeddings()(input_ids)  # [1, T, hidden]
-        step = self.step
+    def step_embeddings(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's input embeddings and positions, run eager before the (maybe compiled) forward
+        (runner/compiled_forward): input_ids [T], positions [T] (M-RoPE: [3, T]) -> embeddings
+        [T, hidden] with the step's image embeddings at their rows, and the step's M-RoPE positions
+        [3, T] where it has them, else `positions`.
+
+        The step serves one forward and is then dropped: a CUDA graph captured later (its decode
+        buffers as inputs) must never bake a past step's splice in."""
+        embeds = self.get_input_embeddings()(input_ids)  # [T, hidden]
+        step, self.step = self.step, None
         if step is not None and step.rows is not None and step.embeds is not None:
-            embeds[0].index_copy_(0, step.rows, step.embeds.to(embeds.dtype))
+            embeds.index_copy_(0, step.rows, step.embeds.to(embeds.dtype))
         if step is not None and step.positions is not None:
-            position_ids = step.positions  # [3, 1, T]
-        hidden = self.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+            positions = step.positions[:, 0]  # [3, T]
+        return embeds, positions
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_to_keep: torch.Tensor,
+        use_cache: bool = False,
+    ) -> _Output:
+        """inputs_embeds [1, T, hidden] (step_embeddings), position_ids [1, T] or [3, 1, T],
+        logits_to_keep [K] -> logits [1, K, vocab]."""
+        hidden = self.language_model(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False)
         return _Output(self.lm_head(hidden.last_hidden_state[:, logits_to_keep]))
 
 

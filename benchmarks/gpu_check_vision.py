@@ -1,11 +1,17 @@
 """Prepared GPU check of the vision path (issue 44): greedy tokens of the tiny vision-language
 models on a CUDA device, float32, equal transformers' `generate` on the same device, under
 pressure (7-token steps cutting through images, a small KV pool; preemption is the CPU tests') and
-relaxed; one JSON line per family and setting. Gemma 3 is expected refused on CUDA (its
-bidirectional image attention runs on the torch/cpu prefill path only), and reported so.
+relaxed, each both "graphs" (compile on: the compiled forward, decode steps replayed from CUDA
+graphs, Qwen2-VL's M-RoPE decode positions in the graphs' rope buffer) and "eager"; one JSON line
+per family, setting and mode, with the graphs captured and replayed. Gemma 3 runs on the default
+(triton) backend, its images attending both ways through the kernel's key bounds; a row with
+"refused" names a backend that cannot take that mask.
 
     .venv/bin/python benchmarks/gpu_check_vision.py            # needs a CUDA device
-    .venv/bin/python benchmarks/gpu_check_vision.py cpu        # the same on the CPU (a smoke run)
+    .venv/bin/python benchmarks/gpu_check_vision.py cpu        # the same on the CPU (a smoke run: no graphs)
+
+Pass: every row "equal": true, and on CUDA every "graphs" row with "graph_replays" > 0 and
+"captures_after_start" == 0.
 """
 
 from __future__ import annotations
@@ -42,17 +48,24 @@ def prompts(placeholder: str) -> list[dict[str, Any]]:
     ]
 
 
-def check(family: str, folder: Path, setting: str, device: str) -> dict[str, Any]:
-    row: dict[str, Any] = {"family": family, "setting": setting, "device": device}
+def check(family: str, folder: Path, setting: str, device: str, mode: str) -> dict[str, Any]:
+    row: dict[str, Any] = {"family": family, "setting": setting, "device": device, "mode": mode}
     try:
-        llm = LLM(str(folder), device=device, dtype="float32", **SETTINGS[setting])
+        llm = LLM(str(folder), device=device, dtype="float32", compile=mode == "graphs", **SETTINGS[setting])
     except UnsupportedModelError as exc:
         return {**row, "refused": str(exc)}
+    runner = llm.engine.runner
+    row["backend"] = runner.backend.name
     assert llm._vision is not None
     items = prompts(llm._vision.processor.placeholder)
     outs = llm.generate(items, SamplingParams(max_tokens=8, temperature=0))
     ours = [o.outputs[0].token_ids if o.error is None else o.error for o in outs]
     theirs = reference_tokens(llm, folder, items, 8, device=device)
+    graphs: Any = runner.graphs
+    if graphs is not None:
+        row["graph_replays"], row["captures_after_start"] = graphs.replays, graphs.captures_after_start
+        row["graphs_disabled"] = graphs.disabled
+    row["compiled_graphs"] = runner.forward.stats.graphs
     return {**row, "equal": ours == theirs, "ours": ours, "theirs": theirs, "stats": llm.stats}
 
 
@@ -64,7 +77,8 @@ def main() -> None:
         for family in FAMILIES:
             folder = save_tiny_vlm(family, Path(tmp) / family)
             for setting in SETTINGS:
-                print(json.dumps(check(family, folder, setting, device)), flush=True)
+                for mode in ("graphs", "eager"):
+                    print(json.dumps(check(family, folder, setting, device, mode)), flush=True)
 
 
 if __name__ == "__main__":

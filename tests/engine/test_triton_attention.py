@@ -34,6 +34,7 @@ POOL = 14  # blocks the block manager would hand out; the pool has one more (tra
 DEVICE = torch.device("cpu" if support.interpreting() else "cuda")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 Spec = tuple[int, int]  # (tokens cached before the chunk, new tokens); one new token after a context: a decode
+Images = dict[int, tuple[tuple[int, int], ...]]  # chunk -> positions [first, end) of its images (Gemma 3's)
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +75,11 @@ class Step:
         self.query = torch.randn(tokens, self.heads, D, generator=gen).to(dtype).transpose(0, 1)
         self.num_tokens = tokens - pad
 
-    def run(self, backend_cls: type, window: int | None, softcap: float | None) -> torch.Tensor:
+    def run(
+        self, backend_cls: type, window: int | None, softcap: float | None, images: Images | None = None
+    ) -> torch.Tensor:
+        """`images`: chunk index -> positions [first, end) of images whose tokens attend both ways,
+        marked on the planned step as engine/vision marks them."""
         pools = [(k.to(DEVICE, copy=True), v.to(DEVICE, copy=True)) for k, v in self.pools]
         triton = backend_cls is TritonBackend
         backend = TritonBackend(pools, BLOCK, DEVICE, self.heads) if triton else TorchBackend(pools, BLOCK, DEVICE)
@@ -83,6 +88,12 @@ class Step:
         starts = [0]
         for _, new in self.specs:
             starts.append(starts[-1] + new)
+        by_start = {p.start: p for p in ctx.prefills}
+        packed_start = 0
+        for i in order:
+            if i in (images or {}):
+                by_start[packed_start].bidirectional = images[i]  # type: ignore[index]
+            packed_start += self.specs[i][1]
         packed = [t for i in order for t in range(starts[i], starts[i + 1])]
         packed += list(range(starts[-1], self.key.shape[1]))  # the padding, last
         q, k, v = self.query, self.key, self.value  # why not indexed when in order: the strided views
@@ -93,10 +104,11 @@ class Step:
         self.stored = (pools[0][0].cpu(), pools[0][1].cpu())
         return out.cpu()[torch.tensor(packed).argsort()]  # [T + pad, H, D] in batch order
 
-    def reference(self, window: int | None, softcap: float | None) -> torch.Tensor:
-        """Float64 softmax attention of each chunk's queries over its whole context -> [T, H, D]."""
+    def reference(self, window: int | None, softcap: float | None, images: Images | None = None) -> torch.Tensor:
+        """Float64 softmax attention of each chunk's queries over its whole context -> [T, H, D];
+        a query inside one of `images` also sees that image's later keys (within the window)."""
         out, first = [], 0
-        for (cached, new), k, v in zip(self.specs, self.keys, self.values):
+        for i, ((cached, new), k, v) in enumerate(zip(self.specs, self.keys, self.values)):
             q = self.query[:, first : first + new].double()  # [H, n, D]
             k, v = (x.double().repeat_interleave(self.heads // KVH, 0) for x in (k, v))  # [H, L, D]
             scores = q @ k.transpose(1, 2) * D**-0.5
@@ -104,6 +116,8 @@ class Step:
                 scores = torch.tanh(scores / softcap) * softcap
             q_pos, kv_pos = torch.arange(cached, cached + new)[:, None], torch.arange(cached + new)[None]
             allowed = kv_pos <= q_pos
+            for a, b in (images or {}).get(i, ()):
+                allowed |= (q_pos >= a) & (q_pos < b) & (kv_pos >= a) & (kv_pos < b)
             if window is not None:
                 allowed &= kv_pos > q_pos - window
             out.append((scores.masked_fill(~allowed, -math.inf).softmax(-1) @ v).transpose(0, 1))
@@ -137,6 +151,28 @@ def test_one_launch_attends_prefills_and_decodes_as_softmax_does(
         torch.testing.assert_close(out, step.run(TorchBackend, window, softcap), atol=tol, rtol=tol)
         # the same pool writes (but for the trash block, where the torch backend sends padded tokens)
         assert all(torch.equal(a[:POOL], b[:POOL]) for a, b in zip(ours, step.stored))
+
+
+IMAGE_CASES = [  # specs, query heads per KV head, window, images (chunk -> [first, end) positions)
+    ([(0, 21), (17, 1), (5, 11)], 2, None, {0: ((3, 9), (12, 20)), 2: ((7, 13),)}),
+    # 16 tokens a tile: the 20-token image spans two tiles (the first tile reads keys up to 30)
+    ([(0, 40), (12, 9), (30, 1)], 4, None, {0: ((10, 30),), 1: ((12, 18),)}),
+    ([(0, 40), (12, 9)], 4, 7, {0: ((10, 30),), 1: ((14, 21),)}),  # the window still bounds what lies behind
+]
+
+
+@pytest.mark.parametrize(("specs", "group", "window", "images"), IMAGE_CASES)
+def test_images_attend_both_ways_as_the_torch_prefill_mask_does(
+    specs: list[Spec], group: int, window: int | None, images: Images
+) -> None:
+    """Gemma 3: a query token inside an image also sees the image's later tokens; the kernel
+    against the float64 reference and the torch backend's prefill mask, on the same marked step."""
+    step = Step(specs, group, torch.float32, pad=3, seed=group + 40)
+    out = step.run(TritonBackend, window, None, images)
+    want = step.reference(window, None, images)
+    torch.testing.assert_close(out[: step.num_tokens].double(), want, atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(step.reference(window, None), want, atol=1e-3)  # the mask matters here
+    torch.testing.assert_close(out, step.run(TorchBackend, window, None, images), atol=2e-5, rtol=2e-5)
 
 
 def test_the_store_writes_each_token_at_its_slot_and_skips_padding() -> None:

@@ -157,6 +157,7 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         # timed window (or mid-job) is a pause; the GPU check asserts none happen while it times
         self.captures = 0  # capture attempts, failed ones included
         self.captures_after_start = 0  # of those, the ones a step made (capture_all leaves none to make)
+        self.replays = 0  # decode steps served by a graph (the GPU checks report it)
 
     def capture_all(self, run: Runner, make_context: ContextMaker) -> None:
         """Every bucket's graph, largest first (smaller ones then reuse its memory in the shared pool)."""
@@ -186,6 +187,7 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
             self.captures_after_start += 1
             if not self._capture(bucket, run, make_context):
                 return None
+        self.replays += 1
         return self.graphs.replay(bucket, n)
 
     def fits(self, n: int, blocks: int) -> bool:

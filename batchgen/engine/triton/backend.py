@@ -2,8 +2,9 @@
 
 Why a backend of its own: the torch backend copies decode blocks every layer (or on CUDA needs
 256-token blocks, coarsening prefix caching and unable to soft-cap); this one reads 16-token blocks
-in place, windows, soft-capping and any GQA ratio included, and keeps no decode state. A graph
-decode step is planned from fixed buffers (plan.GraphRows). On the CPU: Triton's interpreter only.
+in place, windows, soft-capping, any GQA ratio and images whose tokens attend both ways (Gemma 3)
+included, and keeps no decode state. A graph decode step is planned from fixed buffers
+(plan.GraphRows). On the CPU: Triton's interpreter only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.planning import PlannedChunk, Stager
 from batchgen.engine.attention.static_decode import MAX_GRAPH_BATCH
 from batchgen.engine.triton import launch
-from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, plan_step
+from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, image_key_ends, plan_step
 from batchgen.engine.triton.support import check_device, check_interpreter, interpreting
 
 
@@ -64,7 +65,7 @@ class TritonBackend(AttentionBackend):
         ctx, k_cache, v_cache = self.begin_layer(layer, key)
         plan = self._kernel_plan(ctx)
         launch.store_kv(k_cache, v_cache, ctx.slot_mapping, key, value)
-        out = launch.paged_attention(query, k_cache, v_cache, plan, scale, window, softcap)
+        out = launch.paged_attention(query, k_cache, v_cache, plan, scale, window, softcap, _key_ends(ctx, query))
         return zero_padding(out, ctx)  # why: rows past the step's tokens belong to no tile
 
     def _kernel_plan(self, ctx: ForwardContext) -> KernelPlan:
@@ -73,3 +74,13 @@ class TritonBackend(AttentionBackend):
         if ctx.static_decode is not None:  # a CUDA-graph decode step (cuda/graphs), planned by the runner
             return self.graph_rows.plan(ctx.static_decode)
         raise RuntimeError("the triton backend runs only steps it planned itself or CUDA-graph decode steps")
+
+
+def _key_ends(ctx: ForwardContext, query: torch.Tensor) -> torch.Tensor | None:
+    """The step's image key bounds [T] (plan.image_key_ends), made by its first layer; None: none."""
+    if not isinstance(ctx, TritonContext):
+        return None
+    if not ctx.key_ends_made:  # why lazily: the images are marked after planning (engine/vision)
+        ctx.key_ends = image_key_ends(ctx.prefills, query.shape[1], query.device)
+        ctx.key_ends_made = True
+    return ctx.key_ends

@@ -9,6 +9,10 @@ head, so GQA heads read each K/V tile once. Keys come BLOCK_N at a time through 
 table (pool read in place); causal, sliding window (key > position - window) and soft-capping
 before the mask; online softmax and both dots in float32. The store masks out PAD_SLOT tokens.
 
+Images whose tokens attend both ways (Gemma 3): with USE_KEY_END a query token may also see the
+keys up to its own `key_end` (one past its image's last position; 0 outside such an image), so
+key < max(position + 1, key_end): the torch backend's prefill mask, window included.
+
 Only features present since triton 3.0 (torch 2.11 requires 3.6.0; the tests run 3.9.0): no block
 pointers, descriptors, autotuning or libdevice. Why input_precision="ieee": float32's default is
 TF32, which would break float32 parity with the torch backend.
@@ -31,6 +35,7 @@ def paged_attention_kernel(
     block_tables_ptr,  # [chunks, W] int64
     tile_chunk_ptr,  # [tiles] int64: the chunk of each tile
     tile_first_ptr,  # [tiles] int64: the tile's first token, within its chunk
+    key_end_ptr,  # [T] int64 (read with USE_KEY_END): one past the keys a query token sees both ways
     scale,
     softcap,
     window,
@@ -53,6 +58,7 @@ def paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_KEY_END: tl.constexpr,
     DOT_IN_F32: tl.constexpr,  # set only under triton 3.9's interpreter, for bfloat16 (see the launcher)
 ):
     tile = tl.program_id(0)
@@ -77,6 +83,11 @@ def paged_attention_kernel(
         q = q.to(tl.float32)
 
     end = tl.minimum(cached + first + BLOCK_M // GROUP, kv_len)  # one past the tile's last key
+    limit = pos + 1  # [M] one past the keys each row sees
+    if USE_KEY_END:  # an image's tokens also see its later ones (they are in this chunk)
+        key_end = tl.load(key_end_ptr + q_start + token, mask=row_ok, other=0)  # [M]
+        limit = tl.maximum(limit, key_end)
+        end = tl.minimum(tl.maximum(end, tl.max(key_end, 0)), kv_len)
     start = 0
     if USE_WINDOW:  # the first token's lowest key, down to a multiple of BLOCK_N
         start = tl.maximum(cached + first - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -104,7 +115,7 @@ def paged_attention_kernel(
             t = tl.exp(-2.0 * tl.abs(x))
             th = (1.0 - t) / (1.0 + t)
             s = softcap * tl.where(x >= 0, th, -th)
-        allowed = (keys[None, :] <= pos[:, None]) & row_ok[:, None]
+        allowed = (keys[None, :] < limit[:, None]) & row_ok[:, None]
         if USE_WINDOW:
             allowed = allowed & (keys[None, :] > pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))

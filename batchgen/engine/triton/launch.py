@@ -69,8 +69,10 @@ def paged_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    key_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query [H, T, D] (packed, the plan's chunk order) over the pool -> [T, H, D].
+    """query [H, T, D] (packed, the plan's chunk order) over the pool -> [T, H, D]. `key_end` [T]:
+    images attending both ways (plan.image_key_ends), None: none in the step.
 
     Rows of tokens no tile covers (padding past the step's tokens) are left unwritten."""
     heads, tokens, d = query.shape
@@ -94,6 +96,7 @@ def paged_attention(
         plan.block_tables,
         plan.tile_chunk,
         plan.tile_first,
+        plan.query_start if key_end is None else key_end,  # (not read without USE_KEY_END)
         scale,
         0.0 if softcap is None else softcap,
         0 if window is None else window,
@@ -109,6 +112,7 @@ def paged_attention(
         BLOCK_D=_pow2(d, MIN_DIM),
         USE_WINDOW=window is not None,
         USE_SOFTCAP=softcap is not None,
+        USE_KEY_END=key_end is not None,
         DOT_IN_F32=query.dtype == torch.bfloat16 and interpreted(paged_attention_kernel),
     )
     return out

@@ -5,6 +5,11 @@ tile map: each tile's chunk and first token; `rows` per tile is DECODE_ROWS on d
 else PREFILL_ROWS. A graph-replayed decode step of B rows is planned from fixed buffers only
 (`GraphRows.plan`: the first B rows of cuda/graphs' DecodeBuffers and constant slices made once at
 the largest bucket), so the grid and every pointer are the same at every replay.
+
+The context lists the step's prefill chunks (their packed span and cached context; the kernel reads
+none of it) so that a vision-language step can mark the images in them whose tokens attend both
+ways (Gemma 3); the first layer turns those marks into the kernel's per-token key bounds
+(`image_key_ends`), once per step.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.attention.decode_kv import DecodeKVSource
-from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk
 from batchgen.engine.attention.planning import DirectStager, PlannedChunk, Stager, build_forward_context, int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
 
@@ -41,6 +46,24 @@ class TritonContext(ForwardContext):
     """A ForwardContext with the Triton kernel's plan (the varlen and decode fields stay unset)."""
 
     kernel: KernelPlan | None = None
+    key_ends: torch.Tensor | None = None  # [T] image_key_ends of the step, made by its first layer
+    key_ends_made: bool = False
+
+
+def image_key_ends(prefills: Sequence[PrefillChunk], num_rows: int, device: torch.device) -> torch.Tensor | None:
+    """Per packed token [num_rows] int64: for a token inside an image whose tokens attend both ways,
+    one past the image's last position (the keys it sees: below max(its position + 1, this)); else
+    0. None: no such image in the step. Made on the device (slice fills, no host copy)."""
+    marked = [(p, first, end) for p in prefills for first, end in p.bidirectional]
+    if not marked:
+        return None
+    out = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    for p, first, end in marked:  # positions [first, end) -> packed rows of this chunk
+        lo = max(first, p.context_start) - p.context_start + p.start
+        hi = min(end, p.context_start + p.end - p.start) - p.context_start + p.start
+        if hi > lo:
+            out[lo:hi] = end
+    return out
 
 
 def tile_rows(group: int, decode_only: bool) -> int:
@@ -93,8 +116,19 @@ def plan_step(
         group=group,
         rows=rows,
     )
-    step = TritonContext(ctx.kv_caches, ctx.slot_mapping, None, [], num_tokens=ctx.num_tokens, kernel=plan)
+    prefills = _prefill_chunks([chunks[i] for i in order], meta.block_tables)
+    step = TritonContext(ctx.kv_caches, ctx.slot_mapping, None, prefills, num_tokens=ctx.num_tokens, kernel=plan)
     return step, positions, order
+
+
+def _prefill_chunks(packed: Sequence[PlannedChunk], tables: torch.Tensor) -> list[PrefillChunk]:
+    """The packed chunks that are not decodes, as PrefillChunks (tables: the staged [N, W] rows)."""
+    out, first = [], 0
+    for j, c in enumerate(packed):
+        if not c.is_decode:
+            out.append(PrefillChunk(first, first + c.num_tokens, c.start, tables[j]))
+        first += c.num_tokens
+    return out
 
 
 class GraphRows:

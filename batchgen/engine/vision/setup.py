@@ -53,12 +53,16 @@ class VisionModel:
     max_chunk: int = 0  # the step's token budget (Gemma 3: an image's tokens are prefilled in one chunk)
 
     def check_runner(self, runner: Any, max_num_batched_tokens: int) -> None:
-        """Gemma 3's images attend both ways: only the attention that takes that mask may run it."""
+        """Gemma 3's images attend both ways: only the attention that takes that mask may run it
+        (the triton kernel, and the torch / cpu backends' torch prefill path; not the torch
+        backend's varlen (FlashAttention) path on CUDA)."""
         self.max_chunk = max_num_batched_tokens
-        if self.processor.family == "gemma3" and (runner.flash or runner.backend.name not in ("torch", "cpu")):
+        takes_mask = runner.backend.name == "triton" or (runner.backend.name in ("torch", "cpu") and not runner.flash)
+        if self.processor.family == "gemma3" and not takes_mask:
             raise refuse(
                 self.lm.config,
-                f"bidirectional image attention on the {runner.backend.name} attention backend (use 'torch' or 'cpu')",
+                f"bidirectional image attention on the {runner.backend.name} attention backend's "
+                f"{runner.attention.path} path (use 'triton', or 'torch' / 'cpu' off the varlen kernel)",
             )
 
     def inputs(self) -> VisionInputs:

@@ -34,11 +34,13 @@ def transformers_logprobs(llm: LLM, folder: Path, prompt: str, images: list) -> 
     return torch.log_softmax(logits[0, -1].float(), -1)
 
 
-@pytest.mark.parametrize("budget", [None, 5])
-def test_next_token_logprobs_match(budget: int | None, tiny_vlm: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize(("budget", "backend"), [(None, "auto"), (5, "auto"), (None, "triton"), (5, "triton")])
+def test_next_token_logprobs_match(budget: int | None, backend: str, tiny_vlm: Callable[[str], Path]) -> None:
+    """The torch prefill mask (the cpu backend's prefill path) and the triton kernel's key bounds
+    (Triton's interpreter on the CPU; what a CUDA GPU runs by default)."""
     folder = tiny_vlm("gemma3")
     settings = {"max_num_batched_tokens": budget} if budget else {}
-    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, **settings)
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, attention_backend=backend, **settings)
     images = [[sample_image(40, 24, 1)], [sample_image(20, 50, 2), sample_image(64, 64, 3)]]
     prompts = [{"prompt": p, "multi_modal_data": {"image": i}} for p, i in zip(PROMPTS, images)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, logprobs=5))

@@ -32,7 +32,8 @@ def image_prompts(placeholder: str) -> list[dict[str, Any]]:
 
 
 def run(folder: Path, **settings: Any) -> tuple[LLM, list[list[int]], list[int]]:
-    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, **settings)
+    """Eager (compiled: test_compiled.py, the CPU's default; each LLM here would compile again)."""
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, **{"compile": False, **settings})
     assert llm._vision is not None
     prompts = image_prompts(llm._vision.processor.placeholder)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))

@@ -68,8 +68,7 @@ def best(repeats: int, run: Any) -> tuple[float, Any]:
 
 
 def run_engine(base: Path, prompts: list[list[int]], adapters: list[Path] | None, args: Any) -> tuple[float, list]:
-    from batchgen import LoRARequest, SamplingParams
-    from batchgen.engine.llm import LLM
+    from batchgen import LLM, LoRARequest, SamplingParams
 
     settings: dict[str, Any] = dict(enable_lora=True, max_loras=4, max_lora_rank=16) if adapters else {}
     llm = LLM(str(base), device="cpu", dtype="float32", **settings)

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler import BatchUpdate, NewSequence, ScheduledBatch, ScheduledChunk, Scheduler
 from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.llm import LLM
 from batchgen.engine.sampling.batch import NO_TOP_K, SamplingBatch
 from tests.engine.test_scheduler import make_scheduler, make_seq
 

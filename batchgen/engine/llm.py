@@ -17,6 +17,7 @@ from transformers import AutoConfig, PreTrainedModel
 from batchgen.engine.api.config import EngineConfig, ResolvedConfig, resolve
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SEED_EXPECTED, SamplingParams, SettingError, is_seed
+from batchgen.engine.api.prompts import PromptInput, encode_prompt
 from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
@@ -48,9 +49,6 @@ from batchgen.engine.vision.setup import VisionModel, check_vision_config, is_vi
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
-
-# What `generate` takes per prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
-PromptInput = str | list[int] | dict[str, Any]
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
@@ -267,7 +265,8 @@ class LLM(PoolingMethods):
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise TypeError("prompts: a flat list of ints is ambiguous; pass [[...ids]] or {'prompt_token_ids': [...]}")
-        encoded = [self._encode(i, p) for i, p in enumerate(items)]
+        extra_keys = ("multi_modal_data",) if self._vision is not None else ()
+        encoded = [encode_prompt(self.tokenizer, i, p, extra_keys) for i, p in enumerate(items)]
         extras = [NO_EXTRAS] * len(encoded)
         for i, item in enumerate(items):
             data = item.get("multi_modal_data") if isinstance(item, dict) else None
@@ -299,28 +298,6 @@ class LLM(PoolingMethods):
             extras = [replace(x, adapter_hash=a.adapter_hash) for x, a in zip(extras, adapters, strict=True)]
             return self.engine.generate(token_ids, params, on_output, texts, extras, refusals)
         return self.engine.generate(token_ids, params, on_output=on_output, texts=texts, extras=extras)
-
-    def _encode(self, index: int, prompt: object) -> tuple[list[int], str | None]:
-        """(token ids, prompt text or None) of one prompt."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"]), prompt
-        if isinstance(prompt, dict):
-            keys = {"prompt", "prompt_token_ids"} | ({"multi_modal_data"} if self._vision is not None else set())
-            unknown = sorted(set(prompt) - keys)
-            if unknown:
-                raise TypeError(f"prompt {index}: unsupported key(s) {unknown} (supported: {', '.join(sorted(keys))})")
-            if "prompt_token_ids" in prompt:
-                ids, _ = self._encode(index, list(prompt["prompt_token_ids"]))
-                text = prompt.get("prompt")
-                return ids, text if isinstance(text, str) else None
-            if isinstance(prompt.get("prompt"), str):
-                return self._encode(index, prompt["prompt"])
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [int(t) for t in prompt], None
-        raise TypeError(
-            f"prompt {index} must be a string, a list of token ids, or a dict with 'prompt' or "
-            f"'prompt_token_ids', got {type(prompt).__name__}"
-        )
 
     def pooling_model(self) -> PoolingModel:
         """The pooling side of this LLM; on a generate LLM, embeddings through its engine."""

@@ -18,8 +18,8 @@ import torch
 from batchgen.engine.api.config import engine_config
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.api.prompts import PromptInput
 from batchgen.engine.llm import LLM as EngineLLM
-from batchgen.engine.llm import PromptInput
 from batchgen.engine.vision.chat import split_images
 from batchgen.vllm_compat.arg_rules import generation_defaults, generation_mode, task_of
 from batchgen.vllm_compat.keywords import adapt_vllm_keywords, render_options, vllm_dtype

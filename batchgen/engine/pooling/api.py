@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from batchgen.engine.api.prompts import encode_prompt
 from batchgen.engine.pooling.hf_runner import Encoded
 from batchgen.engine.pooling.model import PoolingModel, RowResult
 from batchgen.engine.pooling.outputs import (
@@ -20,20 +21,6 @@ from batchgen.engine.pooling.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-
-
-def encode_prompt(tokenizer: Any, index: int, prompt: object) -> list[int]:
-    """Token ids of one prompt: a string (tokenized with special tokens), a list of ids, or a
-    `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dict."""
-    if isinstance(prompt, dict):
-        prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-    if isinstance(prompt, str):
-        return list(tokenizer(prompt)["input_ids"])
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return [int(t) for t in prompt]
-    raise TypeError(
-        f"prompt {index} must be a string, a list of token ids, or a prompt dict, got {type(prompt).__name__}"
-    )
 
 
 def encode_pair(tokenizer: Any, first: str, second: str) -> Encoded:
@@ -93,7 +80,7 @@ def embed(
     params: PoolingParams | None,
     keep: int | None = None,
 ) -> list[EmbeddingRequestOutput]:
-    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)), keep) for i, p in enumerate(_items(prompts))]
+    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)[0]), keep) for i, p in enumerate(_items(prompts))]
     results = _run(inputs, max_model_len, lambda batch: model.embed(batch, params))
     return [
         _output(i, e, r, None if r.values is None else EmbeddingOutput(r.values.tolist()))
@@ -104,7 +91,7 @@ def embed(
 def classify(
     model: PoolingModel, tokenizer: Any, max_model_len: int, prompts: object, keep: int | None = None
 ) -> list[ClassificationRequestOutput]:
-    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)), keep) for i, p in enumerate(_items(prompts))]
+    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)[0]), keep) for i, p in enumerate(_items(prompts))]
     results = _run(inputs, max_model_len, model.classify)
     outputs = []
     for i, (e, r) in enumerate(zip(inputs, results)):
@@ -134,8 +121,8 @@ def score(
         inputs = [truncate(encode_pair(tokenizer, a, b), keep) for a, b in zip(left, right)]
         results = _run(inputs, max_model_len, model.score)
     else:
-        one = [truncate(Encoded(encode_prompt(tokenizer, 0, a)), keep) for a in left]
-        two = [truncate(Encoded(encode_prompt(tokenizer, 0, b)), keep) for b in right]
+        one = [truncate(Encoded(encode_prompt(tokenizer, 0, a)[0]), keep) for a in left]
+        two = [truncate(Encoded(encode_prompt(tokenizer, 0, b)[0]), keep) for b in right]
         pairs = list(zip(one, two))
         inputs = [Encoded(a.input_ids + b.input_ids) for a, b in pairs]  # only for the usage counts
         _, errors = _checked([e for pair in pairs for e in pair], max_model_len)

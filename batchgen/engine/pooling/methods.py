@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from batchgen.engine.api.prompts import PromptInput
 from batchgen.engine.pooling import api as pooling_api
 from batchgen.engine.pooling.model import PoolingModel
 from batchgen.engine.pooling.outputs import (
@@ -15,8 +16,6 @@ from batchgen.engine.pooling.outputs import (
     PoolingParams,
     ScoringRequestOutput,
 )
-
-PromptInput = str | list[int] | dict[str, Any]
 
 
 class PoolingMethods:

@@ -29,7 +29,6 @@ from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_par
 from batchgen.engine.parallel.sharded_runner import ShardedRunner
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.pooling.auto_task import resolve_task
-from batchgen.engine.pooling.methods import PoolingMethods
 from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import (
@@ -80,7 +79,7 @@ def make_sampler(
     return Sampler(eos, seed=seed, fast_greedy=platform_for(device).greedy_ids(), features=features), eos, vocab_size
 
 
-class LLM(PoolingMethods):
+class LLM:
     """Offline batch generation with a paged KV cache, prefix caching and continuous batching."""
 
     def __init__(
@@ -220,11 +219,6 @@ class LLM(PoolingMethods):
             # why: pooling forwards run eager, compiling would serve nothing; a VLM's splice runs eager
             compiles=self.task == "generate" and not vision,
         )
-
-    def get_tokenizer(self, lora_request: object = None) -> Any:
-        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`); an adapter's too
-        (adapters that add tokens are refused: their embeddings would be targets)."""
-        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate(sampling_params=None) uses."""

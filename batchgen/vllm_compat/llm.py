@@ -2,9 +2,10 @@
 
 Why here and not in the engine: vLLM's constructor takes every engine argument of its release
 (engine_table) and clients pass them with neutral values; mapping and refusing them (keywords,
-arg_rules), `llm.llm_engine.model_config` (views), `generation_config="auto"` and `LLM.chat`'s
-template options are the mirror of vLLM's surface, not the engine. `batchgen.LLM` and, after
-install(), `vllm.LLM` are this class; batchgen.engine.llm.LLM takes an EngineConfig.
+arg_rules), `llm.llm_engine.model_config` (views), `generation_config="auto"`, `LLM.chat`'s
+template options and `embed` / `classify` / `score` in vLLM's shapes (pooling) mirror vLLM's
+surface; they are not the engine. `batchgen.LLM` and, after install(), `vllm.LLM` are this class;
+batchgen.engine.llm.LLM takes an EngineConfig.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from batchgen.engine.llm import LLM as EngineLLM
 from batchgen.engine.vision.chat import split_images
 from batchgen.vllm_compat.arg_rules import generation_defaults, generation_mode, task_of
 from batchgen.vllm_compat.keywords import adapt_vllm_keywords, render_options, vllm_dtype
+from batchgen.vllm_compat.pooling import PoolingMethods
 from batchgen.vllm_compat.views import LLMEngineView, ModelConfig
 
 __all__ = ["LLM"]
 
 
-class LLM(EngineLLM):
+class LLM(EngineLLM, PoolingMethods):
     """Offline batch generation with a paged KV cache, prefix caching and continuous batching."""
 
     def __init__(
@@ -65,6 +67,11 @@ class LLM(EngineLLM):
         tokenizer_name = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else model
         model_config = ModelConfig(model, tokenizer_name, self.max_model_len, self.dtype, seed, self.hf_config)
         self.llm_engine = LLMEngineView(model_config, self.tokenizer)  # what vLLM clients read (context length)
+
+    def get_tokenizer(self, lora_request: object = None) -> Any:
+        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`); an adapter's too
+        (adapters that add tokens are refused: their embeddings would be targets)."""
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate(sampling_params=None) uses: SamplingParams(), with generation_config="auto"

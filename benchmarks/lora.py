@@ -8,7 +8,8 @@ Systems, on the same random-weight Llama, prompts and machine, greedy, EOS ignor
   peft  transformers + peft: the 4 adapters loaded into one PeftModel (unmerged, as served), each
         adapter's rows in one left-padded generate batch after set_adapter (adapter loading not timed).
 Ratios (the figures; absolute times on a shared machine are noise): lora/base (goal >= 0.75) and
-lora/peft (goal >= 3). base and lora are both built (and compiled) first, then timed in turn for
+lora/peft (goal >= 3). base and lora are both built and warmed up on the whole workload first (every
+step size compiled, the adapters in their slots: the steady state is timed), then timed in turn for
 --repeats rounds (base first in even rounds, lora first in odd ones): `round_ratios` are base/lora
 seconds of each round, `lora_vs_base_median` their median, `lora_vs_base` best against best. The
 1-minute load average is recorded at each shape's start and end. peft runs after, best of
@@ -82,7 +83,7 @@ def make_engine(base: Path, prompts: list[list[int]], adapters: list[Path] | Non
     if adapters:
         requests = [LoRARequest(f"a{i % 4}", i % 4 + 1, str(adapters[i % 4])) for i in range(len(prompts))]
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs[:8], params, lora_request=requests[:8] if requests else None)  # warm up (compile)
+    llm.generate(inputs, params, lora_request=requests)  # warm up: every step size's graph compiled, slots loaded
 
     def run() -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(inputs, params, lora_request=requests)]

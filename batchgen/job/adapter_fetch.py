@@ -49,6 +49,7 @@ def fetch_adapter(name: str, uri: str) -> Path:
     where = f"model.lora.{name} {display_uri(uri)}"
     clean, options = options_from_uri(uri, None, f"model.lora.{name}")
     store = ObjectStorage(clean, options)
+    listed_at = time.time()  # before the listing: the settle test errs on the safe side
     try:
         listing = _listing(store)
     except OSError as exc:
@@ -62,7 +63,6 @@ def fetch_adapter(name: str, uri: str) -> Path:
     if cached is not None:
         log.info("%s: unchanged in the store, using %s", where, cached)
         return cached
-    listed_at = time.time()
     final = _fetch(store, sorted(listing), root, where)
     newest = max(mtime for _, mtime in listing.values()) / 1e9
     if listed_at - newest >= SETTLE_S:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.engine.llm import LLM, SamplingParams
+from batchgen import LLM, SamplingParams
 from testkit.vision_reference import reference_tokens
 from tests.engine.vision.test_parity import MAX_TOKENS, image_prompts
 

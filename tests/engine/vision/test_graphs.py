@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM, SamplingParams
 from batchgen.engine.cuda.graphs import GraphDecode
-from batchgen.engine.llm import LLM, SamplingParams
 from testkit.vision_reference import reference_tokens
 from tests.engine.test_cuda_graphs import _ReplayByRerun
 from tests.engine.vision.test_parity import MAX_TOKENS, image_prompts

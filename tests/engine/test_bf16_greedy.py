@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.cpu import argmax, native
 from batchgen.engine.cpu.argmax import native_greedy_ids
-from batchgen.engine.llm import LLM
 from batchgen.engine.sampling.sampler import greedy_ids
 from tests.engine.sync_counter import SyncCounter
 from tests.engine.test_one_sync import CASES, _gpu_like, _run, _tokens

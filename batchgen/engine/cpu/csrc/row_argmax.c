@@ -1,4 +1,4 @@
-/* batchgen: each row's argmax of a float32 matrix, and whether any entry is NaN, on the CPU.
+/* batchgen: each row's argmax of a float32 (or, built as row_argmax_bf16.c, bfloat16) matrix, and whether any entry is NaN, on the CPU.
  *
  * Why in C: greedy decoding takes the argmax of every row of a step's logits, and torch's
  * max over the last dimension runs at a fraction of this CPU's bandwidth (~160 us for 64 rows of a

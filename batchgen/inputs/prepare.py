@@ -55,7 +55,7 @@ class PreparedRow:
 
     def engine_prompt(self) -> list[int] | dict[str, Any]:
         """What the engine is handed: the ids, or with images vLLM's {"prompt_token_ids",
-        "multi_modal_data"} with each image opened lazily now (decoded when the engine admits it)."""
+        "multi_modal_data"} with each image as a LazyImage (decoded when the engine reaches it)."""
         ids, _ = self.request()
         if not self.images:
             return ids

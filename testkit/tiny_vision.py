@@ -96,7 +96,7 @@ def tiny_vision_config(family: str) -> Any:
         tie_word_embeddings=False,
     )
     if family in ("llava", "llava_next"):  # a CLIP tower; LLaVA-NeXT tiles each image over GRID_PINPOINTS
-        config_class = tf.LlavaConfig if family == "llava" else tf.LlavaNextConfig
+        config_class: Any = tf.LlavaConfig if family == "llava" else tf.LlavaNextConfig
         extra = {"projector_hidden_act": "gelu"} if family == "llava" else {"image_grid_pinpoints": GRID_PINPOINTS}
         return config_class(
             vision_config=tf.CLIPVisionConfig(**TOWER),
@@ -137,8 +137,8 @@ def tiny_vision_config(family: str) -> Any:
             vision.update(fullatt_block_indexes=[1])
             for key in ("embed_dim", "mlp_ratio"):
                 vision.pop(key)
-        config_class = tf.Qwen2_5_VLConfig if family == "qwen2_5_vl" else tf.Qwen2VLConfig
-        return config_class(
+        qwen_class: Any = tf.Qwen2_5_VLConfig if family == "qwen2_5_vl" else tf.Qwen2VLConfig
+        return qwen_class(
             text_config=text_cfg,
             vision_config=vision,
             image_token_id=ids["<|image_pad|>"],
@@ -159,7 +159,9 @@ def save_tiny_processor(family: str, path: Path) -> None:
     template = _CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", PLACEHOLDERS[vision_family(family) or family])
     tokenizer = vision_tokenizer(family)
     if family in ("llava", "llava_next"):
-        crop = {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+        crop: dict[str, Any] = {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+        processor_class: Any
+        images: Any
         if family == "llava":
             processor_class, images = tf.LlavaProcessor, tf.CLIPImageProcessor(**crop)
         else:

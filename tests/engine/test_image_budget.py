@@ -43,3 +43,5 @@ def test_gemma3_rule_still_applies_and_a_cap_refuses_or_rises() -> None:
         fixed.check_image(wide) or ""
     )
     assert auto.check_image(wide) is None and auto.cache_tokens == 30
+    step = auto.step()  # an automatic cap cuts no chunk for tokens (the runner evicts instead)
+    assert step.cut(seq(((0, 30),), (0,)), 0, 40) == 40 and step.cut(seq(((0, 30),), (0,)), 0, 40) == 40

@@ -57,8 +57,8 @@ class EngineConfig:
     max_lora_rank: int | None = None  # the largest adapter rank served (smaller ranks are zero-padded)
     max_cpu_loras: int | None = None  # adapters whose weights stay in host memory (>= max_loras)
     # vision-language models (engine/vision): the encoder cache's cap in image tokens (embeddings
-    # kept while their images are prefilled); None: max_num_batched_tokens, raised to the largest
-    # image served. A step's chunks touch at most this many image tokens.
+    # kept while their images are prefilled); a step's chunks then touch at most this many image
+    # tokens. None: max_num_batched_tokens, raised to the largest image, held outside a step's images.
     encoder_cache_tokens: int | None = None
     # vision-language models: decoded pixels (width x height) a step may hold before its images'
     # embeddings are computed; None: DECODED_PIXELS. One image is always allowed, whatever its size.

@@ -6,14 +6,16 @@ its pixels live until the tower has run on it, in that step).
 Why in the scheduler: the runner decodes and caches what the step's chunks need, so only the
 choice of chunks bounds that memory. A chunk that would overflow either budget ends before the
 image (vLLM's encoder budget cuts chunks alike); the step's first image is always allowed, so one
-image larger than a budget never deadlocks (the cache cap itself is raised to the largest image,
-or an image above a cap the user set is refused at add: `check_image`). Counts are conservative:
-an image is charged whenever a chunk overlaps it, cached or not, and once per sequence.
+image larger than a budget never deadlocks (an image above a cap the user set is refused at add:
+`check_image`). Counts are conservative: an image is charged whenever a chunk overlaps it, cached
+or not, and once per sequence; which is why tokens are charged only under a cap the user set.
 """
 
 from __future__ import annotations
 
 from batchgen.engine.core.sequence import Sequence
+
+UNLIMITED = 1 << 62
 
 
 class ImageBudget:
@@ -38,7 +40,10 @@ class ImageBudget:
         )
 
     def step(self) -> StepImages:
-        return StepImages(self.cache_tokens, self.pixels)
+        """A step's budgets. An automatic cap charges no tokens: the scheduler cannot see which
+        images are cached, and charging a chunk cut through one its whole image again would leave
+        steps underfilled; the cache then evicts down to its cap all but the step's own images."""
+        return StepImages(UNLIMITED if self.auto else self.cache_tokens, self.pixels)
 
 
 class StepImages:

@@ -7,9 +7,10 @@ leave in this order when a step's new embeddings need room: those no sequence st
 (least recently used first), then those only sequences outside this step still need (least
 recently used first; such a sequence runs the tower again when its next chunk covers the image:
 the same pixels through the same modules, so the same embeddings). What the step itself splices
-from is never evicted; the scheduler charges a step's chunks at most the cap (core/image_budget),
-so the cache never holds more than it. The cap follows the scheduler's: the setting
-encoder_cache_tokens, or max_num_batched_tokens raised to the largest image seen.
+from is never evicted. Under a cap the user set (encoder_cache_tokens), the scheduler charges a
+step's chunks at most the cap (core/image_budget), so the cache never holds more than it; the
+automatic cap (max_num_batched_tokens, raised to the largest image seen) is left by at most the
+images of one step, which are never cut for it.
 """
 
 from __future__ import annotations

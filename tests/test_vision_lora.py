@@ -1,6 +1,6 @@
-"""Images with a LoRA adapter: refused by name, before any weights are read (LLM(enable_lora=True)
-on a vision-language model) or any work (a job's model.lora with one, exit 2), never a crash deep
-in the adapter checks; and the block hash keeps an adapter and an image apart and together."""
+"""Images with a LoRA adapter in a job: a row's adapter and its image ride together (model.lora
+and input.lora_column with input.image_column on a vision-language model), and the block key
+keeps an adapter and an image apart and together."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ from click.testing import CliRunner
 from batchgen.cli import main
 from batchgen.engine.core.block_hash import block_extra_key
 from batchgen.engine.core.sequence import RequestExtras
-from batchgen.engine.llm import LLM
-from batchgen.engine.runner.model_limits import UnsupportedModelError
-from testkit.tiny_vision import save_tiny_vlm
-from tests.conftest import write_job, write_parquet
+from testkit.tiny_vision import sample_image, save_tiny_vlm
+from tests.conftest import output_table, write_job, write_parquet
+from tests.engine.vision.test_lora_images import adapter_and_merged
 
 
 @pytest.fixture(scope="module")
@@ -23,32 +22,13 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_vlm("llava", tmp_path_factory.mktemp("vlm-llava"))
 
 
-def vlm_adapter(model: Path, path: Path) -> Path:
-    """A peft adapter on the VLM's language model (q_proj, v_proj), as a user would train one."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-
-    torch.manual_seed(0)
-    vlm = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32)
-    peft_model = get_peft_model(
-        vlm, LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)")
-    )
-    peft_model.save_pretrained(str(path))
-    return path
-
-
-def test_the_engine_refuses_lora_on_a_vlm_by_name(llava: Path) -> None:
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'llava': a LoRA adapter \(enable_lora\) on a vision"):
-        LLM(str(llava), device="cpu", enable_lora=True)
-
-
-def test_a_job_with_model_lora_on_a_vlm_fails_before_any_work(tmp_path: Path, llava: Path) -> None:
-    model = llava
-    adapter = vlm_adapter(model, tmp_path / "adapter")
-    write_parquet(tmp_path / "q.parquet", {"id": ["a"], "q": ["w5"], "img": ["x.png"], "lora": ["captions"]})
+def test_a_job_runs_rows_of_an_adapter_and_of_the_base_over_images(tmp_path: Path, llava: Path) -> None:
+    adapter, _ = adapter_and_merged(llava, tmp_path, r".*language_model.*\.(q_proj|v_proj|down_proj)")
+    sample_image(40, 24, 1).save(tmp_path / "a.png")
+    rows = {"id": ["base", "tuned"], "q": ["w5 w6", "w5 w6"], "img": ["a.png", "a.png"], "lora": [None, "captions"]}
+    write_parquet(tmp_path / "q.parquet", rows)
     job = {
-        "model": {"path": str(model), "lora": {"captions": str(adapter)}},
+        "model": {"path": str(llava), "lora": {"captions": str(adapter)}},
         "input": {
             "path": str(tmp_path / "q.parquet"),
             "prompt_column": "q",
@@ -57,12 +37,15 @@ def test_a_job_with_model_lora_on_a_vlm_fails_before_any_work(tmp_path: Path, ll
             "lora_column": "lora",
         },
         "output": {"path": str(tmp_path / "out")},
+        "sampling": {"max_tokens": 6, "temperature": 0.0},
         "engine": {"backend": "native"},
     }
     result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / "job.yaml", job)), "--quiet"])
-    assert result.exit_code == 2, result.output + repr(result.exception)
-    assert "model.lora: LoRA adapters are not served on a vision-language model" in result.output
-    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("part-*"))
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    table = output_table(tmp_path / "out").to_pylist()
+    assert [r["error_code"] for r in table] == [None, None]
+    assert table[0]["input_tokens"] == table[1]["input_tokens"] > 16  # the image's tokens counted in both
+    assert table[0]["generated_text"] != table[1]["generated_text"]  # the adapter answers otherwise
 
 
 def test_the_block_key_holds_an_adapter_and_an_image_together() -> None:

@@ -214,7 +214,7 @@ class LLM(PoolingMethods):
         model_config = AutoConfig.from_pretrained(model)
         vision = is_vision_config(model_config)
         if vision:
-            check_vision_config(model_config, config.tensor_parallel_size, config.enable_lora)
+            check_vision_config(model_config, config.tensor_parallel_size)
         else:
             check_config(model_config)
         return resolve(

@@ -1,7 +1,6 @@
 """Checks of an image job (`input.image_column`) that run before any work: the column is in every
 input file with a type that can hold images, and the model reads images (a vision-language model
-whose family the engine serves); and no LoRA adapter on a vision-language model. Apart from
-validate.py because only image jobs need them."""
+whose family the engine serves). Apart from validate.py because only image jobs need them."""
 
 from __future__ import annotations
 
@@ -69,17 +68,4 @@ def check_vision_model(spec: JobSpec, config: Any) -> None:
         raise JobFileError(
             f"{spec.where('input.image_column')}: input.image_column needs a vision-language model; "
             f"model.path {spec.model.path} is {kind} (model_type {model_type!r}; served: {', '.join(sorted(FAMILIES))})"
-        )
-
-
-def check_vision_lora(spec: JobSpec, config: Any) -> None:
-    """model.lora with a vision-language model: refused before any work (exit 2 naming model.lora),
-    as the engine refuses enable_lora there (engine/vision/setup)."""
-    from batchgen.engine.vision.processor import vision_family
-
-    model_type = str(getattr(config, "model_type", ""))
-    if spec.model.lora and vision_family(model_type) is not None:
-        raise JobFileError(
-            f"{spec.where('model.lora')}: model.lora: LoRA adapters are not served on a vision-language model "
-            f"(model.path {spec.model.path} is {model_type!r}); drop model.lora or use a text-only model"
         )

@@ -244,10 +244,6 @@ def validate_model(spec: JobSpec) -> None:
     config = check_model_folder(spec.model.path, needs_chat_template=spec.input.messages_column is not None)
     check_model_limits(spec, config)
     check_model_fit(spec, config)
-    if spec.model.lora:
-        from batchgen.run.image_checks import check_vision_lora
-
-        check_vision_lora(spec, config)  # why first: a VLM's module tree is not a causal LM's
     check_adapters(spec, config)  # every adapter folder read and checked against the model (job/adapters)
     if spec.input.image_column is not None:
         from batchgen.run.image_checks import check_vision_model

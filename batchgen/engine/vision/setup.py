@@ -30,10 +30,8 @@ def is_vision_config(config: PretrainedConfig) -> bool:
     return vision_family(getattr(config, "model_type", "")) is not None
 
 
-def check_vision_config(config: PretrainedConfig, tensor_parallel_size: int, enable_lora: bool = False) -> None:
+def check_vision_config(config: PretrainedConfig, tensor_parallel_size: int) -> None:
     """Refuse, before any weights are read, what the vision path cannot run exactly."""
-    if enable_lora:  # why: adapter targets are checked and placed by a causal LM's module names
-        raise refuse(config, "a LoRA adapter (enable_lora) on a vision-language model")
     text = config.get_text_config()
     layer_types = set(getattr(text, "layer_types", None) or [])
     if not layer_types <= SUPPORTED_LAYER_TYPES:

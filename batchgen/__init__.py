@@ -26,8 +26,8 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # why lazy: `LLM` pulls in torch and transformers; the CLI's --help and job validation should not
-    if name == "LLM":
-        from batchgen.engine.llm import LLM
+    if name == "LLM":  # vLLM's keywords over the engine's LLM (batchgen.engine.llm takes an EngineConfig)
+        from batchgen.vllm_compat.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

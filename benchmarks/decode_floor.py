@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention import backend as attention_backend
 from batchgen.engine.attention import gather as decode_gather
@@ -31,7 +32,6 @@ from batchgen.engine.attention import torch_math as attention
 from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.cpu.decode_native import NativeStep
 from batchgen.engine.cpu.rows_view import RowsView
-from batchgen.engine.llm import LLM
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.stopping import StopChecker
 

@@ -75,7 +75,7 @@ def best_of(repeats: int, run: Any, before: Any = None) -> tuple[float, Any]:
 def measure(path: Path, texts: list[str], repeats: int) -> dict[str, Any]:
     from sentence_transformers import SentenceTransformer
 
-    from batchgen.engine.llm import LLM
+    from batchgen import LLM
 
     llm = LLM(str(path), task="embed", device="cpu", dtype="float32")
     engine = llm.pooling_model().engine

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from benchmarks.gpu_check_common import Ctx, free_memory, load_hf, random_prompts
 from benchmarks.gpu_check_parity import PARITY_SETTINGS, REFERENCE_ATTENTION, tiny_model
 from testkit import precision_policy as policy

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from testkit.tiny_models import EOS_ID, save_random_model
 
 EOS = EOS_ID  # id 0 of the tiny word tokenizer

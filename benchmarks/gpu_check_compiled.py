@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from batchgen import LLM
 from batchgen.engine.cuda.graphs import DecodeGraphs, GraphDecode
-from batchgen.engine.llm import LLM
 from benchmarks.gpu_check_common import (
     Ctx,
     compare,

@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     import torch
 
-    from batchgen import LoRARequest, SamplingParams
-    from batchgen.engine.llm import LLM
+    from batchgen import LLM, LoRARequest, SamplingParams
 
     device = "cpu" if args.smoke else "cuda"
     result: dict[str, Any] = {"device": device, "variants": {}}

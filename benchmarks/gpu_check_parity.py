@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from batchgen.engine.llm import LLM
+from batchgen import LLM
 from batchgen.engine.runner.models import resolve_device
 from benchmarks.gpu_check_common import (
     Ctx,

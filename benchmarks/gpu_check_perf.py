@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import transformers as tf
 
-from batchgen.engine.llm import LLM
+from batchgen import LLM
 from benchmarks.gpu_check_common import (
     EOS,
     Ctx,

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from benchmarks.gpu_check_common import Ctx, counters_delta, engine_counters, free_memory, random_prompts
 from benchmarks.gpu_check_compiled import compiled_llm
 from benchmarks.gpu_check_env import SYNC_CALLS, profiled_steps

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from batchgen.engine.llm import LLM, SamplingParams
+from batchgen import LLM, SamplingParams
 from batchgen.engine.runner.models import UnsupportedModelError
 from testkit.tiny_vision import sample_image, save_tiny_vlm
 from testkit.vision_reference import reference_tokens

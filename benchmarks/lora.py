@@ -8,8 +8,13 @@ Systems, on the same random-weight Llama, prompts and machine, greedy, EOS ignor
   peft  transformers + peft: the 4 adapters loaded into one PeftModel (unmerged, as served), each
         adapter's rows in one left-padded generate batch after set_adapter (adapter loading not timed).
 Ratios (the figures; absolute times on a shared machine are noise): lora/base (goal >= 0.75) and
-lora/peft (goal >= 3). Each system runs --repeats times, the fastest counts. `agree` is the share
-of rows whose tokens equal peft's (greedy on random weights: padding may flip near-ties).
+lora/peft (goal >= 3). base and lora are both built and warmed up on the whole workload first (every
+step size compiled, the adapters in their slots: the steady state is timed), then timed in turn for
+--repeats rounds (base first in even rounds, lora first in odd ones): `round_ratios` are base/lora
+seconds of each round, `lora_vs_base_median` their median, `lora_vs_base` best against best. The
+1-minute load average is recorded at each shape's start and end. peft runs after, best of
+--peft-repeats (0: not run). `agree` is the share of rows whose tokens equal peft's (greedy on
+random weights: padding may flip near-ties).
 
     nice .venv/bin/python benchmarks/lora.py --out /tmp/lora.json
 """
@@ -18,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -58,18 +65,15 @@ def workload(rows: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(2, vocab) for _ in range(rng.randrange(32, 97))] for _ in range(rows)]
 
 
-def best(repeats: int, run: Any) -> tuple[float, Any]:
-    fastest, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = run()
-        fastest = min(fastest, time.perf_counter() - start)
-    return fastest, result
+def timed(run: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = run()
+    return time.perf_counter() - start, result
 
 
-def run_engine(base: Path, prompts: list[list[int]], adapters: list[Path] | None, args: Any) -> tuple[float, list]:
-    from batchgen import LoRARequest, SamplingParams
-    from batchgen.engine.llm import LLM
+def make_engine(base: Path, prompts: list[list[int]], adapters: list[Path] | None, args: Any) -> Any:
+    """A warmed-up (compiled) engine and a call that runs the whole workload on it -> token ids per row."""
+    from batchgen import LLM, LoRARequest, SamplingParams
 
     settings: dict[str, Any] = dict(enable_lora=True, max_loras=4, max_lora_rank=16) if adapters else {}
     llm = LLM(str(base), device="cpu", dtype="float32", **settings)
@@ -78,9 +82,28 @@ def run_engine(base: Path, prompts: list[list[int]], adapters: list[Path] | None
     if adapters:
         requests = [LoRARequest(f"a{i % 4}", i % 4 + 1, str(adapters[i % 4])) for i in range(len(prompts))]
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(inputs[:8], params, lora_request=requests[:8] if requests else None)  # warm up (compile)
-    seconds, outs = best(args.repeats, lambda: llm.generate(inputs, params, lora_request=requests))
-    return seconds, [o.outputs[0].token_ids for o in outs]
+    llm.generate(inputs, params, lora_request=requests)  # warm up: every step size's graph compiled, slots loaded
+
+    def run() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(inputs, params, lora_request=requests)]
+
+    return run
+
+
+def interleaved(base: Path, prompts: list[list[int]], adapters: list[Path], args: Any) -> dict[str, Any]:
+    """base and lora engines built side by side, then timed in turn, round after round: each round's
+    ratio is taken within seconds, so the machine's drift moves both sides alike."""
+    runs = {"base": make_engine(base, prompts, None, args), "lora": make_engine(base, prompts, adapters, args)}
+    seconds: dict[str, list[float]] = {"base": [], "lora": []}
+    tokens: list[Any] = []
+    for i in range(args.repeats):
+        for name in ("base", "lora") if i % 2 == 0 else ("lora", "base"):  # neither side always first
+            took, out = timed(runs[name])
+            seconds[name].append(took)
+            if name == "lora":
+                tokens = out
+    ratios = [b / lo for b, lo in zip(seconds["base"], seconds["lora"])]
+    return {"seconds": seconds, "round_ratios": ratios, "tokens": tokens}
 
 
 def run_peft(base: Path, prompts: list[list[int]], adapters: list[Path], args: Any) -> tuple[float, list]:
@@ -110,7 +133,7 @@ def run_peft(base: Path, prompts: list[list[int]], adapters: list[Path], args: A
                 tokens[r] = out[j, width:].tolist()
         return tokens
 
-    return best(args.repeats, run)
+    return min(timed(run) for _ in range(args.peft_repeats))
 
 
 def measure(shape: str, args: Any) -> dict[str, Any]:
@@ -118,26 +141,35 @@ def measure(shape: str, args: Any) -> dict[str, Any]:
         base, adapters = build(shape, Path(tmp))
         prompts = workload(args.rows, SHAPES[shape]["vocab_size"])
         out_tokens = args.rows * args.max_tokens
-        base_s, _ = run_engine(base, prompts, None, args)
-        lora_s, lora_tokens = run_engine(base, prompts, adapters, args)
-        peft_s, peft_tokens = run_peft(base, prompts, adapters, args)
-    agree = sum(a == b for a, b in zip(lora_tokens, peft_tokens)) / len(prompts)
-    return {
+        load = os.getloadavg()[0]
+        pair = interleaved(base, prompts, adapters, args)
+        peft = run_peft(base, prompts, adapters, args) if args.peft_repeats else None
+    base_s, lora_s = min(pair["seconds"]["base"]), min(pair["seconds"]["lora"])
+    result: dict[str, Any] = {
         "shape": shape,
         **SHAPES[shape],
         "output_tokens": out_tokens,
-        "tokens_per_s": {"base": out_tokens / base_s, "lora": out_tokens / lora_s, "peft": out_tokens / peft_s},
-        "lora_vs_base": base_s / lora_s,
-        "lora_vs_peft": peft_s / lora_s,
-        "agree_with_peft": agree,
+        "load_1min": [round(load, 2), round(os.getloadavg()[0], 2)],  # at the start and the end
+        "seconds": {k: [round(x, 3) for x in v] for k, v in pair["seconds"].items()},
+        "round_ratios": [round(r, 3) for r in pair["round_ratios"]],
+        "lora_vs_base_median": round(statistics.median(pair["round_ratios"]), 3),
+        "lora_vs_base": round(base_s / lora_s, 3),  # best of each side
+        "tokens_per_s": {"base": out_tokens / base_s, "lora": out_tokens / lora_s},
     }
+    if peft is not None:
+        peft_s, peft_tokens = peft
+        result["tokens_per_s"]["peft"] = out_tokens / peft_s
+        result["lora_vs_peft"] = round(peft_s / lora_s, 3)
+        result["agree_with_peft"] = sum(a == b for a, b in zip(pair["tokens"], peft_tokens)) / len(prompts)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4, help="rounds of base and lora in turn")
+    parser.add_argument("--peft-repeats", type=int, default=1, help="0: peft not run")
     parser.add_argument("--shapes", default="small,medium")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 
 ROOT = Path(__file__).resolve().parent.parent
 PROSE = r"[A-Za-z ,.!']*"

@@ -102,8 +102,8 @@ def workload(shape: Shape) -> list[list[int]]:
 
 
 def run_engine(path: Path, prompts: list[list[int]], max_tokens: int, dtype: str = "float32") -> float:
+    from batchgen import LLM
     from batchgen.engine.api.params import SamplingParams
-    from batchgen.engine.llm import LLM
 
     llm = LLM(str(path), device="cpu", dtype=dtype)
     for n in (2, 3):  # compiling and the kernels' calibration happen here, outside the timing

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from batchgen.engine.sampling.stopping import StopChecker
 from benchmarks.workloads import Request, Workload
 

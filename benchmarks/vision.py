@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from batchgen.engine.llm import LLM, SamplingParams
+from batchgen import LLM, SamplingParams
 from testkit.tiny_vision import sample_image, save_tiny_vlm
 
 

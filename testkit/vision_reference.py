@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from batchgen.engine.llm import LLM
+from batchgen import LLM
 
 
 def reference_tokens(

@@ -287,7 +287,7 @@ def test_logprobs_in_the_endpoints_shapes(tmp_path: Path, tiny_model_dir: Path) 
 def test_embeddings_requests_in_an_embed_job(tmp_path: Path, tiny_model_dir: Path) -> None:
     import numpy as np
 
-    from batchgen.engine.llm import LLM
+    from batchgen import LLM
 
     embed = "/v1/embeddings"
     lines = [

@@ -78,6 +78,16 @@ def test_sampling_columns_only_for_overridable_fields(tmp_path: Path) -> None:
         load_job(_write(tmp_path, text))
 
 
+def test_a_python_api_setting_in_a_job_file_is_refused_saying_what_to_do(tmp_path: Path) -> None:
+    """Engine / sampling fields marked no job key (field metadata) are refused at their key with what
+    a job does instead, not a bare "unknown key" (with adapters or without)."""
+    with pytest.raises(JobFileError) as err:
+        load_job(_write(tmp_path, GOOD + "engine:\n  enable_lora: true\n"))
+    assert "engine.enable_lora: not a job key: model.lora turns adapters on" in str(err.value)
+    with pytest.raises(JobFileError, match=r"sampling\.detokenize: not a job key: a setting of the Python API"):
+        load_job(_write(tmp_path, GOOD), ["sampling.detokenize=false"])
+
+
 def test_set_overrides_parse_values_as_yaml(tmp_path: Path) -> None:
     path = _write(tmp_path, GOOD)
     spec = load_job(path, ["sampling.max_tokens=64", "sampling.stop=[a, b]", "engine.backend=hf"])
@@ -103,12 +113,15 @@ def test_sections_are_derived_from_the_engine_dataclasses() -> None:
     """One source: every EngineConfig / SamplingParams field is a job key with the engine's
     default, except the differences stated in JOB_DEFAULTS and the MiB spelling of the KV budget."""
     engine, sampling = EngineSection(), SamplingSection()
+    engine_only = {f.name for f in dataclasses.fields(EngineConfig) if f.metadata.get("job") is False}
+    assert engine_only == {"enable_lora"}  # model.lora turns adapters on
+    assert not engine_only & set(EngineSection.model_fields)
     for f in dataclasses.fields(EngineConfig):
         if f.name == "kv_cache_memory_bytes":
             assert engine.kv_cache_memory_mb is None
-        else:
+        elif f.name not in engine_only:
             assert getattr(engine, f.name) == f.default, f.name
-    assert set(engine.engine_settings()) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(engine.engine_settings()) == {f.name for f in dataclasses.fields(EngineConfig)} - engine_only
     defaults = SamplingParams()
     python_only = {f.name for f in dataclasses.fields(SamplingParams) if f.metadata.get("job") is False}
     assert python_only == {"detokenize", "spaces_between_special_tokens", "structured_outputs"}

@@ -114,7 +114,7 @@ def test_a_target_the_model_lacks_is_refused(adapters: Path, tiny_model_dir: Pat
     [
         ({"model": {"lora": {}}}, "input.lora_column", "sets no model.lora"),
         ({"engine": {"backend": "hf"}}, "model.lora", "engine.backend native"),
-        ({"engine": {"enable_lora": True}}, "engine.enable_lora", "set by model.lora"),
+        ({"engine": {"enable_lora": True}}, "engine.enable_lora", "not a job key: model.lora turns adapters on"),
         ({"input": {"lora_column": None}}, "input.lora_column", "name the column"),
         ({"engine": {"tensor_parallel_size": 2}}, "engine.tensor_parallel_size", "adapters run on one device"),
     ],

@@ -94,15 +94,24 @@ def test_report_by_lora_and_the_manifest_check(output: Path) -> None:
     groups = {g["group"]: g for g in [body["totals"], *body["groups"]]}
     assert {k: (g["rows"], g["input_tokens"], g["output_tokens"]) for k, g in groups.items()} == {
         "(total)": (6, 150, 35),
-        "(null)": (2, 70, 15),
+        "(base)": (2, 70, 15),  # the base model's rows, named as _SUCCESS names them
         "a": (2, 50, 13),
         "b": (1, 30, 7),
-        "zz": (1, 0, 0),
+        "zz": (1, 0, 0),  # an unknown adapter's error row, under the name it asked for
     }
+    assert groups["zz"]["error_rows"] == 1
     totals = Totals()
     totals.add_part(dict(ROWS))
     record = {"id": "x", "run": {"parts": 2, "inputs": [], "backend": "native", "started": 0.0}}
     manifest = build_manifest(totals, record, 0.0, 1.0, 35)
+    (output / "_SUCCESS").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["report", str(output), "--by", "lora", "--json"])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.output)
+    by_group = {g["group"]: (g["rows"], g["ok_rows"], g["input_tokens"]) for g in body["groups"]}
+    assert by_group == {k: (v["rows"], v["ok"], v["input"]) for k, v in manifest["lora"].items()}  # one vocabulary
+    table = CliRunner().invoke(main, ["report", str(output), "--by", "lora"])
+    assert "(base)" in table.output and "(null)" not in table.output
     manifest["lora"]["a"]["output"] += 1  # a _SUCCESS whose per-adapter figures the parts do not hold
     (output / "_SUCCESS").write_text(json.dumps(manifest))
     result = CliRunner().invoke(main, ["report", str(output)])
@@ -123,7 +132,7 @@ def test_pricing_lora_prices_each_adapter_apart_in_every_group(output: Path, tmp
     # a: input 50 at 1, output 13 at 10; b: input 30 at 3; base: 70 at 1, 15 at 2; zz: nothing
     assert Decimal(groups["a"]["cost"]) == (50 * 1 + 13 * 10) / million
     assert Decimal(groups["b"]["cost"]) == (30 * 3 + 7 * 2) / million
-    assert Decimal(groups["(null)"]["cost"]) == (70 * 1 + 15 * 2) / million
+    assert Decimal(groups["(base)"]["cost"]) == (70 * 1 + 15 * 2) / million
     parts = sum(Decimal(g["cost"]) for name, g in groups.items() if name != "(total)")
     assert Decimal(groups["(total)"]["cost"]) == parts  # group costs add up to the total
     result = CliRunner().invoke(main, ["report", str(output), "--job", str(job), "--json"])  # no --by: the same total

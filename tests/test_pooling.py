@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-from batchgen.engine.llm import LLM
+from batchgen import LLM
 from batchgen.engine.pooling.config import PoolingConfigError, resolve_pooling
 from batchgen.engine.pooling.outputs import PoolingParams
 from testkit.pooling_models import (

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from batchgen import LLM
 from batchgen.cli import main
-from batchgen.engine.llm import LLM
 from batchgen.job.spec import load_job
 from batchgen.outputs.fingerprint import job_fingerprint
 from testkit.pooling_models import save_llama_classifier, save_tiny_bert

@@ -80,3 +80,11 @@ def test_seeded_rows_draw_the_same_tokens_on_both_backends(tmp_path: Path, tiny_
     assert _run(tmp_path, tiny_model_dir, "hf", engine={"backend": "hf"}) == _run(
         tmp_path, tiny_model_dir, "native", engine={"backend": "native"}
     )
+
+
+def test_seeded_rows_with_penalties_draw_the_same_tokens_on_both_backends(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # the hf backend's seeded rows go through the engine's sampler with their logits features
+    # (repetition penalty, bias, min_tokens), not transformers' processors: one sampler path
+    features = {"repetition_penalty": 1.3, "logit_bias": {5: 2.0}, "min_tokens": 4}
+    hf = _run(tmp_path, tiny_model_dir, "hf", engine={"backend": "hf"}, sampling=features)
+    assert hf == _run(tmp_path, tiny_model_dir, "native", engine={"backend": "native"}, sampling=features)

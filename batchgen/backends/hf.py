@@ -20,13 +20,14 @@ from batchgen.backends.weights import weight_errors_as_model_errors
 from batchgen.engine.api.outputs import CompletionOutput, RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler_output import NewSequence
-from batchgen.engine.llm import eos_token_ids
+from batchgen.engine.llm import make_sampler
 from batchgen.engine.runner.models import resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.sampling.batch import SamplingBatch
 from batchgen.engine.sampling.penalties import bad_word_token_ids
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.step_draw import draw_now
 from batchgen.engine.sampling.stopping import StopChecker
+from batchgen.engine.staging.transfers import Transfers
 from batchgen.errors import ModelError
 from batchgen.job.spec import HF_UNSUPPORTED, JobSpec
 
@@ -59,7 +60,9 @@ class HFBackend:
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: cannot load the model: {exc}") from exc
         self.model.eval()
-        self.eos_ids = set(eos_token_ids(self.model, tokenizer))
+        # the model runner's sampler (logits features and EOS ids included) for the seeded rows
+        self.sampler, eos, _ = make_sampler(self.model, tokenizer, None, self.device)
+        self.eos_ids = set(eos)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
 
@@ -130,28 +133,35 @@ class HFBackend:
             input_ids[b, width - len(ids) :] = torch.tensor(ids)
             mask[b, width - len(ids) :] = 1
         p = params[0]
-        kwargs = self._generate_kwargs(p, max(q.max_tokens or 0 for q in params))  # resolved: never None
-        if p.seed is not None and not p.greedy:  # the batch key puts seeded rows together
-            # why greedy decoding: the processor leaves one finite logit per row, its own draw
-            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([_SeededDraw(prompts, params)]))
-            for name in ("temperature", "top_p", "top_k", "min_p"):
-                kwargs.pop(name, None)
-        generated = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            **kwargs,
-        )[:, width:].tolist()  # [B, new_tokens]
+        seeded = p.seed is not None and not p.greedy  # the batch key puts seeded rows together
+        kwargs = self._generate_kwargs(p, max(q.max_tokens or 0 for q in params), seeded)  # resolved: never None
+        draw = _SeededDraw(self.sampler, prompts, params) if seeded else None
+        if draw is not None:  # why greedy decoding: the processor leaves one finite logit per row, its own draw
+            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList([draw]))
+        try:
+            generated = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                **kwargs,
+            )[:, width:].tolist()  # [B, new_tokens]
+        finally:
+            if draw is not None and draw.rows is not None:
+                draw.rows.clear()  # the sampler's penalty slots and rows go back
         return [self._replay(ids, new, q) for ids, new, q in zip(prompts, generated, params)]
 
-    def _generate_kwargs(self, p: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    def _generate_kwargs(self, p: SamplingParams, max_new_tokens: int, seeded: bool) -> dict[str, Any]:
+        """generate's arguments; `seeded`: the engine's sampler draws (_SeededDraw) and applies the
+        sampling settings, penalties, bias, bad words and min_tokens itself, as the native engine does."""
         stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
         kwargs: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
-            "min_new_tokens": p.min_tokens or None,
             "eos_token_id": stop_ids or None,
             "pad_token_id": self.pad_id,
             "do_sample": not p.greedy,
         }
+        if seeded:
+            return kwargs
+        kwargs["min_new_tokens"] = p.min_tokens or None
         kwargs.update(self._feature_kwargs(p))
         if not p.greedy:
             kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or None, min_p=p.min_p or None)
@@ -188,27 +198,28 @@ class HFBackend:
 
 
 class _SeededDraw(LogitsProcessor):
-    """Seeded rows draw with the native engine's Sampler, each from its own generator.
+    """Seeded rows draw with the native engine's sampler, each from its own generator.
 
     Why: transformers samples every row of a batch from torch's one global generator, so a row's
-    tokens would depend on the rows beside it. Here each row has a row of the native engine's
-    sampling state (a SamplingBatch, as the model runner keeps: a generator seeded with the row's
-    own seed), the draw is made with its temperature, top-k, top-p, min-p and exponential race,
-    and every other logit is set to -inf so that transformers' greedy step takes exactly that token.
+    tokens would depend on the rows beside it. Here each row is a row of the model runner's own
+    sampling state (a SamplingBatch over the engine's sampler and its logits features: a generator
+    seeded with the row's seed, its penalties, bias, bad words and min_tokens), the draw is made on
+    the raw logits by the same path as an engine step's, and every other logit is set to -inf so
+    that transformers' greedy step takes exactly that token.
     """
 
-    def __init__(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
-        # why no eos ids: transformers' own min_new_tokens processor has already masked them
-        self.sampler = Sampler(eos_token_ids=())
+    def __init__(self, sampler: Sampler, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        self.sampler = sampler
         self.rows: SamplingBatch | None = None  # made on the logits' device, at the first draw
         self.new = [NewSequence(b, tuple(ids), p) for b, (ids, p) in enumerate(zip(prompts, params))]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # scores: [B, V]
+        new = []
         if self.rows is None:
-            self.rows = SamplingBatch(scores.device)
-            for new in self.new:
-                self.rows.add(new)
-        tokens = torch.tensor(draw_now(self.sampler, self.rows, scores, list(range(len(self.new)))))  # [B]
+            self.rows = SamplingBatch(scores.device, self.sampler.features, Transfers(scores.device))
+            new = self.new
+        seq_ids = list(range(len(self.new)))
+        tokens = torch.tensor(draw_now(self.sampler, self.rows, scores, seq_ids, new))  # [B]
         chosen = torch.full_like(scores, float("-inf"))
         return chosen.scatter_(1, tokens[:, None].to(scores.device), 0.0)  # type: ignore[return-value]

@@ -18,6 +18,7 @@ class NativeBackend:
     name = "native"
 
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
+        from batchgen.engine.api.config import engine_config
         from batchgen.engine.llm import LLM
         from batchgen.engine.platforms import platform_for
         from batchgen.engine.runner.models import resolve_device, resolve_dtype
@@ -35,7 +36,8 @@ class NativeBackend:
             attention = platform_for(device).attention_backend(settings["attention_backend"])
             with weight_errors_as_model_errors(spec.model.path):
                 path, task = str(spec.model.path), "generate"  # a generate job, whatever the folder holds
-                self.llm = LLM(path, tokenizer=tokenizer, device=str(device), dtype=dtype, task=task, **settings)
+                config = engine_config(**settings)
+                self.llm = LLM(path, config, tokenizer=tokenizer, device=str(device), dtype=dtype, task=task)
         except (OSError, ValueError) as exc:
             raise ModelError(f"model.path {spec.model.path}: {exc}") from exc
         dtype_name = str(dtype).removeprefix("torch.")

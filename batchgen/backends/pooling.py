@@ -20,6 +20,7 @@ class PoolingBackend:
     name = "pooling"
 
     def __init__(self, spec: JobSpec, tokenizer: Any) -> None:
+        from batchgen.engine.api.config import engine_config
         from batchgen.engine.llm import LLM
         from batchgen.engine.pooling.config import PoolingConfigError
         from batchgen.engine.runner.models import resolve_device, resolve_dtype
@@ -32,8 +33,8 @@ class PoolingBackend:
             config = pooling.pooler_config() if pooling is not None else {}
             with weight_errors_as_model_errors(spec.model.path):
                 self.llm = LLM(
-                    str(spec.model.path), tokenizer=tokenizer, device=str(device), dtype=dtype,
-                    task=spec.task, pooler_config=config, **settings,
+                    str(spec.model.path), engine_config(**settings), tokenizer=tokenizer, device=str(device),
+                    dtype=dtype, task=spec.task, pooler_config=config,
                 )  # fmt: skip
             self.model: PoolingModel = self.llm.pooling_model()
         except (OSError, ValueError, PoolingConfigError) as exc:
@@ -44,7 +45,7 @@ class PoolingBackend:
                 "(a reward model or cross-encoder); an embedding model scores pairs only (pooling.score: pair)"
             )
         if spec.task == "embed" and pooling is not None and pooling.dimensions is not None:
-            hidden = int(self.llm.llm_engine.model_config.hf_config.get_text_config().hidden_size)  # loaded: no re-read
+            hidden = int(self.llm.hf_config.get_text_config().hidden_size)  # loaded: no re-read
             if pooling.dimensions > hidden:
                 raise ModelError(f"pooling.dimensions {pooling.dimensions} exceeds the model's hidden size {hidden}")
         runner = "engine" if self.model.engine is not None else "transformers"

@@ -1,23 +1,23 @@
-"""LLM: the engine's public API (vLLM names): build everything from a local model folder, generate."""
+"""LLM: the engine's entry: build everything from a local model folder and an EngineConfig, generate.
+
+vLLM's constructor keywords, `llm_engine` and `chat` are batchgen.vllm_compat's `LLM` (what
+`batchgen.LLM` is), a subclass of this one: the engine knows EngineConfig only."""
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from batchgen.engine.api.config import EngineConfig, ResolvedConfig, engine_config, resolve
+from batchgen.engine.api.config import EngineConfig, ResolvedConfig, resolve
 from batchgen.engine.api.outputs import RequestOutput
-from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.api.vllm_engine_args import generation_defaults, generation_mode, task_of
-from batchgen.engine.api.vllm_keywords import adapt_vllm_keywords, check_seed, render_options, vllm_dtype
-from batchgen.engine.api.vllm_views import LLMEngineView, ModelConfig
+from batchgen.engine.api.params import SEED_EXPECTED, SamplingParams, SettingError, is_seed
+from batchgen.engine.api.prompts import PromptInput, encode_prompt
 from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.scheduler import Scheduler
@@ -29,7 +29,6 @@ from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_par
 from batchgen.engine.parallel.sharded_runner import ShardedRunner
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.pooling.auto_task import resolve_task
-from batchgen.engine.pooling.methods import PoolingMethods
 from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import (
@@ -44,15 +43,11 @@ from batchgen.engine.runner.pool_sizing import kv_pool_blocks
 from batchgen.engine.runner.tokenizer import load_tokenizer
 from batchgen.engine.sampling.penalties import LogitsFeatures
 from batchgen.engine.sampling.sampler import Sampler
-from batchgen.engine.vision.chat import split_images
 from batchgen.engine.vision.setup import VisionModel, check_vision_config, is_vision_config, load_vision_model
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
-
-# What `generate` takes per prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
-PromptInput = str | list[int] | dict[str, Any]
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
@@ -84,12 +79,13 @@ def make_sampler(
     return Sampler(eos, seed=seed, fast_greedy=platform_for(device).greedy_ids(), features=features), eos, vocab_size
 
 
-class LLM(PoolingMethods):
+class LLM:
     """Offline batch generation with a paged KV cache, prefix caching and continuous batching."""
 
     def __init__(
         self,
         model: str,
+        config: EngineConfig | None = None,
         *,
         tokenizer: Any = None,
         device: str = "auto",
@@ -97,30 +93,29 @@ class LLM(PoolingMethods):
         seed: int | None = None,
         task: str = "auto",
         pooler_config: dict[str, Any] | None = None,
-        **settings: Any,
+        image_limit: int | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """`settings` are EngineConfig's fields (block_size, max_num_seqs, ...) and vLLM's constructor
-        keywords (batchgen/engine/api/vllm_keywords.py: neutral values accepted, others refused);
-        an unknown name is a TypeError and a bad value a ValueError, both naming the setting.
-        `tokenizer`: None (the model folder's), a folder path, or a fast tokenizer object. `seed`
-        seeds the draws of requests without their own seed (None: the OS's entropy). `task`:
-        generate, embed, classify or score (vLLM's); "auto" reads it from the folder's
-        architectures as vLLM does (engine/pooling/auto_task); `pooler_config`: {"pooling_type":
-        "LAST" | "MEAN" | "CLS", "normalize": bool} over the model folder's own (engine/pooling)."""
-        settings = dict(settings)
-        self._image_limit: int | None = (settings.get("limit_mm_per_prompt") or {}).get("image")
-        self._mm_kwargs: dict[str, Any] = dict(settings.get("mm_processor_kwargs") or {})
-        task, self._generation_config = task_of(task, settings), generation_mode(settings)  # vLLM's runner, ...
-        config = engine_config(**adapt_vllm_keywords(settings))
-        seed = check_seed(seed)
+        """`config`: the engine settings (None: EngineConfig()). `tokenizer`: None (the model
+        folder's), a folder path, or a fast tokenizer object. `seed` seeds the draws of requests
+        without their own seed (None: the OS's entropy). `task`: generate, embed, classify or score;
+        "auto" reads it from the folder's architectures as vLLM does (engine/pooling/auto_task);
+        `pooler_config`: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model
+        folder's own (engine/pooling). `image_limit`: the most images a prompt may carry;
+        `mm_processor_kwargs`: the image processor's settings (Qwen2-VL's min/max pixels)."""
+        config = config if config is not None else EngineConfig()
+        self._image_limit, self._mm_kwargs = image_limit, dict(mm_processor_kwargs or {})
+        if not is_seed(seed):
+            raise SettingError("LLM", "seed", SEED_EXPECTED, seed)
         torch_device = resolve_device(device)
-        torch_dtype = resolve_dtype(vllm_dtype(dtype), torch_device, model)
+        torch_dtype = resolve_dtype(dtype, torch_device, model)
         task = resolve_task(model, task)
         if task not in TASKS:
             raise ValueError(f"LLM(task={task!r}): must be one of 'auto', {', '.join(map(repr, TASKS))}")
         if task != "generate" and config.enable_lora:
             raise ValueError(f"LLM(task={task!r}, enable_lora=True): LoRA adapters serve task 'generate' only")
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
+        self.seed, self.dtype = seed, torch_dtype
         self._pooling: PoolingModel | None = None
         self._tp: TensorParallelGroup | None = None
         self._vision: VisionModel | None = None
@@ -128,12 +123,9 @@ class LLM(PoolingMethods):
         if task != "generate" and config.tensor_parallel_size > 1:
             raise ValueError(f"LLM(task={task!r}): tensor_parallel_size > 1 serves task 'generate' only")
         if runs_on_engine(model, task):
-            hf_config = self._init_engine(model, tokenizer, config, torch_device, torch_dtype, seed)
+            self.hf_config = self._init_engine(model, tokenizer, config, torch_device, torch_dtype, seed)
         else:  # encoders run through transformers
-            hf_config = self._init_encoder(model, tokenizer, config, torch_device, torch_dtype)
-        tokenizer_name = str(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else model
-        model_config = ModelConfig(model, tokenizer_name, self.max_model_len, torch_dtype, seed, hf_config)
-        self.llm_engine = LLMEngineView(model_config, self.tokenizer)  # what vLLM clients read (context length)
+            self.hf_config = self._init_encoder(model, tokenizer, config, torch_device, torch_dtype)
 
     def _init_encoder(
         self, model: str, tokenizer: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype
@@ -228,16 +220,8 @@ class LLM(PoolingMethods):
             compiles=self.task == "generate" and not vision,
         )
 
-    def get_tokenizer(self, lora_request: object = None) -> Any:
-        """The tokenizer prompts are encoded with (vLLM's `LLM.get_tokenizer`); an adapter's too
-        (adapters that add tokens are refused: their embeddings would be targets)."""
-        return self.tokenizer
-
     def get_default_sampling_params(self) -> SamplingParams:
-        """What generate(sampling_params=None) uses: SamplingParams(), with generation_config="auto"
-        the sampling values of the folder's generation_config.json on top (as vLLM does)."""
-        if self._generation_config == "auto":
-            return SamplingParams(**generation_defaults(self._model_path))
+        """What generate(sampling_params=None) uses."""
         return SamplingParams()
 
     def close(self) -> None:
@@ -275,7 +259,8 @@ class LLM(PoolingMethods):
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             raise TypeError("prompts: a flat list of ints is ambiguous; pass [[...ids]] or {'prompt_token_ids': [...]}")
-        encoded = [self._encode(i, p) for i, p in enumerate(items)]
+        extra_keys = ("multi_modal_data",) if self._vision is not None else ()
+        encoded = [encode_prompt(self.tokenizer, i, p, extra_keys) for i, p in enumerate(items)]
         extras = [NO_EXTRAS] * len(encoded)
         for i, item in enumerate(items):
             data = item.get("multi_modal_data") if isinstance(item, dict) else None
@@ -307,67 +292,6 @@ class LLM(PoolingMethods):
             extras = [replace(x, adapter_hash=a.adapter_hash) for x, a in zip(extras, adapters, strict=True)]
             return self.engine.generate(token_ids, params, on_output, texts, extras, refusals)
         return self.engine.generate(token_ids, params, on_output=on_output, texts=texts, extras=extras)
-
-    def chat(
-        self,
-        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = False,
-        lora_request: object = None,
-        *,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        on_output: Callable[[RequestOutput], None] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {role, content}) or a list of them,
-        rendered with the tokenizer's chat template or `chat_template` (as vLLM's `LLM.chat`):
-        `continue_final_message` continues the last message (with add_generation_prompt=False),
-        `tools` and `chat_template_kwargs` (e.g. {"enable_thinking": False}) go to the template."""
-        conversations = cast(
-            "list[list[dict[str, Any]]]", [messages] if messages and isinstance(messages[0], dict) else messages
-        )
-        options = render_options(
-            chat_template, add_generation_prompt, continue_final_message, tools, chat_template_kwargs
-        )
-        prompts: list[PromptInput] = []
-        for c, conversation in enumerate(conversations):
-            images: list[Any] = []
-            if self._vision is not None:  # image content parts: their images, rendered as placeholders
-                conversation, images = split_images(conversation, f"conversation {c}")
-                options.setdefault("chat_template", self._vision.processor.chat_template)
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
-            # why no special tokens: a rendered template already holds them (BOS etc.)
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
-            if images:
-                prompt["multi_modal_data"] = {"image": images}
-            prompts.append(prompt)
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request, on_output=on_output)
-
-    def _encode(self, index: int, prompt: object) -> tuple[list[int], str | None]:
-        """(token ids, prompt text or None) of one prompt."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"]), prompt
-        if isinstance(prompt, dict):
-            keys = {"prompt", "prompt_token_ids"} | ({"multi_modal_data"} if self._vision is not None else set())
-            unknown = sorted(set(prompt) - keys)
-            if unknown:
-                raise TypeError(f"prompt {index}: unsupported key(s) {unknown} (supported: {', '.join(sorted(keys))})")
-            if "prompt_token_ids" in prompt:
-                ids, _ = self._encode(index, list(prompt["prompt_token_ids"]))
-                text = prompt.get("prompt")
-                return ids, text if isinstance(text, str) else None
-            if isinstance(prompt.get("prompt"), str):
-                return self._encode(index, prompt["prompt"])
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [int(t) for t in prompt], None
-        raise TypeError(
-            f"prompt {index} must be a string, a list of token ids, or a dict with 'prompt' or "
-            f"'prompt_token_ids', got {type(prompt).__name__}"
-        )
 
     def pooling_model(self) -> PoolingModel:
         """The pooling side of this LLM; on a generate LLM, embeddings through its engine."""

@@ -1,5 +1,5 @@
 """The job's LoRA adapters (`model.lora`): each folder found (an object-store one fetched to a local
-cache), read, and checked against the model before any work; the engine settings they imply
+cache: job/adapter_fetch), read, and checked against the model before any work; the engine settings they imply
 (`engine.max_loras`, `engine.max_lora_rank` defaults) and the request each row's adapter becomes.
 
 Why here, on the job side: the engine reads and checks one adapter (engine/lora/spec); which
@@ -10,23 +10,15 @@ serve is 4, like the model folder's) are the job's.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from batchgen.errors import JobFileError, ModelError
+from batchgen.job.adapter_fetch import ADAPTER_FILES, fetch_adapter
 from batchgen.job.lora_keys import MAX_DEFAULT_LORAS
 from batchgen.job.spec import JobSpec
 from batchgen.storage.uris import display_uri, is_remote
-
-log = logging.getLogger(__name__)
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-CACHE_ENV = "BATCHGEN_CACHE"  # where object-store adapters are fetched to (default ~/.cache/batchgen)
 
 
 @dataclass(frozen=True)
@@ -148,42 +140,3 @@ def _stamps(folder: Path) -> tuple[Any, ...]:
             continue
         out.append((file, st.st_size, st.st_mtime_ns))
     return tuple(out)
-
-
-def fetch_adapter(name: str, uri: str) -> Path:
-    """An object-store adapter folder copied to the local cache, content-addressed: fetched into a
-    temp folder, then moved to `<cache>/lora/<sha256 of its files>` (kept if another process got
-    there first), so concurrent workers never see a half-written folder and a changed adapter
-    never reuses an old copy."""
-    from batchgen.storage.objectstore import ObjectStorage
-    from batchgen.storage.uris import options_from_uri
-
-    where = f"model.lora.{name} {display_uri(uri)}"
-    clean, options = options_from_uri(uri, None, f"model.lora.{name}")
-    store = ObjectStorage(clean, options)
-    try:
-        present = set(store.names())
-    except OSError as exc:
-        raise ModelError(f"{where}: cannot list the adapter folder: {exc}") from exc
-    wanted = [f for f in ADAPTER_FILES if f in present]
-    if "adapter_config.json" not in wanted:
-        raise ModelError(f"{where}: no adapter_config.json there (a PEFT adapter folder)")
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "batchgen") / "lora"
-    root.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=root))
-    digest = hashlib.sha256()
-    try:
-        for file in wanted:
-            data = store.read_bytes(file)
-            digest.update(file.encode() + b"\0" + hashlib.sha256(data).digest())
-            (temp / file).write_bytes(data)
-        final = root / digest.hexdigest()[:32]
-        try:
-            temp.rename(final)
-        except OSError:  # another process fetched the same content first: its copy stands
-            shutil.rmtree(temp, ignore_errors=True)
-    except OSError as exc:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise ModelError(f"{where}: cannot fetch the adapter: {exc}") from exc
-    log.info("%s: fetched to %s", where, final)
-    return final

@@ -78,6 +78,9 @@ def error_keys(exc: ValidationError) -> ErrorKeys:
 def _message(err: ErrorDetails, schema: type) -> str:
     if err["type"] == "extra_forbidden":
         name = str(err["loc"][-1])
+        note = getattr(_section_at(schema, err["loc"][:-1]), "not_job_keys", {}).get(name)
+        if note is not None:  # an engine / sampling setting of the Python API only
+            return f"not a job key: {note}"
         close = difflib.get_close_matches(name, _known_keys(schema, err["loc"][:-1]), n=1, cutoff=0.6)
         return "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
     if err["type"] == "model_type":  # why: pydantic names our internal class (SamplingSection)
@@ -85,12 +88,18 @@ def _message(err: ErrorDetails, schema: type) -> str:
     return err["msg"].removeprefix("Value error, ")
 
 
-def _known_keys(schema: type, loc: tuple[int | str, ...]) -> list[str]:
+def _section_at(schema: type, loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The pydantic model of the section at `loc` (None: not a section)."""
     model: type | None = schema
     for part in loc:
         info = model.model_fields.get(str(part)) if model is not None and issubclass(model, BaseModel) else None
         model = _model_in(info.annotation) if info is not None else None
-    if model is None or not issubclass(model, BaseModel):
+    return model if model is not None and issubclass(model, BaseModel) else None
+
+
+def _known_keys(schema: type, loc: tuple[int | str, ...]) -> list[str]:
+    model = _section_at(schema, loc)
+    if model is None:
         return []
     return [name for name in model.model_fields if name != "source"]  # source: set by load_job
 

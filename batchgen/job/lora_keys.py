@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-# Engine settings a job gives only with adapters; `enable_lora` is never typed: model.lora sets it.
+# Engine settings a job gives only with adapters (`enable_lora` is no job key: model.lora sets it).
 ADAPTER_ENGINE_KEYS = ("max_loras", "max_lora_rank", "max_cpu_loras")
 MAX_DEFAULT_LORAS = 8  # engine.max_loras when unset: the job's adapter count, at most this many
 
@@ -26,8 +26,6 @@ def lora_errors(spec: Any) -> list[InitErrorDetails]:
 
     adapters, column = spec.model.lora, spec.input.lora_column
     engine_set = spec.engine.model_fields_set
-    if "enable_lora" in engine_set:
-        add(("engine", "enable_lora"), "set by model.lora (adapters on: the job names some); remove this key")
     if not adapters:
         if column is not None:
             add(("input", "lora_column"), "names a row's adapter in model.lora, and the job sets no model.lora")

@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_type_hints
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_type_hints
 
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, create_model, model_validator
@@ -72,6 +72,16 @@ def _derived_fields(cls: type, section: str) -> dict[str, Any]:
     return out
 
 
+def _not_job_keys(cls: type) -> dict[str, str]:
+    """The dataclass's fields that are no job key (field metadata "job": False), each with what a job
+    file does instead: a job that sets one is told so (job/errors), not just "unknown key"."""
+    return {
+        f.name: f.metadata.get("job_note", "a setting of the Python API (LLM, SamplingParams) only")
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("job") is False
+    }
+
+
 def _setting_error(model: str, exc: SettingError, value: Any) -> ValidationError:
     """A dataclass's SettingError as a pydantic error located at its field (for key and line)."""
     kind = PydanticCustomError("setting", "must be {expected}", {"expected": exc.expected})
@@ -79,6 +89,8 @@ def _setting_error(model: str, exc: SettingError, value: Any) -> ValidationError
 
 
 class _SamplingChecks(_Strict):
+    not_job_keys: ClassVar[dict[str, str]] = _not_job_keys(SamplingParams)
+
     @model_validator(mode="after")
     def _check(self) -> _SamplingChecks:
         self.to_params()
@@ -120,6 +132,7 @@ class _EngineChecks(_Strict):
     ordering: Literal["prefix", "length", "none"] = "prefix"
     batch_size: int = Field(default=32, ge=1)  # hf backend: rows per static batch
     kv_cache_memory_mb: int | None = Field(default=None, ge=1)
+    not_job_keys: ClassVar[dict[str, str]] = _not_job_keys(EngineConfig)
 
     @model_validator(mode="after")
     def _check(self) -> _EngineChecks:
@@ -127,8 +140,12 @@ class _EngineChecks(_Strict):
         return self
 
     def engine_settings(self) -> dict[str, Any]:
-        """Keyword settings for LLM(...) / EngineConfig(...): every EngineConfig field."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in _JOB_SPELLED}
+        """Keyword settings for LLM(...) / EngineConfig(...): every EngineConfig field a job sets."""
+        values = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(EngineConfig)
+            if f.name not in _JOB_SPELLED and f.name not in self.not_job_keys
+        }
         mb = self.kv_cache_memory_mb
         values["kv_cache_memory_bytes"] = mb * (1 << 20) if mb is not None else None
         return values

@@ -35,7 +35,7 @@ USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens",
 SAMPLE_TOKENS = "sample_output_tokens"  # n > 1: each sample's output tokens
 REASONING_TOKENS = "reasoning_tokens"  # output.reasoning auto: the output tokens spent thinking
 SCAN_BATCH_ROWS = 65536
-NULL_NAME = "(null)"
+NULL_NAME = "(null)"  # the group of rows whose --by value is null (but see _text: --by lora)
 
 
 @dataclass
@@ -252,7 +252,7 @@ def _add_lengths(
         if pa.types.is_dictionary(column.type):  # why: its own dictionary would keep nulls out of it
             column = column.cast(column.type.value_type)
         encoded = pc.dictionary_encode(column, null_encoding="encode")
-        names = [_text(v) for v in encoded.dictionary.to_pylist()]
+        names = [_text(v, by) for v in encoded.dictionary.to_pylist()]
         index = encoded.indices.to_numpy(zero_copy_only=False)
     order = np.argsort(index, kind="stable")
     cuts = np.flatnonzero(np.diff(index[order])) + 1
@@ -265,11 +265,15 @@ def _add_lengths(
 
 
 def _group_name(row: dict[str, Any], by: str | None) -> str:
-    return "all" if by is None else _text(row[by])
+    return "all" if by is None else _text(row[by], by)
 
 
-def _text(value: Any) -> str:
-    return NULL_NAME if value is None else str(value)
+def _text(value: Any, by: str | None = None) -> str:
+    """A group's name. Why "(base)" for a null `lora`: a null adapter is the base model, named so by
+    `_SUCCESS`'s per-adapter totals too; an error row keeps the adapter name it asked for."""
+    if value is None:
+        return BASE_NAME if by == LORA_COLUMN else NULL_NAME
+    return str(value)
 
 
 def _status(storage: Storage, num_parts: int, totals: GroupStats) -> OutputStatus:

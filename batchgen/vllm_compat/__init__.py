@@ -16,18 +16,18 @@ from __future__ import annotations
 from batchgen.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.api.structured_outputs import StructuredOutputsParams
-from batchgen.engine.llm import LLM
-from batchgen.engine.pooling.outputs import (
-    ClassificationRequestOutput,
-    EmbeddingRequestOutput,
-    PoolingParams,
-    PoolingRequestOutput,
-    ScoringRequestOutput,
-)
+from batchgen.engine.pooling.outputs import PoolingParams
 from batchgen.vllm_compat.alias import VLLM_API_VERSION, install, uninstall
 from batchgen.vllm_compat.engine_args import EngineArgs
 from batchgen.vllm_compat.inputs import TextPrompt, TokensPrompt
+from batchgen.vllm_compat.llm import LLM
 from batchgen.vllm_compat.lora import LoRARequest
+from batchgen.vllm_compat.pooling import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
+)
 
 __version__ = VLLM_API_VERSION
 __all__ = [

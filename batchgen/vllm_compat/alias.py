@@ -31,7 +31,7 @@ ALIASES = {
     "vllm.engine.arg_utils": "batchgen.vllm_compat.engine_args",
     "vllm.entrypoints": "batchgen.vllm_compat.chat_utils",
     "vllm.entrypoints.chat_utils": "batchgen.vllm_compat.chat_utils",
-    "vllm.entrypoints.llm": "batchgen.engine.llm",
+    "vllm.entrypoints.llm": "batchgen.vllm_compat.llm",
     "vllm.inputs": "batchgen.vllm_compat.inputs",
     "vllm.lora": "batchgen.vllm_compat.lora",
     "vllm.lora.request": "batchgen.vllm_compat.lora",

@@ -4,7 +4,7 @@ the vLLM release we mirror, with its default, and `add_cli_args` that declares t
 vLLM's example scripts run `EngineArgs.add_cli_args(parser)`, set their own defaults, parse, and
 pass `LLM(**vars(args))` (or `LLM(**asdict(EngineArgs.from_cli_args(args)))`): every field reaches
 LLM as a keyword, which maps the ones batchgen uses and refuses the others unless at vLLM's
-default (engine/api/vllm_engine_args). The fields and defaults: engine/api/vllm_engine_table.
+default (arg_rules). The fields and defaults: engine_table.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 import json
 from typing import Any
 
-from batchgen.engine.api.vllm_engine_table import ENGINE_ARGS
+from batchgen.vllm_compat.engine_table import ENGINE_ARGS
 
 
 def _json_or_text(text: str) -> Any:

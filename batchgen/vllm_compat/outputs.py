@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchgen.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
-from batchgen.engine.pooling.outputs import (
+from batchgen.vllm_compat.pooling import (
     ClassificationOutput,
     ClassificationRequestOutput,
     EmbeddingOutput,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.engine.api.vllm_keywords import adapt_vllm_keywords
 from batchgen.engine.runner.tokenizer import load_tokenizer
+from batchgen.vllm_compat.keywords import adapt_vllm_keywords
 
 
 def get_tokenizer(

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.cpu import front as attention_front
 from batchgen.engine.cpu.backend import CpuBackend
 from batchgen.engine.cpu.decode_native import PLAN_FIELDS, FrontPlan, NativeClass, NativeStep, Scratch
-from batchgen.engine.llm import LLM
 
 from .test_native import TILE, _kernels
 

@@ -141,7 +141,7 @@ def test_soft_capping_never_reaches_the_varlen_kernel(monkeypatch: pytest.Monkey
 
 
 def test_cpu_runner_takes_the_sdpa_path(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    from batchgen.engine.llm import LLM
+    from batchgen import LLM
 
     llm = LLM(str(tiny_model("llama")), device="cpu", num_kv_blocks=8)
     assert llm.engine.runner.attention.path == SDPA and not llm.engine.runner.flash

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.backend import TorchBackend
 from batchgen.engine.attention.interface import BINDING, paged_attention_forward
 from batchgen.engine.attention.planning import build_forward_context
 from batchgen.engine.cpu.backend import CpuBackend
-from batchgen.engine.llm import LLM
 
 from .attention_harness import Layer, running
 from .test_attention import BLOCK, DIM, HEADS, KV_HEADS, _chunk, _source

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.outputs import Logprob
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from testkit import precision_policy as policy
 from testkit.tiny_models import EOS_ID, VOCAB
 

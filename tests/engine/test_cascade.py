@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention import torch_math as attention
 from batchgen.engine.attention.cascade import cascade_decode_attention, cascade_len, shared_prefix_len, worth_splitting
 from batchgen.engine.cpu import decode_native
 from batchgen.engine.cpu.decode_rows import DecodeRows
-from batchgen.engine.llm import LLM
 
 
 def test_cascade_equals_plain_attention() -> None:

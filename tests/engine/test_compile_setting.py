@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.config import EngineConfig, resolve
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.cpu import platform as cpu_platform
-from batchgen.engine.llm import LLM
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner import compiled_forward
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from batchgen import LLM
 from batchgen.engine.cpu import heap as cpu_heap
-from batchgen.engine.llm import LLM
 
 SCRIPT = """
 import ctypes, torch

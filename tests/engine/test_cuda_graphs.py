@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.kv_store import PAD_SLOT, pool_blocks, store_kv
 from batchgen.engine.attention.static_decode import static_decode_attention
@@ -19,7 +20,6 @@ from batchgen.engine.cuda.graphs import (
     decode_buckets,
     pick_bucket,
 )
-from batchgen.engine.llm import LLM
 from batchgen.engine.runner.compiled_forward import bucket
 
 

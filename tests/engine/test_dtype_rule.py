@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api import dtype_rule
-from batchgen.engine.llm import LLM
 from batchgen.engine.runner.models import resolve_dtype
 from testkit.tiny_models import save_random_model, tiny_configs
 

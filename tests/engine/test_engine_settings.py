@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from batchgen import LLM
 from batchgen.engine.api.config import EngineConfig, engine_config
-from batchgen.engine.llm import LLM
 
 
 def test_unknown_setting_is_named_before_anything_loads(tmp_path: Path) -> None:

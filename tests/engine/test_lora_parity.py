@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen import LoRARequest
+from batchgen import LLM, LoRARequest
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from testkit.tiny_lora import merged_model, save_tiny_adapter
 from testkit.tiny_models import EOS_ID, VOCAB
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from batchgen import LoRARequest
+from batchgen import LLM, LoRARequest
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from testkit.tiny_lora import save_tiny_adapter
 from tests.engine.sync_counter import SyncCounter
 from tests.engine.test_one_sync import PROMPTS, _gpu_like

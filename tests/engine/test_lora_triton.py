@@ -17,8 +17,7 @@ from batchgen.engine.triton import support
 if not support.interpreting() and not torch.cuda.is_available():
     pytest.skip("neither Triton's interpreter nor CUDA", allow_module_level=True)
 
-from batchgen import LoRARequest
-from batchgen.engine.llm import LLM
+from batchgen import LLM, LoRARequest
 from batchgen.engine.lora.triton_kernel import lora_add, lora_add_op
 
 from .test_lora_api import GREEDY, PROMPTS, build_adapters, reference

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.config import EngineConfig, ResolvedConfig, resolve
 from batchgen.engine.api.platform import Platform
 from batchgen.engine.cuda.platform import CudaPlatform
-from batchgen.engine.llm import LLM
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner import models
 from batchgen.engine.runner.memory import (

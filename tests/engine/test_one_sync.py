@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from batchgen.engine.staging.transfers import Transfers
 from tests.engine.sync_counter import SyncCounter
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.cpu import linear_calibration, native_linear
-from batchgen.engine.llm import LLM
 from batchgen.engine.runner.models import UnsupportedModelError, resolve_max_model_len
 from testkit.tiny_models import EOS_ID, MAX_POS, VOCAB, save_random_model
 

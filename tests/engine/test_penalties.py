@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from testkit.tiny_models import EOS_ID, VOCAB
 
 MAX_TOKENS = 24

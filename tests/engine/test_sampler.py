@@ -15,8 +15,10 @@ from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.argmax import native_greedy_ids
 from batchgen.engine.sampling.batch import SamplingBatch
+from batchgen.engine.sampling.penalties import LogitsFeatures
 from batchgen.engine.sampling.sampler import NUCLEUS_WINDOW, Sampler, greedy_ids
 from batchgen.engine.sampling.step_draw import draw_now
+from batchgen.engine.staging.transfers import Transfers
 
 VOCAB = 64
 EOS = 3
@@ -37,7 +39,7 @@ class Draw:
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
-        self.rows = SamplingBatch(torch.device("cpu"), sampler.features)
+        self.rows = SamplingBatch(torch.device("cpu"), sampler.features, Transfers(torch.device("cpu")))
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         for s in seqs:
@@ -46,6 +48,10 @@ class Draw:
                 for _ in range(s.num_output_tokens):  # min_tokens counts what the row accepted
                     draw_now(self.sampler, self.rows, torch.zeros(1, logits.shape[-1]), [s.seq_id])
         return draw_now(self.sampler, self.rows, logits, [s.seq_id for s in seqs])
+
+
+def _features() -> LogitsFeatures:
+    return LogitsFeatures(None, VOCAB, [EOS])
 
 
 def seq(seq_id: int, outputs: int = 0, **params: Any) -> Sequence:
@@ -58,7 +64,7 @@ def draws(logits_row: torch.Tensor, n: int, seed: int = 0, **params: Any) -> tor
     """n independent draws from one logits row: n unseeded rows in one call."""
     shared = SamplingParams(max_tokens=1000, **params)
     seqs = [Sequence(seq_id=i, prompt_token_ids=[1, 2], params=shared) for i in range(n)]
-    return torch.tensor(Draw(Sampler([EOS], seed=seed))(logits_row.expand(n, -1), seqs))
+    return torch.tensor(Draw(Sampler([EOS], _features(), seed=seed))(logits_row.expand(n, -1), seqs))
 
 
 def allowed(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -80,14 +86,14 @@ def allowed(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min
 def test_greedy_is_exact_argmax_of_raw_logits_in_a_mixed_batch() -> None:
     logits = torch.randn(40, VOCAB, generator=torch.Generator().manual_seed(0))
     seqs = [seq(i, temperature=0.0 if i % 2 == 0 else 1.3, top_p=0.5) for i in range(40)]
-    tokens = Draw(Sampler([EOS], seed=0))(logits, seqs)
+    tokens = Draw(Sampler([EOS], _features(), seed=0))(logits, seqs)
     assert tokens[::2] == logits.argmax(dim=-1)[::2].tolist()
 
 
 def test_greedy_ties_take_the_first_maximum() -> None:
     """As transformers' argmax does: of equal best logits, the lowest token id (rows of few values)."""
     logits = torch.randint(0, 3, (64, VOCAB), generator=torch.Generator().manual_seed(2)).float()
-    tokens = Draw(Sampler([EOS], seed=0))(logits, [seq(i, temperature=0.0) for i in range(64)])
+    tokens = Draw(Sampler([EOS], _features(), seed=0))(logits, [seq(i, temperature=0.0) for i in range(64)])
     rows = logits.tolist()
     assert tokens == [row.index(max(row)) for row in rows]
 
@@ -138,7 +144,7 @@ def test_greedy_ids_of_strided_rows_read_only_each_rows_own_entries() -> None:
 def test_top_k_1_equals_greedy() -> None:
     logits = torch.randn(200, VOCAB, generator=torch.Generator().manual_seed(1)) * 0.3
     seqs = [seq(i, temperature=2.0, top_k=1, seed=i if i % 3 == 0 else None) for i in range(200)]
-    assert Draw(Sampler([EOS], seed=1))(logits, seqs) == logits.argmax(dim=-1).tolist()
+    assert Draw(Sampler([EOS], _features(), seed=1))(logits, seqs) == logits.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("vocab, scale", [(VOCAB, 2.0), (4096, 6.0)])  # full sort; best-1024 window
@@ -158,7 +164,7 @@ def test_each_row_draws_only_within_its_own_filters(vocab: int, scale: float) ->
     reps = 200  # every config repeated, so each row is drawn many times in one call
     logits = rows.repeat_interleave(reps, dim=0)
     seqs = [seq(i, **configs[i // reps]) for i in range(12 * reps)]
-    tokens = Draw(Sampler([EOS], seed=2))(logits, seqs)
+    tokens = Draw(Sampler([EOS], _features(), seed=2))(logits, seqs)
     for r, config in enumerate(configs):
         drawn = set(tokens[r * reps : (r + 1) * reps])
         ok = allowed(rows[r], **config)
@@ -207,7 +213,7 @@ def test_temperature_frequencies_match_softmax() -> None:
 def _seeded_stream(steps: list[torch.Tensor], batch_size: int, order_seed: int) -> list[int]:
     """Tokens of request 'target' (seed 1234) over steps, surrounded by batch_size others."""
     rng = random.Random(order_seed)
-    sampler = Draw(Sampler([EOS], seed=order_seed))
+    sampler = Draw(Sampler([EOS], _features(), seed=order_seed))
     target = seq(10_000, temperature=0.9, top_p=0.95, seed=1234)
     others = [
         seq(
@@ -240,7 +246,7 @@ def test_seeded_request_is_identical_alone_and_in_any_batch() -> None:
 
 
 def test_release_drops_the_generator_and_a_new_request_restarts_it() -> None:
-    sampler = Draw(Sampler([EOS]))
+    sampler = Draw(Sampler([EOS], _features()))
     logits = torch.zeros(1, VOCAB)  # uniform: the draw is decided by the noise alone
     first = [sampler(logits, [seq(7, seed=99)])[0] for _ in range(5)]
     assert sampler.rows.num_seeded == 1
@@ -263,7 +269,7 @@ def test_min_tokens_masks_eos_and_stop_ids_then_lets_them_through() -> None:
         seq(3, outputs=0, temperature=0.0),
     ]
     before = logits.clone()
-    tokens = Draw(Sampler([EOS], seed=5))(logits, seqs)
+    tokens = Draw(Sampler([EOS], _features(), seed=5))(logits, seqs)
     assert tokens[0] == 11 and tokens[1] not in (EOS, 9)
     assert tokens[2] == EOS and tokens[3] == EOS
     assert torch.equal(logits, before)  # the caller's logits are untouched

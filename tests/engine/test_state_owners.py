@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler import BatchUpdate, NewSequence, ScheduledBatch, ScheduledChunk, Scheduler
 from batchgen.engine.core.sequence import Sequence
-from batchgen.engine.llm import LLM
 from batchgen.engine.sampling.batch import NO_TOP_K, SamplingBatch
+from batchgen.engine.sampling.penalties import LogitsFeatures
+from batchgen.engine.staging.transfers import Transfers
 from tests.engine.test_scheduler import make_scheduler, make_seq
 
 Diff = tuple[list[int], list[int], list[int], list[int]]
@@ -116,7 +118,7 @@ def _new(seq_id: int, **params: Any) -> NewSequence:
 
 
 def test_the_sampling_batch_keeps_rows_from_adds_and_removes() -> None:
-    batch = SamplingBatch(torch.device("cpu"))
+    batch = SamplingBatch(torch.device("cpu"), LogitsFeatures(None, 64, []), Transfers(torch.device("cpu")))
     batch.apply(BatchUpdate(new=(_new(10, temperature=0.0), _new(11, top_k=5, seed=3), _new(12, top_p=0.5))))
     assert batch._row_of == {10: 0, 11: 1, 12: 2} and batch.num_seeded == 1
     first = batch.step([10, 11, 12])
@@ -193,11 +195,16 @@ def test_abort_all_leaves_every_owner_empty(llm: LLM) -> None:
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
 
-def test_a_sampler_without_features_leaves_feature_rows_to_its_caller() -> None:
-    """The hf backend's seeded draw: transformers applies the penalty, the sampler only draws."""
+def test_the_off_step_draw_applies_a_rows_features_once() -> None:
+    """The hf backend's seeded draw: new rows join in the draw's own upload, and the engine's
+    sampler applies their logits features (here a bias) as a step's draw does; clear frees them."""
     from batchgen.engine.sampling.sampler import Sampler
     from batchgen.engine.sampling.step_draw import draw_now
 
-    rows = SamplingBatch(torch.device("cpu"))  # no features
-    rows.add(NewSequence(4, (1, 2), SamplingParams(temperature=1.0, seed=9, repetition_penalty=1.5)))
-    assert len(draw_now(Sampler([0]), rows, torch.zeros(1, 16), [4])) == 1 and rows.num_seeded == 1
+    cpu = torch.device("cpu")
+    sampler = Sampler([0], LogitsFeatures(None, 16, [0]))
+    rows = SamplingBatch(cpu, sampler.features, Transfers(cpu))
+    new = NewSequence(4, (1, 2), SamplingParams(temperature=1.0, seed=9, repetition_penalty=1.5, logit_bias={7: 50.0}))
+    assert draw_now(sampler, rows, torch.zeros(1, 16), [4], [new]) == [7] and rows.num_seeded == 1
+    rows.clear()
+    assert rows.num_rows == 0

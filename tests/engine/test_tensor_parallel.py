@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from batchgen.engine.parallel.group import TensorParallelError
 from batchgen.engine.parallel.plan import SHARDABLE
 from batchgen.engine.runner.models import UnsupportedModelError

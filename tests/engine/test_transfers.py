@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.planning import int64_tensor
-from batchgen.engine.llm import LLM
 from batchgen.engine.staging.transfers import Transfers
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SamplingParams, SettingError
 from batchgen.engine.cpu import linear_calibration
-from batchgen.engine.llm import LLM
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.triton import support
 from testkit.tiny_models import EOS_ID

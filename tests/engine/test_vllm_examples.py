@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.llm import LLM
 from testkit.pooling_models import save_llama_classifier
 from tests.conftest import build_tokenizer
 

@@ -9,7 +9,7 @@ object changes after, and what is measured at load is kept beside them (runner/p
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal
 
 from batchgen.engine.api.params import SettingError, is_int
@@ -52,7 +52,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # LoRA adapters per request (engine/lora): off unless enabled; None below: vLLM's defaults
     # (1 slot, rank 16, host copies of max_loras adapters); a job fills them from its adapters
-    enable_lora: bool = False
+    enable_lora: bool = field(default=False, metadata={"job": False, "job_note": "model.lora turns adapters on"})
     max_loras: int | None = None  # adapters resident on the device (slots); a step runs at most these
     max_lora_rank: int | None = None  # the largest adapter rank served (smaller ranks are zero-padded)
     max_cpu_loras: int | None = None  # adapters whose weights stay in host memory (>= max_loras)

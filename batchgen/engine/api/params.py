@@ -44,7 +44,8 @@ def is_finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# Field metadata of the settings that are not job-file keys (see the module docstring).
+# Field metadata of the settings that are not job-file keys (see the module docstring); a field may add
+# a "job_note": what a job file does instead, told to a job that sets the key (job/errors).
 PYTHON_ONLY = {"job": False}
 
 # Below this temperature a request is greedy: logits / ~0 overflow float32 (vLLM's cut-off).

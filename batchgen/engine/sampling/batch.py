@@ -64,15 +64,12 @@ class SamplingStep:
 class SamplingBatch:
     """Rows of sampling state for the sequences the runner knows, by seq id."""
 
-    def __init__(
-        self, device: torch.device, features: LogitsFeatures | None = None, transfers: Transfers | None = None
-    ) -> None:
-        """`transfers`: where the rows' device inputs are staged (the runner's Transfers; a test may
-        swap it); by default one of the batch's own, for callers that upload themselves.
-        `features`: needed only by rows that use one (none: such rows draw without them)."""
+    def __init__(self, device: torch.device, features: LogitsFeatures, transfers: Transfers) -> None:
+        """`features`: the sampler's (penalties, bans, grammars); `transfers`: where the rows' device
+        inputs are staged (the runner's; the hf backend's seeded draw has one of its own)."""
         self.device = device
         self.features = features
-        self.transfers: Transfers = transfers if transfers is not None else Transfers(device)
+        self.transfers = transfers
         self._row_of: dict[int, int] = {}
         self._free: list[int] = []  # rows left by finished sequences, taken first (lowest first)
         self._table = torch.zeros((0, _PARAMS), dtype=torch.float32)  # [capacity, 4] host
@@ -121,9 +118,7 @@ class SamplingBatch:
         self._features[row] = None
         if p.prompt_logprobs is not None:
             self._prompts[new.seq_id] = new.prompt_token_ids
-        # why only with features: a caller without them (the hf backend's seeded draw) processes
-        # the logits itself; an engine's runner always has them
-        if p.uses_logits_features and self.features is not None:
+        if p.uses_logits_features:
             self._features[row] = self.features.row(new.seq_id, new.prompt_token_ids, p, self.device, self.transfers)
         self._last = None
         return row
@@ -136,7 +131,7 @@ class SamplingBatch:
                 continue
             self._prompts.pop(seq_id, None)
             feature = self._features[row]
-            if feature is not None and self.features is not None:
+            if feature is not None:
                 self.features.release(feature)
             self._params[row] = self._generators[row] = self._features[row] = None
             heapq.heappush(self._free, row)
@@ -148,8 +143,7 @@ class SamplingBatch:
         self._free = []
         self._table = self._table[:0]
         self._params, self._generators, self._features, self._num_output = [], [], [], []
-        if self.features is not None:
-            self.features.clear()
+        self.features.clear()
 
     def _grow(self) -> int:
         row = len(self._params)
@@ -182,7 +176,7 @@ class SamplingBatch:
             num_output = self._num_output
             for _, row in step.min_tokens:
                 num_output[row] += 1
-        if step.features is not None and self.features is not None:
+        if step.features is not None:
             self.features.accept(step.features.picked, tokens)
 
     def terminated(self, seq_id: int) -> bool:
@@ -222,9 +216,7 @@ class SamplingBatch:
             others = sorted(set(range(len(sample_rows))) - set(seeded))
             unseeded = stage(torch.tensor(others), keep=True)
         picked_features = [(i, f) for i, r in enumerate(rows) if (f := self._features[r]) is not None]
-        plan = None
-        if picked_features and self.features is not None:
-            plan = self.features.plan(picked_features, self.transfers)
+        plan = self.features.plan(picked_features, self.transfers) if picked_features else None
         return SamplingStep(
             seq_ids=seq_ids,
             rows=rows,

@@ -29,11 +29,12 @@ class Sampler:
     def __init__(
         self,
         eos_token_ids: Iterable[int],
+        features: LogitsFeatures,
         seed: int | None = None,
         fast_greedy: FastGreedy | None = None,
-        features: LogitsFeatures | None = None,
     ) -> None:
-        """`fast_greedy`: the device's own greedy pass (greedy_ids); `features`: sampling/penalties."""
+        """`features`: sampling/penalties (their rows live in the SamplingBatch); `fast_greedy`: the
+        device's own greedy pass (greedy_ids)."""
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
         self.fast_greedy = fast_greedy
         self._seed = seed
@@ -43,7 +44,7 @@ class Sampler:
     def prepare(self, step: SamplingStep, vocab: int | None = None) -> None:
         """Before the step's upload: stage its min_tokens mask, bans and grammar bitmasks."""
         staging = step.batch.transfers
-        vocab = vocab if vocab is not None else self._vocab(step)
+        vocab = vocab if vocab is not None else self.features.vocab_size
         step.banned = None
         if step.min_tokens:
             rows: list[int] = []
@@ -54,9 +55,8 @@ class Sampler:
                 cols.extend(ids)
             if rows:
                 step.banned = staging.stage(torch.tensor([rows, cols]))  # [2, n]
-        features = step.batch.features
-        if step.features is not None and features is not None:
-            features.prepare(step.features, staging)
+        if step.features is not None:
+            self.features.prepare(step.features, staging)
 
     def sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
         """One token id per row of `logits` [n, V] -> [n] int64, on the device."""
@@ -69,10 +69,6 @@ class Sampler:
         # why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
         return ids, logits.amax().isnan() if nan is None else nan
 
-    def _vocab(self, step: SamplingStep) -> int:
-        features = step.batch.features
-        return features.vocab_size if features is not None else 1 << 62
-
     def _sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (ids [num_seqs], the raw logits' NaN flag when the draw took every row's maximum of them, else None)."""
         if logits.dim() != 2 or logits.shape[0] != len(step.seq_ids):
@@ -82,12 +78,11 @@ class Sampler:
             # why a copy: the caller's logits stay intact (a logprobs feature may read them later)
             logits = logits.clone()
             logits[step.banned[0], step.banned[1]] = float("-inf")
-        features = step.batch.features
-        if step.features is not None and features is not None:
-            logits = features.apply(logits, step.features)
+        if step.features is not None:
+            logits = self.features.apply(logits, step.features)
         ids, nan = self._draw(logits, step)
-        if step.features is not None and features is not None:
-            features.count(step.features, ids)  # penalty histories take the ids on the device
+        if step.features is not None:
+            self.features.count(step.features, ids)  # penalty histories take the ids on the device
         return ids, nan if logits is raw else None
 
     def _draw(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -7,12 +7,13 @@ needs (ids, NaN flag, logprobs), reads it in one `Transfers.read` and returns th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, LogprobLists, ModelRunnerOutput, PromptLogprobLists
-from batchgen.engine.core.scheduler_output import ScheduledBatch
+from batchgen.engine.core.scheduler_output import NewSequence, ScheduledBatch
 from batchgen.engine.sampling.batch import SamplingBatch, SamplingStep
 from batchgen.engine.sampling.logprobs import raw_logprobs, score
 from batchgen.engine.sampling.sampler import Sampler
@@ -120,12 +121,17 @@ def _prompt_lists(prompt: PromptRows | None, read: list) -> PromptLogprobLists |
     return PromptLogprobLists(prompt.chunks, LogprobLists(rows, prompt.ks, prompt.targets, read))
 
 
-def draw_now(sampler: Sampler, rows: SamplingBatch, logits: torch.Tensor, seq_ids: list[int]) -> list[int]:
+def draw_now(
+    sampler: Sampler, rows: SamplingBatch, logits: torch.Tensor, seq_ids: list[int], new: Iterable[NewSequence] = ()
+) -> list[int]:
     """One draw outside an engine step (the hf backend's seeded rows, tests): `logits` row i is
-    `seq_ids[i]`'s (each must have a row). The same path as a step's: staged, uploaded, drawn, read
-    once; the rows' state advances with the tokens. `logits` is not modified."""
+    `seq_ids[i]`'s; `new` sequences get their rows first (staged in this draw's upload, as a step's
+    diff is). The same path as a step's: staged, uploaded, drawn, read once; the rows' state
+    advances with the tokens. `logits` is not modified."""
     transfers = rows.transfers
     transfers.begin_step()
+    for sequence in new:
+        rows.add(sequence)
     step = rows.step(seq_ids)
     sampler.prepare(step, logits.shape[-1])
     transfers.upload()

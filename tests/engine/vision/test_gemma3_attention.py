@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import LLM, SamplingParams
 from batchgen.engine.core.scheduler import cut_before_image
 from batchgen.engine.core.sequence import RequestExtras, Sequence
-from batchgen.engine.llm import LLM, SamplingParams
 from testkit.tiny_vision import sample_image
 
 PROMPTS = ["w5 <start_of_image> w7 w8", "w9 w3 w4 w6 w2 w8 <start_of_image> w4 <start_of_image>"]

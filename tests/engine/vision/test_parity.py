@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from batchgen.engine.llm import LLM, SamplingParams
+from batchgen import LLM, SamplingParams
 from testkit.tiny_vision import sample_image
 from testkit.vision_reference import reference_tokens
 

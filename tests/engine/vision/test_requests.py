@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen.engine.llm import LLM, SamplingParams
+from batchgen import LLM, SamplingParams
 from batchgen.engine.vision.images import request_images
 from batchgen.engine.vision.processor import load_vision_processor
 from batchgen.engine.vision.prompts import expand_images

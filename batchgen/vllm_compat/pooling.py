@@ -1,39 +1,61 @@
-"""The pooling calls behind `LLM.embed`, `LLM.classify` and `LLM.score` (vLLM's shapes): prompts
-(text, token ids, or vLLM's prompt dicts) to token ids, the PoolingModel's results to vLLM-shaped
-outputs. Kept here so that llm.py only forwards to it.
+"""vLLM's pooling calls: `LLM.embed`, `LLM.classify` and `LLM.score` with vLLM's signatures and
+output shapes (batchgen adds `num_cached_tokens` and `error`, then `outputs` is None, as its
+RequestOutput does). Prompts (text, token ids, vLLM's prompt dicts) become token ids; each row too
+long or empty is that row's error; the engine's PoolingModel (engine/pooling) computes the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
+from batchgen.engine.api.prompts import PromptInput, encode_prompt
 from batchgen.engine.pooling.hf_runner import Encoded
 from batchgen.engine.pooling.model import PoolingModel, RowResult
-from batchgen.engine.pooling.outputs import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
-    EmbeddingOutput,
-    EmbeddingRequestOutput,
-    PoolingParams,
-    PoolingRequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
-)
+from batchgen.engine.pooling.outputs import PoolingParams
 
 
-def encode_prompt(tokenizer: Any, index: int, prompt: object) -> list[int]:
-    """Token ids of one prompt: a string (tokenized with special tokens), a list of ids, or a
-    `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dict."""
-    if isinstance(prompt, dict):
-        prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-    if isinstance(prompt, str):
-        return list(tokenizer(prompt)["input_ids"])
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return [int(t) for t in prompt]
-    raise TypeError(
-        f"prompt {index} must be a string, a list of token ids, or a prompt dict, got {type(prompt).__name__}"
-    )
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+    label: str | None = None  # config.id2label of the most probable class (batchgen's addition)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[T]):
+    request_id: str
+    outputs: T | None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = True
+    error: str | None = None
+
+
+EmbeddingRequestOutput = PoolingRequestOutput[EmbeddingOutput]
+ClassificationRequestOutput = PoolingRequestOutput[ClassificationOutput]
+ScoringRequestOutput = PoolingRequestOutput[ScoringOutput]
 
 
 def encode_pair(tokenizer: Any, first: str, second: str) -> Encoded:
@@ -85,7 +107,7 @@ def _run(inputs: list[Encoded], max_model_len: int, call: Any) -> list[RowResult
     return results
 
 
-def embed(
+def _embed(
     model: PoolingModel,
     tokenizer: Any,
     max_model_len: int,
@@ -93,7 +115,7 @@ def embed(
     params: PoolingParams | None,
     keep: int | None = None,
 ) -> list[EmbeddingRequestOutput]:
-    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)), keep) for i, p in enumerate(_items(prompts))]
+    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)[0]), keep) for i, p in enumerate(_items(prompts))]
     results = _run(inputs, max_model_len, lambda batch: model.embed(batch, params))
     return [
         _output(i, e, r, None if r.values is None else EmbeddingOutput(r.values.tolist()))
@@ -101,10 +123,10 @@ def embed(
     ]
 
 
-def classify(
+def _classify(
     model: PoolingModel, tokenizer: Any, max_model_len: int, prompts: object, keep: int | None = None
 ) -> list[ClassificationRequestOutput]:
-    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)), keep) for i, p in enumerate(_items(prompts))]
+    inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)[0]), keep) for i, p in enumerate(_items(prompts))]
     results = _run(inputs, max_model_len, model.classify)
     outputs = []
     for i, (e, r) in enumerate(zip(inputs, results)):
@@ -113,7 +135,7 @@ def classify(
     return outputs
 
 
-def score(
+def _score(
     model: PoolingModel,
     tokenizer: Any,
     max_model_len: int,
@@ -134,8 +156,8 @@ def score(
         inputs = [truncate(encode_pair(tokenizer, a, b), keep) for a, b in zip(left, right)]
         results = _run(inputs, max_model_len, model.score)
     else:
-        one = [truncate(Encoded(encode_prompt(tokenizer, 0, a)), keep) for a in left]
-        two = [truncate(Encoded(encode_prompt(tokenizer, 0, b)), keep) for b in right]
+        one = [truncate(Encoded(encode_prompt(tokenizer, 0, a)[0]), keep) for a in left]
+        two = [truncate(Encoded(encode_prompt(tokenizer, 0, b)[0]), keep) for b in right]
         pairs = list(zip(one, two))
         inputs = [Encoded(a.input_ids + b.input_ids) for a, b in pairs]  # only for the usage counts
         _, errors = _checked([e for pair in pairs for e in pair], max_model_len)
@@ -157,3 +179,54 @@ def _output(index: int, encoded: Encoded, result: RowResult, value: Any) -> Pool
         num_cached_tokens=result.cached_tokens,
         error=result.error,
     )
+
+
+class PoolingMethods:
+    tokenizer: Any
+    max_model_len: int
+
+    def pooling_model(self) -> PoolingModel:
+        raise NotImplementedError
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        lora_request: object = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (vLLM's `LLM.embed`): `.outputs.embedding`.
+        `truncate_prompt_tokens=k` keeps each prompt's last k tokens (vLLM's left truncation)."""
+        refuse_lora(lora_request)
+        model, k = self.pooling_model(), truncate_prompt_tokens
+        return _embed(model, self.tokenizer, self.max_model_len, prompts, pooling_params, k)
+
+    def classify(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        lora_request: object = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (vLLM's `LLM.classify`): `.outputs.probs` (and `.label`)."""
+        refuse_lora(lora_request)
+        model, k = self.pooling_model(), truncate_prompt_tokens
+        return _classify(model, self.tokenizer, self.max_model_len, prompts, k)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+        lora_request: object = None,
+    ) -> list[ScoringRequestOutput]:
+        """A score per (data_1, data_2) pair, 1:N, N:1 or N:N (vLLM's `LLM.score`): a cross-encoder's
+        sigmoid, or the cosine of two embeddings for an embedding model."""
+        refuse_lora(lora_request)
+        model, k = self.pooling_model(), truncate_prompt_tokens
+        return _score(model, self.tokenizer, self.max_model_len, data_1, data_2, k)

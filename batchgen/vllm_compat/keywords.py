@@ -15,7 +15,7 @@ Clients pass vLLM's constructor keywords with neutral values (lm-evaluation-harn
     batchgen does instead (`trust_remote_code=True`, a `revision`, `quantization`, ...); `enable_lora`, `max_loras`,
     `max_lora_rank` and `max_cpu_loras` are EngineConfig's own (engine/lora).
 Every other field of vLLM's EngineArgs is accepted at vLLM's default and refused otherwise
-(vllm_engine_args); anything else goes on to EngineConfig, which refuses an unknown name.
+(arg_rules); anything else goes on to EngineConfig, which refuses an unknown name.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from batchgen.engine.api.config import EngineConfig
-from batchgen.engine.api.params import MAX_LOGPROBS, SEED_EXPECTED, SettingError, is_int, is_seed
-from batchgen.engine.api.vllm_engine_args import DEFAULTS, check_unused
+from batchgen.engine.api.params import MAX_LOGPROBS, is_int
+from batchgen.vllm_compat.arg_rules import DEFAULTS, check_unused
 
 
 def _is(*values: object) -> Callable[[Any], bool]:
@@ -75,7 +75,7 @@ _KEYWORDS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "enable_expert_parallel": (_is(False), "False", _ONE_DEVICE),
     "compilation_config": (_is(None), "None", "use enforce_eager=True (or compile=True/False)"),
     "speculative_config": (_is(None), "None", "batchgen has no speculative decoding"),
-    # (`task` is LLM's own parameter; `runner`, `convert` and `generation_config`: vllm_engine_args)
+    # (`task` is LLM's own parameter; `runner`, `convert` and `generation_config`: arg_rules)
     "allowed_local_media_path": (lambda v: isinstance(v, str), "a path", "batchgen's chat reads local image paths"),
     "mm_processor_kwargs": (
         lambda v: v is None or isinstance(v, dict),
@@ -159,13 +159,6 @@ def _enforce_eager(settings: dict[str, Any]) -> None:
         if settings.get("compile") is True:
             raise ValueError("LLM(enforce_eager=True, compile=True) contradict each other; pass one of them")
         settings["compile"] = False
-
-
-def check_seed(seed: Any) -> int | None:
-    """LLM's `seed`: None (the OS's entropy) or a 64-bit integer."""
-    if not is_seed(seed):
-        raise SettingError("LLM", "seed", SEED_EXPECTED, seed)
-    return seed
 
 
 # vLLM's dtype spellings that are not torch's names

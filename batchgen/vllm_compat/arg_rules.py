@@ -1,7 +1,7 @@
 """vLLM's engine arguments (its `EngineArgs` fields) as LLM keywords: what a vLLM script passes with
 `LLM(**vars(args))` after `EngineArgs.add_cli_args(parser)`.
 
-Every field of the mirrored release (vllm_engine_table): `runner` / `convert` choose the task;
+Every field of the mirrored release (engine_table): `runner` / `convert` choose the task;
 `generation_config` "auto" makes the folder's generation_config.json the default SamplingParams
 ("vllm": SamplingParams()' own); an unused field is accepted at vLLM's default, refused otherwise.
 """
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from batchgen.engine.api.vllm_engine_table import ENGINE_ARGS
+from batchgen.vllm_compat.engine_table import ENGINE_ARGS
 
 DEFAULTS: dict[str, Any] = {name: default for name, _, _, default in ENGINE_ARGS}
 _RUNNERS = ("auto", "generate", "pooling")

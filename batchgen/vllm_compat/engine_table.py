@@ -1,7 +1,7 @@
 """vLLM 0.34.0's engine arguments as its `EngineArgs.add_cli_args` declares them: (field, its command-line
 options, kind, default). Why a table: a vLLM script builds `LLM(**vars(args))` from that parser,
-so every field arrives as a keyword; batchgen serves the ones it maps (vllm_keywords) and accepts
-every other at this default and refuses any other value (vllm_engine_args). Kinds: bool (a
+so every field arrives as a keyword; batchgen serves the ones it maps (keywords) and accepts
+every other at this default and refuses any other value (arg_rules). Kinds: bool (a
 --flag / --no-flag pair), int, float, str, json (a JSON value, else the text). A default vLLM
 builds as a config object is None here (vLLM's own default, untouched). Read from vLLM 0.34.0's
 vllm/engine/arg_utils.py and its config classes' field defaults; update with VLLM_API_VERSION.

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from batchgen import LLM, SamplingParams
 from batchgen.engine.api.params import SettingError
-from batchgen.engine.llm import LLM, SamplingParams
 from testkit.tiny_vision import sample_image
 from testkit.vision_reference import reference_tokens
 

@@ -8,8 +8,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from batchgen import LLM, SamplingParams
 from batchgen.engine.api.outputs import RequestOutput
-from batchgen.engine.llm import LLM, SamplingParams
 from batchgen.engine.vision.images import LazyImage, request_images
 from testkit.tiny_vision import sample_image
 

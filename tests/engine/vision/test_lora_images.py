@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from batchgen import LoRARequest
-from batchgen.engine.llm import LLM, SamplingParams
+from batchgen import LLM, LoRARequest, SamplingParams
 from testkit.tiny_vision import sample_image
 from testkit.vision_reference import reference_tokens
 

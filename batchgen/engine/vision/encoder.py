@@ -8,10 +8,12 @@ tower runs for every such image not yet cached, all of a step's new images in on
 right behind the step's upload (their pixels ride in it). The embeddings stay in the encoder
 cache (keyed by content hash, so two requests with the same image share one run) until every
 sequence that needs them has prefilled past the image, so a chunk cut through an image or a
-partial prefix hit never reruns the tower. A preempted sequence gives its claims up (its
-recomputation claims them again).
+partial prefix hit never reruns the tower, unless the cache's cap evicted them meanwhile
+(vision/encoder_cache): then the tower runs on the image again when a chunk needs it. A
+preempted sequence claims its images again for its recomputation.
 
-Pixels are decoded here, when the image's tokens are first scheduled; an image that cannot be
+Pixels are decoded here, when the image's tokens are first scheduled (at most the scheduler's
+max_decoded_pixels a step), and dropped once the processor has read them; an image that cannot be
 decoded fails its request (the step's `errors`), never the step, and every later request with
 the same content hash fails alike (its blocks may be in the prefix cache, computed without it).
 """

@@ -75,7 +75,8 @@ def main() -> None:
             "--quiet",
         ]
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        # why cwd: `python -c` puts the working directory first on sys.path, ahead of --tree
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=work)
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         on_disk = sum(p.stat().st_size for p in (work / "img").iterdir())
     print(json.dumps({

@@ -51,7 +51,7 @@ def prompts(placeholder: str) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3"])
 def test_an_adapter_on_the_language_model_equals_peft_merged(
     family: str, tiny_vlm: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -105,7 +105,7 @@ LIBRARIES = {
             "decode attention runs on torch ops",
             ("decode_args.h",),
         ),
-        Library("argmax", ("row_argmax.c",), "greedy's argmax runs on torch.max"),
+        Library("argmax", ("row_argmax.c", "row_argmax_bf16.c"), "greedy's argmax runs on torch.max"),
         Library(
             "linear", ("skinny_linear.c", "wide_linear.c", "skinny_linear_bf16.c"), "linear layers run on torch's BLAS"
         ),
@@ -199,6 +199,11 @@ def load() -> NativeKernels | None:
 def argmax() -> CFunction | None:
     """batchgen_row_argmax (csrc/row_argmax.c), or None where it cannot be built."""
     return _function("argmax", "batchgen_row_argmax", [_I64, _I64, _PTR, _I64, _PTR, _I64])
+
+
+def argmax_bf16() -> CFunction | None:
+    """batchgen_row_argmax_bf16 (csrc/row_argmax_bf16.c), or None where it cannot be built."""
+    return _function("argmax", "batchgen_row_argmax_bf16", [_I64, _I64, _PTR, _I64, _PTR, _I64])
 
 
 def linear() -> CFunction | None:

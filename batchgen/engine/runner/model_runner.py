@@ -5,8 +5,8 @@ frozen ScheduledBatch and returns a ModelRunnerOutput; nothing it calls calls ba
 the batch's diff to its persistent state, stages the forward's metadata and the draw's inputs
 (sampling/step_draw) for one upload, packs every chunk into one [1, T] row in the order its
 attention backend plans, runs the unchanged HF model (its attention bound to that backend:
-attention/interface), keeps float32 logits only for the sampled chunks and prompt-logprob
-positions, draws, and reads everything back in one copy. It decides nothing: what runs, and who
+attention/interface), keeps logits (in the model's dtype) only for the sampled chunks and
+prompt-logprob positions, draws, and reads everything back in one copy. It decides nothing: what runs, and who
 draws from which row, is the scheduler's business. The forward runs through StepForward (eager
 or compiled); on CUDA with compile and the triton backend, decode-only steps replay the CUDA
 graph of their batch-size bucket (cuda/graphs). Pooling runs the same packed forward
@@ -193,9 +193,11 @@ class ModelRunner:
         return out
 
     def _logits(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, int]:
-        """The upload and the forward -> (float32 logits [num sampled chunks + prompt-logit rows, vocab],
-        the number of sampled chunks): the sampled chunks' last positions in batch order, then each
-        chunk's `prompt_logits` first positions (chunks in batch order)."""
+        """The upload and the forward -> (logits [num sampled chunks + prompt-logit rows, vocab] in the
+        model's dtype, the number of sampled chunks): the sampled chunks' last positions in batch
+        order, then each chunk's `prompt_logits` first positions (chunks in batch order). Why not
+        float32: greedy and the NaN check read bf16 logits exactly (cpu/argmax); whatever computes
+        on them (sampling, penalties, logprobs) widens its own rows."""
         if self.graphs is not None and all(c.is_decode for c in chunks):  # pragma: no cover - CUDA only
             logits = self._graph_decode(chunks)
             if logits is not None:
@@ -217,7 +219,7 @@ class ModelRunner:
         with torch.inference_mode(), self.backend.running(ctx):
             logits = self.forward(input_ids, positions, keep_idx)
         self.check_attention_calls(ctx)
-        return logits[:num_keep].float(), num_sampled  # [num sampled + prompt-logit rows, vocab]
+        return logits[:num_keep], num_sampled  # [num sampled + prompt-logit rows, vocab]
 
     def _pack(
         self, chunks: Sequence[ScheduledChunk], padded: int | None

@@ -28,6 +28,10 @@ SPECIALS: dict[str, list[str]] = {
 }
 FAMILIES = tuple(SPECIALS)
 GRID_PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # LLaVA-NeXT's tilings of 32-pixel tiles
+# The CLIP (LLaVA, LLaVA-NeXT) and SigLIP (Gemma 3) towers: 32-pixel images of 8-pixel patches.
+TOWER: dict[str, Any] = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+)
 
 # Renders OpenAI content parts (a string, or a list of {"type": "text"|"image"|"image_url"|...})
 # with the family's image placeholder where each image goes.
@@ -91,51 +95,19 @@ def tiny_vision_config(family: str) -> Any:
         pad_token_id=EOS_ID,
         tie_word_embeddings=False,
     )
-    if family == "llava":
-        clip = tf.CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=8,
-        )
-        return tf.LlavaConfig(
-            vision_config=clip,
+    if family in ("llava", "llava_next"):  # a CLIP tower; LLaVA-NeXT tiles each image over GRID_PINPOINTS
+        config_class: Any = tf.LlavaConfig if family == "llava" else tf.LlavaNextConfig
+        extra = {"projector_hidden_act": "gelu"} if family == "llava" else {"image_grid_pinpoints": GRID_PINPOINTS}
+        return config_class(
+            vision_config=tf.CLIPVisionConfig(**TOWER),
             text_config=tf.LlamaConfig(**text),
             image_token_index=ids["<image>"],
-            projector_hidden_act="gelu",
             vision_feature_select_strategy="default",
             vision_feature_layer=-2,
             tie_word_embeddings=False,
-        )
-    if family == "llava_next":
-        tower = tf.CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=8,
-        )
-        return tf.LlavaNextConfig(
-            vision_config=tower,
-            text_config=tf.LlamaConfig(**text),
-            image_token_index=ids["<image>"],
-            image_grid_pinpoints=GRID_PINPOINTS,
-            vision_feature_select_strategy="default",
-            vision_feature_layer=-2,
-            tie_word_embeddings=False,
+            **extra,
         )
     if family == "gemma3":
-        siglip = tf.SiglipVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=8,
-        )
         gemma_text = dict(
             text,
             head_dim=16,
@@ -145,7 +117,7 @@ def tiny_vision_config(family: str) -> Any:
         )
         return tf.Gemma3Config(
             text_config=tf.Gemma3TextConfig(**gemma_text),
-            vision_config=siglip,
+            vision_config=tf.SiglipVisionConfig(**TOWER),
             mm_tokens_per_image=4,
             boi_token_index=ids["<start_of_image>"],
             eoi_token_index=ids["<end_of_image>"],
@@ -165,8 +137,8 @@ def tiny_vision_config(family: str) -> Any:
             vision.update(fullatt_block_indexes=[1])
             for key in ("embed_dim", "mlp_ratio"):
                 vision.pop(key)
-        config_class = tf.Qwen2_5_VLConfig if family == "qwen2_5_vl" else tf.Qwen2VLConfig
-        return config_class(
+        qwen_class: Any = tf.Qwen2_5_VLConfig if family == "qwen2_5_vl" else tf.Qwen2VLConfig
+        return qwen_class(
             text_config=text_cfg,
             vision_config=vision,
             image_token_id=ids["<|image_pad|>"],
@@ -186,23 +158,17 @@ def save_tiny_processor(family: str, path: Path) -> None:
 
     template = _CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", PLACEHOLDERS[vision_family(family) or family])
     tokenizer = vision_tokenizer(family)
-    if family == "llava":
-        images = tf.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-        processor = tf.LlavaProcessor(
+    if family in ("llava", "llava_next"):
+        crop: dict[str, Any] = {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+        processor_class: Any
+        images: Any
+        if family == "llava":
+            processor_class, images = tf.LlavaProcessor, tf.CLIPImageProcessor(**crop)
+        else:
+            processor_class = tf.LlavaNextProcessor
+            images = tf.LlavaNextImageProcessor(**crop, image_grid_pinpoints=GRID_PINPOINTS)
+        processor_class(
             image_processor=images,
-            tokenizer=tokenizer,
-            patch_size=8,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
-            chat_template=template,
-        )
-        processor.save_pretrained(path)
-    elif family == "llava_next":
-        tiles = tf.LlavaNextImageProcessor(
-            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=GRID_PINPOINTS
-        )
-        tf.LlavaNextProcessor(
-            image_processor=tiles,
             tokenizer=tokenizer,
             patch_size=8,
             vision_feature_select_strategy="default",

@@ -40,9 +40,11 @@ def test_every_cell_shape_reads_the_same_image(tmp_path: Path) -> None:
     ]
     read = [reader().read_cell(cell, folder) for cell in shapes]
     assert all(len(images) == 1 for images in read)
-    assert {(i[0].data, i[0].width, i[0].height, i[0].content_hash) for i in read} == {
-        (data, 30, 20, read[0][0].content_hash)
+    pixels = [i[0].open().decode().tobytes() for i in read]  # a file kept as its path reads the same
+    assert {(p, i[0].width, i[0].height, i[0].content_hash) for p, i in zip(pixels, read)} == {
+        (pixels[0], 30, 20, read[0][0].content_hash)
     }
+    assert [bool(i[0].path) for i in read] == [False, True, True, True, False, False, True]
 
 
 def test_a_list_holds_several_images_in_order(tmp_path: Path) -> None:
@@ -54,7 +56,7 @@ def test_a_list_holds_several_images_in_order(tmp_path: Path) -> None:
 
 def test_an_image_is_opened_lazily(tmp_path: Path) -> None:
     image = reader().read_cell(png(12, 9), None)[0]
-    handle = image.open()
+    handle = image.open().open()  # the engine's LazyImage, then the PIL image it decodes from
     assert handle.size == (12, 9)
     assert handle._im is None  # header read, no pixel decoded yet (Pillow keeps the core image here)
     handle.load()

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.inputs.prepare import row_seed
+from batchgen.inputs.row_values import row_seed
 from tests.conftest import make_job, output_table, write_job, write_parquet
 
 ROWS = 6

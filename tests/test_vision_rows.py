@@ -4,6 +4,7 @@ and every bad job file or bad image is refused before any work or made an error 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
@@ -127,7 +128,7 @@ def test_bad_images_are_error_rows(tmp_path: Path, tiny_vlm: Callable[[str], Pat
     assert rows[1].error_message.startswith("in.parquet row 1: column 'img': image 0 (")
     assert "gone.png" in rows[1].error_message
     assert "20x20 = 400 pixels, above input.max_image_pixels (300)" in rows[2].error_message
-    assert rows[0].images[0].data == good and rows[0].placeholder_ids is not None
+    assert rows[0].images[0].path == str(tmp_path / "ok.png") and rows[0].placeholder_ids is not None
     assert "2 image placeholder(s) for 1 image(s)" in rows[4].error_message
 
 
@@ -273,22 +274,25 @@ def test_a_datasets_image_feature_is_read_as_written(tmp_path: Path, tiny_vlm: C
         assert (est.ok_rows, est.input_tokens) == (2, expected), where
 
 
-def test_a_finished_request_frees_its_decoded_images(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
-    """The engine decodes a lazily opened image in place (convert loads it); the job closes it as
-    the request finishes, so a part's images are not all decoded at once. The row keeps bytes only."""
-    from batchgen.run.part_work import release_images
+def test_the_engine_is_handed_no_pixels_and_no_open_file(tmp_path: Path, tiny_vlm: Callable[[str], Path]) -> None:
+    """A row's images reach the engine as LazyImages: size and hash, no pixels; a local file is
+    kept as its path (no bytes, no handle), bytes in a cell as those bytes. 300 rows naming 300
+    files open no file: /proc/self/fd counts the same before and after preparing them."""
+    from batchgen.engine.vision.images import LazyImage
 
-    (row,) = prepared(spec_of(tmp_path, tiny_vlm("llava")), pa.table({"q": ["w5"], "img": [png(32, 32)]}))
-    prompt = row.engine_prompt()
-    assert isinstance(prompt, dict) and prompt["prompt_token_ids"] == row.placeholder_ids
-    (image,) = prompt["multi_modal_data"]["image"]
-    assert image._im is None  # opened lazily: not decoded
-    image.convert("RGB")  # what the engine does on admission
-    assert image._im is not None
-    release_images(prompt)
-    with pytest.raises(ValueError, match="closed image"):
-        image.getpixel((0, 0))
-    assert row.engine_prompt()["multi_modal_data"]["image"][0].size == (32, 32)  # a new handle each time
+    for i in range(300):
+        (tmp_path / f"p{i}.png").write_bytes(png(8 + i % 7, 8))
+    fds = len(os.listdir("/proc/self/fd"))
+    spec = spec_of(tmp_path, tiny_vlm("llava"))
+    rows = prepared(spec, pa.table({"q": ["w5"] * 300, "img": [str(tmp_path / f"p{i}.png") for i in range(300)]}))
+    prompts = [row.engine_prompt() for row in rows]
+    assert len(os.listdir("/proc/self/fd")) == fds
+    (row,) = prepared(spec, pa.table({"q": ["w5"], "img": [png(32, 32)]}))
+    first, last = prompts[0]["multi_modal_data"]["image"][0], row.engine_prompt()["multi_modal_data"]["image"][0]  # type: ignore[index]
+    assert isinstance(first, LazyImage) and first.path == str(tmp_path / "p0.png") and first.data == b""
+    assert isinstance(last, LazyImage) and last.path == "" and (last.width, last.height) == (32, 32)
+    assert rows[0].images is not None and rows[0].images[0].data == b""  # the row keeps no bytes either
+    assert first.decode().size == (8, 8) and len(os.listdir("/proc/self/fd")) == fds  # decoded: closed again
 
 
 def test_a_model_without_a_chat_template_gets_its_placeholders_then_the_text(

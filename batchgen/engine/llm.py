@@ -192,7 +192,7 @@ class LLM:
         )
         if self._vision is not None:
             self._vision.check_runner(runner, resolved.max_num_batched_tokens)
-            runner.vision = self._vision.inputs()
+            runner.vision = self._vision.inputs(resolved.encoder_cache_tokens)
         block_manager = BlockManager(blocks, runner.block_size, resolved.enable_prefix_caching)
         scheduler = Scheduler(resolved, block_manager, resolved.max_model_len)
         self.config, self.max_model_len = resolved, resolved.max_model_len

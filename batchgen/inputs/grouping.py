@@ -38,7 +38,8 @@ from batchgen.inputs.adapter_column import adapter_column, row_adapters
 from batchgen.inputs.dataset import InputFile, plan_shards
 from batchgen.inputs.key_sort import HASH_BYTES, NO_REQUEST, Cut, KeySorter, plan_parts
 from batchgen.inputs.part_rows import file_offsets
-from batchgen.inputs.prepare import PreparedRow, RowPreparer, image_folder, input_columns
+from batchgen.inputs.prepare import RowPreparer, image_folder, input_columns
+from batchgen.inputs.prepared_row import PreparedRow
 from batchgen.inputs.reading import read_shards
 from batchgen.job.spec import JobSpec
 

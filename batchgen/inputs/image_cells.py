@@ -2,10 +2,11 @@
 an object-store / file:// URI), a `data:image/...;base64,` URL, the `{bytes, path}` struct that
 Hugging Face `datasets` writes for its Image feature, or a list of these.
 
-Why only compressed bytes and a header here: a part is read and prepared before the engine runs
-it, so everything made here lives for the whole part. An image is read as its file's bytes, its
-size taken from the header Pillow reads on open (no pixel is decoded), and its content hashed;
-the engine decodes it when its request is admitted (LLM.generate with lazily opened images).
+Why only a header and a hash here: a part is read and prepared before the engine runs it, so
+everything made here lives for the whole part. An image is read as its file's bytes, its size
+taken from the header Pillow reads on open (no pixel is decoded), and its content hashed; a local
+file is then kept as its path alone (no bytes, no open file), other images as their encoded
+bytes. The engine decodes each when its tokens are scheduled (LLM.generate with LazyImages).
 A cell that cannot be read (a missing path, bytes that are no image, an image above
 `input.max_image_pixels`) raises CellError naming the image; the row becomes an error row.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import posixpath
 import warnings
 from dataclasses import dataclass
@@ -35,20 +37,22 @@ class CellError(Exception):
 
 @dataclass(frozen=True)
 class ImageData:
-    """One image of a row: its compressed bytes, where it came from, its size and content hash."""
+    """One image of a row: where it came from, its size and content hash, and its compressed
+    bytes unless it is a local file (`path`), read again when the engine decodes it."""
 
     data: bytes
     source: str  # for messages: the path or URI, or "bytes"
     width: int
     height: int
     content_hash: bytes  # engine/vision/images.content_hash: of the encoded bytes (what the prefix key covers)
+    path: str = ""  # a local file's path (then `data` is empty)
 
     def open(self) -> Any:
-        """The image opened lazily (header read, pixels decoded on first use): a new handle each
-        call, so the decoded pixels live as long as the caller keeps it, never in this record."""
-        from PIL import Image
+        """The engine's LazyImage of it: size and hash, no pixels and no open file (decoded, and
+        a file opened, only while the engine's tower needs it)."""
+        from batchgen.engine.vision.images import LazyImage
 
-        return Image.open(BytesIO(self.data))
+        return LazyImage(self.width, self.height, self.content_hash, path=self.path, data=self.data)
 
 
 @dataclass(frozen=True)
@@ -98,8 +102,10 @@ class ImageReader:
         known = self.locations.get(key) if key is not None else None
         if known is not None:
             return known
-        data, source = self._bytes(j, item, folder)
+        data, source, path = self._bytes(j, item, folder)
         image = self.checked(j, data, source)
+        if path:  # a local file: its path is enough (read again when decoded)
+            image = dataclasses.replace(image, data=b"", path=path)
         if key is not None and not item.startswith("data:"):
             self.locations[key] = image
         return image
@@ -130,32 +136,33 @@ class ImageReader:
             raise CellError("image_too_large", f"{where}: {why}")
         return ImageData(data, source, width, height, digest)
 
-    def _bytes(self, j: int, item: Any, folder: Folder | None) -> tuple[bytes, str]:
+    def _bytes(self, j: int, item: Any, folder: Folder | None) -> tuple[bytes, str, str]:
+        """(encoded bytes, source, the local file's path or "")."""
         if isinstance(item, dict):  # datasets' Image feature: {bytes, path}; the bytes win when both are set
             if item.get("bytes") is not None:
                 return self._bytes(j, item["bytes"], folder)
             item = item.get("path")
         if isinstance(item, (bytes, bytearray, memoryview)):
-            return bytes(item), "bytes"
+            return bytes(item), "bytes", ""
         if isinstance(item, str) and item.strip():
             return self.read_location(j, item.strip(), folder)
         raise CellError("missing_image", f"image {j}: null, empty or not an image value ({type(item).__name__})")
 
-    def read_location(self, j: int, where: str, folder: Folder | None) -> tuple[bytes, str]:
-        """(bytes, source) of a path, URI or data URL."""
+    def read_location(self, j: int, where: str, folder: Folder | None) -> tuple[bytes, str, str]:
+        """(bytes, source, the local file's path or "") of a path, URI or data URL."""
         if where.startswith("data:"):
-            return _data_url(j, where), "data URL"
+            return _data_url(j, where), "data URL", ""
         if is_remote(where):
-            return self._read_store(j, where), display_uri(where)
+            return self._read_store(j, where), display_uri(where), ""
         if uri_scheme(where) not in (None, "file"):
             raise CellError("invalid_image", f"image {j} ({where}): unsupported URI scheme (use s3://, gs://, a path)")
         path = local_path(where)
         if folder is not None and folder.fs is not None and not Path(path).is_absolute():
             key = posixpath.normpath(posixpath.join(folder.path, path))
-            return self._read_fs(j, folder.fs, key, f"{folder.uri.rsplit('/', 1)[0]}/{path}"), path
+            return self._read_fs(j, folder.fs, key, f"{folder.uri.rsplit('/', 1)[0]}/{path}"), path, ""
         full = Path(path) if folder is None or Path(path).is_absolute() else Path(folder.path) / path
         try:
-            return full.read_bytes(), str(full)
+            return full.read_bytes(), str(full), str(full)
         except OSError as exc:
             raise CellError("invalid_image", f"image {j} ({full}): cannot be read: {exc.strerror or exc}") from None
 

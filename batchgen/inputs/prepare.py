@@ -1,77 +1,40 @@
 """Rows to engine requests: validate each row, render chat templates, tokenize in batches, build
 per-row SamplingParams. A bad row becomes an error row here; it never stops the job.
 
-The input token count is fixed here: it is the first half of the bill.
+The input token count is fixed here: it is the first half of the bill. What a row becomes is
+inputs/prepared_row; the value checks (prompt text, messages, sampling values, seeds) are
+inputs/row_values; an image job's rows go through inputs/vision_rows.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 import pyarrow as pa
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras
 from batchgen.errors import ModelError
 from batchgen.inputs.adapter_column import UNKNOWN_ADAPTER, adapter_column, row_adapters
 from batchgen.inputs.dataset import InputFile
 from batchgen.inputs.duplicate_ids import IdProblem
 from batchgen.inputs.image_cells import CellError, Folder, ImageData
 from batchgen.inputs.part_rows import PartRows
+from batchgen.inputs.prepared_row import PreparedRow
 from batchgen.inputs.row_names import row_ids, row_keys, row_labels
+from batchgen.inputs.row_values import (
+    RowError,
+    asked_logprobs,
+    check_messages,
+    column_values,
+    decode_prompt,
+    row_seed,
+    whole,
+)
 from batchgen.inputs.text_formats import line_problems
 from batchgen.job.sections import SCHEMA_COLUMN_KEY
 from batchgen.job.spec import JobSpec
-
-
-@dataclass
-class PreparedRow:
-    """One input row, ready for the engine (prompt_ids and params set) or failed (error set)."""
-
-    prompt_ids: list[int] | None = None
-    params: SamplingParams | None = None
-    error_code: str | None = None
-    error_message: str | None = None
-    label: str = ""  # names the row in messages: file, row index, id (see row_labels)
-    adapter: str | None = None  # the LoRA adapter the row names (model.lora); None: the base model
-    unreadable: bool = False  # its input line did not parse: that, not its (null) id, is its error
-    images: list[ImageData] | None = None  # an image job's row: its images (compressed bytes, never pixels)
-    image_positions: list[tuple[int, int]] | None = None  # (first position, count) of each image's tokens
-    placeholder_ids: list[int] | None = None  # the prompt with one image token per image (the engine expands)
-
-    @property
-    def ok(self) -> bool:
-        return self.error_code is None
-
-    def request(self) -> tuple[list[int], SamplingParams]:
-        """(prompt ids, params) of an ok row; an error row has no request."""
-        if self.prompt_ids is None or self.params is None:
-            raise ValueError(f"an error row ({self.error_code}) has no request")
-        return self.prompt_ids, self.params
-
-    def engine_prompt(self) -> list[int] | dict[str, Any]:
-        """What the engine is handed: the ids, or with images vLLM's {"prompt_token_ids",
-        "multi_modal_data"} with each image opened lazily now (decoded when the engine admits it)."""
-        ids, _ = self.request()
-        if not self.images:
-            return ids
-        images = [image.open() for image in self.images]
-        return {"prompt_token_ids": self.placeholder_ids, "multi_modal_data": {"image": images}}
-
-    def extras(self) -> RequestExtras:
-        """The request's RequestExtras for its block hashes (its images' content hashes and positions)."""
-        if not self.images or self.image_positions is None:
-            return NO_EXTRAS
-        hashes = tuple(image.content_hash for image in self.images)
-        return RequestExtras(image_hashes=hashes, image_positions=tuple(self.image_positions))
-
-    def fail(self, code: str, message: str) -> None:
-        """Make this an error row: `code` goes to error_code, `message` (naming the row) to error_message."""
-        self.error_code, self.error_message = code, message
 
 
 def input_columns(spec: JobSpec) -> list[str]:
@@ -209,10 +172,10 @@ class RowPreparer:
             return self._request_texts(table, rows, labels)
         render: Callable[[Any, int], str]
         if spec.prompt_column is not None:
-            raw = _column_values(table.column(spec.prompt_column), as_bytes=True)
-            render = _decode_prompt
+            raw = column_values(table.column(spec.prompt_column), as_bytes=True)
+            render = decode_prompt
         else:
-            raw = _column_values(table.column(spec.messages_column), as_bytes=False)
+            raw = column_values(table.column(spec.messages_column), as_bytes=False)
             render = self._render_messages
         texts: dict[int, str] = {}
         for i, value in enumerate(raw):
@@ -226,7 +189,7 @@ class RowPreparer:
 
     def _request_texts(self, table: pa.Table, rows: list[PreparedRow], labels: list[str]) -> dict[int, str]:
         """OpenAI batch rows: a chat request's messages through the chat template, else its prompt."""
-        prompts = _column_values(table.column("prompt"), as_bytes=True)
+        prompts = column_values(table.column("prompt"), as_bytes=True)
         messages = table.column("messages").to_pylist()
         from batchgen.inputs.openai_rows import request_problems
 
@@ -243,7 +206,7 @@ class RowPreparer:
                     texts[i] = self._render_messages(messages[i], i)
                     self._templated.add(i)
                 else:
-                    texts[i] = _decode_prompt(prompts[i])
+                    texts[i] = decode_prompt(prompts[i])
             except RowError as exc:
                 row.fail(exc.code, f"{labels[i]}: {exc}")
         return texts
@@ -258,7 +221,7 @@ class RowPreparer:
             except CellError as exc:
                 raise RowError(exc.code, str(exc)) from None
             return text
-        messages = _check_messages(value)
+        messages = check_messages(value)
         try:
             # why only for generate: a pooling model reads the conversation as it is; the assistant
             # turn's opening tokens would be pooled as if they were content
@@ -296,7 +259,7 @@ class RowPreparer:
     def _sampling(self, table: pa.Table, rows: list[PreparedRow], labels: list[str], keys: list[str]) -> None:
         columns = self.spec.input.sampling_columns
         per_row = {name: table.column(col).to_pylist() for name, col in columns.items()}
-        asked = _asked_logprobs(table)
+        asked = asked_logprobs(table)
         run_seed = self.base_params["seed"]
         for i, row in enumerate(rows):
             if not row.ok:
@@ -304,11 +267,11 @@ class RowPreparer:
             values = dict(self.base_params)
             if run_seed is not None:
                 values["seed"] = row_seed(run_seed, keys[i])
-            for name, column_values in per_row.items():
-                if column_values[i] is not None and name == SCHEMA_COLUMN_KEY:
-                    values["structured"] = self._row_schema(column_values[i])
-                elif column_values[i] is not None:
-                    values[name] = _whole(name, column_values[i])
+            for name, cells in per_row.items():
+                if cells[i] is not None and name == SCHEMA_COLUMN_KEY:
+                    values["structured"] = self._row_schema(cells[i])
+                elif cells[i] is not None:
+                    values[name] = whole(name, cells[i])
             k = asked[i]
             if k is not None:  # an OpenAI request's own logprobs (k; the job's when it computes more)
                 values["logprobs"] = max(k, values.get("logprobs") or 0)
@@ -348,91 +311,3 @@ def image_folder(f: InputFile) -> Folder:
     from batchgen.inputs.vision_rows import input_folder
 
     return input_folder(f.path, f.filesystem, f.fs_path)
-
-
-def _asked_logprobs(table: pa.Table) -> list[int | None]:
-    """Per row: the top logprobs an OpenAI batch request asks for (None: none, or not such a file)."""
-    if "logprobs_requested" not in table.column_names:
-        return [None] * table.num_rows
-    return table.column("logprobs_requested").to_pylist()
-
-
-def row_seed(run_seed: int, key: str) -> int:
-    """A row's seed from the run seed and the row's id: the same on every run, resume, window
-    size and ordering, and different for every row (duplicated prompts draw different samples)."""
-    digest = hashlib.sha256(f"{run_seed}\x00{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big")
-
-
-_INTEGER_FIELDS = {name for name, kind in get_type_hints(SamplingParams).items() if kind in (int, int | None)}
-
-
-def _whole(name: str, value: Any) -> Any:
-    """64.0 -> 64 for an integer field (what pandas writes for an int column with nulls); a
-    fractional value stays as it is and SamplingParams refuses it (an invalid_sampling row)."""
-    if name in _INTEGER_FIELDS and isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-class RowError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _column_values(column: pa.ChunkedArray, as_bytes: bool) -> list[Any]:
-    """Python values of a column; string columns come back as raw bytes so that one row with
-    invalid UTF-8 fails alone instead of failing the whole conversion."""
-    if as_bytes and pa.types.is_string(column.type):
-        column = column.cast(pa.binary())
-    elif as_bytes and pa.types.is_large_string(column.type):
-        column = column.cast(pa.large_binary())
-    elif as_bytes and pa.types.is_string_view(column.type):
-        column = column.cast(pa.binary_view())
-    try:
-        return column.to_pylist()
-    except (UnicodeDecodeError, pa.ArrowException):
-        pass  # some row holds invalid UTF-8: convert row by row so only that row fails
-    values: list[Any] = []
-    for i in range(len(column)):
-        try:
-            values.append(column[i].as_py())
-        except (UnicodeDecodeError, pa.ArrowException) as exc:
-            values.append(RowError("invalid_utf8", f"value cannot be decoded: {exc}"))
-    return values
-
-
-def _decode_prompt(value: Any, i: int = 0) -> str:
-    if isinstance(value, RowError):
-        raise value
-    if value is None:
-        raise RowError("empty_prompt", "prompt is null")
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise RowError("invalid_utf8", f"prompt is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    if not isinstance(value, str):
-        raise RowError("invalid_prompt", f"prompt must be text, got {type(value).__name__}")
-    if not value.strip():
-        raise RowError("empty_prompt", "prompt is empty or whitespace only")
-    return value
-
-
-def _check_messages(value: Any) -> list[dict[str, str]]:
-    if isinstance(value, RowError):
-        raise value
-    if not value:
-        raise RowError("empty_prompt", "messages is null or empty")
-    if not isinstance(value, list):
-        raise RowError("invalid_messages", f"messages must be a list, got {type(value).__name__}")
-    for j, msg in enumerate(value):
-        if isinstance(msg, dict) and (isinstance(msg.get("content"), list) or msg.get("parts")):
-            why = "content parts (images) are read for a vision-language model only; this model takes text"
-            raise RowError("invalid_messages", f"message {j}: {why}")
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-            raise RowError("invalid_messages", f"message {j} must have string 'role' and 'content'")
-    if not any(m["content"].strip() for m in value):
-        raise RowError("empty_prompt", "every message is empty")
-    return [{"role": m["role"], "content": m["content"]} for m in value]

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.errors import InputDataError
-from batchgen.inputs.prepare import PreparedRow
+from batchgen.inputs.prepared_row import PreparedRow
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.samples import LORA_COLUMN, ColumnPlan
 

@@ -118,11 +118,11 @@ class PartWork:
         named = [rows[i].adapter for i in ok]
         groups = named if any(named) else None  # each adapter's rows together (ordering prefix, length)
         order = [ok[j] for j in order_requests([requests[i][0] for i in ok], self.spec.engine.ordering, groups)]
-        # an image row's images are opened lazily here (header only); the engine decodes each on admission
+        # an image row's images go as LazyImages (size and hash; no pixels, no open file): the
+        # engine decodes each in the step that first reaches its tokens and drops the pixels there
         prompts = [rows[i].engine_prompt() for i in order]
 
         def on_output(out: RequestOutput) -> None:
-            release_images(prompts[int(out.request_id)])  # why: its decoded pixels go with the request
             interrupt.check()  # between requests' outputs: the part in flight is abandoned uncommitted
             bar.update(1, out.num_output_tokens)
             fault_point("mid_engine")
@@ -160,14 +160,6 @@ class PartWork:
         interrupt.check()
         bar.update(len(rows))
         return cols
-
-
-def release_images(prompt: Any) -> None:
-    """Close a finished request's images (an image job's engine prompt), freeing whatever pixels
-    the engine decoded into them: a part's images are never all decoded at once."""
-    if isinstance(prompt, dict):
-        for image in prompt.get("multi_modal_data", {}).get("image", []):
-            image.close()
 
 
 class RowCounter(Protocol):

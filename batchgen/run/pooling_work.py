@@ -17,7 +17,7 @@ from batchgen.backends.pooling import PoolingBackend
 from batchgen.engine.pooling.hf_runner import Encoded
 from batchgen.engine.pooling.model import RowResult
 from batchgen.inputs.ordering import order_requests
-from batchgen.inputs.prepare import PreparedRow
+from batchgen.inputs.prepared_row import PreparedRow
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.pooled import POOLED_FINISH, pooled_array, pooled_values
 from batchgen.outputs.table import engine_error_message

@@ -17,6 +17,7 @@ from batchgen.inputs.part_rows import Part, read_parts
 from batchgen.inputs.sharding import ShardSpec
 from batchgen.inputs.vision_rows import wave_rows
 from batchgen.job.spec import JobSpec
+from batchgen.outputs.committed_types import committed_schema
 from batchgen.outputs.completion import build_manifest, complete_from_parts, run_facts
 from batchgen.outputs.fingerprint import job_fingerprint
 from batchgen.outputs.openai_batch import BatchFacts, write_batch_output
@@ -119,6 +120,10 @@ class JobRunner:
         # Why read whole: a kept part is trusted only when it is the one this job committed (part_record).
         audit = audit_parts(writer.storage, committed, {s.index: s.num_rows for s in mine}, stored)
         redone = redo_bad_parts(writer.storage, committed, audit)
+        # why after the audit: a kept part's own column types decide (an older batchgen's narrower ones)
+        writer.schema = committed_schema(
+            writer.storage, {i: committed[i] for i in audit.kept if i in committed}, writer.schema
+        )
         totals = Totals()
         for part_totals in audit.kept.values():
             totals.merge(part_totals)

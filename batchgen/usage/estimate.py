@@ -26,7 +26,8 @@ from batchgen.inputs.duplicate_ids import find_duplicate_ids
 from batchgen.inputs.grouping import grouped
 from batchgen.inputs.ordering import Strategy, order_requests
 from batchgen.inputs.part_rows import GroupedPart, read_parts
-from batchgen.inputs.prepare import PreparedRow, RowPreparer, input_columns, load_tokenizer
+from batchgen.inputs.prepare import RowPreparer, input_columns, load_tokenizer
+from batchgen.inputs.prepared_row import PreparedRow
 from batchgen.inputs.vision_rows import wave_rows
 from batchgen.job.spec import JobSpec
 from batchgen.outputs.totals import BASE_NAME, IntHistogram

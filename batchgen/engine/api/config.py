@@ -20,6 +20,10 @@ if TYPE_CHECKING:  # why: the job file reads EngineConfig's fields, and a finish
     from batchgen.engine.api.platform import Platform
 
 
+# What a step may hold decoded (RGB, 3 bytes a pixel: ~96 MiB) by default: a few large photos.
+DECODED_PIXELS = 32_000_000
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     # None in the next three: the device's default (its Platform: resolve below):
@@ -52,6 +56,13 @@ class EngineConfig:
     max_loras: int | None = None  # adapters resident on the device (slots); a step runs at most these
     max_lora_rank: int | None = None  # the largest adapter rank served (smaller ranks are zero-padded)
     max_cpu_loras: int | None = None  # adapters whose weights stay in host memory (>= max_loras)
+    # vision-language models (engine/vision): the encoder cache's cap in image tokens (embeddings
+    # kept while their images are prefilled); a step's chunks then touch at most this many image
+    # tokens. None: max_num_batched_tokens, raised to the largest image, held outside a step's images.
+    encoder_cache_tokens: int | None = None
+    # vision-language models: decoded pixels (width x height) a step may hold before its images'
+    # embeddings are computed; None: DECODED_PIXELS. One image is always allowed, whatever its size.
+    max_decoded_pixels: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,6 +75,8 @@ class EngineConfig:
             "max_loras",
             "max_lora_rank",
             "max_cpu_loras",
+            "encoder_cache_tokens",
+            "max_decoded_pixels",
         ):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < 1):
@@ -122,6 +135,8 @@ class ResolvedConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int = 1
+    encoder_cache_tokens: int | None = None  # None: max_num_batched_tokens, raised to the largest image
+    max_decoded_pixels: int = 0  # 0: DECODED_PIXELS
 
 
 def resolve(
@@ -156,6 +171,8 @@ def resolve(
         max_loras=config.max_loras or 1,
         max_lora_rank=config.max_lora_rank or 16,
         max_cpu_loras=config.max_cpu_loras or config.max_loras or 1,
+        encoder_cache_tokens=config.encoder_cache_tokens,
+        max_decoded_pixels=config.max_decoded_pixels or DECODED_PIXELS,
     )
 
 

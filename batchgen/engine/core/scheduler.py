@@ -32,6 +32,7 @@ from collections.abc import Sequence as Sequence_
 from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.core.adapter_slots import SlotTable
 from batchgen.engine.core.block_manager import BlockManager
+from batchgen.engine.core.image_budget import ImageBudget, StepImages, cut_before_image
 from batchgen.engine.core.scheduler_output import (
     BatchUpdate,
     NewSequence,
@@ -41,7 +42,16 @@ from batchgen.engine.core.scheduler_output import (
 )
 from batchgen.engine.core.sequence import Sequence, SequenceStatus, fork_params
 
-__all__ = ["BatchUpdate", "NewSequence", "ScheduledBatch", "ScheduledChunk", "Scheduler", "admit_prompt", "is_decode"]
+__all__ = [
+    "BatchUpdate",
+    "NewSequence",
+    "ScheduledBatch",
+    "ScheduledChunk",
+    "Scheduler",
+    "admit_prompt",
+    "cut_before_image",
+    "is_decode",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +59,18 @@ Forks = tuple[tuple[int, tuple[int, ...]], ...]
 
 
 def admit_prompt(
-    bm: BlockManager, seq: Sequence, budget: int, use_cache: bool, reserve: int | None = None
+    bm: BlockManager,
+    seq: Sequence,
+    budget: int,
+    use_cache: bool,
+    reserve: int | None = None,
+    images: StepImages | None = None,
 ) -> int | None:
     """The admission rule (the scheduler's, and pooling's): reuse the longest cached prefix (when
     `use_cache`), admit only when the whole remaining prompt fits the pool now (and, with
     `reserve`, leaves that many blocks free as well: what a caller that never preempts has
-    promised its running sequences), then allocate the first chunk, at most `budget` tokens.
+    promised its running sequences), then allocate the first chunk, at most `budget` tokens (and
+    what the step's `images` budget allows).
     -> that chunk's tokens, with `seq.num_computed_tokens` set to the cached ones; None: it does not fit.
     """
     computed, cached = bm.get_computed_blocks(seq) if use_cache else ([], 0)
@@ -65,25 +81,12 @@ def admit_prompt(
         return None
     if reserve is not None and bm.blocks_needed(seq.num_tokens) - len(computed) + reserve > bm.num_free_blocks:
         return None
-    n = cut_before_image(seq, cached, min(remaining, budget))
+    n = (images.cut if images is not None else cut_before_image)(seq, cached, min(remaining, budget))
     if n == 0:
         return None
     if not bm.allocate_slots(seq, n, computed):
         raise RuntimeError(f"seq {seq.seq_id}: allocation failed after can_allocate said it fits")
     seq.num_computed_tokens = cached  # the matched blocks hold these tokens' K/V
-    return n
-
-
-def cut_before_image(seq: Sequence, start: int, n: int) -> int:
-    """`n`, or fewer so that a chunk from `start` never ends inside an image whose tokens attend
-    both ways (RequestExtras.atomic_images): it ends at that image's start, or 0 when it starts
-    inside the image and cannot finish it within `n`."""
-    if not seq.extras.atomic_images:
-        return n
-    end = start + n
-    for first, count in seq.extras.image_positions:
-        if first < end < first + count:
-            return max(0, first - start)
     return n
 
 
@@ -116,6 +119,8 @@ class Scheduler:
         # adapters' device slots (engine/lora): admitted sequences pin theirs; loads ride in the step
         self.slots = SlotTable(config.max_loras or 1) if config.enable_lora else None
         self._loads: list[tuple[int, bytes]] = []
+        # what a step's chunks may touch of images (encoder cache tokens, decoded pixels)
+        self.images = ImageBudget(config.encoder_cache_tokens, config.max_num_batched_tokens, config.max_decoded_pixels)
 
     # ------------------------------------------------------------ requests
 
@@ -125,6 +130,8 @@ class Scheduler:
             return f"request {seq.seq_id}: the prompt is empty (0 tokens)"
         if seq.extras.adapter_hash and self.slots is None:
             return f"request {seq.seq_id}: a LoRA adapter needs an engine with enable_lora"
+        if seq.extras.image_positions and (why := self.images.check_image(seq)) is not None:
+            return why
         if seq.max_total_tokens > self.max_model_len:
             return (
                 f"request {seq.seq_id}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
@@ -183,10 +190,11 @@ class Scheduler:
         run). The caller runs the batch, then hands the drawn tokens to `update_from_output`."""
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
-        budget = self._schedule_running(chunks, preempted, self.max_num_batched_tokens)
+        images = self.images.step()
+        budget = self._schedule_running(chunks, preempted, self.max_num_batched_tokens, images)
         if not preempted:
             # why: after a preemption the pool is under pressure; admitting now would thrash.
-            self._schedule_waiting(chunks, budget)
+            self._schedule_waiting(chunks, budget, images)
         seqs = self._seqs
         for chunk in chunks:  # the only writer of computed counts, once per scheduled chunk
             seqs[chunk.seq_id].num_computed_tokens = chunk.start + chunk.num_tokens
@@ -272,11 +280,13 @@ class Scheduler:
 
     # ------------------------------------------------------------- helpers
 
-    def _schedule_running(self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int) -> int:
+    def _schedule_running(
+        self, chunks: list[ScheduledChunk], preempted: list[Sequence], budget: int, images: StepImages
+    ) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = cut_before_image(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
+            n = images.cut(seq, seq.num_computed_tokens, min(seq.num_uncomputed_tokens, budget))
             if n == 0:
                 i += 1  # nothing to compute (the engine has not appended a token yet)
                 continue
@@ -310,7 +320,7 @@ class Scheduler:
         self._preempted.append(seq.seq_id)
         logger.debug("preempted seq %d (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
-    def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
+    def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int, images: StepImages) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.running and len(self.running) + seq.seats > self.max_num_seqs:
@@ -319,7 +329,9 @@ class Scheduler:
             if adapter and self.slots is not None and not self.slots.can_pin(adapter):
                 break  # why: every slot is pinned by admitted sequences; keep FCFS order
             # why no cache for prompt logprobs: cached positions have no logits to take them from
-            n = admit_prompt(self.block_manager, seq, budget, use_cache=seq.params.prompt_logprobs is None)
+            n = admit_prompt(
+                self.block_manager, seq, budget, use_cache=seq.params.prompt_logprobs is None, images=images
+            )
             if n is None:
                 break  # keep FCFS order: nobody overtakes the head
             self.waiting.popleft()

@@ -30,6 +30,8 @@ class RequestExtras:
     # the images themselves (engine/vision/images.RequestImage, pixels decoded only when the tower
     # runs): data for the runner side, not part of what the request is compared by
     images: tuple[Any, ...] = field(default=(), compare=False)
+    # each image's decoded size, width x height (the scheduler's per-step pixel budget: core/image_budget)
+    image_pixels: tuple[int, ...] = field(default=(), compare=False)
     # the images' tokens attend to each other both ways (Gemma 3): no chunk may end inside one
     atomic_images: bool = False
 

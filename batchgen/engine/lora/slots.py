@@ -51,7 +51,8 @@ class LoRASlots:
         self.mask = torch.zeros(max_tokens, width, dtype=dtype, device=device)  # [max tokens, slots * R]
         self.column_slot = torch.arange(width, device=device) // max_rank  # [slots * R]: each column's slot
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)  # [max tokens]
-        self.layers: dict[str, LoRALinear] = {}
+        self.layers: dict[str, LoRALinear] = {}  # by the adapter's module names (a VLM's: lora_prefix)
+        prefix = str(getattr(model, "lora_prefix", ""))
         for name, module in linear_modules(model).items():
             shape = linear_shape(module)
             assert shape is not None  # linear_modules keeps linears only
@@ -60,7 +61,7 @@ class LoRASlots:
             layer = LoRALinear(module, a, b, self.mask, self.token_slots, max_rank if kernel else 0)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, layer)
-            self.layers[name] = layer
+            self.layers[prefix + name] = layer
         self.resident: list[bytes | None] = [None] * max_loras  # content hash per slot (the loads seen)
         nbytes = sum(layer.lora_a.numel() + layer.lora_b.numel() for layer in self.layers.values())
         logger.info(

@@ -54,15 +54,24 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+# A vision-language model's adapters serve its language model: the modules under this path (the
+# VLM's own names, as peft saves them); its vision tower and projector run outside the step.
+VLM_LANGUAGE_MODEL = "model.language_model."
+
+
 @functools.lru_cache(maxsize=8)
 def _model_modules(cls: Any, config_json: str) -> tuple[dict[str, tuple[int, int]], frozenset[str]]:
-    """(linear name -> (in, out), every module name) of the model a config builds, on the meta device."""
-    from transformers import AutoModelForCausalLM
+    """(linear name -> (in, out), every module name) of the model a config builds, on the meta
+    device; of a vision-language model, the linears of its language model only."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = cls.from_dict(json.loads(config_json))
+    vision = getattr(config, "vision_config", None) is not None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config)
     shapes = {name: linear_shape(m) for name, m in linear_modules(model).items()}
+    if vision:
+        shapes = {k: v for k, v in shapes.items() if k.startswith(VLM_LANGUAGE_MODEL)}
     return {k: v for k, v in shapes.items() if v is not None}, frozenset(n for n, _ in model.named_modules())
 
 
@@ -78,6 +87,9 @@ def check_modules(modules: Iterable[TargetShape], hf_config: PretrainedConfig) -
         if m.module not in names:
             return f"target module {m.module!r} is not in the model ({hf_config.model_type})"
         shape = linears.get(m.module)
+        if shape is None and getattr(hf_config, "vision_config", None) is not None:
+            why = "a vision-language model's adapters serve its language model"
+            return f"target module {m.module!r} is not in the language model ({why})"
         if shape is None:
             return (
                 f"target module {m.module!r} is not a linear layer of the model "

@@ -4,7 +4,8 @@ transformers' chat templates render as the model's placeholder.
 
 Parts taken: {"type": "image_url", "image_url": {"url": data URL | local path}} (or the url as a
 plain string), {"type": "image_pil", "image_pil": PIL.Image} and {"type": "image", "image": ...}.
-Images are opened lazily (header only); pixels are decoded when the request runs.
+Images are opened lazily (header only; a local path as a LazyImage, which keeps no file open);
+pixels are decoded when the request runs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import base64
 import binascii
 import io
 from typing import Any
+
+from batchgen.engine.vision.images import LazyImage
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
 
@@ -29,7 +32,7 @@ def open_image_url(url: str, where: str) -> Any:
             return Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
         if "://" in url and not url.startswith("file://"):
             raise ValueError("only data URLs and local paths are supported (no downloads)")
-        return Image.open(url.removeprefix("file://"))
+        return LazyImage.from_path(url.removeprefix("file://"))  # why: no file stays open (vision/images)
     except (OSError, ValueError, binascii.Error, UnidentifiedImageError) as exc:
         raise ValueError(f"{where}: cannot open image {url[:60]!r}: {exc}") from exc
 

@@ -8,10 +8,12 @@ tower runs for every such image not yet cached, all of a step's new images in on
 right behind the step's upload (their pixels ride in it). The embeddings stay in the encoder
 cache (keyed by content hash, so two requests with the same image share one run) until every
 sequence that needs them has prefilled past the image, so a chunk cut through an image or a
-partial prefix hit never reruns the tower. A preempted sequence gives its claims up (its
-recomputation claims them again).
+partial prefix hit never reruns the tower, unless the cache's cap evicted them meanwhile
+(vision/encoder_cache): then the tower runs on the image again when a chunk needs it. A
+preempted sequence claims its images again for its recomputation.
 
-Pixels are decoded here, when the image's tokens are first scheduled; an image that cannot be
+Pixels are decoded here, when the image's tokens are first scheduled (at most the scheduler's
+max_decoded_pixels a step), and dropped once the processor has read them; an image that cannot be
 decoded fails its request (the step's `errors`), never the step, and every later request with
 the same content hash fails alike (its blocks may be in the prefix cache, computed without it).
 """
@@ -28,6 +30,7 @@ import torch
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledChunk
 from batchgen.engine.staging.transfers import Transfers
+from batchgen.engine.vision.encoder_cache import EncoderCache
 from batchgen.engine.vision.images import ImageDecodeError, RequestImage
 from batchgen.engine.vision.model import SpliceStep, VisionLanguageLM
 from batchgen.engine.vision.prompts import rotary_delta
@@ -50,16 +53,19 @@ class _SeqImages:
 class VisionInputs:
     """The runner's image state; `prepare` builds one step's SpliceStep (see the module docstring)."""
 
-    def __init__(self, lm: VisionLanguageLM, tower: VisionTower, mrope: bool) -> None:
+    def __init__(
+        self, lm: VisionLanguageLM, tower: VisionTower, mrope: bool, cache_tokens: int, auto_cap: bool = True
+    ) -> None:
         self.lm = lm
         self.tower = tower
         self.mrope = mrope
         self.seqs: dict[int, _SeqImages] = {}
-        self.cache: dict[bytes, torch.Tensor] = {}  # content hash -> embeddings [tokens, hidden]
+        self.cache = EncoderCache(cache_tokens, auto_cap)  # content hash -> embeddings [tokens, hidden]
         # content hash -> sequences still to prefill it (with how many of their images have it)
         self.claims: dict[bytes, Counter[int]] = {}
         self.failed: dict[bytes, str] = {}  # content hash -> why it cannot be decoded (Pillow's words)
         self.tower_runs = 0  # images encoded (tests: a cut or a prefix hit never reruns one)
+        self.peak_decoded_pixels = 0  # the most pixels one step held decoded (tests, benchmarks)
         self._tower_call: list[RequestImage] = []  # this step's images to encode, behind the upload
         self._tower_inputs: dict[str, torch.Tensor] = {}
         self._released: set[bytes] = set()  # unclaimed in the last step: dropped at the next one
@@ -85,6 +91,7 @@ class VisionInputs:
             )
             self.seqs[new.seq_id] = seq
             self._claim(new.seq_id, seq)
+            self.cache.fit(max((count for _, count in seq.spans), default=0))
         for seq_id in update.preempted:
             back = self.seqs.get(seq_id)
             if back is not None:  # its recomputation needs its images again
@@ -141,6 +148,8 @@ class VisionInputs:
                 if image.content_hash not in self.cache:
                     wanted[image.content_hash] = image
                 pieces.append((first + lo - chunk.start, image.content_hash, lo - s, hi - s))
+        keep = {h for _, h, _, _ in pieces}
+        self.cache.make_room(sum(self._counts[h] for h in wanted), keep, lambda h: bool(self.claims.get(h)))
         self._decode(wanted, errors, chunks, transfers)
         self._mark_bidirectional(chunks, packed_end, ctx)
         pieces = [p for p in pieces if p[1] not in self.failed]
@@ -172,6 +181,8 @@ class VisionInputs:
             except ImageDecodeError as exc:
                 logger.warning("%s", exc)
                 self.failed[content_hash] = exc.reason
+        held = sum(d.width * d.height for d in decoded)  # all of them at once, until the processor has run
+        self.peak_decoded_pixels = max(self.peak_decoded_pixels, held)
         if len(decoded) < len(wanted):
             for chunk in chunks:
                 seq = self.seqs.get(chunk.seq_id)
@@ -209,10 +220,10 @@ class VisionInputs:
             counts = [self._counts[i.content_hash] for i in self._tower_call]
             embeds = self.tower.encode(self._tower_inputs, counts)
             for image, image_embeds in zip(self._tower_call, embeds, strict=True):
-                self.cache[image.content_hash] = image_embeds
+                self.cache.put(image.content_hash, image_embeds)
             self.tower_runs += len(self._tower_call)
             self._tower_call, self._tower_inputs = [], {}
-        step.embeds = torch.cat([self.cache[h][lo:hi] for _, h, lo, hi in pieces])
+        step.embeds = torch.cat([self.cache.get(h)[lo:hi] for _, h, lo, hi in pieces])
 
     def _release(self, chunks: Sequence[ScheduledChunk]) -> None:
         """Claims of sequences whose chunk in this step ends past an image (freed after the gather)."""
@@ -242,7 +253,7 @@ class VisionInputs:
     def _drop_if_unclaimed(self, content_hash: bytes) -> None:
         if not self.claims.get(content_hash):
             self.claims.pop(content_hash, None)
-            self.cache.pop(content_hash, None)
+            self.cache.pop(content_hash)
 
     def decode_positions(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
         """A decode-only step's M-RoPE positions [3, n] (each chunk one generated token: index +

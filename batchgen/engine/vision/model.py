@@ -42,6 +42,8 @@ class _Output:
 class VisionLanguageLM(torch.nn.Module):
     """The VLM's language model and LM head, called like a causal LM by the model runner."""
 
+    lora_prefix = "model."  # its modules' names in the VLM (and its adapters): model.language_model.*
+
     def __init__(self, vlm: Any) -> None:
         super().__init__()
         self.language_model = vlm.model.language_model

@@ -58,6 +58,7 @@ def expand_images(
         image_positions=tuple(positions),
         rotary_positions=rotary,
         images=tuple(images),
+        image_pixels=tuple(i.width * i.height for i in images),
         atomic_images=processor.family == "gemma3",
     )
     return ImagePrompt(out, extras)

@@ -65,9 +65,12 @@ class VisionModel:
                 f"{runner.attention.path} path (use 'triton', or 'torch' / 'cpu' off the varlen kernel)",
             )
 
-    def inputs(self) -> VisionInputs:
-        """The runner side's image state over this model."""
-        return VisionInputs(self.lm, self.tower, mrope=self.processor.family == "qwen2_vl")
+    def inputs(self, cache_tokens: int | None = None) -> VisionInputs:
+        """The runner side's image state over this model; its encoder cache holds `cache_tokens`
+        (None: the step's token budget, raised to the largest image, as the scheduler's cap)."""
+        cap = cache_tokens if cache_tokens is not None else self.max_chunk
+        mrope = self.processor.family == "qwen2_vl"
+        return VisionInputs(self.lm, self.tower, mrope, cap, auto_cap=cache_tokens is None)
 
     def prompt(self, token_ids: list[int], multi_modal_data: Any, where: str) -> tuple[list[int], RequestExtras]:
         """A prompt's token ids (with one placeholder per image) and its multi_modal_data ->

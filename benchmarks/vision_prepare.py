@@ -73,7 +73,7 @@ class _Timed:
 
 def timed_run(llm: LLM, vision: Any, prompts: list[dict[str, Any]], params: SamplingParams) -> dict[str, Any]:
     """One generate with `vision` as the runner's image state -> seconds: total, forward, prepare."""
-    runner: Any = llm.engine.runner  # type: ignore[attr-defined]
+    runner: Any = llm.engine.runner
     runner.vision = vision
     forward, prepare, decode = _Timed(runner.forward), _Timed(vision.prepare), _Timed(vision._decode)
     runner.forward, vision.prepare, vision._decode = forward, prepare, decode
@@ -99,7 +99,7 @@ def measure(family: str, folder: Path, baseline: type, args: argparse.Namespace)
     placeholder = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}[family]
     prompts = workload(placeholder, args.requests, repeated=False)
     llm = LLM(str(folder), device="cpu", dtype="float32", compile=True)
-    ours: Any = llm.engine.runner.vision  # type: ignore[attr-defined]
+    ours: Any = llm.engine.runner.vision
     theirs = baseline(ours.lm, ours.tower, ours.mrope, ours.cache.cap, ours.cache.auto)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     sides: dict[str, tuple[Any, list[dict[str, Any]]]] = {"baseline": (theirs, []), "this_tree": (ours, [])}

@@ -43,11 +43,15 @@ logger = logging.getLogger(__name__)
 class _SeqImages:
     images: tuple[RequestImage, ...]
     spans: tuple[tuple[int, int], ...]  # (first position, count) per image
-    rotary: tuple[tuple[int, ...], ...]  # [3][prompt tokens], or () without M-RoPE
+    rotary: torch.Tensor | None  # M-RoPE positions of the prompt [3, prompt tokens] (built once), or None
     num_prompt: int
     atomic: bool = False  # its images' tokens attend both ways (Gemma 3)
     delta: int = 0  # M-RoPE: what a generated token's index gains
     done: set[int] = field(default_factory=set)  # images this sequence has prefilled past
+    images_end: int = field(init=False)  # the position past its last image (a chunk from there splices nothing)
+
+    def __post_init__(self) -> None:
+        self.images_end = max((s + count for s, count in self.spans), default=0)
 
 
 class VisionInputs:
@@ -86,9 +90,9 @@ class VisionInputs:
                 continue
             n = len(new.prompt_token_ids)
             delta = rotary_delta(extras, n) if extras.rotary_positions else 0
-            seq = _SeqImages(
-                extras.images, extras.image_positions, extras.rotary_positions, n, extras.atomic_images, delta
-            )
+            # why a tensor once here: each prefill chunk then slices it, never rebuilding from Python ints
+            rotary = torch.tensor(extras.rotary_positions, dtype=torch.int64) if extras.rotary_positions else None
+            seq = _SeqImages(extras.images, extras.image_positions, rotary, n, extras.atomic_images, delta)
             self.seqs[new.seq_id] = seq
             self._claim(new.seq_id, seq)
             self.cache.fit(max((count for _, count in seq.spans), default=0))
@@ -135,9 +139,11 @@ class VisionInputs:
             seq = self.seqs.get(chunk.seq_id)
             if seq is None or not seq.images:
                 continue
-            error = self._failure(seq)
+            error = self._failure(seq) if self.failed else None
             if error is not None:
                 errors[chunk.seq_id] = error
+                continue
+            if chunk.start >= seq.images_end:  # a decode step, or a chunk past its images
                 continue
             first = end - chunk.num_tokens
             for image, (s, count) in zip(seq.images, seq.spans):
@@ -155,8 +161,8 @@ class VisionInputs:
         pieces = [p for p in pieces if p[1] not in self.failed]
         step = SpliceStep()
         if pieces:
-            rows = [r for first, _, lo, hi in pieces for r in range(first, first + hi - lo)]
-            step.rows = transfers.stage(torch.tensor(rows, dtype=torch.int64))  # [M]
+            rows = torch.cat([torch.arange(first, first + hi - lo) for first, _, lo, hi in pieces])  # [M]
+            step.rows = transfers.stage(rows)
             transfers.on_upload(lambda: self._gather(step, pieces))
         if self.mrope:
             step.positions = transfers.stage(self._positions(chunks, packed_end, num_rows))[:, None]  # [3, 1, T]
@@ -196,11 +202,15 @@ class VisionInputs:
     def _mark_bidirectional(self, chunks: Sequence[ScheduledChunk], packed_end: list[int], ctx: ForwardContext) -> None:
         """Gemma 3: each prefill chunk learns the images it holds (whole: the scheduler never ends a
         chunk inside one), whose tokens the attention lets see each other both ways."""
+        if not ctx.prefills:
+            return
         by_start = {p.start: p for p in ctx.prefills}
         for chunk, end in zip(chunks, packed_end):
             seq = self.seqs.get(chunk.seq_id)
+            if seq is None or not seq.atomic:
+                continue
             prefill = by_start.get(end - chunk.num_tokens)
-            if seq is None or prefill is None or not seq.atomic:
+            if prefill is None:
                 continue
             a, b = chunk.start, chunk.start + chunk.num_tokens
             prefill.bidirectional = tuple((s, s + c) for s, c in seq.spans if s < b and s + c > a)
@@ -229,7 +239,7 @@ class VisionInputs:
         """Claims of sequences whose chunk in this step ends past an image (freed after the gather)."""
         for chunk in chunks:
             seq = self.seqs.get(chunk.seq_id)
-            if seq is None:
+            if seq is None or len(seq.done) == len(seq.images):  # past all its images already
                 continue
             end = chunk.start + chunk.num_tokens
             for k, (image, (s, count)) in enumerate(zip(seq.images, seq.spans)):
@@ -262,18 +272,27 @@ class VisionInputs:
 
     def _positions(self, chunks: Sequence[ScheduledChunk], packed_end: list[int], num_rows: int) -> torch.Tensor:
         """M-RoPE positions of the packed row, [3, num_rows] (padding: 0): prompt tokens take their
-        request's rotary positions, generated ones index + delta on all three axes."""
+        request's rotary positions, generated ones index + delta on all three axes.
+
+        Why in whole-row tensor ops: every row first gets index + its request's delta (one
+        repeat_interleave over the chunks in packed order), then only the chunks that still hold
+        prompt tokens overwrite theirs with a slice of their request's precomputed table. A decode
+        step (every chunk one generated token) thus costs a few tensor ops, not a loop of them."""
         out = torch.zeros(3, num_rows, dtype=torch.int64)
-        for chunk, end in zip(chunks, packed_end):
-            seq = self.seqs.get(chunk.seq_id)
-            first, a, b = end - chunk.num_tokens, chunk.start, chunk.start + chunk.num_tokens
-            if seq is None or not seq.rotary:
-                out[:, first:end] = torch.arange(a, b)
+        if not chunks:
+            return out
+        seqs = [self.seqs.get(c.seq_id) for c in chunks]
+        counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)  # [n]
+        firsts = torch.tensor(packed_end, dtype=torch.int64) - counts  # [n] each chunk's first packed row
+        # [n] what a chunk's packed row index adds to become its position: start - first (+ delta)
+        shift = torch.tensor([c.start + (s.delta if s is not None else 0) for c, s in zip(chunks, seqs)]) - firsts
+        order = torch.argsort(firsts)  # the chunks in packed order (the packed row has no gaps)
+        total = int(counts.sum())
+        out[:, :total] = torch.arange(total) + torch.repeat_interleave(shift[order], counts[order])  # [total]
+        for chunk, end, seq in zip(chunks, packed_end, seqs):
+            if seq is None or seq.rotary is None or chunk.start >= seq.num_prompt:
                 continue
-            p = min(b, seq.num_prompt)
-            if a < p:
-                out[:, first : first + p - a] = torch.tensor([axis[a:p] for axis in seq.rotary])
-            if b > p:
-                q = max(a, p)
-                out[:, first + q - a : end] = torch.arange(q, b) + seq.delta
+            first, a = end - chunk.num_tokens, chunk.start
+            p = min(a + chunk.num_tokens, seq.num_prompt)
+            out[:, first : first + p - a] = seq.rotary[:, a:p]  # [3, prompt tokens of the chunk]
         return out

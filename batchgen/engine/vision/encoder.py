@@ -155,7 +155,8 @@ class VisionInputs:
                     wanted[image.content_hash] = image
                 pieces.append((first + lo - chunk.start, image.content_hash, lo - s, hi - s))
         keep = {h for _, h, _, _ in pieces}
-        self.cache.make_room(sum(self._counts[h] for h in wanted), keep, lambda h: bool(self.claims.get(h)))
+        if wanted or self.cache.used > self.cache.cap:  # why the guard: else it would evict nothing, in O(entries)
+            self.cache.make_room(sum(self._counts[h] for h in wanted), keep, lambda h: bool(self.claims.get(h)))
         self._decode(wanted, errors, chunks, transfers)
         self._mark_bidirectional(chunks, packed_end, ctx)
         pieces = [p for p in pieces if p[1] not in self.failed]
@@ -279,16 +280,15 @@ class VisionInputs:
         prompt tokens overwrite theirs with a slice of their request's precomputed table. A decode
         step (every chunk one generated token) thus costs a few tensor ops, not a loop of them."""
         out = torch.zeros(3, num_rows, dtype=torch.int64)
-        if not chunks:
-            return out
         seqs = [self.seqs.get(c.seq_id) for c in chunks]
-        counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)  # [n]
-        firsts = torch.tensor(packed_end, dtype=torch.int64) - counts  # [n] each chunk's first packed row
-        # [n] what a chunk's packed row index adds to become its position: start - first (+ delta)
-        shift = torch.tensor([c.start + (s.delta if s is not None else 0) for c, s in zip(chunks, seqs)]) - firsts
-        order = torch.argsort(firsts)  # the chunks in packed order (the packed row has no gaps)
-        total = int(counts.sum())
-        out[:, :total] = torch.arange(total) + torch.repeat_interleave(shift[order], counts[order])  # [total]
+        order = sorted(range(len(chunks)), key=packed_end.__getitem__)  # packed order (the row has no gaps)
+        counts = [chunks[i].num_tokens for i in order]
+        deltas = [0 if s is None else s.delta for s in seqs]
+        # what each chunk's packed row index adds to become its position: start - first row + delta
+        shift = [chunks[i].start + deltas[i] - packed_end[i] + n for i, n in zip(order, counts)]
+        total = sum(counts)
+        per_row = torch.tensor(shift, dtype=torch.int64).repeat_interleave(torch.tensor(counts, dtype=torch.int64))
+        out[:, :total] = torch.arange(total) + per_row  # [total]
         for chunk, end, seq in zip(chunks, packed_end, seqs):
             if seq is None or seq.rotary is None or chunk.start >= seq.num_prompt:
                 continue

@@ -24,6 +24,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -37,6 +38,7 @@ from batchgen.engine.vision.prompts import rotary_delta
 from batchgen.engine.vision.tower import VisionTower
 
 logger = logging.getLogger(__name__)
+ZERO = torch.zeros(1, dtype=torch.int64)
 
 
 @dataclass
@@ -286,9 +288,13 @@ class VisionInputs:
         deltas = [0 if s is None else s.delta for s in seqs]
         # what each chunk's packed row index adds to become its position: start - first row + delta
         shift = [chunks[i].start + deltas[i] - packed_end[i] + n for i, n in zip(order, counts)]
-        total = sum(counts)
-        per_row = torch.tensor(shift, dtype=torch.int64).repeat_interleave(torch.tensor(counts, dtype=torch.int64))
-        out[:, :total] = torch.arange(total) + per_row  # [total]
+        firsts = list(accumulate(counts, initial=0))  # [n + 1] each chunk's first packed row, then the total
+        total = firsts.pop()
+        # each row's shift as the running sum of the changes at chunk starts (why not repeat_interleave:
+        # on the CPU it splits even 64 rows across torch's threads, which stalls on a busy machine)
+        steps = torch.zeros(total, dtype=torch.int64)  # [total]
+        steps[torch.tensor(firsts, dtype=torch.int64)] = torch.tensor(shift, dtype=torch.int64).diff(prepend=ZERO)
+        out[:, :total] = torch.arange(total) + steps.cumsum(0)  # [total]
         for chunk, end, seq in zip(chunks, packed_end, seqs):
             if seq is None or seq.rotary is None or chunk.start >= seq.num_prompt:
                 continue

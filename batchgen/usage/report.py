@@ -9,7 +9,6 @@ histograms, so p95 is exact.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,11 +24,11 @@ import pyarrow.dataset as ds
 from batchgen.errors import InputDataError
 from batchgen.outputs.adapter_field import adapter_column
 from batchgen.outputs.record import RECORD_NAME
-from batchgen.outputs.runtime_record import describe_runtime
 from batchgen.outputs.state import LOCK_NAME, SUCCESS_NAME
 from batchgen.outputs.totals import BASE_NAME, IntHistogram, Totals, add_counts
 from batchgen.storage.base import Storage
 from batchgen.storage.open import open_storage
+from batchgen.usage.success_check import OutputStatus, job_has_adapters, output_status
 
 log = logging.getLogger(__name__)
 USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
@@ -53,24 +52,6 @@ class GroupStats(Totals):
             self.samples += other.samples
             self.input_lengths.merge(other.input_lengths)
             self.output_lengths.merge(other.output_lengths)
-
-
-@dataclass
-class OutputStatus:
-    """Whether the run is finished, and whether its `_SUCCESS` agrees with the parts."""
-
-    parts: int
-    finished: bool
-    mismatches: list[str] = field(default_factory=list)
-    mixed_runtimes: list[str] = field(default_factory=list)  # several, allowed by --allow-precision-change
-
-    def line(self) -> str:
-        if not self.finished:
-            return f"in progress: {self.parts} parts committed, no _SUCCESS"
-        mixed = f"; parts from several runtimes: {'; '.join(self.mixed_runtimes)}" if self.mixed_runtimes else ""
-        if self.mismatches:
-            return f"finished, but the parts DISAGREE with _SUCCESS: {'; '.join(self.mismatches)}{mixed}"
-        return f"finished: {self.parts} parts, totals match _SUCCESS{mixed}"
 
 
 @dataclass
@@ -104,30 +85,17 @@ def read_report(out_dir: str | Path, by: str | None = None) -> Report:
         numeric = _is_numeric(schema, by)
         per_sample = "finish_reason" in schema.names and pa.types.is_list(schema.field("finish_reason").type)
         reasoning = REASONING_TOKENS in schema.names
-        adapters = adapter_column(schema, _job_has_adapters(storage))
+        adapters = adapter_column(schema, job_has_adapters(storage))
         for table in _scan(storage, parts, by, per_sample, reasoning, adapters):
             _add_table(groups, table, by, adapters)
     totals = GroupStats()
     for stats in groups.values():
         totals.merge(stats)
-    status = _status(storage, len(parts), totals, adapters is not None)
+    status = output_status(storage, len(parts), totals, adapters is not None)
     if status.mismatches:
         log.error("%s: %s", out, status.line())
     ordered = {name: groups[name] for name in sorted(groups, key=_sort_key if numeric else None)} if by else {}
     return Report(out, by, ordered, totals, status, per_sample=per_sample, reasoning=reasoning)
-
-
-def _job_has_adapters(storage: Storage) -> bool:
-    """Whether the job record (without one: `_SUCCESS`) says the job had LoRA adapters: the release
-    before adapter_field's mark wrote its adapter column unmarked."""
-    for name in (RECORD_NAME, SUCCESS_NAME):
-        try:
-            text = storage.read_text(name)
-            if text is not None:
-                return "lora" in json.loads(text)
-        except (OSError, ValueError, TypeError):
-            continue  # an unreadable record is _status's to report
-    return False
 
 
 def _dataset(storage: Storage, parts: list[str]) -> ds.Dataset:
@@ -305,38 +273,3 @@ def _null_name(by: str | None, adapters: str | None) -> str:
 def _text(value: Any, null: str = NULL_NAME) -> str:
     """A group's name (`null`: the name of the null value's group)."""
     return null if value is None else str(value)
-
-
-def _status(storage: Storage, num_parts: int, totals: GroupStats, adapters: bool = False) -> OutputStatus:
-    """`adapters`: the output has batchgen's adapter column (only then are per-adapter totals checked)."""
-    success = storage.describe(SUCCESS_NAME)
-    try:
-        text = storage.read_text(SUCCESS_NAME)
-        if text is None:
-            return OutputStatus(parts=num_parts, finished=False)
-        manifest = json.loads(text)
-    except (OSError, ValueError) as exc:
-        return OutputStatus(parts=num_parts, finished=True, mismatches=[f"cannot read {success}: {exc}"])
-    mixed = [describe_runtime(r) for r in manifest.get("runtimes", [])] if manifest.get("precision_changed") else []
-    return OutputStatus(num_parts, True, _mismatches(manifest, num_parts, totals, adapters), mixed)
-
-
-def _mismatches(manifest: dict[str, Any], num_parts: int, totals: GroupStats, adapters: bool) -> list[str]:
-    """Each figure of `_SUCCESS` that the committed parts do not reproduce."""
-    rows, tokens = manifest.get("rows") or {}, manifest.get("tokens") or {}
-    expected: list[tuple[str, Any, Any]] = [
-        ("rows.total", rows.get("total"), totals.rows),
-        ("rows.ok", rows.get("ok"), totals.ok_rows),
-        ("rows.error", rows.get("error"), totals.error_rows),
-        ("tokens.input", tokens.get("input"), totals.input_tokens),
-        ("tokens.cached", tokens.get("cached"), totals.cached_tokens),
-        ("tokens.output", tokens.get("output"), totals.output_tokens),
-        ("tokens.reasoning", tokens.get("reasoning", 0), totals.reasoning_tokens),
-        ("parts", manifest.get("parts"), num_parts),
-        ("error_codes", manifest.get("error_codes"), totals.error_codes),
-        ("finish_reasons", manifest.get("finish_reasons"), totals.finish_reasons),
-    ]
-    if adapters:  # a job with LoRA adapters: rows and tokens per adapter (none at all: no rows)
-        # why not by "lora" in the manifest: an older batchgen counted a user's `lora` column there too
-        expected.append(("lora", manifest.get("lora", {}), totals.by_lora))
-    return [f"{name}: _SUCCESS says {said}, the parts hold {held}" for name, said, held in expected if said != held]

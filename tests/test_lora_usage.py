@@ -20,6 +20,7 @@ from batchgen.engine.core.sequence import RequestExtras
 from batchgen.inputs.grouping import adapter_key, prompt_key
 from batchgen.inputs.ordering import order_requests
 from batchgen.job.sections import PricingSection
+from batchgen.outputs.adapter_field import adapter_field
 from batchgen.outputs.completion import build_manifest
 from batchgen.outputs.totals import Totals
 from batchgen.usage.estimate import prefix_cache_hits
@@ -35,7 +36,8 @@ ROWS = {
 }
 
 
-def _part(folder: Path, index: int, rows: slice) -> None:
+def _part(folder: Path, index: int, rows: slice, old: bool = False) -> None:
+    """`old`: as the release before the adapter column's mark wrote it (unmarked)."""
     columns = {k: v[rows] for k, v in ROWS.items()}
     n = len(columns["lora"])
     table = pa.table(
@@ -50,7 +52,8 @@ def _part(folder: Path, index: int, rows: slice) -> None:
             "error_code": pa.array(columns["error_code"], pa.string()),
             "error_message": pa.array([None] * n, pa.string()),
             "lora": pa.array(columns["lora"], pa.string()),
-        }
+        },
+        schema=None if old else pa.schema([*(pa.field(n, t) for n, t in BASE_TYPES), adapter_field()]),
     )
     folder.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, folder / f"part-{index:06d}.parquet")
@@ -64,6 +67,19 @@ def output(tmp_path: Path) -> Path:
     return out
 
 
+BASE_TYPES = [
+    ("id", pa.string()),
+    ("generated_text", pa.string()),
+    ("finish_reason", pa.string()),
+    ("stop_reason", pa.string()),
+    ("input_tokens", pa.int64()),
+    ("cached_tokens", pa.int64()),
+    ("output_tokens", pa.int64()),
+    ("error_code", pa.string()),
+    ("error_message", pa.string()),
+]
+
+
 def _expected() -> dict[str, dict[str, int]]:
     return {
         "a": {"rows": 2, "ok": 2, "input": 50, "cached": 16, "output": 13},
@@ -75,15 +91,15 @@ def _expected() -> dict[str, dict[str, int]]:
 
 def test_totals_count_rows_and_tokens_per_adapter() -> None:
     whole, halves = Totals(), [Totals(), Totals()]
-    whole.add_part(dict(ROWS))
-    halves[0].add_part({k: v[:3] for k, v in ROWS.items()})
-    halves[1].add_part({k: v[3:] for k, v in ROWS.items()})
+    whole.add_part(dict(ROWS), "lora")
+    halves[0].add_part({k: v[:3] for k, v in ROWS.items()}, "lora")
+    halves[1].add_part({k: v[3:] for k, v in ROWS.items()}, "lora")
     halves[0].merge(halves[1])
     assert whole.by_lora == halves[0].by_lora == _expected()
     record = {"id": "x", "run": {"parts": 2, "inputs": [], "backend": "native", "started": 0.0}}
     assert build_manifest(whole, record, 0.0, 1.0, 45)["lora"] == _expected()
     plain = Totals()
-    plain.add_part({k: v for k, v in ROWS.items() if k != "lora"})
+    plain.add_part(dict(ROWS))  # a column named `lora` is not batchgen's adapter column unless the caller says so
     assert "lora" not in build_manifest(plain, record, 0.0, 1.0, 45)  # a job without adapters: as before
 
 
@@ -101,7 +117,7 @@ def test_report_by_lora_and_the_manifest_check(output: Path) -> None:
     }
     assert groups["zz"]["error_rows"] == 1
     totals = Totals()
-    totals.add_part(dict(ROWS))
+    totals.add_part(dict(ROWS), "lora")
     record = {"id": "x", "run": {"parts": 2, "inputs": [], "backend": "native", "started": 0.0}}
     manifest = build_manifest(totals, record, 0.0, 1.0, 35)
     (output / "_SUCCESS").write_text(json.dumps(manifest))

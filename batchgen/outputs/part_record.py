@@ -24,9 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import OutputError
+from batchgen.outputs.adapter_field import adapter_column, record_has_adapters
 from batchgen.outputs.record import update_record
 from batchgen.outputs.table import RESULT_NAMES
-from batchgen.outputs.totals import LORA_COLUMN, Totals
+from batchgen.outputs.totals import Totals
 from batchgen.storage.base import Storage
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def audit_parts(
     """Check the committed parts among `rows` (part index -> the rows it must hold, None: unknown)."""
     audit = Audit()
     checks = record.get(CHECKS_KEY, {})
+    adapters = record_has_adapters(record)  # (an older batchgen's adapter column is unmarked)
     for index, expected in rows.items():
         name = committed.get(index)
         if name is None:
@@ -89,18 +91,21 @@ def audit_parts(
             data = storage.read_bytes(name)
         except OSError as exc:
             raise OutputError(f"{storage.describe(name)}: cannot read a committed part: {exc}") from exc
-        problem, table = part_problem(data, checks.get(name), expected)
+        problem, table = part_problem(data, checks.get(name), expected, adapters)
         if problem is not None or table is None:
             audit.bad[index] = problem or "unreadable"
             continue
-        audit.kept[index] = totals_of(table)
+        audit.kept[index] = totals_of(table, adapters)
         if name not in checks:
             audit.described[name] = PartFacts.of(data, table.num_rows)
     return audit
 
 
-def part_problem(data: bytes, described: list[dict[str, Any]] | None, rows: int | None) -> tuple[str | None, Any]:
-    """(why `data` is not a part this job committed, or None; its usage columns when it is)."""
+def part_problem(
+    data: bytes, described: list[dict[str, Any]] | None, rows: int | None, job_has_adapters: bool = False
+) -> tuple[str | None, Any]:
+    """(why `data` is not a part this job committed, or None; its usage columns when it is, with
+    batchgen's adapter column when it has one: see adapter_field.adapter_column)."""
     if described:
         digest = hashlib.sha256(data).hexdigest()
         if not any(d["sha256"] == digest and d["bytes"] == len(data) for d in described):
@@ -109,8 +114,8 @@ def part_problem(data: bytes, described: list[dict[str, Any]] | None, rows: int 
                 return f"{len(data)} bytes where the job record says {sizes[0]} (truncated or replaced)", None
             return "its content is not what this job committed (sha256 differs: replaced)", None
     try:
-        names = pq.read_schema(pa.BufferReader(data)).names
-        usage = [*RESULT_NAMES, LORA_COLUMN] if LORA_COLUMN in names else RESULT_NAMES  # per-adapter totals
+        adapters = adapter_column(pq.read_schema(pa.BufferReader(data)), job_has_adapters)
+        usage = RESULT_NAMES if adapters is None else [*RESULT_NAMES, adapters]  # per-adapter totals
         table = pq.read_table(pa.BufferReader(data), columns=usage)
     except (pa.ArrowException, OSError, ValueError) as exc:
         return f"not a readable part: {exc}", None
@@ -119,9 +124,10 @@ def part_problem(data: bytes, described: list[dict[str, Any]] | None, rows: int 
     return None, table
 
 
-def totals_of(table: pa.Table) -> Totals:
+def totals_of(table: pa.Table, job_has_adapters: bool = False) -> Totals:
+    """A part's usage totals (per adapter too when it has batchgen's adapter column)."""
     totals = Totals()
-    totals.add_part(table.to_pydict())
+    totals.add_part(table.to_pydict(), adapter_column(table.schema, job_has_adapters))
     return totals
 
 

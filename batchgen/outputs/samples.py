@@ -8,7 +8,8 @@ order) and `sample_output_tokens` lists each sample's output tokens, while `inpu
 batch file, whose requests ask for their own k: null where a request asks none), `prompt_logprobs`
 when it sets `sampling.prompt_logprobs`; they are null on error rows. `reasoning_text` (per sample)
 and `reasoning_tokens` (summed over samples, 0 on error rows) exist with `output.reasoning: auto`.
-`lora` (the adapter each row names; null: the base model) exists when the job has `model.lora`.
+`lora` (the adapter each row names; null: the base model) exists when the job has `model.lora`;
+its field is marked as batchgen's (outputs/adapter_field), so no carried input column is read as it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import pyarrow as pa
 from batchgen.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from batchgen.engine.api.params import MAX_LOGPROBS
 from batchgen.job.spec import JobSpec
+from batchgen.outputs.adapter_field import adapter_field
 from batchgen.outputs.reasoning import ReasoningSplitter, Split
-from batchgen.outputs.totals import LORA_COLUMN
 
 PER_SAMPLE = ("generated_text", "finish_reason", "stop_reason")
 ALTERNATIVE = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
@@ -83,7 +84,7 @@ class ColumnPlan:
             fields.append(pa.field("reasoning_text", self._per_sample(pa.string())))
             fields.append(pa.field("reasoning_tokens", pa.int64()))
         if self.lora:  # the adapter the row names (null: the base model); its value comes from the row
-            fields.append(pa.field(LORA_COLUMN, pa.string()))
+            fields.append(adapter_field())  # marked as batchgen's: readers never take a user's `lora` for it
         return fields + list(self.pooled)
 
     def fields(self, base: list[pa.Field]) -> list[pa.Field]:

@@ -15,17 +15,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from batchgen.errors import FingerprintMismatch, LockedError, OutputError
 from batchgen.inputs.sharding import ShardSpec
+from batchgen.outputs.adapter_field import adapter_column
 from batchgen.outputs.fingerprint import describe_difference
 from batchgen.outputs.lease import ObjectLease
 from batchgen.outputs.parts import write_problem
 from batchgen.outputs.plan_file import PLAN_NAME
 from batchgen.outputs.record import RECORD_NAME
 from batchgen.outputs.table import RESULT_NAMES
-from batchgen.outputs.totals import LORA_COLUMN, Totals
+from batchgen.outputs.totals import Totals
 from batchgen.storage.base import PART_NAME, Storage, temp_target
 from batchgen.storage.open import open_storage
 
@@ -235,14 +234,13 @@ class OutputState:
         """Committed parts by index, as names in the output folder."""
         return self.storage.committed_parts()
 
-    def totals_of(self, part: str | Path) -> Totals:
-        """The usage totals of one committed part (named, or by a path whose name is used)."""
+    def totals_of(self, part: str | Path, job_has_adapters: bool = False) -> Totals:
+        """The usage totals of one committed part (named, or by a path whose name is used); per
+        adapter too when it has batchgen's adapter column (`job_has_adapters`: see adapter_column)."""
         totals, name = Totals(), Path(part).name
-        try:  # a job with LoRA adapters: its per-adapter totals too
-            table = self.storage.read_table(name, [*RESULT_NAMES, LORA_COLUMN])
-        except pa.ArrowInvalid:  # no such column: a job without adapters
-            table = self.storage.read_table(name, RESULT_NAMES)
-        totals.add_part(table.to_pydict())
+        adapters = adapter_column(self.storage.dataset([name]).schema, job_has_adapters)
+        table = self.storage.read_table(name, RESULT_NAMES if adapters is None else [*RESULT_NAMES, adapters])
+        totals.add_part(table.to_pydict(), adapters)
         return totals
 
 

@@ -12,7 +12,8 @@ from batchgen.engine.api.outputs import RequestOutput
 from batchgen.errors import InputDataError
 from batchgen.inputs.prepared_row import PreparedRow
 from batchgen.job.spec import JobSpec
-from batchgen.outputs.samples import LORA_COLUMN, ColumnPlan
+from batchgen.outputs.adapter_field import LORA_COLUMN, unmarked
+from batchgen.outputs.samples import ColumnPlan
 
 RESULT_FIELDS = [
     pa.field("generated_text", pa.string()),
@@ -38,8 +39,10 @@ def output_schema(
     carried: list[pa.Field], add_row_id: bool, results: list[pa.Field] | None = None, input_row: bool = False
 ) -> pa.Schema:
     """`results`: the job's result columns (ColumnPlan.fields); None: the base RESULT_FIELDS.
-    `input_row`: the INPUT_ROW_COLUMN, before the results (an output made before it has none)."""
-    fields = list(carried)
+    `input_row`: the INPUT_ROW_COLUMN, before the results (an output made before it has none).
+    A carried column loses batchgen's adapter mark (an earlier LoRA job's output read as input):
+    only the job's own adapter column is read as per-adapter usage (outputs/adapter_field)."""
+    fields = [unmarked(f) for f in carried]
     if add_row_id:
         fields.insert(0, pa.field(ROW_ID_COLUMN, pa.string()))
     if input_row:

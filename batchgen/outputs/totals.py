@@ -30,8 +30,10 @@ class Totals:
     def error_rows(self) -> int:
         return self.rows - self.ok_rows
 
-    def add_part(self, columns: dict[str, list[Any]]) -> None:
-        """Finish reasons are counted per sample: a job with n > 1 has a list of n per row."""
+    def add_part(self, columns: dict[str, list[Any]], adapters: str | None = None) -> None:
+        """Finish reasons are counted per sample: a job with n > 1 has a list of n per row.
+        `adapters`: the column of `columns` that is batchgen's adapter column (adapter_field
+        decides; never a column merely named `lora`), counted per adapter; None: none."""
         for reason, code in zip(columns["finish_reason"], columns["error_code"]):
             self.rows += 1
             for one in reason if isinstance(reason, list) else [reason]:
@@ -44,12 +46,12 @@ class Totals:
         self.cached_tokens += sum(columns["cached_tokens"])
         self.output_tokens += sum(columns["output_tokens"])
         self.reasoning_tokens += sum(columns.get("reasoning_tokens") or [])
-        if LORA_COLUMN in columns:
-            self._add_adapters(columns)
+        if adapters is not None:
+            self._add_adapters(columns, columns[adapters])
 
-    def _add_adapters(self, columns: dict[str, list[Any]]) -> None:
+    def _add_adapters(self, columns: dict[str, list[Any]], adapters: list[str | None]) -> None:
         names = ("input_tokens", "cached_tokens", "output_tokens")
-        for i, adapter in enumerate(columns[LORA_COLUMN]):
+        for i, adapter in enumerate(adapters):
             one = self.by_lora.setdefault(BASE_NAME if adapter is None else adapter, _adapter_counts())
             one["rows"] += 1
             one["ok"] += columns["error_code"][i] is None
@@ -65,7 +67,6 @@ class Totals:
             add_counts(self.by_lora.setdefault(adapter, _adapter_counts()), counts)
 
 
-LORA_COLUMN = "lora"  # the output column naming each row's adapter (outputs/samples)
 BASE_NAME = "(base)"  # rows of the base model in per-adapter totals (no adapter is named so: job/sections)
 
 

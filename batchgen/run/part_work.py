@@ -26,6 +26,7 @@ from batchgen.inputs.part_rows import PartRows, describe
 from batchgen.inputs.prepare import RowPreparer, input_columns, load_tokenizer
 from batchgen.inputs.row_names import row_ids
 from batchgen.job.spec import JobSpec
+from batchgen.outputs.adapter_field import LORA_COLUMN
 from batchgen.outputs.parts import PartWriter, part_name
 from batchgen.outputs.samples import ColumnPlan
 from batchgen.outputs.state import OutputState
@@ -95,10 +96,10 @@ class PartWork:
         writer.claim_runtime(backend.resolved())  # (--overwrite: into the new record; else done already)
         index = part.part.index
         if writer.write_part(index, part_table(part.table, carried, ids, cols, self._fields(writer))):
-            totals.add_part(cols)
+            totals.add_part(cols, LORA_COLUMN if self.columns.lora else None)  # (cols: result columns only)
         else:  # a concurrent shard run of another N (or a replaced Ray worker) committed it first: that part stands
             log.info("part %d was committed by another run meanwhile; kept that one", index)
-            totals.merge(OutputState(writer.storage).totals_of(part_name(index)))
+            totals.merge(OutputState(writer.storage).totals_of(part_name(index), self.columns.lora))
         return totals
 
     def _fields(self, writer: PartWriter) -> list[pa.Field]:

@@ -9,7 +9,6 @@ histograms, so p95 is exact.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,19 +22,20 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from batchgen.errors import InputDataError
+from batchgen.outputs.adapter_field import adapter_column
 from batchgen.outputs.record import RECORD_NAME
-from batchgen.outputs.runtime_record import describe_runtime
 from batchgen.outputs.state import LOCK_NAME, SUCCESS_NAME
-from batchgen.outputs.totals import BASE_NAME, LORA_COLUMN, IntHistogram, Totals, add_counts
+from batchgen.outputs.totals import BASE_NAME, IntHistogram, Totals, add_counts
 from batchgen.storage.base import Storage
 from batchgen.storage.open import open_storage
+from batchgen.usage.success_check import OutputStatus, job_has_adapters, output_status
 
 log = logging.getLogger(__name__)
 USAGE_COLUMNS = ["finish_reason", "error_code", "input_tokens", "cached_tokens", "output_tokens"]
 SAMPLE_TOKENS = "sample_output_tokens"  # n > 1: each sample's output tokens
 REASONING_TOKENS = "reasoning_tokens"  # output.reasoning auto: the output tokens spent thinking
 SCAN_BATCH_ROWS = 65536
-NULL_NAME = "(null)"  # the group of rows whose --by value is null (but see _text: --by lora)
+NULL_NAME = "(null)"  # the group of rows whose --by value is null (but see _null_name: --by lora)
 
 
 @dataclass
@@ -52,24 +52,6 @@ class GroupStats(Totals):
             self.samples += other.samples
             self.input_lengths.merge(other.input_lengths)
             self.output_lengths.merge(other.output_lengths)
-
-
-@dataclass
-class OutputStatus:
-    """Whether the run is finished, and whether its `_SUCCESS` agrees with the parts."""
-
-    parts: int
-    finished: bool
-    mismatches: list[str] = field(default_factory=list)
-    mixed_runtimes: list[str] = field(default_factory=list)  # several, allowed by --allow-precision-change
-
-    def line(self) -> str:
-        if not self.finished:
-            return f"in progress: {self.parts} parts committed, no _SUCCESS"
-        mixed = f"; parts from several runtimes: {'; '.join(self.mixed_runtimes)}" if self.mixed_runtimes else ""
-        if self.mismatches:
-            return f"finished, but the parts DISAGREE with _SUCCESS: {'; '.join(self.mismatches)}{mixed}"
-        return f"finished: {self.parts} parts, totals match _SUCCESS{mixed}"
 
 
 @dataclass
@@ -97,17 +79,19 @@ def read_report(out_dir: str | Path, by: str | None = None) -> Report:
         raise InputDataError(f"{out}: no committed part-*.parquet files (has the run started?)")
     groups: dict[str, GroupStats] = {}
     numeric = per_sample = reasoning = False
+    adapters: str | None = None  # batchgen's adapter column (adapter_field), never a user's `lora`
     if parts:  # a run that started but committed nothing yet has empty totals
         schema = _dataset(storage, parts).schema
         numeric = _is_numeric(schema, by)
         per_sample = "finish_reason" in schema.names and pa.types.is_list(schema.field("finish_reason").type)
         reasoning = REASONING_TOKENS in schema.names
-        for table in _scan(storage, parts, by, per_sample, reasoning):
-            _add_table(groups, table, by)
+        adapters = adapter_column(schema, job_has_adapters(storage))
+        for table in _scan(storage, parts, by, per_sample, reasoning, adapters):
+            _add_table(groups, table, by, adapters)
     totals = GroupStats()
     for stats in groups.values():
         totals.merge(stats)
-    status = _status(storage, len(parts), totals)
+    status = output_status(storage, len(parts), totals, adapters is not None)
     if status.mismatches:
         log.error("%s: %s", out, status.line())
     ordered = {name: groups[name] for name in sorted(groups, key=_sort_key if numeric else None)} if by else {}
@@ -140,7 +124,12 @@ def _sort_key(name: str) -> tuple[int, Decimal]:
 
 
 def _scan(
-    storage: Storage, parts: list[str], by: str | None, per_sample: bool = False, reasoning: bool = False
+    storage: Storage,
+    parts: list[str],
+    by: str | None,
+    per_sample: bool = False,
+    reasoning: bool = False,
+    adapters: str | None = None,
 ) -> Iterator[pa.Table]:
     out_dir = storage.where
     dataset = _dataset(storage, parts)
@@ -154,7 +143,7 @@ def _scan(
         raise InputDataError(f"--by {by!r}: column type {dataset.schema.field(by).type} cannot be grouped on")
     columns = USAGE_COLUMNS + ([SAMPLE_TOKENS] if per_sample else []) + ([REASONING_TOKENS] if reasoning else [])
     columns += [by] if by is not None and by not in columns else []
-    columns += [LORA_COLUMN] if LORA_COLUMN in names and LORA_COLUMN not in columns else []  # per-adapter usage
+    columns += [adapters] if adapters is not None and adapters not in columns else []  # per-adapter usage
     try:
         for batch in dataset.scanner(columns=columns, batch_size=SCAN_BATCH_ROWS).to_batches():
             if batch.num_rows:
@@ -163,20 +152,22 @@ def _scan(
         raise InputDataError(f"{out_dir}: failed while reading the parts: {exc}") from exc
 
 
-def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -> None:
-    """Fold one batch of rows into the per-group stats (vectorized group-bys, no per-row Python)."""
+def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None, adapters: str | None = None) -> None:
+    """Fold one batch of rows into the per-group stats (vectorized group-bys, no per-row Python);
+    `adapters`: batchgen's adapter column (per-adapter usage), None: the output has none."""
     keys = [by] if by is not None else []
+    null = _null_name(by, adapters)
     per_sample = pa.types.is_list(table.schema.field("finish_reason").type)
     reasons = [] if per_sample else ["finish_reason"]
     sums = ["input_tokens", "cached_tokens", "output_tokens"] + [
         c for c in [REASONING_TOKENS] if c in table.schema.names
     ]
-    adapters = [LORA_COLUMN] if LORA_COLUMN in table.schema.names else []
-    outcome = table.group_by(
-        list(dict.fromkeys(keys + reasons + ["error_code"] + adapters)), use_threads=False
-    ).aggregate([*((c, "sum") for c in sums), ([], "count_all")])
+    named = [adapters] if adapters is not None else []
+    outcome = table.group_by(list(dict.fromkeys(keys + reasons + ["error_code"] + named)), use_threads=False).aggregate(
+        [*((c, "sum") for c in sums), ([], "count_all")]
+    )
     for row in outcome.to_pylist():
-        stats = groups.setdefault(_group_name(row, by), GroupStats())
+        stats = groups.setdefault(_group_name(row, by, null), GroupStats())
         count, code = row["count_all"], row["error_code"]
         stats.rows += count
         add_counts(stats.error_codes, {code: count} if code is not None else {})
@@ -187,21 +178,21 @@ def _add_table(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -
         stats.cached_tokens += row["cached_tokens_sum"] or 0
         stats.output_tokens += row["output_tokens_sum"] or 0
         stats.reasoning_tokens += row.get(f"{REASONING_TOKENS}_sum") or 0
-        if adapters:
-            _add_adapter(stats, row)
+        if adapters is not None:
+            _add_adapter(stats, row, adapters)
     if per_sample:
-        _add_sample_reasons(groups, table, by)
+        _add_sample_reasons(groups, table, by, null)
     ok = table.filter(pc.is_null(table.column("error_code")))
     if ok.num_rows and per_sample:
-        _add_lengths(groups, ok, by, (INPUT_LENGTHS,))
-        _add_lengths(groups, _per_sample_rows(ok, by), by, (OUTPUT_LENGTHS,))
+        _add_lengths(groups, ok, by, (INPUT_LENGTHS,), null)
+        _add_lengths(groups, _per_sample_rows(ok, by), by, (OUTPUT_LENGTHS,), null)
     elif ok.num_rows:
-        _add_lengths(groups, ok, by, (INPUT_LENGTHS, OUTPUT_LENGTHS))
+        _add_lengths(groups, ok, by, (INPUT_LENGTHS, OUTPUT_LENGTHS), null)
 
 
-def _add_adapter(stats: GroupStats, row: dict[str, Any]) -> None:
+def _add_adapter(stats: GroupStats, row: dict[str, Any], adapters: str) -> None:
     """A job with LoRA adapters: one aggregated row's usage under its adapter ("(base)": none)."""
-    name = BASE_NAME if row[LORA_COLUMN] is None else row[LORA_COLUMN]
+    name = BASE_NAME if row[adapters] is None else row[adapters]
     counts = {
         "rows": row["count_all"],
         "ok": row["count_all"] if row["error_code"] is None else 0,
@@ -212,12 +203,12 @@ def _add_adapter(stats: GroupStats, row: dict[str, Any]) -> None:
     add_counts(stats.by_lora.setdefault(name, dict.fromkeys(counts, 0)), counts)
 
 
-def _add_sample_reasons(groups: dict[str, GroupStats], table: pa.Table, by: str | None) -> None:
+def _add_sample_reasons(groups: dict[str, GroupStats], table: pa.Table, by: str | None, null: str) -> None:
     """n > 1: finish reasons counted per sample (each row holds a list of n)."""
     flat = _flatten(table, "finish_reason", by)
     keys = list(dict.fromkeys(([by] if by is not None else []) + ["finish_reason"]))
     for row in flat.group_by(keys, use_threads=False).aggregate([([], "count_all")]).to_pylist():
-        stats = groups.setdefault(_group_name(row, by), GroupStats())
+        stats = groups.setdefault(_group_name(row, by, null), GroupStats())
         add_counts(stats.finish_reasons, {_text(row["finish_reason"]): row["count_all"]})
         stats.samples += row["count_all"]
 
@@ -242,7 +233,11 @@ OUTPUT_LENGTHS = ("output_tokens", "output_lengths")
 
 
 def _add_lengths(
-    groups: dict[str, GroupStats], ok: pa.Table, by: str | None, histograms: tuple[tuple[str, str], ...]
+    groups: dict[str, GroupStats],
+    ok: pa.Table,
+    by: str | None,
+    histograms: tuple[tuple[str, str], ...],
+    null: str = NULL_NAME,
 ) -> None:
     """Length histograms of ok rows: rows sorted by group, then one vectorized count per group."""
     if by is None:
@@ -252,7 +247,7 @@ def _add_lengths(
         if pa.types.is_dictionary(column.type):  # why: its own dictionary would keep nulls out of it
             column = column.cast(column.type.value_type)
         encoded = pc.dictionary_encode(column, null_encoding="encode")
-        names = [_text(v, by) for v in encoded.dictionary.to_pylist()]
+        names = [_text(v, null) for v in encoded.dictionary.to_pylist()]
         index = encoded.indices.to_numpy(zero_copy_only=False)
     order = np.argsort(index, kind="stable")
     cuts = np.flatnonzero(np.diff(index[order])) + 1
@@ -264,46 +259,17 @@ def _add_lengths(
             getattr(stats, attr).add_many(values, counts)
 
 
-def _group_name(row: dict[str, Any], by: str | None) -> str:
-    return "all" if by is None else _text(row[by], by)
+def _group_name(row: dict[str, Any], by: str | None, null: str = NULL_NAME) -> str:
+    return "all" if by is None else _text(row[by], null)
 
 
-def _text(value: Any, by: str | None = None) -> str:
-    """A group's name. Why "(base)" for a null `lora`: a null adapter is the base model, named so by
-    `_SUCCESS`'s per-adapter totals too; an error row keeps the adapter name it asked for."""
-    if value is None:
-        return BASE_NAME if by == LORA_COLUMN else NULL_NAME
-    return str(value)
+def _null_name(by: str | None, adapters: str | None) -> str:
+    """The name of the group of null `by` values. Why "(base)" for batchgen's adapter column: a null
+    adapter is the base model, named so by `_SUCCESS`'s per-adapter totals too (an error row keeps
+    the adapter name it asked for); a user's column that is merely named `lora` is any column."""
+    return BASE_NAME if by is not None and by == adapters else NULL_NAME
 
 
-def _status(storage: Storage, num_parts: int, totals: GroupStats) -> OutputStatus:
-    success = storage.describe(SUCCESS_NAME)
-    try:
-        text = storage.read_text(SUCCESS_NAME)
-        if text is None:
-            return OutputStatus(parts=num_parts, finished=False)
-        manifest = json.loads(text)
-    except (OSError, ValueError) as exc:
-        return OutputStatus(parts=num_parts, finished=True, mismatches=[f"cannot read {success}: {exc}"])
-    mixed = [describe_runtime(r) for r in manifest.get("runtimes", [])] if manifest.get("precision_changed") else []
-    return OutputStatus(num_parts, True, _mismatches(manifest, num_parts, totals), mixed)
-
-
-def _mismatches(manifest: dict[str, Any], num_parts: int, totals: GroupStats) -> list[str]:
-    """Each figure of `_SUCCESS` that the committed parts do not reproduce."""
-    rows, tokens = manifest.get("rows") or {}, manifest.get("tokens") or {}
-    expected: list[tuple[str, Any, Any]] = [
-        ("rows.total", rows.get("total"), totals.rows),
-        ("rows.ok", rows.get("ok"), totals.ok_rows),
-        ("rows.error", rows.get("error"), totals.error_rows),
-        ("tokens.input", tokens.get("input"), totals.input_tokens),
-        ("tokens.cached", tokens.get("cached"), totals.cached_tokens),
-        ("tokens.output", tokens.get("output"), totals.output_tokens),
-        ("tokens.reasoning", tokens.get("reasoning", 0), totals.reasoning_tokens),
-        ("parts", manifest.get("parts"), num_parts),
-        ("error_codes", manifest.get("error_codes"), totals.error_codes),
-        ("finish_reasons", manifest.get("finish_reasons"), totals.finish_reasons),
-    ]
-    if "lora" in manifest:  # a job with LoRA adapters: rows and tokens per adapter
-        expected.append(("lora", manifest["lora"], totals.by_lora))
-    return [f"{name}: _SUCCESS says {said}, the parts hold {held}" for name, said, held in expected if said != held]
+def _text(value: Any, null: str = NULL_NAME) -> str:
+    """A group's name (`null`: the name of the null value's group)."""
+    return null if value is None else str(value)

@@ -31,3 +31,16 @@ def running(ctx: ForwardContext, layer_idx: int = 0) -> Iterator[Layer]:
     bind_layers(layer, backend)
     with backend.running(ctx):
         yield layer
+
+
+class DirectStager:
+    """Each tensor straight to its device (the engine stages through its Transfers: planning.Stager)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def stage(self, values: torch.Tensor) -> torch.Tensor:
+        return values.to(self.device)
+
+
+CPU_STAGER = DirectStager(torch.device("cpu"))

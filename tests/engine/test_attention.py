@@ -17,7 +17,7 @@ from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_rows import DecodeRows
 from batchgen.engine.cpu.rows_view import RowsView
 
-from .attention_harness import Layer, running
+from .attention_harness import CPU_STAGER, Layer, running
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -107,9 +107,7 @@ def _run_case(
     rounded = [[t.to(dtype) for t in ts] for ts in (full_k, full_v, queries)]
     full_k, full_v, queries = ([t.float() for t in ts] for ts in rounded)
     pool = (k_cache.to(dtype), v_cache.to(dtype))
-    ctx, positions, order = build_forward_context(
-        chunks, _source(decode_kv, dtype, softcap), [pool], BLOCK, torch.device("cpu")
-    )
+    ctx, positions, order = build_forward_context(chunks, _source(decode_kv, dtype, softcap), [pool], BLOCK, CPU_STAGER)
     query = torch.cat([rounded[2][i] for i in order], dim=1)[None]  # [1, H, T, D], packed order
     key = torch.cat([rounded[0][i][:, specs[i][0] :] for i in order], dim=1)[None]  # [1, KVH, T, D]
     value = torch.cat([rounded[1][i][:, specs[i][0] :] for i in order], dim=1)[None]
@@ -185,7 +183,7 @@ def test_new_kv_lands_in_the_slot_mapping() -> None:
     k_cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
     v_cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
     ctx, _, _ = build_forward_context(
-        [_chunk(0, 2, 3, [3, 1], False)], _source("gather"), [(k_cache, v_cache)], BLOCK, torch.device("cpu")
+        [_chunk(0, 2, 3, [3, 1], False)], _source("gather"), [(k_cache, v_cache)], BLOCK, CPU_STAGER
     )
     assert ctx.slot_mapping.tolist() == [3 * BLOCK + 2, 3 * BLOCK + 3, 1 * BLOCK + 0]
     key = torch.randn(1, KV_HEADS, 3, DIM)
@@ -204,11 +202,9 @@ def test_a_decode_only_step_gets_the_slots_the_general_path_gives(decode_kv: str
         _chunk(i, start, 1, table, True) for i, (start, table) in enumerate([(0, [5]), (4, [2, 9]), (7, [1, 3])])
     ]
     mixed = [*decodes, _chunk(9, 2, 5, [7, 8], False)]
-    ctx, positions, order = build_forward_context(
-        decodes, _source(decode_kv), caches, BLOCK, torch.device("cpu"), padded_len=8
-    )
+    ctx, positions, order = build_forward_context(decodes, _source(decode_kv), caches, BLOCK, CPU_STAGER, padded_len=8)
     ctx_mixed, positions_mixed, order_mixed = build_forward_context(
-        mixed, _source(decode_kv), caches, BLOCK, torch.device("cpu")
+        mixed, _source(decode_kv), caches, BLOCK, CPU_STAGER
     )
     assert order == order_mixed[:3] and ctx.num_tokens == 3 and ctx.prefills == []
     assert positions.tolist()[:3] == positions_mixed.tolist()[:3] and positions.tolist()[3:] == [0] * 5
@@ -222,7 +218,7 @@ def test_attention_sinks_are_refused() -> None:
         _source("gather"),
         [(torch.zeros(1, BLOCK, 1, DIM),) * 2],
         BLOCK,
-        torch.device("cpu"),
+        CPU_STAGER,
     )
     with running(ctx) as layer, pytest.raises(NotImplementedError, match="attention sinks"):
         paged_attention_forward(
@@ -244,7 +240,7 @@ def test_outside_the_runner_is_an_error() -> None:
         _source("gather"),
         [(torch.zeros(1, BLOCK, 1, DIM),) * 2],
         BLOCK,
-        torch.device("cpu"),
+        CPU_STAGER,
     )
     with running(ctx) as layer:
         pass

@@ -25,7 +25,7 @@ from batchgen.engine.attention.path import (
 )
 from batchgen.engine.attention.planning import build_forward_context
 
-from .attention_harness import running
+from .attention_harness import CPU_STAGER, running
 from .test_attention import BLOCK, DIM, HEADS, KV_HEADS, _chunk, _reference
 from .varlen_reference import reference_varlen_attn
 
@@ -99,7 +99,7 @@ def _run_varlen(specs: list[tuple[int, int]], window: int | None, monkeypatch: p
         values.append(v)
         queries.append(torch.randn(HEADS, n, DIM, generator=gen))
     source = GatheredBlocks(BLOCK, torch.device("cpu"))
-    ctx, _, order = build_forward_context(chunks, source, [(k_cache, v_cache)], BLOCK, torch.device("cpu"), True)
+    ctx, _, order = build_forward_context(chunks, source, [(k_cache, v_cache)], BLOCK, CPU_STAGER, True)
     assert ctx.flash is not None and ctx.decodes is None and ctx.prefills == []
     assert order == list(range(len(specs)))  # nothing is reordered: no decode groups
     query = torch.cat(queries, dim=1)[None]  # [1, H, T, D]
@@ -121,7 +121,7 @@ def test_varlen_metadata() -> None:
     chunks = [_chunk(0, 5, 1, [3, 1], True), _chunk(1, 0, 6, [0, 2], False)]
     source = GatheredBlocks(BLOCK, torch.device("cpu"))
     caches = [(torch.zeros(4, BLOCK, KV_HEADS, DIM),) * 2]
-    ctx, positions, _ = build_forward_context(chunks, source, caches, BLOCK, torch.device("cpu"), True)
+    ctx, positions, _ = build_forward_context(chunks, source, caches, BLOCK, CPU_STAGER, True)
     meta = ctx.flash
     assert meta is not None
     assert meta.cu_seqlens_q.tolist() == [0, 1, 7] and meta.cu_seqlens_k.tolist() == [0, 6, 12]
@@ -134,7 +134,7 @@ def test_soft_capping_never_reaches_the_varlen_kernel(monkeypatch: pytest.Monkey
     monkeypatch.setattr(attention_path, "VARLEN_ATTN", reference_varlen_attn)
     source = GatheredBlocks(BLOCK, torch.device("cpu"))
     caches = [(torch.zeros(2, BLOCK, KV_HEADS, DIM),) * 2]
-    ctx, _, _ = build_forward_context([_chunk(0, 0, 2, [0], False)], source, caches, BLOCK, torch.device("cpu"), True)
+    ctx, _, _ = build_forward_context([_chunk(0, 0, 2, [0], False)], source, caches, BLOCK, CPU_STAGER, True)
     qkv = torch.randn(1, HEADS, 2, DIM), torch.randn(1, KV_HEADS, 2, DIM), torch.randn(1, KV_HEADS, 2, DIM)
     with running(ctx) as layer, pytest.raises(RuntimeError, match="soft-caps"):
         paged_attention_forward(layer, *qkv, None, softcap=2.0)

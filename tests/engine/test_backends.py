@@ -21,7 +21,7 @@ from batchgen.engine.attention.interface import BINDING, paged_attention_forward
 from batchgen.engine.attention.planning import build_forward_context
 from batchgen.engine.cpu.backend import CpuBackend
 
-from .attention_harness import Layer, running
+from .attention_harness import CPU_STAGER, Layer, running
 from .test_attention import BLOCK, DIM, HEADS, KV_HEADS, _chunk, _source
 
 PROMPTS = [[(7 * i + j) % 250 + 2 for j in range(3 + 9 * i)] for i in range(6)]
@@ -111,9 +111,7 @@ def test_every_attention_module_is_bound_to_its_engines_backend_by_layer_index(
 def test_a_layer_reaches_its_own_pool_whatever_order_layers_run_in() -> None:
     """Layer 1 called before layer 0 (and no call for layer 2) still writes pool 1, then pool 0."""
     pools = [(torch.zeros(4, BLOCK, KV_HEADS, DIM), torch.zeros(4, BLOCK, KV_HEADS, DIM)) for _ in range(3)]
-    ctx, _, _ = build_forward_context(
-        [_chunk(0, 0, 3, [2], False)], _source("gather"), pools, BLOCK, torch.device("cpu")
-    )
+    ctx, _, _ = build_forward_context([_chunk(0, 0, 3, [2], False)], _source("gather"), pools, BLOCK, CPU_STAGER)
     keys = [torch.randn(1, KV_HEADS, 3, DIM) for _ in range(3)]
     with running(ctx, layer_idx=1) as second:
         backend = getattr(second, BINDING).backend

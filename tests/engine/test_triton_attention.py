@@ -26,6 +26,8 @@ from batchgen.engine.triton import support
 from batchgen.engine.triton.backend import TritonBackend
 from batchgen.engine.triton.plan import tile_map, tile_rows
 
+from .attention_harness import DirectStager
+
 if not support.interpreting() and not torch.cuda.is_available():
     pytest.skip("neither Triton's interpreter nor CUDA", allow_module_level=True)
 
@@ -83,7 +85,7 @@ class Step:
         pools = [(k.to(DEVICE, copy=True), v.to(DEVICE, copy=True)) for k, v in self.pools]
         triton = backend_cls is TritonBackend
         backend = TritonBackend(pools, BLOCK, DEVICE, self.heads) if triton else TorchBackend(pools, BLOCK, DEVICE)
-        ctx, _, order = backend.plan(self.chunks, padded_len=self.key.shape[1])
+        ctx, _, order = backend.plan(self.chunks, DirectStager(DEVICE), padded_len=self.key.shape[1])
         assert order == list(range(len(self.chunks))) or not triton  # the torch backend packs decodes first
         starts = [0]
         for _, new in self.specs:

@@ -190,16 +190,10 @@ def _feature_checks(s: SamplingParams) -> list[tuple[str, bool, str]]:
     allowed = s.allowed_token_ids
     return [
         ("repetition_penalty", is_finite(s.repetition_penalty) and s.repetition_penalty > 0.0, "a number > 0"),
-        (
-            "presence_penalty",
-            is_finite(s.presence_penalty) and -2.0 <= s.presence_penalty <= 2.0,
-            "a number in [-2, 2]",
-        ),
-        (
-            "frequency_penalty",
-            is_finite(s.frequency_penalty) and -2.0 <= s.frequency_penalty <= 2.0,
-            "a number in [-2, 2]",
-        ),
+        *[
+            (name, is_finite(v) and -2.0 <= v <= 2.0, "a number in [-2, 2]")
+            for name, v in (("presence_penalty", s.presence_penalty), ("frequency_penalty", s.frequency_penalty))
+        ],
         (
             "logit_bias",
             bias is None

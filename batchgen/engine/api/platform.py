@@ -25,16 +25,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 GreedyIds = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]  # logits [n, V] -> (ids, NaN flag)
 
 
-class StepHook(Protocol):
+class StepHook:
     """What runs before each step (the CPU's thread governor); `forget` after the process's own
-    burst of work (a compile), so it is not read as busy neighbours."""
+    burst of work (a compile), so it is not read as busy neighbours. This one does nothing."""
 
-    def tick(self) -> None: ...
-
-    def forget(self) -> None: ...
-
-
-class NoHook:
     def tick(self) -> None:
         return None
 
@@ -135,8 +129,8 @@ class Platform:
         """What engine.compile `auto` means here: only where compiling was measured to win."""
         return False
 
-    def compile_policy(self, hook: StepHook) -> CompilePolicy:
-        """What a compiled forward is told here; `hook`: this runner's step hook."""
+    def compile_policy(self) -> CompilePolicy:
+        """What a compiled forward is told here."""
         return CompilePolicy()
 
     def prepare_process(self) -> None:
@@ -152,7 +146,7 @@ class Platform:
 
     def step_hook(self) -> StepHook:
         """A new hook for one runner's steps (the thread policy)."""
-        return NoHook()
+        return StepHook()
 
     def memory_probe(self) -> MemoryProbe | None:
         """How the KV pool's profiling forward reads device memory; None: not profiled here."""

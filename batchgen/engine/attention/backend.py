@@ -53,18 +53,11 @@ class AttentionBackend:
         return self.name
 
     def plan(
-        self, chunks: Sequence[PlannedChunk], stager: Stager | None = None, padded_len: int | None = None
+        self, chunks: Sequence[PlannedChunk], stager: Stager, padded_len: int | None = None
     ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
         """The step's plan -> (context, positions [T], packed order of the chunks); tensors staged in `stager`."""
         return build_forward_context(
-            chunks,
-            self.decode_kv,
-            self.kv_caches,
-            self.block_size,
-            self.device,
-            self.flash,
-            transfers=stager,
-            padded_len=padded_len,
+            chunks, self.decode_kv, self.kv_caches, self.block_size, stager, self.flash, padded_len
         )
 
     @contextmanager

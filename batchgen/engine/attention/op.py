@@ -81,37 +81,16 @@ def paged_attention(
         raise
 
 
-@paged_attention.register_fake
-def _out_shape(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    backend: int,
-    layer: int,
-) -> torch.Tensor:
+def _out_shape(query: torch.Tensor, *_: object) -> torch.Tensor:
+    """Both ops' fake: query [H, T, D] -> [T, H, D]."""
     return query.new_empty(query.shape[1], query.shape[0], query.shape[2])
 
 
-def _front_shape(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    backend: int,
-    layer: int,
-    plan_cell: int,
-) -> torch.Tensor:
-    return _out_shape(query, key, value, scale, window, softcap, backend, layer)
-
+paged_attention.register_fake(_out_shape)
 
 torch.library.define(
     FRONT_OP_NAME,
     "(Tensor query, Tensor key, Tensor value, float scale, SymInt? window, float? softcap, int backend, int layer,"
     " int plan_cell) -> Tensor",
 )
-torch.library.register_fake(FRONT_OP_NAME)(_front_shape)
+torch.library.register_fake(FRONT_OP_NAME)(_out_shape)

@@ -41,16 +41,6 @@ class Stager(Protocol):
     def stage(self, values: torch.Tensor) -> torch.Tensor: ...
 
 
-class DirectStager:
-    """Each tensor straight to the device (for callers without a Transfers)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def stage(self, values: torch.Tensor) -> torch.Tensor:
-        return values.to(self.device)
-
-
 def int64_tensor(values: Sequence[int]) -> torch.Tensor:
     """Python ints -> a 1-D int64 CPU tensor (why an array: ~1.8 us for 64 ints, torch.tensor ~10.7 us)."""
     if not values:  # why: frombuffer refuses an empty buffer
@@ -85,17 +75,14 @@ def build_forward_context(
     decode_kv: DecodeKVSource,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     block_size: int,
-    device: torch.device,
+    transfers: Stager,
     flash: bool = False,
-    *,
-    transfers: Stager | None = None,
     padded_len: int | None = None,
 ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
     """Step metadata for `chunks` (batch order) -> (context, positions [T], packed order of the chunks).
 
     `padded_len` >= the step's tokens pads positions (0) and the slot mapping (-1, not stored).
     """
-    transfers = transfers or DirectStager(device)
     order, step, num_dec = _packed_order(chunks, decode_kv, flash)
     packed = [chunks[i] for i in order]
     needed = [math.ceil((c.start + c.num_tokens) / block_size) for c in packed]

@@ -167,10 +167,7 @@ class BlockManager:
         self.ref_counts = [0] * self.num_blocks
         self._free = OrderedDict((b, None) for b in range(self.num_blocks))
         self._tables.clear()
-        self.block_hashes = [None] * self.num_blocks
-        self.hash_to_block.clear()
-        self._seq_hashes.clear()
-        self._copies.clear()
+        self.reset_prefix_cache()  # nothing is held now
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (after a failed forward, registered blocks may hold poisoned K/V); only

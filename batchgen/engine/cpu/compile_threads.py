@@ -21,26 +21,8 @@ logger = logging.getLogger(__name__)
 
 class ThreadedCompile(CompilePolicy):
     """inductor's C++ wrapper and run-time thread counts; dynamo's global-state guard replaced by
-    AmbientState, which checks the same state less the thread count."""
-
-    def __init__(self) -> None:
-        self.ambient = AmbientState()
-
-    def options(self) -> dict[str, Any]:
-        """Kernels whose thread count is read when they run, planned for the threads the engine starts with."""
-        return {"cpp_wrapper": True, "cpp.dynamic_threads": True, "cpp.threads": torch.get_num_threads()}
-
-    def drops_guard(self, entry: Any) -> bool:
-        return bool(entry.guard_type == "GLOBAL_STATE")  # AmbientState checks it, less the thread count
-
-    def matches(self) -> bool:
-        return self.ambient.matches()
-
-
-class AmbientState:
-    """The global state a compiled forward was traced under, checked before each call less the thread
-    count (dynamo's GlobalStateGuard, its count moved to the governor's); another state runs eager.
-    """
+    `matches`, which checks the same state less the thread count (dynamo's GlobalStateGuard, its
+    count moved to the governor's); another state runs eager."""
 
     def __init__(self) -> None:
         guards = getattr(torch._C._dynamo, "guards", None)
@@ -49,6 +31,13 @@ class AmbientState:
         self._guard: Any = None  # dynamo's GlobalStateGuard of the traced state, at _threads threads
         self._threads = 0
         self._warned = False
+
+    def options(self) -> dict[str, Any]:
+        """Kernels whose thread count is read when they run, planned for the threads the engine starts with."""
+        return {"cpp_wrapper": True, "cpp.dynamic_threads": True, "cpp.threads": torch.get_num_threads()}
+
+    def drops_guard(self, entry: Any) -> bool:
+        return bool(entry.guard_type == "GLOBAL_STATE")  # matches() checks it, less the thread count
 
     def matches(self) -> bool:
         if self._make_guard is None:

@@ -41,65 +41,45 @@ REPEATS = 7
 
 def keys_transposed(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int) -> bool:
     """Whether decode rows of this shape store keys transposed (batched products) rather than as rows (SDPA)."""
-    if dtype == torch.float32:
-        return True
-    path = choice_path("decode-layout", f"{dtype}\0{kv_heads}\0{group}\0{head_dim}")
-    stored = read_choice(path, "transposed")
-    if stored is not None:
-        return bool(stored)
-    batched, sdpa = _time_both(dtype, kv_heads, group, head_dim)
-    if batched >= sdpa:  # a second round first: a busy spell can stall oneDNN's threads for a whole round
-        again = _time_both(dtype, kv_heads, group, head_dim)
-        batched, sdpa = min(batched, again[0]), min(sdpa, again[1])
-    choice = batched < sdpa
-    logger.info(
-        "decode attention in %s (KVH %d, G %d, D %d): batched products %.2f ms, SDPA %.2f ms: %s",
-        dtype, kv_heads, group, head_dim, batched * 1e3, sdpa * 1e3, "batched" if choice else "SDPA",
-    )  # fmt: skip
-    return bool(write_once(path, "transposed", {"transposed": choice, "batched_s": batched, "sdpa_s": sdpa}))
+    return dtype == torch.float32 or _first_wins("decode-layout", "transposed", dtype, kv_heads, group, head_dim)
 
 
 def native_wins(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int, kernels: NativeKernels) -> bool:
     """Whether the native kernel attends this shape's decodes faster than torch's better path
     (float32: always taken, untimed; other dtypes than bf16: never, the kernel cannot read them)."""
-    if dtype == torch.float32:
-        return True
-    if dtype not in native.KERNEL_DTYPES:
-        return False
-    path = choice_path("decode-native", f"{kernels.path.name}\0{dtype}\0{kv_heads}\0{group}\0{head_dim}")
-    stored = read_choice(path, "native")
+    if dtype == torch.float32 or dtype not in native.KERNEL_DTYPES:
+        return dtype == torch.float32
+    return _first_wins("decode-native", "native", dtype, kv_heads, group, head_dim, kernels)
+
+
+def _first_wins(
+    folder: str, field: str, dtype: torch.dtype, kvh: int, g: int, d: int, kernels: NativeKernels | None = None
+) -> bool:
+    """Whether the first path of _time_paths (the native kernel with `kernels`, else the batched
+    products) is faster than the others: the cached answer, else measured and cached."""
+    key = f"{dtype}\0{kvh}\0{g}\0{d}"
+    path = choice_path(folder, key if kernels is None else f"{kernels.path.name}\0{key}")
+    stored = read_choice(path, field)
     if stored is not None:
         return bool(stored)
-    ours, batched, sdpa = _time_all(dtype, kv_heads, group, head_dim, kernels)
-    if ours >= min(batched, sdpa):  # a second round first, as keys_transposed does
-        again = _time_all(dtype, kv_heads, group, head_dim, kernels)
-        ours, batched, sdpa = min(ours, again[0]), min(batched, again[1]), min(sdpa, again[2])
-    choice = ours < min(batched, sdpa)
+    times = _time_paths(dtype, kvh, g, d, kernels)
+    first, *others = times
+    if times[first] >= min(times[o] for o in others):  # a second round first: a busy spell can stall
+        again = _time_paths(dtype, kvh, g, d, kernels)  # oneDNN's threads for a whole round
+        times = {name: min(s, again[name]) for name, s in times.items()}
+    choice = times[first] < min(times[o] for o in others)
     logger.info(
-        "decode attention in %s (KVH %d, G %d, D %d): native kernel %.2f ms, batched products %.2f ms, "
-        "SDPA %.2f ms: %s",
-        dtype, kv_heads, group, head_dim, ours * 1e3, batched * 1e3, sdpa * 1e3, "native" if choice else "torch",
+        "decode attention in %s (KVH %d, G %d, D %d): %s: %s",
+        dtype, kvh, g, d, ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in times.items()),
+        first if choice else "the others",
     )  # fmt: skip
-    record = {"native": choice, "native_s": ours, "batched_s": batched, "sdpa_s": sdpa}
-    return bool(write_once(path, "native", record))
+    record = {field: choice, **{f"{name}_s": s for name, s in times.items()}}
+    return bool(write_once(path, field, record))
 
 
-def _time_both(dtype: torch.dtype, kvh: int, g: int, d: int) -> tuple[float, float]:
-    """Best seconds of each torch path over REPEATS interleaved runs (one warm-up each), same inputs."""
-    batched, sdpa, _ = _time_paths(dtype, kvh, g, d, None)
-    return batched, sdpa
-
-
-def _time_all(dtype: torch.dtype, kvh: int, g: int, d: int, kernels: NativeKernels) -> tuple[float, float, float]:
-    """Best seconds of the native kernel, the batched products and SDPA, interleaved, same inputs."""
-    batched, sdpa, ours = _time_paths(dtype, kvh, g, d, kernels)
-    return ours, batched, sdpa
-
-
-def _time_paths(
-    dtype: torch.dtype, kvh: int, g: int, d: int, kernels: NativeKernels | None
-) -> tuple[float, float, float]:
-    """Best seconds of the batched products, SDPA and (with `kernels`) the native kernel (else inf)."""
+def _time_paths(dtype: torch.dtype, kvh: int, g: int, d: int, kernels: NativeKernels | None) -> dict[str, float]:
+    """Best seconds of each path over REPEATS interleaved runs (one warm-up each), same inputs:
+    {"native": (with `kernels`), "batched": batched products, "sdpa": SDPA}."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(ROWS, kvh, g, d, generator=gen).to(dtype)  # [B, KVH, G, D]
     # as the rows hold them: LENGTH positions of rows CAPACITY long
@@ -117,16 +97,18 @@ def _time_paths(
     def sdpa() -> None:
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
-    paths = [batched, sdpa] + ([_native_call(kernels, dtype, kvh, g, d, gen)] if kernels is not None else [])
-    best = [float("inf")] * 3
+    paths = {"batched": batched, "sdpa": sdpa}
+    if kernels is not None:
+        paths = {"native": _native_call(kernels, dtype, kvh, g, d, gen), **paths}
+    best = dict.fromkeys(paths, float("inf"))
     with torch.inference_mode():
         for i in range(REPEATS + 1):
-            for side, fn in enumerate(paths):
+            for name, fn in paths.items():
                 started = time.perf_counter()
                 fn()
                 if i:
-                    best[side] = min(best[side], time.perf_counter() - started)
-    return best[0], best[1], best[2]
+                    best[name] = min(best[name], time.perf_counter() - started)
+    return best
 
 
 def _native_call(

@@ -41,7 +41,7 @@ class CpuPlatform(Platform):
     def compiles_by_default(self) -> bool:
         return any(shutil.which(name) for name in (os.environ.get("CXX") or "c++", "g++", "clang++"))
 
-    def compile_policy(self, hook: StepHook) -> CompilePolicy:
+    def compile_policy(self) -> CompilePolicy:
         return ThreadedCompile()
 
     def prepare_process(self) -> None:

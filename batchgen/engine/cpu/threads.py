@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.engine.api.platform import StepHook
 from batchgen.engine.cpu import host
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def threads_for(limit: int, cpus: int, before: Sample, after: Sample) -> int:
     return max(1, min(limit, math.floor(cpus - others + ROUND_UP)))
 
 
-class ThreadGovernor:
+class ThreadGovernor(StepHook):
     """Sets torch's intra-op threads for a CPU engine from its CPUs' load; `tick()` once per step."""
 
     def __init__(self, enabled: bool = True) -> None:

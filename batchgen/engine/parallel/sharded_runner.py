@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel
 
 from batchgen.engine.core.runner_output import ModelRunnerOutput
@@ -17,27 +16,15 @@ from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch
 from batchgen.engine.parallel.collectives import CollectiveError
 from batchgen.engine.parallel.group import DEATH_WAIT_S, TensorParallelError, TensorParallelGroup
 from batchgen.engine.runner.model_runner import ModelRunner
-from batchgen.engine.runner.models import KVSpec
 
 
 class ShardedRunner(ModelRunner):
-    def __init__(
-        self,
-        group: TensorParallelGroup,
-        model: PreTrainedModel,
-        spec: KVSpec,
-        block_size: int,
-        num_kv_blocks: int,
-        device: torch.device,
-        dtype: torch.dtype,
-        *rest: Any,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, group: TensorParallelGroup, model: PreTrainedModel, *args: Any, **kwargs: Any) -> None:
+        """`args`, `kwargs`: ModelRunner's after the model (spec, block_size, num_kv_blocks, device, dtype, ...)."""
         self.group = group
         kwargs = {**kwargs, "compile": False}  # why: see README, tensor parallelism
-        worker_kwargs = {k: v for k, v in kwargs.items() if k != "sampler"}
-        group.send(("build", spec, block_size, num_kv_blocks, dtype, rest, worker_kwargs))
-        super().__init__(model, spec, block_size, num_kv_blocks, device, dtype, *rest, **kwargs)
+        group.send(("build", args, {k: v for k, v in kwargs.items() if k != "sampler"}))
+        super().__init__(model, *args, **kwargs)
 
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         self.group.check()

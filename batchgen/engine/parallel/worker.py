@@ -83,7 +83,7 @@ def _serve(
         if kind == "stop":
             return 0
         if kind == "build":
-            _, spec, block_size, num_kv_blocks, run_dtype, rest, kwargs = message
+            _, (spec, block_size, num_kv_blocks, _, run_dtype, *rest), kwargs = message  # on this rank's device
             runner = ModelRunner(model, spec, block_size, num_kv_blocks, device, run_dtype, *rest, **kwargs)
             continue
         if runner is None:

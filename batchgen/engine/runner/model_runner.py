@@ -148,7 +148,7 @@ class ModelRunner:
             fallback=compile_fallback,
             take_raised=self.backend.take_raised,
             on_compiled=self.step_hook.forget,  # why: the load while compiling was ours, not the neighbours'
-            policy=self.platform.compile_policy(self.step_hook),
+            policy=self.platform.compile_policy(),
         )
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead), all
         # captured now: none in the middle of a job (cuda/graphs)

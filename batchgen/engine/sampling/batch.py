@@ -16,6 +16,7 @@ import torch
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence
+from batchgen.engine.sampling.feature_plan import plan_features
 from batchgen.engine.sampling.logprobs import LogprobRows
 from batchgen.engine.sampling.penalties import FeaturePlan, FeatureRow, LogitsFeatures
 from batchgen.engine.staging.transfers import Transfers
@@ -216,7 +217,7 @@ class SamplingBatch:
             others = sorted(set(range(len(sample_rows))) - set(seeded))
             unseeded = stage(torch.tensor(others), keep=True)
         picked_features = [(i, f) for i, r in enumerate(rows) if (f := self._features[r]) is not None]
-        plan = self.features.plan(picked_features, self.transfers) if picked_features else None
+        plan = plan_features(picked_features, self.transfers) if picked_features else None
         return SamplingStep(
             seq_ids=seq_ids,
             rows=rows,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.sampling.feature_plan import FeaturePlan, FeatureRow, plan_features, stage_step_inputs
+from batchgen.engine.sampling.feature_plan import FeaturePlan, FeatureRow
 from batchgen.engine.sampling.penalty_state import PenaltyTables
 from batchgen.engine.sampling.structured import GrammarCache, StructuredError, apply_bitmask
 from batchgen.engine.staging.transfers import Transfers
@@ -80,14 +80,6 @@ class LogitsFeatures:
         """Every row is gone (an aborted generate)."""
         if self.tables is not None:
             self.tables.clear()
-
-    def plan(self, picked: list[tuple[int, FeatureRow]], staging: Transfers) -> FeaturePlan:
-        """The device tensors of these rows' features, kept while the step's rows are unchanged."""
-        return plan_features(picked, staging)
-
-    def prepare(self, plan: FeaturePlan, staging: Transfers) -> None:
-        """This step's own inputs (bad-word bans from the tails, grammar bitmasks), staged."""
-        stage_step_inputs(plan, staging, self.vocab_size)
 
     def apply(self, logits: torch.Tensor, plan: FeaturePlan) -> torch.Tensor:
         """Processed logits (a new tensor); the plan names the rows with features and holds their inputs."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from batchgen.engine.sampling.batch import SamplingStep
+from batchgen.engine.sampling.feature_plan import stage_step_inputs
 from batchgen.engine.sampling.penalties import LogitsFeatures
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class Sampler:
             if rows:
                 step.banned = staging.stage(torch.tensor([rows, cols]))  # [2, n]
         if step.features is not None:
-            self.features.prepare(step.features, staging)
+            stage_step_inputs(step.features, staging, self.features.vocab_size)
 
     def sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
         """One token id per row of `logits` [n, V] -> [n] int64, on the device."""

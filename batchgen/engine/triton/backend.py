@@ -44,12 +44,10 @@ class TritonBackend(AttentionBackend):
         return "triton (paged kernel, interpreted)" if interpreting() else "triton (paged kernel)"
 
     def plan(
-        self, chunks: Sequence[PlannedChunk], stager: Stager | None = None, padded_len: int | None = None
+        self, chunks: Sequence[PlannedChunk], stager: Stager, padded_len: int | None = None
     ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
         """The step's plan -> (context, positions [T], packed order: batch order); staged in `stager`."""
-        return plan_step(
-            chunks, self.decode_kv, self.kv_caches, self.block_size, self.device, self.group, stager, padded_len
-        )
+        return plan_step(chunks, self.decode_kv, self.kv_caches, self.block_size, self.group, stager, padded_len)
 
     def run_layer(
         self,

@@ -21,7 +21,7 @@ import torch
 
 from batchgen.engine.attention.decode_kv import DecodeKVSource
 from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk
-from batchgen.engine.attention.planning import DirectStager, PlannedChunk, Stager, build_forward_context, int64_tensor
+from batchgen.engine.attention.planning import PlannedChunk, Stager, build_forward_context, int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
 
 DECODE_ROWS = 16
@@ -90,16 +90,14 @@ def plan_step(
     decode_kv: DecodeKVSource,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     block_size: int,
-    device: torch.device,
     group: int,
-    stager: Stager | None = None,
+    stager: Stager,
     padded_len: int | None = None,
 ) -> tuple[TritonContext, torch.Tensor, list[int]]:
     """The step's plan -> (context, positions [T], packed order = batch order); every tensor staged in `stager`."""
-    stager = stager or DirectStager(device)
     # why the varlen planning: it is exactly "every chunk reads the pool" (no decode is planned by the source)
     ctx, positions, order = build_forward_context(
-        chunks, decode_kv, kv_caches, block_size, device, flash=True, transfers=stager, padded_len=padded_len
+        chunks, decode_kv, kv_caches, block_size, stager, flash=True, padded_len=padded_len
     )
     meta = ctx.flash
     if meta is None:  # pragma: no cover - build_forward_context always sets it when asked

@@ -277,8 +277,8 @@ class VisionInputs:
         """M-RoPE positions of the packed row, [3, num_rows] (padding: 0): prompt tokens take their
         request's rotary positions, generated ones index + delta on all three axes.
 
-        Why in whole-row tensor ops: every row first gets index + its request's delta (one
-        repeat_interleave over the chunks in packed order), then only the chunks that still hold
+        Why in whole-row tensor ops: every row first gets index + its request's delta (a running
+        sum over the chunks in packed order), then only the chunks that still hold
         prompt tokens overwrite theirs with a slice of their request's precomputed table. A decode
         step (every chunk one generated token) thus costs a few tensor ops, not a loop of them."""
         out = torch.zeros(3, num_rows, dtype=torch.int64)

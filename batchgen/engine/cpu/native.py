@@ -103,11 +103,14 @@ LIBRARIES = {
             "attention",
             ("decode_attention.c", "decode_attention_bf16.c"),
             "decode attention runs on torch ops",
-            ("decode_args.h",),
+            ("decode_args.h", "bf16.h"),
         ),
-        Library("argmax", ("row_argmax.c", "row_argmax_bf16.c"), "greedy's argmax runs on torch.max"),
+        Library("argmax", ("row_argmax.c", "row_argmax_bf16.c"), "greedy's argmax runs on torch.max", ("bf16.h",)),
         Library(
-            "linear", ("skinny_linear.c", "wide_linear.c", "skinny_linear_bf16.c"), "linear layers run on torch's BLAS"
+            "linear",
+            ("skinny_linear.c", "wide_linear.c", "skinny_linear_bf16.c"),
+            "linear layers run on torch's BLAS",
+            ("bf16.h",),
         ),
     )
 }

@@ -31,6 +31,7 @@
  */
 #include <float.h>
 #include <stdint.h>
+#include "bf16.h"
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
@@ -43,21 +44,8 @@
  * is rounded, to nearest even as torch rounds). Its exported names end in _bf16. */
 #ifdef BATCHGEN_BF16
 typedef uint16_t elem;
-static inline __attribute__((always_inline)) float LD(const elem x) {
-  union {
-    uint32_t i;
-    float f;
-  } u = {.i = (uint32_t)x << 16};
-  return u.f;
-}
-static inline __attribute__((always_inline)) elem ST(const float f) {
-  union {
-    float f;
-    uint32_t i;
-  } u = {.f = f};
-  if (f != f) return (elem)((u.i >> 16) | 0x40); /* a NaN stays a (quiet) NaN */
-  return (elem)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
-}
+#define LD(x) bf16_widen(x)
+#define ST(x) bf16_round(x)
 #define EXPORT(name) name##_bf16
 #else
 typedef float elem;

@@ -18,18 +18,13 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+#include "bf16.h"
 #include <omp.h>
 
 #ifdef BATCHGEN_BF16
 typedef uint16_t elem_t;
 #define ARGMAX_NAME batchgen_row_argmax_bf16
-static inline float load(const elem_t *p) {
-  uint32_t bits = (uint32_t)*p << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
+static inline float load(const elem_t *p) { return bf16_widen(*p); }
 #else
 typedef float elem_t;
 #define ARGMAX_NAME batchgen_row_argmax

@@ -16,6 +16,7 @@
  * y [m, n] contiguous.
  */
 #include <stdint.h>
+#include "bf16.h"
 #include <omp.h>
 
 /* 16 floats: one 512-bit register where the CPU has them; gcc splits it into two or four elsewhere */
@@ -35,21 +36,8 @@ typedef uint32_t uvec __attribute__((vector_size(64)));
 static inline __attribute__((always_inline)) vec load_vec(const elem *p) {
   return (vec)(__builtin_convertvector(*(const hvec *)p, uvec) << 16);
 }
-static inline __attribute__((always_inline)) float LD(const elem x) {
-  union {
-    uint32_t i;
-    float f;
-  } u = {.i = (uint32_t)x << 16};
-  return u.f;
-}
-static inline __attribute__((always_inline)) elem ST(const float f) {
-  union {
-    float f;
-    uint32_t i;
-  } u = {.f = f};
-  if (f != f) return (elem)((u.i >> 16) | 0x40); /* a NaN stays a (quiet) NaN */
-  return (elem)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
-}
+#define LD(x) bf16_widen(x)
+#define ST(x) bf16_round(x)
 #define EXPORT(name) name##_bf16
 #else
 typedef float elem;

@@ -28,7 +28,7 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.runner.models import UnsupportedModelError
-from testkit.tiny_vision import sample_image, save_tiny_vlm
+from testkit.tiny_vision import image_prompts, save_tiny_vlm
 from testkit.vision_reference import reference_tokens
 
 FAMILIES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
@@ -36,16 +36,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "pressure": dict(block_size=16, max_num_batched_tokens=7, max_num_seqs=4, num_kv_blocks=12),
     "relaxed": dict(block_size=16, max_num_batched_tokens=1024, max_num_seqs=64, num_kv_blocks=512),
 }
-
-
-def prompts(placeholder: str) -> list[dict[str, Any]]:
-    a, b, c = sample_image(40, 24, 1), sample_image(64, 64, 2), sample_image(20, 50, 3)
-    return [
-        {"prompt": f"w5 {placeholder} w7 w8", "multi_modal_data": {"image": a}},
-        {"prompt": f"w9 {placeholder} w3 {placeholder} w4", "multi_modal_data": {"image": [b, c]}},
-        {"prompt": f"w5 {placeholder} w7 w9 w10", "multi_modal_data": {"image": a}},
-        {"prompt": f"{placeholder} w11", "multi_modal_data": {"image": [c]}},
-    ]
 
 
 def check(family: str, folder: Path, setting: str, device: str, mode: str) -> dict[str, Any]:
@@ -57,7 +47,9 @@ def check(family: str, folder: Path, setting: str, device: str, mode: str) -> di
     runner = llm.engine.runner
     row["backend"] = runner.backend.name
     assert llm._vision is not None
-    items = prompts(llm._vision.processor.placeholder)
+    items = image_prompts(llm._vision.processor.placeholder)[
+        :4
+    ]  # the first four: one image, two, a prefix hit, an image first
     outs = llm.generate(items, SamplingParams(max_tokens=8, temperature=0))
     ours = [o.outputs[0].token_ids if o.error is None else o.error for o in outs]
     theirs = reference_tokens(llm, folder, items, 8, device=device)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from batchgen import LLM, SamplingParams
+from testkit.tiny_vision import image_prompts
 from testkit.vision_reference import reference_tokens
-from tests.engine.vision.test_parity import MAX_TOKENS, image_prompts
+from tests.engine.vision.test_parity import MAX_TOKENS
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])

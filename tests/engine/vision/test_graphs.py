@@ -13,9 +13,10 @@ import torch
 
 from batchgen import LLM, SamplingParams
 from batchgen.engine.cuda.graphs import GraphDecode
+from testkit.tiny_vision import image_prompts
 from testkit.vision_reference import reference_tokens
 from tests.engine.test_cuda_graphs import _ReplayByRerun
-from tests.engine.vision.test_parity import MAX_TOKENS, image_prompts
+from tests.engine.vision.test_parity import MAX_TOKENS
 
 
 @pytest.mark.parametrize("family, backend", [("qwen2_vl", "triton"), ("llava", "torch")])

@@ -11,24 +11,11 @@ from typing import Any
 import pytest
 
 from batchgen import LLM, SamplingParams
-from testkit.tiny_vision import sample_image
+from testkit.tiny_vision import image_prompts
 from testkit.vision_reference import reference_tokens
 
 FAMILIES = ["llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3"]
 MAX_TOKENS = 6
-
-
-def image_prompts(placeholder: str) -> list[dict[str, Any]]:
-    """Five prompts: one image, two images of other sizes, the first image again with the same
-    leading text (a prefix hit), no image between text, and an image at the very start."""
-    a, b, c = sample_image(40, 24, 1), sample_image(64, 64, 2), sample_image(20, 50, 3)
-    return [
-        {"prompt": f"w5 {placeholder} w7 w8", "multi_modal_data": {"image": a}},
-        {"prompt": f"w9 {placeholder} w3 {placeholder} w4", "multi_modal_data": {"image": [b, c]}},
-        {"prompt": f"w5 {placeholder} w7 w9 w10", "multi_modal_data": {"image": a}},
-        {"prompt": f"{placeholder} w11", "multi_modal_data": {"image": [c]}},
-        {"prompt": f"w12 w13 {placeholder}", "multi_modal_data": {"image": b}},
-    ]
 
 
 def run(folder: Path, **settings: Any) -> tuple[LLM, list[list[int]], list[int]]:

@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import peak  # noqa: E402
+from benchmarks import peak
 
 SOURCE = Path(__file__).resolve().parent.parent / "batchgen" / "engine" / "cpu" / "csrc" / "vnni_linear_bf16.c"
 SHAPES = [(1024, 1024), (1024, 4096), (4096, 1024), (2048, 8192), (4096, 4096), (4096, 14336)]  # (in, out)
@@ -106,9 +106,7 @@ def shape_row(libs: dict[str, ctypes.CDLL], m: int, k: int, n: int, native: bool
     x32, w32 = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k**0.5
     copies = max(2, COLD_BYTES // (4 * n * k))
     x16, w16 = x32.bfloat16(), [w32.bfloat16() for _ in range(copies)]
-    calls: dict[str, tuple[Callable[[], Any], int]] = {
-        "onednn_bf16": (lambda: [F.linear(x16, w) for w in w16], copies)
-    }
+    calls: dict[str, tuple[Callable[[], Any], int]] = {"onednn_bf16": (lambda: [F.linear(x16, w) for w in w16], copies)}
     for name, lib in libs.items():
         packs = [pack(lib, w) for w in w16]
         out = torch.empty(m, n, dtype=torch.bfloat16)
@@ -129,6 +127,10 @@ def shape_row(libs: dict[str, ctypes.CDLL], m: int, k: int, n: int, native: bool
     return row
 
 
+def _peaks() -> dict[str, float]:
+    return {f"{dtype}_gflops": peak.matmul_gflops(dtype) for dtype in ("bfloat16", "float32")}
+
+
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64])
@@ -136,7 +138,7 @@ def main() -> dict[str, Any]:
     args = parser.parse_args()
     variants = args.variant or [[64, 6, 256]]
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "load_start": os.getloadavg()}
-    out["peak_start"] = {"bfloat16_gflops": peak.matmul_gflops("bfloat16"), "float32_gflops": peak.matmul_gflops("float32")}
+    out["peak_start"] = _peaks()
     from batchgen.engine.cpu import native_linear
 
     native = native_linear.load_op()
@@ -144,7 +146,7 @@ def main() -> dict[str, Any]:
         libs = {f"vnni_{nr}x{mr}_kc{kc}": build(nr, mr, kc, Path(tmp)) for nr, mr, kc in variants}
         out["max_rel_error"] = {name: check(lib) for name, lib in libs.items()}
         out["rows"] = [shape_row(libs, m, k, n, native) for m in args.rows for k, n in SHAPES]
-    out["peak_end"] = {"bfloat16_gflops": peak.matmul_gflops("bfloat16"), "float32_gflops": peak.matmul_gflops("float32")}
+    out["peak_end"] = _peaks()
     out["load_end"] = os.getloadavg()
     return out
 

@@ -10,8 +10,8 @@ Why three libraries: a compiler that cannot build one (an old GCC, a missing int
 that one; the others still load. Each falls back to torch's own path with one log line saying why:
   attention  decode attention over per-sequence rows, float32 and bf16 (decode_attention.c): torch ops otherwise
   argmax     greedy's argmax and NaN flag in one pass (row_argmax.c): torch.max otherwise
-  linear     float32 and bf16 linears at decode sizes (skinny_linear.c, wide_linear.c, skinny_linear_bf16.c):
-             torch's BLAS otherwise,
+  linear     float32 and bf16 linears at decode sizes (skinny_linear.c, wide_linear.c, skinny_linear_bf16.c,
+             and vnni_linear_bf16.c on a weight packed for AVX512-BF16): torch's BLAS otherwise,
              and even when built, only at the shapes where it measured faster (native_linear)
 
 Each shared object is cached under $BATCHGEN_CACHE_DIR (default ~/.cache/batchgen), named by a
@@ -108,7 +108,7 @@ LIBRARIES = {
         Library("argmax", ("row_argmax.c", "row_argmax_bf16.c"), "greedy's argmax runs on torch.max", ("bf16.h",)),
         Library(
             "linear",
-            ("skinny_linear.c", "wide_linear.c", "skinny_linear_bf16.c"),
+            ("skinny_linear.c", "wide_linear.c", "skinny_linear_bf16.c", "vnni_linear_bf16.c"),
             "linear layers run on torch's BLAS",
             ("bf16.h",),
         ),
@@ -217,6 +217,21 @@ def linear() -> CFunction | None:
 def linear_bf16() -> CFunction | None:
     """batchgen_linear_bf16 (csrc/skinny_linear_bf16.c), or None where it cannot be built."""
     return _function("linear", "batchgen_linear_bf16", [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64])
+
+
+def vnni_linear() -> dict[str, CFunction] | None:
+    """csrc/vnni_linear_bf16.c's functions by short name (panel, packed_size, pack, linear), or None where
+    the linear library cannot be built or was built without AVX512-BF16 (its panel is 0)."""
+    specs = {
+        "panel": [],
+        "packed_size": [_I64, _I64],
+        "pack": [_I64, _I64, _PTR, _PTR, _I64],
+        "linear": [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
+    }
+    found = {name: _function("linear", f"batchgen_vnni_{name}", argtypes) for name, argtypes in specs.items()}
+    if any(fn is None for fn in found.values()) or found["panel"]() <= 0:
+        return None
+    return found
 
 
 _FUNCTIONS: dict[str, CFunction | None] = {}

@@ -91,11 +91,12 @@ def test_bf16_linears_on_the_native_twin_meet_the_policy(
     with biases)."""
     from transformers import AutoModelForCausalLM
 
-    from batchgen.engine.cpu import linear_calibration, native_linear
+    from batchgen.engine.cpu import linear_calibration, native_linear, packed_linear
 
     monkeypatch.setattr(
         linear_calibration, "masks", lambda groups, *_: dict.fromkeys(groups, native_linear.EVERY_BUCKET)
     )
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: dict.fromkeys(groups, False))
     model_path = tiny_model(arch)
     if arch not in _REFERENCE:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
@@ -106,6 +107,31 @@ def test_bf16_linears_on_the_native_twin_meet_the_policy(
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
     verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
     assert verdict["ok"], f"{arch}/native linears: {verdict['failures']}"
+
+
+@pytest.mark.parametrize(("arch", "compile"), [("llama", False), ("qwen2", False), ("llama", True)])
+def test_bf16_linears_on_packed_weights_meet_the_policy(
+    arch: str, compile: bool, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where AVX512-BF16 is built, a machine may pack every bf16 linear's weight (csrc/vnni_linear_bf16.c)
+    and run every row count through it, eager or as a node of the compiled forward (qwen2: with biases)."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.cpu import native, packed_linear
+
+    if native.vnni_linear() is None:
+        pytest.skip("no AVX512-BF16 build here: nothing is packed (test_packed_linear checks that)")
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: dict.fromkeys(groups, True))
+    model_path = tiny_model(arch)
+    if arch not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+        _REFERENCE[arch] = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
+    llm = LLM(str(model_path), device="cpu", dtype="bfloat16", attention_backend="cpu", compile=compile, block_size=16)
+    packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, packed_linear.PackedLinear)]
+    assert packed and llm.native_linears >= len(packed)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
+    verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
+    assert verdict["ok"], f"{arch}/packed linears: {verdict['failures']}"
 
 
 def test_the_policy_fails_a_divergence_before_any_near_tie_and_a_wrong_top1() -> None:

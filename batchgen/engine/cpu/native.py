@@ -222,16 +222,15 @@ def linear_bf16() -> CFunction | None:
 def vnni_linear() -> dict[str, CFunction] | None:
     """csrc/vnni_linear_bf16.c's functions by short name (panel, packed_size, pack, linear), or None where
     the linear library cannot be built or was built without AVX512-BF16 (its panel is 0)."""
-    specs = {
+    specs: dict[str, list[type]] = {
         "panel": [],
         "packed_size": [_I64, _I64],
         "pack": [_I64, _I64, _PTR, _PTR, _I64],
         "linear": [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
     }
     found = {name: _function("linear", f"batchgen_vnni_{name}", argtypes) for name, argtypes in specs.items()}
-    if any(fn is None for fn in found.values()) or found["panel"]() <= 0:
-        return None
-    return found
+    ready = {name: fn for name, fn in found.items() if fn is not None}
+    return ready if len(ready) == len(specs) and ready["panel"]() > 0 else None
 
 
 _FUNCTIONS: dict[str, CFunction | None] = {}

@@ -16,12 +16,14 @@ the buffer `packed` holds the same bytes, plus zero padding to whole panels of c
 in-features), and every call of it, at any row count, is the operator batchgen::packed_linear.
 A weight shared with another module (a tied LM head) is never packed: its other user needs it as
 it is. A host whose linear library was built without AVX512-BF16 (no such CPU, an AVX2 build)
-never packs (native.vnni_linear is None). Cached per machine like linear_calibration's masks.
+never packs (native.vnni_linear is None), nor does a process with BATCHGEN_PACKED_LINEAR=0 (for A/B
+measurements and as an escape hatch). Cached per machine like linear_calibration's masks.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +40,7 @@ from batchgen.engine.cpu.linear_calibration import MARGIN, shape_key
 logger = logging.getLogger(__name__)
 
 OP_NAME = "batchgen::packed_linear"
+DISABLE_ENV = "BATCHGEN_PACKED_LINEAR"  # "0": no weight is packed in this process
 ROWS = (1, 4, 16, 32, 64)  # decode row counts the choice is timed at (larger: on par, see the docstring)
 REPEATS = 5
 COLD_BYTES = 64 << 20  # weights cycled per timing: past the L3 cache, as a model's step reads them
@@ -75,7 +78,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def pack_linears(model: nn.Module, modules: Sequence[nn.Linear], library: Path) -> list[nn.Linear]:
     """Pack those of `modules` (bf16 nn.Linear of `model`) whose shape measured faster packed; the rest."""
-    if native.vnni_linear() is None or not modules:
+    if os.environ.get(DISABLE_ENV) == "0" or not modules or native.vnni_linear() is None:
         return list(modules)
     users = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
     groups: dict[str, list[nn.Linear]] = {}

@@ -1,6 +1,7 @@
 """A bf16 linear on a weight packed once for vdpbf16ps, against oneDNN's bf16 linear and the float32 engine's best.
 
     nice .venv/bin/python benchmarks/vnni_linear.py [--rows 16 32 64] [--variant NR MR KC ...] > vnni.json
+    .venv/bin/python benchmarks/vnni_linear.py --table vnni.json     # the markdown table of RESULTS.md
 
 Why: issue 46's third pass found a bf16 decode step to be 66-89% matmul, and oneDNN's bf16 linear at
 16-64 rows at 9-31% of the machine's bf16 peak (benchmarks/bf16_limit.py). This times
@@ -131,11 +132,34 @@ def _peaks() -> dict[str, float]:
     return {f"{dtype}_gflops": peak.matmul_gflops(dtype) for dtype in ("bfloat16", "float32")}
 
 
+def table(run: dict[str, Any]) -> str:
+    """GFLOP/s of each side and the packed kernel's ratios, against the run's higher bf16 peak."""
+    top = max(run["peak_start"]["bfloat16_gflops"], run["peak_end"]["bfloat16_gflops"])
+    lines = [
+        "| rows x in -> out | oneDNN bf16 | skinny bf16 | packed bf16 | best fp32 | packed / oneDNN "
+        "| packed / best bf16 before | packed / best fp32 | packed, % of bf16 peak |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in run["rows"]:
+        ours = next(v for k, v in r.items() if k.startswith("vnni_"))
+        onednn, skinny = r["onednn_bf16_gflops"], r.get("native_bf16_gflops", 0.0)
+        fp32 = max(r["torch_fp32_gflops"], r.get("native_fp32_gflops", 0.0))
+        lines.append(
+            f"| {r['rows']} x {r['in']} -> {r['out']} | {onednn} | {skinny} | {ours} | {fp32} | {ours / onednn:.2f}x "
+            f"| {ours / max(onednn, skinny):.2f}x | {ours / fp32:.2f}x | {100 * ours / top:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--variant", type=int, nargs=3, action="append", metavar=("NR", "MR", "KC"))
+    parser.add_argument("--table", type=Path, help="print the table of a run's JSON and exit")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        sys.exit(0)
     variants = args.variant or [[64, 6, 256]]
     out: dict[str, Any] = {"threads": torch.get_num_threads(), "load_start": os.getloadavg()}
     out["peak_start"] = _peaks()

@@ -4,7 +4,7 @@ Why: a bf16 decode step on a CPU without AMX is mostly its linears at 16-64 rows
 linear runs those at 9-31% of the machine's bf16 matmul peak (benchmarks/RESULTS.md, issue 46, third
 pass): fed nn.Linear's [out, in] weight it reorders it for vdpbf16ps on every call. Packed once, at
 load, into the pairs-interleaved-by-column layout vdpbf16ps reads, the kernel does no such work
-(issue 46, fourth pass: 1.3-4x oneDNN at 16-32 rows, on par with it from 64 to 2,048 rows).
+(issue 46, fourth pass: 1.3-6x oneDNN on most shapes at 16-32 rows, about on par from 64 rows up).
 
 How: per bf16 weight shape, the kernel on packed copies of that shape's weights is timed against
 what the layer runs otherwise (the faster, per row count, of torch's bf16 linear and the skinny bf16

@@ -56,7 +56,9 @@ def install_native_linears(
     faster for their shape and dtype (or `masks`, by shape key, when given); how many were. Eligible:
     exactly nn.Linear (not a subclass: quantized or adapter layers keep their own forward), float32 or
     bfloat16 (the bf16 twin, measured against torch's bf16 linear) as the model is, on the CPU, a
-    contiguous weight. None where the kernel or the operator cannot be built (logged once)."""
+    contiguous weight. A bf16 model's layers first go to packed_linear, which packs the weights of the
+    shapes where that measured faster (AVX512-BF16 builds only; not when `masks` is given); the rest are
+    routed as above. None where the kernel or the operator cannot be built (logged once)."""
     if device.type != "cpu" or dtype not in KERNEL_DTYPES:
         return 0
     eligible = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m.weight, dtype)]

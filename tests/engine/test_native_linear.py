@@ -253,7 +253,7 @@ def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     monkeypatch.setenv("CXX", str(fake))
     assert native_linear._load_op() is False
     assert "batchgen_linear_op kernel unavailable" in caplog.text and "fake: no luck" in caplog.text
-    monkeypatch.setattr(native_linear, "_OP", [False])
+    monkeypatch.setattr(native_linear, "load_op", lambda: False)
     model = _model()
     assert install_native_linears(model, CPU, F32, {"64x64+bias": ANY}) == 0
     assert all(type(m) is not NativeLinear for m in model)

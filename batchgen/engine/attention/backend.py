@@ -110,7 +110,11 @@ class AttentionBackend:
             raise RuntimeError(f"attention for layer {layer}, but the KV pool has {len(self.kv_caches)} layers")
         ctx.num_attention_calls += 1
         k_cache, v_cache = self.kv_caches[layer]
-        _check_kv_shape(k_cache, layer, key)
+        if k_cache.shape[2:] != key.shape[0:1] + key.shape[2:]:
+            raise RuntimeError(
+                f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
+                f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
+            )
         return ctx, k_cache, v_cache
 
     def take_raised(self) -> BaseException | None:
@@ -134,14 +138,6 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device) -> None:
         super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))
-
-
-def _check_kv_shape(k_cache: torch.Tensor, layer: int, key: torch.Tensor) -> None:
-    if k_cache.shape[2:] != key.shape[0:1] + key.shape[2:]:
-        raise RuntimeError(
-            f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
-            f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
-        )
 
 
 def _decodes_store_kv(ctx: ForwardContext, softcap: float | None) -> bool:

@@ -9,6 +9,7 @@ other step goes on to the Python op. Without a compiler (or BATCHGEN_NATIVE=0) t
 from __future__ import annotations
 
 import ctypes
+import functools
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,16 +18,12 @@ from dataclasses import dataclass, field
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_native import PLAN_FIELDS, FrontPlan
 
-# the operator's loaded library, once per process (None where it cannot be): loaded code, not state
-_LIB: list[ctypes.CDLL | None] = []
 
-
+@functools.cache
 def load() -> ctypes.CDLL | None:
-    """batchgen::attention built, loaded and checked, once per process (each plan names its kernel); None
-    (logged) where it or the kernels cannot be."""
-    if not _LIB:
-        _LIB.append(_load())
-    return _LIB[0]
+    """batchgen::attention built, loaded and checked, once per process (loaded code, not state: each
+    plan names its kernel); None (logged) where it or the kernels cannot be."""
+    return _load()
 
 
 def _load() -> ctypes.CDLL | None:

@@ -181,7 +181,6 @@ class BuildState:
 STATES: dict[str, BuildState] = {}  # by library name, once loaded (or refused) in this process
 _HANDLES: dict[str, ctypes.CDLL | None] = {}
 _FUNCTIONS: dict[str, CFunction | None] = {}
-_ATTENTION: list[NativeKernels | None] = []  # once per process
 
 
 @dataclass
@@ -222,16 +221,15 @@ def names_differ(lib: ctypes.CDLL, symbol: str, ours: tuple[str, ...]) -> tuple[
     return None if theirs == ours else theirs
 
 
+@functools.cache
 def load() -> NativeKernels | None:
-    """The decode attention kernels, built if needed; None (logged once) where they cannot be."""
-    if not _ATTENTION:
-        lib, kernels = library("attention"), None
-        try:
-            kernels = None if lib is None else NativeKernels(STATES["attention"].path or Path(), lib)
-        except (RuntimeError, AttributeError) as exc:  # AttributeError: a symbol missing
-            refuse("attention", str(exc))
-        _ATTENTION.append(kernels)
-    return _ATTENTION[0]
+    """The decode attention kernels, built if needed (once per process); None (logged once) where they cannot be."""
+    lib = library("attention")
+    try:
+        return None if lib is None else NativeKernels(STATES["attention"].path or Path(), lib)
+    except (RuntimeError, AttributeError) as exc:  # AttributeError: a symbol missing
+        refuse("attention", str(exc))
+        return None
 
 
 def function(symbol: str, dtype: torch.dtype = torch.float32) -> CFunction | None:

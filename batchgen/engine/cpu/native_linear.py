@@ -21,6 +21,7 @@ BATCHGEN_NATIVE=0) the linears stay as they are.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from collections import defaultdict
 from pathlib import Path
@@ -35,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 OP_NAME = "batchgen::linear"  # its CPU implementation: csrc/linear_op.cpp (native.OPERATORS)
 EVERY_BUCKET = (1 << 62) - 1  # a mask that gives the kernel every row count (tests)
-
-_OP: list[bool] = []  # once per process: whether batchgen::linear is loaded and set up
 
 
 class NativeLinear(nn.Linear):
@@ -98,11 +97,10 @@ def _eligible(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     return weight.dtype == dtype and weight.device.type == "cpu" and weight.is_contiguous()
 
 
+@functools.cache
 def load_op() -> bool:
-    """batchgen::linear, built and loaded once per process; False (logged) where it cannot be."""
-    if not _OP:
-        _OP.append(_load_op())
-    return _OP[0]
+    """batchgen::linear, built, loaded and set up once per process; False (logged) where it cannot be."""
+    return _load_op()
 
 
 def _load_op() -> bool:

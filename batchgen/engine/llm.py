@@ -174,22 +174,7 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer, model)
         sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, seed, device)
         make_runner: Any = partial(ShardedRunner, self._tp) if self._tp is not None else ModelRunner  # rank 0's
-        runner = make_runner(
-            hf_model,
-            spec,
-            resolved.block_size,
-            blocks,
-            device,
-            dtype,
-            resolved.max_num_seqs,
-            resolved.max_model_len,
-            resolved.attention_backend,
-            compile=resolved.compile,
-            max_num_batched_tokens=resolved.max_num_batched_tokens,
-            compile_fallback=resolved.compile_fallback,
-            sampler=sampler,
-            **lora,
-        )
+        runner = make_runner(hf_model, spec, resolved, blocks, device, dtype, sampler=sampler, **lora)
         if self._vision is not None:
             self._vision.check_runner(runner, resolved.max_num_batched_tokens)
             runner.vision = self._vision.inputs(resolved.encoder_cache_tokens)

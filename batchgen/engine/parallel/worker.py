@@ -83,8 +83,8 @@ def _serve(
         if kind == "stop":
             return 0
         if kind == "build":
-            _, (spec, block_size, num_kv_blocks, _, run_dtype, *rest), kwargs = message  # on this rank's device
-            runner = ModelRunner(model, spec, block_size, num_kv_blocks, device, run_dtype, *rest, **kwargs)
+            _, (spec, config, num_kv_blocks, _, run_dtype), kwargs = message  # on this rank's device
+            runner = ModelRunner(model, spec, config, num_kv_blocks, device, run_dtype, **kwargs)
             continue
         if runner is None:
             raise RuntimeError(f"rank {rank}: {kind!r} before the runner was built")

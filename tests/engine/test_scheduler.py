@@ -9,7 +9,8 @@ import pytest
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.block_manager import BlockManager
-from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
+from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
 
 

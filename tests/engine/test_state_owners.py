@@ -18,7 +18,8 @@ import torch
 
 from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.scheduler import BatchUpdate, NewSequence, ScheduledBatch, ScheduledChunk, Scheduler
+from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence, ScheduledBatch, ScheduledChunk
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.sampling.batch import NO_TOP_K, SamplingBatch
 from batchgen.engine.sampling.penalties import LogitsFeatures

@@ -65,22 +65,10 @@ class EngineConfig:
     max_decoded_pixels: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "block_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "num_kv_blocks",
-            "kv_cache_memory_bytes",
-            "max_model_len",
-            "max_loras",
-            "max_lora_rank",
-            "max_cpu_loras",
-            "encoder_cache_tokens",
-            "max_decoded_pixels",
-        ):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 1):
-                raise SettingError("EngineConfig", name, "null or an integer >= 1", value)
+        for f in fields(self):  # every optional count: null or >= 1
+            value = getattr(self, f.name)
+            if f.type == "int | None" and value is not None and (not is_int(value) or value < 1):
+                raise SettingError("EngineConfig", f.name, "null or an integer >= 1", value)
         size = self.tensor_parallel_size
         if not is_int(size) or size < 1:
             raise SettingError("EngineConfig", "tensor_parallel_size", "an integer >= 1", size)

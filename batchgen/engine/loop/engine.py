@@ -26,7 +26,8 @@ from typing import Any
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.runner_output import ModelRunnerOutput, PromptLogprobLists
-from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
+from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras, Sequence
 from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState
 from batchgen.engine.loop.stats import EngineStats

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 
 from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.core.runner_output import ModelRunnerOutput
-from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch
+from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch
 from batchgen.engine.parallel.collectives import CollectiveError
 from batchgen.engine.parallel.group import DEATH_WAIT_S, TensorParallelError, TensorParallelGroup
 from batchgen.engine.runner.model_runner import ModelRunner

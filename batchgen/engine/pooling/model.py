@@ -173,14 +173,10 @@ def on_engine(path: str | Path, task: str, llm: Any, pooler_config: dict[str, An
     """The PoolingModel of an LLM whose engine is built: pooling batches through its model runner
     and KV pool, under its token budget and sequence limit."""
     engine = llm.engine
-    runner = EnginePoolingRunner(
-        engine.runner,
-        engine.scheduler.block_manager,
-        int(llm.config.max_num_batched_tokens),
-        int(llm.config.max_num_seqs),
-    )
+    runner = EnginePoolingRunner(engine.runner, engine.scheduler)
     device, dtype = engine.runner.device, next(engine.runner.model.parameters()).dtype
-    return PoolingModel.build(path, task, device, dtype, runner.token_budget, runner, pooler_config)
+    budget = int(llm.config.max_num_batched_tokens)
+    return PoolingModel.build(path, task, device, dtype, budget, runner, pooler_config)
 
 
 def prefix_cache_applies(path: str | Path, task: str, pooling_type: str | None) -> bool:

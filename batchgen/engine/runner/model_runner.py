@@ -46,7 +46,7 @@ from batchgen.engine.attention.path import (
 from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, ModelRunnerOutput
-from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch, ScheduledChunk
+from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch, ScheduledChunk
 from batchgen.engine.lora.slots import LoRASlots
 from batchgen.engine.platforms import make_backend, platform_for
 from batchgen.engine.runner.compiled_forward import StepForward
@@ -235,12 +235,15 @@ class ModelRunner:
             self.lora.stage(self.transfers, slots + [-1] * (len(token_ids) - len(slots)))
         return ctx, self.transfers.stage(int64_tensor(token_ids)), positions, packed_end
 
-    def pool_forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
-        """Pooling's step: the base model (no LM head) over the packed chunks, eager -> (hidden
-        states [T, H], each chunk's end in the packed row)."""
+    def pool_forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Pooling's step: the diff applied, then the base model (no LM head) over the packed
+        chunks, eager -> (hidden states [T, H], each chunk's end in the packed row)."""
+        if not batch.chunks:
+            raise ValueError("pool_forward() needs a non-empty batch")
         self.step_hook.tick()
         self.transfers.begin_step()
-        ctx, input_ids, positions, ends = self._pack(chunks, None)
+        self._apply(batch.update)
+        ctx, input_ids, positions, ends = self._pack(batch.chunks, None)
         self.transfers.upload()
         with torch.inference_mode(), self.backend.running(ctx):
             out = self.model.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)

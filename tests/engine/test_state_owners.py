@@ -36,7 +36,7 @@ def _diff(update: BatchUpdate) -> Diff:
 def _step(sched: Scheduler) -> ScheduledBatch:
     """An engine step without a model: schedule (which advances), one token per sampled chunk, finish at max_tokens."""
     batch = sched.schedule()
-    sampled = batch.sampled
+    sampled = [c.seq_id for c in batch.chunks if c.needs_sample]
     sched.update_from_output(sampled, [100 + s for s in sampled])
     for seq_id in sampled:
         seq = sched.get(seq_id)
@@ -167,7 +167,7 @@ def test_decode_rows_are_released_when_sequences_finish_or_are_preempted(llm: LL
 
     def watch() -> ScheduledBatch:
         batch = schedule()
-        preempted.extend(batch.preempted)
+        preempted.extend(batch.update.preempted)
         return batch
 
     llm.engine.scheduler.schedule = watch  # type: ignore[method-assign]

@@ -259,39 +259,25 @@ class Engine:
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         n = len(prompts)
+        requests = zip(
+            prompts, params, texts or [None] * n, extras or [NO_EXTRAS] * n, refusals or [None] * n, strict=True
+        )
+        results: list[RequestOutput | None] = [None] * n
         try:
-            return self._run(
-                prompts, params, on_output, texts or [None] * n, extras or [NO_EXTRAS] * n, refusals or [None] * n
-            )
+            position = {str(self.add_request(*request)): i for i, request in enumerate(requests)}
+            while self.has_unfinished():
+                for output in self.step():
+                    index = position.get(output.request_id)
+                    if index is None:
+                        continue  # a request added outside this call
+                    output.request_id = str(index)
+                    results[index] = output
+                    if on_output is not None:
+                        on_output(output)
         except BaseException:
             # why BaseException: a KeyboardInterrupt mid-step orphans requests just the same
             self.abort_all()
             raise
-
-    def _run(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        on_output: Callable[[RequestOutput], None] | None,
-        texts: list[str | None],
-        extras: list[RequestExtras],
-        refusals: list[str | None],
-    ) -> list[RequestOutput]:
-        """Add every prompt, step until all are answered; each output's request_id becomes its index."""
-        position = {
-            str(self.add_request(*request)): i
-            for i, request in enumerate(zip(prompts, params, texts, extras, refusals, strict=True))
-        }
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        while self.has_unfinished():
-            for output in self.step():
-                index = position.get(output.request_id)
-                if index is None:
-                    continue  # a request added outside this call
-                output.request_id = str(index)
-                results[index] = output
-                if on_output is not None:
-                    on_output(output)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"the engine stopped with requests {missing[:10]} unanswered")

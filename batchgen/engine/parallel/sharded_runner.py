@@ -59,6 +59,3 @@ class ShardedRunner(ModelRunner):
         if self.group.broken is None:
             self.group.send(("drop",))
         super().drop_all()
-
-    def close(self) -> None:
-        self.group.close()

@@ -138,9 +138,11 @@ def resolve(
     compiles: bool = True,
 ) -> ResolvedConfig:
     """`config` on `platform` for a model of `max_model_len` (resolved from its config), `head_dim`
-    and soft-capping. `compiles`: False where compiling serves nothing (pooling forwards run eager)."""
+    and soft-capping. `compiles`: False where compiling serves nothing (pooling forwards run eager);
+    tensor-parallel ranks run eager too (README, tensor parallelism)."""
     backend = platform.attention_backend(config.attention_backend)
     compile = compiles and (platform.compiles_by_default() if config.compile == "auto" else config.compile)
+    compile = compile and config.tensor_parallel_size == 1
     block_size = config.block_size or platform.block_size(backend, dtype, head_dim, softcap)
     return ResolvedConfig(
         block_size=block_size,

@@ -7,35 +7,23 @@ runs it), the diffs between steps, and drop-all; rank 0 alone draws from the gat
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from transformers import PreTrainedModel
 
-from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch
 from batchgen.engine.parallel.collectives import CollectiveError
 from batchgen.engine.parallel.group import DEATH_WAIT_S, TensorParallelError, TensorParallelGroup
 from batchgen.engine.runner.model_runner import ModelRunner
-from batchgen.engine.runner.models import KVSpec
 
 
 class ShardedRunner(ModelRunner):
-    def __init__(
-        self,
-        group: TensorParallelGroup,
-        model: PreTrainedModel,
-        spec: KVSpec,
-        config: ResolvedConfig,
-        *args: Any,
-        **kwargs: Any,
-    ) -> None:
-        """`args`, `kwargs`: ModelRunner's after the config (num_kv_blocks, device, dtype, ...)."""
+    def __init__(self, group: TensorParallelGroup, model: PreTrainedModel, *args: Any, **kwargs: Any) -> None:
+        """`args`, `kwargs`: ModelRunner's after the model (spec, config, num_kv_blocks, device, dtype, ...)."""
         self.group = group
-        config = replace(config, compile=False)  # why: see README, tensor parallelism
-        group.send(("build", (spec, config, *args), {k: v for k, v in kwargs.items() if k != "sampler"}))
-        super().__init__(model, spec, config, *args, **kwargs)
+        group.send(("build", args, {k: v for k, v in kwargs.items() if k != "sampler"}))
+        super().__init__(model, *args, **kwargs)
 
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         self.group.check()

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from batchgen.engine.platforms import platform_for
 from batchgen.engine.pooling.config import PoolingConfig, resolve_pooling
 from batchgen.engine.pooling.engine_runner import EnginePoolingRunner
 from batchgen.engine.pooling.heads import load_score_head
@@ -162,11 +161,6 @@ class PoolingModel:
     def label_of(self, probs: torch.Tensor) -> str:
         best = int(probs.argmax())
         return self.id2label.get(best, str(best))
-
-
-def token_budget(configured: int | None, device: torch.device) -> int:
-    """Padded tokens per transformers batch: the engine's max_num_batched_tokens, else its device default."""
-    return configured or platform_for(device).max_num_batched_tokens
 
 
 def on_engine(path: str | Path, task: str, llm: Any, pooler_config: dict[str, Any] | None) -> PoolingModel:

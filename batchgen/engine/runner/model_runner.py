@@ -319,11 +319,7 @@ class ModelRunner:
         if self.vision is not None:
             self.vision.apply(update)
         if update.released:
-            self.release(update.released)
-
-    def release(self, seq_ids: Sequence[int]) -> None:
-        """The attention backend forgets these sequences (their decode rows)."""
-        self.backend.release(seq_ids)
+            self.backend.release(update.released)
 
     def drop_all(self) -> None:
         """After an aborted generate: zero the pool, drop the sampling batch and the backend's sequences.

@@ -9,10 +9,11 @@ its batch. Per-row inputs come from a SamplingStep (sampling/batch).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from batchgen.engine.api.platform import GreedyIds
 from batchgen.engine.sampling.batch import SamplingStep
 from batchgen.engine.sampling.feature_plan import stage_step_inputs
 from batchgen.engine.sampling.penalties import LogitsFeatures
@@ -32,7 +33,7 @@ class Sampler:
         eos_token_ids: Iterable[int],
         features: LogitsFeatures,
         seed: int | None = None,
-        fast_greedy: FastGreedy | None = None,
+        fast_greedy: GreedyIds | None = None,
     ) -> None:
         """`features`: sampling/penalties (their rows live in the SamplingBatch); `fast_greedy`: the
         device's own greedy pass (greedy_ids)."""
@@ -133,10 +134,7 @@ class Sampler:
         return generator
 
 
-FastGreedy = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
-
-
-def greedy_ids(logits: torch.Tensor, fast: FastGreedy | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_ids(logits: torch.Tensor, fast: GreedyIds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V] -> (each row's first index of its maximum [n] int64, a 0-d bool: some entry is NaN).
     `fast`: the device's own pass, where it answers; why max(), not argmax(): ~3x faster on CPU."""
     if fast is not None and (found := fast(logits)) is not None:

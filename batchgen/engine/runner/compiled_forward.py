@@ -53,6 +53,9 @@ class CompileStats:
     graphs: int = 0  # dynamo graphs compiled (all layers share theirs)
     shapes: set[tuple[int, int]] = field(default_factory=set)  # (tokens, logits kept) of the compiling calls
 
+    def as_dict(self) -> dict[str, float | int]:
+        return {"compile_seconds": round(self.seconds, 2), "compiled_graphs": self.graphs}
+
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers: the ModuleList as long as the config's layer count (any architecture)."""

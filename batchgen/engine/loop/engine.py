@@ -74,18 +74,13 @@ class Engine:
         seq = Sequence(request_id, list(prompt_token_ids), params, extras=extras)
         message = f"request {request_id}: {refusal}" if refusal is not None else None
         message = message or self._check_token_ids(seq) or self.scheduler.check_fits(seq)
-        if message is None:
-            message = self.runner.check_request(request_id, params)
-        if message is None:
-            try:
-                self.scheduler.add(seq)
-            except ValueError as exc:
-                message = str(exc)
+        message = message or self.runner.check_request(request_id, params)
         if message is not None:
             logger.warning("refusing %s", message)  # the message starts "request N:"
             self.stats.errors += 1
             self._errors.append(RequestOutput(str(request_id), prompt, seq.prompt_token_ids, error=message))
             return request_id
+        self.scheduler.add(seq)
         sample = SampleState(0, seq, self._stop_checker(seq))
         wants_prompt = params.prompt_logprobs is not None
         request = RequestState(

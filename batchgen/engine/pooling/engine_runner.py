@@ -12,26 +12,15 @@ and CLS need the prefix positions' hidden states, which the cache does not hold)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.sequence import RequestExtras, Sequence
+from batchgen.engine.pooling.outputs import RowResult
 from batchgen.engine.pooling.poolers import PoolAccumulator
 from batchgen.engine.runner.model_runner import ModelRunner
 
 _SCORED = SamplingParams(max_tokens=0)  # the scheduler ends it, unsampled, when its prompt is computed
-
-
-@dataclass
-class PooledResult:
-    """One prompt's pooled vector [H] float32 (None: it could not run, `error` says why)."""
-
-    vector: torch.Tensor | None
-    cached_tokens: int = 0
-    error: str | None = None
 
 
 class EnginePoolingRunner:
@@ -41,20 +30,18 @@ class EnginePoolingRunner:
         self.runner = runner
         self.scheduler = scheduler
 
-    def pool(
-        self, prompts: list[list[int]], method: str, on_step: Callable[[], None] | None = None
-    ) -> list[PooledResult]:
-        """Pooled hidden states of every prompt, in the given order (callers order by length).
+    def pool(self, prompts: list[list[int]], method: str, on_step: Callable[[], None] | None = None) -> list[RowResult]:
+        """Pooled hidden states [H] float32 of every prompt, in the given order (callers order by length).
         `on_step` runs after every forward (the job runner stops there on a signal)."""
         scheduler = self.scheduler
-        results = [PooledResult(None, error="not run")] * len(prompts)
+        results = [RowResult(None, error="not run")] * len(prompts)
         pooled: dict[int, tuple[int, PoolAccumulator]] = {}
         extras = RequestExtras(uncached=method != "last")
         for index, prompt in enumerate(prompts):
             seq = Sequence(scheduler.new_seq_id(), list(prompt), _SCORED, extras=extras)
             why = scheduler.check_fits(seq)
             if why is not None:
-                results[index] = PooledResult(None, error=why)
+                results[index] = RowResult(None, error=why)
                 continue
             scheduler.add(seq)
             pooled[seq.seq_id] = (index, PoolAccumulator(method, seq.num_tokens))
@@ -67,7 +54,7 @@ class EnginePoolingRunner:
                 for seq_id in batch.ends:
                     index, acc = pooled.pop(seq_id)
                     cached = scheduler.get(seq_id).num_cached_tokens
-                    results[index] = PooledResult(acc.result().cpu(), cached)  # [H] float32 on the host
+                    results[index] = RowResult(acc.result().cpu(), cached)  # [H] float32 on the host
                     scheduler.finish(seq_id)
                 if on_step is not None:
                     on_step()

@@ -6,7 +6,6 @@ through a sigmoid, else the cosine of the two embeddings (vLLM's rule).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +16,10 @@ from batchgen.engine.pooling.config import PoolingConfig, resolve_pooling
 from batchgen.engine.pooling.engine_runner import EnginePoolingRunner
 from batchgen.engine.pooling.heads import load_score_head
 from batchgen.engine.pooling.hf_runner import Encoded, HFPoolingRunner, is_encoder
-from batchgen.engine.pooling.outputs import PoolingParams
+from batchgen.engine.pooling.outputs import PoolingParams, RowResult
 from batchgen.engine.pooling.poolers import cosine, finish_embeddings, head_probs
 
 TASKS = ("generate", "embed", "classify", "score")
-
-
-@dataclass
-class RowResult:
-    """One input's result: embedding [D], probabilities [C] or a score [] (None: `error` says why)."""
-
-    values: torch.Tensor | None
-    cached_tokens: int = 0
-    error: str | None = None
 
 
 def has_classifier(path: str | Path) -> bool:
@@ -99,8 +89,7 @@ class PoolingModel:
             normalize = config.normalize if params.normalize is None else params.normalize
             config = PoolingConfig(config.method, normalize, params.dimensions or config.dimensions)
         if self.engine is not None:
-            pooled = self.engine.pool([e.input_ids for e in inputs], config.method, self.on_step)
-            results = [RowResult(p.vector, p.cached_tokens, p.error) for p in pooled]
+            results = self.engine.pool([e.input_ids for e in inputs], config.method, self.on_step)
         elif self.hf is not None and not self.classifier:
             results = [RowResult(v) for v in self.hf.run(inputs, config.method, self.on_step)]
         else:
@@ -127,12 +116,12 @@ class PoolingModel:
         pooled = self.engine.pool([e.input_ids for e in inputs], "last", self.on_step)
         results: list[RowResult] = []
         for p in pooled:
-            if p.vector is None:
-                results.append(RowResult(None, p.cached_tokens, p.error))
+            if p.values is None:
+                results.append(p)
                 continue
             weight = self.head.weight
             with torch.inference_mode():
-                logits = self.head(p.vector.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
+                logits = self.head(p.values.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
             results.append(RowResult(head_probs(logits)[0].cpu(), p.cached_tokens))
         return results
 

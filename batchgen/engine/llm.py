@@ -251,12 +251,8 @@ class LLM:
         extras = [NO_EXTRAS] * len(encoded)
         for i, item in enumerate(items):
             data = item.get("multi_modal_data") if isinstance(item, dict) else None
-            if data is None:
+            if data is None or self._vision is None:  # a text-only model's encode_prompt refused the key
                 continue
-            if self._vision is None:
-                raise ValueError(
-                    f"prompt {i}: multi_modal_data given, but {self._model_path} is not a vision-language model"
-                )
             ids, extras[i] = self._vision.prompt(encoded[i][0], data, f"prompt {i}")
             if self._image_limit is not None and len(extras[i].image_hashes) > self._image_limit:
                 raise ValueError(

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from batchgen import LLM
@@ -150,3 +151,45 @@ def test_an_out_of_vocabulary_bias_is_an_error_output_not_a_crash(llama: tuple[L
 def test_bad_values_name_the_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field} must be"):
         SamplingParams(**{field: value})
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten op called while active (name, accumulate flag of index_put_)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        accumulate = "index_put" in str(func) and ((len(args) > 3 and args[3]) or (kwargs or {}).get("accumulate"))
+        self.ops.append(f"{func}{' accumulate' if accumulate else ''}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_sampling_step_makes_no_host_scalar_tensor(llama: tuple[LLM, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`t[idx] = 0.5` (a Python number) makes a CPU scalar tensor that torch copies to a CUDA target
+    with a blocking copy, a sync on every call; index_put_(accumulate=True) sorts its indices. The
+    first H200 run's profiler found one such sync per decode step with penalties. On the CPU the
+    copy is free, so this checks the cause: no aten.scalar_tensor and no accumulating index_put_
+    in the sampler's step or the penalty rows' set-up, with every feature on."""
+    from batchgen.engine.sampling import penalty_state
+    from batchgen.engine.sampling.sampler import Sampler
+
+    llm, _ = llama
+    seen = _Ops()
+    for owner, name in ((Sampler, "sample"), (penalty_state.PenaltyTables, "take")):
+        original = getattr(owner, name)
+
+        def recorded(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            with seen:
+                return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, recorded)
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, min_tokens=3, repetition_penalty=1.3, presence_penalty=0.5,
+        frequency_penalty=0.5, logit_bias={11: 2.0}, bad_words=["w5"], allowed_token_ids=list(range(2, 60)),
+    )  # fmt: skip
+    llm.generate(_prompts(3), params)
+    assert any("aten.where" in op for op in seen.ops)  # the recording saw the penalties at work
+    bad = [op for op in seen.ops if "scalar_tensor" in op or op.endswith("accumulate")]
+    assert not bad, bad

@@ -19,7 +19,7 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.sampling.feature_plan import FeaturePlan, FeatureRow
 from batchgen.engine.sampling.penalty_state import PenaltyTables
 from batchgen.engine.sampling.structured import GrammarCache, StructuredError, apply_bitmask
-from batchgen.engine.staging.transfers import Transfers
+from batchgen.engine.staging.transfers import Transfers, put_scalar
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +131,12 @@ def _mask_and_bias(sub: torch.Tensor, plan: FeaturePlan) -> None:
     if plan.allowed is not None:
         rows, pairs = plan.allowed  # [a], [2, n]: (k-th allowed row, token)
         keep = torch.zeros((rows.shape[0], sub.shape[1]), dtype=torch.bool, device=sub.device)
-        keep[pairs[0], pairs[1]] = True
+        put_scalar(keep, (pairs[0], pairs[1]), True)
         sub[rows] = sub[rows].masked_fill(~keep, float("-inf"))
     if plan.bans is not None:
-        sub[plan.bans[0], plan.bans[1]] = float("-inf")
+        put_scalar(sub, (plan.bans[0], plan.bans[1]), float("-inf"))
     if plan.bias is not None:
-        pairs, values = plan.bias  # why scatter_add_: index_put_(accumulate=True) syncs on CUDA (penalty_state)
+        pairs, values = plan.bias  # why scatter_add_: one kernel on the flat view (penalty_state)
         sub.view(-1).scatter_add_(0, pairs[0] * sub.shape[1] + pairs[1], values.to(sub.dtype))
 
 

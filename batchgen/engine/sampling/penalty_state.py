@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchgen.engine.staging.transfers import Transfers
+from batchgen.engine.staging.transfers import Transfers, put_scalar
 
 
 class PenaltyTables:
@@ -36,9 +36,9 @@ class PenaltyTables:
         prompt = staging.stage(torch.tensor(list(prompt_token_ids), dtype=torch.int64))  # [P]
 
         def fill() -> None:
-            self.seen[slot] = False
-            self.counts[slot] = 0.0
-            self.seen[slot, prompt] = True
+            self.seen[slot].fill_(False)
+            self.counts[slot].fill_(0.0)
+            put_scalar(self.seen[slot], (prompt,), True)  # [V] view of the slot
 
         staging.on_upload(fill)
         return slot
@@ -52,10 +52,10 @@ class PenaltyTables:
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Each slot takes its row's sampled token (slots, tokens: [k] on the device).
 
-        Why scatter_add_ on the flat table, not index_put_(accumulate=True): on CUDA the latter
-        reads its indices' min and max back to the host, a second sync every decode step (the GPU
-        check's profiler counted it); scatter_add_ checks its bounds on the device."""
-        self.seen[slots, tokens] = True
+        Why put_scalar and scatter_add_: `seen[slots, tokens] = True` copied the Python True to the
+        device with a blocking copy, a second sync in every decode step (the H200 run's profiler);
+        the counts take one scatter_add_ on the flat table (bounds checked on the device)."""
+        put_scalar(self.seen, (slots, tokens), True)
         flat = slots * self.vocab_size + tokens  # [k]
         self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(tokens, dtype=torch.float32))
 

@@ -17,6 +17,7 @@ from batchgen.engine.api.platform import GreedyIds
 from batchgen.engine.sampling.batch import SamplingStep
 from batchgen.engine.sampling.feature_plan import stage_step_inputs
 from batchgen.engine.sampling.penalties import LogitsFeatures
+from batchgen.engine.staging.transfers import put_scalar
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class Sampler:
         if step.banned is not None:
             # why a copy: the caller's logits stay intact (a logprobs feature may read them later)
             logits = logits.clone()
-            logits[step.banned[0], step.banned[1]] = float("-inf")
+            put_scalar(logits, (step.banned[0], step.banned[1]), float("-inf"))
         if step.features is not None:
             logits = self.features.apply(logits, step.features)
         ids, nan = self._draw(logits, step)

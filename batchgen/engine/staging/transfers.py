@@ -160,3 +160,11 @@ class Transfers:
         if self._done is not None:  # pragma: no cover - CUDA only
             self._done.synchronize()
             self._done = None
+
+
+def put_scalar(target: torch.Tensor, indices: tuple[torch.Tensor, ...], value: float | bool) -> None:
+    """`target[indices] = value` without a hidden sync: with a Python number, torch's index_put_
+    makes it a CPU tensor and copies that to the device with a blocking copy (a stream sync on
+    CUDA, every call: the H200 run's profiler counted one per decode step with penalties). A value
+    made on the target's device is a fill kernel."""
+    target.index_put_(indices, target.new_full((), value))

@@ -11,21 +11,23 @@ setup that failed is not recorded as done: the next one to ask retries it (and f
 from __future__ import annotations
 
 import fcntl
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 
-def run_folder(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
-    """A folder of this test run shared by its xdist workers (this process's own without xdist)."""
+def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of this test run shared by its xdist workers (this process's own without xdist:
+    xdist names each worker in PYTEST_XDIST_WORKER)."""
     base = tmp_path_factory.getbasetemp()
-    return base if worker_id == "master" else base.parent
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def once(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, setup: Callable[[Path], None]) -> Path:
+def once(tmp_path_factory: pytest.TempPathFactory, name: str, setup: Callable[[Path], None]) -> Path:
     """Folder `name` of this run, made by `setup(folder)` the first time any worker asks for it."""
-    root = run_folder(tmp_path_factory, worker_id)
+    root = run_folder(tmp_path_factory)
     folder = root / name
     done = root / f"{name}.done"
     with (root / f"{name}.lock").open("w") as lock:

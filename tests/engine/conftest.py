@@ -70,7 +70,7 @@ _LOAD_ALL = (
 
 
 @pytest.fixture(scope="session")
-def avx2_build(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Avx2Build:
+def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Avx2Build:
     """One AVX2 build per test run, for every test that reads it, whichever xdist worker runs them.
 
     Why so: compiling the attention library is most of a build (~30 s), and test_native_avx2.py's two
@@ -99,7 +99,7 @@ def avx2_build(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Avx2
                 (folder / "picky.json").write_text(done.stdout)
         _copy_operators(cache / "kernels")
 
-    folder = once(tmp_path_factory, worker_id, "avx2-build", build)
+    folder = once(tmp_path_factory, "avx2-build", build)
     return Avx2Build(folder / "cache", json.loads((folder / "picky.json").read_text()))
 
 

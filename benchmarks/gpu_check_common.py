@@ -224,21 +224,6 @@ def compare(got: list[list[int]], want: list[list[int]]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- engine counters
 
 
-def count_replays(llm: LLM) -> None:
-    """Count CUDA-graph replays on the runner's graphs (a wrapper on their replay; idempotent)."""
-    graphs = llm.engine.runner.graphs
-    if graphs is None or hasattr(graphs.graphs, "replays"):
-        return
-    inner, real = graphs.graphs, graphs.graphs.replay
-    inner.replays = 0  # type: ignore[attr-defined]
-
-    def replay(key: Any, n: int) -> torch.Tensor:
-        inner.replays += 1  # type: ignore[attr-defined]
-        return real(key, n)
-
-    inner.replay = replay  # type: ignore[method-assign]
-
-
 def engine_counters(llm: LLM) -> dict[str, Any]:
     """What the engine itself counts: steps, Transfers' uploads and reads (by site), graphs compiled,
     CUDA graphs captured and replayed. Never the script's own syncs (Ctx.script_syncs)."""
@@ -254,7 +239,7 @@ def engine_counters(llm: LLM) -> dict[str, Any]:
         "compiled_graphs": runner.forward.stats.graphs,
         "captures": None if graphs is None else getattr(graphs, "captures", None),
         "captures_after_start": None if graphs is None else getattr(graphs, "captures_after_start", None),
-        "replays": None if graphs is None else getattr(graphs.graphs, "replays", None),
+        "replays": None if graphs is None else getattr(graphs, "replays", None),
     }
 
 

@@ -21,11 +21,10 @@ from typing import Any
 import torch
 
 from batchgen import LLM
-from batchgen.engine.cuda.graphs import DecodeGraphs, GraphDecode
+from batchgen.engine.cuda.graphs import GraphDecode
 from benchmarks.gpu_check_common import (
     Ctx,
     compare,
-    count_replays,
     counters_delta,
     engine_counters,
     free_memory,
@@ -33,8 +32,8 @@ from benchmarks.gpu_check_common import (
 from benchmarks.gpu_check_parity import eager_torch, engine_llm, reference, run_parity, verdict
 
 
-class ReplayByRerun(DecodeGraphs):
-    """DecodeGraphs without CUDA (the --smoke stand-in): replay reruns the captured call."""
+class ReplayByRerun(GraphDecode):
+    """GraphDecode without CUDA (the --smoke stand-in): replay reruns the captured call."""
 
     def capture(self, bucket: int, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
         call = self.step_call(bucket)
@@ -49,8 +48,7 @@ def install_standin(llm: LLM) -> None:
     runner = llm.engine.runner
     max_blocks = -(-llm.max_model_len // runner.block_size)
     rows = int(llm.config.max_num_seqs or 64)
-    graphs = GraphDecode(runner.forward, rows, max_blocks, runner.block_size, runner.device)
-    graphs.graphs = ReplayByRerun(runner.forward, graphs.buffers)
+    graphs = ReplayByRerun(runner.forward, rows, max_blocks, runner.block_size, runner.device)
     graphs.capture_all(runner._graph_run, runner._graph_context)
     runner.graphs = graphs
 
@@ -59,7 +57,6 @@ def with_graphs(llm: LLM, standin: bool) -> LLM:
     """`llm` with its decode graphs (the CPU stand-in when asked), their replays counted."""
     if standin and llm.engine.runner.graphs is None:
         install_standin(llm)
-    count_replays(llm)
     return llm
 
 

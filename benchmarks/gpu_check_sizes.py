@@ -26,14 +26,14 @@ The 1B parts are sized from FLOPs, bytes and per-step overheads. Measured on thi
     compiling 11.1), graphs 1.2, syncs 3.4, throughput 6.7 s.
 Estimates (seconds):
   env         10  CUDA's start ~3, three short profiled runs of a tiny model, saves
-  parity      40  9 x (reference 2.5 + engine runs ~1.2 + saves and loads ~0.7)
+  parity      30  9 x (reference 2.5 + engine runs ~1.2 + saves and loads ~0.7)
   bf16         5  2 x (transformers bf16: 8 forwards + 8 x 16 greedy steps ~1.2, engine ~0.8, loads of
                   the parity section's saved models ~0.4)
-  triton      35  9 x engine runs ~1.5 (references reused) + Triton's JIT, ~1-2 s per new kernel
+  triton      75  9 x engine runs ~1.5 (references reused) + Triton's JIT, ~1-2 s per new kernel
                   specialization while its cache is cold
-  compiled    35  2 x (a compile: ~8 host, this CPU's 16 s of non-gcc work at ~2x, + 5-10 of Triton
+  compiled    30  2 x (a compile: ~8 host, this CPU's 16 s of non-gcc work at ~2x, + 5-10 of Triton
                   kernel builds in parallel) + 150-step runs
-  graphs      40  2 x (a second engine of the same graph ~3 + the graph path's recompiles, static
+  graphs      15  2 x (a second engine of the same graph ~3 + the graph path's recompiles, static
                   inputs at storage offset 0 and one row, ~5-10 each with kernels cached + <= 10
                   captures) + runs
   syncs       10  2 configs x 7 features x 2 runs of ~13 steps, profiled; the compiled engine is the
@@ -48,7 +48,9 @@ Estimates (seconds):
                   work at ~2x + kernel builds), two recompiles ~40, ~30 captures 5, two runs 5
   in all     305 (+25 with 2+ GPUs: 330, the cap) + ~10 of imports and CUDA's start: about 5.3 minutes
 The first GPU run's JSON says how far off each is: every section's "seconds", the compile and
-warm-up seconds of each engine.
+warm-up seconds of each engine. The first H200 run (2026-12-04, torch 2.11, one GPU) took env 12.7,
+parity 27.8, bf16 3.9, triton 41.6 (cut after 4 of 9 architectures: ~10 s each while Triton's
+JIT cache is cold), compiled 29.7, graphs 9.9, syncs 9.5; the FULL figures below take those in.
 """
 
 from __future__ import annotations
@@ -93,11 +95,11 @@ FULL = Sizes(
     sync_steps=8,
     estimate_s={  # seconds on an H200: the module docstring says how each was made
         "env": 10,
-        "parity": 40,
+        "parity": 30,  # first H200 run (2026-12-04): 27.8
         "bf16": 5,  # 2 x (reference: 8 forwards + 8 x 16 greedy steps ~1.2, engine ~0.8, loads ~0.4)
-        "triton": 35,
-        "compiled": 35,
-        "graphs": 40,
+        "triton": 75,  # first H200 run: 4 of 9 architectures in 41.6 s, Triton's JIT cache cold
+        "compiled": 30,  # first H200 run: 29.7
+        "graphs": 15,  # first H200 run: 9.9 (the compiled section's kernels cached)
         "syncs": 10,
         "tp": 25,  # 2+ GPUs only (else skipped at once): 2 x (worker start ~8 + a pressure run ~3)
         "throughput": 130,
@@ -107,9 +109,9 @@ FULL = Sizes(
         "env": 15,
         "parity": 50,
         "bf16": 10,
-        "triton": 45,
+        "triton": 90,
         "compiled": 45,
-        "graphs": 50,
+        "graphs": 30,
         "syncs": 20,
         "tp": 35,
         "throughput": 150,

@@ -276,3 +276,18 @@ def test_the_tp_section_says_why_it_is_skipped_on_one_gpu(tmp_path: Path, monkey
     gpu_check_tp.section_tp(ctx, out)
     assert out["gpus"] == 1 and "needs 2 or more" in out["skipped"] and gpu_check.status_of(out) == "skipped"
     assert not list(tmp_path.iterdir())  # no model saved, no engine made
+
+
+def test_a_sync_outside_transfers_fails_the_syncs_section() -> None:
+    """The rule that caught the penalties' hidden sync on the first H200 run: more stream syncs per
+    step in the profiler than the engine's own reads is a failure; equal counts, or no profiler
+    figures (the CPU), are not."""
+    from benchmarks.gpu_check_syncs import hidden_syncs
+
+    def row(syncs: float | None, reads: float) -> dict[str, Any]:
+        calls = None if syncs is None else {"cudaStreamSynchronize": syncs, "cudaDeviceSynchronize": 0.12}
+        return {"profiler_calls_per_step": calls, "engine": {"reads_per_step": reads}}
+
+    assert "outside Transfers" in (hidden_syncs(row(2.0, 1.0)) or "")
+    assert hidden_syncs(row(1.0, 1.0)) is None
+    assert hidden_syncs(row(None, 1.0)) is None

@@ -153,13 +153,13 @@ def test_the_engines_load_shows_a_ticking_status_line_unless_quiet(capsys: pytes
 def test_a_cpu_job_whose_kernels_are_not_built_says_it_builds_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from batchgen.engine.cpu import native_ops
+    from batchgen.engine.cpu import native
 
     job = make_job(tmp_path, str(tmp_path / "in.parquet"), tmp_path / "out", engine={"backend": "native"})
     spec = load_job(write_job(tmp_path / "job.yaml", {**job, "model": {"path": str(tmp_path), "device": "cpu"}}))
-    monkeypatch.setattr(native_ops, "pending", lambda: ["attention", "linear"])
+    monkeypatch.setattr(native, "pending", lambda: ["attention", "linear"])
     assert progress.loading_what(spec).startswith("building native CPU kernels (2;")
-    monkeypatch.setattr(native_ops, "pending", lambda: [])
+    monkeypatch.setattr(native, "pending", lambda: [])
     assert progress.loading_what(spec) == "loading the model"
     hf = load_job(write_job(tmp_path / "hf.yaml", {**job, "engine": {"backend": "hf"}}))
     assert progress.loading_what(hf) == "loading the model"

@@ -17,7 +17,7 @@ from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.cpu import front as attention_front
 from batchgen.engine.cpu.backend import CpuBackend
-from batchgen.engine.cpu.decode_native import PLAN_FIELDS, FrontPlan, NativeClass, NativeStep, Scratch
+from batchgen.engine.cpu.decode_native import PLAN_FIELDS, ClassRows, FrontPlan, NativeStep, Scratch
 
 from .test_native import TILE, _kernels
 
@@ -25,7 +25,7 @@ KVH, G, D = 2, 2, 16
 LAYERS = 2
 
 
-def _step(gen: torch.Generator) -> tuple[NativeStep, list[NativeClass]]:
+def _step(gen: torch.Generator) -> tuple[NativeStep, list[ClassRows]]:
     """Two classes, one with holes and a shared prefix, in fresh row tensors."""
     lengths, rows = [[5, 17, 40], [33, 64, 50, 47]], [[0, 1, 2], [1, 2, 4, 5]]
     parts = []
@@ -35,14 +35,12 @@ def _step(gen: torch.Generator) -> tuple[NativeStep, list[NativeClass]]:
         for layer in range(LAYERS):
             k[layer][rs, :, : shared // TILE] = k[layer][rs[0], :, : shared // TILE]
             v[layer][rs, :, :shared] = v[layer][rs[0], :, :shared]
-        parts.append(NativeClass(k, v, len(ls), shared, rs))
+        parts.append(ClassRows(k, v, len(ls), shared, rs))
     return NativeStep(_kernels(), parts, lengths[0] + lengths[1], Scratch()), parts
 
 
-def _copy(parts: list[NativeClass]) -> list[NativeClass]:
-    return [
-        NativeClass([t.clone() for t in p.k], [t.clone() for t in p.v], p.num_rows, p.shared, p.rows) for p in parts
-    ]
+def _copy(parts: list[ClassRows]) -> list[ClassRows]:
+    return [ClassRows([t.clone() for t in p.k], [t.clone() for t in p.v], p.num_rows, p.shared, p.rows) for p in parts]
 
 
 def test_a_planned_step_attends_exactly_as_the_python_path() -> None:
@@ -192,4 +190,4 @@ def test_an_operator_whose_plan_names_differ_from_pythons_is_not_loaded(
     assert attention_front._load() is not None  # in step: loads
     monkeypatch.setattr(attention_front, "PLAN_FIELDS", PLAN_FIELDS[1:])
     assert attention_front._load() is None
-    assert "batchgen_attention_op unavailable" in caplog.text and "attention_op.cpp names" in caplog.text
+    assert "batchgen_attention_op kernel unavailable" in caplog.text and "attention_op.cpp names" in caplog.text

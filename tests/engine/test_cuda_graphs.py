@@ -15,7 +15,6 @@ from batchgen.engine.attention.kv_store import PAD_SLOT, pool_blocks, store_kv
 from batchgen.engine.attention.static_decode import static_decode_attention
 from batchgen.engine.cuda.graphs import (
     DecodeBuffers,
-    DecodeGraphs,
     GraphDecode,
     decode_buckets,
     pick_bucket,
@@ -91,8 +90,8 @@ def test_static_decode_attention_matches_per_sequence_reference(window: int | No
         torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-5)
 
 
-class _ReplayByRerun(DecodeGraphs):
-    """DecodeGraphs without CUDA: "capture" keeps the step's context and call, "replay" runs the
+class _ReplayByRerun(GraphDecode):
+    """GraphDecode without CUDA: "capture" keeps the step's context and call, "replay" runs the
     same call again, which is what replaying a captured graph computes."""
 
     def capture(self, bucket: int, run: Callable[[Callable[[], torch.Tensor]], torch.Tensor]) -> None:
@@ -124,10 +123,9 @@ def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Pa
         return runner.forward(*tensors)
 
     max_blocks = -(-llm.config.max_model_len // runner.block_size)
-    graphs = GraphDecode(forward, 2, max_blocks, runner.block_size, runner.device)  # 3-4 rows: no graph
-    graphs.graphs = _ReplayByRerun(forward, graphs.buffers)
+    graphs = _ReplayByRerun(forward, 2, max_blocks, runner.block_size, runner.device)  # 3-4 rows: no graph
     graphs.capture_all(runner._graph_run, runner._graph_context)  # what the runner does when it is made on CUDA
-    assert graphs.captures == 1 and sorted(graphs.graphs.graphs) == [2]
+    assert graphs.captures == 1 and sorted(graphs.graphs) == [2]
     runner.graphs = graphs
     replayed, counts, steps = len(inputs), runner.transfers.counts, llm.stats["steps"]
     uploads = counts.uploads
@@ -158,8 +156,7 @@ def test_eager_and_graph_steps_run_one_compiled_forward(tiny_model: Callable[[st
     runner.decode_kv.stage = runner.transfers.stage
     runner.batch.transfers = runner.transfers
     max_blocks = -(-llm.config.max_model_len // runner.block_size)
-    graphs = GraphDecode(runner.forward, 4, max_blocks, runner.block_size, runner.device)
-    graphs.graphs = _ReplayByRerun(runner.forward, graphs.buffers)
+    graphs = _ReplayByRerun(runner.forward, 4, max_blocks, runner.block_size, runner.device)
     runner.graphs = graphs
     llm.generate([[3, 4, 5, 6, 7, 8, 9, 10, 11]], params)  # eager steps compile the forward first
     graphs.capture_all(runner._graph_run, runner._graph_context)

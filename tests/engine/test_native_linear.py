@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engine.cpu import linear_calibration, native, native_linear, native_ops
+from batchgen.engine.cpu import linear_calibration, native, native_linear
 from batchgen.engine.cpu.linear_calibration import bucket
 from batchgen.engine.cpu.native_linear import EVERY_BUCKET, NativeLinear, install_native_linears
 
@@ -36,7 +36,7 @@ def _operator() -> None:
 
 def _kernel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """The C kernel for x's dtype (float32, or the bf16 twin) called directly, on a 2-D x whose rows may be strided."""
-    kernel = native.linear_bf16() if x.dtype == torch.bfloat16 else native.linear()
+    kernel = native.function("batchgen_linear", x.dtype)
     assert kernel is not None
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
     bias = ctypes.c_void_p(b.data_ptr()) if b is not None else None
@@ -243,16 +243,17 @@ def test_a_model_is_routed_by_its_own_calibration(tmp_path: Path, monkeypatch: p
 def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger=native_ops.__name__)
+    caplog.set_level(logging.WARNING, logger=native.__name__)
     monkeypatch.setattr(native, "_HANDLES", {"linear": None})  # as when BATCHGEN_NATIVE=0 or no C compiler
     assert native_linear._load_op() is False
     monkeypatch.undo()
+    monkeypatch.setattr(native, "_HANDLES", {k: v for k, v in native._HANDLES.items() if k != "batchgen_linear_op"})
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     fake = failing_compiler(tmp_path, "c++")
     monkeypatch.setenv("CXX", str(fake))
     assert native_linear._load_op() is False
-    assert "batchgen_linear_op unavailable" in caplog.text and "fake: no luck" in caplog.text
-    monkeypatch.setattr(native_linear, "_OP", [False])
+    assert "batchgen_linear_op kernel unavailable" in caplog.text and "fake: no luck" in caplog.text
+    monkeypatch.setattr(native_linear, "load_op", lambda: False)
     model = _model()
     assert install_native_linears(model, CPU, F32, {"64x64+bias": ANY}) == 0
     assert all(type(m) is not NativeLinear for m in model)

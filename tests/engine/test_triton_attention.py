@@ -20,6 +20,7 @@ pytest.importorskip("triton")  # a machine without triton (not Linux) skips the 
 
 from batchgen.engine.attention.backend import TorchBackend
 from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.static_decode import StaticDecode, static_decode_attention
 from batchgen.engine.core.scheduler import ScheduledChunk
 from batchgen.engine.triton import support
@@ -102,7 +103,7 @@ class Step:
         if packed != sorted(packed):
             q, k, v = q[:, packed], k[:, packed], v[:, packed]
         with backend.running(ctx):
-            out = backend.run_layer(0, *(x.to(DEVICE) for x in (q, k, v)), D**-0.5, window, softcap)
+            out = backend.run_layer(LayerCall(0, D**-0.5, window, softcap), *(x.to(DEVICE) for x in (q, k, v)))
         self.stored = (pools[0][0].cpu(), pools[0][1].cpu())
         return out.cpu()[torch.tensor(packed).argsort()]  # [T + pad, H, D] in batch order
 
@@ -209,7 +210,7 @@ def test_a_graph_decode_step_reads_only_fixed_buffers() -> None:
     key, value = (torch.randn(KVH, 4, D, generator=gen).to(DEVICE) for _ in range(2))
     ctx = ForwardContext(pools, slots[:4], None, [], num_tokens=4, static_decode=static)
     with backend.running(ctx):
-        out = backend.run_layer(0, query, key, value, 0.3, 12, 4.0)
+        out = backend.run_layer(LayerCall(0, 0.3, 12, 4.0), query, key, value)
     want = static_decode_attention(query, *pools[0], static, 0.3, 12, 4.0)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
     plan, again = backend.graph_rows.plan(static), backend.graph_rows.plan(static)

@@ -20,6 +20,7 @@ from batchgen.engine.attention.decode_kv import DecodeKVSource
 from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.kv_store import store_kv
 from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.path import varlen_paged_attention
 from batchgen.engine.attention.planning import PlannedChunk, Stager, build_forward_context
 from batchgen.engine.attention.static_decode import static_decode_attention
@@ -70,33 +71,17 @@ class AttentionBackend:
         finally:
             self.context = None
 
-    def call_layer(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
+    def call_layer(self, call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [H, T, D], key/value [KVH, T, D] -> [T, H, D]; the custom op only while compiling
         (eager runs call its body directly, without the op's dispatch)."""
         if torch.compiler.is_compiling():
+            layer, scale, window, softcap = call
             return attention_op.paged_attention(query, key, value, scale, window, softcap, self.handle, layer)
-        return self.run_layer(layer, query, key, value, scale, window, softcap)
+        return self.run_layer(call, query, key, value)
 
-    def run_layer(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
+    def run_layer(self, call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """One layer of the current step: store its K/V in the pool, attend -> [T, H, D] (padded rows zero)."""
+        layer, scale, window, softcap = call
         ctx, k_cache, v_cache = self.begin_layer(layer, key)
         decodes_store = _decodes_store_kv(ctx, softcap)
         if not decodes_store:
@@ -111,7 +96,7 @@ class AttentionBackend:
             out = varlen_paged_attention(ctx.flash, k_cache, v_cache, query, scale, window)
         else:
             slots = ctx.slot_mapping if decodes_store else None
-            out = torch_paged_attention(ctx, layer, query, key, value, scale, window, softcap, slots)
+            out = torch_paged_attention(ctx, call, query, key, value, slots)
         return zero_padding(out, ctx)
 
     def begin_layer(self, layer: int, key: torch.Tensor) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
@@ -125,7 +110,11 @@ class AttentionBackend:
             raise RuntimeError(f"attention for layer {layer}, but the KV pool has {len(self.kv_caches)} layers")
         ctx.num_attention_calls += 1
         k_cache, v_cache = self.kv_caches[layer]
-        _check_kv_shape(k_cache, layer, key)
+        if k_cache.shape[2:] != key.shape[0:1] + key.shape[2:]:
+            raise RuntimeError(
+                f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
+                f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
+            )
         return ctx, k_cache, v_cache
 
     def take_raised(self) -> BaseException | None:
@@ -149,14 +138,6 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device) -> None:
         super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))
-
-
-def _check_kv_shape(k_cache: torch.Tensor, layer: int, key: torch.Tensor) -> None:
-    if k_cache.shape[2:] != key.shape[0:1] + key.shape[2:]:
-        raise RuntimeError(
-            f"layer {layer}: model produced K/V with {key.shape[0]} heads of dim {key.shape[2]} but the KV pool "
-            f"was sized for {k_cache.shape[2]} heads of dim {k_cache.shape[3]}"
-        )
 
 
 def _decodes_store_kv(ctx: ForwardContext, softcap: float | None) -> bool:

@@ -16,8 +16,10 @@ from typing import NamedTuple, Protocol
 import torch
 
 from batchgen.engine.attention.cascade import cascade_len
+from batchgen.engine.attention.op import LayerCall
 
 Pool = tuple[torch.Tensor, torch.Tensor]  # one layer's K, V: [num_blocks, block_size, KVH, D]
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a layer's q [H, T, D], key and value [KVH, T, D]
 
 
 class DecodeRequest(NamedTuple):
@@ -53,18 +55,7 @@ class DecodeStep(Protocol):
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [B, KVH, D, L], values [B, KVH, L, D] of groups[group] (row b: positions 0..L-1 of its b-th decode)."""
 
-    def attend(
-        self,
-        layer: int,
-        pool: Pool,
-        q: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        out: torch.Tensor,
-        scale: float,
-        window: int | None,
-        slots: torch.Tensor | None = None,
-    ) -> bool:
+    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
         """Attend every decode of this layer itself (q [H, T, D], key/value [KVH, T, D], out [T, H, D]),
         its K/V updated too, and stored in the pool at `slots` when given (see writes_pool); False:
         the caller runs update() and attends group by group over kv()."""

@@ -13,6 +13,7 @@ import torch
 from transformers import AttentionInterface
 
 from batchgen.engine.attention.backend import AttentionBackend
+from batchgen.engine.attention.op import LayerCall
 
 ATTN_IMPLEMENTATION = "batchgen_paged"
 BINDING = "_batchgen_attention"  # the attribute each attention module carries
@@ -77,7 +78,8 @@ def paged_attention_forward(
         raise NotImplementedError(f"{ATTN_IMPLEMENTATION}: sliding_window {window!r}, softcap {softcap!r} unknown")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cap = None if softcap is None else float(softcap)
-    out = binding.backend.call_layer(binding.layer, query[0], key[0], value[0], float(scale), window, cap)
+    call = LayerCall(binding.layer, float(scale), window, cap)
+    out = binding.backend.call_layer(call, query[0], key[0], value[0])
     return out.unsqueeze(0), None
 
 

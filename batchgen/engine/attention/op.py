@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -21,20 +21,22 @@ OP_NAME = "batchgen::paged_attention"
 FRONT_OP_NAME = "batchgen::attention"
 
 
+class LayerCall(NamedTuple):
+    """One attention layer's call, as the model makes it: what every backend's layer takes beside the tensors."""
+
+    layer: int  # the module's layer index: its K/V pool
+    scale: float
+    window: int | None  # transformers' sliding window (keys with q - kv < window); None: none
+    softcap: float | None  # the logits' soft-capping (Gemma 2); None: none
+
+
 class LayerRunner(Protocol):
     """What the op's body calls: a backend's run of one layer (attention/backend.AttentionBackend)."""
 
     raised: BaseException | None
 
     def run_layer(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
+        self, call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor: ...
 
 
@@ -75,7 +77,7 @@ def paged_attention(
     """
     owner = lookup(backend)
     try:
-        return owner.run_layer(layer, query, key, value, scale, window, softcap)
+        return owner.run_layer(LayerCall(layer, scale, window, softcap), query, key, value)
     except BaseException as exc:
         owner.raised = exc
         raise

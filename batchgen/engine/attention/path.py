@@ -118,11 +118,6 @@ def default_block_size(
     return VARLEN_BLOCK_MULTIPLE if choice.path == VARLEN else SMALL_BLOCK_SIZE
 
 
-def varlen_window(window: int | None) -> tuple[int, int]:
-    """transformers' sliding window (keys with q - kv < window) as FlashAttention's (left, right)."""
-    return (-1, 0) if window is None else (window - 1, 0)
-
-
 def varlen_paged_attention(
     meta: FlashMetadata,
     k_cache: torch.Tensor,
@@ -135,7 +130,7 @@ def varlen_paged_attention(
     chunk attends causally (bottom-right aligned) over the first seqused_k[i] tokens of its pages."""
     if VARLEN_ATTN is None:
         raise RuntimeError("the varlen attention path needs torch.nn.attention.varlen (torch >= 2.12)")
-    out = VARLEN_ATTN(
+    return VARLEN_ATTN(
         q.transpose(0, 1),  # [T, H, D]
         k_cache,
         v_cache,
@@ -144,9 +139,9 @@ def varlen_paged_attention(
         meta.max_seqlen_q,
         meta.max_seqlen_k,
         scale=scaling,
-        window_size=varlen_window(window),
+        # transformers' sliding window (keys with q - kv < window) as FlashAttention's (left, right)
+        window_size=(-1, 0) if window is None else (window - 1, 0),
         enable_gqa=q.shape[0] != k_cache.shape[2],
         seqused_k=meta.seqused_k.int(),
         block_table=meta.block_tables.int(),
     )
-    return out

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from batchgen.engine.attention.cascade import cascade_decode_attention
 from batchgen.engine.attention.decode_kv import DecodeGroup, DecodeStep, Pool, gather_blocks
 from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk
+from batchgen.engine.attention.op import LayerCall
 
 
 def _window_mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
@@ -148,20 +149,18 @@ def _attend_chunk(
 
 def _decode_attention(
     step: DecodeStep,
-    layer: int,
+    call: LayerCall,
     pool: Pool,
     q: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     out: torch.Tensor,
-    scaling: float,
-    window: int | None,
-    softcap: float | None,
     slots: torch.Tensor | None = None,
 ) -> None:
     """The decodes' rows of `out` [T, H, D]; q [H, T, D], key/value [KVH, T, D] (this step's, decodes first).
     `slots`: the step's slot mapping when the source stores the decodes' K/V in the pool itself."""
-    if softcap is None and step.attend(layer, pool, q, key, value, out, scaling, window, slots):
+    layer, scaling, window, softcap = call
+    if softcap is None and step.attend(call, pool, (q, key, value), out, slots):
         return
     step.update(layer, pool, key, value)
     for i, group in enumerate(step.groups):
@@ -178,21 +177,18 @@ def _decode_attention(
 
 def torch_paged_attention(
     ctx: ForwardContext,
-    layer: int,
+    call: LayerCall,
     q: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    scaling: float,
-    window: int | None,
-    softcap: float | None,
     slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [H, T, D], key/value [KVH, T, D] -> [T, H, D]."""
+    layer, scaling, window, softcap = call
     k_cache, v_cache = ctx.kv_caches[layer]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
     if ctx.decodes is not None:
-        pool = ctx.kv_caches[layer]
-        _decode_attention(ctx.decodes, layer, pool, q, key, value, out, scaling, window, softcap, slots)
+        _decode_attention(ctx.decodes, call, ctx.kv_caches[layer], q, key, value, out, slots)
     for chunk in ctx.prefills:
         if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
             k, v = key[None, :, chunk.start : chunk.end], value[None, :, chunk.start : chunk.end]

@@ -44,13 +44,11 @@ def native_greedy_ids(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _kernel(dtype: torch.dtype, vocab: int) -> CFunction | None:
-    if dtype == torch.float32:
-        return native.argmax()
-    if dtype != torch.bfloat16:
+    if dtype not in native.KERNEL_DTYPES:
         return None
-    kernel = native.argmax_bf16()
-    if kernel is None:
-        return None
+    kernel = native.function("batchgen_row_argmax", dtype)
+    if kernel is None or dtype == torch.float32:
+        return kernel
     if vocab not in _CHOSEN:
         _CHOSEN[vocab] = bf16_kernel_wins(kernel, vocab)
     return kernel if _CHOSEN[vocab] else None

@@ -23,8 +23,9 @@ from transformers import PretrainedConfig
 
 from batchgen.engine.attention.backend import AttentionBackend, Pools
 from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.path import has_softcap
-from batchgen.engine.cpu import native, native_ops
+from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_layout import keys_transposed, native_wins
 from batchgen.engine.cpu.decode_rows import DecodeRows
 from batchgen.engine.cpu.front import Front, open_front
@@ -47,7 +48,7 @@ class CpuBackend(AttentionBackend):
         max_len: int,
         max_rows: int | None,
     ) -> None:
-        if missing := native_ops.pending():
+        if missing := native.pending():
             logger.warning(
                 "building the native CPU kernels for this machine before the first step (%s; %s, once per machine;"
                 " `batchgen doctor --build` builds them ahead of a job)",
@@ -98,19 +99,11 @@ class CpuBackend(AttentionBackend):
             ctx.num_attention_calls += plan.calls
             step.native.calls += plan.calls
 
-    def call_layer(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
+    def call_layer(self, call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Through the C++ operator where it loaded (it attends a planned step, else calls the Python op)."""
         if self.front is None:
-            return super().call_layer(layer, query, key, value, scale, window, softcap)
+            return super().call_layer(call, query, key, value)
+        layer, scale, window, softcap = call
         op = torch.ops.batchgen.attention
         return op(query, key, value, scale, window, softcap, self.handle, layer, self.front.cell_address)
 

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from batchgen.engine.attention.torch_math import _batched_decode_attention
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
-from batchgen.engine.cpu.decode_native import NativeClass, NativeStep, Scratch
+from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch
 from batchgen.engine.cpu.native import NativeKernels
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def _native_call(
     tiles = CAPACITY // native.TILE
     k = torch.randn(ROWS, kvh, tiles, d, native.TILE, generator=gen).to(dtype)  # [B, KVH, cap / TILE, D, TILE]
     v = torch.randn(ROWS, kvh, CAPACITY, d, generator=gen).to(dtype)  # [B, KVH, cap, D]
-    step = NativeStep(kernels, [NativeClass([k], [v], ROWS, 0)], [LENGTH] * ROWS, Scratch())
+    step = NativeStep(kernels, [ClassRows([k], [v], ROWS, 0)], [LENGTH] * ROWS, Scratch())
     q = torch.randn(kvh * g, ROWS, d, generator=gen).to(dtype)  # [H, T, D]
     new_k = torch.randn(kvh, ROWS, d, generator=gen).to(dtype)  # [KVH, T, D]
     new_v = torch.randn(kvh, ROWS, d, generator=gen).to(dtype)

@@ -16,7 +16,7 @@ import ctypes
 from array import array
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,15 +28,21 @@ PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler show
 
 
 @dataclass
-class NativeClass:
+class ClassRows:
     """One length class's part of a step, as decode_rows plans it: its decodes' rows, in packed order."""
 
-    k: list[torch.Tensor]  # per layer [rows, KVH, cap / TILE, D, TILE] (keys in tiles of positions)
+    # per layer, indexed [rows, KVH, D, class length]; for the kernel, [rows, KVH, cap / TILE, D, TILE]
+    # (keys in tiles of positions: row_pack.RowPack._keys)
+    k: list[torch.Tensor]
     v: list[torch.Tensor]  # per layer [rows, KVH, cap, D]
     num_rows: int  # decodes of the class in this step
     # positions every decode's row holds in the same blocks (0: none), read from the lowest of the rows
-    shared: int
+    shared: int = 0
     rows: Sequence[int] | None = None  # each decode's row of the tensors (None: 0..num_rows-1)
+    fills: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, length, blocks) to fill first
+    # the torch path only (None with the kernel): where this step's token goes in each row, and 0..n-1
+    positions: torch.Tensor | None = None  # [n]
+    index: torch.Tensor | None = None  # [n]
 
     def decode_rows(self) -> Sequence[int]:
         return range(self.num_rows) if self.rows is None else self.rows
@@ -67,12 +73,13 @@ class NativeStep:
     """Every decode's row, length and shared prefix, and each layer's class tensors, for one step."""
 
     def __init__(
-        self, kernels: NativeKernels, classes: Sequence[NativeClass], lengths: Sequence[int], scratch: Scratch
+        self, kernels: NativeKernels, classes: Sequence[ClassRows], lengths: Sequence[int], scratch: Scratch
     ) -> None:
         """lengths: positions each decode attends to after this step's token (packed order)."""
         self.kernels = kernels
         self.calls = 0  # layers attended (for tests and the benchmark)
-        self._classes = classes  # why kept: the table below holds raw addresses into their tensors
+        # the step's classes in packed order (why kept: the table below holds raw addresses into their tensors)
+        self.classes = classes
         self._kvh, self._d, self.dtype = _row_shape(classes)
         self._kernel = kernels.attention_for(self.dtype)  # the float32 or the bf16 kernel
         n, num_classes, num_layers = len(lengths), len(classes), len(classes[0].k)
@@ -129,7 +136,7 @@ class NativeStep:
         class's shared prefix anew; every class, row and address stays as it was checked and laid
         out, so the table is rewritten in place (decode_rows reuses a step for the next one). Why
         through the array: two slice copies into the table tensor cost ~40 us of the step here."""
-        n, classes = self.num_decodes, self._classes
+        n, classes = self.num_decodes, self.classes
         if len(lengths) != n or len(shared) != len(classes):
             raise RuntimeError(f"native decode attention: {len(lengths)} lengths, {len(shared)} shared prefixes")
         for part, value in zip(classes, shared):
@@ -139,11 +146,6 @@ class NativeStep:
         self._args[native.ARG["threads"]] = native.threads()
         self._longest = -(-max(lengths) // native.TILE) * native.TILE
         self._heads, self.calls = 0, 0  # the next call sizes the scratch for the new longest row
-
-    @property
-    def classes(self) -> Sequence[NativeClass]:
-        """The step's classes in packed order: each one's row tensors, rows and shared prefix."""
-        return self._classes
 
     @property
     def shared(self) -> torch.Tensor:
@@ -278,7 +280,7 @@ PLAN_FIELDS = (
 PLAN_CALLS, PLAN_NANOS = PLAN_FIELDS.index("calls"), PLAN_FIELDS.index("nanos")
 
 
-def _per_row(values: Sequence[int], classes: Sequence[NativeClass]) -> array:
+def _per_row(values: Sequence[int], classes: Sequence[ClassRows]) -> array:
     """One value per class -> that value for each of the class's rows (why not per row: a property
     read and a list element per row cost ~90 us of a 64-row step)."""
     out = array("q")
@@ -292,7 +294,7 @@ def _address(fn: Any) -> int:
     return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
 
-def _row_shape(classes: Sequence[NativeClass]) -> tuple[int, int, torch.dtype]:
+def _row_shape(classes: Sequence[ClassRows]) -> tuple[int, int, torch.dtype]:
     """(KVH, D, dtype) of the classes' rows, once every layer's tensors are what the kernel addresses:
     one dtype the kernels read (float32 or bfloat16) on the CPU, keys [rows, KVH, cap / TILE, D, TILE]
     and values [rows, KVH, cap, D], each row contiguous, the same shape and strides in every layer,

@@ -32,10 +32,10 @@ import torch
 
 from batchgen.engine.attention.cascade import shared_prefix_len
 from batchgen.engine.attention.decode_kv import DecodeGroup, DecodeRequest, Stage, make_group
-from batchgen.engine.cpu.decode_native import NativeClass, NativeStep, Scratch
+from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch
 from batchgen.engine.cpu.native import TILE, NativeKernels
 from batchgen.engine.cpu.row_pack import RowPack
-from batchgen.engine.cpu.rows_view import ClassStep, RowsView
+from batchgen.engine.cpu.rows_view import RowsView
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
 
@@ -137,8 +137,9 @@ class DecodeRows:
         by_class: dict[int, list[DecodeRequest]] = {}
         for i in order:
             by_class.setdefault(self._where[decodes[i].seq_id][0], []).append(decodes[i])
+        packs = [self._packs[c] for c in by_class]
         view = RowsView(
-            [ClassStep(self._packs[c].k, self._packs[c].v, len(ds), fills.get(c, [])) for c, ds in by_class.items()]
+            [ClassRows(p.k, p.v, len(ds), fills=fills.get(c, [])) for p, (c, ds) in zip(packs, by_class.items())]
         )
         if self.native is not None:
             view.native = self._native_step(self.native, view.classes, list(by_class.values()))
@@ -146,7 +147,7 @@ class DecodeRows:
             return order, view
         for step, ds in zip(view.classes, by_class.values()):
             step.positions = self.stage(torch.tensor([d.position for d in ds]))
-            step.rows = self._rows(len(ds))
+            step.index = self._rows(len(ds))
         view.groups = self._groups([decodes[i] for i in order], [len(ds) for ds in by_class.values()])
         return order, view
 
@@ -167,7 +168,9 @@ class DecodeRows:
             len_of[d.seq_id] = d.position + 1
         groups = [[decodes[i] for i in members] for members in last.members]
         last.step.advance([d.position + 1 for ds in groups for d in ds], [self._shared(ds) for ds in groups])
-        view = RowsView([ClassStep(part.k, part.v, part.num_rows) for part in last.step.classes], native=last.step)
+        for part in last.step.classes:
+            part.fills = []  # why: filled in the step that planned them
+        view = RowsView(list(last.step.classes), native=last.step)
         return last.order, view
 
     def _remember(self, decodes: list[DecodeRequest], order: list[int], view: RowsView) -> None:
@@ -186,17 +189,15 @@ class DecodeRows:
         )
 
     def _native_step(
-        self, kernels: NativeKernels, classes: list[ClassStep], decodes: list[list[DecodeRequest]]
+        self, kernels: NativeKernels, classes: list[ClassRows], decodes: list[list[DecodeRequest]]
     ) -> NativeStep:
         """The kernel's view of the step: each class's rows, and what every decode attends to.
 
         Why every shared prefix, not only cascade's (decode_kv.make_group): the kernel reads a shared
         prefix from the class's first row at no extra cost, so any length of it saves reads."""
-        parts = [
-            NativeClass(step.k, step.v, step.num_rows, self._shared(ds), [self._where[d.seq_id][1] for d in ds])
-            for step, ds in zip(classes, decodes)
-        ]
-        return NativeStep(kernels, parts, [d.position + 1 for ds in decodes for d in ds], self._scratch)
+        for part, ds in zip(classes, decodes):
+            part.shared, part.rows = self._shared(ds), [self._where[d.seq_id][1] for d in ds]
+        return NativeStep(kernels, classes, [d.position + 1 for ds in decodes for d in ds], self._scratch)
 
     def _shared(self, decodes: list[DecodeRequest]) -> int:
         """Positions that every decode of a class holds in the very same, fully cached blocks."""

@@ -9,39 +9,32 @@ other step goes on to the Python op. Without a compiler (or BATCHGEN_NATIVE=0) t
 from __future__ import annotations
 
 import ctypes
+import functools
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from batchgen.engine.cpu import native, native_ops
+from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_native import PLAN_FIELDS, FrontPlan
 
-OP_SOURCE = native_ops.OPERATORS["batchgen_attention_op"]
 
-# the operator's loaded library, once per process (None where it cannot be): loaded code, not state
-_LIB: list[ctypes.CDLL | None] = []
-
-
-def load() -> bool:
-    """batchgen::attention built and loaded, once per process (each plan names its kernel); False (logged)
-    where it or the kernels cannot be."""
-    if not _LIB:
-        _LIB.append(_load())
-    return _LIB[0] is not None
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """batchgen::attention built, loaded and checked, once per process (loaded code, not state: each
+    plan names its kernel); None (logged) where it or the kernels cannot be."""
+    return _load()
 
 
 def _load() -> ctypes.CDLL | None:
     kernels = native.load()
-    lib = native_ops.load_op("batchgen_attention_op", OP_SOURCE, "attention goes through the Python op", "attention")
+    lib = native.library("batchgen_attention_op")
     if kernels is None or lib is None:
         return None
     for name, ours in (("plan_names", PLAN_FIELDS), ("arg_names", native.DECODE_ARGS)):
-        fn = getattr(lib, f"batchgen_attention_op_{name}")
-        fn.restype = ctypes.c_char_p
-        theirs = tuple(fn().decode().lower().split())
-        if theirs != ours:  # why: a source and this module out of step would misread memory
-            native_ops.refuse("batchgen_attention_op", f"{OP_SOURCE.name} names {theirs}, batchgen {ours}")
+        theirs = native.names_differ(lib, f"batchgen_attention_op_{name}", ours)
+        if theirs:  # why: a source and this module out of step would misread memory
+            native.refuse("batchgen_attention_op", f"attention_op.cpp names {theirs}, batchgen {ours}")
             return None
     lib.batchgen_attention_op_take_error.restype = ctypes.c_char_p
     return lib
@@ -90,8 +83,5 @@ class Front:
 
 def open_front() -> Front | None:
     """A front for one backend, where the operator loads (None: the model calls the Python op)."""
-    if not load():
-        return None
-    lib = _LIB[0]
-    assert lib is not None
-    return Front(lib)
+    lib = load()
+    return None if lib is None else Front(lib)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from batchgen.engine.api.dtype_rule import cpu_flag_set
+
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sve")  # the ones our figures depend on
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "quota period" or "max period"
 CGROUP_V1_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
@@ -28,12 +30,8 @@ def cpu_model() -> str:
 
 
 def cpu_flags() -> dict[str, bool]:
-    """Whether the CPU has each of VECTOR_FLAGS (from /proc/cpuinfo; all False where it cannot be read)."""
-    present: set[str] = set()
-    for line in cpuinfo_lines():
-        if line.startswith(("flags", "Features")):
-            present = set(line.split(":", 1)[1].split())
-            break
+    """Whether the CPU has each of VECTOR_FLAGS, as the dtype rule reads them (all False where they cannot be read)."""
+    present, _ = cpu_flag_set()
     return {flag: flag in present for flag in VECTOR_FLAGS}
 
 

@@ -1,4 +1,5 @@
-"""Native CPU kernels: three small C libraries, each built on its own by the system C compiler, cached, loaded.
+"""Native CPU kernels: three small C libraries, and two C++ torch operators that call them, each built
+on its own by the system's compiler, cached, loaded.
 
 Why built on the machine and not shipped compiled: each kernel is compiled for the CPU it runs on
 (-march=native: AVX-512 on one host, AVX2 on the next, NEON on an ARM server) and against the
@@ -13,6 +14,13 @@ that one; the others still load. Each falls back to torch's own path with one lo
   linear     float32 and bf16 linears at decode sizes (skinny_linear.c, wide_linear.c, skinny_linear_bf16.c):
              torch's BLAS otherwise,
              and even when built, only at the shapes where it measured faster (native_linear)
+
+Why C++ operators (csrc/*_op.cpp, OPERATORS): from a compiled graph a call through a Python custom
+op costs ~13 us, through a C++ one ~3 us, and a decode step makes one call per linear layer
+(native_linear) and one per attention layer (front). Each registers its CPU kernel for a schema
+defined in Python and takes the address of its C library's kernel (loaded here with ctypes), so the
+operator and the ctypes callers share one copy of the kernels; it is built by the C++ compiler
+against this torch (its version is part of the key) and loaded into torch.
 
 Each shared object is cached under $BATCHGEN_CACHE_DIR (default ~/.cache/batchgen), named by a
 hash of its sources, the flags, the compiler's version and this CPU's model and feature flags, so
@@ -48,6 +56,7 @@ CSRC = Path(__file__).parent / "csrc"
 DISABLE_ENV = "BATCHGEN_NATIVE"  # "0": never build or load native kernels
 CACHE_ENV = "BATCHGEN_CACHE_DIR"
 NO_C_COMPILER = "no C compiler found (cc, gcc or $CC)"
+NO_CXX_COMPILER = "no C++ compiler found (c++, g++ or $CXX)"
 FLAGS_ENV = "BATCHGEN_NATIVE_CFLAGS"  # extra compiler flags, after the others (e.g. -mno-avx512f: an AVX2 build)
 BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 # tried in order: the CPU's own vector units first. Why the vector width: gcc's default on
@@ -74,9 +83,27 @@ DECODE_ARGS = (
 )  # fmt: skip
 ARG = {name: i for i, name in enumerate(DECODE_ARGS)}
 
-_I64 = ctypes.c_int64
 CFunction = Any  # a ctypes function pointer (its class is private to ctypes)
-_PTR = ctypes.c_void_p
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_FILL: list[type] = [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]
+_ATTEND: list[type] = [_PTR, ctypes.c_float]
+_EXP: list[type] = [_I64, _PTR, _PTR]
+_ARGMAX: list[type] = [_I64, _I64, _PTR, _I64, _PTR, _I64]
+_LINEAR: list[type] = [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64]
+# Every C entry point: its library and its arguments (each returns an int64, but exp_nonpositive, unread).
+# A `_bf16` name is the bfloat16 twin of the one before it (function(name, torch.bfloat16)).
+SYMBOLS: dict[str, tuple[str, list[type]]] = {
+    "batchgen_decode_attention": ("attention", _ATTEND),
+    "batchgen_decode_attention_bf16": ("attention", _ATTEND),
+    "batchgen_fill_row": ("attention", _FILL),
+    "batchgen_fill_row_bf16": ("attention", _FILL),
+    "batchgen_exp_nonpositive": ("attention", _EXP),  # the softmax's exp, for the tests
+    "batchgen_row_argmax": ("argmax", _ARGMAX),
+    "batchgen_row_argmax_bf16": ("argmax", _ARGMAX),
+    "batchgen_linear": ("linear", _LINEAR),
+    "batchgen_linear_bf16": ("linear", _LINEAR),
+}
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the element types the kernels read
 
 
 @dataclass(frozen=True)
@@ -87,13 +114,27 @@ class Library:
     sources: tuple[str, ...]
     fallback: str
     headers: tuple[str, ...] = ()  # included by the sources: part of what a build is keyed by
+    needs: str | None = None  # set: a C++ operator, loaded into torch, calling this C library's kernels
 
     @property
     def paths(self) -> list[Path]:
         return [CSRC / source for source in self.sources]
 
+    @property
+    def target(self) -> str:
+        """The name its builds are cached under."""
+        return self.name if self.needs else f"batchgen_{self.name}"
+
     def key(self) -> bytes:
-        return b"\0".join((CSRC / header).read_bytes() for header in self.headers)
+        """What a build depends on besides its sources and flags: its headers (an operator's: and torch)."""
+        headers = b"\0".join((CSRC / header).read_bytes() for header in self.headers)
+        return headers if self.needs is None else torch.__version__.encode() + headers
+
+    def toolchain(self) -> tuple[str | None, str, list[list[str]], list[str]]:
+        """(its compiler or None, why none, the flag sets tried in order, the link flags)."""
+        if self.needs is None:
+            return find_compiler("CC", "cc", "gcc"), NO_C_COMPILER, c_flag_sets(), LINK_FLAGS
+        return find_compiler("CXX", "c++", "g++"), NO_CXX_COMPILER, [_cxx_flags()], _cxx_link()
 
 
 LIBRARIES = {
@@ -114,6 +155,16 @@ LIBRARIES = {
         ),
     )
 }
+OPERATORS = {
+    lib.name: lib
+    for lib in (
+        Library("batchgen_attention_op", ("attention_op.cpp",), "attention goes through the Python op",
+                ("decode_args.h",), "attention"),
+        Library("batchgen_linear_op", ("linear_op.cpp",), "linear layers run on torch's BLAS",
+                ("decode_args.h",), "linear"),
+    )
+}  # fmt: skip
+KERNELS = {**LIBRARIES, **OPERATORS}  # every kernel: the C libraries, then the operators that call them
 
 
 @dataclass
@@ -121,7 +172,7 @@ class BuildState:
     """What became of one library in this process (for `batchgen doctor` and the logs)."""
 
     name: str
-    state: str  # "off" (BATCHGEN_NATIVE=0), "cached", "built" or "unavailable"
+    state: str  # "off" (BATCHGEN_NATIVE=0), "cached", "built", "not built" (not loaded yet) or "unavailable"
     path: Path | None = None
     reason: str = ""
     seconds: float = 0.0
@@ -129,139 +180,113 @@ class BuildState:
 
 STATES: dict[str, BuildState] = {}  # by library name, once loaded (or refused) in this process
 _HANDLES: dict[str, ctypes.CDLL | None] = {}
+_FUNCTIONS: dict[str, CFunction | None] = {}
 
 
 @dataclass
 class NativeKernels:
-    """The attention library: `decode_attention` is batchgen_decode_attention, `fill_row`
-    batchgen_fill_row (float32 rows), each with a bfloat16 twin (`_bf16`: decode_attention_bf16.c),
-    `exp_nonpositive` the softmax's exp (for the tests); see decode_attention.c."""
+    """The attention library's entry points (SYMBOLS), its argument names checked against DECODE_ARGS
+    (decode_attention.c); its path names the choices measured with it (decode_layout)."""
 
     path: Path
     lib: ctypes.CDLL
-    decode_attention: CFunction = field(init=False)
-    fill_row: CFunction = field(init=False)
-    decode_attention_bf16: CFunction = field(init=False)
-    fill_row_bf16: CFunction = field(init=False)
-    exp_nonpositive: CFunction = field(init=False)
+    fns: dict[str, CFunction] = field(init=False)
 
     def __post_init__(self) -> None:
-        names = self.lib.batchgen_decode_attention_arg_names
-        names.restype = ctypes.c_char_p
-        theirs = tuple(names().decode().lower().split())
-        if theirs != DECODE_ARGS:  # why: a source and this module out of step would misread memory
-            raise RuntimeError(f"{self.path} takes arguments {theirs}, this module names {DECODE_ARGS}")
-        fill_args: list[type] = [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]
-        self.decode_attention = _fn(self.lib.batchgen_decode_attention, _I64, [_PTR, ctypes.c_float])
-        self.fill_row = _fn(self.lib.batchgen_fill_row, _I64, fill_args)
-        self.decode_attention_bf16 = _fn(self.lib.batchgen_decode_attention_bf16, _I64, [_PTR, ctypes.c_float])
-        self.fill_row_bf16 = _fn(self.lib.batchgen_fill_row_bf16, _I64, fill_args)
-        self.exp_nonpositive = _fn(self.lib.batchgen_exp_nonpositive, None, [_I64, _PTR, _PTR])
+        mismatch = names_differ(self.lib, "batchgen_decode_attention_arg_names", DECODE_ARGS)
+        if mismatch:  # why: a source and this module out of step would misread memory
+            raise RuntimeError(f"{self.path} takes arguments {mismatch}, this module names {DECODE_ARGS}")
+        self.fns = {s: _bound(self.lib, s) for s, (owner, _) in SYMBOLS.items() if owner == "attention"}
 
     def attention_for(self, dtype: torch.dtype) -> CFunction:
         """The decode attention for rows of `dtype` (float32 or bfloat16)."""
-        return self.decode_attention_bf16 if _is_bf16(dtype) else self.decode_attention
+        return self.fns[_twin("batchgen_decode_attention", dtype)]
 
     def fill_row_for(self, dtype: torch.dtype) -> CFunction:
         """The row fill for pools and rows of `dtype` (float32 or bfloat16)."""
-        return self.fill_row_bf16 if _is_bf16(dtype) else self.fill_row
+        return self.fns[_twin("batchgen_fill_row", dtype)]
 
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the element types the attention kernels read
-
-
-def _is_bf16(dtype: torch.dtype) -> bool:
+def _twin(symbol: str, dtype: torch.dtype) -> str:
     if dtype not in KERNEL_DTYPES:
-        raise RuntimeError(f"native decode attention reads float32 or bfloat16, not {dtype}")
-    return dtype == torch.bfloat16
+        raise RuntimeError(f"the native kernels read float32 or bfloat16, not {dtype}")
+    return symbol + "_bf16" if dtype == torch.bfloat16 else symbol
 
 
-def _fn(fn: CFunction, restype: type | None, argtypes: list[type]) -> CFunction:
-    fn.restype = restype
-    fn.argtypes = argtypes
-    return fn
+def names_differ(lib: ctypes.CDLL, symbol: str, ours: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The names `lib`'s `symbol` gives a memory layout where they differ from `ours` (None: the same)."""
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_char_p
+    theirs = tuple(fn().decode().lower().split())
+    return None if theirs == ours else theirs
 
 
-_ATTENTION: list[NativeKernels | None] = []  # once per process
-
-
+@functools.cache
 def load() -> NativeKernels | None:
-    """The decode attention kernels, built if needed; None (logged once) where they cannot be."""
-    if not _ATTENTION:
-        lib = library("attention")
-        kernels = None
-        if lib is not None:
-            try:
-                kernels = NativeKernels(STATES["attention"].path or Path(), lib)
-            except (RuntimeError, AttributeError) as exc:  # AttributeError: a symbol missing
-                _refuse("attention", str(exc))
-        _ATTENTION.append(kernels)
-    return _ATTENTION[0]
+    """The decode attention kernels, built if needed (once per process); None (logged once) where they cannot be."""
+    lib = library("attention")
+    try:
+        return None if lib is None else NativeKernels(STATES["attention"].path or Path(), lib)
+    except (RuntimeError, AttributeError) as exc:  # AttributeError: a symbol missing
+        refuse("attention", str(exc))
+        return None
 
 
-def argmax() -> CFunction | None:
-    """batchgen_row_argmax (csrc/row_argmax.c), or None where it cannot be built."""
-    return _function("argmax", "batchgen_row_argmax", [_I64, _I64, _PTR, _I64, _PTR, _I64])
-
-
-def argmax_bf16() -> CFunction | None:
-    """batchgen_row_argmax_bf16 (csrc/row_argmax_bf16.c), or None where it cannot be built."""
-    return _function("argmax", "batchgen_row_argmax_bf16", [_I64, _I64, _PTR, _I64, _PTR, _I64])
-
-
-def linear() -> CFunction | None:
-    """batchgen_linear (csrc/skinny_linear.c, wide_linear.c), or None where it cannot be built."""
-    return _function("linear", "batchgen_linear", [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64])
-
-
-def linear_bf16() -> CFunction | None:
-    """batchgen_linear_bf16 (csrc/skinny_linear_bf16.c), or None where it cannot be built."""
-    return _function("linear", "batchgen_linear_bf16", [_I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64])
-
-
-_FUNCTIONS: dict[str, CFunction | None] = {}
-
-
-def _function(library_name: str, symbol: str, argtypes: list[type]) -> CFunction | None:
+def function(symbol: str, dtype: torch.dtype = torch.float32) -> CFunction | None:
+    """C entry point `symbol` of SYMBOLS (its bf16 twin for bfloat16), from its library built and
+    loaded once per process; None where that cannot be built, or lacks the symbol (refused then)."""
+    symbol = _twin(symbol, dtype)
     if symbol not in _FUNCTIONS:
-        lib = library(library_name)
+        owner = SYMBOLS[symbol][0]
+        lib = library(owner)
         try:
-            _FUNCTIONS[symbol] = None if lib is None else _fn(getattr(lib, symbol), _I64, argtypes)
+            _FUNCTIONS[symbol] = None if lib is None else _bound(lib, symbol)
         except AttributeError:  # a library built from other sources: refused, as a failed build is
-            _refuse(library_name, f"{symbol} is missing from it")
+            refuse(owner, f"{symbol} is missing from it")
             _FUNCTIONS[symbol] = None
     return _FUNCTIONS[symbol]
 
 
+def _bound(lib: ctypes.CDLL, symbol: str) -> CFunction:
+    fn = getattr(lib, symbol)
+    fn.restype, fn.argtypes = _I64, SYMBOLS[symbol][1]
+    return fn
+
+
 def library(name: str) -> ctypes.CDLL | None:
-    """Library `name` of LIBRARIES, built (or found in the cache) and loaded once per process;
+    """Library `name` of KERNELS, built (or found in the cache) and loaded once per process;
     None, logged once with what runs instead, where it is switched off or cannot be built."""
     if name not in _HANDLES:
-        _HANDLES[name] = _load(LIBRARIES[name])
+        _HANDLES[name] = _load(KERNELS[name])
     return _HANDLES[name]
 
 
 def _load(lib: Library) -> ctypes.CDLL | None:
+    if lib.needs is not None and library(lib.needs) is None:  # None: switched off or unbuildable, logged there
+        STATES[lib.name] = BuildState(lib.name, "unavailable", reason=f"the native {lib.needs} kernel is not loaded")
+        return None
     if os.environ.get(DISABLE_ENV) == "0":
         STATES[lib.name] = BuildState(lib.name, "off", reason=f"{DISABLE_ENV}=0")
         logger.info("native %s kernel off (%s=0): %s", lib.name, DISABLE_ENV, lib.fallback)
         return None
-    compiler = find_compiler("CC", "cc", "gcc")
+    compiler, missing, flag_sets, link = lib.toolchain()
     if compiler is None:
-        _refuse(lib.name, NO_C_COMPILER)
+        refuse(lib.name, missing)
         return None
     try:
-        path = build(f"batchgen_{lib.name}", lib.paths, compiler, c_flag_sets(), LINK_FLAGS, lib.key(), lib.name)
+        path = build(lib, compiler, flag_sets, link)
+        if lib.needs is not None:
+            torch.ops.load_library(str(path))
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        _refuse(lib.name, str(exc))
+        refuse(lib.name, str(exc))
         return None
 
 
-def _refuse(name: str, reason: str) -> None:
+def refuse(name: str, reason: str) -> None:
+    """Kernel `name` cannot be used (`reason`): recorded, and logged with what runs instead."""
     STATES[name] = BuildState(name, "unavailable", reason=reason)
-    fallback = LIBRARIES[name].fallback if name in LIBRARIES else "torch's own path"
-    logger.warning("native %s kernel unavailable (%s): %s", name, reason, fallback)
+    logger.warning("native %s kernel unavailable (%s): %s", name, reason, KERNELS[name].fallback)
 
 
 def c_flag_sets() -> list[list[str]]:
@@ -273,50 +298,53 @@ def extra_flags() -> list[str]:
     return shlex.split(os.environ.get(FLAGS_ENV, ""))
 
 
+def _cxx_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    return ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
+
+
+def _cxx_link() -> list[str]:
+    from torch.utils import cpp_extension
+
+    dirs = cpp_extension.library_paths()
+    return [*(f"-L{d}" for d in dirs), *(f"-Wl,-rpath,{d}" for d in dirs), "-lc10", "-ltorch_cpu"]
+
+
 def find_compiler(env: str, *names: str) -> str | None:
     """$env when it is set, else the first of `names` found on the PATH (None: none is)."""
     return os.environ.get(env) or next((found for name in names if (found := shutil.which(name))), None)
 
 
-def build(
-    name: str,
-    sources: Sequence[Path],
-    compiler: str,
-    flag_sets: Sequence[list[str]],
-    link: list[str],
-    key: bytes = b"",
-    state: str | None = None,
-) -> Path:
-    """A shared library from `sources`, cached by their content, the flags, the compiler's version,
-    this CPU and `key` (what else the build depends on); the first flag set that builds wins.
-    `state`: the name under which STATES records how it went."""
+def build(lib: Library, compiler: str, flag_sets: Sequence[list[str]], link: list[str]) -> Path:
+    """`lib` as a shared library, cached by its sources, the flags, the compiler's version, this CPU
+    and its key; the first flag set that builds wins. STATES records how it went."""
     started = time.monotonic()
     errors: list[str] = []
-    for target in cache_targets(name, sources, compiler, flag_sets, link, key):
+    for target in cache_targets(lib, compiler, flag_sets, link):
         if target.is_file():
-            STATES[state or name] = BuildState(state or name, "cached", target)
+            STATES[lib.name] = BuildState(lib.name, "cached", target)
             return target
-        flags = flag_sets[len(errors)]
-        error = _compile(compiler, sources, flags, link, target)
+        error = _compile(compiler, lib.paths, flag_sets[len(errors)], link, target)
         if error is None:
             seconds = time.monotonic() - started
-            STATES[state or name] = BuildState(state or name, "built", target, seconds=seconds)
-            logger.info("built %s in %.1f s: %s", name, seconds, target)
+            STATES[lib.name] = BuildState(lib.name, "built", target, seconds=seconds)
+            logger.info("built %s in %.1f s: %s", lib.target, seconds, target)
             return target
         errors.append(error)
-    raise RuntimeError(f"{compiler} could not build {', '.join(p.name for p in sources)}: {errors[-1]}")
+    raise RuntimeError(f"{compiler} could not build {', '.join(lib.sources)}: {errors[-1]}")
 
 
-def cache_targets(
-    name: str, sources: Sequence[Path], compiler: str, flag_sets: Sequence[list[str]], link: list[str], key: bytes = b""
-) -> list[Path]:
-    """Where each flag set's build of `sources` is cached (one path per flag set, in order)."""
-    source = b"\0".join(path.read_bytes() for path in sources)
-    version = compiler_version(compiler)
+def cache_targets(lib: Library, compiler: str, flag_sets: Sequence[list[str]], link: list[str]) -> list[Path]:
+    """Where each flag set's build of `lib` is cached (one path per flag set, in order)."""
+    source = b"\0".join(path.read_bytes() for path in lib.paths)
+    version, key = compiler_version(compiler), lib.key()
     targets = []
     for flags in flag_sets:
         digest = hashlib.sha256(b"\0".join([source, " ".join(flags + link).encode(), version.encode(), _cpu_id(), key]))
-        targets.append(cache_dir() / f"{name}-{digest.hexdigest()[:20]}.so")
+        targets.append(cache_dir() / f"{lib.target}-{digest.hexdigest()[:20]}.so")
     return targets
 
 
@@ -326,24 +354,37 @@ def compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
 
 
-def is_cached(name: str) -> bool:
-    """Whether C library `name` is already built for this machine (any of its flag sets), without building."""
-    return cached_state(name).state == "cached"
-
-
 def cached_state(name: str) -> BuildState:
-    """C library `name` as a run would find it, without building: `cached` (with its path), `not
-    built`, or `unavailable` where a run could not build it (no compiler, or one that cannot run)."""
-    compiler = find_compiler("CC", "cc", "gcc")
+    """Kernel `name` of KERNELS as a run would find it, without building: `cached` (with its path),
+    `not built`, or `unavailable` where a run could not build it (no compiler, or one that cannot run;
+    an operator: its C library unavailable)."""
+    lib = KERNELS[name]
+    if lib.needs is not None and state(lib.needs).state == "unavailable":
+        return BuildState(name, "unavailable", reason=f"the native {lib.needs} kernel is unavailable")
+    compiler, missing, flag_sets, link = lib.toolchain()
     if compiler is None:
-        return BuildState(name, "unavailable", reason=NO_C_COMPILER)
-    lib = LIBRARIES[name]
+        return BuildState(name, "unavailable", reason=missing)
     try:
-        targets = cache_targets(f"batchgen_{name}", lib.paths, compiler, c_flag_sets(), LINK_FLAGS, lib.key())
+        targets = cache_targets(lib, compiler, flag_sets, link)
     except (OSError, subprocess.SubprocessError) as exc:
-        return BuildState(name, "unavailable", reason=f"the C compiler {compiler} cannot run: {exc}")
+        return BuildState(name, "unavailable", reason=f"the compiler {compiler} cannot run: {exc}")
     found = next((target for target in targets if target.is_file()), None)
     return BuildState(name, "cached", found) if found is not None else BuildState(name, "not built")
+
+
+def state(name: str) -> BuildState:
+    """What became of kernel `name` in this process; where it has not been loaded yet, without
+    building anything: off (BATCHGEN_NATIVE=0), or as cached_state finds it."""
+    if name in STATES:
+        return STATES[name]
+    if os.environ.get(DISABLE_ENV) == "0":
+        return BuildState(name, "off", reason=f"{DISABLE_ENV}=0")
+    return cached_state(name)
+
+
+def pending() -> list[str]:
+    """The kernels a CPU engine would build before its first step (empty: all cached, or switched off)."""
+    return [name for name in KERNELS if state(name).state == "not built"]
 
 
 def _compile(compiler: str, sources: Sequence[Path], flags: list[str], link: list[str], target: Path) -> str | None:

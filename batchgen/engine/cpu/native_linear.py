@@ -21,6 +21,7 @@ BATCHGEN_NATIVE=0) the linears stay as they are.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from collections import defaultdict
 from pathlib import Path
@@ -29,15 +30,12 @@ from typing import cast
 import torch
 from torch import nn
 
-from batchgen.engine.cpu import linear_calibration, native, native_ops
+from batchgen.engine.cpu import linear_calibration, native
 
 logger = logging.getLogger(__name__)
 
-OP_NAME = "batchgen::linear"  # its CPU implementation: OP_SOURCE
-OP_SOURCE = native_ops.OPERATORS["batchgen_linear_op"]
+OP_NAME = "batchgen::linear"  # its CPU implementation: csrc/linear_op.cpp (native.OPERATORS)
 EVERY_BUCKET = (1 << 62) - 1  # a mask that gives the kernel every row count (tests)
-
-_OP: list[bool] = []  # once per process: whether batchgen::linear is loaded and set up
 
 
 class NativeLinear(nn.Linear):
@@ -57,7 +55,7 @@ def install_native_linears(
     exactly nn.Linear (not a subclass: quantized or adapter layers keep their own forward), float32 or
     bfloat16 (the bf16 twin, measured against torch's bf16 linear) as the model is, on the CPU, a
     contiguous weight. None where the kernel or the operator cannot be built (logged once)."""
-    if device.type != "cpu" or dtype not in KERNEL_DTYPES:
+    if device.type != "cpu" or dtype not in native.KERNEL_DTYPES:
         return 0
     eligible = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m.weight, dtype)]
     if not eligible or not load_op():
@@ -95,28 +93,24 @@ def _describe(masks: dict[str, int]) -> str:
     return "; ".join(f"{key}: {rows(mask)}" for key, mask in masks.items())
 
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # batchgen_linear and batchgen_linear_bf16
-
-
 def _eligible(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     return weight.dtype == dtype and weight.device.type == "cpu" and weight.is_contiguous()
 
 
+@functools.cache
 def load_op() -> bool:
-    """batchgen::linear, built and loaded once per process; False (logged) where it cannot be."""
-    if not _OP:
-        _OP.append(_load_op())
-    return _OP[0]
+    """batchgen::linear, built, loaded and set up once per process; False (logged) where it cannot be."""
+    return _load_op()
 
 
 def _load_op() -> bool:
-    kernel = native.linear()
-    lib = native_ops.load_op("batchgen_linear_op", OP_SOURCE, "linear layers run on torch's BLAS", "linear")
+    kernel = native.function("batchgen_linear")
+    lib = native.library("batchgen_linear_op")
     if kernel is None or lib is None:
         return False
     setup = lib.batchgen_linear_op_setup
     setup.restype, setup.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
-    bf16 = native.linear_bf16()  # None: bf16 linears stay on torch
+    bf16 = native.function("batchgen_linear", torch.bfloat16)  # None: bf16 linears stay on torch
     setup(ctypes.cast(kernel, ctypes.c_void_p), None if bf16 is None else ctypes.cast(bf16, ctypes.c_void_p))
     return True
 

@@ -16,7 +16,7 @@ import torch
 
 from batchgen.engine.api.dtype_rule import resolve_auto
 from batchgen.engine.api.platform import CompilePolicy, GreedyIds, Platform, StepHook, check_backend_name
-from batchgen.engine.cpu import front, host, native, native_linear, native_ops
+from batchgen.engine.cpu import front, host, native, native_linear
 from batchgen.engine.cpu.argmax import native_greedy_ids
 from batchgen.engine.cpu.compile_threads import ThreadedCompile
 from batchgen.engine.cpu.heap import keep_freed_memory
@@ -60,7 +60,7 @@ class CpuPlatform(Platform):
         """The host, its compilers and each native kernel's state; with `build`, the missing kernels built first."""
         if build:
             native.load()
-            native.argmax()
+            native.function("batchgen_row_argmax")
             front.load()
             native_linear.load_op()  # builds the linear library, then its operator
         return {
@@ -69,16 +69,16 @@ class CpuPlatform(Platform):
             "cache_dir": str(native.cache_dir()),
             "native_cflags": " ".join(native.extra_flags()),
             "native_cflags_env": native.FLAGS_ENV,
-            "kernels": [_kernel_state(name) for name in native_ops.KERNELS],
+            "kernels": [_kernel_state(name) for name in native.KERNELS],
         }
 
     def pending_kernels(self) -> tuple[list[str], str]:
         """The native kernels a first engine would build now, and how long that takes."""
-        return native_ops.pending(), native.BUILD_SECONDS
+        return native.pending(), native.BUILD_SECONDS
 
 
 def _kernel_state(name: str) -> dict[str, Any]:
-    done = native_ops.state(name)
+    done = native.state(name)
     return {"name": name, "state": done.state, "path": str(done.path or ""), "why": done.reason}
 
 

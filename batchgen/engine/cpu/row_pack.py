@@ -83,12 +83,8 @@ class RowPack:
         last = self.seqs.pop()
         if row == len(self.seqs):
             return None
-        tiles = -(-moved_len // TILE)
         for k, v in zip(self.k, self.v):
-            if self.tiled:
-                k[row, :, :tiles] = k[len(self.seqs), :, :tiles]
-            else:
-                k[row, ..., :moved_len] = k[len(self.seqs), ..., :moved_len]
+            k[row, ..., :moved_len] = k[len(self.seqs), ..., :moved_len]
             v[row, :, :moved_len] = v[len(self.seqs), :, :moved_len]
         self.seqs[row] = last
         return last

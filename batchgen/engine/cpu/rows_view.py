@@ -13,29 +13,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine.attention.decode_kv import DecodeGroup, Pool
-from batchgen.engine.cpu.decode_native import NativeStep, fill_row
-
-
-@dataclass
-class ClassStep:
-    """One class's part of a step: its decodes are rows 0..n-1, in packed order."""
-
-    # per layer, indexed [rows, KVH, D, class length]; with the kernel, in its tiles (row_pack.RowPack._keys)
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]  # per layer [rows, KVH, class length, D]
-    num_rows: int
-    fills: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, length, blocks)
-    # the torch path only (None with the kernel): where this step's token goes in each row, and 0..n-1
-    positions: torch.Tensor | None = None  # [n]
-    rows: torch.Tensor | None = None  # [n]
+from batchgen.engine.attention.decode_kv import QKV, DecodeGroup, Pool
+from batchgen.engine.attention.op import LayerCall
+from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, fill_row
 
 
 @dataclass
 class RowsView:
-    """One step's rows: a class per decode group, in packed order."""
+    """One step's rows: a class per decode group, in packed order (on the torch path its decodes
+    are rows 0..n-1 of the class)."""
 
-    classes: list[ClassStep]
+    classes: list[ClassRows]
     groups: list[DecodeGroup] = field(default_factory=list)  # the torch path: one per class
     native: NativeStep | None = None  # set: the native kernel attends (see attend)
 
@@ -49,26 +37,15 @@ class RowsView:
         self._fill(layer, pool)
         first = 0
         for step in self.classes:
-            if step.rows is None or step.positions is None:
+            if step.index is None or step.positions is None:
                 raise RuntimeError("update() on a step planned for the native kernel")
             k, v = step.k[layer], step.v[layer]
             n = step.num_rows
-            k[step.rows, ..., step.positions] = key[:, first : first + n].transpose(0, 1)  # [n, KVH, D]
-            v[step.rows, :, step.positions] = value[:, first : first + n].transpose(0, 1)
+            k[step.index, ..., step.positions] = key[:, first : first + n].transpose(0, 1)  # [n, KVH, D]
+            v[step.index, :, step.positions] = value[:, first : first + n].transpose(0, 1)
             first += n
 
-    def attend(
-        self,
-        layer: int,
-        pool: Pool,
-        q: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        out: torch.Tensor,
-        scale: float,
-        window: int | None,
-        slots: torch.Tensor | None = None,
-    ) -> bool:
+    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
         """With the native kernel: fill new rows, then append and attend every decode in one call,
         storing the step's K/V in the pool too when given their `slots` (a decode-only step).
 
@@ -77,8 +54,8 @@ class RowsView:
         """
         if self.native is None:
             return False
-        self._fill(layer, pool)
-        self.native.attend(layer, q, key, value, out, scale, window, pool if slots is not None else None, slots)
+        self._fill(call.layer, pool)
+        self.native.attend(call.layer, *qkv, out, call.scale, call.window, pool if slots is not None else None, slots)
         return True
 
     def fill_all(self, pools: list[Pool]) -> None:

@@ -5,7 +5,7 @@ and addresses. A decode-only step is padded to the next bucket (2, 4, 8, then mu
 1, which dynamo would specialise), its inputs copied into static buffers, its graph replayed;
 padded rows write the trash block. Every graph is captured at start (`capture_all`: no pause
 mid-job, and runner/memory measures their pool). The attention reads `StaticDecode`; only the
-triton backend replays graphs. No CPU test covers `capture` / `replay` themselves (marked below).
+triton backend replays graphs. No CPU test covers `capture` / `replay` themselves (the tests stand in for them).
 
 A vision-language model's decode steps replay graphs too (no image is spliced into a decode: its
 embeddings are the plain lookup, captured with the rest). Under M-RoPE (Qwen2-VL) the model's
@@ -104,14 +104,31 @@ class DecodeBuffers:
         return StaticDecode(self.block_tables[:bucket], self.context_lens[:bucket])
 
 
-class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this module no CPU test runs
-    """One CUDA graph per bucket over `forward(input_ids, positions, keep) -> logits [B, V]`."""
+class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are above)
+    """The model runner's decode-only steps on CUDA: fill the static buffers, replay the bucket's graph,
+    one CUDA graph per bucket over `forward(input_ids, positions, keep) -> logits [B, V]`."""
 
-    def __init__(self, forward: Callable[..., torch.Tensor], buffers: DecodeBuffers) -> None:
-        self.forward, self.buffers = forward, buffers
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor],
+        max_num_seqs: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        rope_axes: int = 0,
+    ) -> None:
+        self.forward, self.block_size = forward, block_size
+        self.buckets = decode_buckets(max_num_seqs)
+        self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device, rope_axes)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: torch.Tensor | None = None  # [max batch, V] logits every graph writes its rows into
         self.pool: Any = None  # the graphs share one memory pool
+        self.disabled = False  # a capture failed (e.g. a model with data-dependent Python): eager from then on
+        # why counted: each capture syncs the device and runs the forward twice, so a capture inside a
+        # timed window (or mid-job) is a pause; the GPU check asserts none happen while it times
+        self.captures = 0  # capture attempts, failed ones included
+        self.captures_after_start = 0  # of those, the ones a step made (capture_all leaves none to make)
+        self.replays = 0  # decode steps served by a graph (the GPU checks report it)
 
     def step_call(self, bucket: int) -> Callable[[], torch.Tensor]:
         """The forward of `bucket` rows, reading nothing but the static buffers."""
@@ -134,30 +151,6 @@ class DecodeGraphs:  # pragma: no cover - needs CUDA; the only part of this modu
     def replay(self, bucket: int, n: int) -> torch.Tensor:
         self.graphs[bucket].replay()
         return self.out[:n]  # type: ignore[index]  # set by the first capture
-
-
-class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are above)
-    """The model runner's decode-only steps on CUDA: fill the static buffers, replay the bucket's graph."""
-
-    def __init__(
-        self,
-        forward: Callable[..., torch.Tensor],
-        max_num_seqs: int,
-        max_blocks: int,
-        block_size: int,
-        device: torch.device,
-        rope_axes: int = 0,
-    ) -> None:
-        self.block_size = block_size
-        self.buckets = decode_buckets(max_num_seqs)
-        self.buffers = DecodeBuffers(self.buckets[-1], max_blocks, device, rope_axes)
-        self.graphs = DecodeGraphs(forward, self.buffers)
-        self.disabled = False  # a capture failed (e.g. a model with data-dependent Python): eager from then on
-        # why counted: each capture syncs the device and runs the forward twice, so a capture inside a
-        # timed window (or mid-job) is a pause; the GPU check asserts none happen while it times
-        self.captures = 0  # capture attempts, failed ones included
-        self.captures_after_start = 0  # of those, the ones a step made (capture_all leaves none to make)
-        self.replays = 0  # decode steps served by a graph (the GPU checks report it)
 
     def capture_all(self, run: Runner, make_context: ContextMaker) -> None:
         """Every bucket's graph, largest first (smaller ones then reuse its memory in the shared pool)."""
@@ -183,12 +176,12 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
             return None
         self.buffers.fill(n, bucket, input_ids, positions, tables, rope_positions)
         self.buffers.set_slots(n, self.block_size)
-        if bucket not in self.graphs.graphs:
+        if bucket not in self.graphs:
             self.captures_after_start += 1
             if not self._capture(bucket, run, make_context):
                 return None
         self.replays += 1
-        return self.graphs.replay(bucket, n)
+        return self.replay(bucket, n)
 
     def fits(self, n: int, blocks: int) -> bool:
         """Whether a decode step of n rows whose longest needs `blocks` blocks can replay a graph
@@ -209,7 +202,7 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         self.captures += 1
         ctx = make_context(self.buffers.slots[:bucket], self.buffers.view(bucket), bucket)
         try:
-            self.graphs.capture(bucket, lambda call: run(ctx, call))
+            self.capture(bucket, lambda call: run(ctx, call))
         except RuntimeError as exc:
             logger.warning("CUDA graph capture failed for %d rows; decode steps run without graphs: %s", bucket, exc)
             self.disabled = True

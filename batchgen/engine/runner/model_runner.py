@@ -284,7 +284,7 @@ class ModelRunner:
         self.transfers.upload()
 
         logits = self.graphs.execute(ids, positions, staged_tables, self._graph_run, self._graph_context, staged_rope)
-        return None if logits is None else logits.float()
+        return logits  # [n, vocab] in the model's dtype, as the eager path returns them
 
     def _graph_run(self, ctx: object, call: Callable[[], torch.Tensor]) -> torch.Tensor:
         with torch.inference_mode(), self.backend.running(ctx):  # type: ignore[arg-type]

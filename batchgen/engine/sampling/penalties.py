@@ -136,8 +136,8 @@ def _mask_and_bias(sub: torch.Tensor, plan: FeaturePlan) -> None:
     if plan.bans is not None:
         sub[plan.bans[0], plan.bans[1]] = float("-inf")
     if plan.bias is not None:
-        pairs, values = plan.bias
-        sub.index_put_((pairs[0], pairs[1]), values.to(sub.dtype), accumulate=True)
+        pairs, values = plan.bias  # why scatter_add_: index_put_(accumulate=True) syncs on CUDA (penalty_state)
+        sub.view(-1).scatter_add_(0, pairs[0] * sub.shape[1] + pairs[1], values.to(sub.dtype))
 
 
 def _penalize(sub: torch.Tensor, plan: FeaturePlan, tables: PenaltyTables) -> None:

@@ -50,9 +50,14 @@ class PenaltyTables:
         self._free, self._used = [], 0
 
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Each slot takes its row's sampled token (slots, tokens: [k] on the device)."""
+        """Each slot takes its row's sampled token (slots, tokens: [k] on the device).
+
+        Why scatter_add_ on the flat table, not index_put_(accumulate=True): on CUDA the latter
+        reads its indices' min and max back to the host, a second sync every decode step (the GPU
+        check's profiler counted it); scatter_add_ checks its bounds on the device."""
         self.seen[slots, tokens] = True
-        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        flat = slots * self.vocab_size + tokens  # [k]
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(tokens, dtype=torch.float32))
 
     def _grow(self) -> int:
         slot = self._used

@@ -16,6 +16,7 @@ import torch
 from batchgen.engine.attention.backend import AttentionBackend, Pools, zero_padding
 from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.planning import PlannedChunk, Stager
 from batchgen.engine.attention.static_decode import MAX_GRAPH_BATCH
 from batchgen.engine.triton import launch
@@ -49,21 +50,12 @@ class TritonBackend(AttentionBackend):
         """The step's plan -> (context, positions [T], packed order: batch order); staged in `stager`."""
         return plan_step(chunks, self.decode_kv, self.kv_caches, self.block_size, self.group, stager, padded_len)
 
-    def run_layer(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
+    def run_layer(self, call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [H, T, D], key/value [KVH, T, D]: store the K/V, attend -> [T, H, D] (padded rows zero)."""
-        ctx, k_cache, v_cache = self.begin_layer(layer, key)
+        ctx, k_cache, v_cache = self.begin_layer(call.layer, key)
         plan = self._kernel_plan(ctx)
         launch.store_kv(k_cache, v_cache, ctx.slot_mapping, key, value)
-        out = launch.paged_attention(query, k_cache, v_cache, plan, scale, window, softcap, _key_ends(ctx, query))
+        out = launch.paged_attention(query, k_cache, v_cache, plan, call, _key_ends(ctx, query))
         return zero_padding(out, ctx)  # why: rows past the step's tokens belong to no tile
 
     def _kernel_plan(self, ctx: ForwardContext) -> KernelPlan:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.triton.kernels import paged_attention_kernel, store_kv_kernel
 from batchgen.engine.triton.plan import KernelPlan
 
@@ -66,9 +67,7 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     plan: KernelPlan,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
+    call: LayerCall,
     key_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [H, T, D] (packed, the plan's chunk order) over the pool -> [T, H, D]. `key_end` [T]:
@@ -76,7 +75,7 @@ def paged_attention(
 
     Rows of tokens no tile covers (padding past the step's tokens) are left unwritten."""
     heads, tokens, d = query.shape
-    kvh = k_cache.shape[2]
+    kvh, (_, scale, window, softcap) = k_cache.shape[2], call
     if heads != kvh * plan.group or query.dtype != k_cache.dtype or k_cache.stride() != v_cache.stride():
         raise RuntimeError(
             f"paged_attention: {heads} query heads ({query.dtype}) over {kvh} KV heads ({k_cache.dtype}), "

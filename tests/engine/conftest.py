@@ -105,9 +105,7 @@ def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Avx2Build:
 
 def _copy_operators(kernels: Path) -> None:
     """The C++ operators this run's own kernel cache holds, copied under the same names into `kernels`."""
-    from batchgen.engine.cpu import native_ops
-
-    for name in native_ops.OPERATORS:
-        built = native_ops.state(name).path
+    for name in native.OPERATORS:
+        built = native.state(name).path
         if built is not None and built.is_file():
             shutil.copy2(built, kernels / built.name)

@@ -169,7 +169,7 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         (RowsView, "_fill", "attn_rows_update"),
         (attention, "cascade_decode_attention", "attn_compute"),
         (attention, "_attend_chunk", "attn_compute"),
-        (Sampler, "_sample_ids", "sampling"),
+        (Sampler, "sample", "sampling"),
         (StopChecker, "append", "detokenize_stop"),
     ]
     front = getattr(engine.runner.backend, "front", None)  # the CPU backend's C++ front, where it loaded

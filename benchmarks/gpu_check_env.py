@@ -17,7 +17,7 @@ from batchgen import LLM
 from batchgen.engine.api.config import engine_config
 from batchgen.engine.attention import path as attention_path
 from batchgen.engine.core.runner_output import ModelRunnerOutput
-from batchgen.engine.core.scheduler import ScheduledBatch
+from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.platforms import platform_for
 from benchmarks.gpu_check_common import Ctx, free_memory, greedy, save_model
 

@@ -62,7 +62,7 @@ def profile(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
     }
 
 
-def shape_run(shape: Any, requests: int, max_tokens: int, rounds: int) -> dict[str, Any]:
+def shape_run(shape: Any, requests: int, max_tokens: int, rounds: int, packed_ab: bool = False) -> dict[str, Any]:
     from batchgen.engine.api.params import SamplingParams
     from batchgen.engine.llm import LLM
     from benchmarks import sweep
@@ -76,6 +76,12 @@ def shape_run(shape: Any, requests: int, max_tokens: int, rounds: int) -> dict[s
         "auto": LLM(str(path), device="cpu", dtype="auto"),
         "float32": LLM(str(path), device="cpu", dtype="float32"),
     }
+    if packed_ab:  # the same bf16 engine with no weight packed (engine/cpu/packed_linear): before vs after
+        os.environ["BATCHGEN_PACKED_LINEAR"] = "0"
+        try:
+            engines["auto_unpacked"] = LLM(str(path), device="cpu", dtype="auto")
+        finally:
+            del os.environ["BATCHGEN_PACKED_LINEAR"]
     for llm in engines.values():
         for n in (2, 3):  # compiling and calibration, outside the timing
             llm.generate([[5, 6, 7, 8]] * n, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -92,7 +98,14 @@ def shape_run(shape: Any, requests: int, max_tokens: int, rounds: int) -> dict[s
         "auto_dtype": str(engines["auto"].engine.runner.model.dtype),
         "tok_s": {k: round(tokens / v, 1) for k, v in best.items()},
         "auto_over_float32": round(best["float32"] / best["auto"], 2),
+        "auto_packed_layers": sum(
+            type(m).__name__ == "PackedLinear" for m in engines["auto"].engine.runner.model.modules()
+        ),
     }
+    if packed_ab:
+        out["auto_unpacked_over_float32"] = round(best["float32"] / best["auto_unpacked"], 2)
+        out["auto_over_auto_unpacked"] = round(best["auto_unpacked"] / best["auto"], 2)
+        return out  # timings only: the profile is of the plain A/B
     out["profile"] = {name: profile(llm, prompts, params) for name, llm in engines.items()}
     return out
 
@@ -105,11 +118,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--packed-ab", action="store_true", help="also bf16 with no packed weight; no profile")
     args = p.parse_args(argv)
     by_name = {s.name: s for s in sweep.SHAPES}
     out: dict[str, Any] = {"load_start": os.getloadavg(), "shapes": []}
     for name in args.shapes:
-        out["shapes"].append(shape_run(by_name[name], args.requests, args.max_tokens, args.rounds))
+        out["shapes"].append(shape_run(by_name[name], args.requests, args.max_tokens, args.rounds, args.packed_ab))
         out[f"load_after_{name}"] = os.getloadavg()
     return out
 

@@ -173,7 +173,7 @@ def test_an_aborted_pool_gives_its_blocks_back_and_forgets_its_hashes(llama_dir:
     llm = LLM(str(llama_dir), task="embed", max_num_batched_tokens=48)
     model = llm.pooling_model()
     assert model.engine is not None
-    blocks = model.engine.block_manager
+    blocks = model.engine.scheduler.block_manager
     free = blocks.num_free_blocks
     steps: list[int] = []
 

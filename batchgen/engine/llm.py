@@ -29,7 +29,7 @@ from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_par
 from batchgen.engine.parallel.sharded_runner import ShardedRunner
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.pooling.auto_task import resolve_task
-from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine, token_budget
+from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import (
     check_config,
@@ -133,7 +133,8 @@ class LLM:
         """A pooling LLM over an encoder (BERT-style), run by transformers; its model config."""
         self.config: EngineConfig | ResolvedConfig = config
         self.tokenizer = load_tokenizer(tokenizer, model)
-        budget = token_budget(config.max_num_batched_tokens, device)
+        # padded tokens per transformers batch
+        budget = config.max_num_batched_tokens or platform_for(device).max_num_batched_tokens
         self._pooling = PoolingModel.build(model, self.task, device, dtype, budget, None, self._pooler_config)
         hf = self._pooling.hf
         if hf is None:  # build() runs every model the engine cannot through transformers
@@ -151,17 +152,19 @@ class LLM:
         seed: int | None,
     ) -> Any:
         """The engine (runner, KV pool, scheduler, sampler) over the model's weights; its model config."""
-        resolved = self._resolve(model, config, device, dtype)  # why first: bad settings fail before loading
-        if self._mm_kwargs and not is_vision_config(AutoConfig.from_pretrained(model)):
+        model_config = AutoConfig.from_pretrained(model)
+        vision = is_vision_config(model_config)
+        resolved = self._resolve(model_config, vision, config, device, dtype)  # why first: fail before loading
+        if self._mm_kwargs and not vision:
             raise ValueError(f"LLM(mm_processor_kwargs=...): {model} is not a vision-language model")
         platform = platform_for(device)
         platform.prepare_process()
         self._tp = start_tensor_parallel(model, resolved, device, dtype)  # None: one device
-        pooling = self.task != "generate"
-        if is_vision_config(AutoConfig.from_pretrained(model)):  # images in: engine/vision
+        if vision:  # images in: engine/vision
             self._vision = load_vision_model(model, device, dtype, self._mm_kwargs)
-        hf_model: Any = self._vision.lm if self._vision is not None else None
-        if hf_model is None:
+            hf_model: Any = self._vision.lm
+        else:
+            pooling = self.task != "generate"
             hf_model = self._tp.model if self._tp is not None else load_model(model, device, dtype, pooling)
         # the device's measured kernels (the CPU's linears); not under TP: see README, tensor parallelism
         self.native_linears = platform.install_kernels(hf_model, dtype) if self._tp is None else 0
@@ -174,22 +177,7 @@ class LLM:
         self.tokenizer = load_tokenizer(tokenizer, model)
         sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, seed, device)
         make_runner: Any = partial(ShardedRunner, self._tp) if self._tp is not None else ModelRunner  # rank 0's
-        runner = make_runner(
-            hf_model,
-            spec,
-            resolved.block_size,
-            blocks,
-            device,
-            dtype,
-            resolved.max_num_seqs,
-            resolved.max_model_len,
-            resolved.attention_backend,
-            compile=resolved.compile,
-            max_num_batched_tokens=resolved.max_num_batched_tokens,
-            compile_fallback=resolved.compile_fallback,
-            sampler=sampler,
-            **lora,
-        )
+        runner = make_runner(hf_model, spec, resolved, blocks, device, dtype, sampler=sampler, **lora)
         if self._vision is not None:
             self._vision.check_runner(runner, resolved.max_num_batched_tokens)
             runner.vision = self._vision.inputs(resolved.encoder_cache_tokens)
@@ -199,10 +187,10 @@ class LLM:
         self.engine = Engine(scheduler, runner, self.tokenizer, eos, vocab_size)
         return hf_model.config
 
-    def _resolve(self, model: str, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> ResolvedConfig:
+    def _resolve(
+        self, model_config: Any, vision: bool, config: EngineConfig, device: torch.device, dtype: torch.dtype
+    ) -> ResolvedConfig:
         """`config` for this device and model, from the model's config.json (no weights read yet)."""
-        model_config = AutoConfig.from_pretrained(model)
-        vision = is_vision_config(model_config)
         if vision:
             check_vision_config(model_config, config.tensor_parallel_size)
         else:
@@ -263,12 +251,8 @@ class LLM:
         extras = [NO_EXTRAS] * len(encoded)
         for i, item in enumerate(items):
             data = item.get("multi_modal_data") if isinstance(item, dict) else None
-            if data is None:
+            if data is None or self._vision is None:  # a text-only model's encode_prompt refused the key
                 continue
-            if self._vision is None:
-                raise ValueError(
-                    f"prompt {i}: multi_modal_data given, but {self._model_path} is not a vision-language model"
-                )
             ids, extras[i] = self._vision.prompt(encoded[i][0], data, f"prompt {i}")
             if self._image_limit is not None and len(extras[i].image_hashes) > self._image_limit:
                 raise ValueError(

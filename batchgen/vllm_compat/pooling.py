@@ -12,8 +12,8 @@ from typing import Any, Generic, TypeVar
 
 from batchgen.engine.api.prompts import PromptInput, encode_prompt
 from batchgen.engine.pooling.hf_runner import Encoded
-from batchgen.engine.pooling.model import PoolingModel, RowResult
-from batchgen.engine.pooling.outputs import PoolingParams
+from batchgen.engine.pooling.model import PoolingModel
+from batchgen.engine.pooling.outputs import PoolingParams, RowResult
 
 
 @dataclass

@@ -12,7 +12,7 @@ from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.interface import paged_attention_forward
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.planning import build_forward_context
-from batchgen.engine.core.scheduler import ScheduledChunk
+from batchgen.engine.core.scheduler_output import ScheduledChunk
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_rows import DecodeRows
 from batchgen.engine.cpu.rows_view import RowsView

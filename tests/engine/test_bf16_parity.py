@@ -91,11 +91,12 @@ def test_bf16_linears_on_the_native_twin_meet_the_policy(
     with biases)."""
     from transformers import AutoModelForCausalLM
 
-    from batchgen.engine.cpu import linear_calibration, native_linear
+    from batchgen.engine.cpu import linear_calibration, native_linear, packed_linear
 
     monkeypatch.setattr(
         linear_calibration, "masks", lambda groups, *_: dict.fromkeys(groups, native_linear.EVERY_BUCKET)
     )
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: dict.fromkeys(groups, False))
     model_path = tiny_model(arch)
     if arch not in _REFERENCE:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
@@ -106,6 +107,61 @@ def test_bf16_linears_on_the_native_twin_meet_the_policy(
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
     verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
     assert verdict["ok"], f"{arch}/native linears: {verdict['failures']}"
+
+
+@pytest.mark.parametrize(("arch", "compile"), [("llama", False), ("qwen2", False), ("llama", True)])
+def test_bf16_linears_on_packed_weights_meet_the_policy(
+    arch: str, compile: bool, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where AVX512-BF16 is built, a machine may pack every bf16 linear's weight (csrc/vnni_linear_bf16.c)
+    and run every row count through it, eager or as a node of the compiled forward (qwen2: with biases)."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.cpu import native, packed_linear
+
+    if native.vnni_linear() is None:
+        pytest.skip("no AVX512-BF16 build here: nothing is packed (test_packed_linear checks that)")
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: dict.fromkeys(groups, True))
+    model_path = tiny_model(arch)
+    if arch not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+        _REFERENCE[arch] = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
+    llm = LLM(str(model_path), device="cpu", dtype="bfloat16", attention_backend="cpu", compile=compile, block_size=16)
+    packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, packed_linear.PackedLinear)]
+    assert packed and llm.native_linears >= len(packed)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
+    verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
+    assert verdict["ok"], f"{arch}/packed linears: {verdict['failures']}"
+
+
+def test_lora_on_packed_bf16_linears_meets_the_policy(
+    tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter's update rides on a packed layer (PackedLinear has no `weight`): rows with the
+    adapter meet the bf16 policy against peft's model in bf16, rows without it the base's. Why peft
+    unmerged: in bf16, W + BA rounded once (a merged model) is not what any unmerged engine computes,
+    and differed from ours before a near-tie on one prompt, packed or not."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from batchgen import LoRARequest
+    from batchgen.engine.cpu import native, packed_linear
+    from testkit.tiny_lora import save_tiny_adapter
+
+    if native.vnni_linear() is None:
+        pytest.skip("no AVX512-BF16 build here: nothing is packed (test_packed_linear checks that)")
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: dict.fromkeys(groups, True))
+    base = tiny_model("llama")
+    adapter = save_tiny_adapter(base, tmp_path / "a", r=8, target_modules=("q_proj", "v_proj", "down_proj"))
+    llm = LLM(str(base), device="cpu", dtype="bfloat16", enable_lora=True, max_loras=1, max_lora_rank=8)
+    assert any(isinstance(m, packed_linear.PackedLinear) for m in llm.engine.runner.model.modules())
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1)
+    base_ref = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
+    adapter_ref = policy.reference(PeftModel.from_pretrained(model, adapter).eval(), PROMPTS, MAX_TOKENS, EOS_ID)
+    for request, ref in ((LoRARequest("a", 1, str(adapter)), adapter_ref), (None, base_ref)):
+        verdict = policy.judge(ref, PROMPTS, llm.generate(PROMPTS, params, lora_request=request))
+        assert verdict["ok"], f"adapter {request}: {verdict['failures']}"
 
 
 def test_the_policy_fails_a_divergence_before_any_near_tie_and_a_wrong_top1() -> None:

@@ -29,6 +29,7 @@ TESTS = [
     "tests/engine/test_native_linear.py::test_the_kernel_is_f_linear_in_float64_within_rounding",
     "tests/engine/test_native_linear.py::test_the_bf16_twin_is_f_linear_in_float64_within_bf16_rounding",
     "tests/engine/test_parity.py::test_greedy_parity_native_linears",
+    "tests/engine/test_packed_linear.py::test_the_kernel_exists_exactly_where_the_cpu_computes_bf16",
 ]
 
 

@@ -9,7 +9,8 @@ import pytest
 from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.block_manager import BlockManager
-from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
+from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.core.sequence import Sequence, SequenceStatus
 
 
@@ -31,13 +32,21 @@ def make_scheduler(
     return Scheduler(config, BlockManager(num_blocks, block_size, caching), max_model_len)
 
 
+def sizes(batch: ScheduledBatch) -> list[int]:
+    return [c.num_tokens for c in batch.chunks]
+
+
+def sampled(batch: ScheduledBatch) -> list[int]:
+    return [c.seq_id for c in batch.chunks if c.needs_sample]
+
+
 def make_seq(seq_id: int, prompt: list[int], max_tokens: int = 4) -> Sequence:
     return Sequence(seq_id, list(prompt), SamplingParams(max_tokens=max_tokens))
 
 
 def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
     cfg, bm = sched.config, sched.block_manager
-    assert batch.total_tokens <= cfg.max_num_batched_tokens
+    assert sum(sizes(batch)) <= cfg.max_num_batched_tokens
     assert len(sched.running) <= cfg.max_num_seqs
     assert len(set(batch.seq_ids)) == len(batch.seq_ids)
     for chunk in batch.chunks:
@@ -60,9 +69,9 @@ def step(sched: Scheduler, finished: list[Sequence] | None = None) -> ScheduledB
     """A fake engine step: schedule (which advances), 'forward', sample a token, finish at max_tokens."""
     batch = sched.schedule()
     check_invariants(sched, batch)
-    sampled = batch.sampled
-    sched.update_from_output(sampled, [1000 + seq_id for seq_id in sampled])
-    for seq_id in sampled:
+    drawn = sampled(batch)
+    sched.update_from_output(drawn, [1000 + seq_id for seq_id in drawn])
+    for seq_id in drawn:
         seq = sched.get(seq_id)
         if seq.num_output_tokens == seq.params.max_tokens:
             sched.finish(seq_id)
@@ -119,7 +128,7 @@ def test_chunked_prefill_chunk_sizes_then_decodes() -> None:
     sched = make_scheduler(num_blocks=32, budget=16)
     seq = make_seq(0, list(range(40)), max_tokens=3)
     sched.add(seq)
-    chunks = [step(sched).num_new_tokens for _ in range(5)]
+    chunks = [sizes(step(sched)) for _ in range(5)]
     assert chunks == [[16], [16], [8], [1], [1]]
     assert seq.status is SequenceStatus.FINISHED and seq.output_token_ids == [1000] * 3
     assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 32
@@ -131,11 +140,11 @@ def test_running_first_then_waiting_share_the_budget() -> None:
     sched.add(a)
     sched.add(b)
     first = step(sched)
-    assert first.seq_ids == ids(a, b) and first.num_new_tokens == [10, 6]
+    assert first.seq_ids == ids(a, b) and sizes(first) == [10, 6]
     second = step(sched)
-    assert second.seq_ids == ids(a, b) and second.num_new_tokens == [1, 4]
+    assert second.seq_ids == ids(a, b) and sizes(second) == [1, 4]
     third = step(sched)
-    assert third.num_new_tokens == [1, 1]
+    assert sizes(third) == [1, 1]
 
 
 def test_max_num_seqs_limits_admission() -> None:
@@ -175,7 +184,7 @@ def test_preemption_picks_the_newest_which_is_recomputed_to_completion() -> None
     d = make_seq(3, [4])
     sched.add(d)
     batch = step(sched)  # a (the oldest) needs a 2nd block: c, the newest, makes room
-    assert batch.preempted == (c.seq_id,) and batch.seq_ids == ids(a, b) and table(sched, a) == [0, 3]
+    assert batch.update.preempted == (c.seq_id,) and batch.seq_ids == ids(a, b) and table(sched, a) == [0, 3]
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and table(sched, c) == []
     # c goes back in FRONT of the newer request d, and nobody is admitted in a preempting step
     assert c.num_preemptions == 1 and sched.num_preemptions == 1 and list(sched.waiting) == [c, d]
@@ -194,7 +203,7 @@ def test_a_sequence_preempts_itself_when_it_is_the_newest() -> None:
     sched.add(b)
     step(sched)  # a: block 0, b: block 1 (one free)
     batch = step(sched)  # a takes the last block; b then cannot and is itself the newest
-    assert batch.seq_ids == ids(a) and batch.preempted == (b.seq_id,)
+    assert batch.seq_ids == ids(a) and batch.update.preempted == (b.seq_id,)
     assert run_to_completion(sched)[-1] is b
 
 
@@ -247,7 +256,7 @@ def test_prefix_hits_counted_in_num_cached_tokens_from_first_admission() -> None
     b = make_seq(1, list(range(9)) + [77, 78], max_tokens=2)  # shares 2 full blocks with a
     sched.add(b)
     batch = step(sched)
-    assert batch.seq_ids == ids(a, b) and batch.num_new_tokens == [1, 3]
+    assert batch.seq_ids == ids(a, b) and sizes(batch) == [1, 3]
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
     assert b.num_computed_tokens == 8 + 3  # the scheduler set 8 at admission, schedule() added the chunk
     run_to_completion(sched)
@@ -259,7 +268,7 @@ def test_same_step_admission_reuses_blocks_registered_in_that_step() -> None:
     sched.add(a)
     sched.add(b)
     batch = step(sched)
-    assert batch.num_new_tokens == [9, 1] and b.num_cached_tokens == 8
+    assert sizes(batch) == [9, 1] and b.num_cached_tokens == 8
     assert table(sched, b)[:2] == table(sched, a)[:2]
 
 
@@ -269,10 +278,10 @@ def test_readmission_reuses_own_cached_blocks_but_bills_the_first_count() -> Non
     sched.add(a)
     sched.add(c)
     step(sched)  # a: block 0; c: blocks 1, 2 (full, hashed) and 3
-    assert step(sched).preempted == (c.seq_id,)  # a needs a block; c's hashed blocks stay cached
+    assert step(sched).update.preempted == (c.seq_id,)  # a needs a block; c's hashed blocks stay cached
     while c.status is not SequenceStatus.RUNNING:
         batch = step(sched)
-    assert batch.seq_ids[-1] == c.seq_id and batch.num_new_tokens[-1] == 2  # 10 tokens, 8 of them cached
+    assert batch.seq_ids[-1] == c.seq_id and sizes(batch)[-1] == 2  # 10 tokens, 8 of them cached
     assert c.num_cached_tokens == 0  # the re-match is not billed: its first admission matched nothing
     run_to_completion(sched)
 
@@ -304,8 +313,8 @@ def test_200_sequences_behind_a_shared_prefix_compute_it_about_once() -> None:
             batch = sched.schedule()
             for chunk in batch.chunks:
                 prefix_computed += max(0, min(chunk.start + chunk.num_tokens, prefix_len) - chunk.start)
-            sched.update_from_output(batch.sampled, [1] * len(batch.sampled))
-            for seq_id in batch.sampled:
+            sched.update_from_output(sampled(batch), [1] * len(sampled(batch)))
+            for seq_id in sampled(batch):
                 seq = sched.get(seq_id)
                 if seq.num_output_tokens == seq.params.max_tokens:
                     sched.finish(seq_id)
@@ -324,7 +333,7 @@ def test_finish_aborts_a_waiting_sequence_and_schedule_advances_what_it_schedule
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
-    assert batch.seq_ids == ids(a) and batch.num_new_tokens == [4] and not batch.chunks[0].needs_sample
+    assert batch.seq_ids == ids(a) and sizes(batch) == [4] and not batch.chunks[0].needs_sample
     sched.finish(b.seq_id)  # aborted before admission
     assert b.status is SequenceStatus.FINISHED and sched.num_waiting == 0
     assert a.num_computed_tokens == 4  # advanced when scheduled: the scheduler is its only writer
@@ -422,5 +431,5 @@ def test_a_max_tokens_0_request_ends_after_its_prompt_without_a_draw() -> None:
     sched.add(scored)
     sched.add(make_seq(1, [4, 5]))
     batch = sched.schedule()
-    assert batch.sampled == [0, 1] and batch.ends == (0,) and batch.draws == (1,) and batch.draw_rows == (1,)
+    assert sampled(batch) == [0, 1] and batch.ends == (0,) and batch.draws == (1,) and batch.draw_rows == (1,)
     assert not batch.forks and sched.num_running == 2  # never forked: its n outputs are all empty

@@ -18,7 +18,8 @@ import torch
 
 from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.scheduler import BatchUpdate, NewSequence, ScheduledBatch, ScheduledChunk, Scheduler
+from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence, ScheduledBatch, ScheduledChunk
 from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.sampling.batch import NO_TOP_K, SamplingBatch
 from batchgen.engine.sampling.penalties import LogitsFeatures
@@ -35,7 +36,7 @@ def _diff(update: BatchUpdate) -> Diff:
 def _step(sched: Scheduler) -> ScheduledBatch:
     """An engine step without a model: schedule (which advances), one token per sampled chunk, finish at max_tokens."""
     batch = sched.schedule()
-    sampled = batch.sampled
+    sampled = [c.seq_id for c in batch.chunks if c.needs_sample]
     sched.update_from_output(sampled, [100 + s for s in sampled])
     for seq_id in sampled:
         seq = sched.get(seq_id)
@@ -166,7 +167,7 @@ def test_decode_rows_are_released_when_sequences_finish_or_are_preempted(llm: LL
 
     def watch() -> ScheduledBatch:
         batch = schedule()
-        preempted.extend(batch.preempted)
+        preempted.extend(batch.update.preempted)
         return batch
 
     llm.engine.scheduler.schedule = watch  # type: ignore[method-assign]

@@ -22,7 +22,7 @@ from batchgen.engine.attention.backend import TorchBackend
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.static_decode import StaticDecode, static_decode_attention
-from batchgen.engine.core.scheduler import ScheduledChunk
+from batchgen.engine.core.scheduler_output import ScheduledChunk
 from batchgen.engine.triton import support
 from batchgen.engine.triton.backend import TritonBackend
 from batchgen.engine.triton.plan import tile_map, tile_rows

@@ -65,22 +65,10 @@ class EngineConfig:
     max_decoded_pixels: int | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "block_size",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "num_kv_blocks",
-            "kv_cache_memory_bytes",
-            "max_model_len",
-            "max_loras",
-            "max_lora_rank",
-            "max_cpu_loras",
-            "encoder_cache_tokens",
-            "max_decoded_pixels",
-        ):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 1):
-                raise SettingError("EngineConfig", name, "null or an integer >= 1", value)
+        for f in fields(self):  # every optional count: null or >= 1
+            value = getattr(self, f.name)
+            if f.type == "int | None" and value is not None and (not is_int(value) or value < 1):
+                raise SettingError("EngineConfig", f.name, "null or an integer >= 1", value)
         size = self.tensor_parallel_size
         if not is_int(size) or size < 1:
             raise SettingError("EngineConfig", "tensor_parallel_size", "an integer >= 1", size)
@@ -150,9 +138,11 @@ def resolve(
     compiles: bool = True,
 ) -> ResolvedConfig:
     """`config` on `platform` for a model of `max_model_len` (resolved from its config), `head_dim`
-    and soft-capping. `compiles`: False where compiling serves nothing (pooling forwards run eager)."""
+    and soft-capping. `compiles`: False where compiling serves nothing (pooling forwards run eager);
+    tensor-parallel ranks run eager too (README, tensor parallelism)."""
     backend = platform.attention_backend(config.attention_backend)
     compile = compiles and (platform.compiles_by_default() if config.compile == "auto" else config.compile)
+    compile = compile and config.tensor_parallel_size == 1
     block_size = config.block_size or platform.block_size(backend, dtype, head_dim, softcap)
     return ResolvedConfig(
         block_size=block_size,

@@ -32,7 +32,7 @@ from collections.abc import Sequence as Sequence_
 from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.core.adapter_slots import SlotTable
 from batchgen.engine.core.block_manager import BlockManager
-from batchgen.engine.core.image_budget import ImageBudget, StepImages, cut_before_image
+from batchgen.engine.core.image_budget import ImageBudget, StepImages
 from batchgen.engine.core.scheduler_output import (
     BatchUpdate,
     NewSequence,
@@ -42,35 +42,15 @@ from batchgen.engine.core.scheduler_output import (
 )
 from batchgen.engine.core.sequence import Sequence, SequenceStatus, fork_params
 
-__all__ = [
-    "BatchUpdate",
-    "NewSequence",
-    "ScheduledBatch",
-    "ScheduledChunk",
-    "Scheduler",
-    "admit_prompt",
-    "cut_before_image",
-    "is_decode",
-]
-
 logger = logging.getLogger(__name__)
 
 Forks = tuple[tuple[int, tuple[int, ...]], ...]
 
 
-def admit_prompt(
-    bm: BlockManager,
-    seq: Sequence,
-    budget: int,
-    use_cache: bool,
-    reserve: int | None = None,
-    images: StepImages | None = None,
-) -> int | None:
-    """The admission rule (the scheduler's, and pooling's): reuse the longest cached prefix (when
-    `use_cache`), admit only when the whole remaining prompt fits the pool now (and, with
-    `reserve`, leaves that many blocks free as well: what a caller that never preempts has
-    promised its running sequences), then allocate the first chunk, at most `budget` tokens (and
-    what the step's `images` budget allows).
+def admit_prompt(bm: BlockManager, seq: Sequence, budget: int, use_cache: bool, images: StepImages) -> int | None:
+    """The admission rule: reuse the longest cached prefix (when `use_cache`), admit only when the
+    whole remaining prompt fits the pool now, then allocate the first chunk, at most `budget`
+    tokens (and what the step's `images` budget allows).
     -> that chunk's tokens, with `seq.num_computed_tokens` set to the cached ones; None: it does not fit.
     """
     computed, cached = bm.get_computed_blocks(seq) if use_cache else ([], 0)
@@ -79,9 +59,7 @@ def admit_prompt(
     # that can only start would soon be preempted and recomputed.
     if not bm.can_allocate(seq, remaining, computed):
         return None
-    if reserve is not None and bm.blocks_needed(seq.num_tokens) - len(computed) + reserve > bm.num_free_blocks:
-        return None
-    n = (images.cut if images is not None else cut_before_image)(seq, cached, min(remaining, budget))
+    n = images.cut(seq, cached, min(remaining, budget))
     if n == 0:
         return None
     if not bm.allocate_slots(seq, n, computed):
@@ -328,10 +306,9 @@ class Scheduler:
             adapter = seq.extras.adapter_hash if seq.num_preemptions == 0 else b""  # a preempted one kept its pin
             if adapter and self.slots is not None and not self.slots.can_pin(adapter):
                 break  # why: every slot is pinned by admitted sequences; keep FCFS order
-            # why no cache for prompt logprobs: cached positions have no logits to take them from
-            n = admit_prompt(
-                self.block_manager, seq, budget, use_cache=seq.params.prompt_logprobs is None, images=images
-            )
+            # why no cache for prompt logprobs (or mean / CLS pooling): cached positions have no outputs
+            use_cache = seq.params.prompt_logprobs is None and not seq.extras.uncached
+            n = admit_prompt(self.block_manager, seq, budget, use_cache, images)
             if n is None:
                 break  # keep FCFS order: nobody overtakes the head
             self.waiting.popleft()

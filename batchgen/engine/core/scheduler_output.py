@@ -109,23 +109,5 @@ class ScheduledBatch:
     lora_loads: tuple[tuple[int, bytes], ...] = ()  # (slot, adapter content hash) to load before the forward
 
     @property
-    def preempted(self) -> tuple[int, ...]:
-        """Ids of the sequences preempted to make room for this step."""
-        return self.update.preempted
-
-    @property
     def seq_ids(self) -> list[int]:
         return [c.seq_id for c in self.chunks]
-
-    @property
-    def num_new_tokens(self) -> list[int]:
-        return [c.num_tokens for c in self.chunks]
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def sampled(self) -> list[int]:
-        """Ids of the sequences that get a token from this step, in batch order (the logits' rows)."""
-        return [c.seq_id for c in self.chunks if c.needs_sample]

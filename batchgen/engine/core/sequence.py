@@ -34,6 +34,8 @@ class RequestExtras:
     image_pixels: tuple[int, ...] = field(default=(), compare=False)
     # the images' tokens attend to each other both ways (Gemma 3): no chunk may end inside one
     atomic_images: bool = False
+    # every prompt position's output is wanted (mean or CLS pooling): no prefix comes from the cache
+    uncached: bool = False
 
 
 NO_EXTRAS = RequestExtras()

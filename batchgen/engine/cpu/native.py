@@ -11,8 +11,8 @@ Why three libraries: a compiler that cannot build one (an old GCC, a missing int
 that one; the others still load. Each falls back to torch's own path with one log line saying why:
   attention  decode attention over per-sequence rows, float32 and bf16 (decode_attention.c): torch ops otherwise
   argmax     greedy's argmax and NaN flag in one pass (row_argmax.c): torch.max otherwise
-  linear     float32 and bf16 linears at decode sizes (skinny_linear.c, wide_linear.c, skinny_linear_bf16.c):
-             torch's BLAS otherwise,
+  linear     float32 and bf16 linears at decode sizes (skinny_linear.c, wide_linear.c, skinny_linear_bf16.c,
+             and vnni_linear_bf16.c on a weight packed for AVX512-BF16): torch's BLAS otherwise,
              and even when built, only at the shapes where it measured faster (native_linear)
 
 Why C++ operators (csrc/*_op.cpp, OPERATORS): from a compiled graph a call through a Python custom
@@ -102,6 +102,11 @@ SYMBOLS: dict[str, tuple[str, list[type]]] = {
     "batchgen_row_argmax_bf16": ("argmax", _ARGMAX),
     "batchgen_linear": ("linear", _LINEAR),
     "batchgen_linear_bf16": ("linear", _LINEAR),
+    # vnni_linear_bf16.c: a bf16 linear on weights packed for AVX512-BF16 (packed_linear); vnni_linear()
+    "batchgen_vnni_panel": ("linear", []),
+    "batchgen_vnni_packed_size": ("linear", [_I64, _I64]),
+    "batchgen_vnni_pack": ("linear", [_I64, _I64, _PTR, _PTR, _I64]),
+    "batchgen_vnni_linear": ("linear", [*_LINEAR[:-1], _I64, _I64]),
 }
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the element types the kernels read
 
@@ -149,7 +154,7 @@ LIBRARIES = {
         Library("argmax", ("row_argmax.c", "row_argmax_bf16.c"), "greedy's argmax runs on torch.max", ("bf16.h",)),
         Library(
             "linear",
-            ("skinny_linear.c", "wide_linear.c", "skinny_linear_bf16.c"),
+            ("skinny_linear.c", "wide_linear.c", "skinny_linear_bf16.c", "vnni_linear_bf16.c"),
             "linear layers run on torch's BLAS",
             ("bf16.h",),
         ),
@@ -245,6 +250,15 @@ def function(symbol: str, dtype: torch.dtype = torch.float32) -> CFunction | Non
             refuse(owner, f"{symbol} is missing from it")
             _FUNCTIONS[symbol] = None
     return _FUNCTIONS[symbol]
+
+
+def vnni_linear() -> dict[str, CFunction] | None:
+    """csrc/vnni_linear_bf16.c's entry points by short name (panel, packed_size, pack, linear), or None
+    where the linear library cannot be built or was built without AVX512-BF16 (its panel is 0)."""
+    names = ("panel", "packed_size", "pack", "linear")
+    found = {name: function(f"batchgen_vnni_{name}") for name in names}
+    ready = {name: fn for name, fn in found.items() if fn is not None}
+    return ready if len(ready) == len(names) and ready["panel"]() > 0 else None
 
 
 def _bound(lib: ctypes.CDLL, symbol: str) -> CFunction:

@@ -30,7 +30,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from batchgen.engine.cpu import linear_calibration, native
+from batchgen.engine.cpu import linear_calibration, native, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +54,25 @@ def install_native_linears(
     faster for their shape and dtype (or `masks`, by shape key, when given); how many were. Eligible:
     exactly nn.Linear (not a subclass: quantized or adapter layers keep their own forward), float32 or
     bfloat16 (the bf16 twin, measured against torch's bf16 linear) as the model is, on the CPU, a
-    contiguous weight. None where the kernel or the operator cannot be built (logged once)."""
+    contiguous weight. A bf16 model's layers first go to packed_linear, which packs the weights of the
+    shapes where that measured faster (AVX512-BF16 builds only; not when `masks` is given); the rest are
+    routed as above. None where the kernel or the operator cannot be built (logged once)."""
     if device.type != "cpu" or dtype not in native.KERNEL_DTYPES:
         return 0
     eligible = [m for m in model.modules() if type(m) is nn.Linear and _eligible(m.weight, dtype)]
     if not eligible or not load_op():
         return 0
+    library = native.STATES["linear"].path or Path("batchgen_linear")
+    count = len(eligible)
+    if dtype == torch.bfloat16 and masks is None:  # AVX512-BF16 built: weights packed for it where measured faster
+        eligible = packed_linear.pack_linears(model, eligible, library)
+    packed = count - len(eligible)
     groups: dict[str, list[nn.Linear]] = defaultdict(list)
     for module in eligible:
         groups[linear_calibration.shape_key(module.weight, module.bias)].append(module)
     if masks is None:
-        library = native.STATES["linear"].path or Path("batchgen_linear")
         layers = {key: [(m.weight.detach(), _bias(m)) for m in group] for key, group in groups.items()}
-        masks = linear_calibration.masks(layers, _kernel_linear, library)
+        masks = linear_calibration.masks(layers, kernel_linear, library)
     routed = 0
     for key, group in groups.items():
         for module in group if masks.get(key, 0) else []:
@@ -74,14 +80,14 @@ def install_native_linears(
             cast(NativeLinear, module).buckets = masks[key]
             routed += 1
     logger.info("native linears: %d of %d layers (row buckets by shape: %s)", routed, len(eligible), _describe(masks))
-    return routed
+    return routed + packed
 
 
 def _bias(module: nn.Linear) -> torch.Tensor | None:
     return None if module.bias is None else module.bias.detach()
 
 
-def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.batchgen.linear(x, weight, bias, EVERY_BUCKET)
 
 
@@ -112,6 +118,11 @@ def _load_op() -> bool:
     setup.restype, setup.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
     bf16 = native.function("batchgen_linear", torch.bfloat16)  # None: bf16 linears stay on torch
     setup(ctypes.cast(kernel, ctypes.c_void_p), None if bf16 is None else ctypes.cast(bf16, ctypes.c_void_p))
+    vnni = native.vnni_linear()  # None: no AVX512-BF16 build, no weight is packed
+    if vnni is not None:
+        packed_setup = lib.batchgen_packed_linear_op_setup
+        packed_setup.restype, packed_setup.argtypes = None, [ctypes.c_void_p]
+        packed_setup(ctypes.cast(vnni["linear"], ctypes.c_void_p))
     return True
 
 

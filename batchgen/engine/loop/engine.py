@@ -26,7 +26,8 @@ from typing import Any
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.runner_output import ModelRunnerOutput, PromptLogprobLists
-from batchgen.engine.core.scheduler import ScheduledBatch, Scheduler
+from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras, Sequence
 from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState
 from batchgen.engine.loop.stats import EngineStats
@@ -73,18 +74,13 @@ class Engine:
         seq = Sequence(request_id, list(prompt_token_ids), params, extras=extras)
         message = f"request {request_id}: {refusal}" if refusal is not None else None
         message = message or self._check_token_ids(seq) or self.scheduler.check_fits(seq)
-        if message is None:
-            message = self.runner.check_request(request_id, params)
-        if message is None:
-            try:
-                self.scheduler.add(seq)
-            except ValueError as exc:
-                message = str(exc)
+        message = message or self.runner.check_request(request_id, params)
         if message is not None:
             logger.warning("refusing %s", message)  # the message starts "request N:"
             self.stats.errors += 1
             self._errors.append(RequestOutput(str(request_id), prompt, seq.prompt_token_ids, error=message))
             return request_id
+        self.scheduler.add(seq)
         sample = SampleState(0, seq, self._stop_checker(seq))
         wants_prompt = params.prompt_logprobs is not None
         request = RequestState(
@@ -258,39 +254,25 @@ class Engine:
         if len(prompts) != len(params):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         n = len(prompts)
+        requests = zip(
+            prompts, params, texts or [None] * n, extras or [NO_EXTRAS] * n, refusals or [None] * n, strict=True
+        )
+        results: list[RequestOutput | None] = [None] * n
         try:
-            return self._run(
-                prompts, params, on_output, texts or [None] * n, extras or [NO_EXTRAS] * n, refusals or [None] * n
-            )
+            position = {str(self.add_request(*request)): i for i, request in enumerate(requests)}
+            while self.has_unfinished():
+                for output in self.step():
+                    index = position.get(output.request_id)
+                    if index is None:
+                        continue  # a request added outside this call
+                    output.request_id = str(index)
+                    results[index] = output
+                    if on_output is not None:
+                        on_output(output)
         except BaseException:
             # why BaseException: a KeyboardInterrupt mid-step orphans requests just the same
             self.abort_all()
             raise
-
-    def _run(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        on_output: Callable[[RequestOutput], None] | None,
-        texts: list[str | None],
-        extras: list[RequestExtras],
-        refusals: list[str | None],
-    ) -> list[RequestOutput]:
-        """Add every prompt, step until all are answered; each output's request_id becomes its index."""
-        position = {
-            str(self.add_request(*request)): i
-            for i, request in enumerate(zip(prompts, params, texts, extras, refusals, strict=True))
-        }
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        while self.has_unfinished():
-            for output in self.step():
-                index = position.get(output.request_id)
-                if index is None:
-                    continue  # a request added outside this call
-                output.request_id = str(index)
-                results[index] = output
-                if on_output is not None:
-                    on_output(output)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"the engine stopped with requests {missing[:10]} unanswered")

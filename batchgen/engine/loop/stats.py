@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from batchgen.engine.core.scheduler import ScheduledBatch
+from batchgen.engine.core.scheduler_output import ScheduledBatch
 
 
 @dataclass

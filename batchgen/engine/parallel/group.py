@@ -30,7 +30,6 @@ from batchgen.engine.parallel.collectives import Collectives
 from batchgen.engine.parallel.loading import load_sharded_model
 from batchgen.engine.parallel.plan import ShardPlan, shard_plan
 from batchgen.engine.platforms import platform_for
-from batchgen.engine.runner.models import check_config
 
 logger = logging.getLogger(__name__)
 
@@ -174,9 +173,8 @@ def start_tensor_parallel(
     (`kv_budget`): the profiling forward cannot run on rank 0 alone."""
     if config.tensor_parallel_size == 1:
         return None
-    model_config = AutoConfig.from_pretrained(path)
-    check_config(model_config)
-    shard_plan(model_config, 0, config.tensor_parallel_size)  # why here: refuse before any process starts
+    # why here (LLM checked the model already): refuse a model that cannot be split before any process starts
+    shard_plan(AutoConfig.from_pretrained(path), 0, config.tensor_parallel_size)
     group = TensorParallelGroup(path, config.tensor_parallel_size, device, dtype)
     probe = platform_for(device).memory_probe()
     if probe is not None and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:

@@ -12,7 +12,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from batchgen.engine.core.runner_output import ModelRunnerOutput
-from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch
+from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch
 from batchgen.engine.parallel.collectives import CollectiveError
 from batchgen.engine.parallel.group import DEATH_WAIT_S, TensorParallelError, TensorParallelGroup
 from batchgen.engine.runner.model_runner import ModelRunner
@@ -20,9 +20,8 @@ from batchgen.engine.runner.model_runner import ModelRunner
 
 class ShardedRunner(ModelRunner):
     def __init__(self, group: TensorParallelGroup, model: PreTrainedModel, *args: Any, **kwargs: Any) -> None:
-        """`args`, `kwargs`: ModelRunner's after the model (spec, block_size, num_kv_blocks, device, dtype, ...)."""
+        """`args`, `kwargs`: ModelRunner's after the model (spec, config, num_kv_blocks, device, dtype, ...)."""
         self.group = group
-        kwargs = {**kwargs, "compile": False}  # why: see README, tensor parallelism
         group.send(("build", args, {k: v for k, v in kwargs.items() if k != "sampler"}))
         super().__init__(model, *args, **kwargs)
 
@@ -48,6 +47,3 @@ class ShardedRunner(ModelRunner):
         if self.group.broken is None:
             self.group.send(("drop",))
         super().drop_all()
-
-    def close(self) -> None:
-        self.group.close()

@@ -14,7 +14,7 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,16 +36,7 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=os.environ.get("BATCHGEN_TP_LOG", "WARNING"))
     conn = Connection(int(args["fd"]))
     try:
-        code = _serve(
-            rank,
-            int(args["world"]),
-            str(args["store"]),
-            conn,
-            str(args["path"]),
-            torch.device(args["device"]),
-            getattr(torch, args["dtype"]),
-            float(args["timeout_s"]),
-        )
+        code = _serve(args, rank, conn)
     except BaseException:  # why: any failure must end this process with a message
         sys.stderr.write(f"batchgen tensor parallel rank {rank} failed:\n{traceback.format_exc()}")
         code = EXIT_FAILED
@@ -53,26 +44,20 @@ def main(argv: list[str]) -> None:
     os._exit(code)  # why _exit: no atexit work (threads of a broken group could block a clean exit)
 
 
-def _serve(
-    rank: int,
-    world: int,
-    store: str,
-    conn: Connection,
-    path: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    timeout_s: float,
-) -> int:
+def _serve(args: dict[str, Any], rank: int, conn: Connection) -> int:
+    """Rank `rank`'s life: load its share (`args`: group.TensorParallelGroup._start's), then run
+    what rank 0 sends until told to stop or its pipe closes."""
     from batchgen.engine.parallel.collectives import Collectives
     from batchgen.engine.parallel.loading import load_sharded_model
     from batchgen.engine.runner.model_runner import ModelRunner
     from batchgen.faults import fault_point
 
+    device = torch.device(args["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     conn.send(("ready",))  # why: rank 0 waits for this (watching the process) before its own rendezvous
-    comm = Collectives(store, rank, world, device, timeout_s)
-    model, _ = load_sharded_model(path, comm, rank, device, dtype)
+    comm = Collectives(str(args["store"]), rank, int(args["world"]), device, float(args["timeout_s"]))
+    model, _ = load_sharded_model(str(args["path"]), comm, rank, device, getattr(torch, args["dtype"]))
     runner: ModelRunner | None = None
     while True:
         try:
@@ -83,8 +68,8 @@ def _serve(
         if kind == "stop":
             return 0
         if kind == "build":
-            _, (spec, block_size, num_kv_blocks, _, run_dtype, *rest), kwargs = message  # on this rank's device
-            runner = ModelRunner(model, spec, block_size, num_kv_blocks, device, run_dtype, *rest, **kwargs)
+            _, (spec, config, num_kv_blocks, _, run_dtype), kwargs = message  # on this rank's device
+            runner = ModelRunner(model, spec, config, num_kv_blocks, device, run_dtype, **kwargs)
             continue
         if runner is None:
             raise RuntimeError(f"rank {rank}: {kind!r} before the runner was built")

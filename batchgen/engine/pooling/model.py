@@ -6,31 +6,20 @@ through a sigmoid, else the cosine of the two embeddings (vLLM's rule).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig
 
-from batchgen.engine.platforms import platform_for
 from batchgen.engine.pooling.config import PoolingConfig, resolve_pooling
 from batchgen.engine.pooling.engine_runner import EnginePoolingRunner
 from batchgen.engine.pooling.heads import load_score_head
 from batchgen.engine.pooling.hf_runner import Encoded, HFPoolingRunner, is_encoder
-from batchgen.engine.pooling.outputs import PoolingParams
+from batchgen.engine.pooling.outputs import PoolingParams, RowResult
 from batchgen.engine.pooling.poolers import cosine, finish_embeddings, head_probs
 
 TASKS = ("generate", "embed", "classify", "score")
-
-
-@dataclass
-class RowResult:
-    """One input's result: embedding [D], probabilities [C] or a score [] (None: `error` says why)."""
-
-    values: torch.Tensor | None
-    cached_tokens: int = 0
-    error: str | None = None
 
 
 def has_classifier(path: str | Path) -> bool:
@@ -100,8 +89,7 @@ class PoolingModel:
             normalize = config.normalize if params.normalize is None else params.normalize
             config = PoolingConfig(config.method, normalize, params.dimensions or config.dimensions)
         if self.engine is not None:
-            pooled = self.engine.pool([e.input_ids for e in inputs], config.method, self.on_step)
-            results = [RowResult(p.vector, p.cached_tokens, p.error) for p in pooled]
+            results = self.engine.pool([e.input_ids for e in inputs], config.method, self.on_step)
         elif self.hf is not None and not self.classifier:
             results = [RowResult(v) for v in self.hf.run(inputs, config.method, self.on_step)]
         else:
@@ -128,12 +116,12 @@ class PoolingModel:
         pooled = self.engine.pool([e.input_ids for e in inputs], "last", self.on_step)
         results: list[RowResult] = []
         for p in pooled:
-            if p.vector is None:
-                results.append(RowResult(None, p.cached_tokens, p.error))
+            if p.values is None:
+                results.append(p)
                 continue
             weight = self.head.weight
             with torch.inference_mode():
-                logits = self.head(p.vector.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
+                logits = self.head(p.values.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
             results.append(RowResult(head_probs(logits)[0].cpu(), p.cached_tokens))
         return results
 
@@ -164,23 +152,14 @@ class PoolingModel:
         return self.id2label.get(best, str(best))
 
 
-def token_budget(configured: int | None, device: torch.device) -> int:
-    """Padded tokens per transformers batch: the engine's max_num_batched_tokens, else its device default."""
-    return configured or platform_for(device).max_num_batched_tokens
-
-
 def on_engine(path: str | Path, task: str, llm: Any, pooler_config: dict[str, Any] | None) -> PoolingModel:
     """The PoolingModel of an LLM whose engine is built: pooling batches through its model runner
     and KV pool, under its token budget and sequence limit."""
     engine = llm.engine
-    runner = EnginePoolingRunner(
-        engine.runner,
-        engine.scheduler.block_manager,
-        int(llm.config.max_num_batched_tokens),
-        int(llm.config.max_num_seqs),
-    )
+    runner = EnginePoolingRunner(engine.runner, engine.scheduler)
     device, dtype = engine.runner.device, next(engine.runner.model.parameters()).dtype
-    return PoolingModel.build(path, task, device, dtype, runner.token_budget, runner, pooler_config)
+    budget = int(llm.config.max_num_batched_tokens)
+    return PoolingModel.build(path, task, device, dtype, budget, runner, pooler_config)
 
 
 def prefix_cache_applies(path: str | Path, task: str, pooling_type: str | None) -> bool:

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from batchgen.engine.api.platform import MemoryProbe
-from batchgen.engine.core.scheduler import ScheduledBatch, ScheduledChunk
+from batchgen.engine.core.scheduler_output import ScheduledBatch, ScheduledChunk
 
 logger = logging.getLogger(__name__)
 

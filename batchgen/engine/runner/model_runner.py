@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.api.platform import GraphReplay
 from batchgen.engine.attention.decode_kv import padded_tables
@@ -45,7 +46,7 @@ from batchgen.engine.attention.path import (
 from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.attention.static_decode import StaticDecode
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, ModelRunnerOutput
-from batchgen.engine.core.scheduler import BatchUpdate, ScheduledBatch, ScheduledChunk
+from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch, ScheduledChunk
 from batchgen.engine.lora.slots import LoRASlots
 from batchgen.engine.platforms import make_backend, platform_for
 from batchgen.engine.runner.compiled_forward import StepForward
@@ -95,27 +96,22 @@ class ModelRunner:
         self,
         model: PreTrainedModel,
         spec: KVSpec,
-        block_size: int,
+        config: ResolvedConfig,
         num_kv_blocks: int,
         device: torch.device,
         dtype: torch.dtype,
-        max_num_seqs: int | None = None,
-        max_model_len: int | None = None,
-        attention_backend: str = "auto",
-        compile: bool = False,
-        max_num_batched_tokens: int | None = None,
-        compile_fallback: bool = False,
         cuda_graphs: bool | None = None,
         sampler: Sampler | None = None,
         lora: LoRASlots | None = None,
     ) -> None:
-        """`cuda_graphs`: decode steps replay graphs captured now, where the device and the backend
-        allow (CUDA, a backend that reads the pool in place); None: with `compile`.
+        """`config`: the step limits, the resolved attention backend and compile setting.
+        `cuda_graphs`: decode steps replay graphs captured now, where the device and the backend
+        allow (CUDA, a backend that reads the pool in place); None: with `config.compile`.
         `sampler`: the step's draws (None: a runner that only runs the forward). `lora`: the
         adapter slots installed in `model` (engine/lora), loaded and told each token's slot per step."""
         self.model = model
         self.lora = lora
-        self.block_size = block_size
+        self.block_size = block_size = config.block_size
         self.num_kv_blocks = num_kv_blocks
         self.device = device
         shape = (pool_blocks(num_kv_blocks), block_size, spec.num_kv_heads, spec.head_dim)  # + the trash block
@@ -126,11 +122,11 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
         self.platform = platform_for(device)
-        name = self.platform.attention_backend(attention_backend)
+        name = config.attention_backend
         softcap = has_softcap(model.config)
         self.attention: AttentionChoice = self.platform.attention_path(name, dtype, block_size, spec.head_dim, softcap)
         self.flash = self.attention.path == VARLEN
-        max_len = max_model_len or num_kv_blocks * block_size
+        max_len, max_num_seqs = config.max_model_len, config.max_num_seqs
         self.backend = make_backend(name, model, self.kv_caches, block_size, device, dtype, max_len, max_num_seqs)
         self.backend.flash = self.flash
         bind_layers(model, self.backend)
@@ -143,9 +139,9 @@ class ModelRunner:
         self.step_hook = self.platform.step_hook()  # on the CPU: torch's threads follow the machine's load
         self.forward = StepForward(
             model,
-            compile,
-            max_num_batched_tokens,
-            fallback=compile_fallback,
+            config.compile,
+            config.max_num_batched_tokens,
+            fallback=config.compile_fallback,
             take_raised=self.backend.take_raised,
             on_compiled=self.step_hook.forget,  # why: the load while compiling was ours, not the neighbours'
             policy=self.platform.compile_policy(),
@@ -153,13 +149,11 @@ class ModelRunner:
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead), all
         # captured now: none in the middle of a job (cuda/graphs)
         self.graphs: GraphReplay | None = None
-        wants_graphs = compile if cuda_graphs is None else cuda_graphs
+        wants_graphs = config.compile if cuda_graphs is None else cuda_graphs
         if wants_graphs and self.backend.replays_static_decode:
             max_blocks = math.ceil(max_len / block_size)
             rope_axes = int(getattr(model, "rope_axes", 0))  # a VLM's M-RoPE positions (engine/vision)
-            self.graphs = self.platform.decode_graphs(
-                self.forward, max_num_seqs or 64, max_blocks, block_size, rope_axes
-            )
+            self.graphs = self.platform.decode_graphs(self.forward, max_num_seqs, max_blocks, block_size, rope_axes)
         if self.graphs is not None:  # pragma: no cover - CUDA
             self.graphs.capture_all(self._graph_run, self._graph_context)
         logger.info(
@@ -241,12 +235,15 @@ class ModelRunner:
             self.lora.stage(self.transfers, slots + [-1] * (len(token_ids) - len(slots)))
         return ctx, self.transfers.stage(int64_tensor(token_ids)), positions, packed_end
 
-    def pool_forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
-        """Pooling's step: the base model (no LM head) over the packed chunks, eager -> (hidden
-        states [T, H], each chunk's end in the packed row)."""
+    def pool_forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Pooling's step: the diff applied, then the base model (no LM head) over the packed
+        chunks, eager -> (hidden states [T, H], each chunk's end in the packed row)."""
+        if not batch.chunks:
+            raise ValueError("pool_forward() needs a non-empty batch")
         self.step_hook.tick()
         self.transfers.begin_step()
-        ctx, input_ids, positions, ends = self._pack(chunks, None)
+        self._apply(batch.update)
+        ctx, input_ids, positions, ends = self._pack(batch.chunks, None)
         self.transfers.upload()
         with torch.inference_mode(), self.backend.running(ctx):
             out = self.model.base_model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
@@ -322,11 +319,7 @@ class ModelRunner:
         if self.vision is not None:
             self.vision.apply(update)
         if update.released:
-            self.release(update.released)
-
-    def release(self, seq_ids: Sequence[int]) -> None:
-        """The attention backend forgets these sequences (their decode rows)."""
-        self.backend.release(seq_ids)
+            self.backend.release(update.released)
 
     def drop_all(self) -> None:
         """After an aborted generate: zero the pool, drop the sampling batch and the backend's sequences.

@@ -8,6 +8,7 @@ was measured is returned beside the config, never written into it.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel
@@ -55,7 +56,6 @@ def kv_pool_blocks(
 ) -> tuple[int, MemoryProfile | None]:
     """(blocks, the memory profile when one was taken). `measured_budget`: bytes measured at load
     (tensor parallelism's rank 0), used where the settings give no size."""
-    block_size, max_num_seqs, max_model_len = config.block_size, config.max_num_seqs, config.max_model_len
     budget = config.kv_cache_memory_bytes if config.kv_cache_memory_bytes is not None else measured_budget
     if config.num_kv_blocks is None and budget is None:
         probe = probe or platform_for(device).memory_probe()
@@ -68,20 +68,11 @@ def kv_pool_blocks(
     def make_runner(num_blocks: int) -> ModelRunner:
         # why graphs, eager: the runner's CUDA graphs (triton only) are measured with it; compiling
         # here would compile the forward twice
-        return ModelRunner(
-            model,
-            spec,
-            block_size,
-            num_blocks,
-            device,
-            dtype,
-            max_num_seqs,
-            max_model_len,
-            profiled_backend,
-            cuda_graphs=config.compile,  # as the engine's runner decides them
-        )
+        profiled = replace(config, attention_backend=profiled_backend, compile=False)
+        return ModelRunner(model, spec, profiled, num_blocks, device, dtype, cuda_graphs=config.compile)
 
-    batch = profile_batch(config.max_num_batched_tokens, max_num_seqs, max_model_len, block_size)
+    block_size = config.block_size
+    batch = profile_batch(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len, block_size)
     vocab = int(model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
     profile = profile_kv_budget(make_runner, batch, probe, vocab, config.gpu_memory_utilization)
     per_block = kv_block_bytes(spec, block_size, dtype)

@@ -50,10 +50,6 @@ class SamplingStep:
     banned: torch.Tensor | None = None  # this step's (step row, token) [2, n] masked for min_tokens
     _max_k: dict[int, int] = field(default_factory=dict)
 
-    @property
-    def greedy(self) -> bool:
-        return not self.sample_rows
-
     def max_k(self, vocab: int) -> int:
         """The largest top-k below `vocab` (0: no row filters by top-k); once per vocabulary width."""
         k = self._max_k.get(vocab)

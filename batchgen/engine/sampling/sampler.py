@@ -9,10 +9,11 @@ its batch. Per-row inputs come from a SamplingStep (sampling/batch).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from batchgen.engine.api.platform import GreedyIds
 from batchgen.engine.sampling.batch import SamplingStep
 from batchgen.engine.sampling.feature_plan import stage_step_inputs
 from batchgen.engine.sampling.penalties import LogitsFeatures
@@ -32,7 +33,7 @@ class Sampler:
         eos_token_ids: Iterable[int],
         features: LogitsFeatures,
         seed: int | None = None,
-        fast_greedy: FastGreedy | None = None,
+        fast_greedy: GreedyIds | None = None,
     ) -> None:
         """`features`: sampling/penalties (their rows live in the SamplingBatch); `fast_greedy`: the
         device's own greedy pass (greedy_ids)."""
@@ -59,19 +60,11 @@ class Sampler:
         if step.features is not None:
             stage_step_inputs(step.features, staging, self.features.vocab_size)
 
-    def sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> torch.Tensor:
-        """One token id per row of `logits` [n, V] -> [n] int64, on the device."""
-        return self._sample_ids(logits, step)[0]
-
-    def sample_ids_and_nan(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """As sample_ids, with a 0-d bool set when any entry of `logits` is NaN (free when greedy rows
-        read the raw logits for their maximum; masked logits could hide a NaN, so then read again)."""
-        ids, nan = self._sample_ids(logits, step)
-        # why amax: it propagates NaN, ~10x faster than isnan().any() on CPU
-        return ids, logits.amax().isnan() if nan is None else nan
-
-    def _sample_ids(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (ids [num_seqs], the raw logits' NaN flag when the draw took every row's maximum of them, else None)."""
+    def sample(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token id per row of `logits` [n, V] -> (ids [n] int64 on the device, a 0-d bool set
+        when any entry of the raw logits is NaN, or None). The flag is free when greedy rows took
+        every row's maximum of the raw logits; masked logits could hide a NaN, so then None: the
+        caller reads them again."""
         if logits.dim() != 2 or logits.shape[0] != len(step.seq_ids):
             raise ValueError(f"logits must be [len(seqs)={len(step.seq_ids)}, vocab], got {tuple(logits.shape)}")
         raw = logits
@@ -141,10 +134,7 @@ class Sampler:
         return generator
 
 
-FastGreedy = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
-
-
-def greedy_ids(logits: torch.Tensor, fast: FastGreedy | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_ids(logits: torch.Tensor, fast: GreedyIds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V] -> (each row's first index of its maximum [n] int64, a 0-d bool: some entry is NaN).
     `fast`: the device's own pass, where it answers; why max(), not argmax(): ~3x faster on CPU."""
     if fast is not None and (found := fast(logits)) is not None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.core.scheduler import cut_before_image
+from batchgen.engine.core.image_budget import cut_before_image
 from batchgen.engine.core.sequence import RequestExtras, Sequence
 from testkit.tiny_vision import sample_image
 

@@ -59,7 +59,39 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &weight, const std::opti
   return out;
 }
 
+// packed_linear: x [..., k] bf16 @ w^T + bias, w packed once by batchgen_vnni_pack (csrc/vnni_linear_bf16.c)
+// for out_features = n columns; every row count takes the kernel (the packed weight replaced nn.Linear's)
+using packed_fn = int64_t (*)(int64_t, int64_t, int64_t, const void *, int64_t, const void *, const void *, void *,
+                              int64_t, int64_t);
+packed_fn packed_kernel = nullptr;
+
+at::Tensor packed_linear(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
+                         int64_t out_features) {
+  TORCH_CHECK(packed_kernel != nullptr, "batchgen::packed_linear: the packed bf16 kernel is not set up");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+                  packed.device().is_cpu() && packed.is_contiguous() && x.dim() >= 1,
+              "batchgen::packed_linear takes bf16 CPU tensors");
+  const int64_t k = x.size(-1), n = out_features;
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n),
+              "batchgen::packed_linear: the bias must be bf16, contiguous, of ", n, " elements");
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  at::Tensor out = at::empty(sizes, x.options());
+  const int64_t rows = k > 0 ? x.numel() / k : 0;
+  if (rows == 0 || n == 0) return out;
+  at::Tensor flat = x.reshape({rows, k});
+  if (flat.stride(1) != 1) flat = flat.contiguous();
+  const void *b = bias.has_value() ? bias->data_ptr() : nullptr;
+  const int64_t failed = packed_kernel(rows, n, k, flat.data_ptr(), flat.stride(0), packed.data_ptr(), b,
+                                       out.data_ptr(), 0, at::get_num_threads());
+  TORCH_CHECK(failed == 0, "packed linear refused ", rows, " rows for ", n, " x ", k);
+  return out;
+}
+
 }  // namespace
+
+// fn: batchgen_vnni_linear's address
+extern "C" void batchgen_packed_linear_op_setup(void *fn) { packed_kernel = reinterpret_cast<packed_fn>(fn); }
 
 // fn, fn_bf16: batchgen_linear's and batchgen_linear_bf16's addresses
 extern "C" void batchgen_linear_op_setup(void *fn, void *fn_bf16) {
@@ -68,4 +100,7 @@ extern "C" void batchgen_linear_op_setup(void *fn, void *fn_bf16) {
 }
 
 // the schema and the fake (shape-only) implementation are defined in native_linear.py
-TORCH_LIBRARY_IMPL(batchgen, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(batchgen, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("packed_linear", &packed_linear);
+}

@@ -122,3 +122,15 @@ def output_table(out: Path, columns: list[str] | None = None) -> pa.Table:
     if "input_row" in table.column_names:
         table = table.sort_by("input_row")
     return table if columns is None else table.select(columns)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules holding `slow` tests first, each module's tests kept together and in their order.
+
+    Why: `make test`'s two xdist workers take tests in collection order, and alphabetical order put
+    several of the longest end-to-end modules (tensor parallel jobs, the wheel in a fresh venv)
+    last, where one worker could run them alone while the other had nothing left. Long tests
+    first and short ones last lets the two finish together. Whole modules move, so a module's
+    fixtures are still set up once per worker."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order within each side is kept

@@ -22,6 +22,7 @@ import pytest
 from benchmarks import gpu_check
 from benchmarks.gpu_check_common import Budget, Ctx, Report
 from benchmarks.gpu_check_quiet import Quiet
+from tests.shared_setup import once
 
 REPO = Path(__file__).resolve().parents[1]
 NOT_ON_THE_GPU_IMAGE = ("pydantic", "pydantic_core", "ray", "xgrammar", "jsonschema", "boto3", "moto")
@@ -41,25 +42,30 @@ runpy.run_path(script, run_name="__main__")
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("gpu_check")
-    out = tmp / "smoke.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "TRITON_INTERPRET": "1",
-    }
-    args = [
-        sys.executable,
-        "-c",
-        RUNNER,
-        ",".join(NOT_ON_THE_GPU_IMAGE),
-        str(REPO / "benchmarks/gpu_check.py"),
-        str(out),
-    ]
-    proc = subprocess.run(args, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    report: dict[str, Any] = json.loads(out.read_text())
-    report["_stderr"] = proc.stderr
+    """The smoke run's report (and its stderr as "_stderr"): one run per test run, whichever xdist
+    workers this module's tests land on (see tests/shared_setup.py; the run takes ~45 s)."""
+
+    def run(tmp: Path) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "TRITON_INTERPRET": "1",
+        }
+        args = [
+            sys.executable,
+            "-c",
+            RUNNER,
+            ",".join(NOT_ON_THE_GPU_IMAGE),
+            str(REPO / "benchmarks/gpu_check.py"),
+            str(tmp / "smoke.json"),
+        ]
+        proc = subprocess.run(args, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        (tmp / "stderr.txt").write_text(proc.stderr)
+
+    tmp = once(tmp_path_factory, "gpu_check", run)
+    report: dict[str, Any] = json.loads((tmp / "smoke.json").read_text())
+    report["_stderr"] = (tmp / "stderr.txt").read_text()
     return report
 
 

@@ -484,11 +484,13 @@ def test_no_printed_or_logged_uri_shows_a_secret_from_its_query(
         (("finalize", "s3://outputs/nothing-here" + query), 3),
         (("report", "s3://no-such-bucket/x" + query), 3),
     ]
+    stdout: dict[tuple[str | Path, ...], str] = {}
     for args, code in calls:
         done = _batchgen(*args)
         assert done.returncode == code, (args, done.stderr)
         assert SECRET not in done.stdout + done.stderr, args
-    assert "s3://outputs/secret" in _batchgen("finalize", out).stdout  # the URI is shown, without its query
+        stdout[args] = done.stdout
+    assert "s3://outputs/secret" in stdout[("finalize", out)]  # the URI is shown, without its query
     assert SECRET not in (tmp_path / "report.html").read_text()
     for name in ("_JOB.json", "_SUCCESS"):
         with s3["fs"].open_input_stream(f"outputs/secret/{name}") as stream:

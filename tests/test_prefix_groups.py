@@ -88,6 +88,17 @@ def _cli(job: Path, *args: str, fault: str | None = None) -> subprocess.Complete
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """The output of the ungrouped job (grouping: none) over this module's rows, run once in this
+    process: the reference two tests compare grouped and resumed outputs with."""
+    tmp = tmp_path_factory.mktemp("plain")
+    job, out = _job(tmp, tiny_model_dir, "plain", grouping="none")
+    result = CliRunner().invoke(main, ["run", str(job), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
 def test_the_plan_is_deterministic_and_keeps_each_documents_rows_in_one_part(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -115,14 +126,11 @@ def test_the_plan_is_deterministic_and_keeps_each_documents_rows_in_one_part(
 
 
 def test_grouped_rows_equal_ungrouped_rows_and_input_row_restores_input_order(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, plain: Path
 ) -> None:
     grouped_job, grouped = _job(tmp_path, tiny_model_dir, "grouped")
-    plain_job, plain = _job(tmp_path, tiny_model_dir, "plain", grouping="none")
-    runner = CliRunner()
-    for job in (grouped_job, plain_job):
-        result = runner.invoke(main, ["run", str(job), "--quiet"])
-        assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["run", str(grouped_job), "--quiet"])
+    assert result.exit_code == 0, result.output
     assert _same(grouped) == _same(plain)  # greedy: the same text for every row, whatever its part
     table = _table(grouped).sort_by("input_row")
     assert table.column("input_row").to_pylist() == list(range(DOCS * QUESTIONS))
@@ -212,10 +220,8 @@ def test_estimate_reports_the_plans_cache_hits(tmp_path: Path, tiny_model_dir: P
 
 
 @pytest.mark.slow
-def test_an_output_made_before_plans_resumes_as_it_was_made(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_an_output_made_before_plans_resumes_as_it_was_made(tmp_path: Path, tiny_model_dir: Path, plain: Path) -> None:
     job, out = _job(tmp_path, tiny_model_dir, "out")
-    plain_job, plain = _job(tmp_path, tiny_model_dir, "plain", grouping="none")
-    assert _cli(plain_job).returncode == 0
     # what an older batchgen left: its record (no "grouping" key, no plan) and nothing committed yet
     assert _cli(job, fault="mid_engine:1").returncode == -signal.SIGKILL
     record = json.loads((out / "_JOB.json").read_text())

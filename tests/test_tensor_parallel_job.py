@@ -42,6 +42,12 @@ def _processes_with(marker: str) -> list[int]:
 def _run(out: Path, tp: int, marker: str, **fault: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHGEN_FAULT")}
     env.update({f"BATCHGEN_FAULT{k}": v for k, v in fault.items()}, BATCHGEN_TEST_MARK=marker)
+    cmd = [sys.executable, "-m", "batchgen", "run", str(REPO / "jobs/quickstart.yaml"), "--quiet", *_sets(out, tp)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _sets(out: Path, tp: int) -> list[str]:
+    """The --set arguments of every run here: 16 rows, 16 tokens, windows of 4, `tp` ranks."""
     sets = [
         f"output.path={out}",
         "input.limit=16",
@@ -50,9 +56,7 @@ def _run(out: Path, tp: int, marker: str, **fault: str) -> subprocess.CompletedP
         f"engine.tensor_parallel_size={tp}",
         "engine.compile=false",
     ]
-    cmd = [sys.executable, "-m", "batchgen", "run", str(REPO / "jobs/quickstart.yaml"), "--quiet"]
-    cmd += [a for s in sets for a in ("--set", s)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return [a for s in sets for a in ("--set", s)]
 
 
 def _rows(out: Path) -> list[tuple[object, ...]]:
@@ -71,9 +75,14 @@ def _gone(marker: str, within_s: float = 10.0) -> bool:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[object, ...]]:
+    """The TP=1 rows, run in this process: the reference is not under test (no torch import in a fresh process)."""
+    from click.testing import CliRunner
+
+    from batchgen.cli import main
+
     out = tmp_path_factory.mktemp("tp1") / "out"
-    done = _run(out, 1, uuid.uuid4().hex)
-    assert done.returncode == 0, done.stderr
+    done = CliRunner().invoke(main, ["run", str(REPO / "jobs/quickstart.yaml"), "--quiet", *_sets(out, 1)])
+    assert done.exit_code == 0, done.output
     return _rows(out)
 
 

@@ -3,13 +3,13 @@
 Why: the kernels were tuned on AVX-512 hosts, and the CI machine may have AVX-512 too, so the code
 that AVX2-only CPUs (Zen 2/3, many cloud instances) compile, with its own tile counts, would
 otherwise never run here. The libraries are built with BATCHGEN_NATIVE_CFLAGS=-mno-avx512f into a
-cache of their own (checked to hold no 512-bit register), then the kernels' exactness tests and
-greedy parity with transformers through them run in a process that loads that build.
+cache of their own, once per test run (the avx2_build fixture), checked to hold no 512-bit register;
+then the kernels' exactness tests and greedy parity with transformers through them run in a process
+that loads that build.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from batchgen.engine.cpu import native
+
+from .conftest import Avx2Build
 
 pytestmark = pytest.mark.slow  # builds (a wheel, a venv, the kernels) in tens of seconds
 
@@ -31,22 +33,14 @@ TESTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One AVX2 build for both tests (a build is ~30 s)."""
-    return tmp_path_factory.mktemp("avx2-cache")
-
-
-def _env(cache: Path) -> dict[str, str]:
-    return {**os.environ, native.FLAGS_ENV: "-mno-avx512f", native.CACHE_ENV: str(cache), "BATCHGEN_NATIVE": "1"}
-
-
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump to read the build's instructions")
-def test_an_avx2_build_holds_no_avx512_instruction(cache: Path) -> None:
+def test_an_avx2_build_holds_no_avx512_instruction(avx2_build: Avx2Build) -> None:
     code = (
         "from batchgen.engine.cpu import native as n; print(*(n.STATES[k].path for k in n.LIBRARIES if n.library(k)))"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=_env(cache), capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=avx2_build.env(), capture_output=True, text=True, check=True
+    )
     paths = done.stdout.split()
     assert len(paths) == len(native.LIBRARIES), done.stderr
     for path in paths:
@@ -54,10 +48,10 @@ def test_an_avx2_build_holds_no_avx512_instruction(cache: Path) -> None:
         assert "zmm" not in listing, f"{path} uses 512-bit registers"
 
 
-def test_the_kernels_are_exact_and_greedy_parity_holds_on_an_avx2_build(cache: Path) -> None:
+def test_the_kernels_are_exact_and_greedy_parity_holds_on_an_avx2_build(avx2_build: Avx2Build) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS]
-    done = subprocess.run(command, cwd=REPO, env=_env(cache), capture_output=True, text=True)
+    done = subprocess.run(command, cwd=REPO, env=avx2_build.env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
-    built = list((cache / "kernels").glob("batchgen_*.so"))
+    built = list((avx2_build.cache / "kernels").glob("batchgen_*.so"))
     assert {p.name.split("-")[0] for p in built} >= {f"batchgen_{n}" for n in native.LIBRARIES}  # its own build ran

@@ -23,7 +23,7 @@ Sections, in this order (each records its own error and the next one still runs)
               own counts (Transfers' reads and uploads, recompiles, captures, replays) beside the
               profiler's synchronize calls; the script's own syncs are counted apart, never as the engine's
   throughput  a 1.24B Llama-3.2-1B-shaped bf16 model (random weights, saved in bf16): transformers
-              `generate` at batch sizes 64/128/256 vs the engine eager and compiled (+ graphs), one process,
+              `generate` at batch sizes 128/256 vs the engine eager and compiled (+ graphs), one process,
               output tokens/s and the ratio; a shared-prefix variant; bf16 greedy agreement; memory. Each
               engine run is timed after a warm-up of the same shapes (other tokens), and the section
               fails if the engine counts a recompile or a graph capture inside the timed run

@@ -40,7 +40,7 @@ Estimates (seconds):
                   graphs section's
   tp          25  only with 2+ GPUs (one GPU: skipped at once, saying so): 2 archs x (a worker
                   process's start, imports and NCCL's ~8 + a pressure run ~3)
-  throughput 130  save 2.5 GB of bf16 ~8; generate: load 3, three batch sizes ~15 (prefill 131k
+  throughput 130  save 2.5 GB of bf16 ~8; generate: load 3, two batch sizes ~32 measured (prefill 131k
                   tokens = 3e14 FLOPs, < 1 s; 128 decode steps a batch at 5-10 ms, launch-bound),
                   shared prefix 3; eager engine: load and memory profile 5, two runs of ~150 steps
                   at ~25 ms (a 256-row gather + SDPA a layer, Python per row) 8, shared prefix 6;
@@ -51,6 +51,9 @@ The first GPU run's JSON says how far off each is: every section's "seconds", th
 warm-up seconds of each engine. The first H200 run (2026-12-04, torch 2.11, one GPU) took env 12.7,
 parity 27.8, bf16 3.9, triton 41.6 (cut after 4 of 9 architectures: ~10 s each while Triton's
 JIT cache is cold), compiled 29.7, graphs 9.9, syncs 9.5; the FULL figures below take those in.
+The second (the whole run, 268.8 s): triton 49.3 for all 9, throughput 104.3 with its compiled
+variant cut for budget (generate at three batch sizes took 63 s of it): batch 64 is dropped (256
+was generate's best by far) and the section may take 180 s.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ FULL = Sizes(
     n_prompts=256,
     prompt_lens=(256, 768),
     out_tokens=128,
-    hf_batches=[256, 128, 64],
+    hf_batches=[256, 128],  # the second H200 run: 2,426 / 1,806 / 1,039 tok/s at 256 / 128 / 64 (64 cut: 31 s)
     shared_prefix=400,
     sync_requests=8,
     sync_steps=8,
@@ -114,7 +117,7 @@ FULL = Sizes(
         "graphs": 30,
         "syncs": 20,
         "tp": 35,
-        "throughput": 150,
+        "throughput": 180,  # the second H200 run cut its compiled variant at 104 s of 150
     },
     total_cap_s=330,
     hard_cap_s=360,

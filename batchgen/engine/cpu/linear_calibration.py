@@ -87,7 +87,7 @@ def measure(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], kernel: 
             if time.monotonic() > deadline:
                 return mask
             x = torch.randn(rows, k).to(layers[0][0].dtype)  # as the model computes: its weights' dtype
-            ours, theirs = _best_of(layers, x, kernel), _best_of(layers, x, F.linear)
+            ours, theirs = best_of(layers, x, kernel, REPEATS), best_of(layers, x, F.linear, REPEATS)
             wins = wins and ours < MARGIN * theirs
             slow = slow or theirs > SLOW_CALL
         mask |= wins << b
@@ -97,11 +97,13 @@ def measure(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], kernel: 
     return mask
 
 
-def _best_of(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, fn: Linear) -> float:
-    """Best seconds of REPEATS passes of fn over every layer (one warm-up pass first)."""
+def best_of(
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, fn: Linear, repeats: int
+) -> float:
+    """Best seconds of `repeats` passes of fn over every layer (one warm-up pass first)."""
     best = float("inf")
     with torch.inference_mode():
-        for i in range(REPEATS + 1):
+        for i in range(repeats + 1):
             started = time.perf_counter()
             for weight, bias in layers:
                 fn(x, weight, bias)

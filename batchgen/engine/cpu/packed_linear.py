@@ -35,7 +35,7 @@ from torch.nn import functional as F
 
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
-from batchgen.engine.cpu.linear_calibration import MARGIN, shape_key
+from batchgen.engine.cpu.linear_calibration import MARGIN, best_of, shape_key
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def measure(layers: Sequence[Layer], deadline: float) -> bool | None:
         if time.monotonic() > deadline:
             return None
         x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
-        ours, theirs = _best_of(packs, x, lambda x, p, b: packed_linear(x, p, b, n)), _unpacked(cold, x)
+        ours, theirs = best_of(packs, x, lambda x, p, b: packed_linear(x, p, b, n), REPEATS), _unpacked(cold, x)
         if ours * MARGIN > theirs:
             return False
         ours_total, theirs_total = ours_total + ours, theirs_total + theirs
@@ -147,22 +147,9 @@ def _unpacked(layers: Sequence[Layer], x: torch.Tensor) -> float:
     """The faster of torch's linear and (where loaded) the skinny bf16 kernel over these layers."""
     from batchgen.engine.cpu import native_linear
 
-    best = _best_of(layers, x, F.linear)
+    best = best_of(layers, x, F.linear, REPEATS)
     if native_linear.load_op():
-        best = min(best, _best_of(layers, x, native_linear.kernel_linear))
-    return best
-
-
-def _best_of(layers: Sequence[Layer], x: torch.Tensor, fn: Linear) -> float:
-    """Best seconds of REPEATS passes of fn over every layer (one warm-up pass first)."""
-    best = float("inf")
-    with torch.inference_mode():
-        for i in range(REPEATS + 1):
-            started = time.perf_counter()
-            for weight, bias in layers:
-                fn(x, weight, bias)
-            if i:
-                best = min(best, time.perf_counter() - started)
+        best = min(best, best_of(layers, x, native_linear.kernel_linear, REPEATS))
     return best
 
 

@@ -96,7 +96,7 @@ def test_bf16_linears_on_the_native_twin_meet_the_policy(
     monkeypatch.setattr(
         linear_calibration, "masks", lambda groups, *_: dict.fromkeys(groups, native_linear.EVERY_BUCKET)
     )
-    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: dict.fromkeys(groups, False))
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, *_: dict.fromkeys(groups, False))
     model_path = tiny_model(arch)
     if arch not in _REFERENCE:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
@@ -121,7 +121,7 @@ def test_bf16_linears_on_packed_weights_meet_the_policy(
 
     if native.vnni_linear() is None:
         pytest.skip("no AVX512-BF16 build here: nothing is packed (test_packed_linear checks that)")
-    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: dict.fromkeys(groups, True))
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, *_: dict.fromkeys(groups, True))
     model_path = tiny_model(arch)
     if arch not in _REFERENCE:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
@@ -150,7 +150,7 @@ def test_lora_on_packed_bf16_linears_meets_the_policy(
 
     if native.vnni_linear() is None:
         pytest.skip("no AVX512-BF16 build here: nothing is packed (test_packed_linear checks that)")
-    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: dict.fromkeys(groups, True))
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, *_: dict.fromkeys(groups, True))
     base = tiny_model("llama")
     adapter = save_tiny_adapter(base, tmp_path / "a", r=8, target_modules=("q_proj", "v_proj", "down_proj"))
     llm = LLM(str(base), device="cpu", dtype="bfloat16", enable_lora=True, max_loras=1, max_lora_rank=8)

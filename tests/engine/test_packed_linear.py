@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from batchgen.engine.cpu import host, native, native_linear, packed_linear
 from batchgen.engine.cpu.packed_linear import PackedLinear, pack, pack_linears
@@ -55,7 +56,7 @@ def test_the_kernel_exists_exactly_where_the_cpu_computes_bf16() -> None:
     assert (native.vnni_linear() is not None) == _available()
     if not _available():  # so an engine never packs: pack_linears hands every layer back
         layer = nn.Linear(64, 64).to(torch.bfloat16)
-        assert pack_linears(nn.Sequential(layer), [layer], Path("lib")) == [layer]
+        assert pack_linears(nn.Sequential(layer), [layer], Path("lib"), F.linear) == [layer]
         assert type(layer) is nn.Linear
 
 
@@ -117,12 +118,12 @@ def _bytes(model: nn.Module) -> int:
 
 @needs_kernel
 def test_the_packed_weight_replaces_the_layers_and_a_tied_one_stays(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: dict.fromkeys(groups, True))
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, *_: dict.fromkeys(groups, True))
     model = _Tied().to(torch.bfloat16)
     x = torch.randn(3, 64).bfloat16()
     up, down = model.up.weight.detach().clone(), model.down.weight.detach().clone()
     before = _bytes(model)
-    left = pack_linears(model, [model.up, model.down, model.head], Path("lib"))
+    left = pack_linears(model, [model.up, model.down, model.head], Path("lib"), F.linear)
     assert left == [model.head] and type(model.head) is nn.Linear and model.head.weight is model.embed.weight
     assert isinstance(model.up, PackedLinear) and isinstance(model.down, PackedLinear)
     assert "weight" not in model.up._parameters and "weight" not in model.down._parameters
@@ -136,7 +137,7 @@ def test_the_packed_weight_replaces_the_layers_and_a_tied_one_stays(monkeypatch:
 
 @needs_kernel
 def test_install_packs_only_where_chosen_and_routes_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(packed_linear, "choices", lambda groups, library: {k: k.startswith("128x") for k in groups})
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, *_: {k: k.startswith("128x") for k in groups})
     monkeypatch.setattr(
         native_linear.linear_calibration, "masks", lambda groups, *_: dict.fromkeys(groups, native_linear.EVERY_BUCKET)
     )

@@ -65,7 +65,7 @@ def install_native_linears(
     library = native.STATES["linear"].path or Path("batchgen_linear")
     count = len(eligible)
     if dtype == torch.bfloat16 and masks is None:  # AVX512-BF16 built: weights packed for it where measured faster
-        eligible = packed_linear.pack_linears(model, eligible, library)
+        eligible = packed_linear.pack_linears(model, eligible, library, kernel_linear)
     packed = count - len(eligible)
     groups: dict[str, list[nn.Linear]] = defaultdict(list)
     for module in eligible:

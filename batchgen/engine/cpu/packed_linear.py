@@ -76,8 +76,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.batchgen.packed_linear(x, packed, bias, out_features)
 
 
-def pack_linears(model: nn.Module, modules: Sequence[nn.Linear], library: Path) -> list[nn.Linear]:
-    """Pack those of `modules` (bf16 nn.Linear of `model`) whose shape measured faster packed; the rest."""
+def pack_linears(model: nn.Module, modules: Sequence[nn.Linear], library: Path, other: Linear) -> list[nn.Linear]:
+    """Pack those of `modules` (bf16 nn.Linear of `model`) whose shape measured faster packed than
+    both torch's linear and `other` (the skinny kernel, native_linear's); the rest."""
     if os.environ.get(DISABLE_ENV) == "0" or not modules or native.vnni_linear() is None:
         return list(modules)
     users = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
@@ -85,7 +86,8 @@ def pack_linears(model: nn.Module, modules: Sequence[nn.Linear], library: Path) 
     for module in modules:
         if users[module.weight.data_ptr()] == 1:  # why: a tied weight's other user reads it unpacked
             groups.setdefault(shape_key(module.weight, module.bias), []).append(module)
-    chosen = choices({key: [(m.weight.detach(), _bias(m)) for m in group] for key, group in groups.items()}, library)
+    layers = {key: [(m.weight.detach(), _bias(m)) for m in group] for key, group in groups.items()}
+    chosen = choices(layers, library, other)
     packed = [m for key, group in groups.items() if chosen.get(key) for m in group]
     for module in packed:
         replace_weight(module)
@@ -107,7 +109,7 @@ def _bias(module: nn.Linear) -> torch.Tensor | None:
     return None if module.bias is None else module.bias.detach()
 
 
-def choices(groups: Mapping[str, Sequence[Layer]], library: Path) -> dict[str, bool]:
+def choices(groups: Mapping[str, Sequence[Layer]], library: Path, other: Linear) -> dict[str, bool]:
     """Per shape key, whether its layers take the packed kernel: from the cache, else measured and cached."""
     deadline = time.monotonic() + BUDGET_SECONDS
     out = {}
@@ -115,7 +117,7 @@ def choices(groups: Mapping[str, Sequence[Layer]], library: Path) -> dict[str, b
         path = choice_path("packed-linear", f"{library.name}\0{key}")
         cached = read_choice(path, "packed")
         if cached is None:
-            timed = measure(layers, deadline)
+            timed = measure(layers, deadline, other)
             if timed is None:
                 out[key] = False
                 continue
@@ -124,7 +126,7 @@ def choices(groups: Mapping[str, Sequence[Layer]], library: Path) -> dict[str, b
     return out
 
 
-def measure(layers: Sequence[Layer], deadline: float) -> bool | None:
+def measure(layers: Sequence[Layer], deadline: float, other: Linear) -> bool | None:
     """Whether the packed kernel beat the unpacked path over (enough of) these layers; None: out of time."""
     weight = layers[0][0]
     per_layer = weight.numel() * weight.element_size()
@@ -136,21 +138,16 @@ def measure(layers: Sequence[Layer], deadline: float) -> bool | None:
         if time.monotonic() > deadline:
             return None
         x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
-        ours, theirs = best_of(packs, x, lambda x, p, b: packed_linear(x, p, b, n), REPEATS), _unpacked(cold, x)
+        ours, theirs = best_of(packs, x, lambda x, p, b: packed_linear(x, p, b, n), REPEATS), _unpacked(cold, x, other)
         if ours * MARGIN > theirs:
             return False
         ours_total, theirs_total = ours_total + ours, theirs_total + theirs
     return ours_total < MARGIN * theirs_total
 
 
-def _unpacked(layers: Sequence[Layer], x: torch.Tensor) -> float:
-    """The faster of torch's linear and (where loaded) the skinny bf16 kernel over these layers."""
-    from batchgen.engine.cpu import native_linear
-
-    best = best_of(layers, x, F.linear, REPEATS)
-    if native_linear.load_op():
-        best = min(best, best_of(layers, x, native_linear.kernel_linear, REPEATS))
-    return best
+def _unpacked(layers: Sequence[Layer], x: torch.Tensor, other: Linear) -> float:
+    """The faster of torch's linear and `other` over these layers."""
+    return min(best_of(layers, x, F.linear, REPEATS), best_of(layers, x, other, REPEATS))
 
 
 torch.library.define(OP_NAME, "(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")

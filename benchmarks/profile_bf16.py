@@ -22,7 +22,17 @@ from pathlib import Path
 from typing import Any
 
 GROUPS = {  # first match wins: substrings of the op's name
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "batchgen_linear", "aten::linear", "mkldnn"),
+    "matmul": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "batchgen_linear",
+        "batchgen::linear",
+        "batchgen::packed_linear",
+        "aten::linear",
+        "mkldnn",
+    ),
     "attention": ("batchgen::decode", "attention", "flash", "softmax"),
     "conversions": ("aten::to", "aten::_to_copy", "aten::copy_"),
     "sampling": ("argmax", "aten::max", "aten::amax", "isnan", "log_softmax", "topk"),
@@ -62,7 +72,11 @@ def profile(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
     }
 
 
-def shape_run(shape: Any, requests: int, max_tokens: int, rounds: int, packed_ab: bool = False) -> dict[str, Any]:
+def shape_run(
+    shape: Any, requests: int, max_tokens: int, rounds: int, packed_ab: bool = False, variants: Any = ()
+) -> dict[str, Any]:
+    """variants: (name, "VAR=VALUE") pairs, each a further `dtype: auto` engine built with that
+    variable set (e.g. ("forced", "BATCHGEN_PACKED_LINEAR=1")), timed in turn with the others."""
     from batchgen.engine.api.params import SamplingParams
     from batchgen.engine.llm import LLM
     from benchmarks import sweep
@@ -77,24 +91,34 @@ def shape_run(shape: Any, requests: int, max_tokens: int, rounds: int, packed_ab
         "float32": LLM(str(path), device="cpu", dtype="float32"),
     }
     if packed_ab:  # the same bf16 engine with no weight packed (engine/cpu/packed_linear): before vs after
-        os.environ["BATCHGEN_PACKED_LINEAR"] = "0"
+        variants = [("auto_unpacked", "BATCHGEN_PACKED_LINEAR=0"), *variants]
+    for name, setting in variants:
+        var, value = setting.split("=", 1)
+        before = os.environ.get(var)
+        os.environ[var] = value
         try:
-            engines["auto_unpacked"] = LLM(str(path), device="cpu", dtype="auto")
+            engines[name] = LLM(str(path), device="cpu", dtype="auto")
         finally:
-            del os.environ["BATCHGEN_PACKED_LINEAR"]
+            if before is None:
+                del os.environ[var]
+            else:
+                os.environ[var] = before
     for llm in engines.values():
         for n in (2, 3):  # compiling and calibration, outside the timing
             llm.generate([[5, 6, 7, 8]] * n, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         llm.generate(prompts[:4], params)
     best = dict.fromkeys(engines, float("inf"))
+    loads = []
     for _ in range(rounds):
         for name, llm in engines.items():
             began = time.perf_counter()
             llm.generate(prompts, params)
             best[name] = min(best[name], time.perf_counter() - began)
+        loads.append(round(os.getloadavg()[0], 1))
     tokens = requests * max_tokens
     out: dict[str, Any] = {
         "shape": shape.name,
+        "load_per_round": loads,
         "auto_dtype": str(engines["auto"].engine.runner.model.dtype),
         "tok_s": {k: round(tokens / v, 1) for k, v in best.items()},
         "auto_over_float32": round(best["float32"] / best["auto"], 2),
@@ -102,9 +126,13 @@ def shape_run(shape: Any, requests: int, max_tokens: int, rounds: int, packed_ab
             type(m).__name__ == "PackedLinear" for m in engines["auto"].engine.runner.model.modules()
         ),
     }
-    if packed_ab:
-        out["auto_unpacked_over_float32"] = round(best["float32"] / best["auto_unpacked"], 2)
-        out["auto_over_auto_unpacked"] = round(best["auto_unpacked"] / best["auto"], 2)
+    for name, _ in variants:
+        out[f"{name}_over_float32"] = round(best["float32"] / best[name], 2)
+        out[f"auto_over_{name}"] = round(best[name] / best["auto"], 2)
+        out[f"{name}_packed_layers"] = sum(
+            type(m).__name__ == "PackedLinear" for m in engines[name].engine.runner.model.modules()
+        )
+    if variants:
         return out  # timings only: the profile is of the plain A/B
     out["profile"] = {name: profile(llm, prompts, params) for name, llm in engines.items()}
     return out
@@ -119,11 +147,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--packed-ab", action="store_true", help="also bf16 with no packed weight; no profile")
+    p.add_argument(
+        "--variant",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VAR=VALUE"),
+        help="also a bf16 engine built with VAR=VALUE in its environment; no profile",
+    )
     args = p.parse_args(argv)
     by_name = {s.name: s for s in sweep.SHAPES}
     out: dict[str, Any] = {"load_start": os.getloadavg(), "shapes": []}
     for name in args.shapes:
-        out["shapes"].append(shape_run(by_name[name], args.requests, args.max_tokens, args.rounds, args.packed_ab))
+        out["shapes"].append(
+            shape_run(by_name[name], args.requests, args.max_tokens, args.rounds, args.packed_ab, args.variant)
+        )
         out[f"load_after_{name}"] = os.getloadavg()
     return out
 

@@ -32,6 +32,7 @@ def _prompts() -> list[list[int]]:
 
 PROMPTS = _prompts()
 _REFERENCE: dict[str, policy.Reference] = {}
+_SAVED: dict[str, Path] = {}
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -107,6 +108,43 @@ def test_bf16_linears_on_the_native_twin_meet_the_policy(
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
     verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
     assert verdict["ok"], f"{arch}/native linears: {verdict['failures']}"
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_tied_head_packed_with_its_embedding_meets_the_policy(
+    compile: bool, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tied LM head is packed too, and its embedding gathers each token's row from the packed
+    bytes (packed_linear.PackedEmbedding): eager, and as part of the compiled forward."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engine.cpu import native, packed_linear
+    from testkit.tiny_models import save_random_model, tiny_configs
+
+    if native.vnni_linear() is None:
+        pytest.skip("no AVX512-BF16 build here: nothing is packed (test_packed_linear checks that)")
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, *_: dict.fromkeys(groups, True))
+    if "tied-llama" not in _REFERENCE:
+        config = tiny_configs()["llama"]
+        config.tie_word_embeddings = True
+        _SAVED["tied-llama"] = save_random_model(config, tmp_path_factory.mktemp("tied-llama"))
+        model = AutoModelForCausalLM.from_pretrained(_SAVED["tied-llama"], dtype=torch.bfloat16).eval()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        _REFERENCE["tied-llama"] = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
+    llm = LLM(
+        str(_SAVED["tied-llama"]),
+        device="cpu",
+        dtype="bfloat16",
+        attention_backend="cpu",
+        compile=compile,
+        block_size=16,
+    )
+    model = llm.engine.runner.model
+    assert isinstance(model.model.embed_tokens, packed_linear.PackedEmbedding)
+    assert model.model.embed_tokens.packed is model.lm_head.packed
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
+    verdict = policy.judge(_REFERENCE["tied-llama"], PROMPTS, outputs)
+    assert verdict["ok"], f"tied llama/packed head: {verdict['failures']}"
 
 
 @pytest.mark.parametrize(("arch", "compile"), [("llama", False), ("qwen2", False), ("llama", True)])

@@ -2,7 +2,8 @@
 
 It must be torch's float32 matmul of the same bf16 inputs (within float32 summation order) on any
 shape (columns past a whole panel, odd in-features, rows 1..65, strided rows), round that once to
-bf16, replace the layer's weight rather than add a copy, leave a tied weight alone, and exist only
+bf16, replace the layer's weight rather than add a copy, let a tied embedding read its rows from the
+packing (any other shared weight left alone), and exist only
 where the linear library was built for AVX512-BF16. Greedy parity through it: test_bf16_parity.
 """
 
@@ -18,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchgen.engine.cpu import host, native, native_linear, packed_linear
-from batchgen.engine.cpu.packed_linear import PackedLinear, pack, pack_linears
+from batchgen.engine.cpu.packed_linear import PackedEmbedding, PackedLinear, pack, pack_linears
 
 # (rows, out, in): panels of 64 columns cut short (1, 63, 65, 130), odd in-features (1, 3, 513, 1025:
 # a last pair half empty), in-features over two chunks of 256 pairs (1,025, 1,536), rows 1..65
@@ -117,22 +118,44 @@ def _bytes(model: nn.Module) -> int:
 
 
 @needs_kernel
-def test_the_packed_weight_replaces_the_layers_and_a_tied_one_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_packed_weight_replaces_the_layers_and_a_tied_embedding_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packed_linear, "choices", lambda groups, *_: dict.fromkeys(groups, True))
     model = _Tied().to(torch.bfloat16)
     x = torch.randn(3, 64).bfloat16()
-    up, down = model.up.weight.detach().clone(), model.down.weight.detach().clone()
+    up, down, table = (m.weight.detach().clone() for m in (model.up, model.down, model.embed))
+    logits = model.head(x)  # [3, 100], before packing
     before = _bytes(model)
     left = pack_linears(model, [model.up, model.down, model.head], Path("lib"), F.linear)
-    assert left == [model.head] and type(model.head) is nn.Linear and model.head.weight is model.embed.weight
-    assert isinstance(model.up, PackedLinear) and isinstance(model.down, PackedLinear)
-    assert "weight" not in model.up._parameters and "weight" not in model.down._parameters
-    assert _bytes(model) == before  # whole panels, even in-features: the same bytes, not a second copy
+    assert left == [] and all(isinstance(m, PackedLinear) for m in (model.up, model.down, model.head))
+    assert isinstance(model.embed, PackedEmbedding) and model.embed.packed is model.head.packed  # one copy
+    assert "weight" not in model.up._parameters and "weight" not in model.embed._parameters
+    padding = (128 - 100) * 64 * 2  # the head's 100 columns padded to two whole panels; up and down fill theirs
+    assert _bytes(model) == before + padding  # not a second copy of any weight
     with torch.inference_mode():
+        ids = torch.tensor([[0, 63, 64], [99, 5, 0]])  # both panels, their edges, the last row
+        assert torch.equal(model.embed(ids), table[ids])  # [2, 3, 64]: the rows, bit for bit
+        torch.testing.assert_close(model.head(x), logits, rtol=2**-7, atol=1e-2)
         hidden = model.up(x)
         want = x.float() @ up.float().T + model.up.bias.float()  # [3, 128]
         torch.testing.assert_close(hidden.float(), want, rtol=2**-7, atol=1e-2)
         torch.testing.assert_close(model.down(hidden).float(), hidden.float() @ down.float().T, rtol=2**-7, atol=1e-2)
+
+
+@needs_kernel
+def test_an_embedding_of_odd_width_reads_its_rows_from_the_packing() -> None:
+    table = torch.randn(130, 65).bfloat16()  # a panel cut short, a last pair half empty
+    ids = torch.tensor([129, 0, 64, 127, 65])
+    assert torch.equal(packed_linear.packed_rows(pack(table), ids, 65), table[ids])
+
+
+@needs_kernel
+def test_a_weight_shared_with_another_linear_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed_linear, "choices", lambda groups, *_: dict.fromkeys(groups, True))
+    model = _Tied().to(torch.bfloat16)
+    model.down.weight = model.up.weight = nn.Parameter(torch.randn(64, 64).bfloat16())
+    model.up.bias = None
+    left = pack_linears(model, [model.up, model.down], Path("lib"), F.linear)
+    assert left == [model.up, model.down] and type(model.up) is nn.Linear and type(model.down) is nn.Linear
 
 
 @needs_kernel
@@ -145,3 +168,14 @@ def test_install_packs_only_where_chosen_and_routes_the_rest(monkeypatch: pytest
     assert native_linear.install_native_linears(model, torch.device("cpu"), torch.bfloat16) == 3
     assert isinstance(model.up, PackedLinear)  # 128x64+bias:bfloat16
     assert type(model.down) is native_linear.NativeLinear and type(model.head) is native_linear.NativeLinear
+
+
+@needs_kernel
+def test_the_choice_records_what_it_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed_linear, "COLD_BYTES", 1 << 16)
+    layers = [(torch.randn(128, 64).bfloat16(), None)] * 2
+    record = packed_linear.measure(layers, float("inf"), native_linear.kernel_linear)
+    assert record is not None and isinstance(record["packed"], bool) and record["load"] >= 0
+    assert set(record["us"]) <= set(packed_linear.ROWS) and 1 in record["us"]  # a veto may end it early
+    for sides in record["us"].values():
+        assert set(sides) == {"packed", "torch", "other"} and all(us > 0 for us in sides.values())

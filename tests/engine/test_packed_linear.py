@@ -22,7 +22,7 @@ from batchgen.engine.cpu import host, native, native_linear, packed_linear
 from batchgen.engine.cpu.packed_linear import PackedEmbedding, PackedLinear, pack, pack_linears
 
 # (rows, out, in): panels of 64 columns cut short (1, 63, 65, 130), odd in-features (1, 3, 513, 1025:
-# a last pair half empty), in-features over two chunks of 256 pairs (1,025, 1,536), rows 1..65
+# a last pair half empty), in-features over two chunks of 256 pairs (600, 1,025, 1,536), rows 1..65 and 400
 SHAPES = [
     (1, 1, 1),
     (2, 63, 3),
@@ -33,6 +33,7 @@ SHAPES = [
     (33, 96, 1536),
     (64, 200, 96),
     (65, 64, 1024),
+    (400, 70, 600),  # a prefill chunk's rows, in-features past one chunk
 ]
 
 

@@ -161,7 +161,6 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         (engine.runner, "execute", "execute_total"),
         (engine.runner.forward, "_run", "model_forward_total"),  # StepForward: eager or compiled, both through _run
         (attention_backend, "store_kv", "attn_kv_write"),
-        (RowsView, "update", "attn_rows_update"),
         (attention, "gather_blocks", "attn_gather"),
         (decode_gather, "gather_blocks", "attn_gather"),
         (attention, "_attend_decodes", "attn_compute"),

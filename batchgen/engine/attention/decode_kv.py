@@ -1,9 +1,9 @@
 """The decode K/V source: where a step's decodes read their keys and values from.
 
 Why a seam: gathered blocks (the torch backend) copy each decode's blocks out of the pool per
-layer; contiguous rows (the CPU backend) keep a growing per-sequence copy, saving most of that
-copy on a memory-bound CPU. A source groups a step's decodes by length, is told each layer's new
-K/V, and hands each group's keys [B, KVH, D, L] and values [B, KVH, L, D].
+layer, group the step's decodes by length and hand each group's keys [B, KVH, D, L] and values
+[B, KVH, L, D] to the torch math; contiguous rows (the CPU backend) keep a growing per-sequence
+copy, saving most of that copy on a memory-bound CPU, which the native kernel attends itself.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class DecodeGroup:
     kv_len: int  # L: the padded key length of the group's K/V
     shared_len: int = 0  # > 0: the first shared_len keys are the same blocks in every row (cascade)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
-    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B * KVH, 1, L] (0 / -inf)
 
 
 class DecodeStep(Protocol):

@@ -1,10 +1,8 @@
 """RowsView: one step's decode rows as the attention function reads them (a DecodeStep; see decode_kv).
 
 DecodeRows (decode_rows) keeps the rows across steps; this is what a single step needs of them:
-which rows to fill from the pool first (sequences new to their length class), and then either
-the native kernel's plan (decode_native: one call per layer appends the step's K/V and attends
-every decode) or, without the kernel, one decode group per class whose K/V the torch attention
-reads as views after `update` has appended the step's token.
+which rows to fill from the pool first (sequences new to their length class), and the native
+kernel's plan (decode_native: one call per layer appends the step's K/V and attends every decode).
 """
 
 from __future__ import annotations
@@ -20,40 +18,26 @@ from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, fill_row
 
 @dataclass
 class RowsView:
-    """One step's rows: a class per decode group, in packed order (on the torch path its decodes
-    are rows 0..n-1 of the class)."""
+    """One step's rows: its decodes' length classes in packed order, and the kernel's plan of them."""
 
     classes: list[ClassRows]
-    groups: list[DecodeGroup] = field(default_factory=list)  # the torch path: one per class
-    native: NativeStep | None = None  # set: the native kernel attends (see attend)
-
-    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the group's rows: keys [B, KVH, D, L], values [B, KVH, L, D], L its longest context."""
-        step, g = self.classes[group], self.groups[group]
-        return step.k[layer][: g.num_seqs, ..., : g.kv_len], step.v[layer][: g.num_seqs, :, : g.kv_len]
+    native: NativeStep
+    groups: list[DecodeGroup] = field(default_factory=list)  # none: the kernel attends every decode
+    writes_pool = True  # a decode-only step's K/V are stored in the pool by the kernel (attend)
 
     def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Fill new rows from the pool, then append this step's K/V ([KVH, T, D], decodes first)."""
-        self._fill(layer, pool)
-        first = 0
-        for step in self.classes:
-            if step.index is None or step.positions is None:
-                raise RuntimeError("update() on a step planned for the native kernel")
-            k, v = step.k[layer], step.v[layer]
-            n = step.num_rows
-            k[step.index, ..., step.positions] = key[:, first : first + n].transpose(0, 1)  # [n, KVH, D]
-            v[step.index, :, step.positions] = value[:, first : first + n].transpose(0, 1)
-            first += n
+        """Never called: attend() attends every decode (the cpu backend takes no soft-capped model)."""
+        raise RuntimeError("decode rows are attended by the native kernel alone")
+
+    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("decode rows are attended by the native kernel alone")
 
     def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
-        """With the native kernel: fill new rows, then append and attend every decode in one call,
-        storing the step's K/V in the pool too when given their `slots` (a decode-only step).
+        """Fill new rows, then append and attend every decode in one call, storing the step's K/V in
+        the pool too when given their `slots` (a decode-only step).
 
-        q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D]; False: planned for the
-        torch path, so the caller runs update() and attends group by group.
+        q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D].
         """
-        if self.native is None:
-            return False
         self._fill(call.layer, pool)
         self.native.attend(call.layer, *qkv, out, call.scale, call.window, pool if slots is not None else None, slots)
         return True
@@ -68,10 +52,6 @@ class RowsView:
         for step in self.classes:
             step.fills = []
 
-    @property
-    def writes_pool(self) -> bool:
-        return self.native is not None
-
     def _fill(self, layer: int, pool: Pool) -> None:
         """Copy new rows' context out of the pool.
 
@@ -79,16 +59,6 @@ class RowsView:
         prefix blocks that another sequence computes in this very step.
         """
         for step in self.classes:
-            if not step.fills:
-                continue
             k, v = step.k[layer], step.v[layer]
             for row, length, blocks in step.fills:
-                if k.dim() == 5:  # the kernel's tiles (row_pack.RowPack._keys), only ever made for the kernel
-                    if self.native is None:
-                        raise RuntimeError("decode rows in the native kernel's tiles, but no native step to fill them")
-                    fill_row(self.native.kernels, pool, blocks, length, k[row], v[row])
-                    continue
-                keys = pool[0].index_select(0, blocks).flatten(0, 1)  # [blocks * block_size, KVH, D]
-                k[row, ..., :length] = keys[:length].permute(1, 2, 0)  # [length, KVH, D] -> keys [KVH, D, length]
-                # values [KVH, length, D]
-                v[row, :, :length] = pool[1].index_select(0, blocks).flatten(0, 1)[:length].transpose(0, 1)
+                fill_row(self.native.kernels, pool, blocks, length, k[row], v[row])

@@ -103,7 +103,7 @@ class CpuBackend(AttentionBackend):
         every layer itself (new rows filled from the pool first, for every layer)."""
         with super().running(ctx):
             step = ctx.decodes
-            plain = not ctx.prefills and ctx.flash is None and ctx.static_decode is None
+            plain = not ctx.prefills and ctx.flash is None
             if self.front is None or not plain or not isinstance(step, RowsView):
                 yield
                 return

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from batchgen.engine.attention.kv_store import PAD_SLOT
-from batchgen.engine.attention.static_decode import MAX_GRAPH_BATCH, StaticDecode
+from batchgen.engine.attention.metadata import MAX_GRAPH_BATCH, StaticDecode
 
 logger = logging.getLogger(__name__)
 

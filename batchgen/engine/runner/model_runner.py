@@ -37,14 +37,13 @@ from batchgen.engine.api.platform import GraphReplay
 from batchgen.engine.attention.decode_kv import padded_tables
 from batchgen.engine.attention.interface import bind_layers
 from batchgen.engine.attention.kv_store import pool_blocks
-from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.metadata import ForwardContext, StaticDecode
 from batchgen.engine.attention.path import (
     VARLEN,
     AttentionChoice,
     has_softcap,
 )
 from batchgen.engine.attention.planning import int64_tensor
-from batchgen.engine.attention.static_decode import StaticDecode
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, ModelRunnerOutput
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch, ScheduledChunk
 from batchgen.engine.lora.slots import LoRASlots

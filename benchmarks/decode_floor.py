@@ -31,7 +31,7 @@ from batchgen.engine.attention import gather as decode_gather
 from batchgen.engine.attention import torch_math as attention
 from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.cpu.decode_native import NativeStep
-from batchgen.engine.cpu.rows_view import RowsView
+from batchgen.engine.cpu.decode_rows import RowsView
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.stopping import StopChecker
 

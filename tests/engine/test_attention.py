@@ -14,8 +14,7 @@ from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.planning import build_forward_context
 from batchgen.engine.core.scheduler_output import ScheduledChunk
 from batchgen.engine.cpu import native
-from batchgen.engine.cpu.decode_rows import DecodeRows
-from batchgen.engine.cpu.rows_view import RowsView
+from batchgen.engine.cpu.decode_rows import DecodeRows, RowsView
 
 from .attention_harness import CPU_STAGER, Layer, running
 

@@ -33,10 +33,9 @@ from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
 from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch
-from batchgen.engine.cpu.decode_rows import DecodeRows
+from batchgen.engine.cpu.decode_rows import DecodeRows, RowsView
 from batchgen.engine.cpu.front import Front, open_front
 from batchgen.engine.cpu.native import NativeKernels
-from batchgen.engine.cpu.rows_view import RowsView
 
 logger = logging.getLogger(__name__)
 

@@ -17,22 +17,25 @@ handed each decode's row, so a freed row stays a hole until a new sequence takes
 when the engine says their sequences finished or were preempted (`release`), and when a row is
 found out of step with its sequence's next decode. The native kernel attends every decode (the cpu
 backend exists only where it can: cpu/backend); elsewhere the torch backend gathers blocks instead.
+
+A step's plan is a RowsView (a DecodeStep, see decode_kv): which rows to fill from the pool first
+(sequences new to their length class), and the kernel's plan (decode_native).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from batchgen.engine.attention.cascade import shared_prefix_len
-from batchgen.engine.attention.decode_kv import DecodeRequest, Stage
-from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch
+from batchgen.engine.attention.decode_kv import QKV, DecodeGroup, DecodeRequest, Pool, Stage
+from batchgen.engine.attention.op import LayerCall
+from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch, fill_row
 from batchgen.engine.cpu.native import TILE, NativeKernels
 from batchgen.engine.cpu.row_pack import RowPack
-from batchgen.engine.cpu.rows_view import RowsView
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
 
@@ -53,6 +56,54 @@ def row_class(length: int, max_len: int) -> int:
     """
     here = length_class(length)
     return here + 1 if length_class(max_len) == here + 1 else here
+
+
+@dataclass
+class RowsView:
+    """One step's rows: its decodes' length classes in packed order, and the kernel's plan of them."""
+
+    classes: list[ClassRows]
+    native: NativeStep
+    groups: list[DecodeGroup] = field(default_factory=list)  # none: the kernel attends every decode
+    writes_pool = True  # a decode-only step's K/V are stored in the pool by the kernel (attend)
+
+    def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Never called: attend() attends every decode (the cpu backend takes no soft-capped model)."""
+        raise RuntimeError("decode rows are attended by the native kernel alone")
+
+    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("decode rows are attended by the native kernel alone")
+
+    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
+        """Fill new rows, then append and attend every decode in one call, storing the step's K/V in
+        the pool too when given their `slots` (a decode-only step).
+
+        q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D].
+        """
+        self._fill(call.layer, pool)
+        self.native.attend(call.layer, *qkv, out, call.scale, call.window, pool if slots is not None else None, slots)
+        return True
+
+    def fill_all(self, pools: list[Pool]) -> None:
+        """Copy every layer's new rows out of the pool now, before the forward (one pool per layer).
+
+        Only for a decode-only step: every position a row is filled with was computed in an earlier
+        step, so nothing this step writes to the pool is missing (see _fill)."""
+        for layer, pool in enumerate(pools):
+            self._fill(layer, pool)
+        for step in self.classes:
+            step.fills = []
+
+    def _fill(self, layer: int, pool: Pool) -> None:
+        """Copy new rows' context out of the pool.
+
+        Why per layer, after the layer's K/V went to the pool: a new row's blocks may be matched
+        prefix blocks that another sequence computes in this very step.
+        """
+        for step in self.classes:
+            k, v = step.k[layer], step.v[layer]
+            for row, length, blocks in step.fills:
+                fill_row(self.native.kernels, pool, blocks, length, k[row], v[row])
 
 
 @dataclass

@@ -172,6 +172,13 @@ def test_decodes_sharing_cached_blocks_use_cascade_with_either_source(decode_kv:
         assert [g.shared_len for g in ctx.decodes.groups] == [16]
 
 
+def test_decode_rows_refuse_a_soft_capped_layer() -> None:
+    """The cpu backend never gives a soft-capping model its rows (kernels_for); a layer that soft-caps
+    anyway is an error, never a silent wrong answer."""
+    with pytest.raises(RuntimeError, match="cannot soft-cap"):
+        _run_case([(16, 1), (0, 1)], None, 2.0, "rows")
+
+
 def test_new_kv_lands_in_the_slot_mapping() -> None:
     k_cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)
     v_cache = torch.zeros(4, BLOCK, KV_HEADS, DIM)

@@ -48,16 +48,13 @@ class DecodeStep(Protocol):
 
     groups: list[DecodeGroup]
 
-    def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Called per layer after its new K/V went to the pool; key/value [KVH, T, D], decodes first."""
-
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [B, KVH, D, L], values [B, KVH, L, D] of groups[group] (row b: positions 0..L-1 of its b-th decode)."""
 
     def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
         """Attend every decode of this layer itself (q [H, T, D], key/value [KVH, T, D], out [T, H, D]),
-        its K/V updated too, and stored in the pool at `slots` when given (see writes_pool); False:
-        the caller runs update() and attends group by group over kv()."""
+        its K/V stored in the pool at `slots` when given (see writes_pool); False: the caller attends
+        group by group over kv(), after the layer's K/V went to the pool."""
 
     @property
     def writes_pool(self) -> bool:

@@ -129,9 +129,8 @@ def _decode_attention(
     """The decodes' rows of `out` [T, H, D]; q [H, T, D], key/value [KVH, T, D] (this step's, decodes first).
     `slots`: the step's slot mapping when the source stores the decodes' K/V in the pool itself."""
     layer, scaling, window, softcap = call
-    if softcap is None and step.attend(call, pool, (q, key, value), out, slots):
+    if step.attend(call, pool, (q, key, value), out, slots):
         return
-    step.update(layer, pool, key, value)
     for i, group in enumerate(step.groups):
         first, n = group.start, group.num_seqs
         k_t, v = step.kv(layer, pool, i)  # keys [B, KVH, D, L], values [B, KVH, L, D]

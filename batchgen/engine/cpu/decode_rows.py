@@ -67,11 +67,8 @@ class RowsView:
     groups: list[DecodeGroup] = field(default_factory=list)  # none: the kernel attends every decode
     writes_pool = True  # a decode-only step's K/V are stored in the pool by the kernel (attend)
 
-    def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Never called: attend() attends every decode (the cpu backend takes no soft-capped model)."""
-        raise RuntimeError("decode rows are attended by the native kernel alone")
-
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Never called: there are no groups (attend attends every decode)."""
         raise RuntimeError("decode rows are attended by the native kernel alone")
 
     def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
@@ -80,6 +77,8 @@ class RowsView:
 
         q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D].
         """
+        if call.softcap is not None:  # why: cpu/backend.kernels_for gives no soft-capping model the kernel
+            raise RuntimeError("the native decode kernel cannot soft-cap attention logits")
         self._fill(call.layer, pool)
         self.native.attend(call.layer, *qkv, out, call.scale, call.window, pool if slots is not None else None, slots)
         return True

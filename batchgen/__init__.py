@@ -6,8 +6,7 @@ from typing import Any
 
 from batchgen.engine.api.lora_request import LoRARequest
 from batchgen.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
-from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.api.structured_outputs import StructuredOutputsParams
+from batchgen.engine.api.params import SamplingParams, StructuredOutputsParams
 from batchgen.engine.pooling.outputs import PoolingParams
 
 __version__ = "0.1.0"

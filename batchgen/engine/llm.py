@@ -25,8 +25,7 @@ from batchgen.engine.core.sequence import NO_EXTRAS
 from batchgen.engine.loop.engine import Engine
 from batchgen.engine.lora.requests import NOT_ENABLED, LoRAAdapters, per_prompt
 from batchgen.engine.lora.setup import install_lora
-from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_parallel
-from batchgen.engine.parallel.sharded_runner import ShardedRunner
+from batchgen.engine.parallel.group import ShardedRunner, TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.pooling.auto_task import resolve_task
 from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine

@@ -32,7 +32,7 @@ class EngineConfig:
     max_num_seqs: int | None = None  # sequences in one step; None: 64 on CPU, 256 on CUDA
     max_num_batched_tokens: int | None = None  # tokens (prefill chunks + decodes) in one step; None: 2048 / 8192
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    # None: on CUDA what gpu_memory_utilization leaves after a profiling forward (memory.py), else
+    # None: on CUDA what gpu_memory_utilization leaves after a profiling forward (runner/pool_sizing), else
     # 1 GiB capped by what max_num_seqs can use (pool_sizing.num_kv_blocks_for)
     kv_cache_memory_bytes: int | None = None
     # CUDA: the share of the GPU's total memory this engine may use (weights, activations, KV pool)

@@ -3,12 +3,15 @@
 One call per step, `LogitsFeatures.apply(logits, plan)`, for the rows that use a feature; order
 and semantics as README's "Penalties, biases, bad words" states them (vLLM's order).
 Per-row host state is a FeatureRow (made by `row`, advanced by `accept`); the penalties' token
-history lives on the device (penalty_state). `check` refuses a bad request up front, so making its
-row later cannot fail.
+history lives on the device (PenaltyTables: rows own a slot of two [slots, V] tables, seen in
+prompt + output and output counts; a step gathers its slots with one staged index and counts the
+sampled ids in one indexed write on the device, so no host value is needed). `check` refuses a bad
+request up front, so making its row later cannot fail.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +20,6 @@ import torch
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.sampling.feature_plan import FeaturePlan, FeatureRow
-from batchgen.engine.sampling.penalty_state import PenaltyTables
 from batchgen.engine.sampling.structured import GrammarCache, StructuredError, apply_bitmask
 from batchgen.engine.staging.transfers import Transfers, put_scalar
 
@@ -136,7 +138,7 @@ def _mask_and_bias(sub: torch.Tensor, plan: FeaturePlan) -> None:
     if plan.bans is not None:
         put_scalar(sub, (plan.bans[0], plan.bans[1]), float("-inf"))
     if plan.bias is not None:
-        pairs, values = plan.bias  # why scatter_add_: one kernel on the flat view (penalty_state)
+        pairs, values = plan.bias  # why scatter_add_: one kernel on the flat view (PenaltyTables.count)
         sub.view(-1).scatter_add_(0, pairs[0] * sub.shape[1] + pairs[1], values.to(sub.dtype))
 
 
@@ -152,3 +154,60 @@ def _penalize(sub: torch.Tensor, plan: FeaturePlan, tables: PenaltyTables) -> No
         rows, presence, frequency, slots = plan.presence_frequency
         counts = tables.counts[slots]  # [k, V]
         sub[rows] = sub[rows] - frequency[:, None] * counts - presence[:, None] * (counts > 0).float()
+
+
+class PenaltyTables:
+    """Slots of seen [slots, V] bool (prompt + output) and counts [slots, V] float32 (output), on the device."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.seen = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+        self.counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
+        self._free: list[int] = []  # released slots, lowest first
+        self._used = 0  # slots ever handed out (the tables' rows in use or free)
+
+    @property
+    def num_slots(self) -> int:
+        return self._used - len(self._free)
+
+    def take(self, prompt_token_ids: Sequence[int], staging: Transfers) -> int:
+        """A slot for a new row: zeroed, its prompt's tokens marked seen after this step's upload."""
+        slot = heapq.heappop(self._free) if self._free else self._grow()
+        prompt = staging.stage(torch.tensor(list(prompt_token_ids), dtype=torch.int64))  # [P]
+
+        def fill() -> None:
+            self.seen[slot].fill_(False)
+            self.counts[slot].fill_(0.0)
+            put_scalar(self.seen[slot], (prompt,), True)  # [V] view of the slot
+
+        staging.on_upload(fill)
+        return slot
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def clear(self) -> None:
+        self._free, self._used = [], 0
+
+    def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Each slot takes its row's sampled token (slots, tokens: [k] on the device).
+
+        Why put_scalar and scatter_add_: `seen[slots, tokens] = True` copied the Python True to the
+        device with a blocking copy, a second sync in every decode step (the H200 run's profiler);
+        the counts take one scatter_add_ on the flat table (bounds checked on the device)."""
+        put_scalar(self.seen, (slots, tokens), True)
+        flat = slots * self.vocab_size + tokens  # [k]
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(tokens, dtype=torch.float32))
+
+    def _grow(self) -> int:
+        slot = self._used
+        self._used += 1
+        if slot == self.seen.shape[0]:  # why doubling: a device allocation and copy, rarely
+            size = max(8, 2 * slot)
+            seen = torch.zeros((size, self.vocab_size), dtype=torch.bool, device=self.device)
+            counts = torch.zeros((size, self.vocab_size), dtype=torch.float32, device=self.device)
+            seen[:slot] = self.seen
+            counts[:slot] = self.counts
+            self.seen, self.counts = seen, counts
+        return slot

@@ -27,8 +27,7 @@ from batchgen.engine.lora.requests import NOT_ENABLED, LoRAAdapters, per_prompt
 from batchgen.engine.lora.setup import install_lora
 from batchgen.engine.parallel.group import ShardedRunner, TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.platforms import platform_for
-from batchgen.engine.pooling.auto_task import resolve_task
-from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine
+from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, resolve_task, runs_on_engine
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import (
     check_config,
@@ -98,7 +97,7 @@ class LLM:
         """`config`: the engine settings (None: EngineConfig()). `tokenizer`: None (the model
         folder's), a folder path, or a fast tokenizer object. `seed` seeds the draws of requests
         without their own seed (None: the OS's entropy). `task`: generate, embed, classify or score;
-        "auto" reads it from the folder's architectures as vLLM does (engine/pooling/auto_task);
+        "auto" reads it from the folder's architectures as vLLM does (engine/pooling/model);
         `pooler_config`: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model
         folder's own (engine/pooling). `image_limit`: the most images a prompt may carry;
         `mm_processor_kwargs`: the image processor's settings (Qwen2-VL's min/max pixels)."""

@@ -13,7 +13,8 @@ an "error" output on its own. When `generate()` fails, every owner drops its who
 (abort_all), so the engine can be used again.
 
 State: the scheduler owns sequences (progress, status, blocks), the runner its persistent batch
-and the sampler, and this engine only the output side (RequestTable: texts, stop checks, logprobs).
+and the sampler, and this engine only the output side (RequestTable: texts, stop checks, logprobs) and its
+counters (EngineStats, for benchmarks and the job's logs).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from batchgen.engine.api.outputs import RequestOutput
@@ -30,12 +32,37 @@ from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras, Sequence
 from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState
-from batchgen.engine.loop.stats import EngineStats
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.sampling.logprobs import TokenTexts, entries
 from batchgen.engine.sampling.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters a benchmark can read. Token counts are tokens run through the model."""
+
+    steps: int = 0
+    requests: int = 0
+    errors: int = 0
+    prefill_tokens: int = 0  # prompt chunks, and recomputation after preemption
+    decode_tokens: int = 0  # decode chunks (scheduler.is_decode): one new token each
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, over finished requests
+    output_tokens: int = 0  # sampled tokens
+    preemptions: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def count(self, batch: ScheduledBatch) -> None:
+        """One step ran `batch`."""
+        self.steps += 1
+        for chunk in batch.chunks:
+            if chunk.is_decode:
+                self.decode_tokens += 1
+            else:
+                self.prefill_tokens += chunk.num_tokens
 
 
 class Engine:

@@ -16,9 +16,8 @@ import torch
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence
-from batchgen.engine.sampling.feature_plan import plan_features
 from batchgen.engine.sampling.logprobs import LogprobRows
-from batchgen.engine.sampling.penalties import FeaturePlan, FeatureRow, LogitsFeatures
+from batchgen.engine.sampling.penalties import FeaturePlan, FeatureRow, LogitsFeatures, plan_features
 from batchgen.engine.staging.transfers import Transfers
 
 NO_TOP_K = float(1 << 30)  # a disabled top-k: above any vocabulary, so the filter keeps every token

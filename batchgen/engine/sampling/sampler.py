@@ -15,8 +15,7 @@ import torch
 
 from batchgen.engine.api.platform import GreedyIds
 from batchgen.engine.sampling.batch import SamplingStep
-from batchgen.engine.sampling.feature_plan import stage_step_inputs
-from batchgen.engine.sampling.penalties import LogitsFeatures
+from batchgen.engine.sampling.penalties import LogitsFeatures, stage_step_inputs
 from batchgen.engine.staging.transfers import put_scalar
 
 logger = logging.getLogger(__name__)

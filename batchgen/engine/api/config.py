@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal
 
-from batchgen.engine.api.params import SettingError, is_int
+from batchgen.engine.api.params import SettingError, is_finite, is_int
 
 if TYPE_CHECKING:  # why: the job file reads EngineConfig's fields, and a finished job must not import torch
     import torch
@@ -69,37 +69,27 @@ class EngineConfig:
             value = getattr(self, f.name)
             if f.type == "int | None" and value is not None and (not is_int(value) or value < 1):
                 raise SettingError("EngineConfig", f.name, "null or an integer >= 1", value)
-        size = self.tensor_parallel_size
-        if not is_int(size) or size < 1:
-            raise SettingError("EngineConfig", "tensor_parallel_size", "an integer >= 1", size)
-        share = self.gpu_memory_utilization
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise SettingError("EngineConfig", "gpu_memory_utilization", "a number in (0, 1]", share)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise SettingError("EngineConfig", "enable_prefix_caching", "true or false", self.enable_prefix_caching)
-        self._check_lora()
-        if not (self.compile == "auto" or isinstance(self.compile, bool)):
-            raise SettingError("EngineConfig", "compile", "'auto', true or false", self.compile)
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
-            raise SettingError(
-                "EngineConfig", "attention_backend", "'auto', 'torch', 'cpu' or 'triton'", self.attention_backend
-            )
+        size, share, loras = self.tensor_parallel_size, self.gpu_memory_utilization, self.max_loras or 1
+        checks = [  # why one expression each: the whole list is built before the first is read
+            ("tensor_parallel_size", is_int(size) and size >= 1, "an integer >= 1"),
+            ("gpu_memory_utilization", is_finite(share) and 0 < share <= 1, "a number in (0, 1]"),
+            *[(name, isinstance(getattr(self, name), bool), "true or false") for name in _SWITCHES],
+            ("max_cpu_loras", (self.max_cpu_loras or loras) >= loras, f"null or >= max_loras ({loras})"),
+            ("enable_lora", not (self.enable_lora is True and is_int(size) and size > 1), _LORA_TP),
+            ("compile", self.compile == "auto" or isinstance(self.compile, bool), "'auto', true or false"),
+            ("attention_backend", self.attention_backend in _BACKENDS, "'auto', 'torch', 'cpu' or 'triton'"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise SettingError("EngineConfig", name, expected, getattr(self, name))
 
-    def _check_lora(self) -> None:
-        if not isinstance(self.enable_lora, bool):
-            raise SettingError("EngineConfig", "enable_lora", "true or false", self.enable_lora)
-        if self.max_cpu_loras is not None and self.max_cpu_loras < (self.max_loras or 1):
-            raise SettingError(
-                "EngineConfig", "max_cpu_loras", f"null or >= max_loras ({self.max_loras or 1})", self.max_cpu_loras
-            )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise SettingError(
-                "EngineConfig",
-                "enable_lora",
-                "false with tensor_parallel_size > 1 (adapter slots are not sharded over ranks; "
-                "run one engine per device with the shards or ray executors)",
-                self.enable_lora,
-            )
+
+_SWITCHES = ("enable_prefix_caching", "enable_lora")
+_BACKENDS = ("auto", "torch", "cpu", "triton")
+_LORA_TP = (
+    "false with tensor_parallel_size > 1 (adapter slots are not sharded over ranks; "
+    "run one engine per device with the shards or ray executors)"
+)
 
 
 @dataclass(frozen=True)

@@ -78,16 +78,6 @@ class StepInputs(Protocol):
 logger = logging.getLogger(__name__)
 
 
-def pack_chunks(chunks: Sequence[ScheduledChunk], order: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The chunks' token ids in the backend's `order` as one packed row, and each chunk's end in it."""
-    token_ids: list[int] = []
-    packed_end = [0] * len(chunks)
-    for i in order:
-        token_ids.extend(chunks[i].token_ids)
-        packed_end[i] = len(token_ids)
-    return token_ids, packed_end
-
-
 class ModelRunner:
     vision: StepInputs | None = None  # a vision-language model's image state (engine/vision), set after init
     _step_errors: dict[int, str] = {}  # noqa: RUF012  # this step's failed requests (read-only default)
@@ -227,7 +217,11 @@ class ModelRunner:
         the chunks' tokens are packed in its order, staged for the upload -> (its context, input ids
         [T] (padded to `padded`), positions [T], each chunk's end in the packed row)."""
         ctx, positions, order = self.backend.plan(chunks, self.transfers, padded)
-        token_ids, packed_end = pack_chunks(chunks, order)
+        token_ids: list[int] = []
+        packed_end = [0] * len(chunks)
+        for i in order:
+            token_ids.extend(chunks[i].token_ids)
+            packed_end[i] = len(token_ids)
         if padded is not None:
             token_ids.extend([0] * (padded - len(token_ids)))
         if self.lora is not None:  # each packed token's adapter slot; padding runs the base (-1)

@@ -43,10 +43,9 @@ class Sampler:
         self._shared: dict[torch.device, torch.Generator] = {}
         self.features = features
 
-    def prepare(self, step: SamplingStep, vocab: int | None = None) -> None:
+    def prepare(self, step: SamplingStep) -> None:
         """Before the step's upload: stage its min_tokens mask, bans and grammar bitmasks."""
-        staging = step.batch.transfers
-        vocab = vocab if vocab is not None else self.features.vocab_size
+        staging, vocab = step.batch.transfers, self.features.vocab_size
         step.banned = None
         if step.min_tokens:
             rows: list[int] = []
@@ -58,7 +57,7 @@ class Sampler:
             if rows:
                 step.banned = staging.stage(torch.tensor([rows, cols]))  # [2, n]
         if step.features is not None:
-            stage_step_inputs(step.features, staging, self.features.vocab_size)
+            stage_step_inputs(step.features, staging, vocab)
 
     def sample(self, logits: torch.Tensor, step: SamplingStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token id per row of `logits` [n, V] -> (ids [n] int64 on the device, a 0-d bool set

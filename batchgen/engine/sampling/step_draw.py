@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, LogprobLists, ModelRunnerOutput, PromptLogprobLists
-from batchgen.engine.core.scheduler_output import NewSequence, ScheduledBatch
+from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence, ScheduledBatch
 from batchgen.engine.sampling.batch import SamplingBatch, SamplingStep
 from batchgen.engine.sampling.logprobs import raw_logprobs, score
 from batchgen.engine.sampling.sampler import Sampler
@@ -123,17 +123,12 @@ def _prompt_lists(prompt: PromptRows | None, read: list) -> PromptLogprobLists |
 def draw_now(
     sampler: Sampler, rows: SamplingBatch, logits: torch.Tensor, seq_ids: list[int], new: Iterable[NewSequence] = ()
 ) -> list[int]:
-    """One draw outside an engine step (the hf backend's seeded rows, tests): `logits` row i is
-    `seq_ids[i]`'s; `new` sequences get their rows first (staged in this draw's upload, as a step's
-    diff is). The same path as a step's: staged, uploaded, drawn, read once; the rows' state
-    advances with the tokens. `logits` is not modified."""
+    """One draw outside an engine step (the hf backend's seeded rows, tests): a step's draw with no
+    chunks, by the same path (staged, uploaded, drawn, read once); `logits` row i is `seq_ids[i]`'s,
+    and `new` sequences get their rows first, as a step's diff. `logits` is not modified."""
     transfers = rows.transfers
     transfers.begin_step()
-    for sequence in new:
-        rows.add(sequence)
-    step = rows.step(seq_ids)
-    sampler.prepare(step, logits.shape[-1])
+    rows.apply(BatchUpdate(new=tuple(new)))
+    draw = prepare_draw(ScheduledBatch(draws=tuple(seq_ids)), rows, sampler, transfers)
     transfers.upload()
-    tokens: list[int] = transfers.read("sampled_ids", sampler.sample(logits, step)[0])[0]  # type: ignore[assignment]
-    rows.accept(step, tokens)
-    return tokens
+    return finish_draw(draw, logits, len(seq_ids), sampler, transfers).sampled

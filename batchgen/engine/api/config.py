@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from batchgen.engine.api.params import SettingError, is_finite, is_int
 
@@ -93,28 +93,20 @@ _LORA_TP = (
 
 
 @dataclass(frozen=True)
-class ResolvedConfig:
+class ResolvedConfig(EngineConfig):
     """The settings the engine is built with: EngineConfig's, every default decided for one device,
-    dtype and model (resolve)."""
+    dtype and model (resolve). Only what resolve decides is declared again, narrowed."""
 
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    attention_backend: str  # "torch", "cpu" or "triton"
-    compile: bool
-    compile_fallback: bool  # compile was "auto": a model that fails to compile runs eager
-    num_kv_blocks: int | None  # None: sized at load (runner/pool_sizing)
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float
-    enable_prefix_caching: bool
-    tensor_parallel_size: int
-    enable_lora: bool = False
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 1
+    compile: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int = 1
-    encoder_cache_tokens: int | None = None  # None: max_num_batched_tokens, raised to the largest image
-    max_decoded_pixels: int = 0  # 0: DECODED_PIXELS
+    max_decoded_pixels: int = DECODED_PIXELS
+    compile_fallback: bool = False  # compile was "auto": a model that fails to compile runs eager
 
 
 def resolve(
@@ -129,30 +121,26 @@ def resolve(
 ) -> ResolvedConfig:
     """`config` on `platform` for a model of `max_model_len` (resolved from its config), `head_dim`
     and soft-capping. `compiles`: False where compiling serves nothing (pooling forwards run eager);
-    tensor-parallel ranks run eager too (README, tensor parallelism)."""
+    tensor-parallel ranks run eager too (README, tensor parallelism). num_kv_blocks None is sized
+    at load (runner/pool_sizing); encoder_cache_tokens None is sized by the scheduler (core/image_budget)."""
     backend = platform.attention_backend(config.attention_backend)
     compile = compiles and (platform.compiles_by_default() if config.compile == "auto" else config.compile)
-    compile = compile and config.tensor_parallel_size == 1
-    block_size = config.block_size or platform.block_size(backend, dtype, head_dim, softcap)
+    settings: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
     return ResolvedConfig(
-        block_size=block_size,
-        max_num_seqs=config.max_num_seqs or platform.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens or platform.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        attention_backend=backend,
-        compile=compile,
-        compile_fallback=config.compile == "auto",
-        num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        enable_prefix_caching=config.enable_prefix_caching,
-        tensor_parallel_size=config.tensor_parallel_size,
-        enable_lora=config.enable_lora,
-        max_loras=config.max_loras or 1,
-        max_lora_rank=config.max_lora_rank or 16,
-        max_cpu_loras=config.max_cpu_loras or config.max_loras or 1,
-        encoder_cache_tokens=config.encoder_cache_tokens,
-        max_decoded_pixels=config.max_decoded_pixels or DECODED_PIXELS,
+        **{
+            **settings,
+            "block_size": config.block_size or platform.block_size(backend, dtype, head_dim, softcap),
+            "max_num_seqs": config.max_num_seqs or platform.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens or platform.max_num_batched_tokens,
+            "max_model_len": max_model_len,
+            "attention_backend": backend,
+            "compile": compile and config.tensor_parallel_size == 1,
+            "compile_fallback": config.compile == "auto",
+            "max_loras": config.max_loras or 1,
+            "max_lora_rank": config.max_lora_rank or 16,
+            "max_cpu_loras": config.max_cpu_loras or config.max_loras or 1,
+            "max_decoded_pixels": config.max_decoded_pixels or DECODED_PIXELS,
+        }
     )
 
 

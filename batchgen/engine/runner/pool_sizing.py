@@ -19,6 +19,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -171,7 +172,7 @@ def kv_pool_blocks(
         return num_kv_blocks_for(spec, config, dtype, budget), None
 
     # why torch for the others: the profiling step's decodes need no per-sequence state (triton keeps none)
-    profiled_backend = "triton" if config.attention_backend == "triton" else "torch"
+    profiled_backend: Literal["triton", "torch"] = "triton" if config.attention_backend == "triton" else "torch"
 
     def make_runner(num_blocks: int) -> ModelRunner:
         # why graphs, eager: the runner's CUDA graphs (triton only) are measured with it; compiling

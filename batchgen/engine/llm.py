@@ -50,15 +50,11 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
     """Every id in the generation config's eos_token_id (int or list), plus the tokenizer's eos."""
-    ids: set[int] = set()
     generation_config = getattr(model, "generation_config", None)
     configured = getattr(generation_config, "eos_token_id", None)
     if configured is None:
         configured = getattr(model.config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif isinstance(configured, (list, tuple)):
-        ids.update(int(i) for i in configured)
+    ids = {configured} if isinstance(configured, int) else {int(i) for i in configured or ()}
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
@@ -261,18 +257,15 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(encoded)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(encoded):
-                raise ValueError(f"got {len(encoded)} prompts but {len(params)} SamplingParams")
-        token_ids = [ids for ids, _ in encoded]
-        texts = [t for _, t in encoded]
+            sampling_params = [sampling_params] * len(encoded)
+        params = list(sampling_params)  # one per prompt (Engine.generate refuses a count that differs)
+        refusals = None
         if lora_request is not None and self._lora is not None:  # each prompt's adapter joins its extras
             adapters, refusals = self._lora.resolve(per_prompt(lora_request, len(encoded)))
             extras = [replace(x, adapter_hash=a.adapter_hash) for x, a in zip(extras, adapters, strict=True)]
-            return self.engine.generate(token_ids, params, on_output, texts, extras, refusals)
-        return self.engine.generate(token_ids, params, on_output=on_output, texts=texts, extras=extras)
+        token_ids = [ids for ids, _ in encoded]
+        texts = [t for _, t in encoded]
+        return self.engine.generate(token_ids, params, on_output, texts, extras, refusals)
 
     def pooling_model(self) -> PoolingModel:
         """The pooling side of this LLM; on a generate LLM, embeddings through its engine."""

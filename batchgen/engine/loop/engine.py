@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from batchgen.engine.api.outputs import RequestOutput
+from batchgen.engine.api.outputs import PositionLogprobs, RequestOutput
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.runner_output import ModelRunnerOutput, PromptLogprobLists
 from batchgen.engine.core.scheduler import Scheduler
@@ -108,16 +108,11 @@ class Engine:
             self._errors.append(RequestOutput(str(request_id), prompt, seq.prompt_token_ids, error=message))
             return request_id
         self.scheduler.add(seq)
-        sample = SampleState(0, seq, self._stop_checker(seq))
-        wants_prompt = params.prompt_logprobs is not None
-        request = RequestState(
-            request_id,
-            prompt,
-            params,
-            [sample],
-            prompt_logprobs=[None] * seq.num_prompt_tokens if wants_prompt else None,
-        )
-        self.requests.add(request)
+        scored: list[PositionLogprobs | None] | None = None  # the prompt's logprobs, when asked
+        if params.prompt_logprobs is not None:
+            scored = [None] * seq.num_prompt_tokens
+        first = SampleState(0, seq, self._stop_checker(seq))
+        self.requests.add(RequestState(request_id, prompt, params, [first], scored), first)
         return request_id
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
@@ -227,7 +222,7 @@ class Engine:
         request, _ = self.requests.get(parent)
         for index, child_id in enumerate(children, start=1):
             child = self.scheduler.get(child_id)
-            self.requests.add_sample(request, SampleState(index, child, self._stop_checker(child)))
+            self.requests.add(request, SampleState(index, child, self._stop_checker(child)))
 
     def _store_prompt_logprobs(self, prompt: PromptLogprobLists) -> None:
         """The prompt rows' logprobs, as read, into their requests (rows in chunk order)."""

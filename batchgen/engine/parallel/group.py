@@ -34,8 +34,7 @@ from transformers import AutoConfig, PreTrainedModel
 from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch
-from batchgen.engine.parallel.collectives import CollectiveError, Collectives
-from batchgen.engine.parallel.loading import load_sharded_model
+from batchgen.engine.parallel.loading import CollectiveError, Collectives, load_sharded_model
 from batchgen.engine.parallel.plan import ShardPlan, shard_plan
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner.model_runner import ModelRunner

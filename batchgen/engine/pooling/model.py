@@ -215,16 +215,13 @@ class PoolingModel:
         """A decoder classifier on the engine: its head over each input's last-token hidden state."""
         if self.engine is None or self.head is None:
             raise RuntimeError("no engine classifier set up")
-        pooled = self.engine.pool([e.input_ids for e in inputs], "last", self.on_step)
-        results: list[RowResult] = []
-        for p in pooled:
-            if p.values is None:
-                results.append(p)
-                continue
-            weight = self.head.weight
-            with torch.inference_mode():
-                logits = self.head(p.values.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
-            results.append(RowResult(head_probs(logits)[0].cpu(), p.cached_tokens))
+        results = self.engine.pool([e.input_ids for e in inputs], "last", self.on_step)
+        weight = self.head.weight
+        for r in results:
+            if r.values is not None:
+                with torch.inference_mode():
+                    logits = self.head(r.values.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
+                r.values = head_probs(logits)[0].cpu()
         return results
 
     def score(self, inputs: list[Encoded], pairs: list[tuple[Encoded, Encoded]] | None = None) -> list[RowResult]:

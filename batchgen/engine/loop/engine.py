@@ -274,7 +274,7 @@ class Engine:
         cannot run (its error output).
         """
         if len(prompts) != len(params):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         n = len(prompts)
         requests = zip(
             prompts, params, texts or [None] * n, extras or [NO_EXTRAS] * n, refusals or [None] * n, strict=True

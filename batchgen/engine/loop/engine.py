@@ -27,7 +27,7 @@ from typing import Any
 
 from batchgen.engine.api.outputs import PositionLogprobs, RequestOutput
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.runner_output import ModelRunnerOutput, PromptLogprobLists
+from batchgen.engine.core.runner_output import LogprobLists, ModelRunnerOutput
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras, Sequence
@@ -224,10 +224,9 @@ class Engine:
             child = self.scheduler.get(child_id)
             self.requests.add(request, SampleState(index, child, self._stop_checker(child)))
 
-    def _store_prompt_logprobs(self, prompt: PromptLogprobLists) -> None:
+    def _store_prompt_logprobs(self, prompt: LogprobLists) -> None:
         """The prompt rows' logprobs, as read, into their requests (rows in chunk order)."""
-        lists = prompt.scored
-        scored = entries(lists.read, lists.ks, lists.targets, self.texts)
+        scored = entries(prompt.read, prompt.ks, prompt.targets, self.texts)
         row = 0
         for seq_id, start, count in prompt.chunks:
             request, _ = self.requests.get(seq_id)

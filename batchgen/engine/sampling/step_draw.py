@@ -8,11 +8,11 @@ needs (ids, NaN flag, logprobs), reads it in one `Transfers.read` and returns th
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from batchgen.engine.core.runner_output import EMPTY_OUTPUT, LogprobLists, ModelRunnerOutput, PromptLogprobLists
+from batchgen.engine.core.runner_output import EMPTY_OUTPUT, LogprobLists, ModelRunnerOutput
 from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence, ScheduledBatch
 from batchgen.engine.sampling.batch import SamplingBatch, SamplingStep
 from batchgen.engine.sampling.logprobs import raw_logprobs, score
@@ -21,23 +21,14 @@ from batchgen.engine.staging.transfers import Transfers
 
 
 @dataclass
-class PromptRows:
-    """A step's prompt-logprob rows (the logits after the sampled ones): per chunk (its sequence,
-    its first position, its rows), each row's target prompt token and K."""
-
-    chunks: list[tuple[int, int, int]]
-    targets: list[int]
-    ks: list[int]
-    staged: torch.Tensor  # targets on the device [rows]
-
-
-@dataclass
 class StepDraw:
     """What was staged before the upload for the step's draw and scoring."""
 
     step: SamplingStep | None  # the drawing rows' sampling state; None: nothing draws
     rows: torch.Tensor | None  # [len(draws)] the logits row each draws from; None: rows 0.. in order
-    prompt: PromptRows | None
+    # the prompt-logprob rows (the logits after the sampled ones), still unread, and their targets
+    # on the device [rows]
+    prompt: tuple[LogprobLists, torch.Tensor] | None
 
 
 def prepare_draw(batch: ScheduledBatch, rows: SamplingBatch, sampler: Sampler, transfers: Transfers) -> StepDraw:
@@ -47,10 +38,13 @@ def prepare_draw(batch: ScheduledBatch, rows: SamplingBatch, sampler: Sampler, t
         step = rows.step(batch.draws)  # kept while the batch is unchanged
         sampler.prepare(step)
     staged = None if batch.draw_rows is None else transfers.stage(torch.tensor(batch.draw_rows, dtype=torch.int64))
-    return StepDraw(step, staged, _prompt_rows(batch, rows, transfers))
+    prompt = _prompt_rows(batch, rows)
+    if prompt is None:
+        return StepDraw(step, staged, None)
+    return StepDraw(step, staged, (prompt, transfers.stage(torch.tensor(prompt.targets, dtype=torch.int64))))
 
 
-def _prompt_rows(batch: ScheduledBatch, rows: SamplingBatch, transfers: Transfers) -> PromptRows | None:
+def _prompt_rows(batch: ScheduledBatch, rows: SamplingBatch) -> LogprobLists | None:
     """Targets and K of each prompt-logprob row: row j of a chunk starting at `start` predicts prompt
     token start + j + 1."""
     chunks = [(c.seq_id, c.start, c.prompt_logits) for c in batch.chunks if c.prompt_logits]
@@ -62,8 +56,7 @@ def _prompt_rows(batch: ScheduledBatch, rows: SamplingBatch, transfers: Transfer
         prompt, k = rows.prompt(seq_id)
         targets.extend(prompt[start + 1 : start + 1 + count])
         ks.extend([k] * count)
-    staged = transfers.stage(torch.tensor(targets, dtype=torch.int64))
-    return PromptRows(chunks, targets, ks, staged)
+    return LogprobLists(list(range(len(targets))), ks, targets, [], chunks)
 
 
 def finish_draw(
@@ -95,7 +88,7 @@ def finish_draw(
     prompt: list[torch.Tensor] = []
     if draw.prompt is not None:
         scored = raw_logprobs(logits[num_sampled:])  # [prompt rows, V]
-        prompt = score(scored, draw.prompt.staged, draw.prompt.ks)
+        prompt = score(scored, draw.prompt[1], draw.prompt[0].ks)
     # why one read: the NaN flag and every logprob come back with the drawn ids, one host sync per step
     values = transfers.read("sampled_ids" if step is not None else "nan_flag", *head, *logprobs, *prompt)
     rest = values[len(head) :]
@@ -113,11 +106,8 @@ def finish_draw(
     return ModelRunnerOutput(tokens, nan_flag, lists, _prompt_lists(draw.prompt, rest[len(logprobs) :]), done)
 
 
-def _prompt_lists(prompt: PromptRows | None, read: list) -> PromptLogprobLists | None:
-    if prompt is None:
-        return None
-    rows = list(range(len(prompt.targets)))
-    return PromptLogprobLists(prompt.chunks, LogprobLists(rows, prompt.ks, prompt.targets, read))
+def _prompt_lists(prompt: tuple[LogprobLists, torch.Tensor] | None, read: list) -> LogprobLists | None:
+    return None if prompt is None else replace(prompt[0], read=read)
 
 
 def draw_now(

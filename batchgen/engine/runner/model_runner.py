@@ -3,7 +3,7 @@
 A step is one call down and one result back (vLLM v1): `execute(batch)` takes the scheduler's
 frozen ScheduledBatch and returns a ModelRunnerOutput; nothing it calls calls back up. It applies
 the batch's diff to its persistent state, stages the forward's metadata and the draw's inputs
-(sampling/step_draw) for one upload, packs every chunk into one [1, T] row in the order its
+(sampling/sampler) for one upload, packs every chunk into one [1, T] row in the order its
 attention backend plans, runs the unchanged HF model (its attention bound to that backend:
 attention/interface), keeps logits (in the model's dtype) only for the sampled chunks and
 prompt-logprob positions, draws, and reads everything back in one copy. It decides nothing: what runs, and who
@@ -52,8 +52,7 @@ from batchgen.engine.platforms import make_backend, platform_for
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
 from batchgen.engine.sampling.batch import SamplingBatch
-from batchgen.engine.sampling.sampler import Sampler
-from batchgen.engine.sampling.step_draw import finish_draw, prepare_draw
+from batchgen.engine.sampling.sampler import Sampler, finish_draw, prepare_draw
 from batchgen.engine.staging.transfers import Transfers
 
 

@@ -26,9 +26,8 @@ from transformers import AutoConfig
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.sequence import RequestExtras, Sequence
-from batchgen.engine.pooling.config import PoolingConfig, resolve_pooling
+from batchgen.engine.pooling.config import PoolingConfig, PoolingParams, RowResult, resolve_pooling
 from batchgen.engine.pooling.hf_runner import Encoded, HFPoolingRunner, is_encoder
-from batchgen.engine.pooling.outputs import PoolingParams, RowResult
 from batchgen.engine.pooling.poolers import PoolAccumulator, cosine, finish_embeddings, head_probs
 from batchgen.engine.runner.model_runner import ModelRunner
 

@@ -3,7 +3,7 @@
 A step is one call down and one result back (vLLM v1): `execute(batch)` takes the scheduler's
 frozen ScheduledBatch and returns a ModelRunnerOutput; nothing it calls calls back up. It applies
 the batch's diff to its persistent state, stages the forward's metadata and the draw's inputs
-(sampling/step_draw) for one upload, packs every chunk into one [1, T] row in the order its
+(sampling/sampler) for one upload, packs every chunk into one [1, T] row in the order its
 attention backend plans, runs the unchanged HF model (its attention bound to that backend:
 attention/interface), keeps logits (in the model's dtype) only for the sampled chunks and
 prompt-logprob positions, draws, and reads everything back in one copy. It decides nothing: what runs, and who
@@ -51,8 +51,7 @@ from batchgen.engine.platforms import make_backend, platform_for
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
 from batchgen.engine.sampling.batch import SamplingBatch
-from batchgen.engine.sampling.sampler import Sampler
-from batchgen.engine.sampling.step_draw import finish_draw, prepare_draw
+from batchgen.engine.sampling.sampler import Sampler, finish_draw, prepare_draw
 from batchgen.engine.staging.transfers import Transfers
 
 
@@ -75,16 +74,6 @@ class StepInputs(Protocol):
 
 
 logger = logging.getLogger(__name__)
-
-
-def pack_chunks(chunks: Sequence[ScheduledChunk], order: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The chunks' token ids in the backend's `order` as one packed row, and each chunk's end in it."""
-    token_ids: list[int] = []
-    packed_end = [0] * len(chunks)
-    for i in order:
-        token_ids.extend(chunks[i].token_ids)
-        packed_end[i] = len(token_ids)
-    return token_ids, packed_end
 
 
 class ModelRunner:
@@ -226,7 +215,11 @@ class ModelRunner:
         the chunks' tokens are packed in its order, staged for the upload -> (its context, input ids
         [T] (padded to `padded`), positions [T], each chunk's end in the packed row)."""
         ctx, positions, order = self.backend.plan(chunks, self.transfers, padded)
-        token_ids, packed_end = pack_chunks(chunks, order)
+        token_ids: list[int] = []
+        packed_end = [0] * len(chunks)
+        for i in order:
+            token_ids.extend(chunks[i].token_ids)
+            packed_end[i] = len(token_ids)
         if padded is not None:
             token_ids.extend([0] * (padded - len(token_ids)))
         if self.lora is not None:  # each packed token's adapter slot; padding runs the base (-1)

@@ -76,7 +76,7 @@ class CpuBackend(AttentionBackend):
         self.rows = rows
         self.num_heads = config.get_text_config().num_attention_heads
         # the C++ front attends decode-only steps of the native kernel without Python per layer
-        self.front: Front | None = open_front() if rows.native is not None else None
+        self.front: Front | None = open_front(self.handle) if rows.native is not None else None
 
     def describe(self) -> str:
         kernel = "native kernel through the C++ front" if self.front else "native kernel" if self.rows.native else ""
@@ -105,7 +105,7 @@ class CpuBackend(AttentionBackend):
             return super().call_layer(call, query, key, value)
         layer, scale, window, softcap = call
         op = torch.ops.batchgen.attention
-        return op(query, key, value, scale, window, softcap, self.handle, layer, self.front.cell_address)
+        return op(query, key, value, scale, window, softcap, self.handle, layer)
 
     def take_raised(self) -> BaseException | None:
         raised = super().take_raised()

@@ -91,7 +91,7 @@ class CpuBackend(AttentionBackend):
         self.rows = rows
         self.num_heads = config.get_text_config().num_attention_heads
         # the C++ front attends decode-only steps of the native kernel without Python per layer
-        self.front: Front | None = open_front()
+        self.front: Front | None = open_front(self.handle)
 
     def describe(self) -> str:
         return f"cpu (decode rows, native kernel{' through the C++ front' if self.front else ''})"
@@ -119,7 +119,7 @@ class CpuBackend(AttentionBackend):
             return super().call_layer(call, query, key, value)
         layer, scale, window, softcap = call
         op = torch.ops.batchgen.attention
-        return op(query, key, value, scale, window, softcap, self.handle, layer, self.front.cell_address)
+        return op(query, key, value, scale, window, softcap, self.handle, layer)
 
     def take_raised(self) -> BaseException | None:
         raised = super().take_raised()

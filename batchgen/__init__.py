@@ -6,9 +6,8 @@ from typing import Any
 
 from batchgen.engine.api.lora_request import LoRARequest
 from batchgen.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
-from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.api.structured_outputs import StructuredOutputsParams
-from batchgen.engine.pooling.outputs import PoolingParams
+from batchgen.engine.api.params import SamplingParams, StructuredOutputsParams
+from batchgen.engine.pooling.config import PoolingParams
 
 __version__ = "0.1.0"
 __all__ = [

@@ -31,7 +31,7 @@ from batchgen.engine.attention import gather as decode_gather
 from batchgen.engine.attention import torch_math as attention
 from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.cpu.decode_native import NativeStep
-from batchgen.engine.cpu.rows_view import RowsView
+from batchgen.engine.cpu.decode_rows import RowsView
 from batchgen.engine.sampling.sampler import Sampler
 from batchgen.engine.sampling.stopping import StopChecker
 
@@ -161,7 +161,6 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         (engine.runner, "execute", "execute_total"),
         (engine.runner.forward, "_run", "model_forward_total"),  # StepForward: eager or compiled, both through _run
         (attention_backend, "store_kv", "attn_kv_write"),
-        (RowsView, "update", "attn_rows_update"),
         (attention, "gather_blocks", "attn_gather"),
         (decode_gather, "gather_blocks", "attn_gather"),
         (attention, "_attend_decodes", "attn_compute"),

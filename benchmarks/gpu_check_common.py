@@ -51,7 +51,7 @@ class Sizes:
     total_cap_s: float  # no section starts past this; each gets at most what is left of it
     hard_cap_s: float  # from the process's start: the run is stopped here, whatever it is doing
     engine: dict[str, Any] = field(default_factory=dict)  # extra settings of the throughput engines
-    graph_backend: str = "auto"  # compiled/graphs sections (smoke: "torch", what the CPU stand-in attends with)
+    graph_backend: str = "auto"  # compiled/graphs sections (smoke: "triton", the one backend graphs replay over)
     graph_standin: bool = False  # smoke: CUDA graphs stood in for on the CPU (replay = rerun on static buffers)
     bf16_archs: list[str] = field(default_factory=list)  # bf16 section: the reduced-precision policy, in order
     bf16_prompts: int = 8  # its prompts (5-150 random tokens) and greedy tokens per prompt

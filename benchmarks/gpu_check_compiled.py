@@ -9,8 +9,8 @@ smoke run gives both sections one setting, and the syncs section measures on the
 section's engine. On the CPU (--smoke) the
 CUDA graphs are stood in for: capture keeps the step's context and call, replay runs that call
 again on the static buffers, which is what replaying a captured graph computes; buckets, the
-capture of every bucket before the first step, static buffers, the static decode attention and the
-capture count are the engine's own.
+capture of every bucket before the first step, static buffers, the triton backend's graph plan
+(its interpreter) and the capture count are the engine's own.
 """
 
 from __future__ import annotations

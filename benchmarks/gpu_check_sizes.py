@@ -171,7 +171,7 @@ SMOKE = Sizes(
     total_cap_s=3600,
     hard_cap_s=3600,
     engine={"max_num_batched_tokens": 96, "max_num_seqs": 8},
-    graph_backend="torch",
+    graph_backend="triton",
     graph_standin=True,
 )
 

@@ -14,8 +14,7 @@ import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from batchgen import LLM
-from batchgen.engine.pooling.config import PoolingConfigError, resolve_pooling
-from batchgen.engine.pooling.outputs import PoolingParams
+from batchgen.engine.pooling.config import PoolingConfigError, PoolingParams, resolve_pooling
 from testkit.pooling_models import (
     save_llama_classifier,
     save_tiny_bert,

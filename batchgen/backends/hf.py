@@ -24,8 +24,7 @@ from batchgen.engine.llm import make_sampler
 from batchgen.engine.runner.models import resolve_device, resolve_dtype, resolve_max_model_len
 from batchgen.engine.sampling.batch import SamplingBatch
 from batchgen.engine.sampling.penalties import bad_word_token_ids
-from batchgen.engine.sampling.sampler import Sampler
-from batchgen.engine.sampling.step_draw import draw_now
+from batchgen.engine.sampling.sampler import Sampler, draw_now
 from batchgen.engine.sampling.stopping import StopChecker
 from batchgen.engine.staging.transfers import Transfers
 from batchgen.errors import ModelError

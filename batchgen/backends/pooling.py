@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.backends.weights import weight_errors_as_model_errors
+from batchgen.engine.pooling.config import PoolingParams
 from batchgen.engine.pooling.hf_runner import Encoded
 from batchgen.engine.pooling.model import PoolingModel, RowResult
-from batchgen.engine.pooling.outputs import PoolingParams
 from batchgen.errors import ModelError
 from batchgen.job.spec import JobSpec
 

@@ -25,11 +25,9 @@ from batchgen.engine.core.sequence import NO_EXTRAS
 from batchgen.engine.loop.engine import Engine
 from batchgen.engine.lora.requests import NOT_ENABLED, LoRAAdapters, per_prompt
 from batchgen.engine.lora.setup import install_lora
-from batchgen.engine.parallel.group import TensorParallelGroup, start_tensor_parallel
-from batchgen.engine.parallel.sharded_runner import ShardedRunner
+from batchgen.engine.parallel.group import ShardedRunner, TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.platforms import platform_for
-from batchgen.engine.pooling.auto_task import resolve_task
-from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, runs_on_engine
+from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, resolve_task, runs_on_engine
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import (
     check_config,
@@ -52,15 +50,11 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any) -> list[int]:
     """Every id in the generation config's eos_token_id (int or list), plus the tokenizer's eos."""
-    ids: set[int] = set()
     generation_config = getattr(model, "generation_config", None)
     configured = getattr(generation_config, "eos_token_id", None)
     if configured is None:
         configured = getattr(model.config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif isinstance(configured, (list, tuple)):
-        ids.update(int(i) for i in configured)
+    ids = {configured} if isinstance(configured, int) else {int(i) for i in configured or ()}
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
@@ -99,7 +93,7 @@ class LLM:
         """`config`: the engine settings (None: EngineConfig()). `tokenizer`: None (the model
         folder's), a folder path, or a fast tokenizer object. `seed` seeds the draws of requests
         without their own seed (None: the OS's entropy). `task`: generate, embed, classify or score;
-        "auto" reads it from the folder's architectures as vLLM does (engine/pooling/auto_task);
+        "auto" reads it from the folder's architectures as vLLM does (engine/pooling/model);
         `pooler_config`: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over the model
         folder's own (engine/pooling). `image_limit`: the most images a prompt may carry;
         `mm_processor_kwargs`: the image processor's settings (Qwen2-VL's min/max pixels)."""
@@ -263,18 +257,15 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(encoded)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(encoded):
-                raise ValueError(f"got {len(encoded)} prompts but {len(params)} SamplingParams")
-        token_ids = [ids for ids, _ in encoded]
-        texts = [t for _, t in encoded]
+            sampling_params = [sampling_params] * len(encoded)
+        params = list(sampling_params)  # one per prompt (Engine.generate refuses a count that differs)
+        refusals = None
         if lora_request is not None and self._lora is not None:  # each prompt's adapter joins its extras
             adapters, refusals = self._lora.resolve(per_prompt(lora_request, len(encoded)))
             extras = [replace(x, adapter_hash=a.adapter_hash) for x, a in zip(extras, adapters, strict=True)]
-            return self.engine.generate(token_ids, params, on_output, texts, extras, refusals)
-        return self.engine.generate(token_ids, params, on_output=on_output, texts=texts, extras=extras)
+        token_ids = [ids for ids, _ in encoded]
+        texts = [t for _, t in encoded]
+        return self.engine.generate(token_ids, params, on_output, texts, extras, refusals)
 
     def pooling_model(self) -> PoolingModel:
         """The pooling side of this LLM; on a generate LLM, embeddings through its engine."""

@@ -43,9 +43,9 @@ def make_backend(
 ) -> AttentionBackend:
     """A new backend for one model runner (`name`: resolved by the device's Platform.attention_backend)."""
     if name == "cpu":
-        from batchgen.engine.cpu.backend import CpuBackend
+        from batchgen.engine.cpu.backend import make_cpu_backend
 
-        return CpuBackend(kv_caches, block_size, device, model.config, dtype, max_len, max_rows)
+        return make_cpu_backend(kv_caches, block_size, device, model.config, dtype, max_len, max_rows)
     if name == "triton":
         from batchgen.engine.triton.backend import TritonBackend
 

@@ -14,8 +14,8 @@ from typing import Any
 import pyarrow as pa
 
 from batchgen.backends.pooling import PoolingBackend
+from batchgen.engine.pooling.config import RowResult
 from batchgen.engine.pooling.hf_runner import Encoded
-from batchgen.engine.pooling.outputs import RowResult
 from batchgen.inputs.ordering import order_requests
 from batchgen.inputs.prepared_row import PreparedRow
 from batchgen.job.spec import JobSpec

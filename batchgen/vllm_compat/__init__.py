@@ -14,9 +14,8 @@ Without `install()`, `from batchgen.vllm_compat import LLM, SamplingParams, ...`
 from __future__ import annotations
 
 from batchgen.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
-from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.api.structured_outputs import StructuredOutputsParams
-from batchgen.engine.pooling.outputs import PoolingParams
+from batchgen.engine.api.params import SamplingParams, StructuredOutputsParams
+from batchgen.engine.pooling.config import PoolingParams
 from batchgen.vllm_compat.alias import VLLM_API_VERSION, install, uninstall
 from batchgen.vllm_compat.engine_args import EngineArgs
 from batchgen.vllm_compat.inputs import TextPrompt, TokensPrompt

@@ -37,7 +37,7 @@ ALIASES = {
     "vllm.lora.request": "batchgen.vllm_compat.lora",
     "vllm.outputs": "batchgen.vllm_compat.outputs",
     "vllm.platforms": "batchgen.vllm_compat.platforms",
-    "vllm.pooling_params": "batchgen.engine.pooling.outputs",
+    "vllm.pooling_params": "batchgen.engine.pooling.config",
     "vllm.sampling_params": "batchgen.engine.api.params",
     "vllm.tokenizers": "batchgen.vllm_compat.tokenizers",
     "vllm.transformers_utils": "batchgen.vllm_compat.tokenizers",

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from batchgen.engine.api.prompts import PromptInput, encode_prompt
+from batchgen.engine.pooling.config import PoolingParams, RowResult
 from batchgen.engine.pooling.hf_runner import Encoded
 from batchgen.engine.pooling.model import PoolingModel
-from batchgen.engine.pooling.outputs import PoolingParams, RowResult
 
 
 @dataclass

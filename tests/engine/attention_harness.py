@@ -7,11 +7,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 from batchgen.engine.attention.backend import AttentionBackend
 from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.interface import bind_layers
-from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.metadata import ForwardContext, StaticDecode
 
 
 class Layer(torch.nn.Module):
@@ -44,3 +45,35 @@ class DirectStager:
 
 
 CPU_STAGER = DirectStager(torch.device("cpu"))
+
+
+def static_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: StaticDecode,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The reference of a CUDA-graph decode step's attention (what the triton backend computes from
+    cuda/graphs' fixed buffers): q [H, B, D] (one query per row) over the pool -> [B, H, D]."""
+    h, b, d = q.shape
+    kvh, bs = k_cache.shape[2], k_cache.shape[1]
+    index = meta.block_tables.reshape(-1)
+    k = k_cache.index_select(0, index).view(b, -1, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
+    v = v_cache.index_select(0, index).view(b, -1, kvh, d).transpose(1, 2)
+    kv = torch.arange(meta.block_tables.shape[1] * bs, device=q.device)  # [L]
+    q_pos = (meta.context_lens - 1)[:, None]  # [B, 1]
+    allowed = kv[None] <= q_pos
+    if window is not None:
+        allowed &= kv[None] > q_pos - window
+    mask = allowed[:, None, None, :]  # [B, 1, 1, L]
+    qg = q.transpose(0, 1).reshape(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.tanh(torch.matmul(qg, k.transpose(-1, -2)) * scale / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+        out = torch.matmul(probs.to(q.dtype), v)
+    return out.reshape(b, h, d)

@@ -14,8 +14,7 @@ from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.planning import build_forward_context
 from batchgen.engine.core.scheduler_output import ScheduledChunk
 from batchgen.engine.cpu import native
-from batchgen.engine.cpu.decode_rows import DecodeRows
-from batchgen.engine.cpu.rows_view import RowsView
+from batchgen.engine.cpu.decode_rows import DecodeRows, RowsView
 
 from .attention_harness import CPU_STAGER, Layer, running
 
@@ -42,17 +41,17 @@ def _reference(
     return (torch.softmax(scores, -1) @ v).transpose(0, 1)
 
 
-# rows: the native kernel attends float32 and bf16 decodes (decode_native); rows_torch: the same rows, torch ops
-SOURCES = ["gather", "rows", "rows_torch"]
+# rows: the native kernel attends float32 and bf16 decodes (decode_native), never soft-capped ones (the
+# cpu backend makes the torch backend for those: cpu/backend.make_cpu_backend)
+SOURCES = ["gather", "rows"]
 
 
-def _source(kind: str, dtype: torch.dtype = torch.float32, softcap: float | None = None) -> DecodeKVSource:
-    """As the model runner builds them (cpu/backend.kernels_for: the kernel for float32 or bf16 without
-    soft-capping; here bf16 takes it whether or not it measured faster)."""
-    if kind.startswith("rows"):
-        wants_kernel = kind == "rows" and dtype in native.KERNEL_DTYPES and softcap is None
-        kernels = native.load() if wants_kernel else None
-        assert kernels is not None or not wants_kernel, "the native kernel did not build"
+def _source(kind: str, dtype: torch.dtype = torch.float32) -> DecodeKVSource:
+    """As the model runner builds them (cpu/backend.kernels_for: the kernel for float32 or bf16; here
+    bf16 takes it whether or not it measured faster)."""
+    if kind == "rows":
+        kernels = native.load()
+        assert kernels is not None, "the native kernel did not build"
         return DecodeRows(
             num_layers=1,
             num_kv_heads=KV_HEADS,
@@ -107,7 +106,7 @@ def _run_case(
     rounded = [[t.to(dtype) for t in ts] for ts in (full_k, full_v, queries)]
     full_k, full_v, queries = ([t.float() for t in ts] for ts in rounded)
     pool = (k_cache.to(dtype), v_cache.to(dtype))
-    ctx, positions, order = build_forward_context(chunks, _source(decode_kv, dtype, softcap), [pool], BLOCK, CPU_STAGER)
+    ctx, positions, order = build_forward_context(chunks, _source(decode_kv, dtype), [pool], BLOCK, CPU_STAGER)
     query = torch.cat([rounded[2][i] for i in order], dim=1)[None]  # [1, H, T, D], packed order
     key = torch.cat([rounded[0][i][:, specs[i][0] :] for i in order], dim=1)[None]  # [1, KVH, T, D]
     value = torch.cat([rounded[1][i][:, specs[i][0] :] for i in order], dim=1)[None]
@@ -126,15 +125,14 @@ def _run_case(
     assert positions.tolist() == [p for i in order for p in range(specs[i][0], sum(specs[i]))]
     decodes = {i for i, c in enumerate(chunks) if c.is_decode}
     assert set(order[: len(decodes)]) == decodes  # decodes are packed first
-    if decodes and decode_kv == "rows" and dtype in native.KERNEL_DTYPES and softcap is None:
-        assert isinstance(ctx.decodes, RowsView) and ctx.decodes.native is not None
+    if decodes and decode_kv == "rows":
+        assert isinstance(ctx.decodes, RowsView)
         assert ctx.decodes.native.calls == 1  # the kernel attended this layer's decodes
     return ctx
 
 
-@pytest.mark.parametrize("decode_kv", SOURCES)
+@pytest.mark.parametrize("decode_kv, softcap", [("gather", None), ("gather", 2.0), ("rows", None)])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("softcap", [None, 2.0])
 def test_mixed_decode_and_prefill_with_context(window: int | None, softcap: float | None, decode_kv: str) -> None:
     specs = [
         (0, 1),
@@ -152,15 +150,10 @@ def test_mixed_decode_and_prefill_with_context(window: int | None, softcap: floa
 
 @pytest.mark.parametrize("decode_kv", SOURCES)
 @pytest.mark.parametrize("window", [None, 5])
-def test_bfloat16_keeps_its_own_row_layout_and_attends_the_same(window: int | None, decode_kv: str) -> None:
-    # why a test: on torch's math float32 rows store keys transposed (batched products), bfloat16 rows
-    # by default do not (SDPA); the native kernel's rows (either dtype) hold tiles
+def test_bfloat16_attends_as_float32_does(window: int | None, decode_kv: str) -> None:
     specs = [(16, 1), (0, 1), (30, 1), (9, 1), (5, 6)]
-    for dtype, stored_along_positions in ((torch.bfloat16, False), (torch.float32, True)):
-        ctx = _run_case(specs, window, None, decode_kv, dtype=dtype)
-        if isinstance(ctx.decodes, RowsView) and ctx.decodes.native is None:
-            keys = ctx.decodes.classes[0].k[0]  # indexed [rows, KVH, D, length]
-            assert (keys.stride(-1) == 1) == stored_along_positions
+    for dtype in (torch.bfloat16, torch.float32):
+        _run_case(specs, window, None, decode_kv, dtype=dtype)
 
 
 @pytest.mark.parametrize("decode_kv", SOURCES)
@@ -173,10 +166,17 @@ def test_prefill_only_and_decode_only(decode_kv: str) -> None:
 def test_decodes_sharing_cached_blocks_use_cascade_with_either_source(decode_kv: str) -> None:
     ctx = _run_case([(20, 1), (22, 1), (24, 1), (26, 1)], None, None, decode_kv, shared=16)
     assert ctx.decodes is not None
-    if isinstance(ctx.decodes, RowsView) and ctx.decodes.native is not None:  # read from the first row
+    if isinstance(ctx.decodes, RowsView):  # read from the first row
         assert ctx.decodes.native.shared.tolist() == [16] * 4
     else:
         assert [g.shared_len for g in ctx.decodes.groups] == [16]
+
+
+def test_decode_rows_refuse_a_soft_capped_layer() -> None:
+    """The cpu backend never gives a soft-capping model its rows (kernels_for); a layer that soft-caps
+    anyway is an error, never a silent wrong answer."""
+    with pytest.raises(RuntimeError, match="cannot soft-cap"):
+        _run_case([(16, 1), (0, 1)], None, 2.0, "rows")
 
 
 def test_new_kv_lands_in_the_slot_mapping() -> None:

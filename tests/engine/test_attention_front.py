@@ -54,7 +54,7 @@ def test_a_planned_step_attends_exactly_as_the_python_path() -> None:
     slots = torch.tensor([3, 9, 12, 20, 27, 31, 39] + [-1] * (tokens - n))
     plan = front_step.front_plan(front_pools, slots, KVH * G, real)
     assert len(plan.fields) == len(PLAN_FIELDS) + 2 * LAYERS
-    front = attention_front.open_front()
+    front = attention_front.open_front(0)  # handle 0: no backend holds it
     assert front is not None
     with front.planned(plan):
         for layer in range(LAYERS):
@@ -63,7 +63,7 @@ def test_a_planned_step_attends_exactly_as_the_python_path() -> None:
             expected = torch.zeros(tokens, KVH * G, D)
             window = 7 if layer else None  # a sliding window goes through too
             python_step.attend(layer, q, key, value, expected, D**-0.5, window, pools[layer], slots)
-            out = torch.ops.batchgen.attention(q, key, value, D**-0.5, window, None, 0, layer, front.cell_address)
+            out = torch.ops.batchgen.attention(q, key, value, D**-0.5, window, None, front.handle, layer)
             torch.testing.assert_close(out[:n], expected[:n], rtol=0, atol=0)
             assert not out[real:].any()  # padding rows are zeroed
     # the same rows and pool slots written, to the bit
@@ -88,11 +88,11 @@ def _plan_and_inputs() -> tuple[NativeStep, tuple[FrontPlan, list, torch.Tensor]
 
 def test_a_planned_call_the_kernel_could_not_address_is_refused() -> None:
     _, _, (q, key, value) = _plan_and_inputs()
-    front = attention_front.open_front()
+    front = attention_front.open_front(0)  # handle 0: no backend holds it
     assert front is not None
 
     def attend(*args: object, layer: int = 0) -> torch.Tensor:
-        return torch.ops.batchgen.attention(*args, 0, layer, front.cell_address)
+        return torch.ops.batchgen.attention(*args, front.handle, layer)
 
     cases = [
         (r"q \[3, 8, 16\].* for 7 decodes over 4 heads, 2 K/V heads of 16", (q[:3], key, value, 1.0, None, None)),

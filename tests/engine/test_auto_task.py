@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from batchgen import LLM
-from batchgen.engine.pooling.auto_task import auto_task, task_of_architectures
+from batchgen.engine.pooling.model import auto_task, task_of_architectures
 from testkit.pooling_models import save_llama_classifier, save_tiny_bert, write_sentence_transformers
 from tests.conftest import build_tokenizer, save_tiny_llama
 

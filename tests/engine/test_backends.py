@@ -19,6 +19,7 @@ from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.backend import TorchBackend
 from batchgen.engine.attention.interface import BINDING, paged_attention_forward
 from batchgen.engine.attention.planning import build_forward_context
+from batchgen.engine.cpu import native
 from batchgen.engine.cpu.backend import CpuBackend
 
 from .attention_harness import CPU_STAGER, Layer, running
@@ -135,6 +136,25 @@ def test_the_setting_picks_the_backend_and_a_bad_one_is_named(
     assert type(torch_backend) is TorchBackend and torch_backend.describe() == "torch"
     with pytest.raises(ValueError, match="attention_backend 'triton' runs on CUDA"):
         LLM(path, device="cpu", attention_backend="triton")
+
+
+def test_the_cpu_backend_is_the_torch_one_where_the_native_kernel_cannot_attend(
+    tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 2 soft-caps its logits, which the kernel cannot; with BATCHGEN_NATIVE=0 nothing loads:
+    `cpu` then makes the torch backend (gathered blocks), whose tokens are the kernel's."""
+    prompts = [[2 + (i * 5 + j) % 250 for j in range(n)] for i, n in enumerate([6, 19, 33])]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    gemma2 = LLM(str(tiny_model("gemma2")), device="cpu", attention_backend="cpu", compile=False)
+    assert type(gemma2.engine.runner.backend) is TorchBackend
+    path = str(tiny_model("llama"))
+    with_kernel = LLM(path, device="cpu", attention_backend="cpu", compile=False)
+    assert isinstance(with_kernel.engine.runner.backend, CpuBackend)
+    want = [o.outputs[0].token_ids for o in with_kernel.generate(prompts, params)]
+    monkeypatch.setattr(native, "load", lambda: None)  # as BATCHGEN_NATIVE=0 or no compiler leave it
+    without = LLM(path, device="cpu", attention_backend="cpu", compile=False)
+    assert type(without.engine.runner.backend) is TorchBackend
+    assert [o.outputs[0].token_ids for o in without.generate(prompts, params)] == want
 
 
 def test_a_dropped_engine_leaves_no_backend_behind(tiny_model: Callable[[str], Path]) -> None:

@@ -56,28 +56,25 @@ def test_bf16_engine_meets_the_reduced_precision_policy(
     assert verdict["ok"], f"{arch}/{backend}: {verdict['failures']}"
 
 
-@pytest.mark.parametrize("path", ["native", "batched", "sdpa"])
+@pytest.mark.parametrize("path", ["native", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_every_measured_decode_path_meets_the_policy(
     arch: str, path: str, tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Whichever decode path decode_layout measures faster here (the native kernel's bf16 twin, or
-    torch's batched products or SDPA), the others are right too (a machine elsewhere takes them): the
-    measurement is replaced by each answer in turn."""
+    """Whichever decode path cpu/backend.native_wins measures faster here (the native kernel's bf16
+    twin over decode rows, or the torch backend's gathered blocks), the other is right too (a machine
+    elsewhere takes it): the measurement is replaced by each answer in turn."""
     from transformers import AutoModelForCausalLM
 
     from batchgen.engine.cpu import backend
 
     monkeypatch.setattr(backend, "native_wins", lambda *shape: path == "native")
-    monkeypatch.setattr(backend, "keys_transposed", lambda *shape: path == "batched")
     model_path = tiny_model(arch)
     if arch not in _REFERENCE:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
         _REFERENCE[arch] = policy.reference(model, PROMPTS, MAX_TOKENS, EOS_ID)
     llm = LLM(str(model_path), device="cpu", dtype="bfloat16", attention_backend="cpu", compile=False, block_size=16)
-    rows = llm.engine.runner.backend.rows
-    assert (rows.native is not None) is (path == "native")
-    assert rows.keys_transposed is (None if path == "native" else path == "batched")
+    assert llm.engine.runner.backend.name == ("cpu" if path == "native" else "torch")
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=1))
     verdict = policy.judge(_REFERENCE[arch], PROMPTS, outputs)
     assert verdict["ok"], f"{arch}/{path}: {verdict['failures']}"

@@ -159,3 +159,33 @@ def test_a_call_under_other_torch_settings_runs_eager_instead_of_recompiling(
         torch.use_deterministic_algorithms(before)
     assert got == want and llm.engine.runner.forward.stats.graphs == graphs
     assert caplog.text.count("traced under other torch settings (deterministic_algorithms differs)") == 1
+
+
+def test_the_next_engine_of_a_model_reuses_its_compiled_graph(
+    tiny_model: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor's graph cache serves an engine's compiled forward to the next engine of the same model
+    (the next job's process, or this one once the first engine is dropped), which skips most of the
+    compile: the graph holds small constants (the attention handle, the layer), never an address."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    path = str(tiny_model("llama"))
+
+    def run() -> tuple[list[list[int]], bool]:
+        llm = LLM(path, compile=True)
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+        fronted = getattr(llm.engine.runner.backend, "front", None) is not None
+        del llm
+        gc.collect()
+        return tokens, fronted
+
+    counters.clear()
+    first, fronted = run()
+    assert counters["inductor"]["fxgraph_cache_miss"] >= 1 and fronted  # the C++ front's call is in the graph
+    misses = counters["inductor"]["fxgraph_cache_miss"]
+    second, _ = run()
+    assert second == first
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] == misses

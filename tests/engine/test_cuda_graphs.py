@@ -1,5 +1,6 @@
 """The CPU-testable parts of CUDA-graph decode: buckets, static-buffer padding, the fixed-shape
-decode attention, and the KV store's skipping of padded slots (-1). Capture and replay need CUDA."""
+decode attention's reference (attention_harness), and the KV store's skipping of padded slots (-1).
+Capture and replay need CUDA."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.kv_store import PAD_SLOT, pool_blocks, store_kv
-from batchgen.engine.attention.static_decode import static_decode_attention
 from batchgen.engine.cuda.graphs import (
     DecodeBuffers,
     GraphDecode,
@@ -20,6 +20,8 @@ from batchgen.engine.cuda.graphs import (
     pick_bucket,
 )
 from batchgen.engine.runner.compiled_forward import bucket
+
+from .attention_harness import static_decode_attention
 
 
 def test_decode_buckets_and_choice() -> None:
@@ -102,17 +104,15 @@ class _ReplayByRerun(GraphDecode):
         return self.graphs[bucket]()[:n]  # type: ignore[operator]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Path], backend: str) -> None:
+def test_graph_decode_steps_give_the_eager_tokens(tiny_model: Callable[[str], Path]) -> None:
     """The model runner's CUDA-graph decode path (static buffers, buckets, every graph captured
     before the first step, one context reused across replays) on CPU, with only the capture itself
-    stood in for: the triton backend (its interpreter here) as the runner uses it on CUDA, and the
-    torch backend's static attention, its reference."""
+    stood in for: the triton backend (its interpreter here), the only one graphs replay over."""
     path = str(tiny_model("llama"))
     lengths, max_tokens = [5, 40, 70, 100], [8, 6, 4, 3]  # the batch shrinks from 4 rows to 1
     prompts = [[2 + (i * 7 + j) % 250 for j in range(n)] for i, n in enumerate(lengths)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    settings = {"device": "cpu", "attention_backend": backend, "max_num_seqs": 4, "compile": False}
+    settings = {"device": "cpu", "attention_backend": "triton", "max_num_seqs": 4, "compile": False}
     eager = LLM(path, **settings).generate(prompts, params)  # type: ignore[arg-type]
     llm = LLM(path, **settings)  # type: ignore[arg-type]
     runner = llm.engine.runner
@@ -150,7 +150,7 @@ def test_eager_and_graph_steps_run_one_compiled_forward(tiny_model: Callable[[st
     prompts = [[2 + (i * 5 + j) % 250 for j in range(n)] for i, n in enumerate([6, 19, 33])]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(path, device="cpu", compile=False).generate(prompts, params)]
-    llm = LLM(path, device="cpu", attention_backend="torch", max_num_seqs=4, compile=True)
+    llm = LLM(path, device="cpu", attention_backend="triton", max_num_seqs=4, compile=True)
     runner = llm.engine.runner
     runner.transfers = Transfers(torch.device("cpu"), copy=True)
     runner.decode_kv.stage = runner.transfers.stage

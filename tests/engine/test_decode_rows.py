@@ -20,17 +20,10 @@ BLOCK, KVH, DIM = 4, 2, 8
 
 
 def _rows(**limits: int) -> DecodeRows:
-    """One-layer rows; `limits` are DecodeRows' max_rows / pool_tokens."""
-    return DecodeRows(
-        num_layers=1,
-        num_kv_heads=KVH,
-        head_dim=DIM,
-        block_size=BLOCK,
-        max_len=4096,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        **limits,
-    )
+    """One-layer rows for the native kernel; `limits` are DecodeRows' max_rows / pool_tokens."""
+    kernels = native.load()
+    assert kernels is not None, "the native kernel did not build (see the log)"
+    return DecodeRows(1, KVH, DIM, BLOCK, 4096, torch.float32, torch.device("cpu"), native=kernels, **limits)
 
 
 def _fill_seq_ids(view: object) -> list[tuple[int, int]]:
@@ -50,20 +43,19 @@ def test_rows_are_kept_while_decoding_and_refilled_when_out_of_step() -> None:
     assert order == [0, 1] and _fill_seq_ids(view) == [(0, 10), (1, 20)]
     order, view = rows.plan([DecodeRequest(7, 11, table), DecodeRequest(8, 21, table)])
     assert _fill_seq_ids(view) == [] and rows.num_fills == 2  # both kept, nothing copied
-    # seq 7 skips a step (preempted, prefilling again): it loses its row, seq 8 moves into row 0
+    # seq 7 sits a step out (a budget-limited step): it keeps its row
     order, view = rows.plan([DecodeRequest(8, 22, table)])
-    assert rows.num_rows == 1 and _fill_seq_ids(view) == []
+    assert rows.num_rows == 2 and _fill_seq_ids(view) == []
+    # it comes back at another position (preempted, prefilled again): the row is stale, refilled
     order, view = rows.plan([DecodeRequest(7, 30, table), DecodeRequest(8, 23, table)])
-    assert _fill_seq_ids(view) == [(1, 30)]
+    assert _fill_seq_ids(view) == [(0, 30)]
     # a position that does not follow the row's length means the row is stale: refill
     order, view = rows.plan([DecodeRequest(7, 30, table), DecodeRequest(8, 24, table)])
-    assert _fill_seq_ids(view) == [(1, 30)]
+    assert _fill_seq_ids(view) == [(0, 30)]
 
 
 def test_the_native_kernels_rows_keep_their_place_and_a_new_sequence_takes_a_hole() -> None:
-    kernels = native.load()
-    assert kernels is not None, "the native kernel did not build (see the log)"
-    rows = DecodeRows(1, KVH, DIM, BLOCK, 4096, torch.float32, torch.device("cpu"), native=kernels)
+    rows = _rows()
     table = list(range(64))
     rows.plan([DecodeRequest(s, 10, table) for s in (1, 2, 3)])
     # seq 1 finished: the others keep rows 1 and 2 (nothing moved or refilled), row 0 is a hole
@@ -75,12 +67,6 @@ def test_the_native_kernels_rows_keep_their_place_and_a_new_sequence_takes_a_hol
     order, view = rows.plan([DecodeRequest(4, 20, table), DecodeRequest(2, 12, table), DecodeRequest(3, 12, table)])
     assert rows._where[4] == (0, 0) and _fill_seq_ids(view) == [(0, 20)]
     assert order == [0, 1, 2]  # packed by row
-
-
-def _native_rows() -> DecodeRows:
-    kernels = native.load()
-    assert kernels is not None, "the native kernel did not build (see the log)"
-    return DecodeRows(1, KVH, DIM, BLOCK, 4096, torch.float32, torch.device("cpu"), native=kernels)
 
 
 def _plan_fields(order: list[int], view: object) -> tuple[object, ...]:
@@ -107,7 +93,7 @@ def test_a_step_that_repeats_the_last_one_position_on_is_planned_as_in_full() ->
         [(3, 86, own), (1, 19, shared)],  # seq 1 skipped a position: refilled
         [(3, 2 * MIN_CLASS_LEN, own), (1, 20, shared)],  # seq 3 outgrows its class
     ]
-    reused, full = _native_rows(), _native_rows()
+    reused, full = _rows(), _rows()
     last = None
     repeats, prefixes = [], []
     for i, step in enumerate(steps):
@@ -133,7 +119,7 @@ def test_outgrowing_a_class_moves_to_the_next_and_packs_by_class() -> None:
     order, view = rows.plan([DecodeRequest(1, MIN_CLASS_LEN, table), DecodeRequest(2, 6, table)])
     # seq 1 now needs MIN_CLASS_LEN + 1 tokens: class 1, refilled; class 0 is packed first
     assert order == [1, 0]
-    assert [step.positions.tolist() for step in view.classes] == [[6], [MIN_CLASS_LEN]]
+    assert [step.cap for step in view.classes] == [MIN_CLASS_LEN, 2 * MIN_CLASS_LEN]
     assert _fill_seq_ids(view) == [(0, MIN_CLASS_LEN)]
 
 
@@ -180,8 +166,8 @@ def test_a_row_comes_one_class_early_when_its_sequence_can_only_end_there() -> N
     # a prompt 4 tokens below class 0's end that may grow 20 more: one fill, kept as it crosses
     near = MIN_CLASS_LEN - 4
     for step in range(8):
-        _, view = rows.plan([DecodeRequest(3, near + step, table, near + 20), DecodeRequest(4, 10 + step, table)])
-        assert [c.positions.tolist() for c in view.classes] == [[10 + step], [near + step]]
+        order, view = rows.plan([DecodeRequest(3, near + step, table, near + 20), DecodeRequest(4, 10 + step, table)])
+        assert order == [1, 0] and [c.cap for c in view.classes] == [MIN_CLASS_LEN, 2 * MIN_CLASS_LEN]
     assert rows.num_fills == 2
 
 

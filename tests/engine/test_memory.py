@@ -1,4 +1,4 @@
-"""KV pool sizing after a profiling forward (memory.py, pool_sizing.py) and the device-aware defaults
+"""KV pool sizing after a profiling forward (pool_sizing.py) and the device-aware defaults
 (api/config.resolve over each device's Platform),
 on CPU: device memory is read through a fake probe, the profiling forward is real."""
 
@@ -17,15 +17,16 @@ from batchgen.engine.api.platform import Platform
 from batchgen.engine.cuda.platform import CudaPlatform
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner import models
-from batchgen.engine.runner.memory import (
+from batchgen.engine.runner.pool_sizing import (
     GATHER_LAYERS_HEADROOM,
     SAMPLER_COPIES,
     MemoryProfile,
+    kv_block_bytes,
     kv_budget,
+    kv_pool_blocks,
     pool_budget,
     profile_batch,
 )
-from batchgen.engine.runner.pool_sizing import kv_block_bytes, kv_pool_blocks
 
 GIB = 1 << 30
 CUDA = CudaPlatform(torch.device("cuda"))  # its answers, asked on a machine without a GPU
@@ -191,7 +192,7 @@ def test_gpu_memory_utilization_is_checked(value: object) -> None:
 
 
 def test_a_profiling_forward_that_runs_out_of_memory_names_the_settings() -> None:
-    from batchgen.engine.runner.memory import profile_kv_budget
+    from batchgen.engine.runner.pool_sizing import profile_kv_budget
 
     class Runner:
         def execute(self, batch: object) -> object:

@@ -172,12 +172,12 @@ def test_the_sampling_step_makes_no_host_scalar_tensor(llama: tuple[LLM, Any], m
     first H200 run's profiler found one such sync per decode step with penalties. On the CPU the
     copy is free, so this checks the cause: no aten.scalar_tensor and no accumulating index_put_
     in the sampler's step or the penalty rows' set-up, with every feature on."""
-    from batchgen.engine.sampling import penalty_state
+    from batchgen.engine.sampling import penalties
     from batchgen.engine.sampling.sampler import Sampler
 
     llm, _ = llama
     seen = _Ops()
-    for owner, name in ((Sampler, "sample"), (penalty_state.PenaltyTables, "take")):
+    for owner, name in ((Sampler, "sample"), (penalties.PenaltyTables, "take")):
         original = getattr(owner, name)
 
         def recorded(*args: Any, _original: Any = original, **kwargs: Any) -> Any:

@@ -16,8 +16,7 @@ from batchgen.engine.cpu import native
 from batchgen.engine.cpu.argmax import native_greedy_ids
 from batchgen.engine.sampling.batch import SamplingBatch
 from batchgen.engine.sampling.penalties import LogitsFeatures
-from batchgen.engine.sampling.sampler import NUCLEUS_WINDOW, Sampler, greedy_ids
-from batchgen.engine.sampling.step_draw import draw_now
+from batchgen.engine.sampling.sampler import NUCLEUS_WINDOW, Sampler, draw_now, greedy_ids
 from batchgen.engine.staging.transfers import Transfers
 
 VOCAB = 64

@@ -199,8 +199,7 @@ def test_abort_all_leaves_every_owner_empty(llm: LLM) -> None:
 def test_the_off_step_draw_applies_a_rows_features_once() -> None:
     """The hf backend's seeded draw: new rows join in the draw's own upload, and the engine's
     sampler applies their logits features (here a bias) as a step's draw does; clear frees them."""
-    from batchgen.engine.sampling.sampler import Sampler
-    from batchgen.engine.sampling.step_draw import draw_now
+    from batchgen.engine.sampling.sampler import Sampler, draw_now
 
     cpu = torch.device("cpu")
     sampler = Sampler([0], LogitsFeatures(None, 16, [0]))

@@ -13,8 +13,7 @@ import jsonschema
 import pytest
 
 from batchgen import LLM
-from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.api.structured_outputs import StructuredOutputsParams
+from batchgen.engine.api.params import SamplingParams, StructuredOutputsParams
 from batchgen.engine.sampling.structured import check_structured
 
 PROMPTS = ["once upon a time", "the cat liked to play", "a little dog", "there was a sun", "her friend"]

@@ -19,15 +19,14 @@ import torch
 pytest.importorskip("triton")  # a machine without triton (not Linux) skips the kernels' tests
 
 from batchgen.engine.attention.backend import TorchBackend
-from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.metadata import ForwardContext, StaticDecode
 from batchgen.engine.attention.op import LayerCall
-from batchgen.engine.attention.static_decode import StaticDecode, static_decode_attention
 from batchgen.engine.core.scheduler_output import ScheduledChunk
 from batchgen.engine.triton import support
 from batchgen.engine.triton.backend import TritonBackend
 from batchgen.engine.triton.plan import tile_map, tile_rows
 
-from .attention_harness import DirectStager
+from .attention_harness import DirectStager, static_decode_attention
 
 if not support.interpreting() and not torch.cuda.is_available():
     pytest.skip("neither Triton's interpreter nor CUDA", allow_module_level=True)
@@ -193,8 +192,8 @@ def test_the_store_writes_each_token_at_its_slot_and_skips_padding() -> None:
 
 def test_a_graph_decode_step_reads_only_fixed_buffers() -> None:
     """A CUDA-graph decode step (cuda/graphs' StaticDecode: 3 rows and a padded one in a bucket of
-    4, tables 3 blocks wide in buffers 5 wide): the same answer as the torch backend's graph
-    attention, from plan tensors that are the backend's own buffers at every step."""
+    4, tables 3 blocks wide in buffers 5 wide): the same answer as the reference graph attention
+    (attention_harness), from plan tensors that are the backend's own buffers at every step."""
     gen = torch.Generator().manual_seed(7)
     shape = (POOL + 1, BLOCK, KVH, D)
     pools = [(torch.randn(shape, generator=gen).to(DEVICE), torch.randn(shape, generator=gen).to(DEVICE))]

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams, StructuredOutputsParams
-from batchgen.engine.api.params import SettingError
-from batchgen.engine.api.structured_outputs import StructuredOutputsError
+from batchgen.engine.api.params import SettingError, StructuredOutputsError
 
 # What lm-evaluation-harness 0.4.13's vLLM backend passes to LLM(...) by default (besides model).
 LM_EVAL_KEYWORDS: dict[str, Any] = {

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from batchgen.engine.api.params import SettingError, is_int
+from batchgen.engine.api.params import SettingError, is_finite, is_int
 
 if TYPE_CHECKING:  # why: the job file reads EngineConfig's fields, and a finished job must not import torch
     import torch
@@ -32,7 +32,7 @@ class EngineConfig:
     max_num_seqs: int | None = None  # sequences in one step; None: 64 on CPU, 256 on CUDA
     max_num_batched_tokens: int | None = None  # tokens (prefill chunks + decodes) in one step; None: 2048 / 8192
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    # None: on CUDA what gpu_memory_utilization leaves after a profiling forward (memory.py), else
+    # None: on CUDA what gpu_memory_utilization leaves after a profiling forward (runner/pool_sizing), else
     # 1 GiB capped by what max_num_seqs can use (pool_sizing.num_kv_blocks_for)
     kv_cache_memory_bytes: int | None = None
     # CUDA: the share of the GPU's total memory this engine may use (weights, activations, KV pool)
@@ -69,62 +69,44 @@ class EngineConfig:
             value = getattr(self, f.name)
             if f.type == "int | None" and value is not None and (not is_int(value) or value < 1):
                 raise SettingError("EngineConfig", f.name, "null or an integer >= 1", value)
-        size = self.tensor_parallel_size
-        if not is_int(size) or size < 1:
-            raise SettingError("EngineConfig", "tensor_parallel_size", "an integer >= 1", size)
-        share = self.gpu_memory_utilization
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-            raise SettingError("EngineConfig", "gpu_memory_utilization", "a number in (0, 1]", share)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise SettingError("EngineConfig", "enable_prefix_caching", "true or false", self.enable_prefix_caching)
-        self._check_lora()
-        if not (self.compile == "auto" or isinstance(self.compile, bool)):
-            raise SettingError("EngineConfig", "compile", "'auto', true or false", self.compile)
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
-            raise SettingError(
-                "EngineConfig", "attention_backend", "'auto', 'torch', 'cpu' or 'triton'", self.attention_backend
-            )
+        size, share, loras = self.tensor_parallel_size, self.gpu_memory_utilization, self.max_loras or 1
+        checks = [  # why one expression each: the whole list is built before the first is read
+            ("tensor_parallel_size", is_int(size) and size >= 1, "an integer >= 1"),
+            ("gpu_memory_utilization", is_finite(share) and 0 < share <= 1, "a number in (0, 1]"),
+            *[(name, isinstance(getattr(self, name), bool), "true or false") for name in _SWITCHES],
+            ("max_cpu_loras", (self.max_cpu_loras or loras) >= loras, f"null or >= max_loras ({loras})"),
+            ("enable_lora", not (self.enable_lora is True and is_int(size) and size > 1), _LORA_TP),
+            ("compile", self.compile == "auto" or isinstance(self.compile, bool), "'auto', true or false"),
+            ("attention_backend", self.attention_backend in _BACKENDS, "'auto', 'torch', 'cpu' or 'triton'"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise SettingError("EngineConfig", name, expected, getattr(self, name))
 
-    def _check_lora(self) -> None:
-        if not isinstance(self.enable_lora, bool):
-            raise SettingError("EngineConfig", "enable_lora", "true or false", self.enable_lora)
-        if self.max_cpu_loras is not None and self.max_cpu_loras < (self.max_loras or 1):
-            raise SettingError(
-                "EngineConfig", "max_cpu_loras", f"null or >= max_loras ({self.max_loras or 1})", self.max_cpu_loras
-            )
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise SettingError(
-                "EngineConfig",
-                "enable_lora",
-                "false with tensor_parallel_size > 1 (adapter slots are not sharded over ranks; "
-                "run one engine per device with the shards or ray executors)",
-                self.enable_lora,
-            )
+
+_SWITCHES = ("enable_prefix_caching", "enable_lora")
+_BACKENDS = ("auto", "torch", "cpu", "triton")
+_LORA_TP = (
+    "false with tensor_parallel_size > 1 (adapter slots are not sharded over ranks; "
+    "run one engine per device with the shards or ray executors)"
+)
 
 
 @dataclass(frozen=True)
-class ResolvedConfig:
+class ResolvedConfig(EngineConfig):
     """The settings the engine is built with: EngineConfig's, every default decided for one device,
-    dtype and model (resolve)."""
+    dtype and model (resolve). Only what resolve decides is declared again, narrowed."""
 
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    attention_backend: str  # "torch", "cpu" or "triton"
-    compile: bool
-    compile_fallback: bool  # compile was "auto": a model that fails to compile runs eager
-    num_kv_blocks: int | None  # None: sized at load (runner/pool_sizing)
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float
-    enable_prefix_caching: bool
-    tensor_parallel_size: int
-    enable_lora: bool = False
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 1
+    compile: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int = 1
-    encoder_cache_tokens: int | None = None  # None: max_num_batched_tokens, raised to the largest image
-    max_decoded_pixels: int = 0  # 0: DECODED_PIXELS
+    max_decoded_pixels: int = DECODED_PIXELS
+    compile_fallback: bool = False  # compile was "auto": a model that fails to compile runs eager
 
 
 def resolve(
@@ -139,30 +121,26 @@ def resolve(
 ) -> ResolvedConfig:
     """`config` on `platform` for a model of `max_model_len` (resolved from its config), `head_dim`
     and soft-capping. `compiles`: False where compiling serves nothing (pooling forwards run eager);
-    tensor-parallel ranks run eager too (README, tensor parallelism)."""
+    tensor-parallel ranks run eager too (README, tensor parallelism). num_kv_blocks None is sized
+    at load (runner/pool_sizing); encoder_cache_tokens None is sized by the scheduler (core/image_budget)."""
     backend = platform.attention_backend(config.attention_backend)
     compile = compiles and (platform.compiles_by_default() if config.compile == "auto" else config.compile)
-    compile = compile and config.tensor_parallel_size == 1
-    block_size = config.block_size or platform.block_size(backend, dtype, head_dim, softcap)
+    settings: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
     return ResolvedConfig(
-        block_size=block_size,
-        max_num_seqs=config.max_num_seqs or platform.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens or platform.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        attention_backend=backend,
-        compile=compile,
-        compile_fallback=config.compile == "auto",
-        num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        enable_prefix_caching=config.enable_prefix_caching,
-        tensor_parallel_size=config.tensor_parallel_size,
-        enable_lora=config.enable_lora,
-        max_loras=config.max_loras or 1,
-        max_lora_rank=config.max_lora_rank or 16,
-        max_cpu_loras=config.max_cpu_loras or config.max_loras or 1,
-        encoder_cache_tokens=config.encoder_cache_tokens,
-        max_decoded_pixels=config.max_decoded_pixels or DECODED_PIXELS,
+        **{
+            **settings,
+            "block_size": config.block_size or platform.block_size(backend, dtype, head_dim, softcap),
+            "max_num_seqs": config.max_num_seqs or platform.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens or platform.max_num_batched_tokens,
+            "max_model_len": max_model_len,
+            "attention_backend": backend,
+            "compile": compile and config.tensor_parallel_size == 1,
+            "compile_fallback": config.compile == "auto",
+            "max_loras": config.max_loras or 1,
+            "max_lora_rank": config.max_lora_rank or 16,
+            "max_cpu_loras": config.max_cpu_loras or config.max_loras or 1,
+            "max_decoded_pixels": config.max_decoded_pixels or DECODED_PIXELS,
+        }
     )
 
 

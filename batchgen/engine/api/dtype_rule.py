@@ -121,27 +121,20 @@ def resolve_auto(device_type: str, model_path: str | os.PathLike[str] | None, cu
     return DtypeChoice("bfloat16", f"checkpoint stored in {stored} ({where}) and native bf16 on this CPU: {flags}")
 
 
-def choose(
-    setting: str, device_type: str, model_path: str | os.PathLike[str] | None, cuda_bf16: bool = False
-) -> DtypeChoice:
-    """The dtype a job or LLM setting ("auto" or a name) resolves to, with its reason."""
-    if setting == "auto":
-        return resolve_auto(device_type, model_path, cuda_bf16)
-    if setting not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {setting!r}")
-    return DtypeChoice(setting, "set explicitly")
-
-
 def for_job(setting: str, device_setting: str, model_path: str | os.PathLike[str] | None) -> DtypeChoice:
-    """`choose` for a job's model.dtype and model.device ("auto": CUDA when present, else the CPU).
-    torch is imported only where CUDA must be asked (device auto or cuda, dtype auto)."""
-    if setting != "auto" or device_setting == "cpu":
-        return choose(setting, device_setting.split(":")[0] if device_setting != "auto" else "cpu", model_path)
+    """What a job's model.dtype ("auto" or a name) resolves to on its model.device ("auto": CUDA when
+    present, else the CPU), with its reason. torch is imported only where CUDA must be asked."""
+    if setting != "auto":
+        if setting not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {setting!r}")
+        return DtypeChoice(setting, "set explicitly")
+    if device_setting == "cpu":
+        return resolve_auto("cpu", model_path)
     import torch  # why here: `validate` and `estimate` of a CPU job need no torch
 
     cuda = torch.cuda.is_available()
     device_type = ("cuda" if cuda else "cpu") if device_setting == "auto" else device_setting.split(":")[0]
-    return choose(setting, device_type, model_path, device_type == "cuda" and cuda and torch.cuda.is_bf16_supported())
+    return resolve_auto(device_type, model_path, device_type == "cuda" and cuda and torch.cuda.is_bf16_supported())
 
 
 def host_rule() -> str:

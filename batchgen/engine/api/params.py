@@ -4,7 +4,10 @@ This dataclass is the one definition of the sampling settings: the job file's `s
 and its per-row columns are derived from it (batchgen/job/spec.py), so a field is added here once.
 A field marked PYTHON_ONLY is vLLM's Python API only and no job-file key: `detokenize` (a job
 writes text), `spaces_between_special_tokens` (no effect here, see the field) and
-`structured_outputs` (the job file spells it `structured`).
+`structured_outputs` (the job file spells it `structured`): vLLM's StructuredOutputsParams, checked for
+vLLM's shape (exactly one constraint) and mapped onto the `{kind: value}` spec (`to_spec`). Options
+batchgen cannot honour are refused; `disable_any_whitespace` and `disable_additional_properties`
+are accepted whatever they say (batchgen always does both).
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
-
-from batchgen.engine.api.structured_outputs import StructuredOutputsParams
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # top alternatives per token, as vLLM's default max_logprobs
@@ -42,6 +43,65 @@ def is_int(value: Any) -> bool:
 
 def is_finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# vLLM's constraint fields -> batchgen's spec kinds (SamplingParams.structured)
+_KINDS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
+
+
+class StructuredOutputsError(ValueError):
+    """A StructuredOutputsParams batchgen cannot run; the message names the field."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one of `json` (a schema), `regex`, `choice`, `grammar` (xgrammar's EBNF) or
+    `json_object`; compiled when the request is added or the job file validated."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _KINDS if getattr(self, name) is not None]
+        if self.structural_tag is not None:
+            raise StructuredOutputsError(
+                "StructuredOutputsParams.structural_tag is not supported by batchgen: constrain the whole "
+                "output with json, regex, choice or grammar instead"
+            )
+        if len(given) != 1:
+            raise StructuredOutputsError(
+                f"StructuredOutputsParams needs exactly one of {', '.join(_KINDS)}, got {given or 'none'}"
+            )
+        if self.whitespace_pattern is not None:
+            raise StructuredOutputsError(
+                "StructuredOutputsParams.whitespace_pattern is not supported by batchgen: JSON is always "
+                "generated without free whitespace (as disable_any_whitespace=True)"
+            )
+        if self.json_object is not None and self.json_object is not True:
+            raise StructuredOutputsError(f"StructuredOutputsParams.json_object must be True, got {self.json_object!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise StructuredOutputsError(
+                    f"StructuredOutputsParams.{name} must be true or false, got {getattr(self, name)!r}"
+                )
+
+    def to_spec(self) -> dict[str, Any]:
+        """The equivalent `SamplingParams.structured` spec, e.g. {"json_schema": {...}}."""
+        name = next(n for n in _KINDS if getattr(self, n) is not None)
+        return {_KINDS[name]: getattr(self, name)}
 
 
 # Field metadata of the settings that are not job-file keys (see the module docstring); a field may add

@@ -37,7 +37,7 @@ class StepHook:
 
 
 class MemoryProbe(Protocol):
-    """The device memory counters the KV pool's profiling forward reads (runner/memory)."""
+    """The device memory counters the KV pool's profiling forward reads (runner/pool_sizing)."""
 
     def clear(self) -> None:
         """Release cached, unused memory and reset the peak mark."""

@@ -23,7 +23,6 @@ from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.path import varlen_paged_attention
 from batchgen.engine.attention.planning import PlannedChunk, Stager, build_forward_context
-from batchgen.engine.attention.static_decode import static_decode_attention
 from batchgen.engine.attention.torch_math import torch_paged_attention
 
 Pools = list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, KVH, D]
@@ -35,8 +34,8 @@ class AttentionBackend:
 
     name: ClassVar[str] = "torch"
     # why a flag: a CUDA-graph decode step attends over the static buffers' full-width block tables
-    # (cuda/graphs); a backend that reads the pool in place does that at the cost of the real
-    # lengths, the torch backend's static attention gathers the full width (a reference, for tests)
+    # (cuda/graphs), which only a backend that reads the pool in place does at the cost of the real
+    # lengths (triton); the others would gather the full width every step
     replays_static_decode: ClassVar[bool] = False
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device, decode_kv: DecodeKVSource) -> None:
@@ -85,11 +84,9 @@ class AttentionBackend:
         ctx, k_cache, v_cache = self.begin_layer(layer, key)
         decodes_store = _decodes_store_kv(ctx, softcap)
         if not decodes_store:
-            padded = ctx.static_decode is not None or ctx.num_tokens != ctx.slot_mapping.shape[0]
+            padded = ctx.num_tokens != ctx.slot_mapping.shape[0]
             # key/value [KVH, T, D] -> pool slots of this step (padded tokens, slot -1, go to the trash block)
             store_kv(k_cache, v_cache, ctx.slot_mapping, key.transpose(0, 1), value.transpose(0, 1), padded)
-        if ctx.static_decode is not None:  # a CUDA-graph decode step: fixed shapes, no per-step Python state
-            return static_decode_attention(query, k_cache, v_cache, ctx.static_decode, scale, window, softcap)
         if ctx.flash is not None:
             if softcap is not None:  # why: the runner chose this path from the config; never run it wrong
                 raise RuntimeError(f"layer {layer} soft-caps its logits; the varlen kernel cannot")
@@ -142,7 +139,7 @@ class TorchBackend(AttentionBackend):
 
 def _decodes_store_kv(ctx: ForwardContext, softcap: float | None) -> bool:
     """A decode-only step whose decode source stores the K/V itself (e.g. a native kernel, with its attention)."""
-    plain = ctx.static_decode is None and ctx.flash is None and not ctx.prefills and softcap is None
+    plain = ctx.flash is None and not ctx.prefills and softcap is None
     return plain and ctx.decodes is not None and ctx.decodes.writes_pool
 
 

@@ -1,9 +1,9 @@
 """The decode K/V source: where a step's decodes read their keys and values from.
 
 Why a seam: gathered blocks (the torch backend) copy each decode's blocks out of the pool per
-layer; contiguous rows (the CPU backend) keep a growing per-sequence copy, saving most of that
-copy on a memory-bound CPU. A source groups a step's decodes by length, is told each layer's new
-K/V, and hands each group's keys [B, KVH, D, L] and values [B, KVH, L, D].
+layer, group the step's decodes by length and hand each group's keys [B, KVH, D, L] and values
+[B, KVH, L, D] to the torch math; contiguous rows (the CPU backend) keep a growing per-sequence
+copy, saving most of that copy on a memory-bound CPU, which the native kernel attends itself.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class DecodeGroup:
     kv_len: int  # L: the padded key length of the group's K/V
     shared_len: int = 0  # > 0: the first shared_len keys are the same blocks in every row (cascade)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B, 1, 1, L]
-    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [B * KVH, 1, L] (0 / -inf)
 
 
 class DecodeStep(Protocol):
@@ -49,16 +48,13 @@ class DecodeStep(Protocol):
 
     groups: list[DecodeGroup]
 
-    def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Called per layer after its new K/V went to the pool; key/value [KVH, T, D], decodes first."""
-
     def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [B, KVH, D, L], values [B, KVH, L, D] of groups[group] (row b: positions 0..L-1 of its b-th decode)."""
 
     def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
         """Attend every decode of this layer itself (q [H, T, D], key/value [KVH, T, D], out [T, H, D]),
-        its K/V updated too, and stored in the pool at `slots` when given (see writes_pool); False:
-        the caller runs update() and attends group by group over kv()."""
+        its K/V stored in the pool at `slots` when given (see writes_pool); False: the caller attends
+        group by group over kv(), after the layer's K/V went to the pool."""
 
     @property
     def writes_pool(self) -> bool:

@@ -56,9 +56,6 @@ class GatherStep:
         self.groups = groups
         self._indices = indices  # per group [num_seqs * blocks] block ids
 
-    def update(self, layer: int, pool: Pool, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Nothing to do: the pool already holds this step's K/V."""
-
     def attend(self, *args: object) -> bool:
         """Gathered blocks attend group by group in torch (attention.py)."""
         return False

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.attention.decode_kv import DecodeStep
-from batchgen.engine.attention.static_decode import StaticDecode
+
+MAX_GRAPH_BATCH = 512  # the most rows a replayed decode step holds (cuda/graphs; the triton plan's buffers)
 
 
 @dataclass
@@ -35,6 +36,14 @@ class FlashMetadata:
     max_seqlen_k: int
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
     seqused_k: torch.Tensor  # [num_seqs] int64: keys each chunk attends over (context + its own tokens)
+
+
+@dataclass
+class StaticDecode:
+    """The decode metadata a captured CUDA graph reads (cuda/graphs), in fixed-size buffers ([B] rows, padded)."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padding: block 0
+    context_lens: torch.Tensor  # [B] int64: tokens in cache after this step, padding: 1
 
 
 @dataclass

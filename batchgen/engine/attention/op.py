@@ -4,7 +4,10 @@ by which the op finds the engine it runs for.
 Why an op: torch.compile fuses the modules around the attention only if the attention (Python
 plans, KV pool writes) neither breaks the graph nor is traced. Why a handle and a layer index as
 arguments: several engines may live in one process; each backend registers here (weakly) and each
-layer is bound to (handle, layer) at load, so the graph holds two constants per layer.
+layer is bound to (handle, layer) at load, so the graph holds two constants per layer. Why the lowest
+free handle: the same engine gets the same constants in every process (and after an earlier engine
+in the same one is dropped), so inductor's graph cache serves its compiled graph instead of
+compiling it again.
 """
 
 from __future__ import annotations
@@ -41,12 +44,11 @@ class LayerRunner(Protocol):
 
 
 _LIVE: weakref.WeakValueDictionary[int, LayerRunner] = weakref.WeakValueDictionary()
-_IDS = itertools.count(1)
 
 
 def register(backend: LayerRunner) -> int:
-    """A handle for `backend`, valid while it lives."""
-    handle = next(_IDS)
+    """A handle for `backend`, valid while it lives: the lowest one no live backend holds."""
+    handle = next(h for h in itertools.count(1) if h not in _LIVE)
     _LIVE[handle] = backend
     return handle
 
@@ -92,7 +94,7 @@ paged_attention.register_fake(_out_shape)
 
 torch.library.define(
     FRONT_OP_NAME,
-    "(Tensor query, Tensor key, Tensor value, float scale, SymInt? window, float? softcap, int backend, int layer,"
-    " int plan_cell) -> Tensor",
+    "(Tensor query, Tensor key, Tensor value, float scale, SymInt? window, float? softcap, int backend, int layer)"
+    " -> Tensor",
 )
 torch.library.register_fake(FRONT_OP_NAME)(_out_shape)

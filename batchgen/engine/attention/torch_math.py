@@ -54,33 +54,6 @@ def _prefill_mask(chunk: PrefillChunk, window: int | None, device: torch.device)
     return chunk.masks[window]
 
 
-def _decode_bias(group: DecodeGroup, window: int | None, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """The decode mask as an additive bias [B * KVH, 1, L] (0 or -inf), once per group and window."""
-    if window not in group.biases:
-        mask = _decode_mask(group, window)  # [B, 1, 1, L]
-        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        group.biases[window] = bias.expand(-1, kv_heads, -1, -1).reshape(-1, 1, group.kv_len)
-    return group.biases[window]
-
-
-def _batched_decode_attention(
-    qg: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scaling: float, out: torch.Tensor
-) -> None:
-    """qg [B * KVH, G, D], keys k_t [B, KVH, D, L] contiguous along L, v [B, KVH, L, D] -> out [B * KVH, G, D].
-
-    Why not SDPA: with keys stored transposed the scores are one batched product reading each key
-    row contiguously (CPU decode attention 5.6 -> 3.5 ms, demo model; RESULTS.md, third pass).
-    Softmax in float32; `out` is written in place (a view of the layer's output).
-    """
-    rows, d = qg.shape[0], qg.shape[2]
-    if qg.dtype != torch.float32:  # why float32 math: bf16 scores lose ~3 digits before the softmax
-        scores = torch.baddbmm(bias.float(), qg.float(), k_t.reshape(rows, d, -1).float(), alpha=scaling)
-        out.copy_(torch.bmm(scores.softmax(-1), v.reshape(rows, -1, d).float()))  # [B * KVH, G, D]
-        return
-    scores = torch.baddbmm(bias, qg, k_t.reshape(rows, d, -1), alpha=scaling)  # [B * KVH, G, L]
-    torch.bmm(scores.softmax(-1), v.reshape(rows, -1, d), out=out)
-
-
 def _grouped_attention(
     qg: torch.Tensor,
     k_t: torch.Tensor,
@@ -117,10 +90,6 @@ def _attend_decodes(
     # why: a decode's G query heads per KV head share one position, so they can stand in as the
     # query length of a plain attention; K/V are read once per KV head, never repeated (this is
     # ~3x faster on CPU than SDPA's enable_gqa on a padded decode batch)
-    if softcap is None and k_t.stride(-1) == 1 and out.is_contiguous():  # keys stored transposed (decode rows)
-        bias = _decode_bias(group, window, kvh, q.dtype)
-        _batched_decode_attention(q.reshape(b * kvh, h // kvh, d), k_t, v, bias, scaling, out.view(b * kvh, -1, d))
-        return
     qg = q.reshape(b, kvh, h // kvh, d)  # [B, KVH, G, D]
     out.copy_(_grouped_attention(qg, k_t, v, _decode_mask(group, window), scaling, softcap).reshape(b, h, d))
 
@@ -160,9 +129,8 @@ def _decode_attention(
     """The decodes' rows of `out` [T, H, D]; q [H, T, D], key/value [KVH, T, D] (this step's, decodes first).
     `slots`: the step's slot mapping when the source stores the decodes' K/V in the pool itself."""
     layer, scaling, window, softcap = call
-    if softcap is None and step.attend(call, pool, (q, key, value), out, slots):
+    if step.attend(call, pool, (q, key, value), out, slots):
         return
-    step.update(layer, pool, key, value)
     for i, group in enumerate(step.groups):
         first, n = group.start, group.num_seqs
         k_t, v = step.kv(layer, pool, i)  # keys [B, KVH, D, L], values [B, KVH, L, D]

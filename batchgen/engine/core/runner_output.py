@@ -19,15 +19,9 @@ class LogprobLists:
     ks: list[int]
     targets: list[int]
     read: list[Any]
-
-
-@dataclass(frozen=True)
-class PromptLogprobLists:
-    """A step's prompt logprobs: per chunk (its sequence, its first position, its rows), in batch
-    order; row j of a chunk starting at `start` scores prompt token start + j + 1."""
-
-    chunks: list[tuple[int, int, int]]
-    scored: LogprobLists
+    # prompt logprobs: per chunk (its sequence, its first position, its rows), in batch order; row j
+    # of a chunk starting at `start` scores prompt token start + j + 1
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -37,7 +31,7 @@ class ModelRunnerOutput:
     sampled: list[int] = field(default_factory=list)
     nan: bool = False  # some logits row of the step held a NaN (the loop fails the step)
     logprobs: LogprobLists | None = None  # the draws that asked for logprobs
-    prompt_logprobs: PromptLogprobLists | None = None
+    prompt_logprobs: LogprobLists | None = None  # with its chunks
     grammar_done: frozenset[int] = frozenset()  # draws whose grammar has accepted a complete output
     errors: tuple[tuple[int, str], ...] = ()  # (seq id, why): requests failed in this step (an undecodable image)
 

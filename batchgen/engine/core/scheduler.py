@@ -72,8 +72,6 @@ class Scheduler:
     """Decides each step's chunks under `max_num_batched_tokens` and `max_num_seqs`."""
 
     def __init__(self, config: ResolvedConfig, block_manager: BlockManager, max_model_len: int) -> None:
-        if not isinstance(max_model_len, int) or max_model_len < 1:
-            raise ValueError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
         if block_manager.block_size != config.block_size:
             raise ValueError(
                 f"BlockManager block_size {block_manager.block_size} != the config's block_size {config.block_size}"

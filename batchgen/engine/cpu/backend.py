@@ -1,38 +1,71 @@
-"""CpuBackend ("cpu"): attention over contiguous decode rows, with the native kernel and its C++ front.
+"""CpuBackend ("cpu"): decode attention over contiguous decode rows by the native kernel, with its C++ front.
 
 Why a backend of its own: on a CPU a decode step is memory-bound, and three things measured
 faster there than the torch backend's gathered blocks (benchmarks/RESULTS.md): a contiguous row
 of K/V per decoding sequence (decode_rows), the native decode kernel that appends and attends
-every decode in one call per layer (decode_native, where it can attend the model: float32 rows,
-or bf16 rows where its bf16 twin measured faster than torch on this machine; no soft-capping),
-and the C++ operator that calls that kernel without Python per layer on decode-only steps
-(front). Without the kernel (Gemma 2's soft-capping, no compiler, bf16 where torch measured
-faster) the rows are attended with the torch backend's math, in the key layout measured faster
-for the model's shape (decode_layout: batched products in float32 softmax, or SDPA). Everything
-else (prefills, mixed steps) is the torch backend's code, which this one is tested against.
+every decode in one call per layer (decode_native), and the C++ operator that calls that kernel
+without Python per layer on decode-only steps (front). Everything else (prefills, mixed steps) is
+the torch backend's code, which this one is tested against.
+
+Where the kernel cannot attend the model (Gemma 2's soft-capping, no compiler, BATCHGEN_NATIVE=0,
+fp16, or bf16 where its bf16 twin measured slower than torch on this machine: native_wins),
+`attention_backend: cpu` makes the torch backend (make_cpu_backend): the rows exist only for the
+kernel (a torch-math path over rows was ~20% faster than gathered blocks on mixed-length decodes
+without the kernel, and was cut for the ~200 lines it cost).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.nn import functional as F
 from transformers import PretrainedConfig
 
-from batchgen.engine.attention.backend import AttentionBackend, Pools
+from batchgen.engine.attention.backend import AttentionBackend, Pools, TorchBackend
+from batchgen.engine.attention.decode_kv import gather_blocks
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.cpu import native
-from batchgen.engine.cpu.decode_layout import keys_transposed, native_wins
-from batchgen.engine.cpu.decode_rows import DecodeRows
+from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
+from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch
+from batchgen.engine.cpu.decode_rows import DecodeRows, RowsView
 from batchgen.engine.cpu.front import Front, open_front
 from batchgen.engine.cpu.native import NativeKernels
-from batchgen.engine.cpu.rows_view import RowsView
 
 logger = logging.getLogger(__name__)
+
+ROWS, LENGTH, CAPACITY = 16, 256, 512  # native_wins' decode step: sequences, positions, row length
+REPEATS = 7
+
+
+def make_cpu_backend(
+    kv_caches: Pools,
+    block_size: int,
+    device: torch.device,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    max_len: int,
+    max_rows: int | None,
+) -> AttentionBackend:
+    """The cpu backend where the native kernel attends this model's decodes, else the torch backend."""
+    if missing := native.pending():
+        logger.warning(
+            "building the native CPU kernels for this machine before the first step (%s; %s, once per machine;"
+            " `batchgen doctor --build` builds them ahead of a job)",
+            ", ".join(missing),
+            native.BUILD_SECONDS,
+        )
+    _, _, kvh, head_dim = kv_caches[0][0].shape
+    kernels = kernels_for(config, kvh, head_dim, dtype)
+    if kernels is None:
+        logger.info("attention_backend cpu: the native kernel does not attend this model here; the torch backend does")
+        return TorchBackend(kv_caches, block_size, device)
+    return CpuBackend(kv_caches, block_size, device, config, kernels, max_len, max_rows)
 
 
 class CpuBackend(AttentionBackend):
@@ -44,43 +77,24 @@ class CpuBackend(AttentionBackend):
         block_size: int,
         device: torch.device,
         config: PretrainedConfig,
-        dtype: torch.dtype,
+        kernels: NativeKernels,
         max_len: int,
         max_rows: int | None,
     ) -> None:
-        if missing := native.pending():
-            logger.warning(
-                "building the native CPU kernels for this machine before the first step (%s; %s, once per machine;"
-                " `batchgen doctor --build` builds them ahead of a job)",
-                ", ".join(missing),
-                native.BUILD_SECONDS,
-            )
-        _, _, kvh, head_dim = kv_caches[0][0].shape
-        kernels = kernels_for(config, kvh, head_dim, dtype)
-        heads = config.get_text_config().num_attention_heads
-        transposed = None if kernels is not None else keys_transposed(dtype, kvh, heads // kvh, head_dim)
+        k_pool = kv_caches[0][0]  # [blocks, block_size, KVH, D]
+        _, _, kvh, head_dim = k_pool.shape
+        pool_tokens = (k_pool.shape[0] - 1) * block_size  # the pool's tokens, without its trash block
         rows = DecodeRows(
-            len(kv_caches),
-            kvh,
-            head_dim,
-            block_size,
-            max_len,
-            dtype,
-            device,
-            max_rows,
-            (kv_caches[0][0].shape[0] - 1) * block_size,  # the pool's tokens, without its trash block
-            kernels,
-            transposed,
+            len(kv_caches), kvh, head_dim, block_size, max_len, k_pool.dtype, device, kernels, max_rows, pool_tokens
         )
         super().__init__(kv_caches, block_size, device, rows)
         self.rows = rows
         self.num_heads = config.get_text_config().num_attention_heads
         # the C++ front attends decode-only steps of the native kernel without Python per layer
-        self.front: Front | None = open_front() if rows.native is not None else None
+        self.front: Front | None = open_front(self.handle)
 
     def describe(self) -> str:
-        kernel = "native kernel through the C++ front" if self.front else "native kernel" if self.rows.native else ""
-        return f"cpu (decode rows{', ' + kernel if kernel else ''})"
+        return f"cpu (decode rows, native kernel{' through the C++ front' if self.front else ''})"
 
     @contextmanager
     def running(self, ctx: ForwardContext) -> Iterator[None]:
@@ -88,8 +102,8 @@ class CpuBackend(AttentionBackend):
         every layer itself (new rows filled from the pool first, for every layer)."""
         with super().running(ctx):
             step = ctx.decodes
-            plain = not ctx.prefills and ctx.flash is None and ctx.static_decode is None
-            if self.front is None or not plain or not isinstance(step, RowsView) or step.native is None:
+            plain = not ctx.prefills and ctx.flash is None
+            if self.front is None or not plain or not isinstance(step, RowsView):
                 yield
                 return
             step.fill_all(ctx.kv_caches)
@@ -105,7 +119,7 @@ class CpuBackend(AttentionBackend):
             return super().call_layer(call, query, key, value)
         layer, scale, window, softcap = call
         op = torch.ops.batchgen.attention
-        return op(query, key, value, scale, window, softcap, self.handle, layer, self.front.cell_address)
+        return op(query, key, value, scale, window, softcap, self.handle, layer)
 
     def take_raised(self) -> BaseException | None:
         raised = super().take_raised()
@@ -115,7 +129,7 @@ class CpuBackend(AttentionBackend):
 
 def kernels_for(config: PretrainedConfig, kv_heads: int, head_dim: int, dtype: torch.dtype) -> NativeKernels | None:
     """The kernel, where it can attend this model's decodes: float32 rows, or bf16 rows where its
-    bf16 twin measured faster than torch's paths on this machine (decode_layout.native_wins); no
+    bf16 twin measured faster than torch's gathered blocks on this machine (native_wins); no
     logit soft-capping (Gemma 2 keeps the torch math), query heads per KV head and head dim within
     the kernel's limits. None elsewhere, or where it cannot be built (native.load logs why)."""
     if dtype not in native.KERNEL_DTYPES or has_softcap(config):
@@ -127,3 +141,73 @@ def kernels_for(config: PretrainedConfig, kv_heads: int, head_dim: int, dtype: t
     if kernels is None or not native_wins(dtype, kv_heads, heads // kv_heads, head_dim, kernels):
         return None
     return kernels
+
+
+def native_wins(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int, kernels: NativeKernels) -> bool:
+    """Whether the native kernel attends this shape's decodes faster than the torch backend would
+    (float32: always taken, untimed; other dtypes than bf16: never, the kernel cannot read them).
+
+    Why measured for bf16: SDPA's bf16 decodes were 10-20x slower on an AMD Zen 4 than on an Intel
+    Xeon with AMX, and no ISA rule predicts the kernel's bf16 twin against them, so the two are timed
+    side by side, interleaved, once per machine, torch version, thread count and shape. The result
+    is cached and never replaced, so every process on a machine takes the same path (their tokens agree).
+    """
+    if dtype == torch.float32 or dtype not in native.KERNEL_DTYPES:
+        return dtype == torch.float32
+    key = f"{kernels.path.name}\0{dtype}\0{kv_heads}\0{group}\0{head_dim}"
+    path = choice_path("decode-native-vs-gather", key)
+    stored = read_choice(path, "native")
+    if stored is not None:
+        return bool(stored)
+    times = _time_paths(dtype, kv_heads, group, head_dim, kernels)
+    if times["native"] >= times["gather"]:  # a second round first: a busy spell can stall
+        again = _time_paths(dtype, kv_heads, group, head_dim, kernels)  # oneDNN's threads for a whole round
+        times = {name: min(s, again[name]) for name, s in times.items()}
+    wins = times["native"] < times["gather"]
+    logger.info(
+        "decode attention in %s (KVH %d, G %d, D %d): native %.2f ms, gathered blocks %.2f ms: %s",
+        dtype, kv_heads, group, head_dim, times["native"] * 1e3, times["gather"] * 1e3, "native" if wins else "torch",
+    )  # fmt: skip
+    return bool(write_once(path, "native", {"native": wins, **{f"{name}_s": s for name, s in times.items()}}))
+
+
+def _time_paths(dtype: torch.dtype, kvh: int, g: int, d: int, kernels: NativeKernels) -> dict[str, float]:
+    """Best seconds of each path over REPEATS interleaved runs (one warm-up each), ROWS decodes of
+    LENGTH positions: {"native": the kernel, "gather": the torch backend's gather and SDPA}."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = LENGTH // 16  # each decode's blocks of 16 positions in a pool of ROWS * blocks
+    pool_k, pool_v = torch.randn(2, ROWS * blocks, 16, kvh, d, generator=gen).to(dtype)  # [blocks, 16, KVH, D]
+    index = torch.randperm(ROWS * blocks, generator=gen)  # [ROWS * blocks] scattered, as a pool holds them
+    q = torch.randn(ROWS, kvh, g, d, generator=gen).to(dtype)  # [B, KVH, G, D]
+    mask = torch.ones(ROWS, 1, g, LENGTH, dtype=torch.bool)
+
+    def gather() -> None:
+        k, v = gather_blocks(pool_k, index, ROWS), gather_blocks(pool_v, index, ROWS)  # [B, KVH, L, D]
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
+
+    paths = {"native": _native_call(kernels, dtype, kvh, g, d, gen), "gather": gather}
+    best = dict.fromkeys(paths, float("inf"))
+    with torch.inference_mode():
+        for i in range(REPEATS + 1):
+            for name, fn in paths.items():
+                started = time.perf_counter()
+                fn()
+                if i:
+                    best[name] = min(best[name], time.perf_counter() - started)
+    return best
+
+
+def _native_call(
+    kernels: NativeKernels, dtype: torch.dtype, kvh: int, g: int, d: int, gen: torch.Generator
+) -> Callable[[], None]:
+    """One layer's native decode attention of the same shape: ROWS decodes of LENGTH positions in
+    rows of CAPACITY (each call appends its step's K/V at the last position, as a decode does)."""
+    tiles = CAPACITY // native.TILE
+    k = torch.randn(ROWS, kvh, tiles, d, native.TILE, generator=gen).to(dtype)  # [B, KVH, cap / TILE, D, TILE]
+    v = torch.randn(ROWS, kvh, CAPACITY, d, generator=gen).to(dtype)  # [B, KVH, cap, D]
+    step = NativeStep(kernels, [ClassRows([k], [v], ROWS, 0)], [LENGTH] * ROWS, Scratch())
+    q = torch.randn(kvh * g, ROWS, d, generator=gen).to(dtype)  # [H, T, D]
+    new_k = torch.randn(kvh, ROWS, d, generator=gen).to(dtype)  # [KVH, T, D]
+    new_v = torch.randn(kvh, ROWS, d, generator=gen).to(dtype)
+    out = torch.empty(ROWS, kvh * g, d, dtype=dtype)  # [T, H, D]
+    return lambda: step.attend(0, q, new_k, new_v, out, d**-0.5, None)

@@ -31,18 +31,13 @@ PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler show
 class ClassRows:
     """One length class's part of a step, as decode_rows plans it: its decodes' rows, in packed order."""
 
-    # per layer, indexed [rows, KVH, D, class length]; for the kernel, [rows, KVH, cap / TILE, D, TILE]
-    # (keys in tiles of positions: row_pack.RowPack._keys)
-    k: list[torch.Tensor]
+    k: list[torch.Tensor]  # per layer [rows, KVH, cap / TILE, D, TILE] (keys in tiles of positions: row_pack)
     v: list[torch.Tensor]  # per layer [rows, KVH, cap, D]
     num_rows: int  # decodes of the class in this step
     # positions every decode's row holds in the same blocks (0: none), read from the lowest of the rows
     shared: int = 0
     rows: Sequence[int] | None = None  # each decode's row of the tensors (None: 0..num_rows-1)
     fills: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, length, blocks) to fill first
-    # the torch path only (None with the kernel): where this step's token goes in each row, and 0..n-1
-    positions: torch.Tensor | None = None  # [n]
-    index: torch.Tensor | None = None  # [n]
 
     def decode_rows(self) -> Sequence[int]:
         return range(self.num_rows) if self.rows is None else self.rows

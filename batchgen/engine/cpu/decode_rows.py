@@ -8,34 +8,34 @@ source of truth (prefix caching, preemption): it is written exactly as before, a
 copy of it, and a row that is out of step with its sequence is dropped and refilled.
 
 Rows come in length classes (class c holds contexts up to MIN_CLASS_LEN * 2**c tokens), one
-pack of tensors per class (keys indexed `[rows, kv_heads, head_dim, class length]`, stored so in
-float32, where attention reads them along positions, or in tiles of positions where the native
-kernel attends; values `[rows, kv_heads, class length, head_dim]`), so a short sequence is padded
-only to its class, never to the longest sequence. A
-sequence that outgrows its class is refilled into the next one (a copy of its context, about
-twice over its whole life, instead of once per step); one that can only end within the next
-class starts there (row_class). A step's decodes are packed by (class, row). For the torch
-attention rows are packed 0..n-1 within a class (a freed row is taken by the last one): decode j
-of class c is row j, and each class is one decode group (see decode_kv). The native kernel is
-handed each decode's row, so there a freed row stays a hole until a new sequence takes it.
-Rows are freed when the engine says their sequences finished or were preempted (`release`), and
-when a row is found out of step with its sequence's next decode.
+pack of tensors per class (keys in the native kernel's tiles of positions, values `[rows, kv_heads,
+class length, head_dim]`: row_pack), so a short sequence is padded only to its class, never to the
+longest sequence. A sequence that outgrows its class is refilled into the next one (a copy of its
+context, about twice over its whole life, instead of once per step); one that can only end within
+the next class starts there (row_class). A step's decodes are packed by (class, row); the kernel is
+handed each decode's row, so a freed row stays a hole until a new sequence takes it. Rows are freed
+when the engine says their sequences finished or were preempted (`release`), and when a row is
+found out of step with its sequence's next decode. The native kernel attends every decode (the cpu
+backend exists only where it can: cpu/backend); elsewhere the torch backend gathers blocks instead.
+
+A step's plan is a RowsView (a DecodeStep, see decode_kv): which rows to fill from the pool first
+(sequences new to their length class), and the kernel's plan (decode_native).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from batchgen.engine.attention.cascade import shared_prefix_len
-from batchgen.engine.attention.decode_kv import DecodeGroup, DecodeRequest, Stage, make_group
-from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch
+from batchgen.engine.attention.decode_kv import QKV, DecodeGroup, DecodeRequest, Pool, Stage
+from batchgen.engine.attention.op import LayerCall
+from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch, fill_row
 from batchgen.engine.cpu.native import TILE, NativeKernels
 from batchgen.engine.cpu.row_pack import RowPack
-from batchgen.engine.cpu.rows_view import RowsView
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
 
@@ -56,6 +56,53 @@ def row_class(length: int, max_len: int) -> int:
     """
     here = length_class(length)
     return here + 1 if length_class(max_len) == here + 1 else here
+
+
+@dataclass
+class RowsView:
+    """One step's rows: its decodes' length classes in packed order, and the kernel's plan of them."""
+
+    classes: list[ClassRows]
+    native: NativeStep
+    groups: list[DecodeGroup] = field(default_factory=list)  # none: the kernel attends every decode
+    writes_pool = True  # a decode-only step's K/V are stored in the pool by the kernel (attend)
+
+    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Never called: there are no groups (attend attends every decode)."""
+        raise RuntimeError("decode rows are attended by the native kernel alone")
+
+    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
+        """Fill new rows, then append and attend every decode in one call, storing the step's K/V in
+        the pool too when given their `slots` (a decode-only step).
+
+        q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D].
+        """
+        if call.softcap is not None:  # why: cpu/backend.kernels_for gives no soft-capping model the kernel
+            raise RuntimeError("the native decode kernel cannot soft-cap attention logits")
+        self._fill(call.layer, pool)
+        self.native.attend(call.layer, *qkv, out, call.scale, call.window, pool if slots is not None else None, slots)
+        return True
+
+    def fill_all(self, pools: list[Pool]) -> None:
+        """Copy every layer's new rows out of the pool now, before the forward (one pool per layer).
+
+        Only for a decode-only step: every position a row is filled with was computed in an earlier
+        step, so nothing this step writes to the pool is missing (see _fill)."""
+        for layer, pool in enumerate(pools):
+            self._fill(layer, pool)
+        for step in self.classes:
+            step.fills = []
+
+    def _fill(self, layer: int, pool: Pool) -> None:
+        """Copy new rows' context out of the pool.
+
+        Why per layer, after the layer's K/V went to the pool: a new row's blocks may be matched
+        prefix blocks that another sequence computes in this very step.
+        """
+        for step in self.classes:
+            k, v = step.k[layer], step.v[layer]
+            for row, length, blocks in step.fills:
+                fill_row(self.native.kernels, pool, blocks, length, k[row], v[row])
 
 
 @dataclass
@@ -81,10 +128,9 @@ class DecodeRows:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        native: NativeKernels,
         max_rows: int | None = None,
         pool_tokens: int | None = None,
-        native: NativeKernels | None = None,
-        keys_transposed: bool | None = None,
     ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
@@ -97,10 +143,8 @@ class DecodeRows:
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
         self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
         self.num_fills = 0  # rows filled from the pool (for tests and the benchmark)
-        self.native = native  # set: the native kernel attends the decodes (cpu/backend.kernels_for)
-        self.keys_transposed = keys_transposed  # RowPack's key layout (None: its dtype's default)
+        self.native = native  # the kernel that attends the decodes (cpu/backend.kernels_for)
         self._scratch = Scratch()
-        self._arange = torch.arange(0, device=device)
         self._repeat: _Repeat | None = None  # the last native plan (see _repeated)
 
     @property
@@ -120,11 +164,9 @@ class DecodeRows:
             return repeated
         self._repeat = None
         wanted = {d.seq_id: d for d in decodes}
-        # why only some absent rows: finished and preempted sequences were released by the engine
-        # (release); the torch attention reads a class's rows as 0..n-1, so there a sequence that sits
-        # a step out (a budget-limited step) gives its row up too, where the kernel keeps it
-        packed = self.native is None
-        for seq_id in [s for s in self._where if (packed or s in wanted) and not self._in_step(s, wanted.get(s))]:
+        # why only this step's sequences: finished and preempted ones were released by the engine
+        # (release), and one that sits a step out (a budget-limited step) keeps its row
+        for seq_id in [s for s in self._where if s in wanted and not self._in_step(s, wanted[s])]:
             self._release(seq_id)
         fills: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         for d in decodes:
@@ -138,17 +180,9 @@ class DecodeRows:
         for i in order:
             by_class.setdefault(self._where[decodes[i].seq_id][0], []).append(decodes[i])
         packs = [self._packs[c] for c in by_class]
-        view = RowsView(
-            [ClassRows(p.k, p.v, len(ds), fills=fills.get(c, [])) for p, (c, ds) in zip(packs, by_class.items())]
-        )
-        if self.native is not None:
-            view.native = self._native_step(self.native, view.classes, list(by_class.values()))
-            self._remember(decodes, order, view)
-            return order, view
-        for step, ds in zip(view.classes, by_class.values()):
-            step.positions = self.stage(torch.tensor([d.position for d in ds]))
-            step.index = self._rows(len(ds))
-        view.groups = self._groups([decodes[i] for i in order], [len(ds) for ds in by_class.values()])
+        classes = [ClassRows(p.k, p.v, len(ds), fills=fills.get(c, [])) for p, (c, ds) in zip(packs, by_class.items())]
+        view = RowsView(classes, self._native_step(classes, list(by_class.values())))
+        self._remember(decodes, order, view)
         return order, view
 
     def _repeated(self, decodes: list[DecodeRequest]) -> tuple[list[int], RowsView] | None:
@@ -170,12 +204,10 @@ class DecodeRows:
         last.step.advance([d.position + 1 for ds in groups for d in ds], [self._shared(ds) for ds in groups])
         for part in last.step.classes:
             part.fills = []  # why: filled in the step that planned them
-        view = RowsView(list(last.step.classes), native=last.step)
-        return last.order, view
+        return last.order, RowsView(list(last.step.classes), last.step)
 
     def _remember(self, decodes: list[DecodeRequest], order: list[int], view: RowsView) -> None:
         """Keep this native plan for a next step that repeats it (_repeated)."""
-        assert view.native is not None
         where = [self._where[d.seq_id] for d in decodes]
         members: dict[int, list[int]] = {}
         for i in order:
@@ -188,28 +220,20 @@ class DecodeRows:
             step=view.native,
         )
 
-    def _native_step(
-        self, kernels: NativeKernels, classes: list[ClassRows], decodes: list[list[DecodeRequest]]
-    ) -> NativeStep:
+    def _native_step(self, classes: list[ClassRows], decodes: list[list[DecodeRequest]]) -> NativeStep:
         """The kernel's view of the step: each class's rows, and what every decode attends to.
 
         Why every shared prefix, not only cascade's (decode_kv.make_group): the kernel reads a shared
         prefix from the class's first row at no extra cost, so any length of it saves reads."""
         for part, ds in zip(classes, decodes):
             part.shared, part.rows = self._shared(ds), [self._where[d.seq_id][1] for d in ds]
-        return NativeStep(kernels, classes, [d.position + 1 for ds in decodes for d in ds], self._scratch)
+        return NativeStep(self.native, classes, [d.position + 1 for ds in decodes for d in ds], self._scratch)
 
     def _shared(self, decodes: list[DecodeRequest]) -> int:
         """Positions that every decode of a class holds in the very same, fully cached blocks."""
         if len(decodes) < 2:
             return 0
         return shared_prefix_len([d.block_table for d in decodes], [d.position for d in decodes], self.block_size)
-
-    def _rows(self, n: int) -> torch.Tensor:
-        """0..n-1 on the device, made once per n (a slice of one arange, grown as needed)."""
-        if self._arange.shape[0] < n:
-            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), device=self.device)
-        return self._arange[:n]
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Free the rows of finished or preempted sequences (ids without a row are ignored).
@@ -223,28 +247,13 @@ class DecodeRows:
                 self._repeat = None  # why: the repeated plan names this sequence
 
     def reset(self) -> None:
-        """Release every row; the tensors stay allocated, and (but the native kernel's, whose
-        padding is never read) are zeroed again on first use.
-
-        Why re-zero: a reset follows a failed step, which may have left NaN in a row's padding.
-        """
+        """Release every row (a reset follows a failed step); the tensors stay allocated."""
         self._where.clear()
         self._len_of.clear()
         self._repeat = None
         for pack in self._packs.values():
             pack.seqs.clear()
             pack.free.clear()
-            pack.zeroed = 0
-
-    def _groups(self, packed: list[DecodeRequest], sizes: list[int]) -> list[DecodeGroup]:
-        """One group per class (`sizes` rows each, in packed order), padded to its longest context."""
-        groups, first = [], 0
-        for n in sizes:
-            group = packed[first : first + n]
-            kv_len = max(d.position for d in group) + 1
-            groups.append(make_group(first, group, kv_len, self.block_size, self.stage))
-            first += n
-        return groups
 
     def _class_rows(self, c: int) -> int | None:
         """Most rows class c can ever need: seats, and what the pool can hold at the class's lengths.
@@ -258,33 +267,21 @@ class DecodeRows:
         shortest = (MIN_CLASS_LEN << (c - 2)) + 1 if c > 1 else 1
         return min(self.max_rows, self.pool_tokens // shortest + 1)
 
-    def _in_step(self, seq_id: int, d: DecodeRequest | None) -> bool:
+    def _in_step(self, seq_id: int, d: DecodeRequest) -> bool:
         """Its row holds positions 0..d.position-1 and still fits the next one.
 
         Why `position < class length` stands for `length_class(position + 1) == class`: a row only
         ever grows from a position its class was chosen for, so it cannot have fallen below it."""
-        return (
-            d is not None
-            and self._len_of[seq_id] == d.position
-            and d.position < MIN_CLASS_LEN << self._where[seq_id][0]
-        )
+        return self._len_of[seq_id] == d.position and d.position < MIN_CLASS_LEN << self._where[seq_id][0]
 
     def _assign(self, d: DecodeRequest, fills: dict[int, list[tuple[int, int, torch.Tensor]]]) -> None:
         c = row_class(d.position + 1, min(d.max_len, self.max_len))
         if c not in self._packs:
             length = min(MIN_CLASS_LEN << c, max(self.max_len, d.position + 1))
-            if self.native is not None:  # why: the kernel's keys come in whole tiles
-                length = -(-length // TILE) * TILE
-            self._packs[c] = RowPack(
-                self.num_layers,
-                (self.num_kv_heads, length, self.head_dim),
-                self.dtype,
-                self.device,
-                self._class_rows(c),
-                tiled=self.native is not None,
-                transposed=self.keys_transposed,
-            )
-        row = self._packs[c].add(d.seq_id, d.position)
+            length = -(-length // TILE) * TILE  # why: the kernel's keys come in whole tiles
+            shape = (self.num_kv_heads, length, self.head_dim)
+            self._packs[c] = RowPack(self.num_layers, shape, self.dtype, self.device, self._class_rows(c))
+        row = self._packs[c].add(d.seq_id)
         self._where[d.seq_id] = (c, row)
         self.num_fills += 1
         if d.position > 0:
@@ -294,8 +291,4 @@ class DecodeRows:
     def _release(self, seq_id: int) -> None:
         c, row = self._where.pop(seq_id)
         del self._len_of[seq_id]
-        pack = self._packs[c]
-        last = pack.seqs[-1]
-        moved = pack.remove(row, self._len_of.get(last, 0))
-        if moved is not None:
-            self._where[moved] = (c, row)
+        self._packs[c].remove(row)

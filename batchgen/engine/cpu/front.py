@@ -1,16 +1,15 @@
 """The C++ front of the CPU backend's attention, `batchgen::attention` (csrc/attention_op.cpp).
 
 Why: on a decode-only step with the native kernel, reaching it through the Python op cost ~0.1 ms
-a layer (demo decode step of 64: 9.3 -> 8.3 ms). The backend sets a step plan in its own plan cell
-(a Front, whose address each call carries: no global), so each layer only adds its tensors; every
-other step goes on to the Python op. Without a compiler (or BATCHGEN_NATIVE=0) the op is called directly.
+a layer (demo decode step of 64: 9.3 -> 8.3 ms). The backend sets a step plan in its plan cell (the
+library's cell of its attention handle, which each call carries), so each layer only adds its
+tensors; every other step goes on to the Python op. Without a compiler (or BATCHGEN_NATIVE=0) the op is called directly.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,6 +36,8 @@ def _load() -> ctypes.CDLL | None:
             native.refuse("batchgen_attention_op", f"attention_op.cpp names {theirs}, batchgen {ours}")
             return None
     lib.batchgen_attention_op_take_error.restype = ctypes.c_char_p
+    lib.batchgen_attention_op_plan_cells.restype = ctypes.c_void_p
+    lib.batchgen_attention_op_max_backends.restype = ctypes.c_int64
     return lib
 
 
@@ -51,25 +52,26 @@ class FrontStats:
 
 @dataclass
 class Front:
-    """One backend's use of the operator: its plan cell (the current plan's address, 0: none) and stats."""
+    """One backend's use of the operator: its plan cell (the current plan's address, 0: none), the
+    library's cell of `handle` (the backend's attention handle, which each call carries), and stats."""
 
     lib: ctypes.CDLL
-    cell: array = field(default_factory=lambda: array("q", [0]))
+    handle: int
     stats: FrontStats = field(default_factory=FrontStats)
-    # why a plain int, read once: the compiled graph bakes it in as a constant (the cell never moves)
-    cell_address: int = field(init=False)
+    cells: ctypes.Array[ctypes.c_int64] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.cell_address = self.cell.buffer_info()[0]
+        count = self.lib.batchgen_attention_op_max_backends()
+        self.cells = (ctypes.c_int64 * count).from_address(self.lib.batchgen_attention_op_plan_cells())
 
     @contextmanager
     def planned(self, plan: FrontPlan) -> Iterator[None]:
         """`plan` (NativeStep.front_plan) set for the operator's calls inside, counted into stats after."""
-        self.cell[0] = plan.fields.buffer_info()[0]
+        self.cells[self.handle] = plan.fields.buffer_info()[0]
         try:
             yield
         finally:
-            self.cell[0] = 0
+            self.cells[self.handle] = 0
             self.stats.steps += plan.calls > 0
             self.stats.layers += plan.calls
             self.stats.kernel_seconds += plan.kernel_seconds
@@ -81,7 +83,10 @@ class Front:
         return None if raw is None else raw.decode(errors="replace")
 
 
-def open_front() -> Front | None:
-    """A front for one backend, where the operator loads (None: the model calls the Python op)."""
+def open_front(handle: int) -> Front | None:
+    """A front for the backend of attention handle `handle`, where the operator loads and has a cell
+    for it (None: the model calls the Python op)."""
     lib = load()
-    return None if lib is None else Front(lib)
+    if lib is None or not 0 <= handle < lib.batchgen_attention_op_max_backends():
+        return None
+    return Front(lib, handle)

@@ -191,7 +191,7 @@ _FUNCTIONS: dict[str, CFunction | None] = {}
 @dataclass
 class NativeKernels:
     """The attention library's entry points (SYMBOLS), its argument names checked against DECODE_ARGS
-    (decode_attention.c); its path names the choices measured with it (decode_layout)."""
+    (decode_attention.c); its path names the choices measured with it (cpu/backend.native_wins)."""
 
     path: Path
     lib: ctypes.CDLL

@@ -18,9 +18,8 @@ from batchgen.engine.api.dtype_rule import resolve_auto
 from batchgen.engine.api.platform import CompilePolicy, GreedyIds, Platform, StepHook, check_backend_name
 from batchgen.engine.cpu import front, host, native, native_linear
 from batchgen.engine.cpu.argmax import native_greedy_ids
-from batchgen.engine.cpu.compile_threads import ThreadedCompile
 from batchgen.engine.cpu.heap import keep_freed_memory
-from batchgen.engine.cpu.threads import ThreadGovernor
+from batchgen.engine.cpu.threads import ThreadedCompile, ThreadGovernor
 from batchgen.engine.triton import support as triton_support
 
 

@@ -4,7 +4,7 @@ Why: a small decode step is bound by kernel launches; a graph replays them in on
 and addresses. A decode-only step is padded to the next bucket (2, 4, 8, then multiples of 16; no
 1, which dynamo would specialise), its inputs copied into static buffers, its graph replayed;
 padded rows write the trash block. Every graph is captured at start (`capture_all`: no pause
-mid-job, and runner/memory measures their pool). The attention reads `StaticDecode`; only the
+mid-job, and runner/pool_sizing measures their pool). The attention reads `StaticDecode`; only the
 triton backend replays graphs. No CPU test covers `capture` / `replay` themselves (the tests stand in for them).
 
 A vision-language model's decode steps replay graphs too (no image is spliced into a decode: its
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from batchgen.engine.attention.kv_store import PAD_SLOT
-from batchgen.engine.attention.static_decode import MAX_GRAPH_BATCH, StaticDecode
+from batchgen.engine.attention.metadata import MAX_GRAPH_BATCH, StaticDecode
 
 logger = logging.getLogger(__name__)
 

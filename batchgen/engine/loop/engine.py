@@ -13,7 +13,8 @@ an "error" output on its own. When `generate()` fails, every owner drops its who
 (abort_all), so the engine can be used again.
 
 State: the scheduler owns sequences (progress, status, blocks), the runner its persistent batch
-and the sampler, and this engine only the output side (RequestTable: texts, stop checks, logprobs).
+and the sampler, and this engine only the output side (RequestTable: texts, stop checks, logprobs) and its
+counters (EngineStats, for benchmarks and the job's logs).
 """
 
 from __future__ import annotations
@@ -21,21 +22,47 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from batchgen.engine.api.outputs import RequestOutput
+from batchgen.engine.api.outputs import PositionLogprobs, RequestOutput
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.runner_output import ModelRunnerOutput, PromptLogprobLists
+from batchgen.engine.core.runner_output import LogprobLists, ModelRunnerOutput
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras, Sequence
 from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState
-from batchgen.engine.loop.stats import EngineStats
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.sampling.logprobs import TokenTexts, entries
 from batchgen.engine.sampling.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters a benchmark can read. Token counts are tokens run through the model."""
+
+    steps: int = 0
+    requests: int = 0
+    errors: int = 0
+    prefill_tokens: int = 0  # prompt chunks, and recomputation after preemption
+    decode_tokens: int = 0  # decode chunks (scheduler.is_decode): one new token each
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, over finished requests
+    output_tokens: int = 0  # sampled tokens
+    preemptions: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def count(self, batch: ScheduledBatch) -> None:
+        """One step ran `batch`."""
+        self.steps += 1
+        for chunk in batch.chunks:
+            if chunk.is_decode:
+                self.decode_tokens += 1
+            else:
+                self.prefill_tokens += chunk.num_tokens
 
 
 class Engine:
@@ -81,16 +108,11 @@ class Engine:
             self._errors.append(RequestOutput(str(request_id), prompt, seq.prompt_token_ids, error=message))
             return request_id
         self.scheduler.add(seq)
-        sample = SampleState(0, seq, self._stop_checker(seq))
-        wants_prompt = params.prompt_logprobs is not None
-        request = RequestState(
-            request_id,
-            prompt,
-            params,
-            [sample],
-            prompt_logprobs=[None] * seq.num_prompt_tokens if wants_prompt else None,
-        )
-        self.requests.add(request)
+        scored: list[PositionLogprobs | None] | None = None  # the prompt's logprobs, when asked
+        if params.prompt_logprobs is not None:
+            scored = [None] * seq.num_prompt_tokens
+        first = SampleState(0, seq, self._stop_checker(seq))
+        self.requests.add(RequestState(request_id, prompt, params, [first], scored), first)
         return request_id
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
@@ -200,12 +222,11 @@ class Engine:
         request, _ = self.requests.get(parent)
         for index, child_id in enumerate(children, start=1):
             child = self.scheduler.get(child_id)
-            self.requests.add_sample(request, SampleState(index, child, self._stop_checker(child)))
+            self.requests.add(request, SampleState(index, child, self._stop_checker(child)))
 
-    def _store_prompt_logprobs(self, prompt: PromptLogprobLists) -> None:
+    def _store_prompt_logprobs(self, prompt: LogprobLists) -> None:
         """The prompt rows' logprobs, as read, into their requests (rows in chunk order)."""
-        lists = prompt.scored
-        scored = entries(lists.read, lists.ks, lists.targets, self.texts)
+        scored = entries(prompt.read, prompt.ks, prompt.targets, self.texts)
         row = 0
         for seq_id, start, count in prompt.chunks:
             request, _ = self.requests.get(seq_id)
@@ -252,7 +273,7 @@ class Engine:
         cannot run (its error output).
         """
         if len(prompts) != len(params):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         n = len(prompts)
         requests = zip(
             prompts, params, texts or [None] * n, extras or [NO_EXTRAS] * n, refusals or [None] * n, strict=True

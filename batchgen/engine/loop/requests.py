@@ -98,26 +98,22 @@ def _drop_token_texts(*positions: list[PositionLogprobs | None] | list[PositionL
 
 
 class RequestTable:
-    """The requests in flight, by request id and by each sample's sequence id."""
+    """The requests in flight, by each unfinished sample's sequence id."""
 
     def __init__(self) -> None:
-        self._requests: dict[int, RequestState] = {}
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
 
     def __len__(self) -> int:
-        return len(self._requests)
+        """Requests in flight: those with an unfinished sample."""
+        return len({request.request_id for request, _ in self._by_seq.values()})
 
     @property
     def num_samples(self) -> int:
         """Samples not yet finished (for tests and leak checks)."""
         return len(self._by_seq)
 
-    def add(self, request: RequestState) -> None:
-        """A new request, with its first sample."""
-        self._requests[request.request_id] = request
-        self.add_sample(request, request.samples[0])
-
-    def add_sample(self, request: RequestState, sample: SampleState) -> None:
+    def add(self, request: RequestState, sample: SampleState) -> None:
+        """A sample of `request`: its first, or one forked from its prompt."""
         if sample is not request.samples[-1]:
             request.samples.append(sample)
         self._by_seq[sample.seq.seq_id] = (request, sample)
@@ -129,17 +125,12 @@ class RequestTable:
         """Mark `sample` done; True when it was its request's last (the request leaves the table)."""
         sample.done = True
         del self._by_seq[sample.seq.seq_id]
-        if not request.done:
-            return False
-        del self._requests[request.request_id]
-        return True
+        return request.done
 
     def drop(self, request: RequestState) -> None:
         """`request` leaves the table whole, whatever its samples' state (it failed)."""
-        self._requests.pop(request.request_id, None)
         for sample in request.samples:
             self._by_seq.pop(sample.seq.seq_id, None)
 
     def clear(self) -> None:
-        self._requests.clear()
         self._by_seq.clear()

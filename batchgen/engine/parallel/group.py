@@ -5,6 +5,11 @@ Ranks 1..N-1 are fresh interpreters (`python -m batchgen.engine.parallel.worker`
 threads and CUDA, never re-importing the user's script). Steps go over one pipe per worker
 (sending never waits; a worker sees EOF when rank 0 dies). A dead rank is named before each
 message; a step that failed part-way shuts the group down. Shutdown leaves no process behind.
+
+Rank 0's runner is a ShardedRunner: the single-device ModelRunner over its shard, unseen by the
+engine, that sends every call moving runner state to the workers first: the construction
+arguments (no sampler), each step's frozen batch (a few KB), the diffs between steps, and
+drop-all; rank 0 alone draws from the gathered logits.
 """
 
 from __future__ import annotations
@@ -21,15 +26,18 @@ import tempfile
 import time
 import weakref
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
 from batchgen.engine.api.config import ResolvedConfig
-from batchgen.engine.parallel.collectives import Collectives
-from batchgen.engine.parallel.loading import load_sharded_model
+from batchgen.engine.core.runner_output import ModelRunnerOutput
+from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch
+from batchgen.engine.parallel.loading import CollectiveError, Collectives, load_sharded_model
 from batchgen.engine.parallel.plan import ShardPlan, shard_plan
 from batchgen.engine.platforms import platform_for
+from batchgen.engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +193,37 @@ def start_tensor_parallel(
             group.close()
             raise TensorParallelError(f"no GPU memory left for the KV cache on {device} after loading the shard")
     return group
+
+
+class ShardedRunner(ModelRunner):
+    def __init__(self, group: TensorParallelGroup, model: PreTrainedModel, *args: Any, **kwargs: Any) -> None:
+        """`args`, `kwargs`: ModelRunner's after the model (spec, config, num_kv_blocks, device, dtype, ...)."""
+        self.group = group
+        group.send(("build", args, {k: v for k, v in kwargs.items() if k != "sampler"}))
+        super().__init__(model, *args, **kwargs)
+
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        self.group.check()
+        try:
+            self.group.send(("execute", batch))
+            return super().execute(batch)
+        except BaseException as exc:
+            wait = DEATH_WAIT_S if isinstance(exc, CollectiveError) else 0.0
+            why = self.group.dead(wait) or f"rank 0 failed in a step ({type(exc).__name__}: {exc})"
+            self.group.fail(why)
+            if isinstance(exc, Exception) and not isinstance(exc, TensorParallelError):
+                raise TensorParallelError(why) from exc
+            raise
+
+    def apply(self, update: BatchUpdate) -> None:
+        if update:
+            self.group.send(("apply", update))
+        super().apply(update)
+
+    def drop_all(self) -> None:
+        if self.group.broken is None:
+            self.group.send(("drop",))
+        super().drop_all()
 
 
 def _shutdown(processes: list[subprocess.Popen[bytes]], pipes: list[Connection], folder: str) -> None:

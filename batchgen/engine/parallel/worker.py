@@ -47,8 +47,7 @@ def main(argv: list[str]) -> None:
 def _serve(args: dict[str, Any], rank: int, conn: Connection) -> int:
     """Rank `rank`'s life: load its share (`args`: group.TensorParallelGroup._start's), then run
     what rank 0 sends until told to stop or its pipe closes."""
-    from batchgen.engine.parallel.collectives import Collectives
-    from batchgen.engine.parallel.loading import load_sharded_model
+    from batchgen.engine.parallel.loading import Collectives, load_sharded_model
     from batchgen.engine.runner.model_runner import ModelRunner
     from batchgen.faults import fault_point
 

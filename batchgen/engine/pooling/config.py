@@ -1,6 +1,8 @@
 """How a model's hidden states become one vector (method, normalization, Matryoshka dimensions):
 the caller's choices over a sentence-transformers folder's over the defaults, one rule for the
-Python API and the job file.
+Python API and the job file; a call's own choices (PoolingParams, vLLM's shape) and what it gives
+back per input (RowResult; the outputs users see are vLLM's shapes, made in vllm_compat/pooling.py).
+Importable without torch.
 """
 
 from __future__ import annotations
@@ -8,7 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # why: a type is all RowResult needs
+    import torch
 
 PoolingMethod = Literal["last", "mean", "cls"]
 POOLING_METHODS: tuple[str, ...] = ("last", "mean", "cls")
@@ -29,6 +34,28 @@ class PoolingConfig:
     method: PoolingMethod
     normalize: bool
     dimensions: int | None = None  # Matryoshka: keep the first `dimensions` values (then normalize)
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """Per-call pooling options: `dimensions` keeps the first D values of each embedding
+    (Matryoshka models), `normalize` overrides the model's normalization (None: the model's)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or self.dimensions < 1):
+            raise ValueError(f"PoolingParams.dimensions must be null or an integer >= 1, got {self.dimensions!r}")
+
+
+@dataclass
+class RowResult:
+    """One input's result: embedding [D], probabilities [C] or a score [] (None: `error` says why)."""
+
+    values: torch.Tensor | None
+    cached_tokens: int = 0
+    error: str | None = None
 
 
 def resolve_pooling(

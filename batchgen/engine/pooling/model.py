@@ -1,6 +1,16 @@
 """PoolingModel: one model set up for embed, classify or score, over the engine (decoders) or
 transformers' forward (encoders); one RowResult per input, in order. Score: a classification head
-through a sigmoid, else the cosine of the two embeddings (vLLM's rule).
+through a sigmoid, else the cosine of the two embeddings (vLLM's rule). `task="auto"` is read from
+the folder's architectures as vLLM resolves it: a sentence-transformers folder embeds; else the
+first architecture with a known class-name suffix decides (a bare `*Model` embeds); no match generates.
+
+On the engine (EnginePoolingRunner), nothing is sampled or detokenized: a pooling prompt is a
+max_tokens 0 sequence of the LLM's own scheduler, so admission, chunking and preemption are
+generation's rules, and the runner's packed forward (`pool_forward`) returns hidden states that
+feed its PoolAccumulator; it ends in the step whose chunk completes its prompt (the batch's
+`ends`). Only last-token pooling reuses a cached prefix (mean and CLS need the prefix positions'
+hidden states, which the cache does not hold). A decoder classifier's head (`score`) is read
+from the folder's safetensors (the engine loads the model as a causal LM, which leaves it out).
 """
 
 from __future__ import annotations
@@ -10,16 +20,63 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig
 
-from batchgen.engine.pooling.config import PoolingConfig, resolve_pooling
-from batchgen.engine.pooling.engine_runner import EnginePoolingRunner
-from batchgen.engine.pooling.heads import load_score_head
+from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.core.scheduler import Scheduler
+from batchgen.engine.core.sequence import RequestExtras, Sequence
+from batchgen.engine.pooling.config import PoolingConfig, PoolingParams, RowResult, resolve_pooling
 from batchgen.engine.pooling.hf_runner import Encoded, HFPoolingRunner, is_encoder
-from batchgen.engine.pooling.outputs import PoolingParams, RowResult
-from batchgen.engine.pooling.poolers import cosine, finish_embeddings, head_probs
+from batchgen.engine.pooling.poolers import PoolAccumulator, cosine, finish_embeddings, head_probs
+from batchgen.engine.runner.model_runner import ModelRunner
 
 TASKS = ("generate", "embed", "classify", "score")
+_SCORED = SamplingParams(max_tokens=0)  # the scheduler ends it, unsampled, when its prompt is computed
+HEAD = "score"  # a decoder classifier's head in the checkpoint
+
+# class-name suffix -> task, tried in this order (the earlier, more specific suffixes win over "Model")
+_SUFFIX_TASKS: tuple[tuple[str, str], ...] = (
+    ("ForCausalLM", "generate"),
+    ("ForConditionalGeneration", "generate"),
+    ("ChatModel", "generate"),
+    ("LMHeadModel", "generate"),
+    ("ForTextEncoding", "embed"),
+    ("EmbeddingModel", "embed"),
+    ("ForSequenceClassification", "classify"),
+    ("ClassificationModel", "classify"),
+    ("ForRewardModeling", "embed"),
+    ("RewardModel", "embed"),
+    ("Model", "embed"),
+)
+
+
+def task_of_architectures(architectures: list[str]) -> str:
+    """The task of the first architecture with a known suffix; "generate" when none has one."""
+    for name in architectures:
+        for suffix, task in _SUFFIX_TASKS:
+            if name.endswith(suffix):
+                return task
+    return "generate"
+
+
+def auto_task(path: str | Path) -> str:
+    """The task `task="auto"` means for the model folder `path` (see the module docstring)."""
+    if (Path(path) / "modules.json").is_file():  # sentence-transformers: even a *ForCausalLM embeds
+        return "embed"
+    architectures = getattr(AutoConfig.from_pretrained(path), "architectures", None) or []
+    return task_of_architectures(list(architectures))
+
+
+def resolve_task(path: str | Path, task: str) -> str:
+    """LLM's task: "auto" as auto_task says, "pooling" (vLLM's runner="pooling") the folder's
+    pooling task (classify for a classifier, else embed), any other name as given."""
+    if task == "auto":
+        return auto_task(path)
+    if task == "pooling":
+        found = auto_task(path)
+        return "embed" if found == "generate" else found
+    return task
 
 
 def has_classifier(path: str | Path) -> bool:
@@ -31,6 +88,50 @@ def has_classifier(path: str | Path) -> bool:
 def runs_on_engine(path: str | Path, task: str) -> bool:
     """Whether `task` on this model runs through batchgen's engine: all but an encoder's pooling."""
     return task == "generate" or not is_encoder(AutoConfig.from_pretrained(path))
+
+
+class EnginePoolingRunner:
+    """Runs pooling requests over a ModelRunner and its Scheduler (those of an LLM's engine)."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+
+    def pool(self, prompts: list[list[int]], method: str, on_step: Callable[[], None] | None = None) -> list[RowResult]:
+        """Pooled hidden states [H] float32 of every prompt, in the given order (callers order by length).
+        `on_step` runs after every forward (the job runner stops there on a signal)."""
+        scheduler = self.scheduler
+        results = [RowResult(None, error="not run")] * len(prompts)
+        pooled: dict[int, tuple[int, PoolAccumulator]] = {}
+        extras = RequestExtras(uncached=method != "last")
+        for index, prompt in enumerate(prompts):
+            seq = Sequence(scheduler.new_seq_id(), list(prompt), _SCORED, extras=extras)
+            why = scheduler.check_fits(seq)
+            if why is not None:
+                results[index] = RowResult(None, error=why)
+                continue
+            scheduler.add(seq)
+            pooled[seq.seq_id] = (index, PoolAccumulator(method, seq.num_tokens))
+        try:
+            while scheduler.has_unfinished():
+                batch = scheduler.schedule()
+                hidden, ends = self.runner.pool_forward(batch)  # [T, H], each chunk's end in the packed row
+                for chunk, end in zip(batch.chunks, ends):
+                    pooled[chunk.seq_id][1].add(chunk.start, hidden[end - chunk.num_tokens : end])
+                for seq_id in batch.ends:
+                    index, acc = pooled.pop(seq_id)
+                    cached = scheduler.get(seq_id).num_cached_tokens
+                    results[index] = RowResult(acc.result().cpu(), cached)  # [H] float32 on the host
+                    scheduler.finish(seq_id)
+                if on_step is not None:
+                    on_step()
+        except BaseException:
+            # why everything: a failed forward may have left blocks registered with K/V never written
+            scheduler.drop_all()
+            self.runner.drop_all()
+            raise
+        self.runner.apply(scheduler.take_update())  # the last finished sequences have no next step
+        return results
 
 
 class PoolingModel:
@@ -113,16 +214,13 @@ class PoolingModel:
         """A decoder classifier on the engine: its head over each input's last-token hidden state."""
         if self.engine is None or self.head is None:
             raise RuntimeError("no engine classifier set up")
-        pooled = self.engine.pool([e.input_ids for e in inputs], "last", self.on_step)
-        results: list[RowResult] = []
-        for p in pooled:
-            if p.values is None:
-                results.append(p)
-                continue
-            weight = self.head.weight
-            with torch.inference_mode():
-                logits = self.head(p.values.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
-            results.append(RowResult(head_probs(logits)[0].cpu(), p.cached_tokens))
+        results = self.engine.pool([e.input_ids for e in inputs], "last", self.on_step)
+        weight = self.head.weight
+        for r in results:
+            if r.values is not None:
+                with torch.inference_mode():
+                    logits = self.head(r.values.to(device=weight.device, dtype=weight.dtype)[None])  # [1, C]
+                r.values = head_probs(logits)[0].cpu()
         return results
 
     def score(self, inputs: list[Encoded], pairs: list[tuple[Encoded, Encoded]] | None = None) -> list[RowResult]:
@@ -164,10 +262,29 @@ def on_engine(path: str | Path, task: str, llm: Any, pooler_config: dict[str, An
 
 def prefix_cache_applies(path: str | Path, task: str, pooling_type: str | None) -> bool:
     """Whether a pooling task's rows can be served from the prefix cache: decoder models on the
-    engine with last-token pooling (embeddings, classifier heads; see engine_runner); never mean
+    engine with last-token pooling (embeddings, classifier heads; see EnginePoolingRunner); never mean
     or CLS pooling, nor encoders."""
     if task == "generate" or not runs_on_engine(path, task):
         return False
     if task == "classify" or (task == "score" and has_classifier(path)):
         return True  # a decoder classifier's head reads the last token's hidden state
     return resolve_pooling(path, True, pooling_type).method == "last"
+
+
+def load_score_head(path: str | Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Linear:
+    """The `score` linear layer of the checkpoint in `path` (weight [num_labels, hidden], bias if any)."""
+    folder = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), "pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                if key in (f"{HEAD}.weight", f"{HEAD}.bias"):
+                    tensors[key.removeprefix(f"{HEAD}.")] = handle.get_tensor(key)
+    if "weight" not in tensors:
+        found = ", ".join(f.name for f in files) or "no .safetensors files"
+        raise ValueError(f"{folder}: no classification head `{HEAD}.weight` found ({found})")
+    labels, hidden = tensors["weight"].shape
+    head = torch.nn.Linear(hidden, labels, bias="bias" in tensors)
+    head.load_state_dict(tensors)
+    return head.to(device=device, dtype=dtype).eval()

@@ -3,7 +3,7 @@
 A step is one call down and one result back (vLLM v1): `execute(batch)` takes the scheduler's
 frozen ScheduledBatch and returns a ModelRunnerOutput; nothing it calls calls back up. It applies
 the batch's diff to its persistent state, stages the forward's metadata and the draw's inputs
-(sampling/step_draw) for one upload, packs every chunk into one [1, T] row in the order its
+(sampling/sampler) for one upload, packs every chunk into one [1, T] row in the order its
 attention backend plans, runs the unchanged HF model (its attention bound to that backend:
 attention/interface), keeps logits (in the model's dtype) only for the sampled chunks and
 prompt-logprob positions, draws, and reads everything back in one copy. It decides nothing: what runs, and who
@@ -37,14 +37,13 @@ from batchgen.engine.api.platform import GraphReplay
 from batchgen.engine.attention.decode_kv import padded_tables
 from batchgen.engine.attention.interface import bind_layers
 from batchgen.engine.attention.kv_store import pool_blocks
-from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.metadata import ForwardContext, StaticDecode
 from batchgen.engine.attention.path import (
     VARLEN,
     AttentionChoice,
     has_softcap,
 )
 from batchgen.engine.attention.planning import int64_tensor
-from batchgen.engine.attention.static_decode import StaticDecode
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, ModelRunnerOutput
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch, ScheduledChunk
 from batchgen.engine.lora.slots import LoRASlots
@@ -52,8 +51,7 @@ from batchgen.engine.platforms import make_backend, platform_for
 from batchgen.engine.runner.compiled_forward import StepForward
 from batchgen.engine.runner.models import KVSpec
 from batchgen.engine.sampling.batch import SamplingBatch
-from batchgen.engine.sampling.sampler import Sampler
-from batchgen.engine.sampling.step_draw import finish_draw, prepare_draw
+from batchgen.engine.sampling.sampler import Sampler, finish_draw, prepare_draw
 from batchgen.engine.staging.transfers import Transfers
 
 
@@ -76,16 +74,6 @@ class StepInputs(Protocol):
 
 
 logger = logging.getLogger(__name__)
-
-
-def pack_chunks(chunks: Sequence[ScheduledChunk], order: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The chunks' token ids in the backend's `order` as one packed row, and each chunk's end in it."""
-    token_ids: list[int] = []
-    packed_end = [0] * len(chunks)
-    for i in order:
-        token_ids.extend(chunks[i].token_ids)
-        packed_end[i] = len(token_ids)
-    return token_ids, packed_end
 
 
 class ModelRunner:
@@ -227,7 +215,11 @@ class ModelRunner:
         the chunks' tokens are packed in its order, staged for the upload -> (its context, input ids
         [T] (padded to `padded`), positions [T], each chunk's end in the packed row)."""
         ctx, positions, order = self.backend.plan(chunks, self.transfers, padded)
-        token_ids, packed_end = pack_chunks(chunks, order)
+        token_ids: list[int] = []
+        packed_end = [0] * len(chunks)
+        for i in order:
+            token_ids.extend(chunks[i].token_ids)
+            packed_end[i] = len(token_ids)
         if padded is not None:
             token_ids.extend([0] * (padded - len(token_ids)))
         if self.lora is not None:  # each packed token's adapter slot; padding runs the base (-1)

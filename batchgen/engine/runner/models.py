@@ -130,7 +130,7 @@ def kv_spec(config: PretrainedConfig) -> KVSpec:
 
 
 # A pooling run never calls the causal LM's head, and a classifier's own head (`score`) is read
-# apart (pooling/heads): transformers' load report of these keys is expected there, not a fault.
+# apart (pooling/model.load_score_head): transformers' load report of these keys is expected there, not a fault.
 _POOLING_MISSING = (r"^lm_head\.",)
 _POOLING_UNEXPECTED = (r"^score\.",)
 

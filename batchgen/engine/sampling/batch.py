@@ -16,9 +16,8 @@ import torch
 
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence
-from batchgen.engine.sampling.feature_plan import plan_features
 from batchgen.engine.sampling.logprobs import LogprobRows
-from batchgen.engine.sampling.penalties import FeaturePlan, FeatureRow, LogitsFeatures
+from batchgen.engine.sampling.penalties import FeaturePlan, FeatureRow, LogitsFeatures, plan_features
 from batchgen.engine.staging.transfers import Transfers
 
 NO_TOP_K = float(1 << 30)  # a disabled top-k: above any vocabulary, so the filter keeps every token
@@ -58,6 +57,17 @@ class SamplingStep:
         return k
 
 
+@dataclass
+class _Row:
+    """One sequence's host state (its parameters also sit in the batch's table, for the device)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # seeded and not greedy: its own
+    feature: FeatureRow | None  # penalties, bias, bad words, grammar
+    prompt: tuple[int, ...]  # scored when it asks for prompt logprobs
+    num_output: int = 0  # tokens accepted (min_tokens)
+
+
 class SamplingBatch:
     """Rows of sampling state for the sequences the runner knows, by seq id."""
 
@@ -70,11 +80,7 @@ class SamplingBatch:
         self._row_of: dict[int, int] = {}
         self._free: list[int] = []  # rows left by finished sequences, taken first (lowest first)
         self._table = torch.zeros((0, _PARAMS), dtype=torch.float32)  # [capacity, 4] host
-        self._params: list[SamplingParams | None] = []
-        self._generators: list[torch.Generator | None] = []
-        self._features: list[FeatureRow | None] = []
-        self._num_output: list[int] = []  # tokens accepted per row (min_tokens)
-        self._prompts: dict[int, tuple[int, ...]] = {}  # by seq id, of the rows that score their prompt
+        self._rows: list[_Row | None] = []  # None: a free row
         self._last: SamplingStep | None = None  # the last step's view, reused while nothing changes
 
     # ------------------------------------------------------------- the diff
@@ -89,7 +95,7 @@ class SamplingBatch:
     @property
     def num_seeded(self) -> int:
         """Rows that hold a generator of their own (for tests and leak checks)."""
-        return sum(1 for r in self._row_of.values() if self._generators[r] is not None)
+        return sum(1 for r in self._rows if r is not None and r.generator is not None)
 
     def apply(self, update: BatchUpdate) -> None:
         """Finished sequences lose their rows, new ones get theirs; preempted and resumed ones keep theirs."""
@@ -105,18 +111,14 @@ class SamplingBatch:
         p = new.params
         self._row_of[new.seq_id] = row
         self._table[row] = torch.tensor([p.temperature, p.top_k or NO_TOP_K, p.top_p, p.min_p])
-        self._params[row] = p
-        self._num_output[row] = 0
-        self._generators[row] = None
+        generator = None
         if p.seed is not None and not p.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(int(p.seed))
-            self._generators[row] = generator
-        self._features[row] = None
-        if p.prompt_logprobs is not None:
-            self._prompts[new.seq_id] = new.prompt_token_ids
+        feature = None
         if p.uses_logits_features:
-            self._features[row] = self.features.row(new.seq_id, new.prompt_token_ids, p, self.device, self.transfers)
+            feature = self.features.row(new.seq_id, new.prompt_token_ids, p, self.device, self.transfers)
+        self._rows[row] = _Row(p, generator, feature, new.prompt_token_ids)
         self._last = None
         return row
 
@@ -126,11 +128,10 @@ class SamplingBatch:
             row = self._row_of.pop(seq_id, None)
             if row is None:
                 continue
-            self._prompts.pop(seq_id, None)
-            feature = self._features[row]
+            feature = self._rows[row].feature  # type: ignore[union-attr]  # a live row
             if feature is not None:
                 self.features.release(feature)
-            self._params[row] = self._generators[row] = self._features[row] = None
+            self._rows[row] = None
             heapq.heappush(self._free, row)
             self._last = None
 
@@ -139,19 +140,16 @@ class SamplingBatch:
         self.remove(list(self._row_of))
         self._free = []
         self._table = self._table[:0]
-        self._params, self._generators, self._features, self._num_output = [], [], [], []
+        self._rows = []
         self.features.clear()
 
     def _grow(self) -> int:
-        row = len(self._params)
+        row = len(self._rows)
         if row == self._table.shape[0]:
             grown = torch.zeros((max(8, 2 * row), _PARAMS), dtype=torch.float32)
             grown[:row] = self._table
             self._table = grown
-        self._params.append(None)
-        self._generators.append(None)
-        self._features.append(None)
-        self._num_output.append(0)
+        self._rows.append(None)
         return row
 
     # --------------------------------------------------------------- a step
@@ -169,35 +167,36 @@ class SamplingBatch:
     def accept(self, step: SamplingStep, tokens: list[int]) -> None:
         """Each step row's sampled token (`tokens[i]` for row i), as read: output counts and the
         features' host state advance (their device history advanced with the draw)."""
-        if step.min_tokens:
-            num_output = self._num_output
-            for _, row in step.min_tokens:
-                num_output[row] += 1
+        for _, row in step.min_tokens:
+            self._rows[row].num_output += 1  # type: ignore[union-attr]  # a live row
         if step.features is not None:
             self.features.accept(step.features.picked, tokens)
 
     def terminated(self, seq_id: int) -> bool:
         """The sequence's grammar has accepted a complete output."""
-        feature = self._features[self._row_of[seq_id]]
+        feature = self._live(seq_id).feature
         return feature is not None and feature.terminated
 
     def short_rows(self, step: SamplingStep) -> list[tuple[int, list[int]]]:
         """(step row, its stop token ids) of the rows still short of min_tokens."""
-        out = []
-        for i, row in step.min_tokens:
-            p = self._params[row]
-            if p is not None and self._num_output[row] < p.min_tokens:
-                out.append((i, p.stop_token_ids))
-        return out
+        rows = [(i, self._rows[r]) for i, r in step.min_tokens]
+        return [(i, r.params.stop_token_ids) for i, r in rows if r is not None and r.num_output < r.params.min_tokens]
 
     def prompt(self, seq_id: int) -> tuple[tuple[int, ...], int]:
         """The prompt of a row that asked for prompt logprobs, and its K."""
-        p = self._params[self._row_of[seq_id]]
-        return self._prompts[seq_id], int(p.prompt_logprobs or 0) if p is not None else 0
+        row = self._live(seq_id)
+        return row.prompt, int(row.params.prompt_logprobs or 0)
+
+    def _live(self, seq_id: int) -> _Row:
+        row = self._rows[self._row_of[seq_id]]
+        if row is None:
+            raise KeyError(f"seq {seq_id} has no sampling row")
+        return row
 
     def _build(self, seq_ids: tuple[int, ...]) -> SamplingStep:
         rows = [self._row_of[s] for s in seq_ids]
-        params: list[SamplingParams] = [self._params[r] for r in rows]  # type: ignore[misc]  # live rows
+        live = [self._live(s) for s in seq_ids]
+        params = [r.params for r in live]
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         sampled = [params[i] for i in sample_rows]
         stage = self.transfers.stage
@@ -208,11 +207,11 @@ class SamplingBatch:
             table = stage(self._table[torch.tensor(picked)], keep=True)  # [m, 4]
             if len(sample_rows) < len(rows):
                 index = stage(torch.tensor(sample_rows), keep=True)
-        seeded = [j for j, i in enumerate(sample_rows) if self._generators[rows[i]] is not None]
+        seeded = [j for j, i in enumerate(sample_rows) if live[i].generator is not None]
         if seeded and len(seeded) < len(sample_rows):
             others = sorted(set(range(len(sample_rows))) - set(seeded))
             unseeded = stage(torch.tensor(others), keep=True)
-        picked_features = [(i, f) for i, r in enumerate(rows) if (f := self._features[r]) is not None]
+        picked_features = [(i, r.feature) for i, r in enumerate(live) if r.feature is not None]
         plan = plan_features(picked_features, self.transfers) if picked_features else None
         return SamplingStep(
             seq_ids=seq_ids,
@@ -224,12 +223,12 @@ class SamplingBatch:
             need_p=any(p.top_p < 1.0 for p in sampled),
             need_min_p=any(p.min_p > 0.0 for p in sampled),
             seeded=seeded,
-            generators=[self._generators[rows[sample_rows[j]]] for j in seeded],  # type: ignore[misc]
+            generators=[live[sample_rows[j]].generator for j in seeded],  # type: ignore[misc]  # seeded
             unseeded_index=unseeded,
             logprobs=self._logprob_rows(params),
             features=plan,
             grammars=any(f.matcher is not None for _, f in picked_features),
-            min_tokens=[(i, r) for i, (r, p) in enumerate(zip(rows, params)) if p.min_tokens > 0],
+            min_tokens=[(i, rows[i]) for i, p in enumerate(params) if p.min_tokens > 0],
             may_read=self.device.type == "cpu" and not self.transfers.copy,
             batch=self,
         )

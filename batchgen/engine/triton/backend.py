@@ -15,10 +15,9 @@ import torch
 
 from batchgen.engine.attention.backend import AttentionBackend, Pools, zero_padding
 from batchgen.engine.attention.gather import GatheredBlocks
-from batchgen.engine.attention.metadata import ForwardContext
+from batchgen.engine.attention.metadata import MAX_GRAPH_BATCH, ForwardContext
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.planning import PlannedChunk, Stager
-from batchgen.engine.attention.static_decode import MAX_GRAPH_BATCH
 from batchgen.engine.triton import launch
 from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, image_key_ends, plan_step
 from batchgen.engine.triton.support import check_device, check_interpreter, interpreting

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.attention.decode_kv import DecodeKVSource
-from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk
+from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk, StaticDecode
 from batchgen.engine.attention.planning import PlannedChunk, Stager, build_forward_context, int64_tensor
-from batchgen.engine.attention.static_decode import StaticDecode
 
 DECODE_ROWS = 16
 PREFILL_ROWS = 64

@@ -6,9 +6,11 @@
 // per-layer arguments) cost ~0.1 ms a layer or more (the demo model's decode step of 64 sequences
 // is 9.3 ms with it, 8.3 ms through here). Python sets a plan for such a step (the kernel's
 // argument array with everything that holds for the step, each layer's pool, the step's slots, the
-// kernel's address) and writes its address into the backend's plan cell, whose address every call
-// is given (one cell per backend: no global state, several engines may live in one process); each
-// layer's call here then only writes that layer's tensors into the arguments and calls the kernel.
+// kernel's address) and writes its address into the backend's plan cell, a table here indexed by the
+// backend's handle, which every call carries (one cell per backend: several engines may live in one
+// process; a handle, not the cell's address, so a compiled graph holds the same small constants in
+// every process and inductor's graph cache can hit); each layer's call here then only writes that
+// layer's tensors into the arguments and calls the kernel.
 // Without a plan (a step with prefills, or one the plan does not cover) it calls the Python op
 // batchgen::paged_attention with the same arguments, so every step still has one entry point.
 // See batchgen/engine/cpu/front.py.
@@ -45,6 +47,10 @@ bool cpu_of(const at::Tensor &t, at::ScalarType type) { return t.scalar_type() =
 
 // D contiguous, as the kernel reads a head's vector
 at::Tensor rows_contiguous(const at::Tensor &t) { return t.stride(2) == 1 ? t : t.contiguous(); }
+
+// each live backend's current plan (its address; 0: none), by the backend's handle (cpu/front.py)
+constexpr int64_t MAX_BACKENDS = 1024;
+int64_t plan_cells[MAX_BACKENDS] = {};
 
 // the last refusal's message, for Python to read: a compiled graph reports only that the call failed
 thread_local std::string last_error;
@@ -95,11 +101,11 @@ at::Tensor planned(int64_t *plan, const at::Tensor &query, const at::Tensor &key
   return out;
 }
 
-// plan_cell: the address of the backend's cell holding its current plan's address (0: no plan)
+// backend: the handle of the backend the call is for; its cell holds its current plan (0: none)
 at::Tensor attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, double scale,
-                     std::optional<int64_t> window, std::optional<double> softcap, int64_t backend, int64_t layer,
-                     int64_t plan_cell) {
-  int64_t *plan = plan_cell == 0 ? nullptr : reinterpret_cast<int64_t *>(*reinterpret_cast<int64_t *>(plan_cell));
+                     std::optional<int64_t> window, std::optional<double> softcap, int64_t backend, int64_t layer) {
+  const bool celled = backend >= 0 && backend < MAX_BACKENDS;
+  int64_t *plan = celled ? reinterpret_cast<int64_t *>(plan_cells[backend]) : nullptr;
   if (plan == nullptr) return python_op(query, key, value, scale, window, softcap, backend, layer);
   try {
     return planned(plan, query, key, value, scale, window, softcap, layer);
@@ -118,6 +124,10 @@ extern "C" const char *batchgen_attention_op_take_error(void) {
   last_error.clear();
   return taken.empty() ? nullptr : taken.c_str();
 }
+
+// the plan cells (MAX_BACKENDS of them) for Python to write each backend's plan into
+extern "C" int64_t *batchgen_attention_op_plan_cells(void) { return plan_cells; }
+extern "C" int64_t batchgen_attention_op_max_backends(void) { return MAX_BACKENDS; }
 
 // the names of the plan's fields and of the kernel's arguments, in order (Python checks them at load)
 extern "C" const char *batchgen_attention_op_plan_names(void) { return BATCHGEN_PLAN_FIELDS(BATCHGEN_NAME); }

@@ -8,9 +8,10 @@ load, into the pairs-interleaved-by-column layout vdpbf16ps reads, the kernel do
 
 How: per bf16 weight shape, the kernel on packed copies of that shape's weights is timed against
 what the layer runs otherwise (the faster, per row count, of torch's bf16 linear and the skinny bf16
-kernel), over weights read from memory, at decode row counts (ROWS), the sides interleaved round by
-round (so a busy spell of a shared host hits all of them alike); the shape is packed where the
-kernel's summed best time beats the other's by MARGIN and loses at no row count by more than VETO.
+kernel), over weights read from memory, at decode row counts (ROWS): single calls, in rounds that
+take every row count and side in turn (so a busy spell of a shared host hits all of them alike); the
+shape is packed where the kernel's summed best call beats the other's by MARGIN and loses at no row
+count of 16 or more by more than VETO, a losing shape measured a second time before it is refused.
 Why not the first rule (every row count within 1 / MARGIN, each side timed in one block): on a host
 at load 6 it left h1024's MLP weights unpacked, where the kernel is 1.2-4x faster at 16-64 rows
 (benchmarks/RESULTS.md, issue 46, fifth pass), and a choice is cached for good; CHOICE_FOLDER names the
@@ -25,8 +26,8 @@ head is a fifth of a decode step's FLOPs and oneDNN ran it at 1/2-1/7 of the ker
 rows (issue 46, fifth pass). A weight shared any other way is never packed: its other user needs it
 as it is. A host whose linear library was built without AVX512-BF16 (no such CPU, an AVX2 build)
 never packs (native.vnni_linear is None), nor does a process with BATCHGEN_PACKED_LINEAR=0 (for A/B
-measurements and as an escape hatch); with BATCHGEN_PACKED_LINEAR=1 every untied shape is packed
-without timing (A/B measurements). Cached per machine like linear_calibration's masks.
+measurements and as an escape hatch); with BATCHGEN_PACKED_LINEAR=1 every eligible shape (a tied head's
+included) is packed without timing (A/B measurements). Cached per machine like linear_calibration's masks.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ from batchgen.engine.cpu.linear_calibration import MARGIN, shape_key
 logger = logging.getLogger(__name__)
 
 OP_NAME = "batchgen::packed_linear"
-DISABLE_ENV = "BATCHGEN_PACKED_LINEAR"  # "0": no weight is packed in this process; "1": every untied one
+DISABLE_ENV = "BATCHGEN_PACKED_LINEAR"  # "0": no weight is packed in this process; "1": every eligible one
 CHOICE_FOLDER = "packed-linear-v2"  # the cache folder of this rule's choices (v1: each side timed in one block)
 ROWS = (1, 16, 32, 64)  # decode row counts the choice is timed at (larger: on par, see the docstring)
 REPEATS = 5  # interleaved rounds (every row count and side in each), more where few layers are cycled:
 CALLS = 24  # at least this many timed calls per side and row count (a 32k-vocabulary head: 2 layers, 12 rounds)
-VETO = 2.0  # a shape that loses at any row count by this factor stays unpacked, whatever its sum
+VETO = 2.0  # a shape that loses at any row count of 16+ by this factor stays unpacked, whatever its sum
 COLD_BYTES = 64 << 20  # weights cycled per timing: past the L3 cache, as a model's step reads them
 PANEL = 64  # output columns a panel of the packed layout holds (NR in csrc/vnni_linear_bf16.c; checked at pack)
 BUDGET_SECONDS = 20.0  # per model, once per machine: a shape left untimed is not packed (and timed next time)

@@ -4,6 +4,7 @@ and helpers to write Parquet inputs and job files. Nothing is downloaded."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,9 @@ def _interpret_triton() -> None:
 
 
 _interpret_triton()
+# moto's request recorder (when a request turns it on) writes `moto_recording` into the working folder,
+# the checkout; it reads where once, as moto is first imported, so this is set before any test module
+os.environ.setdefault("MOTO_RECORDER_FILEPATH", os.path.join(tempfile.gettempdir(), "batchgen-tests-moto-recording"))
 
 
 CHAT_TEMPLATE = (

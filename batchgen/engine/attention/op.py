@@ -6,13 +6,14 @@ plans, KV pool writes) neither breaks the graph nor is traced. Why a handle and 
 arguments: several engines may live in one process; each backend registers here (weakly) and each
 layer is bound to (handle, layer) at load, so the graph holds two constants per layer. Why the lowest
 free handle: the same engine gets the same constants in every process (and after an earlier engine
-in the same one is dropped), so inductor's graph cache serves its compiled graph instead of
+in the same one is dropped and collected), so inductor's graph cache serves its compiled graph instead of
 compiling it again.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import NamedTuple, Protocol
 
@@ -44,12 +45,14 @@ class LayerRunner(Protocol):
 
 
 _LIVE: weakref.WeakValueDictionary[int, LayerRunner] = weakref.WeakValueDictionary()
+_REGISTERING = threading.Lock()
 
 
 def register(backend: LayerRunner) -> int:
     """A handle for `backend`, valid while it lives: the lowest one no live backend holds."""
-    handle = next(h for h in itertools.count(1) if h not in _LIVE)
-    _LIVE[handle] = backend
+    with _REGISTERING:  # why: engines built in two threads must not take the same handle
+        handle = next(h for h in itertools.count(1) if h not in _LIVE)
+        _LIVE[handle] = backend
     return handle
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from batchgen.engine.cpu import native
 from batchgen.engine.cpu.decode_native import PLAN_FIELDS, FrontPlan
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -87,6 +90,9 @@ def open_front(handle: int) -> Front | None:
     """A front for the backend of attention handle `handle`, where the operator loads and has a cell
     for it (None: the model calls the Python op)."""
     lib = load()
-    if lib is None or not 0 <= handle < lib.batchgen_attention_op_max_backends():
+    if lib is None:
+        return None
+    if not 0 <= handle < lib.batchgen_attention_op_max_backends():
+        logger.warning("attention handle %d has no plan cell: this engine's decodes take the Python op", handle)
         return None
     return Front(lib, handle)

@@ -98,8 +98,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     fns = native.vnni_linear()
     if fns is None:
         raise RuntimeError("the packed bf16 linear kernel is not built on this host")
-    if fns["panel"]() != PANEL:
-        raise RuntimeError(f"the packed kernel's panel is {fns['panel']()} columns, this module reads {PANEL}")
     n, k = weight.shape
     out = torch.empty(fns["packed_size"](n, k), dtype=torch.bfloat16)
     if fns["pack"](n, k, weight.contiguous().data_ptr(), out.data_ptr(), native.threads()) != 0:
@@ -116,7 +114,13 @@ def pack_linears(model: nn.Module, modules: Sequence[nn.Linear], library: Path, 
     """Pack those of `modules` (bf16 nn.Linear of `model`) whose shape measured faster packed than
     both torch's linear and `other` (the skinny kernel, native_linear's); the rest."""
     setting = os.environ.get(DISABLE_ENV)
-    if setting == "0" or not modules or native.vnni_linear() is None:
+    fns = native.vnni_linear()
+    if setting == "0" or not modules or fns is None:
+        return list(modules)
+    if fns["panel"]() != PANEL:  # why: a kernel built with another -DNR would be misread; run unpacked
+        logger.warning(
+            "packed bf16 linears off: the kernel's panel is %d columns, this module reads %d", fns["panel"](), PANEL
+        )
         return list(modules)
     users = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
     embeddings = {id(m.weight): m for m in model.modules() if type(m) is nn.Embedding and m.max_norm is None}
@@ -178,7 +182,7 @@ def measure(layers: Sequence[Layer], deadline: float, other: Linear) -> dict[str
     """Whether the packed kernel beat the unpacked path over (enough of) these layers ("packed"), with
     the best call's microseconds of each side per row count and the load average (the cached record,
     so a choice can be read back and judged); where it lost, measured once more and judged on the
-    better call of the two (as decode_layout does); None: out of time."""
+    better call of the two (as cpu/backend.native_wins does); None: out of time."""
     weight = layers[0][0]
     per_layer = weight.numel() * weight.element_size()
     cold = list(layers[: max(2, -(-COLD_BYTES // per_layer))])
@@ -190,12 +194,15 @@ def measure(layers: Sequence[Layer], deadline: float, other: Linear) -> dict[str
         "other": (cold, other),
     }
     inputs = {rows: torch.randn(rows, weight.shape[1]).to(weight.dtype) for rows in ROWS}
-    best = interleaved(sides, inputs, deadline)
+    # why: CALLS is for weights up to a 32k head, whose calls vary most; past 4 x COLD_BYTES (a tied head
+    # of a 128k vocabulary: 0.5 GB) every call streams from memory, and 25 rounds would outlast the budget
+    rounds = REPEATS if per_layer > 4 * COLD_BYTES else max(REPEATS, -(-CALLS // len(cold)))
+    best = interleaved(sides, inputs, deadline, rounds)
     if best is None:
         return None
     record = _verdict(best)
     if not record["packed"]:  # a second measurement first: a busy spell can cover one whole measurement
-        again = interleaved(sides, inputs, deadline)
+        again = interleaved(sides, inputs, deadline, rounds)
         if again is None:
             return None
         record = _verdict({rows: {k: min(t, again[rows][k]) for k, t in times.items()} for rows, times in best.items()})
@@ -217,17 +224,19 @@ def _verdict(best: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
 
 
 def interleaved(
-    sides: Mapping[str, tuple[Sequence[Layer], Linear]], inputs: Mapping[int, torch.Tensor], deadline: float
+    sides: Mapping[str, tuple[Sequence[Layer], Linear]],
+    inputs: Mapping[int, torch.Tensor],
+    deadline: float,
+    rounds: int,
 ) -> dict[int, dict[str, float]] | None:
-    """Per row count, the best seconds of one call of each side over every layer, in REPEATS rounds
-    or enough for CALLS calls (after a warm-up round), each round taking every row count and side in
+    """Per row count, the best seconds of one call of each side over every layer, in `rounds` rounds
+    (after a warm-up round), each round taking every row count and side in
     turn; None past the deadline. Why so: on a shared host a busy spell lasts seconds, and a call rather than a pass is
     what is sometimes left alone; rounds over everything let one spell hit every side of one round,
     not one side of every round (RESULTS.md, issue 46, fifth pass)."""
     best = {rows: dict.fromkeys(sides, float("inf")) for rows in inputs}
     with torch.inference_mode():
-        fewest = min(len(layers) for layers, _ in sides.values())
-        for i in range(max(REPEATS, -(-CALLS // fewest)) + 1):
+        for i in range(rounds + 1):
             if time.monotonic() > deadline:
                 return None
             for rows, x in inputs.items():

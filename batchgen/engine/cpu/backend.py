@@ -17,7 +17,6 @@ without the kernel, and was cut for the ~200 lines it cost).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -31,7 +30,7 @@ from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.cpu import native
-from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
+from batchgen.engine.cpu.choice_cache import choice_path, interleaved_best, read_choice, write_once
 from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch
 from batchgen.engine.cpu.decode_rows import DecodeRows, RowsView
 from batchgen.engine.cpu.front import Front, open_front
@@ -186,14 +185,8 @@ def _time_paths(dtype: torch.dtype, kvh: int, g: int, d: int, kernels: NativeKer
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
 
     paths = {"native": _native_call(kernels, dtype, kvh, g, d, gen), "gather": gather}
-    best = dict.fromkeys(paths, float("inf"))
-    with torch.inference_mode():
-        for i in range(REPEATS + 1):
-            for name, fn in paths.items():
-                started = time.perf_counter()
-                fn()
-                if i:
-                    best[name] = min(best[name], time.perf_counter() - started)
+    best = interleaved_best(paths, REPEATS)
+    assert best is not None  # no deadline
     return best
 
 

@@ -1,5 +1,6 @@
 """A choice measured on this machine (a linear kernel mask, a decode key layout), cached on disk and
-written once: two processes measuring at once may disagree, and the first stored answers for all.
+written once: two processes measuring at once may disagree, and the first stored answers for all;
+and the interleaved timing such choices share.
 """
 
 from __future__ import annotations
@@ -9,14 +10,18 @@ import json
 import logging
 import os
 import tempfile
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from batchgen.engine.cpu import native
 
 logger = logging.getLogger(__name__)
+
+K = TypeVar("K")
 
 
 def choice_path(folder: str, key: str) -> Path:
@@ -56,3 +61,24 @@ def write_once(path: Path, field: str, record: dict[str, Any]) -> Any:
             os.unlink(tmp)
     stored = read_choice(path, field)
     return record[field] if stored is None else stored
+
+
+def interleaved_best(
+    calls: Mapping[K, Callable[[], object]], rounds: int, deadline: float = float("inf")
+) -> dict[K, float] | None:
+    """Per key, the best seconds of one call, over `rounds` rounds after a warm-up round, each round
+    making every call in turn; None where a round would start past `deadline` (time.monotonic).
+    Why interleaved: on a shared host a busy spell lasts seconds; rounds over every candidate let one
+    spell slow every side of one round rather than one side of every round."""
+    best = dict.fromkeys(calls, float("inf"))
+    with torch.inference_mode():
+        for i in range(rounds + 1):
+            if time.monotonic() > deadline:
+                return None
+            for key, call in calls.items():
+                started = time.perf_counter()
+                call()
+                took = time.perf_counter() - started
+                if i:
+                    best[key] = min(best[key], took)
+    return best

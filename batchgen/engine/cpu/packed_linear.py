@@ -32,6 +32,7 @@ included) is packed without timing (A/B measurements). Cached per machine like l
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -45,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchgen.engine.cpu import native
-from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
+from batchgen.engine.cpu.choice_cache import choice_path, interleaved_best, read_choice, write_once
 from batchgen.engine.cpu.linear_calibration import MARGIN, shape_key
 
 logger = logging.getLogger(__name__)
@@ -229,24 +230,22 @@ def interleaved(
     deadline: float,
     rounds: int,
 ) -> dict[int, dict[str, float]] | None:
-    """Per row count, the best seconds of one call of each side over every layer, in `rounds` rounds
-    (after a warm-up round), each round taking every row count and side in
-    turn; None past the deadline. Why so: on a shared host a busy spell lasts seconds, and a call rather than a pass is
-    what is sometimes left alone; rounds over everything let one spell hit every side of one round,
-    not one side of every round (RESULTS.md, issue 46, fifth pass)."""
+    """Per row count, the best seconds of one call of each side over every layer (choice_cache's
+    interleaved_best: every row count, side and layer in each round); None past the deadline. Why
+    single calls: on a shared host a call, rather than a pass, is what is sometimes left alone
+    (RESULTS.md, issue 46, fifth pass)."""
+    calls = {
+        (rows, name, j): functools.partial(fn, x, weight, bias)
+        for rows, x in inputs.items()
+        for name, (layers, fn) in sides.items()
+        for j, (weight, bias) in enumerate(layers)
+    }
+    timed = interleaved_best(calls, rounds, deadline)
+    if timed is None:
+        return None
     best = {rows: dict.fromkeys(sides, float("inf")) for rows in inputs}
-    with torch.inference_mode():
-        for i in range(rounds + 1):
-            if time.monotonic() > deadline:
-                return None
-            for rows, x in inputs.items():
-                for name, (layers, fn) in sides.items():
-                    for weight, bias in layers:
-                        started = time.perf_counter()
-                        fn(x, weight, bias)
-                        took = time.perf_counter() - started
-                        if i:
-                            best[rows][name] = min(best[rows][name], took)
+    for (rows, name, _), seconds in timed.items():
+        best[rows][name] = min(best[rows][name], seconds)
     return best
 
 

@@ -48,7 +48,7 @@ def _native(path: Path, prompts: list[list[int]], steps: int) -> LLM:
     engine = llm.engine
     for p in prompts:
         engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=3 * steps + 8, ignore_eos=True))
-    while engine.scheduler.num_waiting or any(
+    while engine.scheduler.waiting or any(
         s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
     ):
         engine.step()

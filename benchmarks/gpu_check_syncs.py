@@ -53,7 +53,7 @@ FEATURES: dict[str, Callable[[int, int], SamplingParams]] = {
 
 def prefilled(llm: LLM) -> bool:
     scheduler = llm.engine.scheduler
-    return not scheduler.num_waiting and all(s.num_computed_tokens >= s.num_prompt_tokens for s in scheduler.running)
+    return not scheduler.waiting and all(s.num_computed_tokens >= s.num_prompt_tokens for s in scheduler.running)
 
 
 def measure(ctx: Ctx, llm: LLM, feature: str) -> dict[str, Any]:

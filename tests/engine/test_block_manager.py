@@ -33,7 +33,7 @@ def snapshot(bm: BlockManager, *seqs: Sequence) -> tuple:
         list(bm.ref_counts),
         list(bm.block_hashes),
         dict(bm.hash_to_block),
-        bm.free_block_ids(),
+        list(bm._free),
         [(list(bm.block_table(s.seq_id)), s.num_computed_tokens) for s in seqs],
     )
 
@@ -80,7 +80,7 @@ def test_two_sequences_share_a_prefix_with_ref_counts() -> None:
     assert bm.ref_counts[:4] == [2, 2, 1, 1]
     bm.free(a.seq_id)
     assert bm.ref_counts[:4] == [1, 1, 0, 1]
-    assert bm.free_block_ids()[0] == 2  # a's hashless tail is reused first
+    assert next(iter(bm._free)) == 2  # a's hashless tail is reused first
     bm.free(b.seq_id)
     assert bm.ref_counts == [0] * 10 and bm.num_free_blocks == 10
     assert bm.block_table(a.seq_id) == [] and bm.block_table(b.seq_id) == []
@@ -104,7 +104,7 @@ def test_matched_free_block_leaves_the_free_list() -> None:
     b = make_seq(1, [1, 2, 3, 4, 7])
     computed, _ = admit(bm, b)
     assert computed == [0, 1] and bm.block_table(b.seq_id) == [0, 1, 2]
-    assert bm.num_free_blocks == 3 and 0 not in bm.free_block_ids()
+    assert bm.num_free_blocks == 3 and 0 not in list(bm._free)
 
 
 def test_free_order_is_tail_first_with_hashless_blocks_in_front() -> None:
@@ -112,7 +112,7 @@ def test_free_order_is_tail_first_with_hashless_blocks_in_front() -> None:
     a = make_seq(0, [1, 2, 3, 4, 5])  # blocks 0, 1 full; block 2 partial
     admit(bm, a)
     bm.free(a.seq_id)
-    assert bm.free_block_ids() == [2, 3, 4, 5, 1, 0]
+    assert list(bm._free) == [2, 3, 4, 5, 1, 0]
 
 
 def test_eviction_is_lru_chain_tail_first_and_cleans_the_hash_table() -> None:
@@ -121,9 +121,9 @@ def test_eviction_is_lru_chain_tail_first_and_cleans_the_hash_table() -> None:
     admit(bm, a)
     hashes = list(bm.block_hashes[:3])
     bm.free(a.seq_id)
-    assert bm.free_block_ids() == [3, 4, 5, 2, 1, 0]
+    assert list(bm._free) == [3, 4, 5, 2, 1, 0]
     admit(bm, make_seq(1, [7, 7, 8, 8, 9, 9, 10]))  # needs 4 blocks: 3, 4, 5, then evicts 2
-    assert bm.free_block_ids() == [1, 0]
+    assert list(bm._free) == [1, 0]
     assert bm.block_hashes[2] is None and hashes[2] not in bm.hash_to_block
     assert bm.hash_to_block[hashes[0]] == 0 and bm.hash_to_block[hashes[1]] == 1
     # The head of a's chain is still intact and matchable.
@@ -137,7 +137,7 @@ def test_least_recently_freed_sequence_is_evicted_first() -> None:
     admit(bm, b, 4)
     bm.free(a.seq_id)
     bm.free(b.seq_id)
-    assert bm.free_block_ids() == [1, 0, 3, 2]
+    assert list(bm._free) == [1, 0, 3, 2]
     admit(bm, make_seq(2, [9, 9, 9, 9]), 4)  # evicts a's blocks, keeps b's
     assert bm.get_computed_blocks(make_seq(3, [1, 2, 3, 4, 0])) == ([], 0)
     assert bm.get_computed_blocks(make_seq(4, [5, 6, 7, 8, 0])) == ([2, 3], 4)

@@ -161,8 +161,8 @@ def test_engine_is_reusable_after_a_failed_step(
         with pytest.raises(RuntimeError, match="device lost"):
             llm.generate(prompts + [[7] * 30], [params, params, seeded])
     engine = llm.engine
-    assert not engine.has_unfinished() and engine.runner.batch.num_rows == 0 and len(engine.requests) == 0
-    assert engine.scheduler.block_manager.num_free_blocks == 32 and engine.scheduler.block_manager.num_tables == 0
+    assert not engine.has_unfinished() and engine.runner.batch.num_rows == 0 and not engine.requests._by_seq
+    assert engine.scheduler.block_manager.num_free_blocks == 32 and engine.scheduler.block_manager._tables == {}
     before, seen = llm.stats, []
     again = llm.generate(prompts, params, on_output=seen.append)
     assert [o.outputs[0].token_ids for o in again] == want  # no poisoned K/V served from the prefix cache

@@ -35,10 +35,10 @@ def _run(llm: LLM, extras: list[Any]) -> tuple[list[list[int]], list[tuple[int, 
     outputs: dict[str, Any] = {}
     steps = []
     while engine.has_unfinished():
-        before = counts.snapshot()
+        before = (counts.uploads, counts.reads)
         for out in engine.step():
             outputs[out.request_id] = out
-        after = counts.snapshot()
+        after = (counts.uploads, counts.reads)
         steps.append((after[0] - before[0], after[1] - before[1]))
     return [outputs[str(i)].outputs[0].token_ids for i in ids], steps
 

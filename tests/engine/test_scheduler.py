@@ -95,7 +95,7 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[Sequenc
             return finished
         step(sched, finished)
     raise AssertionError(
-        f"not finished after {max_steps} steps: {sched.num_running} running, {sched.num_waiting} waiting"
+        f"not finished after {max_steps} steps: {len(sched.running)} running, {len(sched.waiting)} waiting"
     )
 
 
@@ -153,7 +153,7 @@ def test_max_num_seqs_limits_admission() -> None:
     for seq in seqs:
         sched.add(seq)
     batch = step(sched)
-    assert batch.seq_ids == ids(*seqs[:2]) and sched.num_waiting == 3
+    assert batch.seq_ids == ids(*seqs[:2]) and len(sched.waiting) == 3
 
 
 # ----------------------------------------------------------------- memory pressure
@@ -335,7 +335,7 @@ def test_finish_aborts_a_waiting_sequence_and_schedule_advances_what_it_schedule
     batch = sched.schedule()
     assert batch.seq_ids == ids(a) and sizes(batch) == [4] and not batch.chunks[0].needs_sample
     sched.finish(b.seq_id)  # aborted before admission
-    assert b.status is SequenceStatus.FINISHED and sched.num_waiting == 0
+    assert b.status is SequenceStatus.FINISHED and not sched.waiting
     assert a.num_computed_tokens == 4  # advanced when scheduled: the scheduler is its only writer
     assert sched.schedule().chunks[0].start == 4  # the next step goes on from there
 
@@ -432,4 +432,4 @@ def test_a_max_tokens_0_request_ends_after_its_prompt_without_a_draw() -> None:
     sched.add(make_seq(1, [4, 5]))
     batch = sched.schedule()
     assert sampled(batch) == [0, 1] and batch.ends == (0,) and batch.draws == (1,) and batch.draw_rows == (1,)
-    assert not batch.forks and sched.num_running == 2  # never forked: its n outputs are all empty
+    assert not batch.forks and len(sched.running) == 2  # never forked: its n outputs are all empty

@@ -24,6 +24,7 @@ from batchgen.engine.core.sequence import Sequence
 from batchgen.engine.sampling.batch import NO_TOP_K, SamplingBatch
 from batchgen.engine.sampling.penalties import LogitsFeatures
 from batchgen.engine.staging.transfers import Transfers
+from tests.engine.test_sampler import num_seeded
 from tests.engine.test_scheduler import make_scheduler, make_seq
 
 Diff = tuple[list[int], list[int], list[int], list[int]]
@@ -121,14 +122,14 @@ def _new(seq_id: int, **params: Any) -> NewSequence:
 def test_the_sampling_batch_keeps_rows_from_adds_and_removes() -> None:
     batch = SamplingBatch(torch.device("cpu"), LogitsFeatures(None, 64, []), Transfers(torch.device("cpu")))
     batch.apply(BatchUpdate(new=(_new(10, temperature=0.0), _new(11, top_k=5, seed=3), _new(12, top_p=0.5))))
-    assert batch._row_of == {10: 0, 11: 1, 12: 2} and batch.num_seeded == 1
+    assert batch._row_of == {10: 0, 11: 1, 12: 2} and num_seeded(batch) == 1
     first = batch.step([10, 11, 12])
     assert first.rows == [0, 1, 2] and first.sample_rows == [1, 2] and first.seeded == [0]
     assert first.params is not None and first.params.tolist() == [[1.0, 5.0, 1.0, 0.0], [1.0, NO_TOP_K, 0.5, 0.0]]
     assert first.max_k(64) == 5 and first.need_p and not first.need_min_p
     assert batch.step([10, 11, 12]) is first  # unchanged rows: the same view, nothing rebuilt
     batch.apply(BatchUpdate(finished=(11, 99)))  # 99: never known, ignored
-    assert batch._row_of == {10: 0, 12: 2} and batch.num_seeded == 0
+    assert batch._row_of == {10: 0, 12: 2} and num_seeded(batch) == 0
     batch.apply(BatchUpdate(new=(_new(13, min_p=0.2, min_tokens=2),), preempted=(12,), resumed=(10,)))
     assert batch._row_of == {10: 0, 12: 2, 13: 1}  # the freed row is taken; preempted 12 keeps its row
     second = batch.step([13, 10])
@@ -189,9 +190,9 @@ def test_abort_all_leaves_every_owner_empty(llm: LLM) -> None:
     engine.abort_all()
     sched, bm = engine.scheduler, engine.scheduler.block_manager
     assert not sched.has_unfinished() and not sched._seqs and not sched.take_update()
-    assert bm.num_tables == 0 and bm.num_free_blocks == bm.num_blocks and not bm.hash_to_block
+    assert not bm._tables and bm.num_free_blocks == bm.num_blocks and not bm.hash_to_block
     assert engine.runner.batch.num_rows == 0 and engine.runner.decode_kv.num_rows == 0
-    assert len(engine.requests) == 0 and engine.requests.num_samples == 0 and not sched._special
+    assert not engine.requests._by_seq and not sched._special
     out = llm.generate(_prompts(2), SamplingParams(temperature=0.0, max_tokens=4))  # usable again
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
@@ -205,6 +206,6 @@ def test_the_off_step_draw_applies_a_rows_features_once() -> None:
     sampler = Sampler([0], LogitsFeatures(None, 16, [0]))
     rows = SamplingBatch(cpu, sampler.features, Transfers(cpu))
     new = NewSequence(4, (1, 2), SamplingParams(temperature=1.0, seed=9, repetition_penalty=1.5, logit_bias={7: 50.0}))
-    assert draw_now(sampler, rows, torch.zeros(1, 16), [4], [new]) == [7] and rows.num_seeded == 1
+    assert draw_now(sampler, rows, torch.zeros(1, 16), [4], [new]) == [7] and num_seeded(rows) == 1
     rows.clear()
     assert rows.num_rows == 0

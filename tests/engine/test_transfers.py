@@ -31,12 +31,12 @@ def _decode_step_counts(llm: LLM, params: SamplingParams) -> list[tuple[int, int
         engine.add_request(p, params)
     per_step = []
     while engine.has_unfinished():
-        decode_only = engine.scheduler.num_waiting == 0 and all(
+        decode_only = not engine.scheduler.waiting and all(
             s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running
         )
-        before = counts.snapshot()
+        before = (counts.uploads, counts.reads)
         engine.step()
-        after = counts.snapshot()
+        after = (counts.uploads, counts.reads)
         if decode_only:
             per_step.append((after[0] - before[0], after[1] - before[1]))
     return per_step

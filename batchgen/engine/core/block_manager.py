@@ -53,19 +53,10 @@ class BlockManager:
         """Blocks with ref count 0, cached-but-unreferenced ones included (they are evictable)."""
         return len(self._free)
 
-    def free_block_ids(self) -> list[int]:
-        """Free blocks in eviction order (next to be reused first); for tests and debugging."""
-        return list(self._free)
-
     def block_table(self, seq_id: int) -> list[int]:
         """The sequence's KV block ids in token order (empty when it holds none). Read only: the
         list is the pool's own; the scheduler snapshots it into each chunk."""
         return self._tables.get(seq_id) or []
-
-    @property
-    def num_tables(self) -> int:
-        """Sequences that hold blocks (for tests and leak checks)."""
-        return len(self._tables)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -90,7 +81,6 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Whether `allocate_slots` with the same arguments would succeed now (changes nothing)."""
         computed = computed_blocks or []
-        self._check_args(seq, num_new_tokens, computed)
         needed = self._num_new_blocks(seq, num_new_tokens, computed) + self._shared_tail(seq, num_new_tokens)
         return needed <= self._num_available(computed)
 
@@ -109,7 +99,6 @@ class BlockManager:
                 self._register_full_blocks(seq, seq.num_computed_tokens + 1)
             return True
         computed = computed_blocks or []
-        self._check_args(seq, num_new_tokens, computed)
         num_new_blocks = self._num_new_blocks(seq, num_new_tokens, computed)
         cow = self._shared_tail(seq, num_new_tokens)
         if num_new_blocks + cow > self._num_available(computed):
@@ -117,7 +106,9 @@ class BlockManager:
         if cow:
             self._copy_on_write(seq)
         for block_id in computed:
-            self._touch(block_id)
+            if self.ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self.ref_counts[block_id] += 1
         table = self._tables.setdefault(seq.seq_id, [])
         table.extend(computed)
         table.extend(self._pop_free() for _ in range(num_new_blocks))
@@ -182,7 +173,8 @@ class BlockManager:
 
     # ---------------------------------------------------------------- helpers
 
-    def _check_args(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> None:
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> int:
+        """Blocks to take from the pool for `num_new_tokens` more (after checking the arguments)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens} (seq {seq.seq_id})")
         held = len(self.block_table(seq.seq_id))
@@ -191,6 +183,8 @@ class BlockManager:
                 f"computed_blocks may only be given for a fresh sequence; seq {seq.seq_id} has "
                 f"{held} blocks and {seq.num_computed_tokens} computed tokens"
             )
+        covered = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        return max(0, self.blocks_needed(covered) - held - len(computed))
 
     def _slot_in_place(self, seq: Sequence) -> bool:
         """The next token's slot is in a block of seq's table that no other sequence holds (or that
@@ -203,10 +197,6 @@ class BlockManager:
             and index < len(table)
             and (pos % self.block_size == 0 or self.ref_counts[table[index]] == 1)
         )
-
-    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed: list[int]) -> int:
-        covered = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        return max(0, self.blocks_needed(covered) - len(self.block_table(seq.seq_id)) - len(computed))
 
     def _shared_tail(self, seq: Sequence, num_new_tokens: int) -> int:
         """1 when the next token would be written into a block another sequence also holds, else 0."""
@@ -229,11 +219,6 @@ class BlockManager:
     def _num_available(self, computed: list[int]) -> int:
         # why: a matched block with ref 0 sits in the free list; taking it shrinks what is left
         return len(self._free) - sum(1 for b in computed if self.ref_counts[b] == 0)
-
-    def _touch(self, block_id: int) -> None:
-        if self.ref_counts[block_id] == 0:
-            del self._free[block_id]
-        self.ref_counts[block_id] += 1
 
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)

@@ -77,8 +77,6 @@ class Scheduler:
                 f"BlockManager block_size {block_manager.block_size} != the config's block_size {config.block_size}"
             )
         self.config = config
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -150,14 +148,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
     # ---------------------------------------------------------------- step
 
     def schedule(self) -> ScheduledBatch:
@@ -167,7 +157,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Sequence] = []
         images = self.images.step()
-        budget = self._schedule_running(chunks, preempted, self.max_num_batched_tokens, images)
+        budget = self._schedule_running(chunks, preempted, self.config.max_num_batched_tokens, images)
         if not preempted:
             # why: after a preemption the pool is under pressure; admitting now would thrash.
             self._schedule_waiting(chunks, budget, images)
@@ -297,9 +287,10 @@ class Scheduler:
         logger.debug("preempted seq %d (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
     def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int, images: StepImages) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        max_seqs = self.config.max_num_seqs
+        while self.waiting and budget > 0 and len(self.running) < max_seqs:
             seq = self.waiting[0]
-            if self.running and len(self.running) + seq.seats > self.max_num_seqs:
+            if self.running and len(self.running) + seq.seats > max_seqs:
                 break  # why: its samples will fork into seats of their own
             adapter = seq.extras.adapter_hash if seq.num_preemptions == 0 else b""  # a preempted one kept its pin
             if adapter and self.slots is not None and not self.slots.can_pin(adapter):

@@ -41,17 +41,13 @@ class RequestExtras:
 NO_EXTRAS = RequestExtras()
 
 
-def sample_seed(seed: int | None, index: int) -> int | None:
-    """Sample `index`'s seed: seed + index (vLLM's rule), wrapped into 64 bits."""
-    if seed is None:
-        return None
-    value = seed + index
-    return value - (1 << 64) if value > SEED_MAX else value
-
-
 def fork_params(params: SamplingParams, index: int) -> SamplingParams:
-    """A forked sample's params: its own seed, one sample, no prompt logprobs (the parent takes them)."""
-    return dataclasses.replace(params, seed=sample_seed(params.seed, index), n=1, prompt_logprobs=None)
+    """Sample `index`'s params: seed + index (vLLM's rule) wrapped into 64 bits, one sample, no prompt
+    logprobs (the parent takes them)."""
+    seed = None if params.seed is None else params.seed + index
+    if seed is not None and seed > SEED_MAX:
+        seed -= 1 << 64
+    return dataclasses.replace(params, seed=seed, n=1, prompt_logprobs=None)
 
 
 class SequenceStatus(Enum):

@@ -20,6 +20,7 @@ counters (EngineStats, for benchmarks and the job's logs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -33,7 +34,7 @@ from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras, Sequence
 from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState
 from batchgen.engine.runner.model_runner import ModelRunner
-from batchgen.engine.sampling.logprobs import TokenTexts, entries
+from batchgen.engine.sampling.logprobs import entries
 from batchgen.engine.sampling.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class Engine:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.vocab_size = vocab_size
         self.stats = EngineStats()
-        self.texts = TokenTexts(tokenizer)
+        # each token id's own text (vLLM's `decoded_token`), decoded once
+        self.texts = functools.cache(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
         self.requests = RequestTable()
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
 
@@ -97,10 +99,16 @@ class Engine:
         an error output."""
         request_id = self.scheduler.new_seq_id()
         self.stats.requests += 1
-        params = self._resolve_max_tokens(params, len(prompt_token_ids))
+        if params.max_tokens is None:  # up to the context (at least 1, so a full prompt fails as too long)
+            room = max(1, self.scheduler.max_model_len - len(prompt_token_ids))
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         seq = Sequence(request_id, list(prompt_token_ids), params, extras=extras)
+        # why: an id past the embedding table would crash the whole batch's forward (on CUDA, the process)
+        bad = [t for t in seq.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad and refusal is None:
+            refusal = f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
         message = f"request {request_id}: {refusal}" if refusal is not None else None
-        message = message or self._check_token_ids(seq) or self.scheduler.check_fits(seq)
+        message = message or self.scheduler.check_fits(seq)
         message = message or self.runner.check_request(request_id, params)
         if message is not None:
             logger.warning("refusing %s", message)  # the message starts "request N:"
@@ -115,22 +123,8 @@ class Engine:
         self.requests.add(RequestState(request_id, prompt, params, [first], scored), first)
         return request_id
 
-    def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """max_tokens None: up to the context (at least 1, so a full prompt fails as too long)."""
-        if params.max_tokens is not None:
-            return params
-        room = max(1, self.scheduler.max_model_len - num_prompt_tokens)
-        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
-
     def _stop_checker(self, seq: Sequence) -> StopChecker:
         return StopChecker(self.tokenizer, seq.params, self.eos_token_ids, seq.prompt_token_ids)
-
-    def _check_token_ids(self, seq: Sequence) -> str | None:
-        # why: an id past the embedding table would crash the whole batch's forward (on CUDA, the process)
-        bad = [t for t in seq.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return f"request {seq.seq_id}: prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-        return None
 
     def has_unfinished(self) -> bool:
         return bool(self._errors) or self.scheduler.has_unfinished()
@@ -143,8 +137,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.chunks:
             raise RuntimeError(
-                f"the scheduler scheduled nothing with {self.scheduler.num_waiting} waiting and "
-                f"{self.scheduler.num_running} running sequences"
+                f"the scheduler scheduled nothing with {len(self.scheduler.waiting)} waiting and "
+                f"{len(self.scheduler.running)} running sequences"
             )
         self.stats.count(batch)
         for parent, children in batch.forks:

@@ -103,15 +103,6 @@ class RequestTable:
     def __init__(self) -> None:
         self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
 
-    def __len__(self) -> int:
-        """Requests in flight: those with an unfinished sample."""
-        return len({request.request_id for request, _ in self._by_seq.values()})
-
-    @property
-    def num_samples(self) -> int:
-        """Samples not yet finished (for tests and leak checks)."""
-        return len(self._by_seq)
-
     def add(self, request: RequestState, sample: SampleState) -> None:
         """A sample of `request`: its first, or one forked from its prompt."""
         if sample is not request.samples[-1]:

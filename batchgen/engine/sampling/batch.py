@@ -85,17 +85,9 @@ class SamplingBatch:
 
     # ------------------------------------------------------------- the diff
 
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._row_of
-
     @property
     def num_rows(self) -> int:
         return len(self._row_of)
-
-    @property
-    def num_seeded(self) -> int:
-        """Rows that hold a generator of their own (for tests and leak checks)."""
-        return sum(1 for r in self._rows if r is not None and r.generator is not None)
 
     def apply(self, update: BatchUpdate) -> None:
         """Finished sequences lose their rows, new ones get theirs; preempted and resumed ones keep theirs."""
@@ -213,6 +205,8 @@ class SamplingBatch:
             unseeded = stage(torch.tensor(others), keep=True)
         picked_features = [(i, r.feature) for i, r in enumerate(live) if r.feature is not None]
         plan = plan_features(picked_features, self.transfers) if picked_features else None
+        asks = [i for i, p in enumerate(params) if p.logprobs is not None]  # rows that ask for logprobs
+        asks_index = stage(torch.tensor(asks), keep=True) if 0 < len(asks) < len(rows) else None
         return SamplingStep(
             seq_ids=seq_ids,
             rows=rows,
@@ -225,17 +219,10 @@ class SamplingBatch:
             seeded=seeded,
             generators=[live[sample_rows[j]].generator for j in seeded],  # type: ignore[misc]  # seeded
             unseeded_index=unseeded,
-            logprobs=self._logprob_rows(params),
+            logprobs=LogprobRows(asks, [params[i].logprobs or 0 for i in asks], asks_index) if asks else None,
             features=plan,
             grammars=any(f.matcher is not None for _, f in picked_features),
             min_tokens=[(i, rows[i]) for i, p in enumerate(params) if p.min_tokens > 0],
             may_read=self.device.type == "cpu" and not self.transfers.copy,
             batch=self,
         )
-
-    def _logprob_rows(self, params: list[SamplingParams]) -> LogprobRows | None:
-        asks = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not asks:
-            return None
-        index = None if len(asks) == len(params) else self.transfers.stage(torch.tensor(asks), keep=True)
-        return LogprobRows(asks, [int(params[i].logprobs) for i in asks], index)  # type: ignore[arg-type]  # asked

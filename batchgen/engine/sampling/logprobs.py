@@ -8,26 +8,13 @@ runs for rows that asked for none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from batchgen.engine.api.outputs import Logprob, PositionLogprobs
-
-
-class TokenTexts:
-    """Each token id's own text (vLLM's `decoded_token`), decoded once and cached."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
 
 
 @dataclass
@@ -59,7 +46,7 @@ def score(logprobs: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[
 
 
 def entries(
-    read: list[Any], ks: list[int], targets: list[int], texts: TokenTexts
+    read: list[Any], ks: list[int], targets: list[int], texts: Callable[[int], str]
 ) -> list[tuple[PositionLogprobs, float]]:
     """`score`'s tensors as read back (flat lists) -> for each row ({target and top-K ids: Logprob},
     the target's logprob). `targets[j]` is row j's."""

@@ -261,10 +261,6 @@ class PenaltyTables:
         self._free: list[int] = []  # released slots, lowest first
         self._used = 0  # slots ever handed out (the tables' rows in use or free)
 
-    @property
-    def num_slots(self) -> int:
-        return self._used - len(self._free)
-
     def take(self, prompt_token_ids: Sequence[int], staging: Transfers) -> int:
         """A slot for a new row: zeroed, its prompt's tokens marked seen after this step's upload."""
         slot = heapq.heappop(self._free) if self._free else self._grow()

@@ -272,8 +272,9 @@ def finish_draw(
     values = transfers.read("sampled_ids" if step is not None else "nan_flag", *head, *logprobs, *prompt)
     rest = values[len(head) :]
     nan_flag = bool(values[len(head) - 1][0])
+    prompt_lists = None if draw.prompt is None else replace(draw.prompt[0], read=rest[len(logprobs) :])
     if step is None:
-        return ModelRunnerOutput(nan=nan_flag, prompt_logprobs=_prompt_lists(draw.prompt, rest))
+        return ModelRunnerOutput(nan=nan_flag, prompt_logprobs=prompt_lists)
     tokens: list[int] = values[0]  # type: ignore[assignment]
     batch = step.batch
     batch.accept(step, tokens)  # min_tokens counts, bad-word tails and grammar matchers advance
@@ -282,11 +283,7 @@ def finish_draw(
         asked = step.logprobs.rows
         lists = LogprobLists(asked, step.logprobs.ks, [tokens[i] for i in asked], rest[: len(logprobs)])
     done = frozenset(s for s in step.seq_ids if batch.terminated(s)) if step.grammars else frozenset()
-    return ModelRunnerOutput(tokens, nan_flag, lists, _prompt_lists(draw.prompt, rest[len(logprobs) :]), done)
-
-
-def _prompt_lists(prompt: tuple[LogprobLists, torch.Tensor] | None, read: list) -> LogprobLists | None:
-    return None if prompt is None else replace(prompt[0], read=read)
+    return ModelRunnerOutput(tokens, nan_flag, lists, prompt_lists, done)
 
 
 def draw_now(

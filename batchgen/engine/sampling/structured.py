@@ -36,11 +36,6 @@ def load_xgrammar() -> Any:
     return xgrammar
 
 
-def spec_text(spec: dict[str, Any]) -> str:
-    """Canonical text of a spec: the cache key (same schema, same text, whatever its key order)."""
-    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
-
-
 def _schema_text(schema: dict[str, Any] | str) -> str:
     if isinstance(schema, str):
         try:
@@ -112,10 +107,6 @@ class GrammarCache:
         self._compiler: Any = None
         self._compiled: dict[str, Any] = {}
 
-    @property
-    def num_compiled(self) -> int:
-        return len(self._compiled)
-
     def matcher(self, spec: dict[str, Any]) -> Any:
         """A fresh GrammarMatcher for one request; StructuredError when the spec cannot compile."""
         return load_xgrammar().GrammarMatcher(self.compiled(spec))
@@ -123,7 +114,7 @@ class GrammarCache:
     def compiled(self, spec: dict[str, Any]) -> Any:
         """The spec's compiled grammar (compiled once, then cached); StructuredError when it cannot compile."""
         xgr = load_xgrammar()
-        key = spec_text(spec)
+        key = json.dumps(spec, sort_keys=True, separators=(",", ":"))  # same schema, same key, in any order
         compiled = self._compiled.get(key)
         if compiled is None:
             if self._compiler is None:

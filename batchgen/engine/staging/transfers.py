@@ -25,9 +25,6 @@ class TransferCounts:
     reads: int = 0
     read_sites: dict[str, int] = field(default_factory=dict)  # why each read happened
 
-    def snapshot(self) -> tuple[int, int]:
-        return self.uploads, self.reads
-
 
 class _Arena:
     def __init__(self, nbytes: int, device: torch.device, pin: bool) -> None:

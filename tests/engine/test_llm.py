@@ -161,7 +161,7 @@ def test_engine_is_reusable_after_a_failed_step(
         with pytest.raises(RuntimeError, match="device lost"):
             llm.generate(prompts + [[7] * 30], [params, params, seeded])
     engine = llm.engine
-    assert not engine.has_unfinished() and engine.runner.batch.num_rows == 0 and not engine.requests._by_seq
+    assert not engine.has_unfinished() and engine.runner.batch.num_rows == 0 and not engine.requests
     assert engine.scheduler.block_manager.num_free_blocks == 32 and engine.scheduler.block_manager._tables == {}
     before, seen = llm.stats, []
     again = llm.generate(prompts, params, on_output=seen.append)

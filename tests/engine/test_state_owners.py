@@ -192,7 +192,7 @@ def test_abort_all_leaves_every_owner_empty(llm: LLM) -> None:
     assert not sched.has_unfinished() and not sched._seqs and not sched.take_update()
     assert not bm._tables and bm.num_free_blocks == bm.num_blocks and not bm.hash_to_block
     assert engine.runner.batch.num_rows == 0 and engine.runner.decode_kv.num_rows == 0
-    assert not engine.requests._by_seq and not sched._special
+    assert not engine.requests and not sched._special
     out = llm.generate(_prompts(2), SamplingParams(temperature=0.0, max_tokens=4))  # usable again
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 

@@ -13,8 +13,8 @@ an "error" output on its own. When `generate()` fails, every owner drops its who
 (abort_all), so the engine can be used again.
 
 State: the scheduler owns sequences (progress, status, blocks), the runner its persistent batch
-and the sampler, and this engine only the output side (RequestTable: texts, stop checks, logprobs) and its
-counters (EngineStats, for benchmarks and the job's logs).
+and the sampler, and this engine only the output side (a RequestState per request, by sample: texts,
+stop checks, logprobs) and its counters (EngineStats, for benchmarks and the job's logs).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from batchgen.engine.core.runner_output import LogprobLists, ModelRunnerOutput
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.scheduler_output import ScheduledBatch
 from batchgen.engine.core.sequence import NO_EXTRAS, RequestExtras, Sequence
-from batchgen.engine.loop.requests import RequestState, RequestTable, SampleState
+from batchgen.engine.loop.requests import RequestState, SampleState
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.sampling.logprobs import entries
 from batchgen.engine.sampling.stopping import StopChecker
@@ -48,7 +48,7 @@ class EngineStats:
     requests: int = 0
     errors: int = 0
     prefill_tokens: int = 0  # prompt chunks, and recomputation after preemption
-    decode_tokens: int = 0  # decode chunks (scheduler.is_decode): one new token each
+    decode_tokens: int = 0  # decode chunks (ScheduledChunk.is_decode): one new token each
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, over finished requests
     output_tokens: int = 0  # sampled tokens
     preemptions: int = 0
@@ -83,7 +83,7 @@ class Engine:
         self.stats = EngineStats()
         # each token id's own text (vLLM's `decoded_token`), decoded once
         self.texts = functools.cache(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
-        self.requests = RequestTable()
+        self.requests: dict[int, tuple[RequestState, SampleState]] = {}  # by each unfinished sample's seq id
         self._errors: list[RequestOutput] = []  # refused requests, reported by the next step()
 
     def add_request(
@@ -120,7 +120,7 @@ class Engine:
         if params.prompt_logprobs is not None:
             scored = [None] * seq.num_prompt_tokens
         first = SampleState(0, seq, self._stop_checker(seq))
-        self.requests.add(RequestState(request_id, prompt, params, [first], scored), first)
+        self.requests[request_id] = (RequestState(request_id, prompt, params, [first], scored), first)
         return request_id
 
     def _stop_checker(self, seq: Sequence) -> StopChecker:
@@ -150,7 +150,7 @@ class Engine:
         if out.prompt_logprobs is not None:
             self._store_prompt_logprobs(out.prompt_logprobs)
         for seq_id in batch.ends:  # max_tokens 0: scored, never sampled
-            request, sample = self.requests.get(seq_id)
+            request, sample = self.requests[seq_id]
             self._finish_sample(request, sample, finished)
         if batch.draws:
             self._accept(batch, out, finished, failed)
@@ -181,11 +181,11 @@ class Engine:
             lp = out.logprobs
             taken = dict(zip(lp.rows, entries(lp.read, lp.ks, lp.targets, self.texts)))
         done = out.grammar_done  # why once: the loop runs per sequence
-        lookup = self.requests.get
+        requests = self.requests
         for i, (seq_id, token) in enumerate(zip(seq_ids, tokens)):
             if seq_id in failed:
                 continue
-            request, sample = lookup(seq_id)
+            request, sample = requests[seq_id]
             if taken and i in taken:
                 sample.record(*taken[i])
             if sample.stop.append(token) or (done and seq_id in done and sample.stop.finish_now()):
@@ -198,11 +198,11 @@ class Engine:
         for seq_id, message in errors:
             if seq_id in ended:
                 continue
-            request, _ = self.requests.get(seq_id)
+            request, _ = self.requests[seq_id]
             for sample in request.samples:
                 ended.add(sample.seq.seq_id)
                 self.scheduler.finish(sample.seq.seq_id)
-            self.requests.drop(request)
+                self.requests.pop(sample.seq.seq_id, None)
             self.stats.errors += 1
             error = f"request {request.request_id}: {message}"
             logger.warning("failing %s", error)
@@ -213,17 +213,18 @@ class Engine:
 
     def _add_samples(self, parent: int, children: tuple[int, ...]) -> None:
         """Samples 1..n-1 of a request, forked by the scheduler from its just-prefilled prompt."""
-        request, _ = self.requests.get(parent)
+        request, _ = self.requests[parent]
         for index, child_id in enumerate(children, start=1):
             child = self.scheduler.get(child_id)
-            self.requests.add(request, SampleState(index, child, self._stop_checker(child)))
+            request.samples.append(SampleState(index, child, self._stop_checker(child)))
+            self.requests[child_id] = (request, request.samples[-1])
 
     def _store_prompt_logprobs(self, prompt: LogprobLists) -> None:
         """The prompt rows' logprobs, as read, into their requests (rows in chunk order)."""
         scored = entries(prompt.read, prompt.ks, prompt.targets, self.texts)
         row = 0
         for seq_id, start, count in prompt.chunks:
-            request, _ = self.requests.get(seq_id)
+            request, _ = self.requests[seq_id]
             request.store_prompt_logprobs(start, [entry for entry, _ in scored[row : row + count]])
             row += count
 
@@ -246,7 +247,9 @@ class Engine:
     def _finish_sample(self, request: RequestState, sample: SampleState, finished: list[RequestOutput]) -> None:
         """A sample is done: the scheduler finishes its sequence; the request's last one makes the output."""
         self.scheduler.finish(sample.seq.seq_id)
-        if self.requests.finish_sample(request, sample):
+        sample.done = True
+        del self.requests[sample.seq.seq_id]
+        if request.done:
             self.stats.cached_tokens += request.parent.num_cached_tokens
             finished.append(request.output())
 

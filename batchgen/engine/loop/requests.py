@@ -95,33 +95,3 @@ def _drop_token_texts(*positions: list[PositionLogprobs | None] | list[PositionL
         for entry in entries or []:
             for logprob in (entry or {}).values():
                 logprob.decoded_token = None
-
-
-class RequestTable:
-    """The requests in flight, by each unfinished sample's sequence id."""
-
-    def __init__(self) -> None:
-        self._by_seq: dict[int, tuple[RequestState, SampleState]] = {}
-
-    def add(self, request: RequestState, sample: SampleState) -> None:
-        """A sample of `request`: its first, or one forked from its prompt."""
-        if sample is not request.samples[-1]:
-            request.samples.append(sample)
-        self._by_seq[sample.seq.seq_id] = (request, sample)
-
-    def get(self, seq_id: int) -> tuple[RequestState, SampleState]:
-        return self._by_seq[seq_id]
-
-    def finish_sample(self, request: RequestState, sample: SampleState) -> bool:
-        """Mark `sample` done; True when it was its request's last (the request leaves the table)."""
-        sample.done = True
-        del self._by_seq[sample.seq.seq_id]
-        return request.done
-
-    def drop(self, request: RequestState) -> None:
-        """`request` leaves the table whole, whatever its samples' state (it failed)."""
-        for sample in request.samples:
-            self._by_seq.pop(sample.seq.seq_id, None)
-
-    def clear(self) -> None:
-        self._by_seq.clear()

@@ -53,7 +53,7 @@ def test_undecodable_image_fails_its_request_only(llava: LLM) -> None:
     assert outs[2].error is not None and "image 0: cannot decode" in outs[2].error
     alone = llava.generate([prompts[0], prompts[3]], GREEDY)
     assert [outs[0].outputs[0].token_ids, outs[3].outputs[0].token_ids] == [o.outputs[0].token_ids for o in alone]
-    assert not llava.engine.requests._by_seq and not llava.engine.runner.vision.cache  # type: ignore[attr-defined]
+    assert not llava.engine.requests and not llava.engine.runner.vision.cache  # type: ignore[attr-defined]
 
 
 def test_chat_takes_image_content_parts(llava: LLM, tmp_path: Path) -> None:

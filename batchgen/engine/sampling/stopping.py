@@ -56,8 +56,8 @@ class StopChecker:
         self._eos: frozenset[int] = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self._stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
         self._stops: tuple[str, ...] = tuple(params.stop)
-        self._text = ""
-        self._num_output_tokens = 0
+        self.text = ""  # output text so far (whole characters only); final once `finish_reason` is set
+        self.num_output_tokens = 0  # every token appended, including an EOS or the tokens of a cut stop string
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         # ids given to the stream that produced no text yet, and the ids just before them
@@ -69,38 +69,24 @@ class StopChecker:
             DecodeStream(ids=self._context, skip_special_tokens=self._skip_special) if self._detokenize else None
         )
 
-    @property
-    def text(self) -> str:
-        """Output text so far (whole characters only); final once `finished`."""
-        return self._text
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Every token appended, including an EOS or the tokens of a cut stop string."""
-        return self._num_output_tokens
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
     def append(self, token_id: int) -> bool:
         """Take the next generated token; True when the request is finished (then call no more)."""
-        if self.finished:
+        if self.finish_reason is not None:
             raise RuntimeError(f"StopChecker.append({token_id}) after the request finished ({self.finish_reason})")
-        self._num_output_tokens += 1
-        checks_on = self._num_output_tokens >= self._params.min_tokens
+        self.num_output_tokens += 1
+        checks_on = self.num_output_tokens >= self._params.min_tokens
         if checks_on and token_id in self._eos:
             return self._finish("stop", None)  # EOS text never enters `text`; stop_reason None (vLLM)
         if checks_on and token_id in self._stop_ids:
             if self._params.include_stop_str_in_output:
-                self._text += self._step(token_id)
+                self.text += self._step(token_id)
             return self._finish("stop", token_id)
         new_text = self._step(token_id)
-        self._text += new_text
+        self.text += new_text
         if checks_on and new_text and self._stops and self._match_stop_string(len(new_text)):
             return True
         limit = self._params.max_tokens
-        if limit is not None and self._num_output_tokens >= limit:  # None: the engine stops at the context
+        if limit is not None and self.num_output_tokens >= limit:  # None: the engine stops at the context
             return self._finish("length", None)
         return False
 
@@ -111,7 +97,7 @@ class StopChecker:
     def _finish(self, reason: str, stop_reason: int | None) -> bool:
         """Flush text held back for an incomplete character, then record why the request ended."""
         tail = self._flush()
-        self._text += tail
+        self.text += tail
         # why: text held back by an incomplete character was never searched for stop strings
         if tail and self._match_stop_string(len(tail)):
             return True
@@ -121,7 +107,7 @@ class StopChecker:
     def _match_stop_string(self, num_new_chars: int) -> bool:
         """Find a stop string ending inside the last `num_new_chars` characters; cut and finish.
         Of several, the one completed first (smallest end, then start) wins, whatever the tokenization."""
-        text = self._text
+        text = self.text
         best: tuple[int, int, str] | None = None
         for stop in self._stops:
             start = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
@@ -130,7 +116,7 @@ class StopChecker:
         if best is None:
             return False
         end, start, stop = best
-        self._text = text[:end] if self._params.include_stop_str_in_output else text[:start]
+        self.text = text[:end] if self._params.include_stop_str_in_output else text[:start]
         self._pending.clear()
         self.finish_reason, self.stop_reason = "stop", stop
         return True
@@ -142,7 +128,7 @@ class StopChecker:
         if self._stream is not None:
             try:
                 chunk = self._stream.step(self._backend, token_id)
-            except Exception as err:  # tokenizers raises when a decoder rewrites earlier text
+            except Exception as err:  # raised when a decoder rewrites earlier text (byte fallback + Strip: Llama 2)
                 logger.debug("DecodeStream failed at token %d (%s); decoding it with context", token_id, err)
                 self._stream = None
             else:

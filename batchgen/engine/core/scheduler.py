@@ -1,7 +1,7 @@
 """Scheduler: token-budget continuous batching with chunked prefill and preemption.
 
 One rule for prefill and decode (vLLM v1): each sequence's `num_computed_tokens` catches up with
-its `num_tokens`; a decode is (nearly) a chunk of one token, see `is_decode`. Each step:
+its `num_tokens`; a decode is (nearly) a chunk of one token, see ScheduledChunk.is_decode. Each step:
   1. running sequences, oldest admission first, each get min(uncomputed, budget left) tokens; when
      the pool cannot hold a chunk, the NEWEST running sequence is preempted (blocks freed, to be
      recomputed later) until it can — possibly the sequence itself;
@@ -33,39 +33,12 @@ from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.core.adapter_slots import SlotTable
 from batchgen.engine.core.block_manager import BlockManager
 from batchgen.engine.core.image_budget import ImageBudget, StepImages
-from batchgen.engine.core.scheduler_output import (
-    BatchUpdate,
-    NewSequence,
-    ScheduledBatch,
-    ScheduledChunk,
-    is_decode,
-)
+from batchgen.engine.core.scheduler_output import BatchUpdate, NewSequence, ScheduledBatch, ScheduledChunk
 from batchgen.engine.core.sequence import Sequence, SequenceStatus, fork_params
 
 logger = logging.getLogger(__name__)
 
 Forks = tuple[tuple[int, tuple[int, ...]], ...]
-
-
-def admit_prompt(bm: BlockManager, seq: Sequence, budget: int, use_cache: bool, images: StepImages) -> int | None:
-    """The admission rule: reuse the longest cached prefix (when `use_cache`), admit only when the
-    whole remaining prompt fits the pool now, then allocate the first chunk, at most `budget`
-    tokens (and what the step's `images` budget allows).
-    -> that chunk's tokens, with `seq.num_computed_tokens` set to the cached ones; None: it does not fit.
-    """
-    computed, cached = bm.get_computed_blocks(seq) if use_cache else ([], 0)
-    remaining = seq.num_tokens - cached
-    # Admit only if the whole remaining prompt fits now, not just this chunk: a sequence
-    # that can only start would soon be preempted and recomputed.
-    if not bm.can_allocate(seq, remaining, computed):
-        return None
-    n = images.cut(seq, cached, min(remaining, budget))
-    if n == 0:
-        return None
-    if not bm.allocate_slots(seq, n, computed):
-        raise RuntimeError(f"seq {seq.seq_id}: allocation failed after can_allocate said it fits")
-    seq.num_computed_tokens = cached  # the matched blocks hold these tokens' K/V
-    return n
 
 
 class Scheduler:
@@ -287,7 +260,7 @@ class Scheduler:
         logger.debug("preempted seq %d (%d tokens) to free KV blocks", seq.seq_id, seq.num_tokens)
 
     def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int, images: StepImages) -> None:
-        max_seqs = self.config.max_num_seqs
+        max_seqs, bm = self.config.max_num_seqs, self.block_manager
         while self.waiting and budget > 0 and len(self.running) < max_seqs:
             seq = self.waiting[0]
             if self.running and len(self.running) + seq.seats > max_seqs:
@@ -295,11 +268,21 @@ class Scheduler:
             adapter = seq.extras.adapter_hash if seq.num_preemptions == 0 else b""  # a preempted one kept its pin
             if adapter and self.slots is not None and not self.slots.can_pin(adapter):
                 break  # why: every slot is pinned by admitted sequences; keep FCFS order
-            # why no cache for prompt logprobs (or mean / CLS pooling): cached positions have no outputs
+            # the longest cached prefix; why none for prompt logprobs (or mean / CLS pooling): cached
+            # positions have no outputs
             use_cache = seq.params.prompt_logprobs is None and not seq.extras.uncached
-            n = admit_prompt(self.block_manager, seq, budget, use_cache, images)
-            if n is None:
+            computed, cached = bm.get_computed_blocks(seq) if use_cache else ([], 0)
+            remaining = seq.num_tokens - cached
+            # why the whole remaining prompt, not just this chunk: a sequence that can only start
+            # would soon be preempted and recomputed
+            if not bm.can_allocate(seq, remaining, computed):
                 break  # keep FCFS order: nobody overtakes the head
+            n = images.cut(seq, cached, min(remaining, budget))
+            if n == 0:
+                break
+            if not bm.allocate_slots(seq, n, computed):
+                raise RuntimeError(f"seq {seq.seq_id}: allocation failed after can_allocate said it fits")
+            seq.num_computed_tokens = cached  # the matched blocks hold these tokens' K/V
             self.waiting.popleft()
             if adapter:
                 self._pin(adapter)
@@ -349,7 +332,7 @@ class Scheduler:
             tuple(seq.token_ids[start : start + n]),
             tuple(self.block_manager.block_table(seq.seq_id)),
             needs_sample,
-            is_decode(n, start, seq.num_prompt_tokens, needs_sample),
+            n == 1 and needs_sample and start >= seq.num_prompt_tokens,  # is_decode
             prompt_logits,
             seq.max_total_tokens,
             self.slots.slot_of(adapter) if adapter and self.slots is not None else -1,

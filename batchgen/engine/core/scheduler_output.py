@@ -29,7 +29,10 @@ class ScheduledChunk(NamedTuple):
     token_ids: tuple[int, ...]  # the sequence's tokens[start : start + num_tokens]
     block_table: tuple[int, ...]  # the sequence's KV blocks, covering start + num_tokens tokens
     needs_sample: bool  # the chunk ends at the sequence's last token: its logits give the next one
-    is_decode: bool  # see `is_decode`: the one definition of a decode for stats, runner and sampler
+    # the one definition of a decode for stats, runner and sampler: a one-token chunk that runs the
+    # sequence's newest token, a generated one (so a one-token prompt, a chunked prompt's last token
+    # and a one-token piece of a recomputation after preemption are prefill chunks)
+    is_decode: bool
     # prompt_logprobs: logits wanted at the chunk's first `prompt_logits` positions (each predicts
     # the next prompt token); 0 for every other chunk
     prompt_logits: int = 0
@@ -39,15 +42,6 @@ class ScheduledChunk(NamedTuple):
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-
-def is_decode(num_tokens: int, start: int, num_prompt_tokens: int, needs_sample: bool) -> bool:
-    """A decode: a one-token chunk that runs a sequence's newest token, a generated one.
-
-    So a one-token prompt, the last token of a chunked prompt and a one-token piece of a
-    recomputation after preemption are prefill chunks, not decodes.
-    """
-    return num_tokens == 1 and needs_sample and start >= num_prompt_tokens
 
 
 class NewSequence(NamedTuple):

@@ -8,14 +8,11 @@ on write (`take_copies`: the runner makes the copies before the forward).
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from batchgen.engine.core.block_hash import chain_block_hashes
 from batchgen.engine.core.sequence import Sequence
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

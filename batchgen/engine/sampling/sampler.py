@@ -13,7 +13,6 @@ NaN flag, logprobs), reads it in one `Transfers.read` and returns the ModelRunne
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -26,8 +25,6 @@ from batchgen.engine.sampling.batch import SamplingBatch, SamplingStep
 from batchgen.engine.sampling.logprobs import raw_logprobs, score
 from batchgen.engine.sampling.penalties import LogitsFeatures, stage_step_inputs
 from batchgen.engine.staging.transfers import Transfers, put_scalar
-
-logger = logging.getLogger(__name__)
 
 # Tokens ranked before top-p falls back to a full sort; nuclei of real models are far smaller.
 NUCLEUS_WINDOW = 1024

@@ -10,17 +10,10 @@ out of `maxLength` strings so every output parses. Optional: `pip install 'batch
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
-
-MISSING_MESSAGE = (
-    "structured output needs the optional dependency xgrammar: pip install 'batchgen[structured]' ({error})"
-)
 
 
 class StructuredError(ValueError):
@@ -32,7 +25,9 @@ def load_xgrammar() -> Any:
     try:
         import xgrammar
     except ImportError as exc:
-        raise StructuredError(MISSING_MESSAGE.format(error=exc)) from None
+        raise StructuredError(
+            f"structured output needs the optional dependency xgrammar: pip install 'batchgen[structured]' ({exc})"
+        ) from None
     return xgrammar
 
 

@@ -65,7 +65,11 @@ class Transfers:
             values = values.to(torch.int64)
         if not self.copy:
             return values
-        self._wait_previous_upload()
+        if self._done is not None:  # pragma: no cover - CUDA only
+            # why: the previous step's copy out of the buffer must finish before it is rewritten, and
+            # a step that samples nothing has no read, so nothing else has waited for it
+            self._done.synchronize()
+            self._done = None
         view = self._place(values)
         if not keep:
             return view
@@ -148,15 +152,6 @@ class Transfers:
         if self.device.type == "cuda":  # pragma: no cover - needs CUDA
             self._done = torch.cuda.Event()
             self._done.record()
-
-    def _wait_previous_upload(self) -> None:
-        """Before rewriting the host buffer: the previous step's copy out of it must have finished.
-
-        Why: a step that samples nothing has no read, so nothing else has waited for that copy.
-        """
-        if self._done is not None:  # pragma: no cover - CUDA only
-            self._done.synchronize()
-            self._done = None
 
 
 def put_scalar(target: torch.Tensor, indices: tuple[torch.Tensor, ...], value: float | bool) -> None:

@@ -35,7 +35,7 @@ from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch
 from batchgen.engine.parallel.loading import CollectiveError, Collectives, load_sharded_model
-from batchgen.engine.parallel.plan import ShardPlan, shard_plan
+from batchgen.engine.parallel.plan import shard_plan
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner.model_runner import ModelRunner
 
@@ -86,10 +86,8 @@ class TensorParallelGroup:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             self._wait_ready()
-            self.comm = Collectives(store, 0, world, device, timeout_s)
-            self.model: PreTrainedModel
-            self.plan: ShardPlan
-            self.model, self.plan = load_sharded_model(path, self.comm, 0, device, dtype)
+            comm = Collectives(store, 0, world, device, timeout_s)
+            self.model = load_sharded_model(path, comm, 0, device, dtype)
         except BaseException as exc:
             self.close()
             raise TensorParallelError(f"tensor parallel start ({world} ranks) failed: {self.dead() or exc}") from exc

@@ -56,7 +56,7 @@ def _serve(args: dict[str, Any], rank: int, conn: Connection) -> int:
         torch.cuda.set_device(device)
     conn.send(("ready",))  # why: rank 0 waits for this (watching the process) before its own rendezvous
     comm = Collectives(str(args["store"]), rank, int(args["world"]), device, float(args["timeout_s"]))
-    model, _ = load_sharded_model(str(args["path"]), comm, rank, device, getattr(torch, args["dtype"]))
+    model = load_sharded_model(str(args["path"]), comm, rank, device, getattr(torch, args["dtype"]))
     runner: ModelRunner | None = None
     while True:
         try:

@@ -27,7 +27,7 @@ from batchgen.engine.lora.requests import NOT_ENABLED, LoRAAdapters, per_prompt
 from batchgen.engine.lora.setup import install_lora
 from batchgen.engine.parallel.group import ShardedRunner, TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.platforms import platform_for
-from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, resolve_task, runs_on_engine
+from batchgen.engine.pooling.model import TASKS, PoolingModel, resolve_task, runs_on_engine
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import (
     check_config,
@@ -272,6 +272,9 @@ class LLM:
         if self._pooling is None:
             if self._tp is not None:  # why: rank 0 alone would wait in the shards' all-reduce until it timed out
                 raise ValueError("LLM.embed/classify/score: tensor_parallel_size > 1 serves task 'generate' only")
-            task = "embed" if self.task == "generate" else self.task
-            self._pooling = on_engine(self._model_path, task, self, self._pooler_config)
+            task, engine = "embed" if self.task == "generate" else self.task, self.engine
+            budget = engine.scheduler.max_num_batched_tokens
+            self._pooling = PoolingModel.build(
+                self._model_path, task, engine.runner.device, self.dtype, budget, engine, self._pooler_config
+            )
         return self._pooling

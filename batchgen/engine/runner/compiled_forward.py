@@ -57,20 +57,15 @@ class CompileStats:
         return {"compile_seconds": round(self.seconds, 2), "compiled_graphs": self.graphs}
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder layers: the ModuleList as long as the config's layer count (any architecture)."""
-    config: Any = model.config
-    num = config.get_text_config().num_hidden_layers
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == num:
-            return list(module)
-    raise RuntimeError(f"{type(model).__name__}: no ModuleList of its {num} decoder layers found to compile")
-
-
-def check_layer_order(model: torch.nn.Module) -> None:
-    """Every attention module of decoder layer i has layer_idx i: a module's layer_idx names its KV
-    pool (attention/interface.bind_layers), so no two decoder layers may share one."""
-    for i, layer in enumerate(decoder_layers(model)):
+def check_layer_order(model: PreTrainedModel) -> None:
+    """Every attention module of decoder layer i (the ModuleList as long as the config's layer count)
+    has layer_idx i: a module's layer_idx names its KV pool (attention/interface.bind_layers), so no
+    two decoder layers may share one."""
+    num = model.config.get_text_config().num_hidden_layers
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num), None)
+    if layers is None:
+        raise RuntimeError(f"{type(model).__name__}: no ModuleList of its {num} decoder layers found to compile")
+    for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
             idx = getattr(module, "layer_idx", i)
             if isinstance(idx, int) and idx != i:

@@ -122,8 +122,8 @@ def resolve_auto(device_type: str, model_path: str | os.PathLike[str] | None, cu
 
 
 def for_job(setting: str, device_setting: str, model_path: str | os.PathLike[str] | None) -> DtypeChoice:
-    """What a job's model.dtype ("auto" or a name) resolves to on its model.device ("auto": CUDA when
-    present, else the CPU), with its reason. torch is imported only where CUDA must be asked."""
+    """What a job's model.dtype or LLM's dtype ("auto" or a name) resolves to on its device ("auto":
+    CUDA when present, else the CPU), with its reason. torch is imported only where CUDA must be asked."""
     if setting != "auto":
         if setting not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {setting!r}")

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from batchgen.engine.api.config import ATTENTION_BACKENDS
 from batchgen.engine.attention.path import (
     SMALL_BLOCK_SIZE,
     TRITON_CHOICE,
@@ -21,7 +22,6 @@ from batchgen.engine.attention.path import (
     detect_support,
 )
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 GreedyIds = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]  # logits [n, V] -> (ids, NaN flag)
 
 
@@ -94,10 +94,6 @@ class Platform:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-
-    def default_dtype(self, model_path: str | None = None) -> torch.dtype:
-        """What dtype `auto` means for the checkpoint at `model_path`: float32 (exactness)."""
-        return torch.float32
 
     def attention_backend(self, setting: str) -> str:
         """The backend's name for `setting` here; a name that cannot run here is a ValueError."""

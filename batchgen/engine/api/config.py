@@ -33,7 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # tokens (prefill chunks + decodes) in one step; None: 2048 / 8192
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     # None: on CUDA what gpu_memory_utilization leaves after a profiling forward (runner/pool_sizing), else
-    # 1 GiB capped by what max_num_seqs can use (pool_sizing.num_kv_blocks_for)
+    # 1 GiB capped by what max_num_seqs can use (pool_sizing.kv_pool_blocks)
     kv_cache_memory_bytes: int | None = None
     # CUDA: the share of the GPU's total memory this engine may use (weights, activations, KV pool)
     gpu_memory_utilization: float = 0.9

@@ -67,10 +67,8 @@ def worker_device(device: torch.device, rank: int) -> str:
 
 
 class TensorParallelGroup:
-    def __init__(
-        self, path: str, world: int, device: torch.device, dtype: torch.dtype, timeout_s: float | None = None
-    ) -> None:
-        timeout_s = float(os.environ.get("BATCHGEN_TP_TIMEOUT_S", timeout_s or DEFAULT_TIMEOUT_S))
+    def __init__(self, path: str, world: int, device: torch.device, dtype: torch.dtype) -> None:
+        timeout_s = float(os.environ.get("BATCHGEN_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         self.world = world
         self.folder = tempfile.mkdtemp(prefix="batchgen-tp-")
         store = os.path.join(self.folder, "store")
@@ -201,9 +199,8 @@ class ShardedRunner(ModelRunner):
         super().__init__(model, *args, **kwargs)
 
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
-        self.group.check()
         try:
-            self.group.send(("execute", batch))
+            self.group.send(("execute", batch))  # checks the group first
             return super().execute(batch)
         except BaseException as exc:
             wait = DEATH_WAIT_S if isinstance(exc, CollectiveError) else 0.0
@@ -220,7 +217,7 @@ class ShardedRunner(ModelRunner):
 
     def drop_all(self) -> None:
         if self.group.broken is None:
-            self.group.send(("drop",))
+            self.group.send(("drop_all",))
         super().drop_all()
 
 

@@ -32,9 +32,8 @@ class DtypeChoice:
 
     def line(self, setting: str) -> str:
         """ "dtype auto -> bfloat16 (...)" or "dtype float32 (set in the job)"."""
-        return (
-            f"dtype {setting} -> {self.dtype} ({self.why})" if setting == "auto" else f"dtype {self.dtype} ({self.why})"
-        )
+        shown = f"{setting} -> {self.dtype}" if setting == "auto" else self.dtype
+        return f"dtype {shown} ({self.why})"
 
 
 def cpu_flag_set() -> tuple[set[str], str]:
@@ -75,10 +74,7 @@ def checkpoint_dtype(model_path: str | os.PathLike[str]) -> tuple[str | None, st
             name = _CONFIG_DTYPES.get(str(source.get(key)).removeprefix("torch."))
             if name is not None:
                 return name, f"config.json {key}"
-    stored = _safetensors_dtype(folder)
-    if stored is not None:
-        return stored
-    return None, "neither config.json nor a safetensors header names it"
+    return _safetensors_dtype(folder) or (None, "neither config.json nor a safetensors header names it")
 
 
 def _safetensors_dtype(folder: Path) -> tuple[str, str] | None:

@@ -98,10 +98,9 @@ class Platform:
     def attention_backend(self, setting: str) -> str:
         """The backend's name for `setting` here; a name that cannot run here is a ValueError."""
         check_backend_name(setting)
-        if setting == "cpu":
-            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {self.device.type}")
-        if setting == "triton":
-            raise ValueError(f"attention_backend 'triton' runs on CUDA, not on {self.device.type}")
+        home = {"cpu": "the CPU", "triton": "CUDA"}.get(setting)
+        if home is not None:
+            raise ValueError(f"attention_backend {setting!r} runs on {home}, not on {self.device.type}")
         return "torch"
 
     def block_size(self, backend: str, dtype: torch.dtype, head_dim: int, softcap: bool) -> int:

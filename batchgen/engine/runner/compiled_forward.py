@@ -158,16 +158,13 @@ class StepForward:
             raise raised from exc
         finally:
             revert()
-        if _unique_graphs() != graphs:  # why: this call compiled; its time is (mostly) compile time
+        compiled = _unique_graphs() - graphs
+        if compiled:  # why: this call compiled; its time is (mostly) compile time
             self.stats.seconds += time.perf_counter() - began
             self.stats.shapes.add((input_ids.shape[0], keep.shape[0]))
-            self.stats.graphs += _unique_graphs() - graphs
-            logger.info(
-                "compiled %d graph(s) at %d tokens (%.1f s of compiling so far)",
-                _unique_graphs() - graphs,
-                input_ids.shape[0],
-                self.stats.seconds,
-            )
+            self.stats.graphs += compiled
+            tokens, seconds = input_ids.shape[0], self.stats.seconds
+            logger.info("compiled %d graph(s) at %d tokens (%.1f s of compiling so far)", compiled, tokens, seconds)
             self.on_compiled()
         return out
 

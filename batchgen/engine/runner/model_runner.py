@@ -114,8 +114,7 @@ class ModelRunner:
         softcap = has_softcap(model.config)
         self.attention: AttentionChoice = self.platform.attention_path(name, dtype, block_size, spec.head_dim, softcap)
         self.flash = self.attention.path == VARLEN
-        max_len, max_num_seqs = config.max_model_len, config.max_num_seqs
-        self.backend = make_backend(name, model, self.kv_caches, block_size, device, dtype, max_len, max_num_seqs)
+        self.backend = make_backend(config, model, self.kv_caches, device, dtype)
         self.backend.flash = self.flash
         bind_layers(model, self.backend)
         self.transfers = Transfers(device)
@@ -139,9 +138,9 @@ class ModelRunner:
         self.graphs: GraphReplay | None = None
         wants_graphs = config.compile if cuda_graphs is None else cuda_graphs
         if wants_graphs and self.backend.replays_static_decode:
-            max_blocks = math.ceil(max_len / block_size)
+            rows, max_blocks = config.max_num_seqs, math.ceil(config.max_model_len / block_size)
             rope_axes = int(getattr(model, "rope_axes", 0))  # a VLM's M-RoPE positions (engine/vision)
-            self.graphs = self.platform.decode_graphs(self.forward, max_num_seqs, max_blocks, block_size, rope_axes)
+            self.graphs = self.platform.decode_graphs(self.forward, rows, max_blocks, block_size, rope_axes)
         if self.graphs is not None:  # pragma: no cover - CUDA
             self.graphs.capture_all(self._graph_run, self._graph_context)
         logger.info(

@@ -132,7 +132,7 @@ class LLM:
         hf = self._pooling.hf
         if hf is None:  # build() runs every model the engine cannot through transformers
             raise RuntimeError(f"{model}: no transformers model was built for task {self.task!r}")
-        self.max_model_len = config.max_model_len or hf.max_model_len
+        self.max_model_len = config.max_model_len or int(getattr(hf.config, "max_position_embeddings", 0) or 2048)
         return hf.config
 
     def _init_engine(self, tokenizer: Any, config: EngineConfig) -> Any:

@@ -107,9 +107,7 @@ def _read_share(handle: Any, key: str, name: str, plan: ShardPlan) -> torch.Tens
     piece = handle.get_slice(key)
     shape = piece.get_shape()
     cols = plan.columns(name)
-    parts = []
-    for start, end in plan.rows(name, shape[0]):
-        parts.append(piece[start:end] if cols is None else piece[start:end, cols[0] : cols[1]])
+    parts = [piece[a:b] if cols is None else piece[a:b, cols[0] : cols[1]] for a, b in plan.rows(name, shape[0])]
     tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
     if name.split(".")[-2:-1] == [HEAD] and tensor.shape[0] < plan.vocab_shard:  # the last share, padded
         pad = tensor.new_zeros((plan.vocab_shard - tensor.shape[0], *tensor.shape[1:]))

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.api.platform import CompilePolicy
 
 # (input ids [T], positions [T]) -> (input embeddings [T, hidden], positions [T] or [3, T])
@@ -90,28 +91,26 @@ class StepForward:
     def __init__(
         self,
         model: PreTrainedModel,
-        compile: bool,
-        max_tokens: int | None = None,
-        fallback: bool = False,
-        take_raised: Callable[[], BaseException | None] = lambda: None,
-        on_compiled: Callable[[], None] = lambda: None,
-        policy: CompilePolicy | None = None,
+        config: ResolvedConfig,
+        take_raised: Callable[[], BaseException | None],
+        on_compiled: Callable[[], None],
+        policy: CompilePolicy,
     ) -> None:
-        """`fallback`: a model that fails to compile runs eager (engine.compile "auto"). `take_raised`:
-        the attention's last exception (attention/op), raised instead of the graph's "API call failed"."""
+        """`config`: compile, compile_fallback ("auto": a model that fails to compile runs eager), the
+        token budget. `take_raised`: the attention's last exception, raised for the graph's "API call failed"."""
         self.model = model
         self.take_raised = take_raised
         self.on_compiled = on_compiled
-        self.policy = policy or CompilePolicy()
-        self.compile = compile
-        self.max_tokens = max_tokens
-        self.fallback = fallback
+        self.policy = policy
+        self.compile = config.compile
+        self.max_tokens = config.max_num_batched_tokens
+        self.fallback = config.compile_fallback
         self.stats = CompileStats()
         # a VLM's eager splice before the (compiled) language model; None: a text model takes ids
         self.splice: Splice | None = getattr(model, "step_embeddings", None)
         check_layer_order(model)
         self._run = self._logits
-        if compile:
+        if self.compile:
             logger.info(
                 "torch.compile: compiling the model's forward; its first steps take ~5-20 s, once per "
                 "process (engine.compile: false runs it eager)"

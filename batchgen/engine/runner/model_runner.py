@@ -124,15 +124,9 @@ class ModelRunner:
         # the rows' sampling state; its inputs ride in the step's upload
         self.batch = SamplingBatch(device, sampler.features, self.transfers) if sampler is not None else None
         self.step_hook = self.platform.step_hook()  # on the CPU: torch's threads follow the machine's load
-        self.forward = StepForward(
-            model,
-            config.compile,
-            config.max_num_batched_tokens,
-            fallback=config.compile_fallback,
-            take_raised=self.backend.take_raised,
-            on_compiled=self.step_hook.forget,  # why: the load while compiling was ours, not the neighbours'
-            policy=self.platform.compile_policy(),
-        )
+        # on_compiled: the hook forgets the load while compiling (ours, not the neighbours')
+        policy = self.platform.compile_policy()
+        self.forward = StepForward(model, config, self.backend.take_raised, self.step_hook.forget, policy)
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead), all
         # captured now: none in the middle of a job (cuda/graphs)
         self.graphs: GraphReplay | None = None

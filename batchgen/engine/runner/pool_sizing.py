@@ -53,11 +53,6 @@ class MemoryProfile:
     runner_memory: int = 0  # what a runner keeps on the device while it lives: its CUDA graphs' pool, buffers
 
 
-def kv_budget(total: int, used: int, activation_peak: int, headroom: int, utilization: float) -> int:
-    """Bytes left for the KV pool (may be <= 0: then nothing is)."""
-    return int(total * utilization) - used - activation_peak - headroom
-
-
 def profile_batch(max_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> ScheduledBatch:
     """The worst step: one long chunk ending at max_model_len plus single-token decodes, every one sampled."""
     rows = max(1, min(max_num_seqs, max_batched_tokens))
@@ -104,7 +99,7 @@ def profile_kv_budget(
     rows = sum(c.needs_sample for c in batch.chunks)
     headroom = SAMPLER_COPIES * rows * vocab_size * 4
     activation_peak = max(0, peak - resting)
-    budget = kv_budget(total, used + runner_bytes, activation_peak, headroom, utilization)
+    budget = int(total * utilization) - used - runner_bytes - activation_peak - headroom  # <= 0: no pool
     logger.info(
         "memory profile: total %.2f GiB, in use %.2f GiB (before the scratch pool %.2f GiB), the runner's own "
         "(CUDA graphs, buffers) %.2f GiB, activation peak %.2f GiB, sampler headroom %.2f GiB, utilization %.2f "

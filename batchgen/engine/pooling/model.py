@@ -52,11 +52,8 @@ _SUFFIX_TASKS: tuple[tuple[str, str], ...] = (
 
 def task_of_architectures(architectures: list[str]) -> str:
     """The task of the first architecture with a known suffix; "generate" when none has one."""
-    for name in architectures:
-        for suffix, task in _SUFFIX_TASKS:
-            if name.endswith(suffix):
-                return task
-    return "generate"
+    found = (task for name in architectures for suffix, task in _SUFFIX_TASKS if name.endswith(suffix))
+    return next(found, "generate")
 
 
 def auto_task(path: str | Path) -> str:

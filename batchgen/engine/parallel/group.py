@@ -1,10 +1,10 @@
-"""The tensor-parallel group as rank 0 sees it: the worker processes, the process group, the pipes
-that carry each step to the workers, and a shutdown that leaves no process behind.
+"""The tensor-parallel group as rank 0 sees it: the worker processes, the pipes that carry each step
+to the workers, and a shutdown that leaves no process behind (the collectives: parallel/loading).
 
 Ranks 1..N-1 are fresh interpreters (`python -m batchgen.engine.parallel.worker`: safe with
 threads and CUDA, never re-importing the user's script). Steps go over one pipe per worker
 (sending never waits; a worker sees EOF when rank 0 dies). A dead rank is named before each
-message; a step that failed part-way shuts the group down. Shutdown leaves no process behind.
+message; a step that failed part-way shuts the group down.
 
 Rank 0's runner is a ShardedRunner: the single-device ModelRunner over its shard, unseen by the
 engine, that sends every call moving runner state to the workers first: the construction

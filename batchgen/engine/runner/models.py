@@ -73,9 +73,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_path: str | None = None) -> torch.dtype:
-    """ "auto": engine/api/dtype_rule's for `device` and the checkpoint at `model_path` (CUDA: bf16
-    where supported; CPU: bf16 for a bf16/fp16 checkpoint on a CPU with native bf16, else float32);
-    else the dtype named."""
+    """ "auto": engine/api/dtype_rule's answer for `device` and the checkpoint at `model_path`; else the dtype named."""
     if isinstance(dtype, torch.dtype):
         return dtype
     return getattr(torch, for_job(dtype, str(device), model_path).dtype)

@@ -116,9 +116,8 @@ class Platform:
         """How the resolved `backend` attends here (attention/path), with the reason."""
         if backend == "triton":
             return TRITON_CHOICE
-        return choose_attention_path(
-            self.device.type, dtype, block_size, head_dim, softcap, detect_support(self.device)
-        )
+        support = detect_support(self.device)
+        return choose_attention_path(self.device.type, dtype, block_size, head_dim, softcap, support)
 
     def compiles_by_default(self) -> bool:
         """What engine.compile `auto` means here: only where compiling was measured to win."""

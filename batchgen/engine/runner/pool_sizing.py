@@ -59,10 +59,8 @@ def profile_batch(max_batched_tokens: int, max_num_seqs: int, max_model_len: int
     n_long = min(max_batched_tokens - (rows - 1), max_model_len)
     context = max_model_len - n_long
     blocks = math.ceil((context + n_long) / block_size)
-    chunks = [ScheduledChunk(0, context, (0,) * n_long, (0,) * blocks, True, False)]
-    for i in range(1, rows):
-        chunks.append(ScheduledChunk(i, 1, (0,), (1,), True, True))
-    return ScheduledBatch(tuple(chunks))
+    long = ScheduledChunk(0, context, (0,) * n_long, (0,) * blocks, True, False)
+    return ScheduledBatch((long, *(ScheduledChunk(i, 1, (0,), (1,), True, True) for i in range(1, rows))))
 
 
 def profile_kv_budget(

@@ -147,12 +147,7 @@ class Platform:
         return None
 
     def decode_graphs(
-        self,
-        forward: Callable[..., torch.Tensor],
-        max_rows: int,
-        max_blocks: int,
-        block_size: int,
-        rope_axes: int = 0,
+        self, forward: Callable[..., torch.Tensor], max_rows: int, max_blocks: int, block_size: int, rope_axes: int = 0
     ) -> GraphReplay | None:
         """Decode steps replayed from graphs (not yet captured); None where the device has none.
         `rope_axes` (3: M-RoPE): the forward's positions are [axes, B], staged beside the KV positions."""

@@ -38,11 +38,7 @@ from batchgen.engine.attention.decode_kv import padded_tables
 from batchgen.engine.attention.interface import bind_layers
 from batchgen.engine.attention.kv_store import pool_blocks
 from batchgen.engine.attention.metadata import ForwardContext, StaticDecode
-from batchgen.engine.attention.path import (
-    VARLEN,
-    AttentionChoice,
-    has_softcap,
-)
+from batchgen.engine.attention.path import VARLEN, AttentionChoice, has_softcap
 from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, ModelRunnerOutput
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch, ScheduledChunk

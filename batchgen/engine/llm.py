@@ -27,7 +27,7 @@ from batchgen.engine.lora.requests import NOT_ENABLED, LoRAAdapters, per_prompt
 from batchgen.engine.lora.setup import install_lora
 from batchgen.engine.parallel.group import ShardedRunner, TensorParallelGroup, start_tensor_parallel
 from batchgen.engine.platforms import platform_for
-from batchgen.engine.pooling.model import TASKS, PoolingModel, on_engine, resolve_task, runs_on_engine
+from batchgen.engine.pooling.model import TASKS, PoolingModel, resolve_task, runs_on_engine
 from batchgen.engine.runner.model_runner import ModelRunner
 from batchgen.engine.runner.models import (
     check_config,
@@ -109,7 +109,7 @@ class LLM:
         if task != "generate" and config.enable_lora:
             raise ValueError(f"LLM(task={task!r}, enable_lora=True): LoRA adapters serve task 'generate' only")
         self.task, self._model_path, self._pooler_config = task, model, pooler_config
-        self.seed, self.dtype = seed, torch_dtype
+        self.seed, self.dtype, self._device = seed, torch_dtype, torch_device
         self._pooling: PoolingModel | None = None
         self._tp: TensorParallelGroup | None = None
         self._vision: VisionModel | None = None
@@ -117,38 +117,30 @@ class LLM:
         if task != "generate" and config.tensor_parallel_size > 1:
             raise ValueError(f"LLM(task={task!r}): tensor_parallel_size > 1 serves task 'generate' only")
         if runs_on_engine(model, task):
-            self.hf_config = self._init_engine(model, tokenizer, config, torch_device, torch_dtype, seed)
+            self.hf_config = self._init_engine(tokenizer, config)
         else:  # encoders run through transformers
-            self.hf_config = self._init_encoder(model, tokenizer, config, torch_device, torch_dtype)
+            self.hf_config = self._init_encoder(tokenizer, config)
 
-    def _init_encoder(
-        self, model: str, tokenizer: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype
-    ) -> Any:
+    def _init_encoder(self, tokenizer: Any, config: EngineConfig) -> Any:
         """A pooling LLM over an encoder (BERT-style), run by transformers; its model config."""
+        model, device = self._model_path, self._device
         self.config: EngineConfig | ResolvedConfig = config
         self.tokenizer = load_tokenizer(tokenizer, model)
         # padded tokens per transformers batch
         budget = config.max_num_batched_tokens or platform_for(device).max_num_batched_tokens
-        self._pooling = PoolingModel.build(model, self.task, device, dtype, budget, None, self._pooler_config)
+        self._pooling = PoolingModel.build(model, self.task, device, self.dtype, budget, None, self._pooler_config)
         hf = self._pooling.hf
         if hf is None:  # build() runs every model the engine cannot through transformers
             raise RuntimeError(f"{model}: no transformers model was built for task {self.task!r}")
-        self.max_model_len = config.max_model_len or hf.max_model_len
+        self.max_model_len = config.max_model_len or int(getattr(hf.config, "max_position_embeddings", 0) or 2048)
         return hf.config
 
-    def _init_engine(
-        self,
-        model: str,
-        tokenizer: Any,
-        config: EngineConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        seed: int | None,
-    ) -> Any:
+    def _init_engine(self, tokenizer: Any, config: EngineConfig) -> Any:
         """The engine (runner, KV pool, scheduler, sampler) over the model's weights; its model config."""
+        model, device, dtype = self._model_path, self._device, self.dtype
         model_config = AutoConfig.from_pretrained(model)
         vision = is_vision_config(model_config)
-        resolved = self._resolve(model_config, vision, config, device, dtype)  # why first: fail before loading
+        resolved = self._resolve(model_config, vision, config)  # why first: fail before loading
         if self._mm_kwargs and not vision:
             raise ValueError(f"LLM(mm_processor_kwargs=...): {model} is not a vision-language model")
         platform = platform_for(device)
@@ -169,7 +161,7 @@ class LLM:
         measured = self._tp.kv_budget if self._tp is not None else None
         blocks, self.memory_profile = kv_pool_blocks(hf_model, spec, resolved, device, dtype, measured_budget=measured)
         self.tokenizer = load_tokenizer(tokenizer, model)
-        sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, seed, device)
+        sampler, eos, vocab_size = make_sampler(hf_model, self.tokenizer, self.seed, device)
         make_runner: Any = partial(ShardedRunner, self._tp) if self._tp is not None else ModelRunner  # rank 0's
         runner = make_runner(hf_model, spec, resolved, blocks, device, dtype, sampler=sampler, **lora)
         if self._vision is not None:
@@ -181,9 +173,7 @@ class LLM:
         self.engine = Engine(scheduler, runner, self.tokenizer, eos, vocab_size)
         return hf_model.config
 
-    def _resolve(
-        self, model_config: Any, vision: bool, config: EngineConfig, device: torch.device, dtype: torch.dtype
-    ) -> ResolvedConfig:
+    def _resolve(self, model_config: Any, vision: bool, config: EngineConfig) -> ResolvedConfig:
         """`config` for this device and model, from the model's config.json (no weights read yet)."""
         if vision:
             check_vision_config(model_config, config.tensor_parallel_size)
@@ -191,9 +181,9 @@ class LLM:
             check_config(model_config)
         return resolve(
             config,
-            platform_for(device),
+            platform_for(self._device),
             max_model_len=resolve_max_model_len(model_config, config.max_model_len),
-            dtype=dtype,
+            dtype=self.dtype,
             head_dim=kv_spec(model_config).head_dim,
             softcap=has_softcap(model_config),
             # why: pooling forwards run eager, compiling would serve nothing (a VLM's splice runs
@@ -272,6 +262,9 @@ class LLM:
         if self._pooling is None:
             if self._tp is not None:  # why: rank 0 alone would wait in the shards' all-reduce until it timed out
                 raise ValueError("LLM.embed/classify/score: tensor_parallel_size > 1 serves task 'generate' only")
-            task = "embed" if self.task == "generate" else self.task
-            self._pooling = on_engine(self._model_path, task, self, self._pooler_config)
+            task, engine = "embed" if self.task == "generate" else self.task, self.engine
+            budget = engine.scheduler.max_num_batched_tokens
+            self._pooling = PoolingModel.build(
+                self._model_path, task, self._device, self.dtype, budget, engine, self._pooler_config
+            )
         return self._pooling

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.api.platform import Platform
 from batchgen.engine.attention.backend import AttentionBackend, Pools, TorchBackend
 
@@ -32,19 +33,14 @@ def platform_for(device: torch.device | str) -> Platform:
 
 
 def make_backend(
-    name: str,
-    model: PreTrainedModel,
-    kv_caches: Pools,
-    block_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_len: int,
-    max_rows: int | None,
+    config: ResolvedConfig, model: PreTrainedModel, kv_caches: Pools, device: torch.device, dtype: torch.dtype
 ) -> AttentionBackend:
-    """A new backend for one model runner (`name`: resolved by the device's Platform.attention_backend)."""
+    """A new backend for one model runner: the one `config.attention_backend` names (Platform.attention_backend's)."""
+    name, block_size = config.attention_backend, config.block_size
     if name == "cpu":
         from batchgen.engine.cpu.backend import make_cpu_backend
 
+        max_len, max_rows = config.max_model_len, config.max_num_seqs
         return make_cpu_backend(kv_caches, block_size, device, model.config, dtype, max_len, max_rows)
     if name == "triton":
         from batchgen.engine.triton.backend import TritonBackend

@@ -83,6 +83,8 @@ def test_without_a_dtype_in_the_config_the_safetensors_header_says(
 def test_cuda_auto_is_unchanged() -> None:
     assert dtype_rule.resolve_auto("cuda", None, cuda_bf16=True).dtype == "bfloat16"
     assert dtype_rule.resolve_auto("cuda", None, cuda_bf16=False).dtype == "float16"
+    # other devices, and a CPU without a checkpoint to read: float32 (exactness)
+    assert resolve_dtype("auto", torch.device("mps")) == resolve_dtype("auto", CPU) == torch.float32
 
 
 def test_the_engine_and_its_pooling_tasks_load_and_cache_in_bf16(

@@ -33,7 +33,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # tokens (prefill chunks + decodes) in one step; None: 2048 / 8192
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     # None: on CUDA what gpu_memory_utilization leaves after a profiling forward (runner/pool_sizing), else
-    # 1 GiB capped by what max_num_seqs can use (pool_sizing.num_kv_blocks_for)
+    # 1 GiB capped by what max_num_seqs can use (pool_sizing.kv_pool_blocks)
     kv_cache_memory_bytes: int | None = None
     # CUDA: the share of the GPU's total memory this engine may use (weights, activations, KV pool)
     gpu_memory_utilization: float = 0.9
@@ -77,7 +77,7 @@ class EngineConfig:
             ("max_cpu_loras", (self.max_cpu_loras or loras) >= loras, f"null or >= max_loras ({loras})"),
             ("enable_lora", not (self.enable_lora is True and is_int(size) and size > 1), _LORA_TP),
             ("compile", self.compile == "auto" or isinstance(self.compile, bool), "'auto', true or false"),
-            ("attention_backend", self.attention_backend in _BACKENDS, "'auto', 'torch', 'cpu' or 'triton'"),
+            ("attention_backend", self.attention_backend in ATTENTION_BACKENDS, "'auto', 'torch', 'cpu' or 'triton'"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -85,7 +85,7 @@ class EngineConfig:
 
 
 _SWITCHES = ("enable_prefix_caching", "enable_lora")
-_BACKENDS = ("auto", "torch", "cpu", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 _LORA_TP = (
     "false with tensor_parallel_size > 1 (adapter slots are not sharded over ranks; "
     "run one engine per device with the shards or ray executors)"

@@ -32,9 +32,8 @@ class DtypeChoice:
 
     def line(self, setting: str) -> str:
         """ "dtype auto -> bfloat16 (...)" or "dtype float32 (set in the job)"."""
-        return (
-            f"dtype {setting} -> {self.dtype} ({self.why})" if setting == "auto" else f"dtype {self.dtype} ({self.why})"
-        )
+        shown = f"{setting} -> {self.dtype}" if setting == "auto" else self.dtype
+        return f"dtype {shown} ({self.why})"
 
 
 def cpu_flag_set() -> tuple[set[str], str]:
@@ -75,10 +74,7 @@ def checkpoint_dtype(model_path: str | os.PathLike[str]) -> tuple[str | None, st
             name = _CONFIG_DTYPES.get(str(source.get(key)).removeprefix("torch."))
             if name is not None:
                 return name, f"config.json {key}"
-    stored = _safetensors_dtype(folder)
-    if stored is not None:
-        return stored
-    return None, "neither config.json nor a safetensors header names it"
+    return _safetensors_dtype(folder) or (None, "neither config.json nor a safetensors header names it")
 
 
 def _safetensors_dtype(folder: Path) -> tuple[str, str] | None:
@@ -122,8 +118,8 @@ def resolve_auto(device_type: str, model_path: str | os.PathLike[str] | None, cu
 
 
 def for_job(setting: str, device_setting: str, model_path: str | os.PathLike[str] | None) -> DtypeChoice:
-    """What a job's model.dtype ("auto" or a name) resolves to on its model.device ("auto": CUDA when
-    present, else the CPU), with its reason. torch is imported only where CUDA must be asked."""
+    """What a job's model.dtype or LLM's dtype ("auto" or a name) resolves to on its device ("auto":
+    CUDA when present, else the CPU), with its reason. torch is imported only where CUDA must be asked."""
     if setting != "auto":
         if setting not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPE_NAMES)}, got {setting!r}")

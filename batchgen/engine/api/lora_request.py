@@ -7,17 +7,18 @@ folder's files (engine/lora/spec), never by this name or id, which a caller may 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
-@dataclass(eq=False)
+@dataclass(unsafe_hash=True)
 class LoRARequest:
-    """An adapter for a request: its name, a positive integer id (vLLM's), and its local PEFT folder."""
+    """An adapter for a request: its name, a positive integer id (vLLM's), and its local PEFT folder.
+    Equal and hashed by name alone (vLLM's rule: one name, one adapter)."""
 
     lora_name: str
-    lora_int_id: int
-    lora_path: str = ""
-    base_model_name: str | None = None
+    lora_int_id: int = field(compare=False)
+    lora_path: str = field(default="", compare=False)
+    base_model_name: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
@@ -40,9 +41,3 @@ class LoRARequest:
     @property
     def local_path(self) -> str:
         return self.lora_path
-
-    def __eq__(self, other: object) -> bool:  # vLLM's rule: one name, one adapter
-        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
-
-    def __hash__(self) -> int:
-        return hash(self.lora_name)

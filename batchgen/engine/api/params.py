@@ -13,7 +13,7 @@ are accepted whatever they say (batchgen always does both).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
@@ -157,9 +157,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -192,14 +190,7 @@ class SamplingParams:
             for name, v in (("logprobs", s.logprobs), ("prompt_logprobs", s.prompt_logprobs))
         ]
         checks += [
-            (name, isinstance(getattr(s, name), bool), "true or false")
-            for name in (
-                "include_stop_str_in_output",
-                "ignore_eos",
-                "skip_special_tokens",
-                "detokenize",
-                "spaces_between_special_tokens",
-            )
+            (f.name, isinstance(getattr(s, f.name), bool), "true or false") for f in fields(s) if f.type == "bool"
         ]
         if s.detokenize is False and s.stop:
             checks.append(("detokenize", False, "true when stop strings are set (they are matched in the text)"))

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from batchgen.engine.api.config import ATTENTION_BACKENDS
 from batchgen.engine.attention.path import (
     SMALL_BLOCK_SIZE,
     TRITON_CHOICE,
@@ -21,7 +22,6 @@ from batchgen.engine.attention.path import (
     detect_support,
 )
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 GreedyIds = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]  # logits [n, V] -> (ids, NaN flag)
 
 
@@ -95,17 +95,12 @@ class Platform:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def default_dtype(self, model_path: str | None = None) -> torch.dtype:
-        """What dtype `auto` means for the checkpoint at `model_path`: float32 (exactness)."""
-        return torch.float32
-
     def attention_backend(self, setting: str) -> str:
         """The backend's name for `setting` here; a name that cannot run here is a ValueError."""
         check_backend_name(setting)
-        if setting == "cpu":
-            raise ValueError(f"attention_backend 'cpu' runs on the CPU, not on {self.device.type}")
-        if setting == "triton":
-            raise ValueError(f"attention_backend 'triton' runs on CUDA, not on {self.device.type}")
+        home = {"cpu": "the CPU", "triton": "CUDA"}.get(setting)
+        if home is not None:
+            raise ValueError(f"attention_backend {setting!r} runs on {home}, not on {self.device.type}")
         return "torch"
 
     def block_size(self, backend: str, dtype: torch.dtype, head_dim: int, softcap: bool) -> int:
@@ -121,9 +116,8 @@ class Platform:
         """How the resolved `backend` attends here (attention/path), with the reason."""
         if backend == "triton":
             return TRITON_CHOICE
-        return choose_attention_path(
-            self.device.type, dtype, block_size, head_dim, softcap, detect_support(self.device)
-        )
+        support = detect_support(self.device)
+        return choose_attention_path(self.device.type, dtype, block_size, head_dim, softcap, support)
 
     def compiles_by_default(self) -> bool:
         """What engine.compile `auto` means here: only where compiling was measured to win."""
@@ -153,12 +147,7 @@ class Platform:
         return None
 
     def decode_graphs(
-        self,
-        forward: Callable[..., torch.Tensor],
-        max_rows: int,
-        max_blocks: int,
-        block_size: int,
-        rope_axes: int = 0,
+        self, forward: Callable[..., torch.Tensor], max_rows: int, max_blocks: int, block_size: int, rope_axes: int = 0
     ) -> GraphReplay | None:
         """Decode steps replayed from graphs (not yet captured); None where the device has none.
         `rope_axes` (3: M-RoPE): the forward's positions are [axes, B], staged beside the KV positions."""

@@ -1,10 +1,10 @@
-"""The tensor-parallel group as rank 0 sees it: the worker processes, the process group, the pipes
-that carry each step to the workers, and a shutdown that leaves no process behind.
+"""The tensor-parallel group as rank 0 sees it: the worker processes, the pipes that carry each step
+to the workers, and a shutdown that leaves no process behind (the collectives: parallel/loading).
 
 Ranks 1..N-1 are fresh interpreters (`python -m batchgen.engine.parallel.worker`: safe with
 threads and CUDA, never re-importing the user's script). Steps go over one pipe per worker
 (sending never waits; a worker sees EOF when rank 0 dies). A dead rank is named before each
-message; a step that failed part-way shuts the group down. Shutdown leaves no process behind.
+message; a step that failed part-way shuts the group down.
 
 Rank 0's runner is a ShardedRunner: the single-device ModelRunner over its shard, unseen by the
 engine, that sends every call moving runner state to the workers first: the construction
@@ -35,7 +35,7 @@ from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.core.runner_output import ModelRunnerOutput
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch
 from batchgen.engine.parallel.loading import CollectiveError, Collectives, load_sharded_model
-from batchgen.engine.parallel.plan import ShardPlan, shard_plan
+from batchgen.engine.parallel.plan import shard_plan
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner.model_runner import ModelRunner
 
@@ -67,10 +67,8 @@ def worker_device(device: torch.device, rank: int) -> str:
 
 
 class TensorParallelGroup:
-    def __init__(
-        self, path: str, world: int, device: torch.device, dtype: torch.dtype, timeout_s: float | None = None
-    ) -> None:
-        timeout_s = float(os.environ.get("BATCHGEN_TP_TIMEOUT_S", timeout_s or DEFAULT_TIMEOUT_S))
+    def __init__(self, path: str, world: int, device: torch.device, dtype: torch.dtype) -> None:
+        timeout_s = float(os.environ.get("BATCHGEN_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         self.world = world
         self.folder = tempfile.mkdtemp(prefix="batchgen-tp-")
         store = os.path.join(self.folder, "store")
@@ -86,10 +84,8 @@ class TensorParallelGroup:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             self._wait_ready()
-            self.comm = Collectives(store, 0, world, device, timeout_s)
-            self.model: PreTrainedModel
-            self.plan: ShardPlan
-            self.model, self.plan = load_sharded_model(path, self.comm, 0, device, dtype)
+            comm = Collectives(store, 0, world, device, timeout_s)
+            self.model = load_sharded_model(path, comm, 0, device, dtype)
         except BaseException as exc:
             self.close()
             raise TensorParallelError(f"tensor parallel start ({world} ranks) failed: {self.dead() or exc}") from exc
@@ -203,9 +199,8 @@ class ShardedRunner(ModelRunner):
         super().__init__(model, *args, **kwargs)
 
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
-        self.group.check()
         try:
-            self.group.send(("execute", batch))
+            self.group.send(("execute", batch))  # checks the group first
             return super().execute(batch)
         except BaseException as exc:
             wait = DEATH_WAIT_S if isinstance(exc, CollectiveError) else 0.0
@@ -222,7 +217,7 @@ class ShardedRunner(ModelRunner):
 
     def drop_all(self) -> None:
         if self.group.broken is None:
-            self.group.send(("drop",))
+            self.group.send(("drop_all",))
         super().drop_all()
 
 

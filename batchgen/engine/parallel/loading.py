@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from batchgen.engine.attention.interface import ATTN_IMPLEMENTATION
@@ -39,7 +38,8 @@ class CollectiveError(RuntimeError):
 
 class Collectives:
     """One group's process group (gloo on the CPU, NCCL on CUDA) over a file store, not the default
-    group, so several engines share a process; `timeout_s` bounds every collective."""
+    group, so several engines share a process; `timeout_s` bounds every collective. Its two
+    collectives are forward hooks on the unchanged modules."""
 
     def __init__(self, store_path: str, rank: int, world: int, device: torch.device, timeout_s: float) -> None:
         store = dist.FileStore(store_path, world)
@@ -53,41 +53,22 @@ class Collectives:
         else:
             self.group = dist.ProcessGroupGloo(store, rank, world, timeout)
 
-    def all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        """Sum `tensor` over the ranks, in place."""
+    def all_reduce(self, module: nn.Module, args: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
+        """A row-parallel module's `output`, summed over the ranks in place."""
         try:
-            self.group.allreduce([tensor]).wait()
+            self.group.allreduce([output]).wait()
         except RuntimeError as exc:  # why wrap: gloo/NCCL's text does not say which step of ours failed
-            raise CollectiveError(f"tensor parallel all-reduce after {what} failed: {exc}") from exc
-
-    def all_gather(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
-        """Every rank's `tensor`, in rank order."""
-        parts = [torch.empty_like(tensor) for _ in range(self.world)]
-        try:
-            self.group.allgather([parts], [tensor.contiguous()]).wait()
-        except RuntimeError as exc:
-            raise CollectiveError(f"tensor parallel all-gather of {what} failed: {exc}") from exc
-        return parts
-
-
-def install_collectives(
-    model: nn.Module, comm: Collectives, row_parallel: list[str], head: str | None, vocab: int
-) -> list[RemovableHandle]:
-    """All-reduce after each module named in `row_parallel`, and gather the head `head` (None: the
-    head is replicated, nothing to gather); returns the hooks' handles."""
-    modules = dict(model.named_modules())
-
-    def reduce(module: nn.Module, args: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
-        comm.all_reduce(output, type(module).__name__)
+            raise CollectiveError(f"tensor parallel all-reduce after {type(module).__name__} failed: {exc}") from exc
         return output
 
-    def gather(module: nn.Module, args: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
-        return torch.cat(comm.all_gather(output, "the LM head"), dim=-1)[..., :vocab]  # [..., V]
-
-    handles = [modules[name].register_forward_hook(reduce) for name in row_parallel]
-    if head is not None:
-        handles.append(modules[head].register_forward_hook(gather))
-    return handles
+    def gather_head(self, module: nn.Module, args: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
+        """The vocab-split LM head's rows of every rank, in rank order -> [..., V] (V: its out_features)."""
+        parts = [torch.empty_like(output) for _ in range(self.world)]
+        try:
+            self.group.allgather([parts], [output.contiguous()]).wait()
+        except RuntimeError as exc:
+            raise CollectiveError(f"tensor parallel all-gather of the LM head failed: {exc}") from exc
+        return torch.cat(parts, dim=-1)[..., : module.out_features]  # [..., V]
 
 
 @contextlib.contextmanager
@@ -126,9 +107,7 @@ def _read_share(handle: Any, key: str, name: str, plan: ShardPlan) -> torch.Tens
     piece = handle.get_slice(key)
     shape = piece.get_shape()
     cols = plan.columns(name)
-    parts = []
-    for start, end in plan.rows(name, shape[0]):
-        parts.append(piece[start:end] if cols is None else piece[start:end, cols[0] : cols[1]])
+    parts = [piece[a:b] if cols is None else piece[a:b, cols[0] : cols[1]] for a, b in plan.rows(name, shape[0])]
     tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
     if name.split(".")[-2:-1] == [HEAD] and tensor.shape[0] < plan.vocab_shard:  # the last share, padded
         pad = tensor.new_zeros((plan.vocab_shard - tensor.shape[0], *tensor.shape[1:]))
@@ -189,7 +168,7 @@ def _fix_head_size(model: PreTrainedModel, plan: ShardPlan) -> None:
 
 def load_sharded_model(
     path: str, comm: Collectives, rank: int, device: torch.device, dtype: torch.dtype
-) -> tuple[PreTrainedModel, ShardPlan]:
+) -> PreTrainedModel:
     """Rank `rank`'s share of the model at `path`, its all-reduces and gather going through `comm`."""
     world = comm.world
     config = AutoConfig.from_pretrained(path)
@@ -204,12 +183,13 @@ def load_sharded_model(
         model.generation_config = GenerationConfig.from_pretrained(path)
     check_model(model)
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight is model.get_input_embeddings().weight
-    head_name = None if tied or head is None else next(n for n, m in model.named_modules() if m is head)
-    if head_name is not None:
+    gathered = head is not None and head.weight is not model.get_input_embeddings().weight  # tied: replicated
+    if gathered:
         head.out_features = plan.vocab  # the width after the gather
-    row = [n for n, _ in model.named_modules() if n.rpartition(".")[2] in ROW]
-    install_collectives(model, comm, row, head_name, plan.vocab)
+        head.register_forward_hook(comm.gather_head)
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in ROW:
+            module.register_forward_hook(comm.all_reduce)
     model.eval()
     logger.info(
         "tensor parallel rank %d/%d: heads %s, KV heads %s, MLP %d, head %s",
@@ -218,6 +198,6 @@ def load_sharded_model(
         plan.heads,
         plan.kv_heads,
         plan.intermediate // world,
-        "replicated (tied)" if head_name is None else f"{plan.vocab_shard} rows, gathered",
+        f"{plan.vocab_shard} rows, gathered" if gathered else "replicated (tied)",
     )
-    return model, plan
+    return model

@@ -70,12 +70,9 @@ class ShardPlan:
         q = (self.heads.start * d, self.heads.stop * d)
         kv = (self.kv_heads.start * d, self.kv_heads.stop * d)
         mlp = (self.rank * inter, (self.rank + 1) * inter)
-        if kind == "q_proj":
-            return [q]
-        if kind in ("k_proj", "v_proj"):
-            return [kv]
-        if kind in ("gate_proj", "up_proj", "dense_h_to_4h"):
-            return [mlp]
+        single = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp, "dense_h_to_4h": mlp}
+        if kind in single:
+            return [single[kind]]
         if kind == "query_key_value":  # [H * 3D]: each head's q, k and v rows together
             return [(self.heads.start * 3 * d, self.heads.stop * 3 * d)]
         if kind == "qkv_proj":

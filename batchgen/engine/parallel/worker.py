@@ -56,7 +56,7 @@ def _serve(args: dict[str, Any], rank: int, conn: Connection) -> int:
         torch.cuda.set_device(device)
     conn.send(("ready",))  # why: rank 0 waits for this (watching the process) before its own rendezvous
     comm = Collectives(str(args["store"]), rank, int(args["world"]), device, float(args["timeout_s"]))
-    model, _ = load_sharded_model(str(args["path"]), comm, rank, device, getattr(torch, args["dtype"]))
+    model = load_sharded_model(str(args["path"]), comm, rank, device, getattr(torch, args["dtype"]))
     runner: ModelRunner | None = None
     while True:
         try:
@@ -72,15 +72,11 @@ def _serve(args: dict[str, Any], rank: int, conn: Connection) -> int:
             continue
         if runner is None:
             raise RuntimeError(f"rank {rank}: {kind!r} before the runner was built")
+        if kind not in ("execute", "apply", "drop_all"):
+            raise RuntimeError(f"rank {rank}: unknown message {kind!r}")
         if kind == "execute":
             fault_point("tp_rank_step")
-            runner.execute(message[1])
-        elif kind == "apply":
-            runner.apply(message[1])
-        elif kind == "drop":
-            runner.drop_all()
-        else:
-            raise RuntimeError(f"rank {rank}: unknown message {kind!r}")
+        getattr(runner, kind)(*message[1:])  # rank 0's runner call, on this rank's shard
 
 
 if __name__ == "__main__":

@@ -59,11 +59,7 @@ class RowResult:
 
 
 def resolve_pooling(
-    model_path: str | Path,
-    is_decoder: bool,
-    method: str | None = None,
-    normalize: bool | None = None,
-    dimensions: int | None = None,
+    model_path: str | Path, is_decoder: bool, method: str | None = None, normalize: bool | None = None
 ) -> PoolingConfig:
     """The pooling of `model_path` (defaults: decoder last token, encoder CLS, normalize true); an
     explicit `method` replaces the folder's Pooling module unchecked."""
@@ -72,9 +68,7 @@ def resolve_pooling(
     if chosen not in POOLING_METHODS:
         raise PoolingConfigError(f"pooling method {chosen!r}: must be one of {', '.join(POOLING_METHODS)}")
     norm = normalize if normalize is not None else folder.get("normalize", True)
-    if dimensions is not None and dimensions < 1:
-        raise PoolingConfigError(f"dimensions must be >= 1, got {dimensions}")
-    return PoolingConfig(method=chosen, normalize=bool(norm), dimensions=dimensions)  # type: ignore[arg-type]
+    return PoolingConfig(method=chosen, normalize=bool(norm))  # type: ignore[arg-type]
 
 
 def read_sentence_transformers(folder: Path, pooling_module: bool = True) -> dict[str, Any]:

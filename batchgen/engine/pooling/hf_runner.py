@@ -56,11 +56,6 @@ class HFPoolingRunner:
         self.kind, self.device, self.budget, self.max_rows = kind, device, budget, max_rows
         self.pad_id = int(self.config.pad_token_id if self.config.pad_token_id is not None else 0)
 
-    @property
-    def max_model_len(self) -> int:
-        limit = getattr(self.config, "max_position_embeddings", None)
-        return int(limit) if limit else 2048
-
     def run(
         self, inputs: list[Encoded], method: str = "cls", on_step: Callable[[], None] | None = None
     ) -> list[torch.Tensor]:

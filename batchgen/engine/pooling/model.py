@@ -4,7 +4,7 @@ through a sigmoid, else the cosine of the two embeddings (vLLM's rule). `task="a
 the folder's architectures as vLLM resolves it: a sentence-transformers folder embeds; else the
 first architecture with a known class-name suffix decides (a bare `*Model` embeds); no match generates.
 
-On the engine (EnginePoolingRunner), nothing is sampled or detokenized: a pooling prompt is a
+On the engine (pool_on_engine), nothing is sampled or detokenized: a pooling prompt is a
 max_tokens 0 sequence of the LLM's own scheduler, so admission, chunking and preemption are
 generation's rules, and the runner's packed forward (`pool_forward`) returns hidden states that
 feed its PoolAccumulator; it ends in the step whose chunk completes its prompt (the batch's
@@ -21,15 +21,14 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from batchgen.engine.api.params import SamplingParams
-from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.sequence import RequestExtras, Sequence
+from batchgen.engine.loop.engine import Engine
 from batchgen.engine.pooling.config import PoolingConfig, PoolingParams, RowResult, resolve_pooling
 from batchgen.engine.pooling.hf_runner import Encoded, HFPoolingRunner, is_encoder
 from batchgen.engine.pooling.poolers import PoolAccumulator, cosine, finish_embeddings, head_probs
-from batchgen.engine.runner.model_runner import ModelRunner
 
 TASKS = ("generate", "embed", "classify", "score")
 _SCORED = SamplingParams(max_tokens=0)  # the scheduler ends it, unsampled, when its prompt is computed
@@ -53,11 +52,8 @@ _SUFFIX_TASKS: tuple[tuple[str, str], ...] = (
 
 def task_of_architectures(architectures: list[str]) -> str:
     """The task of the first architecture with a known suffix; "generate" when none has one."""
-    for name in architectures:
-        for suffix, task in _SUFFIX_TASKS:
-            if name.endswith(suffix):
-                return task
-    return "generate"
+    found = (task for name in architectures for suffix, task in _SUFFIX_TASKS if name.endswith(suffix))
+    return next(found, "generate")
 
 
 def auto_task(path: str | Path) -> str:
@@ -79,10 +75,12 @@ def resolve_task(path: str | Path, task: str) -> str:
     return task
 
 
-def has_classifier(path: str | Path) -> bool:
-    """Whether the folder's model is a sequence classifier (a cross-encoder, reward model, ...)."""
-    architectures = getattr(AutoConfig.from_pretrained(path), "architectures", None) or []
-    return any(name.endswith("ForSequenceClassification") for name in architectures)
+def reads_head(config: PretrainedConfig, task: str) -> bool:
+    """Whether `task` reads the model's sequence-classification head: classify, or score on a
+    classifier (a cross-encoder, reward model, ...)."""
+    architectures = getattr(config, "architectures", None) or []
+    classifier = any(name.endswith("ForSequenceClassification") for name in architectures)
+    return task == "classify" or (task == "score" and classifier)
 
 
 def runs_on_engine(path: str | Path, task: str) -> bool:
@@ -90,48 +88,43 @@ def runs_on_engine(path: str | Path, task: str) -> bool:
     return task == "generate" or not is_encoder(AutoConfig.from_pretrained(path))
 
 
-class EnginePoolingRunner:
-    """Runs pooling requests over a ModelRunner and its Scheduler (those of an LLM's engine)."""
-
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler) -> None:
-        self.runner = runner
-        self.scheduler = scheduler
-
-    def pool(self, prompts: list[list[int]], method: str, on_step: Callable[[], None] | None = None) -> list[RowResult]:
-        """Pooled hidden states [H] float32 of every prompt, in the given order (callers order by length).
-        `on_step` runs after every forward (the job runner stops there on a signal)."""
-        scheduler = self.scheduler
-        results = [RowResult(None, error="not run")] * len(prompts)
-        pooled: dict[int, tuple[int, PoolAccumulator]] = {}
-        extras = RequestExtras(uncached=method != "last")
-        for index, prompt in enumerate(prompts):
-            seq = Sequence(scheduler.new_seq_id(), list(prompt), _SCORED, extras=extras)
-            why = scheduler.check_fits(seq)
-            if why is not None:
-                results[index] = RowResult(None, error=why)
-                continue
-            scheduler.add(seq)
-            pooled[seq.seq_id] = (index, PoolAccumulator(method, seq.num_tokens))
-        try:
-            while scheduler.has_unfinished():
-                batch = scheduler.schedule()
-                hidden, ends = self.runner.pool_forward(batch)  # [T, H], each chunk's end in the packed row
-                for chunk, end in zip(batch.chunks, ends):
-                    pooled[chunk.seq_id][1].add(chunk.start, hidden[end - chunk.num_tokens : end])
-                for seq_id in batch.ends:
-                    index, acc = pooled.pop(seq_id)
-                    cached = scheduler.get(seq_id).num_cached_tokens
-                    results[index] = RowResult(acc.result().cpu(), cached)  # [H] float32 on the host
-                    scheduler.finish(seq_id)
-                if on_step is not None:
-                    on_step()
-        except BaseException:
-            # why everything: a failed forward may have left blocks registered with K/V never written
-            scheduler.drop_all()
-            self.runner.drop_all()
-            raise
-        self.runner.apply(scheduler.take_update())  # the last finished sequences have no next step
-        return results
+def pool_on_engine(
+    engine: Engine, prompts: list[list[int]], method: str, on_step: Callable[[], None] | None = None
+) -> list[RowResult]:
+    """Pooled hidden states [H] float32 of every prompt, in the given order (callers order by length),
+    through `engine`'s scheduler and runner. `on_step` runs after every forward (the job runner stops
+    there on a signal)."""
+    scheduler = engine.scheduler
+    results = [RowResult(None, error="not run")] * len(prompts)
+    pooled: dict[int, tuple[int, PoolAccumulator]] = {}
+    extras = RequestExtras(uncached=method != "last")
+    for index, prompt in enumerate(prompts):
+        seq = Sequence(scheduler.new_seq_id(), list(prompt), _SCORED, extras=extras)
+        why = scheduler.check_fits(seq)
+        if why is not None:
+            results[index] = RowResult(None, error=why)
+            continue
+        scheduler.add(seq)
+        pooled[seq.seq_id] = (index, PoolAccumulator(method, seq.num_tokens))
+    try:
+        while scheduler.has_unfinished():
+            batch = scheduler.schedule()
+            hidden, ends = engine.runner.pool_forward(batch)  # [T, H], each chunk's end in the packed row
+            for chunk, end in zip(batch.chunks, ends):
+                pooled[chunk.seq_id][1].add(chunk.start, hidden[end - chunk.num_tokens : end])
+            for seq_id in batch.ends:
+                index, acc = pooled.pop(seq_id)
+                cached = scheduler.get(seq_id).num_cached_tokens
+                results[index] = RowResult(acc.result().cpu(), cached)  # [H] float32 on the host
+                scheduler.finish(seq_id)
+            if on_step is not None:
+                on_step()
+    except BaseException:
+        # why everything: a failed forward may have left blocks registered with K/V never written
+        engine.abort_all()
+        raise
+    engine.runner.apply(scheduler.take_update())  # the last finished sequences have no next step
+    return results
 
 
 class PoolingModel:
@@ -139,12 +132,13 @@ class PoolingModel:
         self,
         task: str,
         pooling: PoolingConfig,
-        engine: EnginePoolingRunner | None = None,
+        engine: Engine | None = None,
         hf: HFPoolingRunner | None = None,
         head: torch.nn.Linear | None = None,
         id2label: dict[int, str] | None = None,
     ) -> None:
-        """`head`: a decoder classifier's head over the engine's last-token hidden states."""
+        """`engine`: an LLM's engine, which pools a decoder model; `head`: a decoder classifier's head
+        over its last-token hidden states."""
         self.task, self.pooling, self.engine, self.hf, self.head = task, pooling, engine, hf, head
         self.classifier = head is not None or (hf is not None and hf.kind == "classify")
         self.on_step: Callable[[], None] | None = None  # after every forward (the job runner's stop point)
@@ -158,23 +152,24 @@ class PoolingModel:
         device: torch.device,
         dtype: torch.dtype,
         budget: int,
-        engine: EnginePoolingRunner | None = None,
+        engine: Engine | None = None,
         pooler_config: dict[str, Any] | None = None,
     ) -> PoolingModel:
-        """`engine`: the engine's pooling runner for a decoder model (runs_on_engine); else transformers."""
+        """`engine`: the LLM's engine for a decoder model (runs_on_engine); else transformers."""
         options = dict(pooler_config or {})
         method = options.pop("pooling_type", None)
         normalize = options.pop("normalize", None)
         if options:
             raise TypeError(f"pooler_config: unknown key(s) {sorted(options)} (known: pooling_type, normalize)")
+        config = AutoConfig.from_pretrained(path)
         pooling = resolve_pooling(
             path,
-            engine is not None or not is_encoder(AutoConfig.from_pretrained(path)),
+            engine is not None or not is_encoder(config),
             method.lower() if isinstance(method, str) else None,
             normalize,
         )
-        wants_head = task == "classify" or (task == "score" and has_classifier(path))
-        labels = getattr(AutoConfig.from_pretrained(path), "id2label", None) if wants_head else None
+        wants_head = reads_head(config, task)
+        labels = getattr(config, "id2label", None) if wants_head else None
         if engine is not None and wants_head:
             head = load_score_head(path, device, dtype)
             return cls(task, PoolingConfig("last", False), engine=engine, head=head, id2label=labels)
@@ -190,7 +185,7 @@ class PoolingModel:
             normalize = config.normalize if params.normalize is None else params.normalize
             config = PoolingConfig(config.method, normalize, params.dimensions or config.dimensions)
         if self.engine is not None:
-            results = self.engine.pool([e.input_ids for e in inputs], config.method, self.on_step)
+            results = pool_on_engine(self.engine, [e.input_ids for e in inputs], config.method, self.on_step)
         elif self.hf is not None and not self.classifier:
             results = [RowResult(v) for v in self.hf.run(inputs, config.method, self.on_step)]
         else:
@@ -201,20 +196,17 @@ class PoolingModel:
         return results
 
     def classify(self, inputs: list[Encoded]) -> list[RowResult]:
-        """Each input's class probabilities [C] (softmax; sigmoid for one label)."""
+        """Each input's class probabilities [C] (softmax; sigmoid for one label); on the engine, a
+        decoder classifier's head over each input's last-token hidden state."""
         if not self.classifier:
             raise ValueError(
                 "classify needs a model with a sequence-classification head (architectures *ForSequenceClassification)"
             )
         if self.hf is not None:
             return [RowResult(head_probs(logits[None])[0]) for logits in self.hf.run(inputs, on_step=self.on_step)]
-        return self._engine_classify(inputs)
-
-    def _engine_classify(self, inputs: list[Encoded]) -> list[RowResult]:
-        """A decoder classifier on the engine: its head over each input's last-token hidden state."""
         if self.engine is None or self.head is None:
             raise RuntimeError("no engine classifier set up")
-        results = self.engine.pool([e.input_ids for e in inputs], "last", self.on_step)
+        results = pool_on_engine(self.engine, [e.input_ids for e in inputs], "last", self.on_step)
         weight = self.head.weight
         for r in results:
             if r.values is not None:
@@ -250,23 +242,14 @@ class PoolingModel:
         return self.id2label.get(best, str(best))
 
 
-def on_engine(path: str | Path, task: str, llm: Any, pooler_config: dict[str, Any] | None) -> PoolingModel:
-    """The PoolingModel of an LLM whose engine is built: pooling batches through its model runner
-    and KV pool, under its token budget and sequence limit."""
-    engine = llm.engine
-    runner = EnginePoolingRunner(engine.runner, engine.scheduler)
-    device, dtype = engine.runner.device, next(engine.runner.model.parameters()).dtype
-    budget = int(llm.config.max_num_batched_tokens)
-    return PoolingModel.build(path, task, device, dtype, budget, runner, pooler_config)
-
-
 def prefix_cache_applies(path: str | Path, task: str, pooling_type: str | None) -> bool:
     """Whether a pooling task's rows can be served from the prefix cache: decoder models on the
-    engine with last-token pooling (embeddings, classifier heads; see EnginePoolingRunner); never mean
+    engine with last-token pooling (embeddings, classifier heads; see pool_on_engine); never mean
     or CLS pooling, nor encoders."""
-    if task == "generate" or not runs_on_engine(path, task):
+    config = AutoConfig.from_pretrained(path)
+    if task == "generate" or is_encoder(config):
         return False
-    if task == "classify" or (task == "score" and has_classifier(path)):
+    if reads_head(config, task):
         return True  # a decoder classifier's head reads the last token's hidden state
     return resolve_pooling(path, True, pooling_type).method == "last"
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from batchgen.engine.api.config import ResolvedConfig
 from batchgen.engine.api.platform import CompilePolicy
 
 # (input ids [T], positions [T]) -> (input embeddings [T, hidden], positions [T] or [3, T])
@@ -57,20 +58,15 @@ class CompileStats:
         return {"compile_seconds": round(self.seconds, 2), "compiled_graphs": self.graphs}
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder layers: the ModuleList as long as the config's layer count (any architecture)."""
-    config: Any = model.config
-    num = config.get_text_config().num_hidden_layers
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == num:
-            return list(module)
-    raise RuntimeError(f"{type(model).__name__}: no ModuleList of its {num} decoder layers found to compile")
-
-
-def check_layer_order(model: torch.nn.Module) -> None:
-    """Every attention module of decoder layer i has layer_idx i: a module's layer_idx names its KV
-    pool (attention/interface.bind_layers), so no two decoder layers may share one."""
-    for i, layer in enumerate(decoder_layers(model)):
+def check_layer_order(model: PreTrainedModel) -> None:
+    """Every attention module of decoder layer i (the ModuleList as long as the config's layer count)
+    has layer_idx i: a module's layer_idx names its KV pool (attention/interface.bind_layers), so no
+    two decoder layers may share one."""
+    num = model.config.get_text_config().num_hidden_layers
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num), None)
+    if layers is None:
+        raise RuntimeError(f"{type(model).__name__}: no ModuleList of its {num} decoder layers found to compile")
+    for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
             idx = getattr(module, "layer_idx", i)
             if isinstance(idx, int) and idx != i:
@@ -95,28 +91,26 @@ class StepForward:
     def __init__(
         self,
         model: PreTrainedModel,
-        compile: bool,
-        max_tokens: int | None = None,
-        fallback: bool = False,
-        take_raised: Callable[[], BaseException | None] = lambda: None,
-        on_compiled: Callable[[], None] = lambda: None,
-        policy: CompilePolicy | None = None,
+        config: ResolvedConfig,
+        take_raised: Callable[[], BaseException | None],
+        on_compiled: Callable[[], None],
+        policy: CompilePolicy,
     ) -> None:
-        """`fallback`: a model that fails to compile runs eager (engine.compile "auto"). `take_raised`:
-        the attention's last exception (attention/op), raised instead of the graph's "API call failed"."""
+        """`config`: compile, compile_fallback ("auto": a model that fails to compile runs eager), the
+        token budget. `take_raised`: the attention's last exception, raised for the graph's "API call failed"."""
         self.model = model
         self.take_raised = take_raised
         self.on_compiled = on_compiled
-        self.policy = policy or CompilePolicy()
-        self.compile = compile
-        self.max_tokens = max_tokens
-        self.fallback = fallback
+        self.policy = policy
+        self.compile = config.compile
+        self.max_tokens = config.max_num_batched_tokens
+        self.fallback = config.compile_fallback
         self.stats = CompileStats()
         # a VLM's eager splice before the (compiled) language model; None: a text model takes ids
         self.splice: Splice | None = getattr(model, "step_embeddings", None)
         check_layer_order(model)
         self._run = self._logits
-        if compile:
+        if self.compile:
             logger.info(
                 "torch.compile: compiling the model's forward; its first steps take ~5-20 s, once per "
                 "process (engine.compile: false runs it eager)"
@@ -163,16 +157,13 @@ class StepForward:
             raise raised from exc
         finally:
             revert()
-        if _unique_graphs() != graphs:  # why: this call compiled; its time is (mostly) compile time
+        compiled = _unique_graphs() - graphs
+        if compiled:  # why: this call compiled; its time is (mostly) compile time
             self.stats.seconds += time.perf_counter() - began
             self.stats.shapes.add((input_ids.shape[0], keep.shape[0]))
-            self.stats.graphs += _unique_graphs() - graphs
-            logger.info(
-                "compiled %d graph(s) at %d tokens (%.1f s of compiling so far)",
-                _unique_graphs() - graphs,
-                input_ids.shape[0],
-                self.stats.seconds,
-            )
+            self.stats.graphs += compiled
+            tokens, seconds = input_ids.shape[0], self.stats.seconds
+            logger.info("compiled %d graph(s) at %d tokens (%.1f s of compiling so far)", compiled, tokens, seconds)
             self.on_compiled()
         return out
 

@@ -38,11 +38,7 @@ from batchgen.engine.attention.decode_kv import padded_tables
 from batchgen.engine.attention.interface import bind_layers
 from batchgen.engine.attention.kv_store import pool_blocks
 from batchgen.engine.attention.metadata import ForwardContext, StaticDecode
-from batchgen.engine.attention.path import (
-    VARLEN,
-    AttentionChoice,
-    has_softcap,
-)
+from batchgen.engine.attention.path import VARLEN, AttentionChoice, has_softcap
 from batchgen.engine.attention.planning import int64_tensor
 from batchgen.engine.core.runner_output import EMPTY_OUTPUT, ModelRunnerOutput
 from batchgen.engine.core.scheduler_output import BatchUpdate, ScheduledBatch, ScheduledChunk
@@ -114,8 +110,7 @@ class ModelRunner:
         softcap = has_softcap(model.config)
         self.attention: AttentionChoice = self.platform.attention_path(name, dtype, block_size, spec.head_dim, softcap)
         self.flash = self.attention.path == VARLEN
-        max_len, max_num_seqs = config.max_model_len, config.max_num_seqs
-        self.backend = make_backend(name, model, self.kv_caches, block_size, device, dtype, max_len, max_num_seqs)
+        self.backend = make_backend(config, model, self.kv_caches, device, dtype)
         self.backend.flash = self.flash
         bind_layers(model, self.backend)
         self.transfers = Transfers(device)
@@ -125,23 +120,17 @@ class ModelRunner:
         # the rows' sampling state; its inputs ride in the step's upload
         self.batch = SamplingBatch(device, sampler.features, self.transfers) if sampler is not None else None
         self.step_hook = self.platform.step_hook()  # on the CPU: torch's threads follow the machine's load
-        self.forward = StepForward(
-            model,
-            config.compile,
-            config.max_num_batched_tokens,
-            fallback=config.compile_fallback,
-            take_raised=self.backend.take_raised,
-            on_compiled=self.step_hook.forget,  # why: the load while compiling was ours, not the neighbours'
-            policy=self.platform.compile_policy(),
-        )
+        # on_compiled: the hook forgets the load while compiling (ours, not the neighbours')
+        policy = self.platform.compile_policy()
+        self.forward = StepForward(model, config, self.backend.take_raised, self.step_hook.forget, policy)
         # CUDA graphs for decode-only steps go with compile (both are about launch overhead), all
         # captured now: none in the middle of a job (cuda/graphs)
         self.graphs: GraphReplay | None = None
         wants_graphs = config.compile if cuda_graphs is None else cuda_graphs
         if wants_graphs and self.backend.replays_static_decode:
-            max_blocks = math.ceil(max_len / block_size)
+            rows, max_blocks = config.max_num_seqs, math.ceil(config.max_model_len / block_size)
             rope_axes = int(getattr(model, "rope_axes", 0))  # a VLM's M-RoPE positions (engine/vision)
-            self.graphs = self.platform.decode_graphs(self.forward, max_num_seqs, max_blocks, block_size, rope_axes)
+            self.graphs = self.platform.decode_graphs(self.forward, rows, max_blocks, block_size, rope_axes)
         if self.graphs is not None:  # pragma: no cover - CUDA
             self.graphs.capture_all(self._graph_run, self._graph_context)
         logger.info(

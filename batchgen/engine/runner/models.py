@@ -18,8 +18,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import is_accelerate_available
 
 from batchgen.engine.api.config import DEVICE_CHOICES, DEVICE_NAME
+from batchgen.engine.api.dtype_rule import for_job
 from batchgen.engine.attention.interface import ATTN_IMPLEMENTATION
-from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner.model_limits import UnsupportedModelError as UnsupportedModelError  # re-exported
 from batchgen.engine.runner.model_limits import refuse as _refuse
 from batchgen.engine.runner.model_limits import resolve_max_model_len as resolve_max_model_len  # re-exported
@@ -73,17 +73,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_path: str | None = None) -> torch.dtype:
-    """ "auto": the device's Platform's for the checkpoint at `model_path` (CUDA: bf16 where supported;
-    CPU: engine/api/dtype_rule: bf16 for a bf16/fp16 checkpoint on a CPU with native bf16, else
-    float32); else the dtype named."""
+    """ "auto": engine/api/dtype_rule's answer for `device` and the checkpoint at `model_path`; else the dtype named."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
-        return platform_for(device).default_dtype(model_path)
-    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if dtype not in names:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
-    return names[dtype]
+    return getattr(torch, for_job(dtype, str(device), model_path).dtype)
 
 
 def check_config(config: PretrainedConfig) -> None:

@@ -53,21 +53,14 @@ class MemoryProfile:
     runner_memory: int = 0  # what a runner keeps on the device while it lives: its CUDA graphs' pool, buffers
 
 
-def kv_budget(total: int, used: int, activation_peak: int, headroom: int, utilization: float) -> int:
-    """Bytes left for the KV pool (may be <= 0: then nothing is)."""
-    return int(total * utilization) - used - activation_peak - headroom
-
-
 def profile_batch(max_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int) -> ScheduledBatch:
     """The worst step: one long chunk ending at max_model_len plus single-token decodes, every one sampled."""
     rows = max(1, min(max_num_seqs, max_batched_tokens))
     n_long = min(max_batched_tokens - (rows - 1), max_model_len)
     context = max_model_len - n_long
     blocks = math.ceil((context + n_long) / block_size)
-    chunks = [ScheduledChunk(0, context, (0,) * n_long, (0,) * blocks, True, False)]
-    for i in range(1, rows):
-        chunks.append(ScheduledChunk(i, 1, (0,), (1,), True, True))
-    return ScheduledBatch(tuple(chunks))
+    long = ScheduledChunk(0, context, (0,) * n_long, (0,) * blocks, True, False)
+    return ScheduledBatch((long, *(ScheduledChunk(i, 1, (0,), (1,), True, True) for i in range(1, rows))))
 
 
 def profile_kv_budget(
@@ -104,7 +97,7 @@ def profile_kv_budget(
     rows = sum(c.needs_sample for c in batch.chunks)
     headroom = SAMPLER_COPIES * rows * vocab_size * 4
     activation_peak = max(0, peak - resting)
-    budget = kv_budget(total, used + runner_bytes, activation_peak, headroom, utilization)
+    budget = int(total * utilization) - used - runner_bytes - activation_peak - headroom  # <= 0: no pool
     logger.info(
         "memory profile: total %.2f GiB, in use %.2f GiB (before the scratch pool %.2f GiB), the runner's own "
         "(CUDA graphs, buffers) %.2f GiB, activation peak %.2f GiB, sampler headroom %.2f GiB, utilization %.2f "
@@ -139,21 +132,6 @@ def kv_block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype) -> int:
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
-def num_kv_blocks_for(spec: KVSpec, config: ResolvedConfig, dtype: torch.dtype, budget_bytes: int | None) -> int:
-    """Pool size: explicit blocks, else a byte budget (on CUDA, by default, the profiled one), else a CPU default."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    bytes_per_block = kv_block_bytes(spec, config.block_size, dtype)
-    if budget_bytes is None:
-        # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks
-        cap = CPU_CAPACITY_FACTOR * config.max_num_seqs * math.ceil(config.max_model_len / config.block_size)
-        return max(1, min((1 << 30) // bytes_per_block, cap))
-    blocks = budget_bytes // bytes_per_block
-    if blocks < 1:
-        raise ValueError(f"KV cache budget of {budget_bytes} bytes is below one block ({bytes_per_block} bytes)")
-    return blocks
-
-
 def kv_pool_blocks(
     model: PreTrainedModel,
     spec: KVSpec,
@@ -163,13 +141,22 @@ def kv_pool_blocks(
     probe: MemoryProbe | None = None,
     measured_budget: int | None = None,
 ) -> tuple[int, MemoryProfile | None]:
-    """(blocks, the memory profile when one was taken). `measured_budget`: bytes measured at load
-    (tensor parallelism's rank 0), used where the settings give no size."""
+    """(blocks, the memory profile when one was taken): explicit blocks, else a byte budget (set, or
+    `measured_budget`: bytes measured at load by tensor parallelism's rank 0, or the profiled one
+    where the device has a memory probe: CUDA), else a CPU default."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, None
+    block_size, per_block = config.block_size, kv_block_bytes(spec, config.block_size, dtype)
     budget = config.kv_cache_memory_bytes if config.kv_cache_memory_bytes is not None else measured_budget
-    if config.num_kv_blocks is None and budget is None:
-        probe = probe or platform_for(device).memory_probe()
-    if config.num_kv_blocks is not None or budget is not None or probe is None:
-        return num_kv_blocks_for(spec, config, dtype, budget), None
+    if budget is not None:
+        if budget < per_block:
+            raise ValueError(f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)")
+        return budget // per_block, None
+    probe = probe or platform_for(device).memory_probe()
+    if probe is None:
+        # why: on CPU a default 1 GiB of zeros would be touched for nothing beyond this many blocks
+        cap = CPU_CAPACITY_FACTOR * config.max_num_seqs * math.ceil(config.max_model_len / block_size)
+        return max(1, min((1 << 30) // per_block, cap)), None
 
     # why torch for the others: the profiling step's decodes need no per-sequence state (triton keeps none)
     profiled_backend: Literal["triton", "torch"] = "triton" if config.attention_backend == "triton" else "torch"
@@ -180,11 +167,9 @@ def kv_pool_blocks(
         profiled = replace(config, attention_backend=profiled_backend, compile=False)
         return ModelRunner(model, spec, profiled, num_blocks, device, dtype, cuda_graphs=config.compile)
 
-    block_size = config.block_size
     batch = profile_batch(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len, block_size)
     vocab = int(model.get_input_embeddings().num_embeddings)  # type: ignore[arg-type]
     profile = profile_kv_budget(make_runner, batch, probe, vocab, config.gpu_memory_utilization)
-    per_block = kv_block_bytes(spec, block_size, dtype)
     path = platform_for(device).attention_path(
         profiled_backend, dtype, block_size, spec.head_dim, has_softcap(model.config)
     )

@@ -263,7 +263,7 @@ class LLM:
             if self._tp is not None:  # why: rank 0 alone would wait in the shards' all-reduce until it timed out
                 raise ValueError("LLM.embed/classify/score: tensor_parallel_size > 1 serves task 'generate' only")
             task, engine = "embed" if self.task == "generate" else self.task, self.engine
-            budget = engine.scheduler.max_num_batched_tokens
+            budget = engine.scheduler.config.max_num_batched_tokens
             self._pooling = PoolingModel.build(
                 self._model_path, task, self._device, self.dtype, budget, engine, self._pooler_config
             )

@@ -153,10 +153,22 @@ def test_embedding_model_scores_by_cosine(bert_dir: Path) -> None:
 
 def test_bad_prompts_are_error_outputs(bert_dir: Path) -> None:
     llm = LLM(str(bert_dir), task="embed")
-    outs = llm.embed([[], "the cat", list(range(5, 5 + 300))])
+    outs = llm.embed([[], "the cat", list(range(5, 5 + 300)), [2, 100_000]])
     assert outs[0].error is not None and "no tokens" in outs[0].error and outs[0].outputs is None
     assert outs[1].error is None and outs[1].outputs is not None
     assert outs[2].error is not None and "context is 256" in outs[2].error
+    assert outs[3].error is not None and "[100000] are outside the vocabulary [0, 5)" in outs[3].error
+
+
+def test_an_id_past_the_vocabulary_is_that_row_error_on_the_engine(llama_dir: Path) -> None:
+    """Through the engine's packed forward, an id past the embedding table would crash the whole batch."""
+    llm = LLM(str(llama_dir), task="embed")
+    outs = llm.embed(["the cat", [5, 100_000], "the sun"])
+    assert outs[1].error is not None and "outside the vocabulary" in outs[1].error and outs[1].outputs is None
+    alone = llm.embed(["the cat", "the sun"])
+    for out, ref in zip([outs[0], outs[2]], alone):
+        assert out.outputs is not None and ref.outputs is not None
+        assert np.allclose(out.outputs.embedding, ref.outputs.embedding, atol=1e-6)
 
 
 def test_unsupported_sentence_transformers_module_is_named(bert_dir: Path, tmp_path: Path) -> None:

@@ -86,21 +86,25 @@ def _items(prompts: object) -> list[object]:
     return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)  # type: ignore[call-overload]
 
 
-def _checked(inputs: list[Encoded], max_model_len: int) -> tuple[list[int], list[str | None]]:
-    """Indices that may run, and each input's refusal (empty or longer than the context)."""
+def _checked(inputs: list[Encoded], max_model_len: int, vocab_size: int) -> tuple[list[int], list[str | None]]:
+    """Indices that may run, and each input's refusal (empty, longer than the context, or an id past
+    the embedding table, which would crash the whole batch's forward)."""
     errors: list[str | None] = []
     for i, e in enumerate(inputs):
+        bad = [t for t in e.input_ids if not 0 <= t < vocab_size]
         if not e.input_ids:
             errors.append(f"request {i}: prompt has no tokens")
         elif len(e.input_ids) > max_model_len:
             errors.append(f"request {i}: prompt has {len(e.input_ids)} tokens; the model's context is {max_model_len}")
+        elif bad:
+            errors.append(f"request {i}: prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         else:
             errors.append(None)
     return [i for i, e in enumerate(errors) if e is None], errors
 
 
-def _run(inputs: list[Encoded], max_model_len: int, call: Any) -> list[RowResult]:
-    ok, errors = _checked(inputs, max_model_len)
+def _run(inputs: list[Encoded], max_model_len: int, model: PoolingModel, call: Any) -> list[RowResult]:
+    ok, errors = _checked(inputs, max_model_len, model.vocab_size)
     results = [RowResult(None, error=e) for e in errors]
     for i, r in zip(ok, call([inputs[i] for i in ok])):
         results[i] = r
@@ -116,7 +120,7 @@ def _embed(
     keep: int | None = None,
 ) -> list[EmbeddingRequestOutput]:
     inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)[0]), keep) for i, p in enumerate(_items(prompts))]
-    results = _run(inputs, max_model_len, lambda batch: model.embed(batch, params))
+    results = _run(inputs, max_model_len, model, lambda batch: model.embed(batch, params))
     return [
         _output(i, e, r, None if r.values is None else EmbeddingOutput(r.values.tolist()))
         for i, (e, r) in enumerate(zip(inputs, results))
@@ -127,7 +131,7 @@ def _classify(
     model: PoolingModel, tokenizer: Any, max_model_len: int, prompts: object, keep: int | None = None
 ) -> list[ClassificationRequestOutput]:
     inputs = [truncate(Encoded(encode_prompt(tokenizer, i, p)[0]), keep) for i, p in enumerate(_items(prompts))]
-    results = _run(inputs, max_model_len, model.classify)
+    results = _run(inputs, max_model_len, model, model.classify)
     outputs = []
     for i, (e, r) in enumerate(zip(inputs, results)):
         value = None if r.values is None else ClassificationOutput(r.values.tolist(), model.label_of(r.values))
@@ -154,13 +158,13 @@ def _score(
         raise ValueError(f"score: {len(left)} texts in data_1 against {len(right)} in data_2 (1:N, N:1 or N:N)")
     if model.classifier:
         inputs = [truncate(encode_pair(tokenizer, a, b), keep) for a, b in zip(left, right)]
-        results = _run(inputs, max_model_len, model.score)
+        results = _run(inputs, max_model_len, model, model.score)
     else:
         one = [truncate(Encoded(encode_prompt(tokenizer, 0, a)[0]), keep) for a in left]
         two = [truncate(Encoded(encode_prompt(tokenizer, 0, b)[0]), keep) for b in right]
         pairs = list(zip(one, two))
         inputs = [Encoded(a.input_ids + b.input_ids) for a, b in pairs]  # only for the usage counts
-        _, errors = _checked([e for pair in pairs for e in pair], max_model_len)
+        _, errors = _checked([e for pair in pairs for e in pair], max_model_len, model.vocab_size)
         results = [RowResult(None, error=errors[2 * i] or errors[2 * i + 1]) for i in range(len(pairs))]
         good = [i for i in range(len(pairs)) if results[i].error is None]
         for i, r in zip(good, model.score([], [pairs[i] for i in good])):

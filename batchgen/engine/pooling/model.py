@@ -141,6 +141,8 @@ class PoolingModel:
         over its last-token hidden states."""
         self.task, self.pooling, self.engine, self.hf, self.head = task, pooling, engine, hf, head
         self.classifier = head is not None or (hf is not None and hf.kind == "classify")
+        table = engine.vocab_size if engine is not None else hf.model.get_input_embeddings().num_embeddings if hf else 0
+        self.vocab_size = int(table)  # the embedding table's rows: callers refuse an input with an id past it
         self.on_step: Callable[[], None] | None = None  # after every forward (the job runner's stop point)
         self.id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
 

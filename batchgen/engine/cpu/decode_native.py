@@ -31,7 +31,7 @@ PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler show
 class ClassRows:
     """One length class's part of a step, as decode_rows plans it: its decodes' rows, in packed order."""
 
-    k: list[torch.Tensor]  # per layer [rows, KVH, cap / TILE, D, TILE] (keys in tiles of positions: row_pack)
+    k: list[torch.Tensor]  # per layer [rows, KVH, cap / TILE, D, TILE] (keys in tiles of positions: RowPack)
     v: list[torch.Tensor]  # per layer [rows, KVH, cap, D]
     num_rows: int  # decodes of the class in this step
     # positions every decode's row holds in the same blocks (0: none), read from the lowest of the rows

@@ -106,22 +106,19 @@ def build_forward_context(
     if pad > 0:
         positions = torch.cat([positions, positions.new_zeros(pad)])
         slots = torch.cat([slots, slots.new_full((pad,), PAD_SLOT)])
-    starts = cu.tolist()
-    prefills = (
-        []
-        if flash
-        else [  # why: the varlen kernel needs none of it (and no per-chunk copies)
-            PrefillChunk(
-                start=starts[j],
-                end=starts[j] + c.num_tokens,
-                context_start=c.start,
-                block_table=transfers.stage(tables[j, : needed[j]]),
-            )
-            for j, c in enumerate(packed)
-            if j >= num_dec
-        ]
-    )
     meta = _flash_metadata(lens, ctx_start, tables, transfers) if flash else None
+    starts = cu.tolist()
+    prefills = [
+        PrefillChunk(
+            start=starts[j],
+            end=starts[j] + c.num_tokens,
+            context_start=c.start,
+            # why the staged tables' rows with the varlen kernel: no per-chunk copies (its attention reads none)
+            block_table=transfers.stage(tables[j, : needed[j]]) if meta is None else meta.block_tables[j],
+        )
+        for j, c in enumerate(packed)
+        if not c.is_decode
+    ]
     ctx = ForwardContext(
         kv_caches=kv_caches,
         slot_mapping=transfers.stage(slots),

@@ -113,19 +113,8 @@ def plan_step(
         group=group,
         rows=rows,
     )
-    prefills = _prefill_chunks([chunks[i] for i in order], meta.block_tables)
-    step = TritonContext(ctx.kv_caches, ctx.slot_mapping, None, prefills, num_tokens=ctx.num_tokens, kernel=plan)
+    step = TritonContext(ctx.kv_caches, ctx.slot_mapping, None, ctx.prefills, num_tokens=ctx.num_tokens, kernel=plan)
     return step, positions, order
-
-
-def _prefill_chunks(packed: Sequence[PlannedChunk], tables: torch.Tensor) -> list[PrefillChunk]:
-    """The packed chunks that are not decodes, as PrefillChunks (tables: the staged [N, W] rows)."""
-    out, first = [], 0
-    for j, c in enumerate(packed):
-        if not c.is_decode:
-            out.append(PrefillChunk(first, first + c.num_tokens, c.start, tables[j]))
-        first += c.num_tokens
-    return out
 
 
 class GraphRows:

@@ -136,10 +136,19 @@ class Library:
         return headers if self.needs is None else torch.__version__.encode() + headers
 
     def toolchain(self) -> tuple[str | None, str, list[list[str]], list[str]]:
-        """(its compiler or None, why none, the flag sets tried in order, the link flags)."""
+        """(its compiler or None, why none, the flag sets tried in order, the link flags): a C
+        library's sets with the user's $BATCHGEN_NATIVE_CFLAGS last in each; an operator's against this torch."""
         if self.needs is None:
-            return find_compiler("CC", "cc", "gcc"), NO_C_COMPILER, c_flag_sets(), LINK_FLAGS
-        return find_compiler("CXX", "c++", "g++"), NO_CXX_COMPILER, [_cxx_flags()], _cxx_link()
+            flag_sets = [BASE_FLAGS + arch + extra_flags() for arch in ARCH_FLAGS]
+            return find_compiler("CC", "cc", "gcc"), NO_C_COMPILER, flag_sets, LINK_FLAGS
+        from torch.utils import cpp_extension
+
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        flags = ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        dirs = cpp_extension.library_paths()
+        link = [*(f"-L{d}" for d in dirs), *(f"-Wl,-rpath,{d}" for d in dirs), "-lc10", "-ltorch_cpu"]
+        includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+        return find_compiler("CXX", "c++", "g++"), NO_CXX_COMPILER, [flags + includes], link
 
 
 LIBRARIES = {
@@ -303,28 +312,8 @@ def refuse(name: str, reason: str) -> None:
     logger.warning("native %s kernel unavailable (%s): %s", name, reason, KERNELS[name].fallback)
 
 
-def c_flag_sets() -> list[list[str]]:
-    """The flag sets a C kernel is built with, tried in order (the user's $BATCHGEN_NATIVE_CFLAGS last in each)."""
-    return [BASE_FLAGS + arch + extra_flags() for arch in ARCH_FLAGS]
-
-
 def extra_flags() -> list[str]:
     return shlex.split(os.environ.get(FLAGS_ENV, ""))
-
-
-def _cxx_flags() -> list[str]:
-    from torch.utils import cpp_extension
-
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
-
-
-def _cxx_link() -> list[str]:
-    from torch.utils import cpp_extension
-
-    dirs = cpp_extension.library_paths()
-    return [*(f"-L{d}" for d in dirs), *(f"-Wl,-rpath,{d}" for d in dirs), "-lc10", "-ltorch_cpu"]
 
 
 def find_compiler(env: str, *names: str) -> str | None:
@@ -368,10 +357,15 @@ def compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
 
 
-def cached_state(name: str) -> BuildState:
-    """Kernel `name` of KERNELS as a run would find it, without building: `cached` (with its path),
-    `not built`, or `unavailable` where a run could not build it (no compiler, or one that cannot run;
-    an operator: its C library unavailable)."""
+def state(name: str) -> BuildState:
+    """What became of kernel `name` of KERNELS in this process; where it has not been loaded yet,
+    what a run would find, without building: off (BATCHGEN_NATIVE=0), `cached` (with its path), `not
+    built`, or `unavailable` where a run could not build it (no compiler, or one that cannot run; an
+    operator: its C library unavailable)."""
+    if name in STATES:
+        return STATES[name]
+    if os.environ.get(DISABLE_ENV) == "0":
+        return BuildState(name, "off", reason=f"{DISABLE_ENV}=0")
     lib = KERNELS[name]
     if lib.needs is not None and state(lib.needs).state == "unavailable":
         return BuildState(name, "unavailable", reason=f"the native {lib.needs} kernel is unavailable")
@@ -384,16 +378,6 @@ def cached_state(name: str) -> BuildState:
         return BuildState(name, "unavailable", reason=f"the compiler {compiler} cannot run: {exc}")
     found = next((target for target in targets if target.is_file()), None)
     return BuildState(name, "cached", found) if found is not None else BuildState(name, "not built")
-
-
-def state(name: str) -> BuildState:
-    """What became of kernel `name` in this process; where it has not been loaded yet, without
-    building anything: off (BATCHGEN_NATIVE=0), or as cached_state finds it."""
-    if name in STATES:
-        return STATES[name]
-    if os.environ.get(DISABLE_ENV) == "0":
-        return BuildState(name, "off", reason=f"{DISABLE_ENV}=0")
-    return cached_state(name)
 
 
 def pending() -> list[str]:

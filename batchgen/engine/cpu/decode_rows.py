@@ -27,12 +27,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.attention.cascade import shared_prefix_len
-from batchgen.engine.attention.decode_kv import QKV, DecodeGroup, DecodeRequest, Pool, Stage
+from batchgen.engine.attention.decode_kv import QKV, DecodeRequest, Pool, Stage
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch, fill_row
 from batchgen.engine.cpu.native import TILE, NativeKernels
@@ -67,14 +67,9 @@ class RowsView:
 
     classes: list[ClassRows]
     native: NativeStep
-    groups: list[DecodeGroup] = field(default_factory=list)  # none: the kernel attends every decode
     writes_pool = True  # a decode-only step's K/V are stored in the pool by the kernel (attend)
 
-    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Never called: there are no groups (attend attends every decode)."""
-        raise RuntimeError("decode rows are attended by the native kernel alone")
-
-    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
+    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> None:
         """Fill new rows, then append and attend every decode in one call, storing the step's K/V in
         the pool too when given their `slots` (a decode-only step).
 
@@ -84,7 +79,6 @@ class RowsView:
             raise RuntimeError("the native decode kernel cannot soft-cap attention logits")
         self._fill(call.layer, pool)
         self.native.attend(call.layer, *qkv, out, call.scale, call.window, pool if slots is not None else None, slots)
-        return True
 
     def fill_all(self, pools: list[Pool]) -> None:
         """Copy every layer's new rows out of the pool now, before the forward (one pool per layer).

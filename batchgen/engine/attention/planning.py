@@ -9,36 +9,14 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from batchgen.engine.attention.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables
 from batchgen.engine.attention.kv_store import PAD_SLOT
 from batchgen.engine.attention.metadata import FlashMetadata, ForwardContext, PrefillChunk
-
-
-class PlannedChunk(Protocol):
-    """What planning reads of a scheduled chunk (core/scheduler.ScheduledChunk is one)."""
-
-    @property
-    def seq_id(self) -> int: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def block_table(self) -> Sequence[int]: ...
-    @property
-    def is_decode(self) -> bool: ...
-    @property
-    def max_len(self) -> int: ...
-
-
-class Stager(Protocol):
-    """Where a step's host tensors go to the device (staging/transfers.Transfers is one)."""
-
-    def stage(self, values: torch.Tensor) -> torch.Tensor: ...
+from batchgen.engine.core.scheduler_output import ScheduledChunk
+from batchgen.engine.staging.transfers import Transfers
 
 
 def int64_tensor(values: Sequence[int]) -> torch.Tensor:
@@ -49,7 +27,7 @@ def int64_tensor(values: Sequence[int]) -> torch.Tensor:
 
 
 def _packed_order(
-    chunks: Sequence[PlannedChunk],
+    chunks: Sequence[ScheduledChunk],
     decode_kv: DecodeKVSource,
     flash: bool,
 ) -> tuple[list[int], DecodeStep | None, int]:
@@ -71,11 +49,11 @@ def _packed_order(
 
 
 def build_forward_context(
-    chunks: Sequence[PlannedChunk],
+    chunks: Sequence[ScheduledChunk],
     decode_kv: DecodeKVSource,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     block_size: int,
-    transfers: Stager,
+    transfers: Transfers,
     flash: bool = False,
     padded_len: int | None = None,
 ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
@@ -131,7 +109,7 @@ def build_forward_context(
 
 
 def decode_slots(
-    decodes: Sequence[PlannedChunk], block_size: int, padded_len: int | None = None
+    decodes: Sequence[ScheduledChunk], block_size: int, padded_len: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-token chunks -> (positions [T], slot mapping [T]), padded as build_forward_context pads
     (why lists: cheaper than the general path's tensor ops, ~0.3 ms of a 64-row CPU step)."""
@@ -142,7 +120,7 @@ def decode_slots(
 
 
 def _flash_metadata(
-    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, transfers: Stager
+    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, transfers: Transfers
 ) -> FlashMetadata:
     """lens/ctx_start [N] (packed order), tables [N, max_blocks] -> the varlen kernel's metadata
     (int64 as staged; the kernel's call casts to int32 after the upload)."""

@@ -17,7 +17,8 @@ from batchgen.engine.attention.backend import AttentionBackend, Pools, zero_padd
 from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.metadata import MAX_GRAPH_BATCH, ForwardContext
 from batchgen.engine.attention.op import LayerCall
-from batchgen.engine.attention.planning import PlannedChunk, Stager
+from batchgen.engine.core.scheduler_output import ScheduledChunk
+from batchgen.engine.staging.transfers import Transfers
 from batchgen.engine.triton import launch
 from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, image_key_ends, plan_step
 from batchgen.engine.triton.support import check_device, check_interpreter, interpreting
@@ -44,7 +45,7 @@ class TritonBackend(AttentionBackend):
         return "triton (paged kernel, interpreted)" if interpreting() else "triton (paged kernel)"
 
     def plan(
-        self, chunks: Sequence[PlannedChunk], stager: Stager, padded_len: int | None = None
+        self, chunks: Sequence[ScheduledChunk], stager: Transfers, padded_len: int | None = None
     ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
         """The step's plan -> (context, positions [T], packed order: batch order); staged in `stager`."""
         return plan_step(chunks, self.decode_kv, self.kv_caches, self.block_size, self.group, stager, padded_len)

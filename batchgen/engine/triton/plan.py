@@ -21,7 +21,9 @@ import torch
 
 from batchgen.engine.attention.decode_kv import DecodeKVSource
 from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk, StaticDecode
-from batchgen.engine.attention.planning import PlannedChunk, Stager, build_forward_context, int64_tensor
+from batchgen.engine.attention.planning import build_forward_context, int64_tensor
+from batchgen.engine.core.scheduler_output import ScheduledChunk
+from batchgen.engine.staging.transfers import Transfers
 
 DECODE_ROWS = 16
 PREFILL_ROWS = 64
@@ -85,12 +87,12 @@ def tile_map(q_lens: Sequence[int], tokens_per_tile: int) -> tuple[torch.Tensor,
 
 
 def plan_step(
-    chunks: Sequence[PlannedChunk],
+    chunks: Sequence[ScheduledChunk],
     decode_kv: DecodeKVSource,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     block_size: int,
     group: int,
-    stager: Stager,
+    stager: Transfers,
     padded_len: int | None = None,
 ) -> tuple[TritonContext, torch.Tensor, list[int]]:
     """The step's plan -> (context, positions [T], packed order = batch order); every tensor staged in `stager`."""

@@ -17,7 +17,6 @@ from array import array
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -243,7 +242,7 @@ class NativeStep:
             "args": self._args_at, "layers": self._num_layers, "decodes": n, "tokens": tokens,
             "heads": heads, "kv_heads": kvh, "head_dim": d, "bases": self._bases, "layer_bytes": self._layer_bytes,
             "slots": slots.data_ptr(), "pool_slots": k0.shape[0] * k0.shape[1], "calls": 0, "nanos": 0,
-            "kernel": _address(self._kernel), "bf16": int(self.dtype == torch.bfloat16),
+            "kernel": ctypes.cast(self._kernel, ctypes.c_void_p).value or 0, "bf16": int(self.dtype == torch.bfloat16),
         }  # fmt: skip
         plan = array("q", [fields[name] for name in PLAN_FIELDS])
         plan.extend([t.data_ptr() for pool in pools for t in pool])
@@ -282,11 +281,6 @@ def _per_row(values: Sequence[int], classes: Sequence[ClassRows]) -> array:
     for value, part in zip(values, classes):
         out.extend(array("q", [value]) * part.num_rows)
     return out
-
-
-def _address(fn: Any) -> int:
-    """A ctypes function's address (for the C++ front, which calls the step's kernel through it)."""
-    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
 
 def _row_shape(classes: Sequence[ClassRows]) -> tuple[int, int, torch.dtype]:

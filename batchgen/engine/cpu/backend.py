@@ -17,7 +17,7 @@ without the kernel, and was cut for the ~200 lines it cost).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -184,23 +184,17 @@ def _time_paths(dtype: torch.dtype, kvh: int, g: int, d: int, kernels: NativeKer
         k, v = gather_blocks(pool_k, index, ROWS), gather_blocks(pool_v, index, ROWS)  # [B, KVH, L, D]
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
 
-    paths = {"native": _native_call(kernels, dtype, kvh, g, d, gen), "gather": gather}
-    best = interleaved_best(paths, REPEATS)
-    assert best is not None  # no deadline
-    return best
-
-
-def _native_call(
-    kernels: NativeKernels, dtype: torch.dtype, kvh: int, g: int, d: int, gen: torch.Generator
-) -> Callable[[], None]:
-    """One layer's native decode attention of the same shape: ROWS decodes of LENGTH positions in
-    rows of CAPACITY (each call appends its step's K/V at the last position, as a decode does)."""
+    # the kernel: one layer of the same decodes in rows of CAPACITY (each call appends its step's
+    # K/V at the last position, as a decode does)
     tiles = CAPACITY // native.TILE
     k = torch.randn(ROWS, kvh, tiles, d, native.TILE, generator=gen).to(dtype)  # [B, KVH, cap / TILE, D, TILE]
     v = torch.randn(ROWS, kvh, CAPACITY, d, generator=gen).to(dtype)  # [B, KVH, cap, D]
     step = NativeStep(kernels, [ClassRows([k], [v], ROWS, 0)], [LENGTH] * ROWS, Scratch())
-    q = torch.randn(kvh * g, ROWS, d, generator=gen).to(dtype)  # [H, T, D]
+    q_t = torch.randn(kvh * g, ROWS, d, generator=gen).to(dtype)  # [H, T, D]
     new_k = torch.randn(kvh, ROWS, d, generator=gen).to(dtype)  # [KVH, T, D]
     new_v = torch.randn(kvh, ROWS, d, generator=gen).to(dtype)
     out = torch.empty(ROWS, kvh * g, d, dtype=dtype)  # [T, H, D]
-    return lambda: step.attend(0, q, new_k, new_v, out, d**-0.5, None)
+    paths = {"native": lambda: step.attend(0, q_t, new_k, new_v, out, d**-0.5, None), "gather": gather}
+    best = interleaved_best(paths, REPEATS)
+    assert best is not None  # no deadline
+    return best

@@ -21,7 +21,7 @@ from batchgen.engine.core.scheduler_output import ScheduledChunk
 from batchgen.engine.staging.transfers import Transfers
 from batchgen.engine.triton import launch
 from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, image_key_ends, plan_step
-from batchgen.engine.triton.support import check_device, check_interpreter, interpreting
+from batchgen.engine.triton.support import check_device, interpreting
 
 
 class TritonBackend(AttentionBackend):
@@ -29,9 +29,7 @@ class TritonBackend(AttentionBackend):
     replays_static_decode = True
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device, num_heads: int) -> None:
-        check_device(device)
-        if device.type == "cpu":
-            check_interpreter()
+        check_device(device)  # on the CPU: its interpreter too
         # why a decode source at all: the interface has one; this backend never asks it to plan (every
         # chunk reads the pool), and gathered blocks keep nothing across steps
         super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))

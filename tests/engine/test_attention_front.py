@@ -19,7 +19,7 @@ from batchgen.engine.cpu import front as attention_front
 from batchgen.engine.cpu.backend import CpuBackend
 from batchgen.engine.cpu.decode_native import PLAN_FIELDS, ClassRows, FrontPlan, NativeStep, Scratch
 
-from .test_native import TILE, _kernels
+from .test_native import TILE
 
 KVH, G, D = 2, 2, 16
 LAYERS = 2
@@ -36,7 +36,7 @@ def _step(gen: torch.Generator) -> tuple[NativeStep, list[ClassRows]]:
             k[layer][rs, :, : shared // TILE] = k[layer][rs[0], :, : shared // TILE]
             v[layer][rs, :, :shared] = v[layer][rs[0], :, :shared]
         parts.append(ClassRows(k, v, len(ls), shared, rs))
-    return NativeStep(_kernels(), parts, lengths[0] + lengths[1], Scratch()), parts
+    return NativeStep(parts, lengths[0] + lengths[1], Scratch()), parts
 
 
 def _copy(parts: list[ClassRows]) -> list[ClassRows]:
@@ -47,7 +47,7 @@ def test_a_planned_step_attends_exactly_as_the_python_path() -> None:
     gen = torch.Generator().manual_seed(11)
     python_step, parts = _step(gen)
     copied = _copy(parts)
-    front_step = NativeStep(_kernels(), copied, [5, 17, 40, 33, 64, 50, 47], Scratch())
+    front_step = NativeStep(copied, [5, 17, 40, 33, 64, 50, 47], Scratch())
     n, tokens, real = 7, 16, 9  # 7 decodes, 2 more real tokens the plan ignores, 7 rows of padding
     pools = [tuple(torch.zeros(10, 4, KVH, D) for _ in range(2)) for _ in range(LAYERS)]
     front_pools = [tuple(t.clone() for t in pool) for pool in pools]

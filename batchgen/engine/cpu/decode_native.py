@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 
 from batchgen.engine.cpu import native
-from batchgen.engine.cpu.native import NativeKernels
 
 PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler shows for a kernel call
 
@@ -66,16 +65,13 @@ _LAYER_ARGS = len(native.DECODE_ARGS) - _LAYER_AT
 class NativeStep:
     """Every decode's row, length and shared prefix, and each layer's class tensors, for one step."""
 
-    def __init__(
-        self, kernels: NativeKernels, classes: Sequence[ClassRows], lengths: Sequence[int], scratch: Scratch
-    ) -> None:
+    def __init__(self, classes: Sequence[ClassRows], lengths: Sequence[int], scratch: Scratch) -> None:
         """lengths: positions each decode attends to after this step's token (packed order)."""
-        self.kernels = kernels
         self.calls = 0  # layers attended (for tests and the benchmark)
         # the step's classes in packed order (why kept: the table below holds raw addresses into their tensors)
         self.classes = classes
         self._kvh, self._d, self.dtype = _row_shape(classes)
-        self._kernel = kernels.attention_for(self.dtype)  # the float32 or the bf16 kernel
+        self._kernel = native.attention("batchgen_decode_attention", self.dtype)  # the float32 or the bf16 one
         n, num_classes, num_layers = len(lengths), len(classes), len(classes[0].k)
         rows = sum(part.num_rows for part in classes)
         if len(lengths) != rows:
@@ -358,7 +354,6 @@ def _is_pool(pool: tuple[torch.Tensor, torch.Tensor], kvh: int, d: int, dtype: t
 
 
 def fill_row(
-    kernels: NativeKernels,
     pool: tuple[torch.Tensor, torch.Tensor],
     blocks: torch.Tensor,
     length: int,
@@ -382,8 +377,9 @@ def fill_row(
             f"native row fill: pool {tuple(k.shape)} / {tuple(v.shape)}, row keys {tuple(k_row.shape)}, "
             f"values {tuple(v_row.shape)}, blocks {blocks.dtype} {tuple(blocks.shape)}"
         )
+    fill = native.attention("batchgen_fill_row", k.dtype)
     ptrs = (k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[1], kvh, d, blocks.data_ptr(), blocks.shape[0], length)
-    if kernels.fill_row_for(k.dtype)(*ptrs, k_row.data_ptr(), v_row.data_ptr(), cap, native.threads()) != 0:
+    if fill(*ptrs, k_row.data_ptr(), v_row.data_ptr(), cap, native.threads()) != 0:
         raise RuntimeError(
             f"native row fill refused {length} positions from {blocks.shape[0]} blocks of {k.shape[1]} "
             f"(a pool of {k.shape[0]}) into a row of {cap}"

@@ -35,7 +35,7 @@ from batchgen.engine.attention.cascade import shared_prefix_len
 from batchgen.engine.attention.decode_kv import QKV, DecodeRequest, Pool, Stage
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch, fill_row
-from batchgen.engine.cpu.native import TILE, NativeKernels
+from batchgen.engine.cpu.native import TILE
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
 FREE = -1  # a row that no sequence holds
@@ -75,7 +75,7 @@ class RowsView:
 
         q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D].
         """
-        if call.softcap is not None:  # why: cpu/backend.kernels_for gives no soft-capping model the kernel
+        if call.softcap is not None:  # why: cpu/backend.kernel_attends gives no soft-capping model the kernel
             raise RuntimeError("the native decode kernel cannot soft-cap attention logits")
         self._fill(call.layer, pool)
         self.native.attend(call.layer, *qkv, out, call.scale, call.window, pool if slots is not None else None, slots)
@@ -99,7 +99,7 @@ class RowsView:
         for step in self.classes:
             k, v = step.k[layer], step.v[layer]
             for row, length, blocks in step.fills:
-                fill_row(self.native.kernels, pool, blocks, length, k[row], v[row])
+                fill_row(pool, blocks, length, k[row], v[row])
 
 
 class RowPack:
@@ -183,7 +183,6 @@ class DecodeRows:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
-        native: NativeKernels,
         max_rows: int | None = None,
         pool_tokens: int | None = None,
     ) -> None:
@@ -198,7 +197,6 @@ class DecodeRows:
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
         self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
         self.num_fills = 0  # rows filled from the pool (for tests and the benchmark)
-        self.native = native  # the kernel that attends the decodes (cpu/backend.kernels_for)
         self._scratch = Scratch()
         self._repeat: _Repeat | None = None  # the last native plan (see _repeated)
 
@@ -282,7 +280,7 @@ class DecodeRows:
         prefix from the class's first row at no extra cost, so any length of it saves reads."""
         for part, ds in zip(classes, decodes):
             part.shared, part.rows = self._shared(ds), [self._where[d.seq_id][1] for d in ds]
-        return NativeStep(self.native, classes, [d.position + 1 for ds in decodes for d in ds], self._scratch)
+        return NativeStep(classes, [d.position + 1 for ds in decodes for d in ds], self._scratch)
 
     def _shared(self, decodes: list[DecodeRequest]) -> int:
         """Positions that every decode of a class holds in the very same, fully cached blocks."""

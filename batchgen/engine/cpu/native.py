@@ -42,7 +42,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -197,30 +197,6 @@ _HANDLES: dict[str, ctypes.CDLL | None] = {}
 _FUNCTIONS: dict[str, CFunction | None] = {}
 
 
-@dataclass
-class NativeKernels:
-    """The attention library's entry points (SYMBOLS), its argument names checked against DECODE_ARGS
-    (decode_attention.c); its path names the choices measured with it (cpu/backend.native_wins)."""
-
-    path: Path
-    lib: ctypes.CDLL
-    fns: dict[str, CFunction] = field(init=False)
-
-    def __post_init__(self) -> None:
-        mismatch = names_differ(self.lib, "batchgen_decode_attention_arg_names", DECODE_ARGS)
-        if mismatch:  # why: a source and this module out of step would misread memory
-            raise RuntimeError(f"{self.path} takes arguments {mismatch}, this module names {DECODE_ARGS}")
-        self.fns = {s: _bound(self.lib, s) for s, (owner, _) in SYMBOLS.items() if owner == "attention"}
-
-    def attention_for(self, dtype: torch.dtype) -> CFunction:
-        """The decode attention for rows of `dtype` (float32 or bfloat16)."""
-        return self.fns[_twin("batchgen_decode_attention", dtype)]
-
-    def fill_row_for(self, dtype: torch.dtype) -> CFunction:
-        """The row fill for pools and rows of `dtype` (float32 or bfloat16)."""
-        return self.fns[_twin("batchgen_fill_row", dtype)]
-
-
 def _twin(symbol: str, dtype: torch.dtype) -> str:
     if dtype not in KERNEL_DTYPES:
         raise RuntimeError(f"the native kernels read float32 or bfloat16, not {dtype}")
@@ -236,14 +212,30 @@ def names_differ(lib: ctypes.CDLL, symbol: str, ours: tuple[str, ...]) -> tuple[
 
 
 @functools.cache
-def load() -> NativeKernels | None:
-    """The decode attention kernels, built if needed (once per process); None (logged once) where they cannot be."""
+def load() -> Path | None:
+    """The decode attention library, built if needed (once per process), its argument names checked
+    against DECODE_ARGS (decode_attention.c) and its entry points bound: its path, which names the
+    choices measured with it (cpu/backend.native_wins); None (logged once) where it cannot be."""
     lib = library("attention")
-    try:
-        return None if lib is None else NativeKernels(STATES["attention"].path or Path(), lib)
-    except (RuntimeError, AttributeError) as exc:  # AttributeError: a symbol missing
-        refuse("attention", str(exc))
+    if lib is None:
         return None
+    try:
+        mismatch = names_differ(lib, "batchgen_decode_attention_arg_names", DECODE_ARGS)
+    except AttributeError as exc:  # a library built from other sources
+        mismatch = (str(exc),)
+    if mismatch:  # why: a source and this module out of step would misread memory
+        refuse("attention", f"it takes arguments {mismatch}, this module names {DECODE_ARGS}")
+        return None
+    bound = [function(s) for s, (owner, _) in SYMBOLS.items() if owner == "attention"]  # a missing one: refused
+    return STATES["attention"].path if None not in bound else None
+
+
+def attention(symbol: str, dtype: torch.dtype) -> CFunction:
+    """Entry point `symbol` of the attention library (its bf16 twin for bfloat16), where load() took it."""
+    fn = function(symbol, dtype) if load() is not None else None
+    if fn is None:
+        raise RuntimeError("the native attention kernels are not loaded (see the log)")
+    return fn
 
 
 def function(symbol: str, dtype: torch.dtype = torch.float32) -> CFunction | None:

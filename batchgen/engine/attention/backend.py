@@ -84,7 +84,9 @@ class AttentionBackend:
         """One layer of the current step: store its K/V in the pool, attend -> [T, H, D] (padded rows zero)."""
         layer, scale, window, softcap = call
         ctx, k_cache, v_cache = self.begin_layer(layer, key)
-        decodes_store = _decodes_store_kv(ctx, softcap)
+        # a decode-only step whose decode source stores the K/V itself (the native kernel, with its attention)
+        plain = ctx.flash is None and not ctx.prefills and softcap is None
+        decodes_store = plain and ctx.decodes is not None and ctx.decodes.writes_pool
         if not decodes_store:
             padded = ctx.num_tokens != ctx.slot_mapping.shape[0]
             # key/value [KVH, T, D] -> pool slots of this step (padded tokens, slot -1, go to the trash block)
@@ -137,12 +139,6 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device) -> None:
         super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))
-
-
-def _decodes_store_kv(ctx: ForwardContext, softcap: float | None) -> bool:
-    """A decode-only step whose decode source stores the K/V itself (e.g. a native kernel, with its attention)."""
-    plain = ctx.flash is None and not ctx.prefills and softcap is None
-    return plain and ctx.decodes is not None and ctx.decodes.writes_pool
 
 
 def zero_padding(out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

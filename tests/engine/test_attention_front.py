@@ -151,7 +151,7 @@ def _generate(path: Path, front: bool = True) -> tuple[list[list[int]], list[boo
     prefix = list(range(5, 45))
     prompts = [prefix + [7 + i] * (i * 9) for i in range(6)] + [[3, 4], list(range(60, 120))]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    assert backend.rows.num_fills > 0  # rows were filled (new sequences, class crossings)
+    assert backend.decode_kv.num_fills > 0  # rows were filled (new sequences, class crossings)
     steps = backend.front.stats.steps if backend.front is not None else 0
     return [o.outputs[0].token_ids for o in outs], seen, steps
 

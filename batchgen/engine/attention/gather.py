@@ -75,7 +75,6 @@ class GatheredBlocks:
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
-        self.device = device
         self.stage: Stage = lambda t: t.to(device)  # the model runner routes it through its Transfers
 
     def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], GatherStep]:

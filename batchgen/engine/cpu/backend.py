@@ -85,7 +85,6 @@ class CpuBackend(AttentionBackend):
             len(kv_caches), kvh, head_dim, block_size, max_len, k_pool.dtype, device, max_rows, pool_tokens
         )
         super().__init__(kv_caches, block_size, device, rows)
-        self.rows = rows
         self.num_heads = config.get_text_config().num_attention_heads
         # the C++ front attends decode-only steps of the native kernel without Python per layer
         self.front: Front | None = open_front(self.handle)

@@ -19,11 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.attention.decode_kv import DecodeKVSource
 from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk, StaticDecode
-from batchgen.engine.attention.planning import build_forward_context, int64_tensor
-from batchgen.engine.core.scheduler_output import ScheduledChunk
-from batchgen.engine.staging.transfers import Transfers
+from batchgen.engine.attention.planning import int64_tensor
 
 DECODE_ROWS = 16
 PREFILL_ROWS = 64
@@ -84,39 +81,6 @@ def tile_map(q_lens: Sequence[int], tokens_per_tile: int) -> tuple[torch.Tensor,
         chunks.extend([i] * len(starts))
         firsts.extend(starts)
     return int64_tensor(chunks), int64_tensor(firsts)
-
-
-def plan_step(
-    chunks: Sequence[ScheduledChunk],
-    decode_kv: DecodeKVSource,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    block_size: int,
-    group: int,
-    stager: Transfers,
-    padded_len: int | None = None,
-) -> tuple[TritonContext, torch.Tensor, list[int]]:
-    """The step's plan -> (context, positions [T], packed order = batch order); every tensor staged in `stager`."""
-    # why the varlen planning: it is exactly "every chunk reads the pool" (no decode is planned by the source)
-    ctx, positions, order = build_forward_context(
-        chunks, decode_kv, kv_caches, block_size, stager, flash=True, padded_len=padded_len
-    )
-    meta = ctx.flash
-    if meta is None:  # pragma: no cover - build_forward_context always sets it when asked
-        raise RuntimeError("planning returned no varlen metadata")
-    q_lens = [chunks[i].num_tokens for i in order]
-    rows = tile_rows(group, decode_only=max(q_lens) == 1)
-    tile_chunk, tile_first = tile_map(q_lens, rows // group)
-    plan = KernelPlan(
-        query_start=meta.cu_seqlens_q,
-        kv_lens=meta.seqused_k,
-        block_tables=meta.block_tables,
-        tile_chunk=stager.stage(tile_chunk),
-        tile_first=stager.stage(tile_first),
-        group=group,
-        rows=rows,
-    )
-    step = TritonContext(ctx.kv_caches, ctx.slot_mapping, None, ctx.prefills, num_tokens=ctx.num_tokens, kernel=plan)
-    return step, positions, order
 
 
 class GraphRows:

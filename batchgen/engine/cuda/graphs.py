@@ -79,12 +79,11 @@ class DecodeBuffers:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.context_lens[:n].copy_(positions + 1)
-        self.block_tables[:n].zero_()
+        self.block_tables[:bucket].zero_()
         self.block_tables[:n, : tables.shape[1]].copy_(tables)
         self.input_ids[n:bucket].zero_()
         self.positions[n:bucket].zero_()
         self.context_lens[n:bucket].fill_(1)
-        self.block_tables[n:bucket].zero_()
         self.slots[n:bucket].fill_(PAD_SLOT)
 
     def set_slots(self, n: int, block_size: int) -> None:

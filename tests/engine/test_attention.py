@@ -47,11 +47,10 @@ SOURCES = ["gather", "rows"]
 
 
 def _source(kind: str, dtype: torch.dtype = torch.float32) -> DecodeKVSource:
-    """As the model runner builds them (cpu/backend.kernels_for: the kernel for float32 or bf16; here
+    """As the model runner builds them (cpu/backend.kernel_attends: the kernel for float32 or bf16; here
     bf16 takes it whether or not it measured faster)."""
     if kind == "rows":
-        kernels = native.load()
-        assert kernels is not None, "the native kernel did not build"
+        assert native.load() is not None, "the native kernel did not build"
         return DecodeRows(
             num_layers=1,
             num_kv_heads=KV_HEADS,
@@ -60,7 +59,6 @@ def _source(kind: str, dtype: torch.dtype = torch.float32) -> DecodeKVSource:
             max_len=256,
             dtype=dtype,
             device=torch.device("cpu"),
-            native=kernels,
         )
     return GatheredBlocks(BLOCK, torch.device("cpu"))
 
@@ -173,7 +171,7 @@ def test_decodes_sharing_cached_blocks_use_cascade_with_either_source(decode_kv:
 
 
 def test_decode_rows_refuse_a_soft_capped_layer() -> None:
-    """The cpu backend never gives a soft-capping model its rows (kernels_for); a layer that soft-caps
+    """The cpu backend never gives a soft-capping model its rows (kernel_attends); a layer that soft-caps
     anyway is an error, never a silent wrong answer."""
     with pytest.raises(RuntimeError, match="cannot soft-cap"):
         _run_case([(16, 1), (0, 1)], None, 2.0, "rows")

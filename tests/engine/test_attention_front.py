@@ -19,7 +19,7 @@ from batchgen.engine.cpu import front as attention_front
 from batchgen.engine.cpu.backend import CpuBackend
 from batchgen.engine.cpu.decode_native import PLAN_FIELDS, ClassRows, FrontPlan, NativeStep, Scratch
 
-from .test_native import TILE, _kernels
+from .test_native import TILE
 
 KVH, G, D = 2, 2, 16
 LAYERS = 2
@@ -36,7 +36,7 @@ def _step(gen: torch.Generator) -> tuple[NativeStep, list[ClassRows]]:
             k[layer][rs, :, : shared // TILE] = k[layer][rs[0], :, : shared // TILE]
             v[layer][rs, :, :shared] = v[layer][rs[0], :, :shared]
         parts.append(ClassRows(k, v, len(ls), shared, rs))
-    return NativeStep(_kernels(), parts, lengths[0] + lengths[1], Scratch()), parts
+    return NativeStep(parts, lengths[0] + lengths[1], Scratch()), parts
 
 
 def _copy(parts: list[ClassRows]) -> list[ClassRows]:
@@ -47,7 +47,7 @@ def test_a_planned_step_attends_exactly_as_the_python_path() -> None:
     gen = torch.Generator().manual_seed(11)
     python_step, parts = _step(gen)
     copied = _copy(parts)
-    front_step = NativeStep(_kernels(), copied, [5, 17, 40, 33, 64, 50, 47], Scratch())
+    front_step = NativeStep(copied, [5, 17, 40, 33, 64, 50, 47], Scratch())
     n, tokens, real = 7, 16, 9  # 7 decodes, 2 more real tokens the plan ignores, 7 rows of padding
     pools = [tuple(torch.zeros(10, 4, KVH, D) for _ in range(2)) for _ in range(LAYERS)]
     front_pools = [tuple(t.clone() for t in pool) for pool in pools]
@@ -151,7 +151,7 @@ def _generate(path: Path, front: bool = True) -> tuple[list[list[int]], list[boo
     prefix = list(range(5, 45))
     prompts = [prefix + [7 + i] * (i * 9) for i in range(6)] + [[3, 4], list(range(60, 120))]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    assert backend.rows.num_fills > 0  # rows were filled (new sequences, class crossings)
+    assert backend.decode_kv.num_fills > 0  # rows were filled (new sequences, class crossings)
     steps = backend.front.stats.steps if backend.front is not None else 0
     return [o.outputs[0].token_ids for o in outs], seen, steps
 
@@ -187,7 +187,7 @@ def test_an_operator_whose_plan_names_differ_from_pythons_is_not_loaded(
     """The plan and the kernel's arguments are named once (csrc/decode_args.h) and exported by the
     operator's library: a Python side out of step with them refuses the library instead of
     writing fields at the wrong offsets."""
-    assert attention_front._load() is not None  # in step: loads
+    assert attention_front.load.__wrapped__() is not None  # in step: loads
     monkeypatch.setattr(attention_front, "PLAN_FIELDS", PLAN_FIELDS[1:])
-    assert attention_front._load() is None
+    assert attention_front.load.__wrapped__() is None
     assert "batchgen_attention_op kernel unavailable" in caplog.text and "attention_op.cpp names" in caplog.text

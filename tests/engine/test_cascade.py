@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from batchgen import LLM
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention import torch_math as attention
-from batchgen.engine.attention.cascade import cascade_decode_attention, cascade_len, shared_prefix_len, worth_splitting
+from batchgen.engine.attention.cascade import cascade_decode_attention, cascade_len, shared_prefix_len
 from batchgen.engine.cpu import decode_native
 from batchgen.engine.cpu.decode_rows import DecodeRows
 
@@ -39,9 +39,6 @@ def test_shared_prefix_counts_only_identical_fully_cached_blocks() -> None:
     assert shared_prefix_len(tables[:2], [40, 20], block_size=8) == 16  # block 9 not full for row 1
     assert shared_prefix_len(tables[:1], [40], block_size=8) == 0  # alone: nothing to share
     assert shared_prefix_len([(1, 2), (3, 2)], [16, 16], block_size=8) == 0  # same later block, not a prefix
-    assert worth_splitting(shared=400, kv_len=520, num_seqs=8)
-    assert not worth_splitting(shared=64, kv_len=520, num_seqs=8)
-    assert not worth_splitting(shared=400, kv_len=520, num_seqs=2)
     four = [(7, 8, 9, i) for i in range(4)]
     assert cascade_len(four, [30, 31, 30, 29], block_size=8, kv_len=32) == 24
     assert cascade_len(four[:3], [30, 31, 30], block_size=8, kv_len=32) == 0  # too few rows

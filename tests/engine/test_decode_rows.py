@@ -21,9 +21,8 @@ BLOCK, KVH, DIM = 4, 2, 8
 
 def _rows(**limits: int) -> DecodeRows:
     """One-layer rows for the native kernel; `limits` are DecodeRows' max_rows / pool_tokens."""
-    kernels = native.load()
-    assert kernels is not None, "the native kernel did not build (see the log)"
-    return DecodeRows(1, KVH, DIM, BLOCK, 4096, torch.float32, torch.device("cpu"), native=kernels, **limits)
+    assert native.load() is not None, "the native kernel did not build (see the log)"
+    return DecodeRows(1, KVH, DIM, BLOCK, 4096, torch.float32, torch.device("cpu"), **limits)
 
 
 def _fill_seq_ids(view: object) -> list[tuple[int, int]]:

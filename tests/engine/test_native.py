@@ -25,15 +25,15 @@ KVH = 2
 TILE = native.TILE
 
 
-def _kernels() -> native.NativeKernels:
-    kernels = native.load()
-    assert kernels is not None, "the native kernel did not build (see the log)"
-    return kernels
+def _kernels() -> Path:
+    library = native.load()
+    assert library is not None, "the native kernel did not build (see the log)"
+    return library
 
 
 def test_the_kernel_builds_where_there_is_a_compiler() -> None:
     assert shutil.which("cc") or shutil.which("gcc"), "no C compiler on this machine: CI must have one"
-    assert _kernels().path.is_file()
+    assert _kernels().is_file()
 
 
 def _positions(tiled: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ def test_kernel_equals_attention_over_each_rows_own_positions(
             v[layer][1:, :, :TILE] = torch.randn(len(lengths) - 1, KVH, TILE, d, generator=gen).to(dtype)
     lengths = [n for ls, _, _ in classes for n in ls]
     n = len(lengths)
-    step = NativeStep(_kernels(), parts, lengths, Scratch())
+    step = NativeStep(parts, lengths, Scratch())
     for layer in range(layers):
         q = torch.randn(n, KVH * g, d, generator=gen).to(dtype)
         new_k, new_v = torch.randn(2, n, KVH, d, generator=gen).to(dtype)
@@ -141,7 +141,7 @@ def test_decodes_in_rows_with_holes_read_their_own_rows_and_the_prefix_from_the_
     full_v = [v[0][r].clone() for r in rows]
     k[0][rows[1:], :, 0] = float("nan")  # the prefix's first tile: only the lowest row's may be read
     v[0][rows[1:], :, :TILE] = float("nan")
-    step = NativeStep(_kernels(), [ClassRows(k, v, len(rows), shared, rows)], lengths, Scratch())
+    step = NativeStep([ClassRows(k, v, len(rows), shared, rows)], lengths, Scratch())
     q = torch.randn(len(rows), KVH * g, d, generator=gen)
     new_k, new_v = torch.randn(2, len(rows), KVH, d, generator=gen)
     out = torch.full((len(rows), KVH * g, d), float("nan"))
@@ -162,7 +162,7 @@ def test_scores_far_below_the_maximum_and_nan_queries() -> None:
     k = [torch.randn(2, KVH, cap // TILE, d, TILE, generator=gen)]
     v = [torch.randn(2, KVH, cap, d, generator=gen)]
     full_k = [_positions(k[0][r]) for r in range(2)]
-    step = NativeStep(_kernels(), [ClassRows(k, v, 2, 0)], [length, length], Scratch())
+    step = NativeStep([ClassRows(k, v, 2, 0)], [length, length], Scratch())
     q = torch.randn(2, KVH * 2, d, generator=gen) * 60  # scores spread over thousands
     q[1, 0, 0] = float("nan")
     new_k, new_v = torch.randn(2, 2, KVH, d, generator=gen)
@@ -182,13 +182,13 @@ def test_the_kernels_exp_is_within_an_ulp_of_e_to_the_x() -> None:
     x = x[(x <= 0) & (x >= -87)]  # the non-positive floats in range (sign bit set: int32 < 0)
     x = torch.cat([-x.abs(), torch.tensor([0.0, -1e-30, -87.0])])
     y = torch.empty_like(x)
-    _kernels().fns["batchgen_exp_nonpositive"](x.numel(), x.data_ptr(), y.data_ptr())
+    native.attention("batchgen_exp_nonpositive", torch.float32)(x.numel(), x.data_ptr(), y.data_ptr())
     exact = x.double().exp()
     ulp = (exact.float().nextafter(torch.tensor(float("inf"))) - exact.float()).double()
     assert ((y.double() - exact).abs() / ulp).max() <= 1.0
     edge = torch.tensor([-87.5, -100.0, -1e30, float("-inf"), float("nan")])
     out = torch.empty_like(edge)
-    _kernels().fns["batchgen_exp_nonpositive"](edge.numel(), edge.data_ptr(), out.data_ptr())
+    native.attention("batchgen_exp_nonpositive", torch.float32)(edge.numel(), edge.data_ptr(), out.data_ptr())
     assert out[:4].eq(0).all() and out[4].isnan()
 
 
@@ -197,7 +197,7 @@ def test_a_row_whose_scores_are_all_minus_infinity_gives_nan() -> None:
     d = 16
     k = [torch.full((1, 1, 1, d, TILE), -1e30)]
     v = [torch.randn(1, 1, TILE, d)]
-    step = NativeStep(_kernels(), [ClassRows(k, v, 1, 0)], [5], Scratch())
+    step = NativeStep([ClassRows(k, v, 1, 0)], [5], Scratch())
     q = torch.full((1, 1, d), 1e30)  # every score -inf
     new = torch.full((1, 1, d), -1e30)
     out = torch.zeros(1, 1, d)
@@ -222,20 +222,20 @@ def test_a_decode_whose_class_or_row_is_outside_its_tensors_is_refused_by_the_ke
     k, v = [torch.zeros(2, 1, 64 // TILE, 8, TILE)], [torch.zeros(2, 1, 64, 8)]
     args = (torch.zeros(1, 2, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8), torch.zeros(2, 1, 8), 1.0, None)
     for field, value in (("row", 2), ("row", -1), ("cls", 1)):
-        step = NativeStep(_kernels(), [ClassRows(k, v, 2, 0)], [3, 4], Scratch())
+        step = NativeStep([ClassRows(k, v, 2, 0)], [3, 4], Scratch())
         at = {"cls": 0, "row": 2}[field]  # the table's sections: cls, row, cap, len, shared (n entries each)
         step._table[at + 1] = value
         with pytest.raises(RuntimeError, match="refused"):
             step.attend(0, *args)
         assert not k[0].any() and not v[0].any()
-    step = NativeStep(_kernels(), [ClassRows(k, v, 2, 0)], [3, 4], Scratch())
+    step = NativeStep([ClassRows(k, v, 2, 0)], [3, 4], Scratch())
     step.attend(0, *args)  # the same step untouched: attended
     assert v[0][1, 0, 3].eq(1).all()
 
 
 def _one_row_step(kvh: int = 1, d: int = 8) -> NativeStep:
     k, v = [torch.zeros(2, kvh, 64 // TILE, d, TILE)], [torch.zeros(2, kvh, 64, d)]
-    return NativeStep(_kernels(), [ClassRows(k, v, 2, 0)], [3, 4], Scratch())
+    return NativeStep([ClassRows(k, v, 2, 0)], [3, 4], Scratch())
 
 
 def test_inputs_the_kernel_could_not_address_are_refused() -> None:
@@ -255,14 +255,14 @@ def test_inputs_the_kernel_could_not_address_are_refused() -> None:
         _one_row_step().attend(0, *meta, 1.0, None)
     k, v = [torch.zeros(2, 1, 4, 8, TILE), torch.zeros(2, 1, 2, 8, TILE)], [torch.zeros(2, 1, 64, 8)] * 2
     with pytest.raises(RuntimeError, match="a class of 2 rows"):
-        NativeStep(_kernels(), [ClassRows(k, v, 2, 0)], [3, 4], Scratch())  # layer 1 is shorter
+        NativeStep([ClassRows(k, v, 2, 0)], [3, 4], Scratch())  # layer 1 is shorter
     with pytest.raises(RuntimeError, match="a class of 3 rows"):
-        NativeStep(_kernels(), [ClassRows(k[:1], v[:1], 3, 0)], [3, 4, 5], Scratch())  # 3 rows of 2
+        NativeStep([ClassRows(k[:1], v[:1], 3, 0)], [3, 4, 5], Scratch())  # 3 rows of 2
 
 
 def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
     k, v = [torch.zeros(1, 1, 4, 300, TILE)], [torch.zeros(1, 1, 64, 300)]
-    step = NativeStep(_kernels(), [ClassRows(k, v, 1, 0)], [3], Scratch())
+    step = NativeStep([ClassRows(k, v, 1, 0)], [3], Scratch())
     q = torch.zeros(1, 1, 300)
     with pytest.raises(RuntimeError, match="head dim 300"):
         step.attend(0, q, torch.zeros(1, 1, 300), torch.zeros(1, 1, 300), torch.zeros(1, 1, 300), 1.0, None)
@@ -271,11 +271,11 @@ def test_a_shape_beyond_the_kernels_limits_is_refused_with_its_sizes() -> None:
 def test_a_decode_past_its_row_or_the_pool_is_refused_before_anything_is_written() -> None:
     k, v = [torch.zeros(2, 1, 64 // TILE, 8, TILE)], [torch.zeros(2, 1, 64, 8)]
     args = (torch.zeros(1, 2, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8), torch.zeros(2, 1, 8), 1.0, None)
-    too_long = NativeStep(_kernels(), [ClassRows(k, v, 2, 0)], [3, 65], Scratch())
+    too_long = NativeStep([ClassRows(k, v, 2, 0)], [3, 65], Scratch())
     with pytest.raises(RuntimeError, match="longer than its row"):
         too_long.attend(0, *args)
     pool = (torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8))  # 16 slots
-    fits = NativeStep(_kernels(), [ClassRows(k, v, 2, 0)], [3, 64], Scratch())
+    fits = NativeStep([ClassRows(k, v, 2, 0)], [3, 64], Scratch())
     with pytest.raises(RuntimeError, match="outside the pool"):
         fits.attend(0, *args, pool, torch.tensor([5, 16]))
     assert not k[0].any() and not v[0].any() and not pool[0].any()  # nothing was written
@@ -299,7 +299,7 @@ def test_a_rows_fill_is_the_pools_positions_in_order(d: int, dtype: torch.dtype)
     for length in (1, 7, 8, 15, 16, 17, 40, 64):
         k_row = torch.full((KVH, cap // TILE, d, TILE), 7.0, dtype=dtype)
         v_row = torch.full((KVH, cap, d), 7.0, dtype=dtype)
-        fill_row(_kernels(), pool, blocks, length, k_row, v_row)
+        fill_row(pool, blocks, length, k_row, v_row)
         want_k = pool[0][blocks].flatten(0, 1)[:length].transpose(0, 1)  # [KVH, length, D]
         want_v = pool[1][blocks].flatten(0, 1)[:length].transpose(0, 1)
         got_k = _positions(k_row)
@@ -313,17 +313,17 @@ def test_a_fill_the_row_or_pool_could_not_hold_is_refused() -> None:
     k_row, v_row = torch.zeros(KVH, 32 // TILE, 16, TILE), torch.zeros(KVH, 32, 16)
     blocks = torch.tensor([0, 1, 2, 3])
     with pytest.raises(RuntimeError, match="refused 33 positions"):
-        fill_row(_kernels(), pool, blocks, 33, k_row, v_row)  # longer than the row
+        fill_row(pool, blocks, 33, k_row, v_row)  # longer than the row
     with pytest.raises(RuntimeError, match="refused 17 positions"):
-        fill_row(_kernels(), pool, blocks[:2], 17, k_row, v_row)  # longer than its blocks
+        fill_row(pool, blocks[:2], 17, k_row, v_row)  # longer than its blocks
     with pytest.raises(RuntimeError, match="refused 9 positions"):
-        fill_row(_kernels(), pool, torch.tensor([0, 4]), 9, k_row, v_row)  # a block past the pool
+        fill_row(pool, torch.tensor([0, 4]), 9, k_row, v_row)  # a block past the pool
     with pytest.raises(RuntimeError, match="native row fill: pool"):
-        fill_row(_kernels(), pool, blocks.int(), 8, k_row, v_row)  # int32 blocks
+        fill_row(pool, blocks.int(), 8, k_row, v_row)  # int32 blocks
     with pytest.raises(RuntimeError, match="native row fill: pool"):
-        fill_row(_kernels(), pool, blocks, 8, k_row, torch.zeros(KVH, 32, 8))  # another head dim
+        fill_row(pool, blocks, 8, k_row, torch.zeros(KVH, 32, 8))  # another head dim
     with pytest.raises(RuntimeError, match="native row fill: pool"):
-        fill_row(_kernels(), (pool[0], pool[1].double()), blocks, 8, k_row, v_row)
+        fill_row((pool[0], pool[1].double()), blocks, 8, k_row, v_row)
     assert (k_row == 0).all() and (v_row == 0).all()  # nothing written by any refused call
 
 
@@ -333,12 +333,14 @@ def test_build_is_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert native._load(lib) is not None and native.STATES["argmax"].state == "built"
     first = native.STATES["argmax"].path
     assert first is not None and first.parent == tmp_path / "kernels"
-    assert native.cached_state("argmax").state == "cached"
+    monkeypatch.delitem(native.STATES, "argmax")  # as another process finds it, without loading
+    assert native.state("argmax").state == "cached"
     built = first.stat().st_mtime_ns
     assert native._load(lib) is not None and native.STATES["argmax"].state == "cached"
     assert native.STATES["argmax"].path == first and first.stat().st_mtime_ns == built
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no temporary left
-    assert native.cached_state("linear").state == "not built"  # each library is cached on its own
+    monkeypatch.delitem(native.STATES, "linear", raising=False)
+    assert native.state("linear").state == "not built"  # each library is cached on its own
 
 
 def test_no_compiler_or_switched_off_means_torch_ops(
@@ -380,10 +382,13 @@ def test_gcc_11_builds_every_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert native._load(lib) is not None, native.STATES[lib.name].reason
 
 
-def test_a_library_out_of_step_with_the_argument_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_library_out_of_step_with_the_argument_list_is_refused(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The kernel reads its arguments from one array by index: a library whose argument names
     (exported from decode_args.h) differ from native.DECODE_ARGS must not load."""
-    loaded = _kernels()
+    _kernels()
+    monkeypatch.setattr(native, "STATES", dict(native.STATES))  # why: the refusal is recorded there
     monkeypatch.setattr(native, "DECODE_ARGS", native.DECODE_ARGS[:-1])
-    with pytest.raises(RuntimeError, match="this module names"):
-        native.NativeKernels(loaded.path, loaded.lib)
+    assert native.load.__wrapped__() is None
+    assert "this module names" in caplog.text and native.STATES["attention"].state == "unavailable"

@@ -245,13 +245,13 @@ def test_without_kernels_or_a_cpp_compiler_the_linears_stay(
 ) -> None:
     caplog.set_level(logging.WARNING, logger=native.__name__)
     monkeypatch.setattr(native, "_HANDLES", {"linear": None})  # as when BATCHGEN_NATIVE=0 or no C compiler
-    assert native_linear._load_op() is False
+    assert native_linear.load_op.__wrapped__() is False
     monkeypatch.undo()
     monkeypatch.setattr(native, "_HANDLES", {k: v for k, v in native._HANDLES.items() if k != "batchgen_linear_op"})
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     fake = failing_compiler(tmp_path, "c++")
     monkeypatch.setenv("CXX", str(fake))
-    assert native_linear._load_op() is False
+    assert native_linear.load_op.__wrapped__() is False
     assert "batchgen_linear_op kernel unavailable" in caplog.text and "fake: no luck" in caplog.text
     monkeypatch.setattr(native_linear, "load_op", lambda: False)
     model = _model()

@@ -22,8 +22,10 @@ from batchgen.engine.attention.kv_store import store_kv
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.path import varlen_paged_attention
-from batchgen.engine.attention.planning import PlannedChunk, Stager, build_forward_context
+from batchgen.engine.attention.planning import build_forward_context
 from batchgen.engine.attention.torch_math import torch_paged_attention
+from batchgen.engine.core.scheduler_output import ScheduledChunk
+from batchgen.engine.staging.transfers import Transfers
 
 Pools = list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, KVH, D]
 
@@ -53,7 +55,7 @@ class AttentionBackend:
         return self.name
 
     def plan(
-        self, chunks: Sequence[PlannedChunk], stager: Stager, padded_len: int | None = None
+        self, chunks: Sequence[ScheduledChunk], stager: Transfers, padded_len: int | None = None
     ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
         """The step's plan -> (context, positions [T], packed order of the chunks); tensors staged in `stager`."""
         return build_forward_context(
@@ -82,7 +84,9 @@ class AttentionBackend:
         """One layer of the current step: store its K/V in the pool, attend -> [T, H, D] (padded rows zero)."""
         layer, scale, window, softcap = call
         ctx, k_cache, v_cache = self.begin_layer(layer, key)
-        decodes_store = _decodes_store_kv(ctx, softcap)
+        # a decode-only step whose decode source stores the K/V itself (the native kernel, with its attention)
+        plain = ctx.flash is None and not ctx.prefills and softcap is None
+        decodes_store = plain and ctx.decodes is not None and ctx.decodes.writes_pool
         if not decodes_store:
             padded = ctx.num_tokens != ctx.slot_mapping.shape[0]
             # key/value [KVH, T, D] -> pool slots of this step (padded tokens, slot -1, go to the trash block)
@@ -135,12 +139,6 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device) -> None:
         super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))
-
-
-def _decodes_store_kv(ctx: ForwardContext, softcap: float | None) -> bool:
-    """A decode-only step whose decode source stores the K/V itself (e.g. a native kernel, with its attention)."""
-    plain = ctx.flash is None and not ctx.prefills and softcap is None
-    return plain and ctx.decodes is not None and ctx.decodes.writes_pool
 
 
 def zero_padding(out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -36,16 +36,11 @@ def shared_prefix_len(tables: Sequence[Sequence[int]], cached: Sequence[int], bl
 
 def cascade_len(tables: Sequence[Sequence[int]], cached: Sequence[int], block_size: int, kv_len: int) -> int:
     """The shared prefix a decode group of these block tables should read once (0: not worth it)."""
-    n = len(tables)
     # why first: the cheap bounds rule most groups out before any block is compared
-    if n < CASCADE_MIN_SEQS or (min(cached) // block_size) * block_size < CASCADE_MIN_SHARE * kv_len:
+    if len(tables) < CASCADE_MIN_SEQS or (min(cached) // block_size) * block_size < CASCADE_MIN_SHARE * kv_len:
         return 0
     shared = shared_prefix_len(tables, cached, block_size)
-    return shared if worth_splitting(shared, kv_len, n) else 0
-
-
-def worth_splitting(shared: int, kv_len: int, num_seqs: int) -> bool:
-    return num_seqs >= CASCADE_MIN_SEQS and shared >= CASCADE_MIN_SHARE * kv_len
+    return shared if shared >= CASCADE_MIN_SHARE * kv_len else 0
 
 
 def _part(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -46,15 +46,10 @@ class DecodeGroup:
 class DecodeStep(Protocol):
     """One step's decodes as a source planned them; the attention function reads only this."""
 
-    groups: list[DecodeGroup]
-
-    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [B, KVH, D, L], values [B, KVH, L, D] of groups[group] (row b: positions 0..L-1 of its b-th decode)."""
-
-    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
-        """Attend every decode of this layer itself (q [H, T, D], key/value [KVH, T, D], out [T, H, D]),
-        its K/V stored in the pool at `slots` when given (see writes_pool); False: the caller attends
-        group by group over kv(), after the layer's K/V went to the pool."""
+    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> None:
+        """Attend every decode of this layer into out's first rows (q [H, T, D], key/value [KVH, T, D]
+        of the step, decodes first; out [T, H, D]), its K/V stored in the pool at `slots` when given
+        (only where writes_pool; else the caller stored them before)."""
 
     @property
     def writes_pool(self) -> bool:

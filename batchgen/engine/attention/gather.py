@@ -12,6 +12,7 @@ from itertools import pairwise
 import torch
 
 from batchgen.engine.attention.decode_kv import (
+    QKV,
     DecodeGroup,
     DecodeRequest,
     Pool,
@@ -20,6 +21,8 @@ from batchgen.engine.attention.decode_kv import (
     make_group,
     padded_tables,
 )
+from batchgen.engine.attention.op import LayerCall
+from batchgen.engine.attention.torch_math import decode_group_attention
 
 # Decode grouping (see split_decodes): measured on CPU, 4 groups over 64 mixed-length decodes
 # halve the gather + attention time of one padded group; more groups gain nothing.
@@ -50,22 +53,21 @@ def split_decodes(blocks: list[int]) -> list[tuple[int, int, int]]:
 
 
 class GatherStep:
-    """One step's decode groups, each with the flat block ids its rows gather."""
+    """One step's decode groups, each with the flat block ids its rows gather (a DecodeStep)."""
+
+    writes_pool = False
 
     def __init__(self, groups: list[DecodeGroup], indices: list[torch.Tensor]) -> None:
         self.groups = groups
         self._indices = indices  # per group [num_seqs * blocks] block ids
 
-    def attend(self, *args: object) -> bool:
-        """Gathered blocks attend group by group in torch (attention.py)."""
-        return False
-
-    writes_pool = False
-
-    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n, index = self.groups[group].num_seqs, self._indices[group]
-        # keys as the transposed view [B, KVH, D, L] the protocol asks for (attention reads them with SDPA)
-        return gather_blocks(pool[0], index, n).transpose(-1, -2), gather_blocks(pool[1], index, n)
+    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> None:
+        """Group by group: its rows' blocks gathered from the pool, attended in torch (torch_math)."""
+        for group, index in zip(self.groups, self._indices):
+            first, n = group.start, group.num_seqs
+            k_t = gather_blocks(pool[0], index, n).transpose(-1, -2)  # [B, KVH, D, L], a view
+            q = qkv[0][:, first : first + n].transpose(0, 1)  # [B, H, D] (a contiguous view, as the model lays q out)
+            out[first : first + n] = decode_group_attention(q, k_t, gather_blocks(pool[1], index, n), group, call)
 
 
 class GatheredBlocks:
@@ -73,7 +75,6 @@ class GatheredBlocks:
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
-        self.device = device
         self.stage: Stage = lambda t: t.to(device)  # the model runner routes it through its Transfers
 
     def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], GatherStep]:

@@ -20,16 +20,10 @@ from transformers import PretrainedConfig
 
 from batchgen.engine.attention.metadata import FlashMetadata
 
-
-def _find_torch_varlen_attn() -> Callable[..., Any] | None:
-    try:
-        from torch.nn.attention import varlen
-    except ImportError:  # torch < 2.10 has no varlen module
-        return None
-    return getattr(varlen, "varlen_attn", None)
-
-
-_torch_varlen_attn = _find_torch_varlen_attn()
+try:
+    from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
+except ImportError:  # torch < 2.10 has no varlen module
+    _torch_varlen_attn = None  # type: ignore[assignment]
 
 # The kernel call; a CPU test swaps in a reference implementation of the same contract.
 VARLEN_ATTN: Callable[..., Any] | None = _torch_varlen_attn

@@ -9,36 +9,14 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from batchgen.engine.attention.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables
 from batchgen.engine.attention.kv_store import PAD_SLOT
 from batchgen.engine.attention.metadata import FlashMetadata, ForwardContext, PrefillChunk
-
-
-class PlannedChunk(Protocol):
-    """What planning reads of a scheduled chunk (core/scheduler.ScheduledChunk is one)."""
-
-    @property
-    def seq_id(self) -> int: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def block_table(self) -> Sequence[int]: ...
-    @property
-    def is_decode(self) -> bool: ...
-    @property
-    def max_len(self) -> int: ...
-
-
-class Stager(Protocol):
-    """Where a step's host tensors go to the device (staging/transfers.Transfers is one)."""
-
-    def stage(self, values: torch.Tensor) -> torch.Tensor: ...
+from batchgen.engine.core.scheduler_output import ScheduledChunk
+from batchgen.engine.staging.transfers import Transfers
 
 
 def int64_tensor(values: Sequence[int]) -> torch.Tensor:
@@ -49,7 +27,7 @@ def int64_tensor(values: Sequence[int]) -> torch.Tensor:
 
 
 def _packed_order(
-    chunks: Sequence[PlannedChunk],
+    chunks: Sequence[ScheduledChunk],
     decode_kv: DecodeKVSource,
     flash: bool,
 ) -> tuple[list[int], DecodeStep | None, int]:
@@ -71,11 +49,11 @@ def _packed_order(
 
 
 def build_forward_context(
-    chunks: Sequence[PlannedChunk],
+    chunks: Sequence[ScheduledChunk],
     decode_kv: DecodeKVSource,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     block_size: int,
-    transfers: Stager,
+    transfers: Transfers,
     flash: bool = False,
     padded_len: int | None = None,
 ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
@@ -106,22 +84,19 @@ def build_forward_context(
     if pad > 0:
         positions = torch.cat([positions, positions.new_zeros(pad)])
         slots = torch.cat([slots, slots.new_full((pad,), PAD_SLOT)])
-    starts = cu.tolist()
-    prefills = (
-        []
-        if flash
-        else [  # why: the varlen kernel needs none of it (and no per-chunk copies)
-            PrefillChunk(
-                start=starts[j],
-                end=starts[j] + c.num_tokens,
-                context_start=c.start,
-                block_table=transfers.stage(tables[j, : needed[j]]),
-            )
-            for j, c in enumerate(packed)
-            if j >= num_dec
-        ]
-    )
     meta = _flash_metadata(lens, ctx_start, tables, transfers) if flash else None
+    starts = cu.tolist()
+    prefills = [
+        PrefillChunk(
+            start=starts[j],
+            end=starts[j] + c.num_tokens,
+            context_start=c.start,
+            # why the staged tables' rows with the varlen kernel: no per-chunk copies (its attention reads none)
+            block_table=transfers.stage(tables[j, : needed[j]]) if meta is None else meta.block_tables[j],
+        )
+        for j, c in enumerate(packed)
+        if not c.is_decode
+    ]
     ctx = ForwardContext(
         kv_caches=kv_caches,
         slot_mapping=transfers.stage(slots),
@@ -134,7 +109,7 @@ def build_forward_context(
 
 
 def decode_slots(
-    decodes: Sequence[PlannedChunk], block_size: int, padded_len: int | None = None
+    decodes: Sequence[ScheduledChunk], block_size: int, padded_len: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-token chunks -> (positions [T], slot mapping [T]), padded as build_forward_context pads
     (why lists: cheaper than the general path's tensor ops, ~0.3 ms of a 64-row CPU step)."""
@@ -145,7 +120,7 @@ def decode_slots(
 
 
 def _flash_metadata(
-    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, transfers: Stager
+    lens: torch.Tensor, ctx_start: torch.Tensor, tables: torch.Tensor, transfers: Transfers
 ) -> FlashMetadata:
     """lens/ctx_start [N] (packed order), tables [N, max_blocks] -> the varlen kernel's metadata
     (int64 as staged; the kernel's call casts to int32 after the upload)."""

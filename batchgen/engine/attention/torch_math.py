@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.engine.attention.cascade import cascade_decode_attention
-from batchgen.engine.attention.decode_kv import DecodeGroup, DecodeStep, Pool, gather_blocks
+from batchgen.engine.attention.decode_kv import DecodeGroup, gather_blocks
 from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk
 from batchgen.engine.attention.op import LayerCall
 
@@ -74,26 +74,6 @@ def _grouped_attention(
     return torch.matmul(probs, v)  # [B, KVH, M, D]
 
 
-def _attend_decodes(
-    q: torch.Tensor,
-    k_t: torch.Tensor,
-    v: torch.Tensor,
-    group: DecodeGroup,
-    window: int | None,
-    scaling: float,
-    softcap: float | None,
-    out: torch.Tensor,
-) -> None:
-    """q [B, H, D], keys k_t [B, KVH, D, L], values [B, KVH, L, D] -> out [B, H, D] (written in place)."""
-    b, h, d = q.shape
-    kvh = k_t.shape[1]
-    # why: a decode's G query heads per KV head share one position, so they can stand in as the
-    # query length of a plain attention; K/V are read once per KV head, never repeated (this is
-    # ~3x faster on CPU than SDPA's enable_gqa on a padded decode batch)
-    qg = q.reshape(b, kvh, h // kvh, d)  # [B, KVH, G, D]
-    out.copy_(_grouped_attention(qg, k_t, v, _decode_mask(group, window), scaling, softcap).reshape(b, h, d))
-
-
 def _attend_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -116,31 +96,20 @@ def _attend_chunk(
     return _grouped_attention(qg, k.transpose(-1, -2), v, mask.repeat(1, 1, g, 1), scaling, softcap).reshape(1, h, n, d)
 
 
-def _decode_attention(
-    step: DecodeStep,
-    call: LayerCall,
-    pool: Pool,
-    q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    slots: torch.Tensor | None = None,
-) -> None:
-    """The decodes' rows of `out` [T, H, D]; q [H, T, D], key/value [KVH, T, D] (this step's, decodes first).
-    `slots`: the step's slot mapping when the source stores the decodes' K/V in the pool itself."""
-    layer, scaling, window, softcap = call
-    if step.attend(call, pool, (q, key, value), out, slots):
-        return
-    for i, group in enumerate(step.groups):
-        first, n = group.start, group.num_seqs
-        k_t, v = step.kv(layer, pool, i)  # keys [B, KVH, D, L], values [B, KVH, L, D]
-        qd = q[:, first : first + n].transpose(0, 1)  # [B, H, D] (a contiguous view, as the model lays q out)
-        if group.shared_len and window is None and softcap is None:
-            out[first : first + n] = cascade_decode_attention(
-                qd, k_t, v, group.shared_len, _decode_mask(group, window)[..., group.shared_len :], scaling
-            )
-        else:
-            _attend_decodes(qd, k_t, v, group, window, scaling, softcap, out[first : first + n])
+def decode_group_attention(
+    q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, group: DecodeGroup, call: LayerCall
+) -> torch.Tensor:
+    """One decode group: q [B, H, D], keys k_t [B, KVH, D, L], values [B, KVH, L, D] (row b: positions
+    0..L-1 of its b-th decode) -> [B, H, D]."""
+    _, scaling, window, softcap = call
+    if group.shared_len and window is None and softcap is None:
+        own_mask = _decode_mask(group, window)[..., group.shared_len :]
+        return cascade_decode_attention(q, k_t, v, group.shared_len, own_mask, scaling)
+    # why: a decode's G query heads per KV head share one position, so they can stand in as the
+    # query length of a plain attention; K/V are read once per KV head, never repeated (this is
+    # ~3x faster on CPU than SDPA's enable_gqa on a padded decode batch)
+    qg = q.reshape(q.shape[0], k_t.shape[1], -1, q.shape[2])  # [B, KVH, G, D]
+    return _grouped_attention(qg, k_t, v, _decode_mask(group, window), scaling, softcap).reshape(q.shape)
 
 
 def torch_paged_attention(
@@ -155,8 +124,8 @@ def torch_paged_attention(
     layer, scaling, window, softcap = call
     k_cache, v_cache = ctx.kv_caches[layer]
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # [T, H, D]
-    if ctx.decodes is not None:
-        _decode_attention(ctx.decodes, call, ctx.kv_caches[layer], q, key, value, out, slots)
+    if ctx.decodes is not None:  # the decodes' rows (packed first), by their source's step
+        ctx.decodes.attend(call, ctx.kv_caches[layer], (q, key, value), out, slots)
     for chunk in ctx.prefills:
         if chunk.context_start == 0:  # why: the chunk's own K/V are the whole context, no gather
             k, v = key[None, :, chunk.start : chunk.end], value[None, :, chunk.start : chunk.end]

@@ -14,12 +14,11 @@ NaN flag of the float32 conversion of the logits, so the choice moves time, neve
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from batchgen.engine.cpu import native
-from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
+from batchgen.engine.cpu.choice_cache import choice_path, interleaved_best, read_choice, write_once
 from batchgen.engine.cpu.native import CFunction
 
 logger = logging.getLogger(__name__)
@@ -63,14 +62,13 @@ def bf16_kernel_wins(kernel: CFunction, vocab: int) -> bool:
         return bool(stored)
     logits = torch.randn(ROWS, vocab, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # [ROWS, V]
     ids = torch.empty(ROWS, dtype=torch.int64)
-    ours, torchs = float("inf"), float("inf")
-    for _ in range(REPEATS):
-        began = time.perf_counter()
-        kernel(ROWS, vocab, logits.data_ptr(), vocab, ids.data_ptr(), native.threads())
-        middle = time.perf_counter()
-        row_max, _ = logits.max(dim=-1)
-        bool(row_max.amax().isnan())
-        ours, torchs = min(ours, middle - began), min(torchs, time.perf_counter() - middle)
+    calls = {
+        "native": lambda: kernel(ROWS, vocab, logits.data_ptr(), vocab, ids.data_ptr(), native.threads()),
+        "torch": lambda: bool(logits.max(dim=-1).values.amax().isnan()),  # the ids and the NaN flag
+    }
+    best = interleaved_best(calls, REPEATS)
+    assert best is not None  # no deadline
+    ours, torchs = best["native"], best["torch"]
     wins = ours < torchs
     logger.info(
         "greedy argmax of %d x %d bf16 logits: native %.1f us, torch %.1f us: %s",

@@ -17,8 +17,9 @@ without the kernel, and was cut for the ~200 lines it cost).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch.nn import functional as F
@@ -34,7 +35,6 @@ from batchgen.engine.cpu.choice_cache import choice_path, interleaved_best, read
 from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch
 from batchgen.engine.cpu.decode_rows import DecodeRows, RowsView
 from batchgen.engine.cpu.front import Front, open_front
-from batchgen.engine.cpu.native import NativeKernels
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +60,10 @@ def make_cpu_backend(
             native.BUILD_SECONDS,
         )
     _, _, kvh, head_dim = kv_caches[0][0].shape
-    kernels = kernels_for(config, kvh, head_dim, dtype)
-    if kernels is None:
+    if not kernel_attends(config, kvh, head_dim, dtype):
         logger.info("attention_backend cpu: the native kernel does not attend this model here; the torch backend does")
         return TorchBackend(kv_caches, block_size, device)
-    return CpuBackend(kv_caches, block_size, device, config, kernels, max_len, max_rows)
+    return CpuBackend(kv_caches, block_size, device, config, max_len, max_rows)
 
 
 class CpuBackend(AttentionBackend):
@@ -76,7 +75,6 @@ class CpuBackend(AttentionBackend):
         block_size: int,
         device: torch.device,
         config: PretrainedConfig,
-        kernels: NativeKernels,
         max_len: int,
         max_rows: int | None,
     ) -> None:
@@ -84,10 +82,9 @@ class CpuBackend(AttentionBackend):
         _, _, kvh, head_dim = k_pool.shape
         pool_tokens = (k_pool.shape[0] - 1) * block_size  # the pool's tokens, without its trash block
         rows = DecodeRows(
-            len(kv_caches), kvh, head_dim, block_size, max_len, k_pool.dtype, device, kernels, max_rows, pool_tokens
+            len(kv_caches), kvh, head_dim, block_size, max_len, k_pool.dtype, device, max_rows, pool_tokens
         )
         super().__init__(kv_caches, block_size, device, rows)
-        self.rows = rows
         self.num_heads = config.get_text_config().num_attention_heads
         # the C++ front attends decode-only steps of the native kernel without Python per layer
         self.front: Front | None = open_front(self.handle)
@@ -126,23 +123,20 @@ class CpuBackend(AttentionBackend):
         return RuntimeError(message) if raised is None and message else raised
 
 
-def kernels_for(config: PretrainedConfig, kv_heads: int, head_dim: int, dtype: torch.dtype) -> NativeKernels | None:
-    """The kernel, where it can attend this model's decodes: float32 rows, or bf16 rows where its
+def kernel_attends(config: PretrainedConfig, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel attends this model's decodes here: float32 rows, or bf16 rows where its
     bf16 twin measured faster than torch's gathered blocks on this machine (native_wins); no
     logit soft-capping (Gemma 2 keeps the torch math), query heads per KV head and head dim within
-    the kernel's limits. None elsewhere, or where it cannot be built (native.load logs why)."""
+    the kernel's limits, and the kernel built (native.load logs why not)."""
     if dtype not in native.KERNEL_DTYPES or has_softcap(config):
-        return None
+        return False
     heads = config.get_text_config().num_attention_heads
     if heads % kv_heads or heads // kv_heads > native.MAX_G or head_dim > native.MAX_D:
-        return None
-    kernels = native.load()
-    if kernels is None or not native_wins(dtype, kv_heads, heads // kv_heads, head_dim, kernels):
-        return None
-    return kernels
+        return False
+    return native.load() is not None and native_wins(dtype, kv_heads, heads // kv_heads, head_dim)
 
 
-def native_wins(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int, kernels: NativeKernels) -> bool:
+def native_wins(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int) -> bool:
     """Whether the native kernel attends this shape's decodes faster than the torch backend would
     (float32: always taken, untimed; other dtypes than bf16: never, the kernel cannot read them).
 
@@ -153,14 +147,14 @@ def native_wins(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int, ke
     """
     if dtype == torch.float32 or dtype not in native.KERNEL_DTYPES:
         return dtype == torch.float32
-    key = f"{kernels.path.name}\0{dtype}\0{kv_heads}\0{group}\0{head_dim}"
+    key = f"{(native.load() or Path()).name}\0{dtype}\0{kv_heads}\0{group}\0{head_dim}"
     path = choice_path("decode-native-vs-gather", key)
     stored = read_choice(path, "native")
     if stored is not None:
         return bool(stored)
-    times = _time_paths(dtype, kv_heads, group, head_dim, kernels)
+    times = _time_paths(dtype, kv_heads, group, head_dim)
     if times["native"] >= times["gather"]:  # a second round first: a busy spell can stall
-        again = _time_paths(dtype, kv_heads, group, head_dim, kernels)  # oneDNN's threads for a whole round
+        again = _time_paths(dtype, kv_heads, group, head_dim)  # oneDNN's threads for a whole round
         times = {name: min(s, again[name]) for name, s in times.items()}
     wins = times["native"] < times["gather"]
     logger.info(
@@ -170,7 +164,7 @@ def native_wins(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int, ke
     return bool(write_once(path, "native", {"native": wins, **{f"{name}_s": s for name, s in times.items()}}))
 
 
-def _time_paths(dtype: torch.dtype, kvh: int, g: int, d: int, kernels: NativeKernels) -> dict[str, float]:
+def _time_paths(dtype: torch.dtype, kvh: int, g: int, d: int) -> dict[str, float]:
     """Best seconds of each path over REPEATS interleaved runs (one warm-up each), ROWS decodes of
     LENGTH positions: {"native": the kernel, "gather": the torch backend's gather and SDPA}."""
     gen = torch.Generator().manual_seed(0)
@@ -184,23 +178,17 @@ def _time_paths(dtype: torch.dtype, kvh: int, g: int, d: int, kernels: NativeKer
         k, v = gather_blocks(pool_k, index, ROWS), gather_blocks(pool_v, index, ROWS)  # [B, KVH, L, D]
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
 
-    paths = {"native": _native_call(kernels, dtype, kvh, g, d, gen), "gather": gather}
-    best = interleaved_best(paths, REPEATS)
-    assert best is not None  # no deadline
-    return best
-
-
-def _native_call(
-    kernels: NativeKernels, dtype: torch.dtype, kvh: int, g: int, d: int, gen: torch.Generator
-) -> Callable[[], None]:
-    """One layer's native decode attention of the same shape: ROWS decodes of LENGTH positions in
-    rows of CAPACITY (each call appends its step's K/V at the last position, as a decode does)."""
+    # the kernel: one layer of the same decodes in rows of CAPACITY (each call appends its step's
+    # K/V at the last position, as a decode does)
     tiles = CAPACITY // native.TILE
     k = torch.randn(ROWS, kvh, tiles, d, native.TILE, generator=gen).to(dtype)  # [B, KVH, cap / TILE, D, TILE]
     v = torch.randn(ROWS, kvh, CAPACITY, d, generator=gen).to(dtype)  # [B, KVH, cap, D]
-    step = NativeStep(kernels, [ClassRows([k], [v], ROWS, 0)], [LENGTH] * ROWS, Scratch())
-    q = torch.randn(kvh * g, ROWS, d, generator=gen).to(dtype)  # [H, T, D]
+    step = NativeStep([ClassRows([k], [v], ROWS, 0)], [LENGTH] * ROWS, Scratch())
+    q_t = torch.randn(kvh * g, ROWS, d, generator=gen).to(dtype)  # [H, T, D]
     new_k = torch.randn(kvh, ROWS, d, generator=gen).to(dtype)  # [KVH, T, D]
     new_v = torch.randn(kvh, ROWS, d, generator=gen).to(dtype)
     out = torch.empty(ROWS, kvh * g, d, dtype=dtype)  # [T, H, D]
-    return lambda: step.attend(0, q, new_k, new_v, out, d**-0.5, None)
+    paths = {"native": lambda: step.attend(0, q_t, new_k, new_v, out, d**-0.5, None), "gather": gather}
+    best = interleaved_best(paths, REPEATS)
+    assert best is not None  # no deadline
+    return best

@@ -17,12 +17,10 @@ from array import array
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from batchgen.engine.cpu import native
-from batchgen.engine.cpu.native import NativeKernels
 
 PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler shows for a kernel call
 
@@ -31,7 +29,7 @@ PROFILE_NAME = "batchgen::native_decode_attention"  # what torch's profiler show
 class ClassRows:
     """One length class's part of a step, as decode_rows plans it: its decodes' rows, in packed order."""
 
-    k: list[torch.Tensor]  # per layer [rows, KVH, cap / TILE, D, TILE] (keys in tiles of positions: row_pack)
+    k: list[torch.Tensor]  # per layer [rows, KVH, cap / TILE, D, TILE] (keys in tiles of positions: RowPack)
     v: list[torch.Tensor]  # per layer [rows, KVH, cap, D]
     num_rows: int  # decodes of the class in this step
     # positions every decode's row holds in the same blocks (0: none), read from the lowest of the rows
@@ -67,16 +65,13 @@ _LAYER_ARGS = len(native.DECODE_ARGS) - _LAYER_AT
 class NativeStep:
     """Every decode's row, length and shared prefix, and each layer's class tensors, for one step."""
 
-    def __init__(
-        self, kernels: NativeKernels, classes: Sequence[ClassRows], lengths: Sequence[int], scratch: Scratch
-    ) -> None:
+    def __init__(self, classes: Sequence[ClassRows], lengths: Sequence[int], scratch: Scratch) -> None:
         """lengths: positions each decode attends to after this step's token (packed order)."""
-        self.kernels = kernels
         self.calls = 0  # layers attended (for tests and the benchmark)
         # the step's classes in packed order (why kept: the table below holds raw addresses into their tensors)
         self.classes = classes
         self._kvh, self._d, self.dtype = _row_shape(classes)
-        self._kernel = kernels.attention_for(self.dtype)  # the float32 or the bf16 kernel
+        self._kernel = native.attention("batchgen_decode_attention", self.dtype)  # the float32 or the bf16 one
         n, num_classes, num_layers = len(lengths), len(classes), len(classes[0].k)
         rows = sum(part.num_rows for part in classes)
         if len(lengths) != rows:
@@ -243,7 +238,7 @@ class NativeStep:
             "args": self._args_at, "layers": self._num_layers, "decodes": n, "tokens": tokens,
             "heads": heads, "kv_heads": kvh, "head_dim": d, "bases": self._bases, "layer_bytes": self._layer_bytes,
             "slots": slots.data_ptr(), "pool_slots": k0.shape[0] * k0.shape[1], "calls": 0, "nanos": 0,
-            "kernel": _address(self._kernel), "bf16": int(self.dtype == torch.bfloat16),
+            "kernel": ctypes.cast(self._kernel, ctypes.c_void_p).value or 0, "bf16": int(self.dtype == torch.bfloat16),
         }  # fmt: skip
         plan = array("q", [fields[name] for name in PLAN_FIELDS])
         plan.extend([t.data_ptr() for pool in pools for t in pool])
@@ -282,11 +277,6 @@ def _per_row(values: Sequence[int], classes: Sequence[ClassRows]) -> array:
     for value, part in zip(values, classes):
         out.extend(array("q", [value]) * part.num_rows)
     return out
-
-
-def _address(fn: Any) -> int:
-    """A ctypes function's address (for the C++ front, which calls the step's kernel through it)."""
-    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
 
 def _row_shape(classes: Sequence[ClassRows]) -> tuple[int, int, torch.dtype]:
@@ -364,7 +354,6 @@ def _is_pool(pool: tuple[torch.Tensor, torch.Tensor], kvh: int, d: int, dtype: t
 
 
 def fill_row(
-    kernels: NativeKernels,
     pool: tuple[torch.Tensor, torch.Tensor],
     blocks: torch.Tensor,
     length: int,
@@ -388,8 +377,9 @@ def fill_row(
             f"native row fill: pool {tuple(k.shape)} / {tuple(v.shape)}, row keys {tuple(k_row.shape)}, "
             f"values {tuple(v_row.shape)}, blocks {blocks.dtype} {tuple(blocks.shape)}"
         )
+    fill = native.attention("batchgen_fill_row", k.dtype)
     ptrs = (k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[1], kvh, d, blocks.data_ptr(), blocks.shape[0], length)
-    if kernels.fill_row_for(k.dtype)(*ptrs, k_row.data_ptr(), v_row.data_ptr(), cap, native.threads()) != 0:
+    if fill(*ptrs, k_row.data_ptr(), v_row.data_ptr(), cap, native.threads()) != 0:
         raise RuntimeError(
             f"native row fill refused {length} positions from {blocks.shape[0]} blocks of {k.shape[1]} "
             f"(a pool of {k.shape[0]}) into a row of {cap}"

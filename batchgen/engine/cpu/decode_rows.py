@@ -9,7 +9,7 @@ copy of it, and a row that is out of step with its sequence is dropped and refil
 
 Rows come in length classes (class c holds contexts up to MIN_CLASS_LEN * 2**c tokens), one
 pack of tensors per class (keys in the native kernel's tiles of positions, values `[rows, kv_heads,
-class length, head_dim]`: row_pack), so a short sequence is padded only to its class, never to the
+class length, head_dim]`: RowPack), so a short sequence is padded only to its class, never to the
 longest sequence. A sequence that outgrows its class is refilled into the next one (a copy of its
 context, about twice over its whole life, instead of once per step); one that can only end within
 the next class starts there (row_class). A step's decodes are packed by (class, row); the kernel is
@@ -24,20 +24,23 @@ A step's plan is a RowsView (a DecodeStep, see decode_kv): which rows to fill fr
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.attention.cascade import shared_prefix_len
-from batchgen.engine.attention.decode_kv import QKV, DecodeGroup, DecodeRequest, Pool, Stage
+from batchgen.engine.attention.decode_kv import QKV, DecodeRequest, Pool, Stage
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.cpu.decode_native import ClassRows, NativeStep, Scratch, fill_row
-from batchgen.engine.cpu.native import TILE, NativeKernels
-from batchgen.engine.cpu.row_pack import RowPack
+from batchgen.engine.cpu.native import TILE
 
 MIN_CLASS_LEN = 64  # tokens held by the shortest class
+FREE = -1  # a row that no sequence holds
+MIN_ROWS = 8  # a class's first allocation when the number of rows is not bounded
+ROW_GROWTH = 2  # then its row count doubles, so reallocation copies are amortized
 
 
 def length_class(length: int) -> int:
@@ -64,24 +67,18 @@ class RowsView:
 
     classes: list[ClassRows]
     native: NativeStep
-    groups: list[DecodeGroup] = field(default_factory=list)  # none: the kernel attends every decode
     writes_pool = True  # a decode-only step's K/V are stored in the pool by the kernel (attend)
 
-    def kv(self, layer: int, pool: Pool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Never called: there are no groups (attend attends every decode)."""
-        raise RuntimeError("decode rows are attended by the native kernel alone")
-
-    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> bool:
+    def attend(self, call: LayerCall, pool: Pool, qkv: QKV, out: torch.Tensor, slots: torch.Tensor | None) -> None:
         """Fill new rows, then append and attend every decode in one call, storing the step's K/V in
         the pool too when given their `slots` (a decode-only step).
 
         q [H, T, D], key/value [KVH, T, D] (decodes first), out [T, H, D].
         """
-        if call.softcap is not None:  # why: cpu/backend.kernels_for gives no soft-capping model the kernel
+        if call.softcap is not None:  # why: cpu/backend.kernel_attends gives no soft-capping model the kernel
             raise RuntimeError("the native decode kernel cannot soft-cap attention logits")
         self._fill(call.layer, pool)
         self.native.attend(call.layer, *qkv, out, call.scale, call.window, pool if slots is not None else None, slots)
-        return True
 
     def fill_all(self, pools: list[Pool]) -> None:
         """Copy every layer's new rows out of the pool now, before the forward (one pool per layer).
@@ -102,7 +99,65 @@ class RowsView:
         for step in self.classes:
             k, v = step.k[layer], step.v[layer]
             for row, length, blocks in step.fills:
-                fill_row(self.native.kernels, pool, blocks, length, k[row], v[row])
+                fill_row(pool, blocks, length, k[row], v[row])
+
+
+class RowPack:
+    """The rows of one length class: tensors (keys in the kernel's tiles), allocated for every seat
+    at once (address space only), and which sequence holds which row (a freed row is a hole the
+    next new row takes: the kernel reads each decode's own row, so nothing moves)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        shape_tail: tuple[int, int, int],  # (KVH, class length, D): a value row's shape
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int | None,
+    ) -> None:
+        self.num_layers, self.shape_tail, self.dtype, self.device = num_layers, shape_tail, dtype, device
+        self.max_rows = max_rows
+        self.k: list[torch.Tensor] = []  # per layer [rows, KVH, length / TILE, D, TILE] (see _grow)
+        self.v: list[torch.Tensor] = []  # per layer [rows, KVH, length, D]
+        self.seqs: list[int] = []  # seq id of each row (FREE: none)
+        self.free: list[int] = []  # rows left by finished sequences, taken first
+
+    def add(self, seq_id: int) -> int:
+        """A row for `seq_id`. Why never zeroed: the native kernel reads no position at or past a
+        row's length (keys nor values), so its padding is never read (zeroing it cost ~5% of (b))."""
+        if self.free:
+            row = heapq.heappop(self.free)
+            self.seqs[row] = seq_id
+            return row
+        row = len(self.seqs)
+        if not self.k or row == self.k[0].shape[0]:
+            # why all max_rows at once: `empty` only reserves address space (pages are touched on
+            # first use), so growing in steps would copy for nothing
+            self._grow(max(row + 1, self.max_rows or max(MIN_ROWS, ROW_GROWTH * row)))
+        self.seqs.append(seq_id)
+        return row
+
+    def remove(self, row: int) -> None:
+        """Free `row`, a hole for the next new row. Why not moved into by the last row: the kernel
+        reads each decode's own row, and a move copied the last row's whole context in every layer
+        (~0.2 ms a finished sequence in (b))."""
+        self.seqs[row] = FREE
+        heapq.heappush(self.free, row)
+
+    def _grow(self, rows: int) -> None:
+        """Room for `rows` rows. Why keys in tiles of TILE positions x D (decode_attention.c): a tile
+        is then one contiguous run, one stream to the prefetcher instead of D (decode attention of
+        the 57M model, head dim 64: 22.0 -> 19.0 ms for 4 layers of 64 rows, RESULTS.md, fourth pass)."""
+        kvh, length, d = self.shape_tail
+        have = self.k[0].shape[0] if self.k else 0
+        new_k = [self._empty(rows, kvh, length // TILE, d, TILE) for _ in range(self.num_layers)]
+        new_v = [self._empty(rows, kvh, length, d) for _ in range(self.num_layers)]
+        for old, new in zip(self.k + self.v, new_k + new_v):
+            new[:have] = old
+        self.k, self.v = new_k, new_v
+
+    def _empty(self, *shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
 
 @dataclass
@@ -128,7 +183,6 @@ class DecodeRows:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
-        native: NativeKernels,
         max_rows: int | None = None,
         pool_tokens: int | None = None,
     ) -> None:
@@ -143,7 +197,6 @@ class DecodeRows:
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
         self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
         self.num_fills = 0  # rows filled from the pool (for tests and the benchmark)
-        self.native = native  # the kernel that attends the decodes (cpu/backend.kernels_for)
         self._scratch = Scratch()
         self._repeat: _Repeat | None = None  # the last native plan (see _repeated)
 
@@ -227,7 +280,7 @@ class DecodeRows:
         prefix from the class's first row at no extra cost, so any length of it saves reads."""
         for part, ds in zip(classes, decodes):
             part.shared, part.rows = self._shared(ds), [self._where[d.seq_id][1] for d in ds]
-        return NativeStep(self.native, classes, [d.position + 1 for ds in decodes for d in ds], self._scratch)
+        return NativeStep(classes, [d.position + 1 for ds in decodes for d in ds], self._scratch)
 
     def _shared(self, decodes: list[DecodeRequest]) -> int:
         """Positions that every decode of a class holds in the very same, fully cached blocks."""

@@ -25,10 +25,6 @@ logger = logging.getLogger(__name__)
 def load() -> ctypes.CDLL | None:
     """batchgen::attention built, loaded and checked, once per process (loaded code, not state: each
     plan names its kernel); None (logged) where it or the kernels cannot be."""
-    return _load()
-
-
-def _load() -> ctypes.CDLL | None:
     kernels = native.load()
     lib = native.library("batchgen_attention_op")
     if kernels is None or lib is None:

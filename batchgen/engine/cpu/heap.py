@@ -8,6 +8,7 @@ RESULTS.md, issue 11). The cost: up to TRIM_THRESHOLD of freed heap kept, proces
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 
@@ -24,14 +25,10 @@ TOP_PAD = 64 << 20  # grow the heap in 64 MiB steps, not one block at a time
 
 DISABLE_ENV = "BATCHGEN_MALLOC_DEFAULTS"  # set to 1: leave glibc's own settings alone
 
-_applied: list[bool] = []  # once per process, whatever the outcome
 
-
+@functools.cache
 def keep_freed_memory() -> bool:
     """Apply the settings above once per process; True if glibc took all three."""
-    if _applied:
-        return _applied[0]
-    _applied.append(False)
     if os.environ.get(DISABLE_ENV) == "1":
         logger.info("heap settings left alone (%s=1)", DISABLE_ENV)
         return False
@@ -40,7 +37,6 @@ def keep_freed_memory() -> bool:
         return False
     settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
     ok = all(libc.mallopt(param, value) == 1 for param, value in settings)
-    _applied[0] = ok
     logger.info(
         "glibc heap: blocks up to %d MiB from the heap, trimmed past %d MiB (%s)",
         MMAP_THRESHOLD >> 20,

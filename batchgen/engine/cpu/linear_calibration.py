@@ -22,6 +22,7 @@ depend on which process timed what.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
+from batchgen.engine.cpu.choice_cache import choice_path, interleaved_best, read_choice, write_once
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +85,13 @@ def measure(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], kernel: 
     for b in BUCKETS:
         wins, slow = True, False
         for rows in bucket_ends(b):
-            if time.monotonic() > deadline:
-                return mask
             x = torch.randn(rows, k).to(layers[0][0].dtype)  # as the model computes: its weights' dtype
-            ours, theirs = best_of(layers, x, kernel, REPEATS), best_of(layers, x, F.linear, REPEATS)
-            wins = wins and ours < MARGIN * theirs
-            slow = slow or theirs > SLOW_CALL
+            passes = {s: functools.partial(_pass, layers, x, fn) for s, fn in (("ours", kernel), ("torch", F.linear))}
+            best = interleaved_best(passes, REPEATS, deadline)  # each a pass over every layer, interleaved
+            if best is None:  # out of time: this bucket and larger ones stay on torch
+                return mask
+            wins = wins and best["ours"] < MARGIN * best["torch"]
+            slow = slow or best["torch"] > SLOW_CALL
         mask |= wins << b
         losses = 0 if wins else losses + 1
         if slow or losses == STOP_AFTER_LOSSES:
@@ -97,16 +99,6 @@ def measure(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], kernel: 
     return mask
 
 
-def best_of(
-    layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, fn: Linear, repeats: int
-) -> float:
-    """Best seconds of `repeats` passes of fn over every layer (one warm-up pass first)."""
-    best = float("inf")
-    with torch.inference_mode():
-        for i in range(repeats + 1):
-            started = time.perf_counter()
-            for weight, bias in layers:
-                fn(x, weight, bias)
-            if i:
-                best = min(best, time.perf_counter() - started)
-    return best
+def _pass(layers: Sequence[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor, fn: Linear) -> None:
+    for weight, bias in layers:
+        fn(x, weight, bias)

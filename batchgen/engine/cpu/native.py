@@ -42,7 +42,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +136,19 @@ class Library:
         return headers if self.needs is None else torch.__version__.encode() + headers
 
     def toolchain(self) -> tuple[str | None, str, list[list[str]], list[str]]:
-        """(its compiler or None, why none, the flag sets tried in order, the link flags)."""
+        """(its compiler or None, why none, the flag sets tried in order, the link flags): a C
+        library's sets with the user's $BATCHGEN_NATIVE_CFLAGS last in each; an operator's against this torch."""
         if self.needs is None:
-            return find_compiler("CC", "cc", "gcc"), NO_C_COMPILER, c_flag_sets(), LINK_FLAGS
-        return find_compiler("CXX", "c++", "g++"), NO_CXX_COMPILER, [_cxx_flags()], _cxx_link()
+            flag_sets = [BASE_FLAGS + arch + extra_flags() for arch in ARCH_FLAGS]
+            return find_compiler("CC", "cc", "gcc"), NO_C_COMPILER, flag_sets, LINK_FLAGS
+        from torch.utils import cpp_extension
+
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        flags = ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        dirs = cpp_extension.library_paths()
+        link = [*(f"-L{d}" for d in dirs), *(f"-Wl,-rpath,{d}" for d in dirs), "-lc10", "-ltorch_cpu"]
+        includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+        return find_compiler("CXX", "c++", "g++"), NO_CXX_COMPILER, [flags + includes], link
 
 
 LIBRARIES = {
@@ -188,30 +197,6 @@ _HANDLES: dict[str, ctypes.CDLL | None] = {}
 _FUNCTIONS: dict[str, CFunction | None] = {}
 
 
-@dataclass
-class NativeKernels:
-    """The attention library's entry points (SYMBOLS), its argument names checked against DECODE_ARGS
-    (decode_attention.c); its path names the choices measured with it (cpu/backend.native_wins)."""
-
-    path: Path
-    lib: ctypes.CDLL
-    fns: dict[str, CFunction] = field(init=False)
-
-    def __post_init__(self) -> None:
-        mismatch = names_differ(self.lib, "batchgen_decode_attention_arg_names", DECODE_ARGS)
-        if mismatch:  # why: a source and this module out of step would misread memory
-            raise RuntimeError(f"{self.path} takes arguments {mismatch}, this module names {DECODE_ARGS}")
-        self.fns = {s: _bound(self.lib, s) for s, (owner, _) in SYMBOLS.items() if owner == "attention"}
-
-    def attention_for(self, dtype: torch.dtype) -> CFunction:
-        """The decode attention for rows of `dtype` (float32 or bfloat16)."""
-        return self.fns[_twin("batchgen_decode_attention", dtype)]
-
-    def fill_row_for(self, dtype: torch.dtype) -> CFunction:
-        """The row fill for pools and rows of `dtype` (float32 or bfloat16)."""
-        return self.fns[_twin("batchgen_fill_row", dtype)]
-
-
 def _twin(symbol: str, dtype: torch.dtype) -> str:
     if dtype not in KERNEL_DTYPES:
         raise RuntimeError(f"the native kernels read float32 or bfloat16, not {dtype}")
@@ -227,14 +212,30 @@ def names_differ(lib: ctypes.CDLL, symbol: str, ours: tuple[str, ...]) -> tuple[
 
 
 @functools.cache
-def load() -> NativeKernels | None:
-    """The decode attention kernels, built if needed (once per process); None (logged once) where they cannot be."""
+def load() -> Path | None:
+    """The decode attention library, built if needed (once per process), its argument names checked
+    against DECODE_ARGS (decode_attention.c) and its entry points bound: its path, which names the
+    choices measured with it (cpu/backend.native_wins); None (logged once) where it cannot be."""
     lib = library("attention")
-    try:
-        return None if lib is None else NativeKernels(STATES["attention"].path or Path(), lib)
-    except (RuntimeError, AttributeError) as exc:  # AttributeError: a symbol missing
-        refuse("attention", str(exc))
+    if lib is None:
         return None
+    try:
+        mismatch = names_differ(lib, "batchgen_decode_attention_arg_names", DECODE_ARGS)
+    except AttributeError as exc:  # a library built from other sources
+        mismatch = (str(exc),)
+    if mismatch:  # why: a source and this module out of step would misread memory
+        refuse("attention", f"it takes arguments {mismatch}, this module names {DECODE_ARGS}")
+        return None
+    bound = [function(s) for s, (owner, _) in SYMBOLS.items() if owner == "attention"]  # a missing one: refused
+    return STATES["attention"].path if None not in bound else None
+
+
+def attention(symbol: str, dtype: torch.dtype) -> CFunction:
+    """Entry point `symbol` of the attention library (its bf16 twin for bfloat16), where load() took it."""
+    fn = function(symbol, dtype) if load() is not None else None
+    if fn is None:
+        raise RuntimeError("the native attention kernels are not loaded (see the log)")
+    return fn
 
 
 def function(symbol: str, dtype: torch.dtype = torch.float32) -> CFunction | None:
@@ -303,28 +304,8 @@ def refuse(name: str, reason: str) -> None:
     logger.warning("native %s kernel unavailable (%s): %s", name, reason, KERNELS[name].fallback)
 
 
-def c_flag_sets() -> list[list[str]]:
-    """The flag sets a C kernel is built with, tried in order (the user's $BATCHGEN_NATIVE_CFLAGS last in each)."""
-    return [BASE_FLAGS + arch + extra_flags() for arch in ARCH_FLAGS]
-
-
 def extra_flags() -> list[str]:
     return shlex.split(os.environ.get(FLAGS_ENV, ""))
-
-
-def _cxx_flags() -> list[str]:
-    from torch.utils import cpp_extension
-
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    return ["-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
-
-
-def _cxx_link() -> list[str]:
-    from torch.utils import cpp_extension
-
-    dirs = cpp_extension.library_paths()
-    return [*(f"-L{d}" for d in dirs), *(f"-Wl,-rpath,{d}" for d in dirs), "-lc10", "-ltorch_cpu"]
 
 
 def find_compiler(env: str, *names: str) -> str | None:
@@ -368,10 +349,15 @@ def compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
 
 
-def cached_state(name: str) -> BuildState:
-    """Kernel `name` of KERNELS as a run would find it, without building: `cached` (with its path),
-    `not built`, or `unavailable` where a run could not build it (no compiler, or one that cannot run;
-    an operator: its C library unavailable)."""
+def state(name: str) -> BuildState:
+    """What became of kernel `name` of KERNELS in this process; where it has not been loaded yet,
+    what a run would find, without building: off (BATCHGEN_NATIVE=0), `cached` (with its path), `not
+    built`, or `unavailable` where a run could not build it (no compiler, or one that cannot run; an
+    operator: its C library unavailable)."""
+    if name in STATES:
+        return STATES[name]
+    if os.environ.get(DISABLE_ENV) == "0":
+        return BuildState(name, "off", reason=f"{DISABLE_ENV}=0")
     lib = KERNELS[name]
     if lib.needs is not None and state(lib.needs).state == "unavailable":
         return BuildState(name, "unavailable", reason=f"the native {lib.needs} kernel is unavailable")
@@ -384,16 +370,6 @@ def cached_state(name: str) -> BuildState:
         return BuildState(name, "unavailable", reason=f"the compiler {compiler} cannot run: {exc}")
     found = next((target for target in targets if target.is_file()), None)
     return BuildState(name, "cached", found) if found is not None else BuildState(name, "not built")
-
-
-def state(name: str) -> BuildState:
-    """What became of kernel `name` in this process; where it has not been loaded yet, without
-    building anything: off (BATCHGEN_NATIVE=0), or as cached_state finds it."""
-    if name in STATES:
-        return STATES[name]
-    if os.environ.get(DISABLE_ENV) == "0":
-        return BuildState(name, "off", reason=f"{DISABLE_ENV}=0")
-    return cached_state(name)
 
 
 def pending() -> list[str]:

@@ -106,10 +106,6 @@ def _eligible(weight: torch.Tensor, dtype: torch.dtype) -> bool:
 @functools.cache
 def load_op() -> bool:
     """batchgen::linear, built, loaded and set up once per process; False (logged) where it cannot be."""
-    return _load_op()
-
-
-def _load_op() -> bool:
     kernel = native.function("batchgen_linear")
     lib = native.library("batchgen_linear_op")
     if kernel is None or lib is None:

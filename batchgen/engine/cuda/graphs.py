@@ -79,12 +79,11 @@ class DecodeBuffers:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.context_lens[:n].copy_(positions + 1)
-        self.block_tables[:n].zero_()
+        self.block_tables[:bucket].zero_()
         self.block_tables[:n, : tables.shape[1]].copy_(tables)
         self.input_ids[n:bucket].zero_()
         self.positions[n:bucket].zero_()
         self.context_lens[n:bucket].fill_(1)
-        self.block_tables[n:bucket].zero_()
         self.slots[n:bucket].fill_(PAD_SLOT)
 
     def set_slots(self, n: int, block_size: int) -> None:
@@ -153,8 +152,8 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
         return self.out[:n]  # type: ignore[index]  # set by the first capture
 
     def capture_all(self, run: Runner, make_context: ContextMaker) -> None:
-        """Every bucket's graph, largest first (smaller ones then reuse its memory in the shared pool)."""
-        self.buffers.fill(0, self.buckets[-1], *self._empty())
+        """Every bucket's graph, largest first (smaller ones then reuse its memory in the shared pool),
+        over the buffers as made: every row padding."""
         for bucket in reversed(self.buckets):
             if not self._capture(bucket, run, make_context):
                 return
@@ -191,12 +190,6 @@ class GraphDecode:  # pragma: no cover - needs CUDA (its CPU-testable pieces are
             and pick_bucket(n, self.buckets) is not None
             and blocks <= self.buffers.block_tables.shape[1]
         )
-
-    def _empty(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        device = self.buffers.input_ids.device
-        none = torch.zeros(0, dtype=torch.int64, device=device)
-        rope = self.buffers.rope_positions
-        return none, none, none.view(0, 1), None if rope is None else rope[:, :0]
 
     def _capture(self, bucket: int, run: Runner, make_context: ContextMaker) -> bool:
         self.captures += 1

@@ -17,10 +17,12 @@ from batchgen.engine.attention.backend import AttentionBackend, Pools, zero_padd
 from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.metadata import MAX_GRAPH_BATCH, ForwardContext
 from batchgen.engine.attention.op import LayerCall
-from batchgen.engine.attention.planning import PlannedChunk, Stager
+from batchgen.engine.attention.planning import build_forward_context
+from batchgen.engine.core.scheduler_output import ScheduledChunk
+from batchgen.engine.staging.transfers import Transfers
 from batchgen.engine.triton import launch
-from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, image_key_ends, plan_step
-from batchgen.engine.triton.support import check_device, check_interpreter, interpreting
+from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, image_key_ends, tile_map, tile_rows
+from batchgen.engine.triton.support import check_device, interpreting
 
 
 class TritonBackend(AttentionBackend):
@@ -28,9 +30,7 @@ class TritonBackend(AttentionBackend):
     replays_static_decode = True
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device, num_heads: int) -> None:
-        check_device(device)
-        if device.type == "cpu":
-            check_interpreter()
+        check_device(device)  # on the CPU: its interpreter too
         # why a decode source at all: the interface has one; this backend never asks it to plan (every
         # chunk reads the pool), and gathered blocks keep nothing across steps
         super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))
@@ -44,10 +44,29 @@ class TritonBackend(AttentionBackend):
         return "triton (paged kernel, interpreted)" if interpreting() else "triton (paged kernel)"
 
     def plan(
-        self, chunks: Sequence[PlannedChunk], stager: Stager, padded_len: int | None = None
+        self, chunks: Sequence[ScheduledChunk], stager: Transfers, padded_len: int | None = None
     ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
-        """The step's plan -> (context, positions [T], packed order: batch order); staged in `stager`."""
-        return plan_step(chunks, self.decode_kv, self.kv_caches, self.block_size, self.group, stager, padded_len)
+        """The step's plan -> (context, positions [T], packed order: batch order); staged in `stager`.
+        Why the varlen planning: it is exactly "every chunk reads the pool" (the source plans no decode)."""
+        ctx, positions, order = build_forward_context(
+            chunks, self.decode_kv, self.kv_caches, self.block_size, stager, flash=True, padded_len=padded_len
+        )
+        meta = ctx.flash
+        assert meta is not None  # build_forward_context sets it when asked
+        q_lens = [chunks[i].num_tokens for i in order]
+        rows = tile_rows(self.group, decode_only=max(q_lens) == 1)
+        tile_chunk, tile_first = tile_map(q_lens, rows // self.group)
+        plan = KernelPlan(
+            query_start=meta.cu_seqlens_q,
+            kv_lens=meta.seqused_k,
+            block_tables=meta.block_tables,
+            tile_chunk=stager.stage(tile_chunk),
+            tile_first=stager.stage(tile_first),
+            group=self.group,
+            rows=rows,
+        )
+        ctx = TritonContext(ctx.kv_caches, ctx.slot_mapping, None, ctx.prefills, num_tokens=ctx.num_tokens, kernel=plan)
+        return ctx, positions, order
 
     def run_layer(self, call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [H, T, D], key/value [KVH, T, D]: store the K/V, attend -> [T, H, D] (padded rows zero)."""

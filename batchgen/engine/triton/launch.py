@@ -23,10 +23,6 @@ def interpreted(kernel: object) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-def _cdiv(n: int, d: int) -> int:
-    return -(-n // d)
-
-
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(n - 1, 0).bit_length())
 
@@ -43,7 +39,7 @@ def store_kv(
     block_d = _pow2(d)
     cols = _pow2(kvh * block_d)
     per_program = max(1, min(MAX_STORE_TOKENS, STORE_ELEMENTS // cols))  # a power of two: cols is one
-    store_kv_kernel[(_cdiv(tokens, per_program),)](
+    store_kv_kernel[(-(-tokens // per_program),)](
         key,
         value,
         k_cache,

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.attention.decode_kv import DecodeKVSource
 from batchgen.engine.attention.metadata import ForwardContext, PrefillChunk, StaticDecode
-from batchgen.engine.attention.planning import PlannedChunk, Stager, build_forward_context, int64_tensor
+from batchgen.engine.attention.planning import int64_tensor
 
 DECODE_ROWS = 16
 PREFILL_ROWS = 64
@@ -82,50 +81,6 @@ def tile_map(q_lens: Sequence[int], tokens_per_tile: int) -> tuple[torch.Tensor,
         chunks.extend([i] * len(starts))
         firsts.extend(starts)
     return int64_tensor(chunks), int64_tensor(firsts)
-
-
-def plan_step(
-    chunks: Sequence[PlannedChunk],
-    decode_kv: DecodeKVSource,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    block_size: int,
-    group: int,
-    stager: Stager,
-    padded_len: int | None = None,
-) -> tuple[TritonContext, torch.Tensor, list[int]]:
-    """The step's plan -> (context, positions [T], packed order = batch order); every tensor staged in `stager`."""
-    # why the varlen planning: it is exactly "every chunk reads the pool" (no decode is planned by the source)
-    ctx, positions, order = build_forward_context(
-        chunks, decode_kv, kv_caches, block_size, stager, flash=True, padded_len=padded_len
-    )
-    meta = ctx.flash
-    if meta is None:  # pragma: no cover - build_forward_context always sets it when asked
-        raise RuntimeError("planning returned no varlen metadata")
-    q_lens = [chunks[i].num_tokens for i in order]
-    rows = tile_rows(group, decode_only=max(q_lens) == 1)
-    tile_chunk, tile_first = tile_map(q_lens, rows // group)
-    plan = KernelPlan(
-        query_start=meta.cu_seqlens_q,
-        kv_lens=meta.seqused_k,
-        block_tables=meta.block_tables,
-        tile_chunk=stager.stage(tile_chunk),
-        tile_first=stager.stage(tile_first),
-        group=group,
-        rows=rows,
-    )
-    prefills = _prefill_chunks([chunks[i] for i in order], meta.block_tables)
-    step = TritonContext(ctx.kv_caches, ctx.slot_mapping, None, prefills, num_tokens=ctx.num_tokens, kernel=plan)
-    return step, positions, order
-
-
-def _prefill_chunks(packed: Sequence[PlannedChunk], tables: torch.Tensor) -> list[PrefillChunk]:
-    """The packed chunks that are not decodes, as PrefillChunks (tables: the staged [N, W] rows)."""
-    out, first = [], 0
-    for j, c in enumerate(packed):
-        if not c.is_decode:
-            out.append(PrefillChunk(first, first + c.num_tokens, c.start, tables[j]))
-        first += c.num_tokens
-    return out
 
 
 class GraphRows:

@@ -43,7 +43,8 @@ def prefers_triton(device: torch.device) -> bool:
 
 
 def check_device(device: torch.device) -> None:
-    """A ValueError that says why the triton backend cannot run on `device`; None where it can."""
+    """A ValueError that says why the triton backend cannot run on `device` (on the CPU: without its
+    interpreter, or with triton imported before it was asked for); None where it can."""
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"attention_backend 'triton' runs on CUDA, not on {device.type}")
     if device.type == "cpu" and not interpreting():
@@ -54,6 +55,11 @@ def check_device(device: torch.device) -> None:
         )
     if not triton_importable():
         raise ValueError("attention_backend 'triton' needs the triton package: pip install 'batchgen[cuda]'")
+    if device.type == "cpu" and not interpreter_ready():
+        raise ValueError(
+            f"attention_backend 'triton' on the CPU: {INTERPRET_ENV}=1 was set after triton was first imported "
+            "(transformers' model classes import it); set it in the environment the process starts with"
+        )
 
 
 def interpreter_ready() -> bool:
@@ -65,12 +71,3 @@ def interpreter_ready() -> bool:
     decorated = [v for v in vars(tl).values() if type(v).__name__ in _DECORATED]
     decorated += [kernels.paged_attention_kernel, kernels.store_kv_kernel]
     return all(type(v).__name__ == "InterpretedFunction" for v in decorated)
-
-
-def check_interpreter() -> None:
-    """A ValueError when the CPU's interpreter is asked for but triton was imported without it."""
-    if not interpreter_ready():
-        raise ValueError(
-            f"attention_backend 'triton' on the CPU: {INTERPRET_ENV}=1 was set after triton was first imported "
-            "(transformers' model classes import it); set it in the environment the process starts with"
-        )

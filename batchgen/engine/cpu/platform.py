@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from batchgen.engine.api.dtype_rule import resolve_auto
 from batchgen.engine.api.platform import CompilePolicy, GreedyIds, Platform, StepHook, check_backend_name
 from batchgen.engine.cpu import front, host, native, native_linear
 from batchgen.engine.cpu.argmax import native_greedy_ids
@@ -24,11 +23,6 @@ from batchgen.engine.triton import support as triton_support
 
 
 class CpuPlatform(Platform):
-    def default_dtype(self, model_path: str | None = None) -> torch.dtype:
-        """bf16 for a checkpoint stored in bf16/fp16 on a CPU that computes bf16 natively, else
-        float32 (engine/api/dtype_rule, which says why)."""
-        return getattr(torch, resolve_auto("cpu", model_path).dtype)
-
     def attention_backend(self, setting: str) -> str:
         check_backend_name(setting)
         if setting == "auto":

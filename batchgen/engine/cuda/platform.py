@@ -23,9 +23,6 @@ class CudaPlatform(Platform):
     max_num_seqs = 256
     max_num_batched_tokens = 8192
 
-    def default_dtype(self, model_path: str | None = None) -> torch.dtype:
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
     def attention_backend(self, setting: str) -> str:
         if setting == "auto":
             return "triton" if triton_support.prefers_triton(self.device) else "torch"

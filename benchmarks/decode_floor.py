@@ -163,10 +163,9 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
         (attention_backend, "store_kv", "attn_kv_write"),
         (attention, "gather_blocks", "attn_gather"),
         (decode_gather, "gather_blocks", "attn_gather"),
-        (attention, "_attend_decodes", "attn_compute"),
+        (decode_gather, "decode_group_attention", "attn_compute"),  # gathered decodes, cascade included
         (NativeStep, "attend", "attn_compute"),  # the native kernel from Python: K/V stores, row appends, attention
         (RowsView, "_fill", "attn_rows_update"),
-        (attention, "cascade_decode_attention", "attn_compute"),
         (attention, "_attend_chunk", "attn_compute"),
         (Sampler, "sample", "sampling"),
         (StopChecker, "append", "detokenize_stop"),

@@ -35,7 +35,7 @@ def running(ctx: ForwardContext, layer_idx: int = 0) -> Iterator[Layer]:
 
 
 class DirectStager:
-    """Each tensor straight to its device (the engine stages through its Transfers: planning.Stager)."""
+    """Each tensor straight to its device (the engine stages through its staging.transfers.Transfers)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

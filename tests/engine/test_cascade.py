@@ -43,6 +43,8 @@ def test_shared_prefix_counts_only_identical_fully_cached_blocks() -> None:
     assert cascade_len(four, [30, 31, 30, 29], block_size=8, kv_len=32) == 24
     assert cascade_len(four[:3], [30, 31, 30], block_size=8, kv_len=32) == 0  # too few rows
     assert cascade_len(four, [30, 31, 30, 29], block_size=8, kv_len=64) == 0  # too small a share
+    # past the cheap bound (24 cached of 32), but only block 7 is shared: 8 tokens, under the share
+    assert cascade_len([(7, 8 + i, 9, i) for i in range(4)], [30, 31, 30, 29], block_size=8, kv_len=32) == 0
 
 
 def test_engine_with_a_shared_preamble_uses_cascade_with_either_decode_source(

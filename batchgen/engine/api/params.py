@@ -190,7 +190,9 @@ class SamplingParams:
             for name, v in (("logprobs", s.logprobs), ("prompt_logprobs", s.prompt_logprobs))
         ]
         checks += [
-            (f.name, isinstance(getattr(s, f.name), bool), "true or false") for f in fields(s) if f.type == "bool"
+            (f.name, isinstance(getattr(s, f.name), bool), "true or false")
+            for f in fields(s)
+            if f.type in ("bool", bool)
         ]
         if s.detokenize is False and s.stop:
             checks.append(("detokenize", False, "true when stop strings are set (they are matched in the text)"))

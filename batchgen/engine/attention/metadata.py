@@ -20,7 +20,7 @@ class PrefillChunk:
     start: int
     end: int
     context_start: int  # tokens of this sequence already in the cache before this chunk
-    block_table: torch.Tensor  # [num_blocks covering context_start + n tokens]
+    block_table: torch.Tensor  # [num_blocks] covering context_start + n tokens (a padded staged row on varlen)
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [1, 1, n, L]
     # positions [first, end) of images inside this chunk whose tokens attend both ways (Gemma 3)
     bidirectional: tuple[tuple[int, int], ...] = ()

@@ -23,7 +23,6 @@ depend on which process timed what.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,8 +31,6 @@ import torch
 from torch.nn import functional as F
 
 from batchgen.engine.cpu.choice_cache import choice_path, interleaved_best, read_choice, write_once
-
-logger = logging.getLogger(__name__)
 
 BUCKETS = tuple(range(12))  # rows up to 2^11 = 2,048: decode steps and prefill chunks of the CPU default
 MARGIN = 0.9  # the kernel's best time must be below this share of torch's best

@@ -219,12 +219,14 @@ def load() -> Path | None:
     lib = library("attention")
     if lib is None:
         return None
+    path = STATES["attention"].path
     try:
         mismatch = names_differ(lib, "batchgen_decode_attention_arg_names", DECODE_ARGS)
+        why = f"{path} takes arguments {mismatch}, this module names {DECODE_ARGS}" if mismatch else None
     except AttributeError as exc:  # a library built from other sources
-        mismatch = (str(exc),)
-    if mismatch:  # why: a source and this module out of step would misread memory
-        refuse("attention", f"it takes arguments {mismatch}, this module names {DECODE_ARGS}")
+        why = f"{path} does not list its arguments ({exc})"
+    if why is not None:  # why: a source and this module out of step would misread memory
+        refuse("attention", why)
         return None
     bound = [function(s) for s, (owner, _) in SYMBOLS.items() if owner == "attention"]  # a missing one: refused
     return STATES["attention"].path if None not in bound else None

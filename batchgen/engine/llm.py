@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from batchgen.engine.api.config import EngineConfig, ResolvedConfig, resolve
+from batchgen.engine.api.config import EngineConfig, ResolvedConfig
 from batchgen.engine.api.outputs import RequestOutput
 from batchgen.engine.api.params import SEED_EXPECTED, SamplingParams, SettingError, is_seed
+from batchgen.engine.api.platform import resolve
 from batchgen.engine.api.prompts import PromptInput, encode_prompt
 from batchgen.engine.attention.path import has_softcap
 from batchgen.engine.core.block_manager import BlockManager

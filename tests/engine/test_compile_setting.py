@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from batchgen import LLM
-from batchgen.engine.api.config import EngineConfig, resolve
+from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.api.platform import resolve
 from batchgen.engine.cpu import platform as cpu_platform
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner import compiled_forward

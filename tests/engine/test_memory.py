@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from batchgen import LLM
-from batchgen.engine.api.config import EngineConfig, ResolvedConfig, resolve
-from batchgen.engine.api.platform import Platform
+from batchgen.engine.api.config import EngineConfig, ResolvedConfig
+from batchgen.engine.api.platform import Platform, resolve
 from batchgen.engine.cuda.platform import CudaPlatform
 from batchgen.engine.platforms import platform_for
 from batchgen.engine.runner import models

@@ -2,7 +2,7 @@
 with every default decided, before anything is built.
 
 The one definition of the engine settings (`LLM(**settings)` and the job file's `engine` section
-derive from it). `resolve` leaves no None once the Platform and model config are known; neither
+derive from it). api/platform's `resolve` leaves no None once the Platform and model config are known; neither
 object changes after, and what is measured at load is kept beside them (runner/pool_sizing).
 """
 
@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
 
 from batchgen.engine.api.params import SettingError, is_finite, is_int
-
-if TYPE_CHECKING:  # why: the job file reads EngineConfig's fields, and a finished job must not import torch
-    import torch
-
-    from batchgen.engine.api.platform import Platform
-
 
 # What a step may hold decoded (RGB, 3 bytes a pixel: ~96 MiB) by default: a few large photos.
 DECODED_PIXELS = 32_000_000
@@ -26,7 +20,7 @@ DECODED_PIXELS = 32_000_000
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # None in the next three: the device's default (its Platform: resolve below):
+    # None in the next three: the device's default (its Platform: api/platform.resolve):
     # 256 on CUDA where the paged varlen kernel then applies, else 16
     block_size: int | None = None
     max_num_seqs: int | None = None  # sequences in one step; None: 64 on CPU, 256 on CUDA
@@ -107,41 +101,6 @@ class ResolvedConfig(EngineConfig):
     max_cpu_loras: int = 1
     max_decoded_pixels: int = DECODED_PIXELS
     compile_fallback: bool = False  # compile was "auto": a model that fails to compile runs eager
-
-
-def resolve(
-    config: EngineConfig,
-    platform: Platform,
-    *,
-    max_model_len: int,
-    dtype: torch.dtype,
-    head_dim: int,
-    softcap: bool,
-    compiles: bool = True,
-) -> ResolvedConfig:
-    """`config` on `platform` for a model of `max_model_len` (resolved from its config), `head_dim`
-    and soft-capping. `compiles`: False where compiling serves nothing (pooling forwards run eager);
-    tensor-parallel ranks run eager too (README, tensor parallelism). num_kv_blocks None is sized
-    at load (runner/pool_sizing); encoder_cache_tokens None is sized by the scheduler (core/image_budget)."""
-    backend = platform.attention_backend(config.attention_backend)
-    compile = compiles and (platform.compiles_by_default() if config.compile == "auto" else config.compile)
-    settings: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
-    return ResolvedConfig(
-        **{
-            **settings,
-            "block_size": config.block_size or platform.block_size(backend, dtype, head_dim, softcap),
-            "max_num_seqs": config.max_num_seqs or platform.max_num_seqs,
-            "max_num_batched_tokens": config.max_num_batched_tokens or platform.max_num_batched_tokens,
-            "max_model_len": max_model_len,
-            "attention_backend": backend,
-            "compile": compile and config.tensor_parallel_size == 1,
-            "compile_fallback": config.compile == "auto",
-            "max_loras": config.max_loras or 1,
-            "max_lora_rank": config.max_lora_rank or 16,
-            "max_cpu_loras": config.max_cpu_loras or config.max_loras or 1,
-            "max_decoded_pixels": config.max_decoded_pixels or DECODED_PIXELS,
-        }
-    )
 
 
 def engine_config(**settings: object) -> EngineConfig:

@@ -8,11 +8,12 @@ nothing measured or compiled); cpu/platform and cuda/platform subclass it (engin
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any, Protocol
 
 import torch
 
-from batchgen.engine.api.config import ATTENTION_BACKENDS
+from batchgen.engine.api.config import ATTENTION_BACKENDS, DECODED_PIXELS, EngineConfig, ResolvedConfig
 from batchgen.engine.attention.path import (
     SMALL_BLOCK_SIZE,
     TRITON_CHOICE,
@@ -165,3 +166,38 @@ class Platform:
 def check_backend_name(setting: str) -> None:
     if setting not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {setting!r}")
+
+
+def resolve(
+    config: EngineConfig,
+    platform: Platform,
+    *,
+    max_model_len: int,
+    dtype: torch.dtype,
+    head_dim: int,
+    softcap: bool,
+    compiles: bool = True,
+) -> ResolvedConfig:
+    """`config` on `platform` for a model of `max_model_len` (resolved from its config), `head_dim`
+    and soft-capping. `compiles`: False where compiling serves nothing (pooling forwards run eager);
+    tensor-parallel ranks run eager too (README, tensor parallelism). num_kv_blocks None is sized
+    at load (runner/pool_sizing); encoder_cache_tokens None is sized by the scheduler (core/image_budget)."""
+    backend = platform.attention_backend(config.attention_backend)
+    compile = compiles and (platform.compiles_by_default() if config.compile == "auto" else config.compile)
+    settings: dict[str, Any] = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
+    return ResolvedConfig(
+        **{
+            **settings,
+            "block_size": config.block_size or platform.block_size(backend, dtype, head_dim, softcap),
+            "max_num_seqs": config.max_num_seqs or platform.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens or platform.max_num_batched_tokens,
+            "max_model_len": max_model_len,
+            "attention_backend": backend,
+            "compile": compile and config.tensor_parallel_size == 1,
+            "compile_fallback": config.compile == "auto",
+            "max_loras": config.max_loras or 1,
+            "max_lora_rank": config.max_lora_rank or 16,
+            "max_cpu_loras": config.max_cpu_loras or config.max_loras or 1,
+            "max_decoded_pixels": config.max_decoded_pixels or DECODED_PIXELS,
+        }
+    )

@@ -22,9 +22,8 @@ from batchgen.engine.attention.kv_store import store_kv
 from batchgen.engine.attention.metadata import ForwardContext
 from batchgen.engine.attention.op import LayerCall
 from batchgen.engine.attention.path import varlen_paged_attention
-from batchgen.engine.attention.planning import build_forward_context
+from batchgen.engine.attention.planning import PlannedChunk, build_forward_context
 from batchgen.engine.attention.torch_math import torch_paged_attention
-from batchgen.engine.core.scheduler_output import ScheduledChunk
 from batchgen.engine.staging.transfers import Transfers
 
 Pools = list[tuple[torch.Tensor, torch.Tensor]]  # per layer K, V: [num_blocks, block_size, KVH, D]
@@ -55,7 +54,7 @@ class AttentionBackend:
         return self.name
 
     def plan(
-        self, chunks: Sequence[ScheduledChunk], stager: Transfers, padded_len: int | None = None
+        self, chunks: Sequence[PlannedChunk], stager: Transfers, padded_len: int | None = None
     ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
         """The step's plan -> (context, positions [T], packed order of the chunks); tensors staged in `stager`."""
         return build_forward_context(

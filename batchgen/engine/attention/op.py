@@ -15,12 +15,9 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
-
-if TYPE_CHECKING:  # why not imported: the backend module imports this one
-    from batchgen.engine.attention.backend import AttentionBackend
 
 OP_NAME = "batchgen::paged_attention"
 # The C++ front of the CPU backend (cpu/front.py, csrc/attention_op.cpp): its schema and fake are
@@ -37,11 +34,21 @@ class LayerCall(NamedTuple):
     softcap: float | None  # the logits' soft-capping (Gemma 2); None: none
 
 
-_LIVE: weakref.WeakValueDictionary[int, AttentionBackend] = weakref.WeakValueDictionary()
+class LayerRunner(Protocol):
+    """What the op's body calls: a backend's run of one layer (attention/backend.AttentionBackend)."""
+
+    raised: BaseException | None
+
+    def run_layer(
+        self, call: LayerCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+_LIVE: weakref.WeakValueDictionary[int, LayerRunner] = weakref.WeakValueDictionary()
 _REGISTERING = threading.Lock()
 
 
-def register(backend: AttentionBackend) -> int:
+def register(backend: LayerRunner) -> int:
     """A handle for `backend`, valid while it lives: the lowest one no live backend holds."""
     with _REGISTERING:  # why: engines built in two threads must not take the same handle
         handle = next(h for h in itertools.count(1) if h not in _LIVE)
@@ -49,7 +56,7 @@ def register(backend: AttentionBackend) -> int:
     return handle
 
 
-def lookup(handle: int) -> AttentionBackend:
+def lookup(handle: int) -> LayerRunner:
     backend = _LIVE.get(handle)
     if backend is None:
         raise RuntimeError(f"{OP_NAME}: no live attention backend {handle} (its engine was dropped)")

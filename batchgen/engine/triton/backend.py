@@ -17,8 +17,7 @@ from batchgen.engine.attention.backend import AttentionBackend, Pools, zero_padd
 from batchgen.engine.attention.gather import GatheredBlocks
 from batchgen.engine.attention.metadata import MAX_GRAPH_BATCH, ForwardContext
 from batchgen.engine.attention.op import LayerCall
-from batchgen.engine.attention.planning import build_forward_context
-from batchgen.engine.core.scheduler_output import ScheduledChunk
+from batchgen.engine.attention.planning import PlannedChunk, build_forward_context
 from batchgen.engine.staging.transfers import Transfers
 from batchgen.engine.triton import launch
 from batchgen.engine.triton.plan import GraphRows, KernelPlan, TritonContext, image_key_ends, tile_map, tile_rows
@@ -44,7 +43,7 @@ class TritonBackend(AttentionBackend):
         return "triton (paged kernel, interpreted)" if interpreting() else "triton (paged kernel)"
 
     def plan(
-        self, chunks: Sequence[ScheduledChunk], stager: Transfers, padded_len: int | None = None
+        self, chunks: Sequence[PlannedChunk], stager: Transfers, padded_len: int | None = None
     ) -> tuple[ForwardContext, torch.Tensor, list[int]]:
         """The step's plan -> (context, positions [T], packed order: batch order); staged in `stager`.
         Why the varlen planning: it is exactly "every chunk reads the pool" (the source plans no decode)."""

@@ -2,8 +2,9 @@
 with every default decided, before anything is built.
 
 The one definition of the engine settings (`LLM(**settings)` and the job file's `engine` section
-derive from it). api/platform's `resolve` leaves no None once the Platform and model config are known; neither
-object changes after, and what is measured at load is kept beside them (runner/pool_sizing).
+derive from it). api/platform's `resolve` leaves no None once the Platform and model config are
+known; neither object changes after, and what is measured at load is kept beside them
+(runner/pool_sizing).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from batchgen.engine.api.prompts import PromptInput, encode_prompt
+from batchgen.engine.api.prompts import PromptInput, encode_prompt, outside_vocabulary
 from batchgen.engine.pooling.config import PoolingParams, RowResult
 from batchgen.engine.pooling.hf_runner import Encoded
 from batchgen.engine.pooling.model import PoolingModel
@@ -91,13 +91,13 @@ def _checked(inputs: list[Encoded], max_model_len: int, vocab_size: int) -> tupl
     the embedding table, which would crash the whole batch's forward)."""
     errors: list[str | None] = []
     for i, e in enumerate(inputs):
-        bad = [t for t in e.input_ids if not 0 <= t < vocab_size]
+        vocab = outside_vocabulary(e.input_ids, vocab_size)
         if not e.input_ids:
             errors.append(f"request {i}: prompt has no tokens")
         elif len(e.input_ids) > max_model_len:
             errors.append(f"request {i}: prompt has {len(e.input_ids)} tokens; the model's context is {max_model_len}")
-        elif bad:
-            errors.append(f"request {i}: prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        elif vocab is not None:
+            errors.append(f"request {i}: {vocab}")
         else:
             errors.append(None)
     return [i for i, e in enumerate(errors) if e is None], errors

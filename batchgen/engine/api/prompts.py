@@ -34,3 +34,10 @@ def encode_prompt(
         f"prompt {index} must be a string, a list of token ids, or a dict with 'prompt' or "
         f"'prompt_token_ids', got {type(prompt).__name__}"
     )
+
+
+def outside_vocabulary(token_ids: list[int], vocab_size: int) -> str | None:
+    """Why `token_ids` cannot run (None: they can). Why refused before the forward: an id past the
+    embedding table would crash the whole batch's forward (on CUDA, the process)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    return f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})" if bad else None

@@ -28,6 +28,7 @@ from typing import Any
 
 from batchgen.engine.api.outputs import PositionLogprobs, RequestOutput
 from batchgen.engine.api.params import SamplingParams
+from batchgen.engine.api.prompts import outside_vocabulary
 from batchgen.engine.core.runner_output import LogprobLists, ModelRunnerOutput
 from batchgen.engine.core.scheduler import Scheduler
 from batchgen.engine.core.scheduler_output import ScheduledBatch
@@ -103,10 +104,7 @@ class Engine:
             room = max(1, self.scheduler.max_model_len - len(prompt_token_ids))
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         seq = Sequence(request_id, list(prompt_token_ids), params, extras=extras)
-        # why: an id past the embedding table would crash the whole batch's forward (on CUDA, the process)
-        bad = [t for t in seq.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad and refusal is None:
-            refusal = f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+        refusal = refusal or outside_vocabulary(seq.prompt_token_ids, self.vocab_size)
         message = f"request {request_id}: {refusal}" if refusal is not None else None
         message = message or self.scheduler.check_fits(seq)
         message = message or self.runner.check_request(request_id, params)

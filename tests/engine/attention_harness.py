@@ -27,7 +27,7 @@ class Layer(torch.nn.Module):
 def running(ctx: ForwardContext, layer_idx: int = 0) -> Iterator[Layer]:
     """A module of layer `layer_idx` bound to a backend whose current step is `ctx` (planned already)."""
     pool = ctx.kv_caches[0][0]
-    backend = AttentionBackend(ctx.kv_caches, pool.shape[1], pool.device, GatheredBlocks(pool.shape[1], pool.device))
+    backend = AttentionBackend(ctx.kv_caches, pool.shape[1], pool.device, GatheredBlocks(pool.shape[1]))
     layer = Layer(layer_idx)
     bind_layers(layer, backend)
     with backend.running(ctx):

@@ -60,7 +60,7 @@ def _source(kind: str, dtype: torch.dtype = torch.float32) -> DecodeKVSource:
             dtype=dtype,
             device=torch.device("cpu"),
         )
-    return GatheredBlocks(BLOCK, torch.device("cpu"))
+    return GatheredBlocks(BLOCK)
 
 
 def _chunk(seq_id: int, start: int, n: int, table: list[int], decode: bool) -> ScheduledChunk:

@@ -98,7 +98,7 @@ def _run_varlen(specs: list[tuple[int, int]], window: int | None, monkeypatch: p
         keys.append(k)
         values.append(v)
         queries.append(torch.randn(HEADS, n, DIM, generator=gen))
-    source = GatheredBlocks(BLOCK, torch.device("cpu"))
+    source = GatheredBlocks(BLOCK)
     ctx, _, order = build_forward_context(chunks, source, [(k_cache, v_cache)], BLOCK, CPU_STAGER, True)
     assert ctx.flash is not None and ctx.decodes is None and len(ctx.prefills) == sum(n > 1 for _, n in specs)
     assert order == list(range(len(specs)))  # nothing is reordered: no decode groups
@@ -119,7 +119,7 @@ def test_varlen_path_matches_plain_attention(window: int | None, monkeypatch: py
 
 def test_varlen_metadata() -> None:
     chunks = [_chunk(0, 5, 1, [3, 1], True), _chunk(1, 0, 6, [0, 2], False)]
-    source = GatheredBlocks(BLOCK, torch.device("cpu"))
+    source = GatheredBlocks(BLOCK)
     caches = [(torch.zeros(4, BLOCK, KV_HEADS, DIM),) * 2]
     ctx, positions, _ = build_forward_context(chunks, source, caches, BLOCK, CPU_STAGER, True)
     meta = ctx.flash
@@ -132,7 +132,7 @@ def test_varlen_metadata() -> None:
 
 def test_soft_capping_never_reaches_the_varlen_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention_path, "VARLEN_ATTN", reference_varlen_attn)
-    source = GatheredBlocks(BLOCK, torch.device("cpu"))
+    source = GatheredBlocks(BLOCK)
     caches = [(torch.zeros(2, BLOCK, KV_HEADS, DIM),) * 2]
     ctx, _, _ = build_forward_context([_chunk(0, 0, 2, [0], False)], source, caches, BLOCK, CPU_STAGER, True)
     qkv = torch.randn(1, HEADS, 2, DIM), torch.randn(1, KV_HEADS, 2, DIM), torch.randn(1, KV_HEADS, 2, DIM)

@@ -78,7 +78,7 @@ def test_engine_with_a_shared_preamble_uses_cascade_with_either_decode_source(
     outputs = []
     for backend in ("cpu", "torch"):
         llm = LLM(str(tiny_model("llama")), block_size=8, num_kv_blocks=200, attention_backend=backend)
-        assert isinstance(llm.engine.runner.decode_kv, DecodeRows) is (backend == "cpu")  # float32: the kernel
+        assert isinstance(llm.engine.runner.backend.decode_kv, DecodeRows) is (backend == "cpu")  # float32: the kernel
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert calls, backend
         calls.clear()

@@ -153,7 +153,6 @@ def test_eager_and_graph_steps_run_one_compiled_forward(tiny_model: Callable[[st
     llm = LLM(path, device="cpu", attention_backend="triton", max_num_seqs=4, compile=True)
     runner = llm.engine.runner
     runner.transfers = Transfers(torch.device("cpu"), copy=True)
-    runner.decode_kv.stage = runner.transfers.stage
     runner.batch.transfers = runner.transfers
     max_blocks = -(-llm.config.max_model_len // runner.block_size)
     graphs = _ReplayByRerun(runner.forward, 4, max_blocks, runner.block_size, runner.device)

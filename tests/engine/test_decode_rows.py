@@ -25,6 +25,11 @@ def _rows(**limits: int) -> DecodeRows:
     return DecodeRows(1, KVH, DIM, BLOCK, 4096, torch.float32, torch.device("cpu"), **limits)
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """The CPU's stage: a step's upload leaves host tensors where they are."""
+    return t
+
+
 def _fill_seq_ids(view: object) -> list[tuple[int, int]]:
     return [(row, length) for step in view.classes for row, length, _ in step.fills]  # type: ignore[attr-defined]
 
@@ -38,32 +43,34 @@ def test_length_classes() -> None:
 def test_rows_are_kept_while_decoding_and_refilled_when_out_of_step() -> None:
     rows = _rows()
     table = list(range(64))
-    order, view = rows.plan([DecodeRequest(7, 10, table), DecodeRequest(8, 20, table)])
+    order, view = rows.plan([DecodeRequest(7, 10, table), DecodeRequest(8, 20, table)], _host)
     assert order == [0, 1] and _fill_seq_ids(view) == [(0, 10), (1, 20)]
-    order, view = rows.plan([DecodeRequest(7, 11, table), DecodeRequest(8, 21, table)])
+    order, view = rows.plan([DecodeRequest(7, 11, table), DecodeRequest(8, 21, table)], _host)
     assert _fill_seq_ids(view) == [] and rows.num_fills == 2  # both kept, nothing copied
     # seq 7 sits a step out (a budget-limited step): it keeps its row
-    order, view = rows.plan([DecodeRequest(8, 22, table)])
-    assert rows.num_rows == 2 and _fill_seq_ids(view) == []
+    order, view = rows.plan([DecodeRequest(8, 22, table)], _host)
+    assert len(rows._where) == 2 and _fill_seq_ids(view) == []
     # it comes back at another position (preempted, prefilled again): the row is stale, refilled
-    order, view = rows.plan([DecodeRequest(7, 30, table), DecodeRequest(8, 23, table)])
+    order, view = rows.plan([DecodeRequest(7, 30, table), DecodeRequest(8, 23, table)], _host)
     assert _fill_seq_ids(view) == [(0, 30)]
     # a position that does not follow the row's length means the row is stale: refill
-    order, view = rows.plan([DecodeRequest(7, 30, table), DecodeRequest(8, 24, table)])
+    order, view = rows.plan([DecodeRequest(7, 30, table), DecodeRequest(8, 24, table)], _host)
     assert _fill_seq_ids(view) == [(0, 30)]
 
 
 def test_the_native_kernels_rows_keep_their_place_and_a_new_sequence_takes_a_hole() -> None:
     rows = _rows()
     table = list(range(64))
-    rows.plan([DecodeRequest(s, 10, table) for s in (1, 2, 3)])
+    rows.plan([DecodeRequest(s, 10, table) for s in (1, 2, 3)], _host)
     # seq 1 finished: the others keep rows 1 and 2 (nothing moved or refilled), row 0 is a hole
     rows.release([1])
     assert rows._where == {2: (0, 1), 3: (0, 2)}
-    order, view = rows.plan([DecodeRequest(2, 11, table), DecodeRequest(3, 11, table)])
+    order, view = rows.plan([DecodeRequest(2, 11, table), DecodeRequest(3, 11, table)], _host)
     assert view.native is not None and list(view.classes[0].fills) == [] and rows.num_fills == 3
     assert rows._where == {2: (0, 1), 3: (0, 2)}
-    order, view = rows.plan([DecodeRequest(4, 20, table), DecodeRequest(2, 12, table), DecodeRequest(3, 12, table)])
+    order, view = rows.plan(
+        [DecodeRequest(4, 20, table), DecodeRequest(2, 12, table), DecodeRequest(3, 12, table)], _host
+    )
     assert rows._where[4] == (0, 0) and _fill_seq_ids(view) == [(0, 20)]
     assert order == [0, 1, 2]  # packed by row
 
@@ -100,13 +107,13 @@ def test_a_step_that_repeats_the_last_one_position_on_is_planned_as_in_full() ->
             reused.release([2])
             full.release([2])
         decodes = [DecodeRequest(s, p, t) for s, p, t in step]
-        order, view = reused.plan(decodes)
+        order, view = reused.plan(decodes, _host)
         assert view.native is not None
         repeats.append(view.native is last)
         prefixes.append(view.native.shared.tolist())
         last = view.native
         full._repeat = None  # why: the reference is always planned in full
-        assert _plan_fields(order, view) == _plan_fields(*full.plan(decodes))
+        assert _plan_fields(order, view) == _plan_fields(*full.plan(decodes, _host))
     assert repeats == [False, True, True, False, True, False, False, False]
     assert [p[:2] for p in prefixes[:3]] == [[8, 8], [12, 12], [12, 12]]  # rewritten in the repeats
 
@@ -114,8 +121,8 @@ def test_a_step_that_repeats_the_last_one_position_on_is_planned_as_in_full() ->
 def test_outgrowing_a_class_moves_to_the_next_and_packs_by_class() -> None:
     rows = _rows()
     table = list(range(200))
-    rows.plan([DecodeRequest(1, MIN_CLASS_LEN - 1, table), DecodeRequest(2, 5, table)])
-    order, view = rows.plan([DecodeRequest(1, MIN_CLASS_LEN, table), DecodeRequest(2, 6, table)])
+    rows.plan([DecodeRequest(1, MIN_CLASS_LEN - 1, table), DecodeRequest(2, 5, table)], _host)
+    order, view = rows.plan([DecodeRequest(1, MIN_CLASS_LEN, table), DecodeRequest(2, 6, table)], _host)
     # seq 1 now needs MIN_CLASS_LEN + 1 tokens: class 1, refilled; class 0 is packed first
     assert order == [1, 0]
     assert [step.cap for step in view.classes] == [MIN_CLASS_LEN, 2 * MIN_CLASS_LEN]
@@ -137,7 +144,7 @@ def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str],
             attention_backend=backend,
         )
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        source = llm.engine.runner.decode_kv
+        source = llm.engine.runner.backend.decode_kv
         assert isinstance(source, DecodeRows) == (backend == "cpu")
         if isinstance(source, DecodeRows):
             assert 0 < source.num_fills < llm.stats["decode_tokens"]
@@ -148,7 +155,7 @@ def test_rows_and_block_gathers_give_the_same_tokens(tiny_model: Callable[[str],
 def test_long_classes_reserve_only_the_rows_the_pool_can_fill() -> None:
     rows = _rows(max_rows=64, pool_tokens=1000)
     table = list(range(300))
-    rows.plan([DecodeRequest(1, 10, table), DecodeRequest(2, 600, table)])
+    rows.plan([DecodeRequest(1, 10, table), DecodeRequest(2, 600, table)], _host)
     shapes = {c: pack.k[0].shape[0] for c, pack in rows._packs.items()}
     # class 0 may seat all 64; a sequence in class 4 holds > 256 tokens (it may have come one class
     # early, see row_class), so a 1000-token pool fits 3
@@ -165,7 +172,9 @@ def test_a_row_comes_one_class_early_when_its_sequence_can_only_end_there() -> N
     # a prompt 4 tokens below class 0's end that may grow 20 more: one fill, kept as it crosses
     near = MIN_CLASS_LEN - 4
     for step in range(8):
-        order, view = rows.plan([DecodeRequest(3, near + step, table, near + 20), DecodeRequest(4, 10 + step, table)])
+        order, view = rows.plan(
+            [DecodeRequest(3, near + step, table, near + 20), DecodeRequest(4, 10 + step, table)], _host
+        )
         assert order == [1, 0] and [c.cap for c in view.classes] == [MIN_CLASS_LEN, 2 * MIN_CLASS_LEN]
     assert rows.num_fills == 2
 
@@ -176,6 +185,6 @@ def test_auto_means_rows_on_cpu_and_a_bad_setting_is_refused(tiny_model: Callabl
     assert platform_for(torch.device("cpu")).attention_backend("torch") == "torch"
     with pytest.raises(ValueError, match="runs on the CPU, not on cuda"):
         platform_for(torch.device("cuda")).attention_backend("cpu")
-    assert isinstance(LLM(str(tiny_model("llama")), num_kv_blocks=16).engine.runner.decode_kv, DecodeRows)
+    assert isinstance(LLM(str(tiny_model("llama")), num_kv_blocks=16).engine.runner.backend.decode_kv, DecodeRows)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="rows")  # type: ignore[arg-type]

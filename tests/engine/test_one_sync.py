@@ -86,7 +86,6 @@ def _gpu_like(llm: LLM, counter: SyncCounter) -> None:
     transfers._send = counter.sanction(transfers._send)  # type: ignore[method-assign]
     transfers.read = counter.sanction(transfers.read)  # type: ignore[method-assign]
     runner.transfers = runner.batch.transfers = transfers
-    runner.decode_kv.stage = transfers.stage
     runner.backend.plan = counter.sanction(runner.backend.plan)  # type: ignore[method-assign]
     runner.backend.running = _paused(runner.backend.running, counter)  # type: ignore[method-assign]
     runner.forward = _Forward(runner.forward, counter)  # type: ignore[assignment]

@@ -156,13 +156,13 @@ def _prompts(n: int) -> list[list[int]]:
 def test_decode_rows_are_released_when_sequences_finish_or_are_preempted(llm: LLM) -> None:
     runner, released = llm.engine.runner, []
     assert runner.backend.name == "cpu"  # decode rows: state per sequence, released from the diff
-    release = runner.decode_kv.release
+    release = runner.backend.decode_kv.release
 
     def spy(seq_ids: Any) -> None:
         released.append(tuple(seq_ids))
         release(seq_ids)
 
-    runner.decode_kv.release = spy  # type: ignore[method-assign]
+    runner.backend.decode_kv.release = spy  # type: ignore[method-assign]
     preempted: list[int] = []
     schedule = llm.engine.scheduler.schedule
 
@@ -177,7 +177,7 @@ def test_decode_rows_are_released_when_sequences_finish_or_are_preempted(llm: LL
     assert preempted, "the pool was meant to be too small for every sequence at once"
     flat = [s for ids in released for s in ids]
     assert set(flat) == set(range(8)) | set(preempted)  # every finish, every preemption
-    assert runner.decode_kv.num_rows == 0 and runner.batch.num_rows == 0  # nothing left behind
+    assert len(runner.backend.decode_kv._where) == 0 and runner.batch.num_rows == 0  # nothing left behind
 
 
 def test_abort_all_leaves_every_owner_empty(llm: LLM) -> None:
@@ -186,12 +186,12 @@ def test_abort_all_leaves_every_owner_empty(llm: LLM) -> None:
         engine.add_request(prompt, SamplingParams(temperature=0.7, seed=1, max_tokens=20, n=2))
     for _ in range(6):
         engine.step()
-    assert engine.runner.batch.num_rows and engine.runner.decode_kv.num_rows and engine.scheduler.has_unfinished()
+    assert engine.runner.batch.num_rows and engine.runner.backend.decode_kv._where and engine.scheduler.has_unfinished()
     engine.abort_all()
     sched, bm = engine.scheduler, engine.scheduler.block_manager
     assert not sched.has_unfinished() and not sched._seqs and not sched.take_update()
     assert not bm._tables and bm.num_free_blocks == bm.num_blocks and not bm.hash_to_block
-    assert engine.runner.batch.num_rows == 0 and engine.runner.decode_kv.num_rows == 0
+    assert engine.runner.batch.num_rows == 0 and not engine.runner.backend.decode_kv._where
     assert not engine.requests and not sched._special
     out = llm.generate(_prompts(2), SamplingParams(temperature=0.0, max_tokens=4))  # usable again
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]

@@ -72,7 +72,6 @@ def test_staging_buffer_path_gives_the_same_tokens(tiny_model: Callable[[str], P
     llm = _llm(tiny_model)
     runner = llm.engine.runner
     runner.transfers = Transfers(torch.device("cpu"), copy=True, capacity=16)  # too small: grows in the first step
-    runner.decode_kv.stage = runner.transfers.stage
     runner.batch.transfers = runner.transfers
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
     assert runner.transfers._arenas[0].host.numel() > 16

@@ -137,7 +137,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, kv_caches: Pools, block_size: int, device: torch.device) -> None:
-        super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))
+        super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size))
 
 
 def zero_padding(out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -59,8 +59,9 @@ class DecodeStep(Protocol):
 class DecodeKVSource(Protocol):
     """Plans every step's decodes; one per model runner, for its lifetime."""
 
-    def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], DecodeStep]:
-        """(packed order of the decodes as indices into `decodes`, the step). Decodes are packed first."""
+    def plan(self, decodes: list[DecodeRequest], stage: Stage) -> tuple[list[int], DecodeStep]:
+        """(packed order of the decodes as indices into `decodes`, the step). Decodes are packed
+        first; what the step reads on the device goes through `stage` (the step's one upload)."""
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Forget these sequences' state (finished, or preempted: a later decode refills); ids it

@@ -73,20 +73,19 @@ class GatherStep:
 class GatheredBlocks:
     """The stateless decode K/V source: every step gathers from the pool."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.stage: Stage = lambda t: t.to(device)  # the model runner routes it through its Transfers
 
-    def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], GatherStep]:
+    def plan(self, decodes: list[DecodeRequest], stage: Stage) -> tuple[list[int], GatherStep]:
         # why stable: ties keep batch order
         order = sorted(range(len(decodes)), key=lambda i: decodes[i].position)
         packed = [decodes[i] for i in order]
         needed = [d.position // self.block_size + 1 for d in packed]  # blocks holding positions 0..position
         groups, indices = [], []
         for a, b, mb in split_decodes(needed):
-            groups.append(make_group(a, packed[a:b], mb * self.block_size, self.block_size, self.stage))
+            groups.append(make_group(a, packed[a:b], mb * self.block_size, self.block_size, stage))
             tables = padded_tables([d.block_table for d in packed[a:b]], needed[a:b], mb)  # [B, mb]
-            indices.append(self.stage(tables.flatten()))  # [B * mb]
+            indices.append(stage(tables.flatten()))  # [B * mb]
         return order, GatherStep(groups, indices)
 
     def release(self, seq_ids: Iterable[int]) -> None:

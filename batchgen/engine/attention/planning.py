@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from batchgen.engine.attention.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, padded_tables
+from batchgen.engine.attention.decode_kv import DecodeKVSource, DecodeRequest, DecodeStep, Stage, padded_tables
 from batchgen.engine.attention.kv_store import PAD_SLOT
 from batchgen.engine.attention.metadata import FlashMetadata, ForwardContext, PrefillChunk
 from batchgen.engine.staging.transfers import Transfers
@@ -48,6 +48,7 @@ def _packed_order(
     chunks: Sequence[PlannedChunk],
     decode_kv: DecodeKVSource,
     flash: bool,
+    stage: Stage,
 ) -> tuple[list[int], DecodeStep | None, int]:
     """Chunk indices in packed order (decodes as their source plans them, then the rest in batch
     order), the decodes' step and their number. With the varlen kernel every chunk reads the pool:
@@ -60,7 +61,8 @@ def _packed_order(
             # why max_len: the decode rows size a row for the longest it may grow
             DecodeRequest(chunks[i].seq_id, chunks[i].start, chunks[i].block_table, chunks[i].max_len)
             for i in decodes
-        ]
+        ],
+        stage,
     )
     rest = [i for i, c in enumerate(chunks) if not c.is_decode]
     return [decodes[j] for j in packed] + rest, step, len(decodes)
@@ -79,7 +81,7 @@ def build_forward_context(
 
     `padded_len` >= the step's tokens pads positions (0) and the slot mapping (-1, not stored).
     """
-    order, step, num_dec = _packed_order(chunks, decode_kv, flash)
+    order, step, num_dec = _packed_order(chunks, decode_kv, flash, transfers.stage)
     packed = [chunks[i] for i in order]
     needed = [math.ceil((c.start + c.num_tokens) / block_size) for c in packed]
     short = [order[j] for j, (c, n) in enumerate(zip(packed, needed)) if len(c.block_table) < n]

@@ -192,7 +192,6 @@ class DecodeRows:
         self.max_rows = max_rows  # no step has more decodes: caps every class's rows
         self.pool_tokens = pool_tokens  # the pool holds no more: caps the rows of long classes
         self.dtype, self.device = dtype, device
-        self.stage: Stage = lambda t: t.to(device)  # the model runner routes it through its Transfers
         self._packs: dict[int, RowPack] = {}
         self._where: dict[int, tuple[int, int]] = {}  # seq id -> (class, row)
         self._len_of: dict[int, int] = {}  # tokens held in the row (positions 0..len-1)
@@ -200,11 +199,7 @@ class DecodeRows:
         self._scratch = Scratch()
         self._repeat: _Repeat | None = None  # the last native plan (see _repeated)
 
-    @property
-    def num_rows(self) -> int:
-        return len(self._where)
-
-    def plan(self, decodes: list[DecodeRequest]) -> tuple[list[int], RowsView]:
+    def plan(self, decodes: list[DecodeRequest], stage: Stage) -> tuple[list[int], RowsView]:
         """Rows for this step's decodes -> (their packed order as indices into `decodes`, the view).
 
         A row is kept when its sequence decodes again at the next position in the same class;
@@ -224,7 +219,7 @@ class DecodeRows:
         fills: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         for d in decodes:
             if d.seq_id not in self._where:
-                self._assign(d, fills)
+                self._assign(d, fills, stage)
             # why now: the forward appends this step's token; a failed step is caught by the
             # length check next time (the position will not have advanced), and refilled
             self._len_of[d.seq_id] = d.position + 1
@@ -327,7 +322,7 @@ class DecodeRows:
         ever grows from a position its class was chosen for, so it cannot have fallen below it."""
         return self._len_of[seq_id] == d.position and d.position < MIN_CLASS_LEN << self._where[seq_id][0]
 
-    def _assign(self, d: DecodeRequest, fills: dict[int, list[tuple[int, int, torch.Tensor]]]) -> None:
+    def _assign(self, d: DecodeRequest, fills: dict[int, list[tuple[int, int, torch.Tensor]]], stage: Stage) -> None:
         c = row_class(d.position + 1, min(d.max_len, self.max_len))
         if c not in self._packs:
             length = min(MIN_CLASS_LEN << c, max(self.max_len, d.position + 1))
@@ -338,7 +333,7 @@ class DecodeRows:
         self._where[d.seq_id] = (c, row)
         self.num_fills += 1
         if d.position > 0:
-            blocks = self.stage(torch.tensor(d.block_table[: math.ceil(d.position / self.block_size)]))
+            blocks = stage(torch.tensor(d.block_table[: math.ceil(d.position / self.block_size)]))
             fills.setdefault(c, []).append((row, d.position, blocks))
 
     def _release(self, seq_id: int) -> None:

@@ -114,8 +114,6 @@ class ModelRunner:
         self.backend.flash = self.flash
         bind_layers(model, self.backend)
         self.transfers = Transfers(device)
-        self.decode_kv = self.backend.decode_kv
-        self.decode_kv.stage = self.transfers.stage  # type: ignore[attr-defined]
         self.sampler = sampler
         # the rows' sampling state; its inputs ride in the step's upload
         self.batch = SamplingBatch(device, sampler.features, self.transfers) if sampler is not None else None

@@ -32,7 +32,7 @@ class TritonBackend(AttentionBackend):
         check_device(device)  # on the CPU: its interpreter too
         # why a decode source at all: the interface has one; this backend never asks it to plan (every
         # chunk reads the pool), and gathered blocks keep nothing across steps
-        super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size, device))
+        super().__init__(kv_caches, block_size, device, GatheredBlocks(block_size))
         kv_heads = kv_caches[0][0].shape[2]
         if num_heads % kv_heads:
             raise ValueError(f"{num_heads} attention heads do not share {kv_heads} KV heads evenly")

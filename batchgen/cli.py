@@ -250,14 +250,23 @@ def finalize(output_dir: str, single_writer: bool) -> None:
 @main.command()
 @click.option("--build", is_flag=True, help="Build the native CPU kernels this machine lacks (e.g. in a Dockerfile).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def doctor(build: bool, as_json: bool) -> None:
-    """What this machine gives the engine: device, versions, compilers, and each native kernel's state."""
+@click.option(
+    "--remeasure",
+    is_flag=True,
+    help="Forget the kernel choices measured on this machine (kept for good once measured), so the next "
+    "engine measures them again; run it while no job runs here.",
+)
+def doctor(build: bool, as_json: bool, remeasure: bool) -> None:
+    """What this machine gives the engine: device, versions, compilers, each native kernel's state, and the
+    kernel choices measured here."""
 
     def work() -> None:
         import json
 
         from batchgen import doctor as checks
 
+        if remeasure:
+            click.echo(checks.forget_measured(), err=True)
         facts = checks.report(build=build)
         click.echo(json.dumps(facts, indent=2) if as_json else "\n".join(checks.lines(facts)))
         failed = [k["name"] for k in facts["kernels"] if k["state"] == "unavailable"]

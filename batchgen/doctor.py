@@ -5,6 +5,10 @@ job that finds none pays the build (20 s on an idle 2-core machine, minutes on a
 its first row, again on every fresh container, Ray node or Airflow worker. `batchgen doctor
 --build` builds them once, e.g. in a Dockerfile (`RUN batchgen doctor --build`) or a cluster's
 bootstrap, into $BATCHGEN_CACHE_DIR; without --build it only reports, building nothing.
+
+It also lists the choices measured on this machine and kept for good (which linear kernel, decode
+attention path and argmax each shape takes: engine/cpu/choice_cache.py): one measured in a busy
+spell stays until `batchgen doctor --remeasure` forgets them all.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import transformers
 
 from batchgen.engine.api.dtype_rule import host_rule, resolve_auto
+from batchgen.engine.cpu.choice_cache import forget_choices
 from batchgen.engine.platforms import platform_for
 
 
@@ -35,6 +40,12 @@ def report(build: bool = False) -> dict[str, Any]:
         "dtype_auto": _dtype_auto(device),
         **platform_for("cpu").facts(build),
     }
+
+
+def forget_measured() -> str:
+    """Forget the measured choices (--remeasure); what to tell the user."""
+    gone = forget_choices()
+    return f"batchgen: forgot {gone} measured choices: the next engine on this machine measures its shapes again"
 
 
 def _dtype_auto(device: str) -> str:
@@ -75,4 +86,14 @@ def lines(facts: dict[str, Any]) -> list[str]:
     for k in facts["kernels"]:
         detail = k["why"] or k["path"]
         out.append(f"  {k['name']:<24}{k['state']}{'  ' + detail if detail else ''}")
-    return out
+    return [*out, _measured_line(facts["measured_choices"])]
+
+
+def _measured_line(choices: dict[str, dict[str, Any]]) -> str:
+    """The stored choices in one line: how many of each kind, and when they were measured."""
+    if not choices:
+        return "measured      nothing yet (an engine measures its model's shapes once, then keeps the choice)"
+    counts = ", ".join(f"{folder} {c['count']}" for folder, c in choices.items())
+    oldest = min(c["oldest"] for c in choices.values())
+    newest = max(c["newest"] for c in choices.values())
+    return f"measured      {counts} ({oldest} to {newest} UTC; --remeasure forgets them)"

@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from batchgen.cli import main
+from batchgen.engine.cpu.choice_cache import choice_path, read_choice, write_once
 from batchgen.errors import EXIT_KERNELS_UNBUILT
 
 
@@ -64,3 +67,25 @@ def test_a_cached_kernel_is_reported_with_its_path(tmp_path: Path) -> None:
     built = list((tmp_path / "cache" / "kernels").glob("batchgen_argmax-*.so"))
     assert kernels["argmax"]["state"] == "cached" and kernels["argmax"]["path"] == str(built[0])
     assert kernels["attention"]["state"] == "not built" and kernels["attention"]["path"] == ""
+
+
+def test_measured_choices_are_listed_and_remeasure_forgets_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Choices stored the way the engine stores them (write_once) are listed per folder with when they
+    were measured; `--remeasure` forgets every one (kernels stay), so the next engine measures again."""
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    for folder, key in [("linear-calibration", "8x8"), ("linear-calibration", "8x16"), ("argmax-bf16", "32")]:
+        write_once(choice_path(folder, key), "mask", {"mask": 1})
+    kernel = tmp_path / "cache" / "kernels" / "batchgen_argmax-0.so"
+    kernel.write_bytes(b"")  # a kernel: never forgotten
+    runner = CliRunner()
+    listed = runner.invoke(main, ["doctor", "--json"])
+    assert listed.exit_code == 0, listed.output
+    choices = json.loads(listed.stdout)["measured_choices"]
+    assert {folder: c["count"] for folder, c in choices.items()} == {"argmax-bf16": 1, "linear-calibration": 2}
+    assert "measured      argmax-bf16 1, linear-calibration 2 (" in runner.invoke(main, ["doctor"]).stdout
+    forgot = runner.invoke(main, ["doctor", "--remeasure"])
+    assert forgot.exit_code == 0 and "forgot 3 measured choices" in forgot.stderr, forgot.output
+    assert "measured      nothing yet" in forgot.stdout
+    assert read_choice(choice_path("argmax-bf16", "32"), "mask") is None and kernel.exists()

@@ -1,6 +1,10 @@
 """A choice measured on this machine (a linear kernel mask, a decode key layout), cached on disk and
 written once: two processes measuring at once may disagree, and the first stored answers for all;
 and the interleaved timing such choices share.
+
+Written once means a choice measured in a busy spell stays: `batchgen doctor` lists what is stored
+and when it was measured (measured_choices), and `batchgen doctor --remeasure` forgets it all
+(forget_choices) so the next engine measures again.
 """
 
 from __future__ import annotations
@@ -61,6 +65,35 @@ def write_once(path: Path, field: str, record: dict[str, Any]) -> Any:
             os.unlink(tmp)
     stored = read_choice(path, field)
     return record[field] if stored is None else stored
+
+
+def measured_choices() -> dict[str, dict[str, Any]]:
+    """Per folder of stored choices in the kernel cache: how many, and when the oldest and the newest
+    were measured (their files' times, UTC)."""
+    root, found = native.cache_dir(), {}
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        times = []
+        for choice in folder.glob("*.json") if folder.is_dir() else ():
+            try:
+                times.append(choice.stat().st_mtime)
+            except OSError:  # forgotten meanwhile
+                continue
+        if times:
+            oldest, newest = (time.strftime("%Y-%m-%d %H:%M", time.gmtime(t)) for t in (min(times), max(times)))
+            found[folder.name] = {"count": len(times), "oldest": oldest, "newest": newest}
+    return found
+
+
+def forget_choices() -> int:
+    """Remove every stored choice, so the next engine to need one measures it again; how many went."""
+    root, gone = native.cache_dir(), 0
+    for choice in root.glob("*/*.json") if root.is_dir() else ():
+        try:
+            choice.unlink()
+            gone += 1
+        except FileNotFoundError:  # another process forgot it first
+            continue
+    return gone
 
 
 def interleaved_best(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from batchgen.engine.api.platform import CompilePolicy, GreedyIds, Platform, StepHook, check_backend_name
-from batchgen.engine.cpu import front, host, native, native_linear
+from batchgen.engine.cpu import choice_cache, front, host, native, native_linear
 from batchgen.engine.cpu.argmax import native_greedy_ids
 from batchgen.engine.cpu.heap import keep_freed_memory
 from batchgen.engine.cpu.threads import ThreadedCompile, ThreadGovernor
@@ -63,6 +63,7 @@ class CpuPlatform(Platform):
             "native_cflags": " ".join(native.extra_flags()),
             "native_cflags_env": native.FLAGS_ENV,
             "kernels": [_kernel_state(name) for name in native.KERNELS],
+            "measured_choices": choice_cache.measured_choices(),
         }
 
     def pending_kernels(self) -> tuple[list[str], str]:

@@ -13,7 +13,8 @@ from batchgen.engine.api.config import EngineConfig
 from batchgen.engine.api.params import SamplingParams
 from batchgen.engine.attention.decode_kv import DecodeRequest
 from batchgen.engine.cpu import native
-from batchgen.engine.cpu.decode_rows import MIN_CLASS_LEN, DecodeRows, length_class, row_class
+from batchgen.engine.cpu.decode_rows import DecodeRows
+from batchgen.engine.cpu.row_pack import MIN_CLASS_LEN, length_class, row_class
 from batchgen.engine.platforms import platform_for
 
 BLOCK, KVH, DIM = 4, 2, 8

@@ -56,6 +56,9 @@ class Sizes:
     bf16_archs: list[str] = field(default_factory=list)  # bf16 section: the reduced-precision policy, in order
     bf16_prompts: int = 8  # its prompts (5-150 random tokens) and greedy tokens per prompt
     bf16_tokens: int = 16
+    # syncs section, compiled_graphs config: the sampling features measured (None: every one). Why the
+    # smoke takes fewer: each of its graph steps runs Triton's interpreter (~0.5 s a step on 2 cores)
+    graph_sync_features: tuple[str, ...] | None = None
 
 
 class Report:

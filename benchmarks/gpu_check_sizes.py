@@ -36,7 +36,7 @@ Estimates (seconds):
   graphs      15  2 x (a second engine of the same graph ~3 + the graph path's recompiles, static
                   inputs at storage offset 0 and one row, ~5-10 each with kernels cached + <= 10
                   captures) + runs
-  syncs       10  2 configs x 7 features x 2 runs of ~13 steps, profiled; the compiled engine is the
+  syncs       10  2 configs x 7 features x 2 runs of ~11 steps, profiled; the compiled engine is the
                   graphs section's
   tp          25  only with 2+ GPUs (one GPU: skipped at once, saying so): 2 archs x (a worker
                   process's start, imports and NCCL's ~8 + a pressure run ~3)
@@ -154,6 +154,7 @@ SMOKE = Sizes(
     shared_prefix=24,
     sync_requests=3,
     sync_steps=2,
+    graph_sync_features=("greedy", "all"),  # "all": every other feature's path at once; eager runs each alone
     estimate_s={  # seconds on this project's 2-core CPU machine, idle, inductor's disk cache warm
         "env": 4,
         "parity": 5,

@@ -22,6 +22,7 @@ import transformers
 from batchgen.engine.api.dtype_rule import host_rule, resolve_auto
 from batchgen.engine.cpu.choice_cache import forget_choices
 from batchgen.engine.platforms import platform_for
+from batchgen.errors import BatchgenError
 
 
 def report(build: bool = False) -> dict[str, Any]:
@@ -44,7 +45,10 @@ def report(build: bool = False) -> dict[str, Any]:
 
 def forget_measured() -> str:
     """Forget the measured choices (--remeasure); what to tell the user."""
-    gone = forget_choices()
+    try:
+        gone = forget_choices()
+    except OSError as exc:  # a cache another user owns, a read-only mount
+        raise BatchgenError(f"--remeasure: cannot remove {exc.filename}: {exc.strerror}") from exc
     return f"batchgen: forgot {gone} measured choices: the next engine on this machine measures its shapes again"
 
 

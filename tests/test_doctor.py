@@ -89,3 +89,11 @@ def test_measured_choices_are_listed_and_remeasure_forgets_them(
     assert forgot.exit_code == 0 and "forgot 3 measured choices" in forgot.stderr, forgot.output
     assert "measured      nothing yet" in forgot.stdout
     assert read_choice(choice_path("argmax-bf16", "32"), "mask") is None and kernel.exists()
+
+
+def test_remeasure_that_cannot_remove_a_choice_says_which(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    stuck = tmp_path / "cache" / "kernels" / "linear-calibration" / "0.json"
+    stuck.mkdir(parents=True)  # a folder where a choice would be: unlink fails, as on a read-only cache
+    done = CliRunner().invoke(main, ["doctor", "--remeasure"])
+    assert done.exit_code == 1 and f"--remeasure: cannot remove {stuck}" in done.stderr, done.output

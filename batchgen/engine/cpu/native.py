@@ -42,6 +42,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -380,21 +381,32 @@ def pending() -> list[str]:
 
 
 def _compile(compiler: str, sources: Sequence[Path], flags: list[str], link: list[str], target: Path) -> str | None:
-    """Build into a temporary file beside `target`, then rename it there; the error text on failure."""
+    """Build into a temporary folder beside `target`, then rename the library there; the error text on failure.
+
+    Why a library of several sources is compiled one object per source, at once, then linked: they
+    are independent translation units, and the attention library's two (float32 and bf16) took 55 s
+    each at -O3 on a 2-core AMD EPYC, one after the other in a single call: a first job waited for
+    both. Where cores are free the build now takes about as long as its slowest source."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *flags, *map(str, sources), "-o", tmp, *link], capture_output=True, text=True, timeout=600
-        )
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as work:
+        inputs = [str(source) for source in sources]
+        if len(sources) > 1:
+            inputs = [os.path.join(work, f"{i}-{source.stem}.o") for i, source in enumerate(sources)]
+            calls = [[compiler, *flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, inputs)]
+            with ThreadPoolExecutor(max_workers=min(len(calls), host.usable_cpus())) as pool:
+                failed = next((done for done in pool.map(_run, calls) if done.returncode != 0), None)
+            if failed is not None:
+                return _first_error(failed.stderr) or f"exit {failed.returncode}"
+        built = os.path.join(work, target.name)
+        done = _run([compiler, *flags, *inputs, "-o", built, *link])
         if done.returncode != 0:
             return _first_error(done.stderr) or f"exit {done.returncode}"
-        os.replace(tmp, target)
+        os.replace(built, target)
         return None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
 def _first_error(stderr: str) -> str:

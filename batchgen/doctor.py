@@ -1,7 +1,7 @@
 """`batchgen doctor`: what this machine gives the engine (device, versions, compilers, kernels), and a prebuild.
 
 Why: the native CPU kernels are compiled on the machine that runs them (native.py), and a first
-job that finds none pays the build (20 s on an idle 2-core machine, minutes on a busy one) before
+job that finds none pays the build (20 s to 2 minutes on an idle 2-core machine, more on a busy one) before
 its first row, again on every fresh container, Ray node or Airflow worker. `batchgen doctor
 --build` builds them once, e.g. in a Dockerfile (`RUN batchgen doctor --build`) or a cluster's
 bootstrap, into $BATCHGEN_CACHE_DIR; without --build it only reports, building nothing.

@@ -70,7 +70,8 @@ LINK_FLAGS = ["-lm"]
 TILE = 16  # positions per score tile (TILE in decode_attention.c): the scratch rows are padded to it
 MAX_G, MAX_D = 8, 256  # query heads per KV head, head dim: decode_attention.c's limits
 MAX_BLOCK = 4  # decodes decode_attention.c attends together over a shared prefix: scratch rows for each
-# what a first build costs (three C libraries and two C++ operators): ~20 s on an idle 2-core machine
+# what a first build costs (three C libraries and two C++ operators): ~20 s on an idle 2-core Zen 4,
+# 113 s on an idle 2-core AVX2 EPYC (the attention library 70 s of it)
 BUILD_SECONDS = "20-150 s, longer on a busy machine"
 
 # batchgen_decode_attention's arguments, in the order of the source's A_* indices (one int64 array):

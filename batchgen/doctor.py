@@ -20,7 +20,6 @@ import torch
 import transformers
 
 from batchgen.engine.api.dtype_rule import host_rule, resolve_auto
-from batchgen.engine.cpu.choice_cache import forget_choices
 from batchgen.engine.platforms import platform_for
 from batchgen.errors import BatchgenError
 
@@ -46,7 +45,7 @@ def report(build: bool = False) -> dict[str, Any]:
 def forget_measured() -> str:
     """Forget the measured choices (--remeasure); what to tell the user."""
     try:
-        gone = forget_choices()
+        gone = platform_for("cpu").forget_measured()
     except OSError as exc:  # a cache another user owns, a read-only mount
         raise BatchgenError(f"--remeasure: cannot remove {exc.filename}: {exc.strerror}") from exc
     return f"batchgen: forgot {gone} measured choices: the next engine on this machine measures its shapes again"

@@ -162,6 +162,10 @@ class Platform:
         """The kernels a first engine here would build before its first step, and how long that takes."""
         return [], ""
 
+    def forget_measured(self) -> int:
+        """Forget the kernel choices measured on this machine (`batchgen doctor --remeasure`); how many went."""
+        return 0
+
 
 def check_backend_name(setting: str) -> None:
     if setting not in ATTENTION_BACKENDS:

@@ -70,6 +70,9 @@ class CpuPlatform(Platform):
         """The native kernels a first engine would build now, and how long that takes."""
         return native.pending(), native.BUILD_SECONDS
 
+    def forget_measured(self) -> int:
+        return choice_cache.forget_choices()
+
 
 def _kernel_state(name: str) -> dict[str, Any]:
     done = native.state(name)

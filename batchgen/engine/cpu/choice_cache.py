@@ -9,6 +9,7 @@ and when it was measured (measured_choices), and `batchgen doctor --remeasure` f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -70,24 +71,29 @@ def write_once(path: Path, field: str, record: dict[str, Any]) -> Any:
 def measured_choices() -> dict[str, dict[str, Any]]:
     """Per folder of stored choices in the kernel cache: how many, and when the oldest and the newest
     were measured (their files' times, UTC)."""
-    root, found = native.cache_dir(), {}
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        times = []
-        for choice in folder.glob("*.json") if folder.is_dir() else ():
-            try:
-                times.append(choice.stat().st_mtime)
-            except OSError:  # forgotten meanwhile
-                continue
-        if times:
-            oldest, newest = (time.strftime("%Y-%m-%d %H:%M", time.gmtime(t)) for t in (min(times), max(times)))
-            found[folder.name] = {"count": len(times), "oldest": oldest, "newest": newest}
-    return found
+    times: dict[str, list[float]] = {}
+    for choice in _stored():
+        try:
+            times.setdefault(choice.parent.name, []).append(choice.stat().st_mtime)
+        except OSError:  # forgotten meanwhile
+            continue
+    stamp = functools.partial(time.strftime, "%Y-%m-%d %H:%M")
+    return {
+        folder: {"count": len(ts), "oldest": stamp(time.gmtime(min(ts))), "newest": stamp(time.gmtime(max(ts)))}
+        for folder, ts in sorted(times.items())
+    }
+
+
+def _stored() -> list[Path]:
+    """Every stored choice: the JSON files one folder below the kernel cache."""
+    root = native.cache_dir()
+    return list(root.glob("*/*.json")) if root.is_dir() else []
 
 
 def forget_choices() -> int:
     """Remove every stored choice, so the next engine to need one measures it again; how many went."""
-    root, gone = native.cache_dir(), 0
-    for choice in root.glob("*/*.json") if root.is_dir() else ():
+    gone = 0
+    for choice in _stored():
         try:
             choice.unlink()
             gone += 1
